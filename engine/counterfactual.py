@@ -1,0 +1,120 @@
+"""Counterfactuals: the smallest input change that would make a losing layout win.
+
+"cross_layer/NHD would be chosen if kv.per_token_head were false". The search
+changes the values rule conditions see, one field at a time, then pairs, then
+triples (bounded), re-running the fast decision for each. Candidate values
+come from each field's domain (booleans, enums) and from the literals the
+active rules compare it with (numbers, strings, connector extras).
+"""
+
+from __future__ import annotations
+
+from itertools import combinations, product
+from typing import Any
+
+from policy.conditions import leaves_of
+from policy.context import MISSING, field_spec
+from policy.layouts import Layout
+from policy.ruleset import RuleSet
+
+from engine.decide import Scope, evaluate
+from engine.trace import Counterfactual, FieldChange
+
+__all__ = ["counterfactuals"]
+
+MAX_CHANGES = 3
+MAX_EVALUATIONS = 4000
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (a == b and isinstance(a, bool) == isinstance(b, bool))
+
+
+def _alternatives(field: str, current: Any, literals: list[Any]) -> list[Any]:
+    spec = field_spec(field)
+    values: list[Any] = []
+    if spec is not None and spec.type == "bool":
+        values = [not current] if isinstance(current, bool) else [True, False]
+    elif spec is not None and spec.choices is not None and spec.path != "connector.name":
+        values = list(spec.choices)
+    elif spec is not None and spec.type == "int":
+        for lit in literals:
+            if isinstance(lit, (int, float)) and not isinstance(lit, bool):
+                values += [lit - 1, lit, lit + 1]
+        values = [v for v in values if v >= 0]
+    else:
+        values = list(literals)
+    if spec is not None and spec.nullable:
+        values.append(MISSING)
+    out: list[Any] = []
+    for v in values:
+        if not _same(v, current) and not any(_same(v, o) for o in out):
+            out.append(v)
+    return out
+
+
+def _knobs(glob: Scope, conn: Scope | None) -> list[tuple[str, str, list[Any]]]:
+    """(scope label, field, alternative values) for every field an active rule tests."""
+    literals: dict[tuple[str, str], list[Any]] = {}
+    scopes = glob.walk() + (conn.walk() if conn else [])
+    for scope in scopes:
+        for rule in scope.rules:
+            for leaf in leaves_of(rule.rule.when):
+                vals = leaf.value if isinstance(leaf.value, list) else [leaf.value]
+                literals.setdefault((scope.label, leaf.field), []).extend(vals)
+    env_of = {s.label: s.env for s in scopes}
+    knobs = []
+    for (label, field), lits in sorted(literals.items()):
+        alts = _alternatives(field, env_of[label].get(field, MISSING), lits)
+        if alts:
+            knobs.append((label, field, alts))
+    return knobs
+
+
+def counterfactuals(
+    ruleset: RuleSet, glob: Scope, conn: Scope | None, winner: int | None
+) -> tuple[Counterfactual, ...]:
+    """One counterfactual per losing candidate, in default order."""
+    order = ruleset.layout_order
+    knobs = _knobs(glob, conn)
+    env_of = {s.label: s.env for s in glob.walk() + (conn.walk() if conn else [])}
+    targets = [i for i in range(len(order)) if i != winner]
+    found: dict[int, tuple[FieldChange, ...]] = {}
+    budget = MAX_EVALUATIONS
+    for size in range(1, MAX_CHANGES + 1):
+        if len(found) == len(targets) or budget <= 0:
+            break
+        for combo in combinations(knobs, size):
+            for values in product(*(alts for _, _, alts in combo)):
+                budget -= 1
+                if budget < 0:
+                    break
+                overrides: dict[str, dict[str, Any]] = {}
+                for (label, field, _), value in zip(combo, values):
+                    overrides.setdefault(label, {})[field] = value
+                out = evaluate(ruleset, glob.with_env(overrides), conn.with_env(overrides) if conn else None,
+                               explain=False)
+                if out.winner in targets and out.winner not in found:
+                    found[out.winner] = tuple(
+                        FieldChange(label, field, env_of[label].get(field, MISSING), value)
+                        for (label, field, _), value in zip(combo, values)
+                    )
+            if budget < 0:
+                break
+    return tuple(Counterfactual(order[i], found.get(i)) for i in targets)
+
+
+def describe_change(change: FieldChange) -> str:
+    def show(v: Any) -> str:
+        return "absent" if v is MISSING else str(v).lower() if isinstance(v, bool) else str(v)
+
+    where = "" if change.scope in ("global",) or change.field.split(".")[0] != "connector" else f" ({change.scope})"
+    return f"{change.field}{where} were {show(change.becomes)} (it is {show(change.was)})"
+
+
+def describe(cf: Counterfactual) -> str:
+    if cf.changes is None:
+        return f"{cf.layout}: no change of up to {MAX_CHANGES} inputs the rules test would make it win"
+    return f"{cf.layout} would be chosen if " + " and ".join(describe_change(c) for c in cf.changes)
+
+

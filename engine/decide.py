@@ -1,0 +1,212 @@
+"""The decision procedure (DESIGN.md, "Decision semantics"); pure Python, no torch.
+
+1. Candidates: every layout, in the rule set's default order.
+2. Active scopes: global, the configured connector, and recursively each
+   member of a composite connector, whose ``connector.*`` fields bind to it.
+3. A matched ``forbid`` removes what its pattern matches; a matched
+   ``require`` removes what it does not. Removal is final: nothing restores.
+4. Survivors rank by summed ``prefer`` weights: global + the connector's
+   score, where a connector's score is its own prefers plus its members'
+   scores combined by its ``member_preferences`` (``all`` = min).
+   Ties go to the default order.
+5. No survivor raises `NoLayoutError` naming every rule that removed one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from policy.conditions import LeafResult
+from policy.connectors import ConnectorConfig
+from policy.context import Context
+from policy.errors import Diagnostic, NoLayoutError
+from policy.layouts import Layout
+from policy.rule_model import Effect, MemberPreferences
+from policy.ruleset import CompiledRule, RuleSet
+
+from engine.trace import (
+    CandidateRemoved,
+    Event,
+    LayoutChosen,
+    PreferenceApplied,
+    RuleEvaluated,
+    RuleRef,
+)
+
+__all__ = ["Outcome", "Scope", "evaluate", "scopes_for", "rule_ref"]
+
+_FORBID, _REQUIRE, _PREFER = 0, 1, 2
+_EFFECT_CODE = {Effect.forbid: _FORBID, Effect.require: _REQUIRE, Effect.prefer: _PREFER}
+
+
+@dataclass
+class Scope:
+    """Rules evaluated against one binding of ``connector.*`` (global: the top one)."""
+
+    label: str
+    rules: tuple[CompiledRule, ...]
+    env: dict[str, Any]
+    members: tuple[Scope, ...] = ()
+    mode: MemberPreferences = MemberPreferences.all
+    is_connector: bool = False
+
+    def walk(self) -> list[Scope]:
+        out = [self]
+        for m in self.members:
+            out += m.walk()
+        return out
+
+    def with_env(self, overrides: dict[str, dict[str, Any]]) -> Scope:
+        """A copy whose envs have ``overrides[label][field] = value`` applied."""
+        env = self.env
+        if self.label in overrides:
+            env = {**env, **overrides[self.label]}
+        members = tuple(m.with_env(overrides) for m in self.members)
+        return Scope(self.label, self.rules, env, members, self.mode, self.is_connector)
+
+
+def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, label: str, top: bool) -> Scope:
+    members = tuple(
+        _connector_scope(ruleset, ctx, m, f"{label}/{m.name}[{i}]", False) for i, m in enumerate(conn.connectors)
+    )
+    env = ctx.env() if top else ctx.env(conn)
+    return Scope(label, ruleset.connector_rules(conn.name), env, members, ruleset.combine_mode(conn.name), True)
+
+
+def scopes_for(ruleset: RuleSet, ctx: Context) -> tuple[Scope, Scope | None]:
+    """The global scope and the connector scope tree (None without a connector)."""
+    glob = Scope("global", ruleset.global_rules, ctx.env())
+    if ctx.connector is None:
+        return glob, None
+    return glob, _connector_scope(ruleset, ctx, ctx.connector, f"connector:{ctx.connector.name}", True)
+
+
+def rule_ref(rule: CompiledRule) -> RuleRef:
+    r = rule.rule
+    return RuleRef(r.id, rule.source, r.effect.value, r.description, r.reference)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one evaluation: survivors' mask, scores and the winner's index."""
+
+    alive: int
+    scores: tuple[int, ...]
+    winner: int | None
+    events: tuple[Event, ...] = ()
+
+
+def _fast_scope(scope: Scope, n: int, alive: int) -> tuple[int, list[int]]:
+    score = [0] * n
+    env = scope.env
+    for rule in scope.rules:
+        if rule.condition.test(env):
+            code = _EFFECT_CODE[rule.effect]
+            if code == _FORBID:
+                alive &= ~rule.mask
+            elif code == _REQUIRE:
+                alive &= rule.mask
+            else:
+                w, m = rule.weight, rule.mask
+                for i in range(n):
+                    if m >> i & 1:
+                        score[i] += w
+    if scope.members:
+        member_scores = []
+        for member in scope.members:
+            alive, s = _fast_scope(member, n, alive)
+            member_scores.append(s)
+        combined = _combine(scope.mode, member_scores, n)
+        score = [a + b for a, b in zip(score, combined)]
+    return alive, score
+
+
+def _combine(mode: MemberPreferences, member_scores: list[list[int]], n: int) -> list[int]:
+    if mode is MemberPreferences.all:
+        return [min(s[i] for s in member_scores) for i in range(n)]
+    if mode is MemberPreferences.any:
+        return [max(s[i] for s in member_scores) for i in range(n)]
+    return [sum(s[i] for s in member_scores) for i in range(n)]
+
+
+def _pick(alive: int, scores: list[int], n: int) -> int | None:
+    best: int | None = None
+    for i in range(n):
+        if alive >> i & 1 and (best is None or scores[i] > scores[best]):
+            best = i
+    return best
+
+
+def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: list[Event]) -> tuple[int, list[int]]:
+    n = len(order)
+    score = [0] * n
+    for rule in scope.rules:
+        leaves: list[LeafResult] = []
+        matched = rule.condition.explain(scope.env, leaves)
+        ref = rule_ref(rule)
+        events.append(RuleEvaluated(ref, scope.label, matched, tuple(leaves)))
+        if not matched:
+            continue
+        code = _EFFECT_CODE[rule.effect]
+        for i, layout in enumerate(order):
+            hit = bool(rule.mask >> i & 1)
+            if code == _FORBID and hit or code == _REQUIRE and not hit:
+                events.append(CandidateRemoved(layout, ref, scope.label))
+            elif code == _PREFER and hit:
+                score[i] += rule.weight
+                events.append(PreferenceApplied(layout, ref, scope.label, rule.weight))
+        if code == _FORBID:
+            alive &= ~rule.mask
+        elif code == _REQUIRE:
+            alive &= rule.mask
+    if scope.members:
+        member_scores = []
+        for member in scope.members:
+            alive, s = _explain_scope(member, order, alive, events)
+            member_scores.append(s)
+        combined = _combine(scope.mode, member_scores, n)
+        score = [a + b for a, b in zip(score, combined)]
+    return alive, score
+
+
+def evaluate(ruleset: RuleSet, glob: Scope, conn: Scope | None, *, explain: bool) -> Outcome:
+    """Run the decision over prepared scopes; never raises for a policy "no"."""
+    order = ruleset.layout_order
+    n = len(order)
+    full = (1 << n) - 1
+    if not explain:
+        alive, scores = _fast_scope(glob, n, full)
+        if conn is not None:
+            alive, conn_scores = _fast_scope(conn, n, alive)
+            scores = [a + b for a, b in zip(scores, conn_scores)]
+        return Outcome(alive, tuple(scores), _pick(alive, scores, n))
+    events: list[Event] = []
+    alive, scores = _explain_scope(glob, order, full, events)
+    if conn is not None:
+        alive, conn_scores = _explain_scope(conn, order, alive, events)
+        scores = [a + b for a, b in zip(scores, conn_scores)]
+    winner = _pick(alive, scores, n)
+    if winner is not None:
+        ranking = sorted((i for i in range(n) if alive >> i & 1), key=lambda i: (-scores[i], i))
+        events.append(LayoutChosen(order[winner], scores[winner], tuple((order[i], scores[i]) for i in ranking)))
+    return Outcome(alive, tuple(scores), winner, tuple(events))
+
+
+def no_layout_error(ruleset: RuleSet, events: tuple[Event, ...]) -> NoLayoutError:
+    """The conflict error: every rule that removed a candidate, located."""
+    diags, seen = [], set()
+    for e in events:
+        if isinstance(e, CandidateRemoved) and (e.rule.id, e.scope) not in seen:
+            seen.add((e.rule.id, e.scope))
+            removed = [str(x.layout) for x in events if isinstance(x, CandidateRemoved) and x.rule.id == e.rule.id]
+            src = e.rule.source
+            diags.append(Diagnostic(src.file, src.line, src.col, "removed-candidates",
+                                    f"rule `{e.rule.id}` ({e.rule.effect}, {e.scope}) removed "
+                                    + ", ".join(f"`{r}`" for r in removed)))
+    return NoLayoutError(
+        "no layout survives the rules: every candidate was removed",
+        diags + [Diagnostic(ruleset.root, 0, 0, "no-layout", "the rules conflict for this input",
+                            "relax one of the rules above, or change the input; `kvpolicy dry-run` shows the trace")],
+    )
+

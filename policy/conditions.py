@@ -1,0 +1,144 @@
+"""Compiled conditions: a validated condition tree becomes two closures.
+
+``test(env) -> bool`` is the fast path (no allocation, short-circuiting).
+``explain(env, out) -> bool`` also appends every leaf it evaluated, with the
+value the field had, for the trace. Both read a flat ``path -> value`` map.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from policy.context import MISSING
+from policy.rule_model import AllOf, AnyOf, Condition, Leaf, NotOf
+
+__all__ = ["CompiledCondition", "LeafResult", "compile_condition", "leaves_of"]
+
+Env = dict[str, Any]
+Test = Callable[[Env], bool]
+
+
+@dataclass(frozen=True)
+class LeafResult:
+    """One leaf as evaluated: ``field op expected`` saw ``actual`` and gave ``result``."""
+
+    field: str
+    op: str
+    expected: Any
+    actual: Any
+    result: bool
+
+    def describe(self) -> str:
+        shown = "absent" if self.actual is MISSING else _fmt(self.actual)
+        return f"{self.field} {self.op} {_fmt(self.expected)} (saw {shown}) -> {str(self.result).lower()}"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def _num(op: Callable[[Any, Any], bool], bound: float) -> Callable[[Any], bool]:
+    def check(actual: Any) -> bool:
+        return isinstance(actual, (int, float)) and not isinstance(actual, bool) and op(actual, bound)
+
+    return check
+
+
+def _same(a: Any, b: Any) -> bool:
+    # `true == 1` in Python; a rule saying `eq: true` must not match the integer 1
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+def leaf_predicate(leaf: Leaf) -> Callable[[Any], bool]:
+    """The leaf's test on one field value."""
+    op, value = leaf.op, leaf.value
+    if op == "eq":
+        return lambda actual: _same(actual, value)
+    if op == "ne":
+        return lambda actual: not _same(actual, value)
+    if op in ("in", "not_in"):
+        plain = frozenset(v for v in value if not isinstance(v, bool))
+        bools = frozenset(v for v in value if isinstance(v, bool))
+
+        def member(actual: Any) -> bool:
+            if isinstance(actual, bool):
+                return actual in bools
+            try:
+                return actual in plain
+            except TypeError:
+                return False
+
+        return member if op == "in" else (lambda actual: not member(actual))
+    if op == "exists":
+        return lambda actual: (actual is not MISSING) is value
+    return _num({"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge}[op], value)
+
+
+@dataclass(frozen=True)
+class CompiledCondition:
+    test: Test
+    explain: Callable[[Env, list[LeafResult]], bool]
+    fields: frozenset[str]
+
+
+def _compile(cond: Condition) -> tuple[Test, Callable[[Env, list[LeafResult]], bool]]:
+    if isinstance(cond, Leaf):
+        pred, path, op, expected = leaf_predicate(cond), cond.field, cond.op, cond.value
+        get = dict.get
+
+        def test(env: Env) -> bool:
+            return pred(get(env, path, MISSING))
+
+        def explain(env: Env, out: list[LeafResult]) -> bool:
+            actual = env.get(path, MISSING)
+            result = pred(actual)
+            out.append(LeafResult(path, op, expected, actual, result))
+            return result
+
+        return test, explain
+    if isinstance(cond, NotOf):
+        inner_test, inner_explain = _compile(cond.not_)
+        return (lambda env: not inner_test(env)), (lambda env, out: not inner_explain(env, out))
+    subs = [_compile(c) for c in (cond.all if isinstance(cond, AllOf) else cond.any)]
+    tests = tuple(t for t, _ in subs)
+    explains = tuple(e for _, e in subs)
+    if isinstance(cond, AllOf):
+        if len(tests) == 2:
+            a, b = tests
+            return (lambda env: a(env) and b(env)), (lambda env, out: all([e(env, out) for e in explains]))
+        return (lambda env: all(t(env) for t in tests)), (lambda env, out: all([e(env, out) for e in explains]))
+    assert isinstance(cond, AnyOf)
+    return (lambda env: any(t(env) for t in tests)), (lambda env, out: any([e(env, out) for e in explains]))
+
+
+def leaves_of(cond: Condition | None) -> list[Leaf]:
+    if cond is None:
+        return []
+    if isinstance(cond, Leaf):
+        return [cond]
+    if isinstance(cond, NotOf):
+        return leaves_of(cond.not_)
+    return [leaf for sub in (cond.all if isinstance(cond, AllOf) else cond.any) for leaf in leaves_of(sub)]
+
+
+def _always(env: Env) -> bool:
+    return True
+
+
+def compile_condition(cond: Condition | None) -> CompiledCondition:
+    """Compile a validated condition; ``None`` (no ``when``) always holds.
+
+    The explain closure evaluates every leaf (no short-circuit) so the trace
+    shows each value a rule saw, not only the first deciding one.
+    """
+    if cond is None:
+        return CompiledCondition(_always, lambda env, out: True, frozenset())
+    test, explain = _compile(cond)
+    return CompiledCondition(test, explain, frozenset(leaf.field for leaf in leaves_of(cond)))

@@ -1,0 +1,178 @@
+"""The decision context and the field paths rules may test.
+
+`FIELDS` is the single registry of every path a condition can name, with its
+type and meaning. Validation, evaluation, the docs and the JSON Schema all
+read it, so the rule language cannot drift from the models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+from typing import Any
+
+from pydantic import model_validator
+
+from policy.backends import BackendProfile, ScaleViews
+from policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
+from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode
+from policy.spec import AttentionKind, Frozen, KVCacheGroups, KVCacheSpec
+
+__all__ = ["EXTRA_PREFIX", "FIELDS", "MISSING", "Context", "FieldSpec", "field_spec"]
+
+EXTRA_PREFIX = "connector.extra."
+
+
+class _Missing:
+    """A field with no value here (no connector, an absent extra key)."""
+
+    _instance: _Missing | None = None
+
+    def __new__(cls) -> _Missing:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+MISSING: Any = _Missing()
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One testable path: its value type, its closed domain if any, and its meaning."""
+
+    path: str
+    type: str  # "bool" | "int" | "str" | "scalar"
+    description: str
+    get: Callable[[Context, ConnectorConfig | None], Any]
+    choices: tuple[str, ...] | None = None  # closed domain of a "str" field
+    nullable: bool = False
+
+    @property
+    def type_label(self) -> str:
+        label = {"bool": "boolean", "int": "integer", "str": "string", "scalar": "string | number | boolean"}[
+            self.type
+        ]
+        if self.choices is not None and len(self.choices) <= 12:
+            label = "one of " + ", ".join(self.choices)
+        return label + (" (may be absent)" if self.nullable else "")
+
+
+def _enum(cls: type[Enum]) -> tuple[str, ...]:
+    return tuple(m.value for m in cls)
+
+
+def _kv(attr: str) -> Callable[[Context, ConnectorConfig | None], Any]:
+    def get(ctx: Context, _c: ConnectorConfig | None) -> Any:
+        value = getattr(ctx.kv, attr)
+        return value.value if isinstance(value, Enum) else value
+
+    return get
+
+
+def _conn(fn: Callable[[ConnectorConfig], Any], absent: Any = MISSING) -> Callable[[Context, Any], Any]:
+    return lambda _ctx, c: absent if c is None else fn(c)
+
+
+_FIELD_LIST: tuple[FieldSpec, ...] = (
+    FieldSpec("kv.kind", "str", "what the (first) KV cache group stores", _kv("kind"), _enum(AttentionKind)),
+    FieldSpec("kv.kv_cache_dtype", "str", "vLLM's `kv_cache_dtype` string", _kv("kv_cache_dtype"), KV_CACHE_DTYPES),
+    FieldSpec("kv.quant_mode", "str", "quantization mode derived from kv_cache_dtype", _kv("quant_mode"),
+              _enum(QuantMode)),
+    FieldSpec("kv.per_token_head", "bool", "a per-token-head mode: inline fp32 scale at the tail of every cell",
+              _kv("per_token_head")),
+    FieldSpec("kv.quant_bits", "int", "bits per stored value; absent when unquantized",
+              lambda ctx, _c: ctx.kv.quant_mode.bits if ctx.kv.quant_mode.bits is not None else MISSING,
+              nullable=True),
+    FieldSpec("kv.dtype", "str", "the model's compute dtype", _kv("dtype"), _enum(ModelDtype)),
+    FieldSpec("kv.cache_dtype", "str", "element type of the cache tensor", _kv("cache_dtype"), _enum(CacheDtype)),
+    FieldSpec("kv.num_layers", "int", "layers in the (first) group (L)", _kv("num_layers")),
+    FieldSpec("kv.block_size", "int", "tokens per block (N)", _kv("block_size")),
+    FieldSpec("kv.num_kv_heads", "int", "KV heads per layer (H)", _kv("num_kv_heads")),
+    FieldSpec("kv.head_size", "int", "values per head (D)", _kv("head_size")),
+    FieldSpec("kv.sliding_window", "int", "sliding window in tokens; absent for full attention",
+              lambda ctx, _c: ctx.kv.sliding_window if ctx.kv.sliding_window is not None else MISSING,
+              nullable=True),
+    FieldSpec("kv.cell_bytes", "int", "bytes of one (token, head) cell, inline scale included", _kv("cell_bytes")),
+    FieldSpec("kv.page_size_bytes", "int", "one layer's bytes for one block, padding included",
+              _kv("page_size_bytes")),
+    FieldSpec("groups.count", "int", "number of KV cache groups", lambda ctx, _c: ctx.groups.count),
+    FieldSpec("groups.attention_groups", "int", "attention groups summed over all KV cache groups",
+              lambda ctx, _c: ctx.groups.attention_groups),
+    FieldSpec("groups.has_mamba", "bool", "some group is a Mamba (state) group", lambda ctx, _c: ctx.groups.has_mamba),
+    FieldSpec("backend.name", "str", "attention backend (vLLM's enum name)", lambda ctx, _c: ctx.backend.name),
+    FieldSpec("backend.mla", "bool", "an MLA backend: one latent per token, no head dim",
+              lambda ctx, _c: ctx.backend.mla),
+    FieldSpec("backend.indexes_kv_by_block_stride", "bool",
+              "the block dim is outermost in the backend's cross-layer physical order",
+              lambda ctx, _c: ctx.backend.indexes_kv_by_block_stride),
+    FieldSpec("backend.scale_views", "str", "how the backend builds its inline-scale views",
+              lambda ctx, _c: ctx.backend.scale_views.value, _enum(ScaleViews)),
+    FieldSpec("backend.supports_hnd", "bool", "the backend has an HND (head-major) geometry",
+              lambda ctx, _c: ctx.backend.supports_hnd),
+    FieldSpec("connector.present", "bool", "a KV connector is configured (in a connector file: always true)",
+              _conn(lambda c: True, absent=False)),
+    FieldSpec("connector.name", "str", "the connector's class name", _conn(lambda c: c.name),
+              tuple(sorted(KNOWN_CONNECTORS)), nullable=True),
+    FieldSpec("connector.composite", "bool", "the connector has member connectors (MultiConnector)",
+              _conn(lambda c: c.is_composite, absent=False)),
+    FieldSpec("connector.members", "int", "number of member connectors", _conn(lambda c: len(c.connectors), 0)),
+)
+
+FIELDS: dict[str, FieldSpec] = {f.path: f for f in _FIELD_LIST}
+
+_EXTRA_SPEC_DOC = "a key of vLLM's `kv_connector_extra_config`; absent when not set"
+
+
+def field_spec(path: str) -> FieldSpec | None:
+    """The spec of ``path``, including the open family ``connector.extra.<key>``."""
+    spec = FIELDS.get(path)
+    if spec is None and path.startswith(EXTRA_PREFIX) and len(path) > len(EXTRA_PREFIX):
+        key = path[len(EXTRA_PREFIX):]
+        spec = FieldSpec(path, "scalar", _EXTRA_SPEC_DOC, _conn(lambda c: c.extra.get(key, MISSING)), nullable=True)
+    return spec
+
+
+class Context(Frozen):
+    """Everything a rule can see: the KV spec, its groups, the backend, the connector.
+
+    ``groups`` defaults to one group holding ``kv``. ``connector`` None means no
+    KV connector is configured.
+    """
+
+    kv: KVCacheSpec
+    groups: KVCacheGroups | None = None
+    backend: BackendProfile
+    connector: ConnectorConfig | None = None
+
+    @model_validator(mode="after")
+    def _default_groups(self) -> Context:
+        if self.groups is None:
+            object.__setattr__(self, "groups", KVCacheGroups.single(self.kv))
+        return self
+
+    def env(self, connector: ConnectorConfig | None = MISSING) -> dict[str, Any]:
+        """Flat ``path -> value`` map seen by conditions, with ``connector.*`` bound
+        to ``connector`` (a member of a composite), or to this context's own."""
+        if connector is MISSING:
+            return self._top_env
+        return self._build_env(connector)
+
+    @cached_property
+    def _top_env(self) -> dict[str, Any]:
+        return self._build_env(self.connector)
+
+    def _build_env(self, connector: ConnectorConfig | None) -> dict[str, Any]:
+        env = {path: spec.get(self, connector) for path, spec in FIELDS.items()}
+        if connector is not None:
+            for key, value in connector.extra.items():
+                env[EXTRA_PREFIX + key] = value
+        return env

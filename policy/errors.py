@@ -1,0 +1,107 @@
+"""The one exception tree of kvpolicy.
+
+Every mistake a user can make (a rule file, a model config, an input flag)
+surfaces as a `PolicyError` carrying one or more located `Diagnostic`s::
+
+    PolicyError
+     +-- RuleLoadError        rule files that do not parse or validate (all errors at once)
+     +-- ModelConfigError     a Hugging Face config.json that cannot describe a KV cache
+     +-- InputError           a decide()/build() input that is out of range or unknown
+     +-- NoLayoutError        the rules removed every candidate layout (a policy "no")
+     +-- GeometryError        a layout whose memory views would overlap, or a plan mismatch
+
+Messages follow Cedar's style: lowercase start, no trailing period, user input
+in backticks, and a ``help`` line that says what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Diagnostic",
+    "GeometryError",
+    "InputError",
+    "ModelConfigError",
+    "NoLayoutError",
+    "PolicyError",
+    "RuleLoadError",
+]
+
+
+@dataclass(frozen=True, order=True)
+class Diagnostic:
+    """One located problem: ``file:line:col: error[code]: message``.
+
+    Lines and columns are 1-based, as editors show them. ``line`` is 0 when the
+    problem has no position inside the file (an unreadable file, say).
+    """
+
+    file: str
+    line: int
+    col: int
+    code: str
+    message: str
+    help: str | None = field(default=None, compare=False)
+
+    @property
+    def location(self) -> str:
+        if self.line <= 0:
+            return self.file
+        return f"{self.file}:{self.line}:{self.col}"
+
+    def render(self) -> str:
+        text = f"{self.location}: error[{self.code}]: {self.message}"
+        if self.help:
+            text += f"\n  help: {self.help}"
+        return text
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "file": self.file,
+            "line": self.line,
+            "col": self.col,
+            "code": self.code,
+            "message": self.message,
+            "help": self.help,
+        }
+
+
+class PolicyError(Exception):
+    """Base of every error a user can cause; carries sorted diagnostics."""
+
+    def __init__(self, message: str, diagnostics: list[Diagnostic] | None = None) -> None:
+        self.diagnostics: list[Diagnostic] = sorted(diagnostics or [])
+        self.message = message
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        if not self.diagnostics:
+            return self.message
+        body = "\n".join(d.render() for d in self.diagnostics)
+        return f"{self.message}\n{body}" if self.message else body
+
+
+class RuleLoadError(PolicyError):
+    """A rule set failed to load; ``diagnostics`` lists every problem found."""
+
+
+class ModelConfigError(PolicyError):
+    """A model config cannot be turned into KV cache specs."""
+
+
+class InputError(PolicyError):
+    """An input to a decision (flag, keyword, model field) is invalid."""
+
+
+class NoLayoutError(PolicyError):
+    """Every candidate layout was removed; names each rule that removed one."""
+
+
+class GeometryError(PolicyError):
+    """Memory views overlap, or tensors no longer match their plan."""
+
+
+def input_error(where: str, message: str, help: str | None = None, code: str = "invalid-input") -> InputError:
+    """An `InputError` about one flag, keyword or field named by ``where``."""
+    return InputError("", [Diagnostic(where, 0, 0, code, message, help)])

@@ -1,0 +1,215 @@
+"""The rule file format as pydantic models: the source of its JSON Schema.
+
+A rule file::
+
+    version: 1
+    connector: NixlConnector          # connector files only: the scope
+    defaults:                         # global file only
+      layout_order: [per_layer/NHD, per_layer/HND, cross_layer/NHD, cross_layer/HND]
+    rules:
+      - id: per-token-head-forbids-cross-layer
+        description: inline scales collide under the cross-layer layout
+        reference: vllm-project/vllm#48412
+        when:
+          all:
+            - {field: kv.per_token_head, eq: true}
+            - {field: backend.scale_views, eq: assume_per_layer_contiguous}
+        forbid: {placement: cross_layer}
+
+Conditions are a tree of ``all`` / ``any`` / ``not`` over leaves
+``{field: <path>, <op>: <value>}``; there are no expression strings.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from policy.layouts import LayoutPattern
+from policy.spec import Frozen
+
+__all__ = [
+    "AllOf",
+    "AnyOf",
+    "Condition",
+    "Defaults",
+    "Effect",
+    "Leaf",
+    "MemberPreferences",
+    "NotOf",
+    "OPERATORS",
+    "Rule",
+    "RuleFile",
+]
+
+Scalar = Union[str, bool, int, float, None]
+
+# op -> what its operand is (the docs and the validator read this table)
+OPERATORS: dict[str, str] = {
+    "eq": "the field equals the value",
+    "ne": "the field differs from the value (true when the field is absent)",
+    "in": "the field equals one of the listed values",
+    "not_in": "the field equals none of the listed values (true when absent)",
+    "lt": "the field is a number less than the value",
+    "le": "the field is a number less than or equal to the value",
+    "gt": "the field is a number greater than the value",
+    "ge": "the field is a number greater than or equal to the value",
+    "exists": "`true`: the field has a value here; `false`: it is absent",
+}
+
+
+class Effect(str, Enum):
+    forbid = "forbid"
+    require = "require"
+    prefer = "prefer"
+
+
+class Leaf(Frozen):
+    """``{field: <path>, <op>: <value>}`` with exactly one operator."""
+
+    field: str = Field(description="a field path, e.g. `kv.per_token_head` or `connector.extra.<key>`")
+    eq: Scalar = None
+    ne: Scalar = None
+    in_: list[Scalar] | None = Field(default=None, alias="in")
+    not_in: list[Scalar] | None = None
+    lt: int | float | None = None
+    le: int | float | None = None
+    gt: int | float | None = None
+    ge: int | float | None = None
+    exists: bool | None = None
+
+    model_config = Frozen.model_config | {"populate_by_name": True}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_operator(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ops = [k for k in data if k in OPERATORS]
+            if len(ops) != 1:
+                found = ", ".join(f"`{o}`" for o in ops) or "none"
+                raise ValueError(
+                    f"a leaf needs exactly one operator, found {found}; operators: {', '.join(OPERATORS)}"
+                )
+        return data
+
+    @property
+    def op(self) -> str:
+        for name in OPERATORS:
+            if name in self.model_fields_set or (name == "in" and "in_" in self.model_fields_set):
+                return name
+        raise AssertionError("validated leaf without operator")  # pragma: no cover
+
+    @property
+    def value(self) -> Any:
+        return getattr(self, "in_" if self.op == "in" else self.op)
+
+
+class AllOf(Frozen):
+    all: list[Condition] = Field(min_length=1, description="true when every condition is")
+
+
+class AnyOf(Frozen):
+    any: list[Condition] = Field(min_length=1, description="true when some condition is")
+
+
+class NotOf(Frozen):
+    not_: Condition = Field(alias="not", description="true when the condition is false")
+
+    model_config = Frozen.model_config | {"populate_by_name": True}
+
+
+def _condition_tag(data: Any) -> str | None:
+    if isinstance(data, dict):
+        for key in ("all", "any", "not"):
+            if key in data:
+                return key
+        return "leaf"
+    if isinstance(data, (AllOf, AnyOf, NotOf, Leaf)):
+        return {AllOf: "all", AnyOf: "any", NotOf: "not", Leaf: "leaf"}[type(data)]
+    return None
+
+
+Condition = Annotated[
+    Union[
+        Annotated[AllOf, Tag("all")],
+        Annotated[AnyOf, Tag("any")],
+        Annotated[NotOf, Tag("not")],
+        Annotated[Leaf, Tag("leaf")],
+    ],
+    Discriminator(
+        _condition_tag,
+        custom_error_type="condition",
+        custom_error_message="a condition is a mapping with `all`, `any`, `not`, or `field` and one operator",
+    ),
+]
+
+
+class Rule(Frozen):
+    """One constraint: when ``when`` holds, apply exactly one effect to a layout pattern."""
+
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=100,
+                    description="unique across the rule set; lowercase, digits, `.`, `_`, `-`")
+    description: str = Field(min_length=1, description="why the rule exists, shown in explanations")
+    reference: str | None = Field(default=None, description="an issue or PR, e.g. `vllm-project/vllm#48412`")
+    when: Condition | None = Field(default=None, description="absent: the rule always applies")
+    forbid: LayoutPattern | None = Field(default=None, description="remove the layouts the pattern matches")
+    require: LayoutPattern | None = Field(default=None, description="remove the layouts the pattern does not match")
+    prefer: LayoutPattern | None = Field(default=None, description="add `weight` to the layouts the pattern matches")
+    weight: int | None = Field(default=None, ge=1, le=1000, description="with `prefer` only; default 1")
+
+    @model_validator(mode="after")
+    def _one_effect(self) -> Rule:
+        effects = [e.value for e in Effect if getattr(self, e.value) is not None]
+        if len(effects) != 1:
+            found = ", ".join(f"`{e}`" for e in effects) or "none"
+            raise ValueError(f"a rule needs exactly one effect of `forbid`, `require`, `prefer`; found {found}")
+        if self.weight is not None and self.prefer is None:
+            raise ValueError("`weight` applies only to a `prefer` rule")
+        return self
+
+    @property
+    def effect(self) -> Effect:
+        for e in Effect:
+            if getattr(self, e.value) is not None:
+                return e
+        raise AssertionError("validated rule without effect")  # pragma: no cover
+
+    @property
+    def pattern(self) -> LayoutPattern:
+        return getattr(self, self.effect.value)
+
+
+class Defaults(Frozen):
+    layout_order: list[str] = Field(
+        min_length=1,
+        description="tie-break order of candidate layouts, as `placement/head_order`; unlisted ones follow",
+    )
+
+
+class MemberPreferences(str, Enum):
+    """How a composite connector combines its members' preferences for a layout."""
+
+    all = "all"  # the smallest member score: every member must prefer it (vLLM's MultiConnector)
+    any = "any"  # the largest member score
+    sum = "sum"  # the members' scores added
+
+
+class RuleFile(Frozen):
+    """One YAML rule file."""
+
+    version: Literal[1] = Field(description="format version; currently 1")
+    connector: str | None = Field(default=None, description="connector files only: the connector they apply to")
+    member_preferences: MemberPreferences | None = Field(
+        default=None, description="composite connectors only: how members' preferences combine (default `all`)"
+    )
+    defaults: Defaults | None = Field(default=None, description="global file only")
+    rules: list[Rule] = Field(default_factory=list)
+
+
+AllOf.model_rebuild()
+AnyOf.model_rebuild()
+NotOf.model_rebuild()
+Rule.model_rebuild()
+RuleFile.model_rebuild()

@@ -1,0 +1,122 @@
+"""A loaded, validated and compiled rule set: what the engine evaluates.
+
+Immutable. Built only by `policy.load`, which never hands out a partially
+valid set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from policy.conditions import CompiledCondition, compile_condition
+from policy.layouts import ALL_LAYOUTS, Layout, LayoutPattern
+from policy.rule_model import Effect, MemberPreferences, Rule
+
+__all__ = ["CompiledRule", "RuleSet", "Source"]
+
+
+@dataclass(frozen=True, order=True)
+class Source:
+    """Where a rule is written: shown wherever the rule is named."""
+
+    file: str
+    line: int
+    col: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class CompiledRule:
+    """A rule ready to evaluate, with its scope and precomputed candidate mask."""
+
+    rule: Rule
+    source: Source
+    scope: str | None  # connector name, or None for global
+    condition: CompiledCondition = field(compare=False)
+    mask: int  # bit i set: the pattern matches layout_order[i]
+
+    @property
+    def id(self) -> str:
+        return self.rule.id
+
+    @property
+    def effect(self) -> Effect:
+        return self.rule.effect
+
+    @property
+    def pattern(self) -> LayoutPattern:
+        return self.rule.pattern
+
+    @property
+    def weight(self) -> int:
+        return self.rule.weight or 1
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """Every rule, indexed by scope, plus the candidate order and composition modes."""
+
+    rules: tuple[CompiledRule, ...]
+    layout_order: tuple[Layout, ...] = ALL_LAYOUTS
+    member_preferences: dict[str, MemberPreferences] = field(default_factory=dict)
+    root: str = "<memory>"
+
+    def __post_init__(self) -> None:
+        by_scope: dict[str | None, list[CompiledRule]] = {}
+        for rule in sorted(self.rules, key=lambda r: (r.scope or "", r.source, r.id)):
+            by_scope.setdefault(rule.scope, []).append(rule)
+        object.__setattr__(self, "_by_scope", {k: tuple(v) for k, v in by_scope.items()})
+        object.__setattr__(self, "_by_id", {r.id: r for r in self.rules})
+
+    @property
+    def global_rules(self) -> tuple[CompiledRule, ...]:
+        return self._by_scope.get(None, ())  # type: ignore[attr-defined]
+
+    def connector_rules(self, name: str) -> tuple[CompiledRule, ...]:
+        return self._by_scope.get(name, ())  # type: ignore[attr-defined]
+
+    @property
+    def connectors(self) -> tuple[str, ...]:
+        return tuple(sorted(k for k in self._by_scope if k is not None))  # type: ignore[attr-defined]
+
+    def rule(self, rule_id: str) -> CompiledRule:
+        return self._by_id[rule_id]  # type: ignore[attr-defined]
+
+    def combine_mode(self, connector: str) -> MemberPreferences:
+        return self.member_preferences.get(connector, MemberPreferences.all)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the rules' meaning: independent of file order, paths and comments."""
+        canon: dict[str, Any] = {
+            "layout_order": [str(layout) for layout in self.layout_order],
+            "member_preferences": {k: v.value for k, v in sorted(self.member_preferences.items())},
+            "rules": sorted(
+                ({"scope": r.scope, **r.rule.model_dump(mode="json", by_alias=True, exclude_none=True)}
+                 for r in self.rules),
+                key=lambda d: d["id"],
+            ),
+        }
+        blob = json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+    @classmethod
+    def build(
+        cls,
+        rules: list[tuple[Rule, Source, str | None]],
+        layout_order: tuple[Layout, ...] = ALL_LAYOUTS,
+        member_preferences: dict[str, MemberPreferences] | None = None,
+        root: str = "<memory>",
+    ) -> RuleSet:
+        """Compile validated rules. Unlisted layouts follow ``layout_order`` canonically."""
+        order = tuple(layout_order) + tuple(x for x in ALL_LAYOUTS if x not in layout_order)
+        compiled = []
+        for rule, source, scope in rules:
+            mask = sum(1 << i for i, layout in enumerate(order) if rule.pattern.matches(layout))
+            compiled.append(CompiledRule(rule, source, scope, compile_condition(rule.when), mask))
+        return cls(tuple(compiled), order, dict(member_preferences or {}), root)

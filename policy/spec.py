@@ -1,0 +1,181 @@
+"""KV cache specs and groups: what one layer stores per block, in bytes.
+
+Frozen models with derived ``*_bytes`` properties, after vLLM's
+``kv_cache_interface.py``. Worked example, Qwen2.5-0.5B with
+``fp8_per_token_head`` (H=2 KV heads, D=64, N=16 tokens a block)::
+
+    cell_bytes      = packed_D + 4        = 64 + 4       = 68
+    page_size_bytes = 2 * N * H * cell    = 2*16*2*68    = 4352
+                    = real data 4096 + inline scales 2*16*2*4 = 256
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from functools import cached_property
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policy.errors import Diagnostic, InputError
+from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
+
+__all__ = ["AttentionKind", "KVCacheGroup", "KVCacheGroups", "KVCacheSpec", "Frozen", "make_model"]
+
+
+class Frozen(BaseModel):
+    """Base of every input model: immutable, hashable, no unknown fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+
+class AttentionKind(str, Enum):
+    """What a KV cache group stores."""
+
+    full = "full"
+    sliding_window = "sliding_window"
+    mla = "mla"
+    mamba = "mamba"
+
+    @property
+    def is_attention(self) -> bool:
+        """Attention specs page K/V by block; Mamba keeps a recurrent state instead."""
+        return self is not AttentionKind.mamba
+
+
+class KVCacheSpec(Frozen):
+    """One KV cache group's per-layer geometry."""
+
+    kind: AttentionKind = AttentionKind.full
+    num_layers: int = Field(gt=0, description="attention layers sharing this spec")
+    block_size: int = Field(gt=0, description="tokens per block (N)")
+    num_kv_heads: int = Field(gt=0, description="KV heads per layer on this rank (H); 1 for MLA")
+    head_size: int = Field(gt=0, description="values per head (D); the latent width for MLA")
+    dtype: ModelDtype = ModelDtype.bfloat16
+    kv_cache_dtype: str = "auto"
+    sliding_window: int | None = Field(default=None, gt=0)
+    page_size_padded: int | None = Field(
+        default=None, gt=0, description="padded page size in bytes; wins over the computed one"
+    )
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_cache_dtype(cls, value: str) -> str:
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype `{value}`; valid values: {', '.join(KV_CACHE_DTYPES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KVCacheSpec:
+        if self.quant_mode is QuantMode.int4_per_token_head and self.head_size % 2:
+            raise ValueError(f"int4_per_token_head packs two values a byte: head_size {self.head_size} must be even")
+        if self.kind is AttentionKind.mla and self.num_kv_heads != 1:
+            raise ValueError("an MLA spec stores one latent head: num_kv_heads must be 1")
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ValueError(
+                f"page_size_padded {self.page_size_padded} is smaller than the page's "
+                f"{self.real_page_size_bytes} bytes"
+            )
+        return self
+
+    @cached_property
+    def _parsed(self) -> tuple[QuantMode, CacheDtype]:
+        return parse_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def quant_mode(self) -> QuantMode:
+        return self._parsed[0]
+
+    @property
+    def cache_dtype(self) -> CacheDtype:
+        """Element type of the cache tensor (uint8 for per-token-head byte cells)."""
+        return self._parsed[1]
+
+    @property
+    def per_token_head(self) -> bool:
+        return self.quant_mode.is_per_token_head
+
+    @property
+    def kv_factor(self) -> int:
+        """2 when K and V are stored separately; 1 for MLA's single latent."""
+        return 1 if self.kind is AttentionKind.mla else 2
+
+    @property
+    def data_bytes_per_head(self) -> int:
+        """Bytes of stored values in one (token, head) cell, scales excluded."""
+        if self.quant_mode.is_per_token_head:
+            return self.quant_mode.packed_head_size(self.head_size)
+        return self.head_size * self.cache_dtype.size_bytes
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes of one (token, head) cell for K or for V, inline scale included."""
+        return self.data_bytes_per_head + self.quant_mode.scale_bytes
+
+    @property
+    def cell_elements(self) -> int:
+        """The cell in elements of `cache_dtype` (vLLM's D' in the backend shapes)."""
+        return self.cell_bytes // self.cache_dtype.size_bytes
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """One layer's bytes for one block, before padding."""
+        return self.kv_factor * self.block_size * self.num_kv_heads * self.cell_bytes
+
+    @property
+    def scale_bytes_per_page(self) -> int:
+        return self.kv_factor * self.block_size * self.num_kv_heads * self.quant_mode.scale_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        """One layer's bytes for one block: the padded size when set."""
+        return self.page_size_padded or self.real_page_size_bytes
+
+
+class KVCacheGroup(Frozen):
+    """Layers that share one spec and one block table (vLLM's KV cache group)."""
+
+    spec: KVCacheSpec
+    num_attention_groups: int = Field(default=1, ge=1, description="attention backends in this group")
+
+
+class KVCacheGroups(Frozen):
+    """All KV cache groups of a model; hybrid models have several."""
+
+    groups: tuple[KVCacheGroup, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.groups)
+
+    @property
+    def attention_groups(self) -> int:
+        """Attention groups summed over every KV cache group."""
+        return sum(g.num_attention_groups for g in self.groups)
+
+    @property
+    def has_mamba(self) -> bool:
+        return any(g.spec.kind is AttentionKind.mamba for g in self.groups)
+
+    @property
+    def primary(self) -> KVCacheSpec | None:
+        """The first group's spec: the one a single-group model is laid out by."""
+        return self.groups[0].spec if self.groups else None
+
+    @classmethod
+    def single(cls, spec: KVCacheSpec) -> KVCacheGroups:
+        return cls(groups=(KVCacheGroup(spec=spec),))
+
+
+def make_model(cls: type[Frozen], where: str, data: dict[str, Any]) -> Any:
+    """Build a model from user data, turning pydantic errors into one located `InputError`."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        diags = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            field = f"{where}.{loc}" if loc else where
+            msg = err["msg"].removeprefix("Value error, ")
+            diags.append(Diagnostic(field, 0, 0, "invalid-input", f"`{field}`: {msg}"))
+        raise InputError(f"invalid {cls.__name__}", diags) from None
