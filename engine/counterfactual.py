@@ -24,6 +24,7 @@ __all__ = ["counterfactuals"]
 
 MAX_CHANGES = 3
 MAX_EVALUATIONS = 4000
+ALL_SCOPES = "*"
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -44,6 +45,8 @@ def _alternatives(field: str, current: Any, literals: list[Any]) -> list[Any]:
         values = [v for v in values if v >= 0]
     else:
         values = list(literals)
+        if any(isinstance(v, bool) or str(v).lower() in ("true", "false") for v in literals):
+            values += [False, "false"]
     if spec is not None and spec.nullable:
         values.append(MISSING)
     out: list[Any] = []
@@ -62,9 +65,16 @@ def _knobs(glob: Scope, conn: Scope | None) -> list[tuple[str, str, list[Any]]]:
             for leaf in leaves_of(rule.rule.when):
                 vals = leaf.value if isinstance(leaf.value, list) else [leaf.value]
                 literals.setdefault((scope.label, leaf.field), []).extend(vals)
+    # INVARIANT: only `connector.*` differs between scopes; every other field is one
+    # input, so it is changed everywhere at once (label "*").
+    merged: dict[tuple[str, str], list[Any]] = {}
+    for (label, field), lits in literals.items():
+        key = (label if field.startswith("connector.") else ALL_SCOPES, field)
+        merged.setdefault(key, []).extend(lits)
     env_of = {s.label: s.env for s in scopes}
+    env_of[ALL_SCOPES] = glob.env
     knobs = []
-    for (label, field), lits in sorted(literals.items()):
+    for (label, field), lits in sorted(merged.items()):
         alts = _alternatives(field, env_of[label].get(field, MISSING), lits)
         if alts:
             knobs.append((label, field, alts))
@@ -78,6 +88,7 @@ def counterfactuals(
     order = ruleset.layout_order
     knobs = _knobs(glob, conn)
     env_of = {s.label: s.env for s in glob.walk() + (conn.walk() if conn else [])}
+    env_of[ALL_SCOPES] = glob.env
     targets = [i for i in range(len(order)) if i != winner]
     found: dict[int, tuple[FieldChange, ...]] = {}
     budget = MAX_EVALUATIONS
@@ -108,7 +119,7 @@ def describe_change(change: FieldChange) -> str:
     def show(v: Any) -> str:
         return "absent" if v is MISSING else str(v).lower() if isinstance(v, bool) else str(v)
 
-    where = "" if change.scope in ("global",) or change.field.split(".")[0] != "connector" else f" ({change.scope})"
+    where = f" ({change.scope})" if change.field.startswith("connector.") and change.scope != ALL_SCOPES else ""
     return f"{change.field}{where} were {show(change.becomes)} (it is {show(change.was)})"
 
 

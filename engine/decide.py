@@ -60,6 +60,8 @@ class Scope:
     def with_env(self, overrides: dict[str, dict[str, Any]]) -> Scope:
         """A copy whose envs have ``overrides[label][field] = value`` applied."""
         env = self.env
+        if "*" in overrides:
+            env = {**env, **overrides["*"]}
         if self.label in overrides:
             env = {**env, **overrides[self.label]}
         members = tuple(m.with_env(overrides) for m in self.members)

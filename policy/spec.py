@@ -159,7 +159,10 @@ class KVCacheGroups(Frozen):
 
     @property
     def primary(self) -> KVCacheSpec | None:
-        """The first group's spec: the one a single-group model is laid out by."""
+        """The first attention group's spec (the first group's if none is attention)."""
+        for g in self.groups:
+            if g.spec.kind.is_attention:
+                return g.spec
         return self.groups[0].spec if self.groups else None
 
     @classmethod

@@ -1,0 +1,143 @@
+"""`Decision`: a layout together with its reasons.
+
+A decision is a value (Cedar's ``Response``): the chosen layout, the ranking
+of the survivors, and the trace that explains both. With ``explain=False``
+the engine only runs the fast path; the trace is computed on first access,
+from the same rule set and context, so it always matches the layout.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Any
+
+from policy.context import MISSING, Context
+from policy.layouts import Layout
+from policy.ruleset import RuleSet
+
+from engine.counterfactual import counterfactuals, describe
+from engine.decide import Outcome, evaluate, scopes_for
+from engine.trace import (
+    CandidateRemoved,
+    Counterfactual,
+    Event,
+    LayoutChosen,
+    PreferenceApplied,
+    RuleEvaluated,
+    RuleRef,
+)
+
+__all__ = ["Decision"]
+
+
+class Decision:
+    """The layout a rule set chose for a context, and why."""
+
+    def __init__(self, ruleset: RuleSet, context: Context, outcome: Outcome) -> None:
+        assert outcome.winner is not None
+        self.ruleset = ruleset
+        self.context = context
+        self.layout: Layout = ruleset.layout_order[outcome.winner]
+        self.score: int = outcome.scores[outcome.winner]
+        self._outcome = outcome
+        if outcome.events:
+            self.__dict__["events"] = outcome.events
+
+    def __repr__(self) -> str:
+        return f"Decision(layout={self.layout}, score={self.score}, rules={self.ruleset.digest[:19]})"
+
+    @property
+    def ranking(self) -> tuple[tuple[Layout, int], ...]:
+        """Surviving layouts, best first, with their preference scores."""
+        order, o = self.ruleset.layout_order, self._outcome
+        alive = [i for i in range(len(order)) if o.alive >> i & 1]
+        return tuple((order[i], o.scores[i]) for i in sorted(alive, key=lambda i: (-o.scores[i], i)))
+
+    @cached_property
+    def events(self) -> tuple[Event, ...]:
+        """The full trace (typed events, in evaluation order)."""
+        glob, conn = scopes_for(self.ruleset, self.context)
+        return evaluate(self.ruleset, glob, conn, explain=True).events
+
+    @cached_property
+    def counterfactuals(self) -> tuple[Counterfactual, ...]:
+        """For each losing layout, the smallest input change that makes it win."""
+        glob, conn = scopes_for(self.ruleset, self.context)
+        return counterfactuals(self.ruleset, glob, conn, self.ruleset.layout_order.index(self.layout))
+
+    @property
+    def rule_results(self) -> tuple[RuleEvaluated, ...]:
+        return tuple(e for e in self.events if isinstance(e, RuleEvaluated))
+
+    @property
+    def eliminated(self) -> dict[Layout, list[tuple[RuleRef, str]]]:
+        """Each removed layout -> the (rule, scope) pairs that removed it."""
+        out: dict[Layout, list[tuple[RuleRef, str]]] = {}
+        for e in self.events:
+            if isinstance(e, CandidateRemoved):
+                out.setdefault(e.layout, []).append((e.rule, e.scope))
+        return out
+
+    @property
+    def preferences(self) -> tuple[PreferenceApplied, ...]:
+        return tuple(e for e in self.events if isinstance(e, PreferenceApplied))
+
+    @property
+    def matched_rules(self) -> dict[str, bool]:
+        """Every rule id in the set -> whether it matched in any active scope."""
+        out = {r.id: False for r in self.ruleset.rules}
+        for e in self.rule_results:
+            out[e.rule.id] = out[e.rule.id] or e.matched
+        return out
+
+    def to_dict(self, *, counterfactual: bool = True) -> dict[str, Any]:
+        """The JSON contract (docs/json-output.md)."""
+        chosen = next((e for e in self.events if isinstance(e, LayoutChosen)), None)
+        return {
+            "layout": {"placement": self.layout.placement.value, "head_order": self.layout.head_order.value,
+                       "name": str(self.layout)},
+            "score": self.score,
+            "ranking": [{"layout": str(lay), "score": s} for lay, s in (chosen.ranking if chosen else self.ranking)],
+            "eliminated": {
+                str(lay): [{"rule": r.id, "source": str(r.source), "scope": scope, "effect": r.effect}
+                           for r, scope in hits]
+                for lay, hits in self.eliminated.items()
+            },
+            "rules": self.matched_rules,
+            "rule_results": [
+                {"rule": e.rule.id, "source": str(e.rule.source), "scope": e.scope, "effect": e.rule.effect,
+                 "matched": e.matched,
+                 "leaves": [{"field": lf.field, "op": lf.op, "expected": _jsonable(lf.expected),
+                             "actual": _jsonable(lf.actual), "result": lf.result} for lf in e.leaves]}
+                for e in self.rule_results
+            ],
+            "preferences": [{"layout": str(p.layout), "rule": p.rule.id, "source": str(p.rule.source),
+                             "scope": p.scope, "weight": p.weight} for p in self.preferences],
+            "counterfactual": [
+                {"layout": str(cf.layout), "text": describe(cf),
+                 "changes": None if cf.changes is None else [
+                     {"scope": c.scope, "field": c.field, "from": _jsonable(c.was), "to": _jsonable(c.becomes)}
+                     for c in cf.changes]}
+                for cf in self.counterfactuals
+            ] if counterfactual else [],
+            "ruleset": {"root": self.ruleset.root, "digest": self.ruleset.digest},
+            "inputs": self.context.model_dump(mode="json", exclude_none=True),
+        }
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    def explain(self, mode: str = "full") -> str:
+        """The decision rendered as text for people (see `engine.render`)."""
+        from engine.render import render_text
+
+        return render_text(self, mode=mode)
+
+
+def _jsonable(value: Any) -> Any:
+    if value is MISSING:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

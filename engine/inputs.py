@@ -1,0 +1,106 @@
+"""Turn the keyword inputs of `LayoutEngine.decide` (and the CLI's flags) into a `Context`.
+
+The same names as ``kvpolicy dry-run``'s flags: ``model`` or ``spec``,
+``kv_cache_dtype``, ``block_size``, ``backend``, ``connector``,
+``connector_config``; the pydantic models themselves are accepted too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from policy.backends import BackendProfile, ScaleViews, get_backend
+from policy.connectors import ConnectorConfig
+from policy.context import Context
+from policy.errors import input_error
+from policy.spec import KVCacheGroups, KVCacheSpec, make_model
+
+__all__ = ["DEFAULT_EXAMPLE", "build_context"]
+
+# `kvpolicy dry-run` with no arguments: Qwen2.5-0.5B geometry, TRITON_ATTN,
+# OffloadingConnector, fp8_per_token_head -- the combination of vLLM #48412.
+DEFAULT_EXAMPLE: dict[str, Any] = {
+    "spec": {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": "bfloat16"},
+    "kv_cache_dtype": "fp8_per_token_head",
+    "backend": "TRITON_ATTN",
+    "connector": "OffloadingConnector",
+}
+
+
+def _spec(spec: KVCacheSpec | dict[str, Any], kv_cache_dtype: str | None, block_size: int | None) -> KVCacheSpec:
+    if isinstance(spec, KVCacheSpec):
+        data = spec.model_dump()
+    elif isinstance(spec, dict):
+        data = dict(spec)
+    else:
+        raise input_error("spec", f"`spec` must be a KVCacheSpec or a mapping, got {type(spec).__name__}")
+    if kv_cache_dtype is not None:
+        data["kv_cache_dtype"] = kv_cache_dtype
+    if block_size is not None:
+        data["block_size"] = block_size
+    return make_model(KVCacheSpec, "spec", data)
+
+
+def _connector(connector: str | ConnectorConfig | None, config: dict[str, Any] | None) -> ConnectorConfig | None:
+    if connector is None or connector == "" or connector == "none":
+        if config:
+            raise input_error("connector_config", "`connector_config` given without a connector",
+                              "name the connector with `connector` (--connector)")
+        return None
+    if isinstance(connector, ConnectorConfig):
+        return connector
+    if not isinstance(connector, str):
+        raise input_error("connector", f"`connector` must be a name, got {type(connector).__name__}")
+    if config is not None and not isinstance(config, dict):
+        raise input_error("connector_config", "`connector_config` must be a mapping (JSON object)")
+    try:
+        return ConnectorConfig.from_vllm(connector, config)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise input_error("connector_config", f"invalid connector config: {exc}",
+                          'members are {"connectors": [{"kv_connector": NAME, "kv_connector_extra_config": {...}}]}'
+                          ) from None
+
+
+def build_context(
+    *,
+    model: str | os.PathLike[str] | dict[str, Any] | None = None,
+    spec: KVCacheSpec | dict[str, Any] | None = None,
+    groups: KVCacheGroups | None = None,
+    kv_cache_dtype: str | None = None,
+    block_size: int | None = None,
+    backend: str | BackendProfile = "TRITON_ATTN",
+    scale_views: str | ScaleViews | None = None,
+    connector: str | ConnectorConfig | None = None,
+    connector_config: dict[str, Any] | None = None,
+    tensor_parallel_size: int = 1,
+) -> Context:
+    """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`."""
+    if model is not None and spec is not None:
+        raise input_error("model", "give `model` or `spec`, not both")
+    if model is not None:
+        from policy.hf_config import kv_groups_from_hf_config
+
+        groups = kv_groups_from_hf_config(
+            model, kv_cache_dtype=kv_cache_dtype or "auto", block_size=block_size or 16,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        if not groups.groups:
+            raise input_error("model", "the model config describes no KV cache layers")
+        kv = groups.primary
+    elif spec is not None:
+        kv = _spec(spec, kv_cache_dtype, block_size)
+        if groups is None:
+            groups = KVCacheGroups.single(kv)
+    elif groups is not None and groups.primary is not None:
+        kv = groups.primary
+    else:
+        raise input_error("spec", "no KV cache described", "pass `model` (a config.json) or `spec`")
+    profile = backend if isinstance(backend, BackendProfile) else get_backend(str(backend))
+    if scale_views is not None:
+        try:
+            profile = profile.with_scale_views(ScaleViews(scale_views))
+        except ValueError:
+            raise input_error("scale_views", f"unknown scale-view strategy `{scale_views}`",
+                              "valid: " + ", ".join(s.value for s in ScaleViews)) from None
+    return Context(kv=kv, groups=groups, backend=profile, connector=_connector(connector, connector_config))

@@ -1,0 +1,99 @@
+"""Text rendering of a `Decision` for people; kept apart from the trace itself."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import TYPE_CHECKING
+
+from engine.counterfactual import describe
+from engine.trace import RuleEvaluated, explain_filter
+
+if TYPE_CHECKING:
+    from engine.decision import Decision
+
+__all__ = ["render_inputs", "render_text"]
+
+
+def render_inputs(decision: Decision) -> list[str]:
+    ctx = decision.context
+    kv, b, c = ctx.kv, ctx.backend, ctx.connector
+    quant = kv.quant_mode.value
+    lines = [
+        f"  kv:        {kv.kind.value}, {kv.num_layers} layers, block {kv.block_size}, "
+        f"{kv.num_kv_heads} KV heads x {kv.head_size}, {kv.dtype.value}",
+        f"             kv_cache_dtype {kv.kv_cache_dtype} ({quant}): cell {kv.cell_bytes} B, "
+        f"page {kv.page_size_bytes} B" + (f" ({kv.scale_bytes_per_page} B inline scales)"
+                                          if kv.per_token_head else ""),
+        f"  groups:    {ctx.groups.count} KV cache group(s), {ctx.groups.attention_groups} attention group(s)"
+        + (", Mamba present" if ctx.groups.has_mamba else ""),
+        f"  backend:   {b.name} (scale views {b.scale_views.value}; indexes KV by block stride: "
+        f"{'yes' if b.indexes_kv_by_block_stride else 'no'})",
+    ]
+    if c is None:
+        lines.append("  connector: none")
+    else:
+        lines.append(f"  connector: {_connector(c)}")
+    return lines
+
+
+def _connector(c: object) -> str:
+    name = getattr(c, "name", "")
+    extra = getattr(c, "extra", {})
+    members = getattr(c, "connectors", ())
+    text = name + (" " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())) if extra else "")
+    if members:
+        text += " [" + "; ".join(_connector(m) for m in members) + "]"
+    return text
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(" ".join(text.split()), width=88, initial_indent=indent, subsequent_indent=indent)
+
+
+def render_text(decision: Decision, mode: str = "full") -> str:
+    """``full``: everything; ``fails``: removals and counterfactuals; ``notes``: what decided."""
+    events = explain_filter(decision.events, mode)  # type: ignore[arg-type]
+    out = [f"layout: {decision.layout}", "", "inputs:", *render_inputs(decision), ""]
+
+    out.append("ranking (survivors, best first):")
+    for rank, (layout, score) in enumerate(decision.ranking, 1):
+        note = "  <- chosen" if rank == 1 else ("  (tie: rule set's default order)"
+                                                if score == decision.score else "")
+        out.append(f"  {rank}. {layout!s:<16} score {score}{note}")
+    out.append("")
+
+    eliminated = decision.eliminated
+    if eliminated:
+        out.append("eliminated:")
+        for layout, hits in eliminated.items():
+            out.append(f"  {layout}")
+            for rule, scope in hits:
+                out.append(f"    by {rule.id} ({rule.effect}, {scope}) at {rule.source}")
+                out += _wrap(rule.description, "       ")
+                if rule.reference:
+                    out.append(f"       see {rule.reference}")
+        out.append("")
+
+    if mode != "fails" and decision.preferences:
+        out.append("preferences:")
+        for p in decision.preferences:
+            out.append(f"  +{p.weight} {p.layout!s:<16} {p.rule.id} ({p.scope}) at {p.rule.source}")
+        out.append("")
+
+    if mode in ("full", "fails"):
+        out.append("counterfactual:")
+        for cf in decision.counterfactuals:
+            out.append(f"  {describe(cf)}")
+        out.append("")
+
+    rules = [e for e in events if isinstance(e, RuleEvaluated)]
+    if rules:
+        out.append("rules:" if mode == "full" else "matched rules:")
+        for e in rules:
+            mark = "x" if e.matched else " "
+            out.append(f"  [{mark}] {e.rule.id} ({e.rule.effect}, {e.scope}) at {e.rule.source}")
+            for leaf in e.leaves:
+                out.append(f"        {leaf.describe()}")
+        out.append("")
+    out.append(f"rule set: {decision.ruleset.root} ({decision.ruleset.digest[:23]}...)")
+    return "\n".join(out)
