@@ -74,7 +74,10 @@ def _knobs(glob: Scope, conn: Scope | None) -> list[tuple[str, str, list[Any]]]:
     env_of = {s.label: s.env for s in scopes}
     env_of[ALL_SCOPES] = glob.env
     knobs = []
-    for (label, field), lits in sorted(merged.items()):
+    # Try what an operator can change most easily first: connector config, then the
+    # KV cache settings, then the model's groups, then the backend.
+    rank = {"connector": 0, "kv": 1, "groups": 2, "backend": 3}
+    for (label, field), lits in sorted(merged.items(), key=lambda kv: (rank.get(kv[0][1].split(".")[0], 9), kv[0])):
         alts = _alternatives(field, env_of[label].get(field, MISSING), lits)
         if alts:
             knobs.append((label, field, alts))

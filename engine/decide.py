@@ -207,8 +207,8 @@ def no_layout_error(ruleset: RuleSet, events: tuple[Event, ...]) -> NoLayoutErro
                                     f"rule `{e.rule.id}` ({e.rule.effect}, {e.scope}) removed "
                                     + ", ".join(f"`{r}`" for r in removed)))
     return NoLayoutError(
-        "no layout survives the rules: every candidate was removed",
-        diags + [Diagnostic(ruleset.root, 0, 0, "no-layout", "the rules conflict for this input",
-                            "relax one of the rules above, or change the input; `kvpolicy dry-run` shows the trace")],
+        "no layout survives the rules for this input; these rules removed the candidates "
+        "(relax one of them or change the input; `kvpolicy dry-run` shows the full trace):",
+        diags,
     )
 

@@ -63,8 +63,10 @@ class LayoutEngine:
     def decide(self, context: Context | None = None, *, explain: bool = True, **inputs: Any) -> Decision:
         """Choose a layout for ``context`` (or for keyword inputs, as `kvpolicy dry-run`'s flags).
 
-        ``explain=False`` runs the fast path; the trace is still available,
-        computed on first access. Raises `NoLayoutError` when nothing survives.
+        ``explain=True`` records the trace as it decides; ``explain=False`` runs
+        the fast path and computes the trace only if it is asked for. The
+        counterfactuals (a search) are computed on first access either way.
+        Raises `NoLayoutError` when nothing survives.
         """
         ctx = context if context is not None else build_context(**inputs)
         glob, conn = scopes_for(self._ruleset, ctx)
@@ -72,7 +74,4 @@ class LayoutEngine:
         if outcome.winner is None:
             events = outcome.events or evaluate(self._ruleset, glob, conn, explain=True).events
             raise no_layout_error(self._ruleset, events)
-        decision = Decision(self._ruleset, ctx, outcome)
-        if explain:
-            _ = decision.counterfactuals
-        return decision
+        return Decision(self._ruleset, ctx, outcome)

@@ -77,6 +77,9 @@ def _pydantic_diags(src: Located, base: Path, data: Any, exc: ValidationError) -
         elif kind == "missing":
             key = err["loc"][-1]
             diags.append(src.diag(path, "missing-key", f"missing required key `{key}`"))
+        elif kind == "string_type" and isinstance(err.get("input"), bool):
+            diags.append(src.diag(path, "invalid-value", f"expected a string, got boolean `{str(err['input']).lower()}`",
+                                  "YAML reads yes/no/on/off/true/false as booleans: quote the value"))
         elif kind == "string_pattern_mismatch":
             diags.append(src.diag(path, "invalid-id", f"rule id `{err['input']}` is not a valid id",
                                   "use lowercase letters, digits, `.`, `_` and `-`, starting with a letter or digit"))
@@ -84,7 +87,9 @@ def _pydantic_diags(src: Located, base: Path, data: Any, exc: ValidationError) -
             msg = err["msg"].removeprefix("Value error, ")
             msg = msg.replace("Input should be", "expected")
             msg = msg[:1].lower() + msg[1:]
-            code = "invalid-condition" if kind == "condition" else "invalid-value"
+            code = ("invalid-condition" if kind == "condition" or msg.startswith("a leaf")
+                    else "invalid-rule" if kind == "value_error" and len(path) == 2 and path[0] == "rules"
+                    else "invalid-value")
             shown = err.get("input")
             if kind not in ("condition", "value_error") and isinstance(shown, (str, int, float, bool)):
                 msg += f", got `{shown}`"
@@ -170,7 +175,7 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
                                "start the file with `version: 1` and a `rules:` list")]
     diags: list[Diagnostic] = []
     header_data = {k: v for k, v in data.items() if k != "rules"}
-    rules_data = data.get("rules", [])
+    rules_data = data.get("rules") or []  # `rules:` with nothing under it is an empty list
     header: RuleFile | None = None
     try:
         header = RuleFile.model_validate({**header_data, "rules": []})
