@@ -12,13 +12,11 @@ from __future__ import annotations
 from itertools import combinations, product
 from typing import Any
 
-from policy.conditions import leaves_of
-from policy.context import MISSING, field_spec
-from policy.layouts import Layout
-from policy.ruleset import RuleSet
-
 from engine.decide import Scope, evaluate
 from engine.trace import Counterfactual, FieldChange
+from policy.conditions import leaves_of
+from policy.context import MISSING, field_spec
+from policy.ruleset import RuleSet
 
 __all__ = ["counterfactuals"]
 

@@ -17,14 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from policy.conditions import LeafResult
-from policy.connectors import ConnectorConfig
-from policy.context import Context
-from policy.errors import Diagnostic, NoLayoutError
-from policy.layouts import Layout
-from policy.rule_model import Effect, MemberPreferences
-from policy.ruleset import CompiledRule, RuleSet
-
 from engine.trace import (
     CandidateRemoved,
     Event,
@@ -33,8 +25,15 @@ from engine.trace import (
     RuleEvaluated,
     RuleRef,
 )
+from policy.conditions import LeafResult
+from policy.connectors import ConnectorConfig
+from policy.context import Context
+from policy.errors import Diagnostic, NoLayoutError
+from policy.layouts import Layout
+from policy.rule_model import Effect, MemberPreferences
+from policy.ruleset import CompiledRule, RuleSet
 
-__all__ = ["Outcome", "Scope", "evaluate", "scopes_for", "rule_ref"]
+__all__ = ["Outcome", "Scope", "evaluate", "rule_ref", "scopes_for"]
 
 _FORBID, _REQUIRE, _PREFER = 0, 1, 2
 _EFFECT_CODE = {Effect.forbid: _FORBID, Effect.require: _REQUIRE, Effect.prefer: _PREFER}
@@ -153,7 +152,7 @@ def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: 
         code = _EFFECT_CODE[rule.effect]
         for i, layout in enumerate(order):
             hit = bool(rule.mask >> i & 1)
-            if code == _FORBID and hit or code == _REQUIRE and not hit:
+            if (code == _FORBID and hit) or (code == _REQUIRE and not hit):
                 events.append(CandidateRemoved(layout, ref, scope.label))
             elif code == _PREFER and hit:
                 score[i] += rule.weight

@@ -12,10 +12,6 @@ import json
 from functools import cached_property
 from typing import Any
 
-from policy.context import MISSING, Context
-from policy.layouts import Layout
-from policy.ruleset import RuleSet
-
 from engine.counterfactual import counterfactuals, describe
 from engine.decide import Outcome, evaluate, scopes_for
 from engine.trace import (
@@ -27,6 +23,9 @@ from engine.trace import (
     RuleEvaluated,
     RuleRef,
 )
+from policy.context import MISSING, Context
+from policy.layouts import Layout
+from policy.ruleset import RuleSet
 
 __all__ = ["Decision"]
 

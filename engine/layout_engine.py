@@ -17,13 +17,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from policy.context import Context
-from policy.load import Limits, load_rules
-from policy.ruleset import RuleSet
-
 from engine.decide import evaluate, no_layout_error, scopes_for
 from engine.decision import Decision
 from engine.inputs import build_context
+from policy.context import Context
+from policy.load import Limits, load_rules
+from policy.ruleset import RuleSet
 
 __all__ = ["LayoutEngine", "shipped_rules_dir"]
 

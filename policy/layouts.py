@@ -36,7 +36,7 @@ class Layout(Frozen):
     @classmethod
     def parse(cls, text: str) -> Layout:
         """Parse ``placement/head_order``; raises ValueError naming the valid forms."""
-        placement, sep, order = text.partition("/")
+        placement, _, order = text.partition("/")
         try:
             return cls(placement=Placement(placement), head_order=HeadOrder(order))
         except ValueError:

@@ -101,7 +101,8 @@ def _collect(src: Located, model: RuleFile, entries: list, first_id: dict[str, S
     if model.connector is not None:
         if model.connector in connector_file:
             diags.append(src.diag(("connector",), "duplicate-connector-file",
-                                  f"connector `{model.connector}` already has rules in {connector_file[model.connector]}",
+                                  f"connector `{model.connector}` already has rules in "
+                                  f"{connector_file[model.connector]}",
                                   "keep one file per connector"))
             return
         connector_file[model.connector] = src.file

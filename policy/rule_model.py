@@ -23,7 +23,7 @@ Conditions are a tree of ``all`` / ``any`` / ``not`` over leaves
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
@@ -31,6 +31,7 @@ from policy.layouts import LayoutPattern
 from policy.spec import Frozen
 
 __all__ = [
+    "OPERATORS",
     "AllOf",
     "AnyOf",
     "Condition",
@@ -39,12 +40,11 @@ __all__ = [
     "Leaf",
     "MemberPreferences",
     "NotOf",
-    "OPERATORS",
     "Rule",
     "RuleFile",
 ]
 
-Scalar = Union[str, bool, int, float, None]
+Scalar = str | bool | int | float | None
 
 # op -> what its operand is (the docs and the validator read this table)
 OPERATORS: dict[str, str] = {
@@ -132,12 +132,10 @@ def _condition_tag(data: Any) -> str | None:
 
 
 Condition = Annotated[
-    Union[
-        Annotated[AllOf, Tag("all")],
-        Annotated[AnyOf, Tag("any")],
-        Annotated[NotOf, Tag("not")],
-        Annotated[Leaf, Tag("leaf")],
-    ],
+    Annotated[AllOf, Tag("all")]
+    | Annotated[AnyOf, Tag("any")]
+    | Annotated[NotOf, Tag("not")]
+    | Annotated[Leaf, Tag("leaf")],
     Discriminator(
         _condition_tag,
         custom_error_type="condition",
@@ -205,7 +203,7 @@ class RuleFile(Frozen):
         default=None, description="composite connectors only: how members' preferences combine (default `all`)"
     )
     defaults: Defaults | None = Field(default=None, description="global file only")
-    rules: list[Rule] = Field(default_factory=list)
+    rules: list[Rule] = Field(default_factory=list, description="the rules; order does not matter")
 
 
 AllOf.model_rebuild()

@@ -78,7 +78,8 @@ def _pydantic_diags(src: Located, base: Path, data: Any, exc: ValidationError) -
             key = err["loc"][-1]
             diags.append(src.diag(path, "missing-key", f"missing required key `{key}`"))
         elif kind == "string_type" and isinstance(err.get("input"), bool):
-            diags.append(src.diag(path, "invalid-value", f"expected a string, got boolean `{str(err['input']).lower()}`",
+            shown = str(err["input"]).lower()
+            diags.append(src.diag(path, "invalid-value", f"expected a string, got boolean `{shown}`",
                                   "YAML reads yes/no/on/off/true/false as booleans: quote the value"))
         elif kind == "string_pattern_mismatch":
             diags.append(src.diag(path, "invalid-id", f"rule id `{err['input']}` is not a valid id",

@@ -108,7 +108,8 @@ def test_member_preferences_combine(mode: str, expected: str) -> None:
         "connectors/multi.yaml": rules_yaml(connector="MultiConnector", extra=f"member_preferences: {mode}\n"),
         "connectors/off.yaml": rules_yaml(r("offl", "prefer: {placement: cross_layer}"),
                                           connector="OffloadingConnector"),
-        "connectors/lm.yaml": rules_yaml(r("lm-hnd", "prefer: {head_order: HND}", when="{field: connector.present, eq: true}"),
+        "connectors/lm.yaml": rules_yaml(r("lm-hnd", "prefer: {head_order: HND}",
+                                           when="{field: connector.present, eq: true}"),
                                          connector="LMCacheConnectorV1"),
     }
     e = engine_for(files)

@@ -68,7 +68,8 @@ def test_valid_file_loads() -> None:
         ("weight without prefer", "forbid: {placement: cross_layer}\nweight: 3\n",
          "invalid-rule", "`weight` applies only to a `prefer` rule", (3, 5)),
         ("empty pattern", "forbid: {}\n", "empty-pattern", "the `forbid` pattern matches every layout", (5, 13)),
-        ("boolean for a boolean field quoted", 'when: {field: kv.per_token_head, eq: "yes"}\nforbid: {placement: cross_layer}\n',
+        ("boolean for a boolean field quoted",
+         'when: {field: kv.per_token_head, eq: "yes"}\nforbid: {placement: cross_layer}\n',
          "type-mismatch", "`kv.per_token_head` is a boolean, got string `yes`", (5, 42)),
         ("null comparison", "when: {field: kv.sliding_window, eq: null}\nforbid: {placement: cross_layer}\n",
          "type-mismatch", "compared with null", (5, 42)),
@@ -197,7 +198,7 @@ def test_yaml_booleans_in_string_positions_get_a_hint() -> None:
 
 
 def test_empty_directory_and_missing_directory(tmp_path) -> None:
-    with pytest.raises(RuleLoadError, match="no `.yaml` rule files found"):
+    with pytest.raises(RuleLoadError, match=r"no `\.yaml` rule files found"):
         load_rules(tmp_path)
     with pytest.raises(RuleLoadError, match="not a directory"):
         load_rules(tmp_path / "nope")
@@ -206,5 +207,6 @@ def test_empty_directory_and_missing_directory(tmp_path) -> None:
 def test_digest_ignores_file_order_and_comments() -> None:
     a = {"global.yaml": rule("forbid: {placement: cross_layer}\n", "a"),
          "extra.yaml": "# comment\n" + rule("prefer: {placement: per_layer}\n", "b")}
-    b = {"x.yaml": rule("prefer: {placement: per_layer}\n", "b"), "y.yaml": rule("forbid: {placement: cross_layer}\n", "a")}
+    b = {"x.yaml": rule("prefer: {placement: per_layer}\n", "b"),
+         "y.yaml": rule("forbid: {placement: cross_layer}\n", "a")}
     assert load_rules_from_texts(a).digest == load_rules_from_texts(b).digest

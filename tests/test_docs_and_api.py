@@ -1,0 +1,56 @@
+"""The generated docs match the models, the public API is what we promise, and lint is clean."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine
+import policy
+from policy.reference import render_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rule_language_reference_is_current() -> None:
+    committed = (ROOT / "docs" / "rule-language.md").read_text()
+    assert committed == render_reference(), "regenerate: python -m policy.reference > docs/rule-language.md"
+
+
+def test_reference_lists_every_field_and_operator() -> None:
+    text = render_reference()
+    for path in policy.FIELDS:
+        assert f"| `{path}` |" in text
+    for op in ("eq", "ne", "in", "not_in", "lt", "le", "gt", "ge", "exists"):
+        assert f"| `{op}` |" in text
+
+
+def test_public_api() -> None:
+    assert set(engine.__all__) >= {"LayoutEngine", "Decision"}
+    for name in engine.__all__:
+        assert hasattr(engine, name), name
+    for name in policy.__all__:
+        assert hasattr(policy, name), name
+    assert callable(engine.LayoutEngine.default)
+    assert callable(engine.LayoutEngine.from_path)
+
+
+def test_policy_never_imports_engine() -> None:
+    code = ("import sys, policy, policy.load, policy.reference\n"
+            "print([m for m in sys.modules if m.startswith('engine')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+    for path in (ROOT / "policy").glob("*.py"):
+        text = path.read_text()
+        assert "from engine" not in text and "import engine" not in text, path
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is installed by the test extras")
+def test_ruff_clean() -> None:
+    out = subprocess.run(["ruff", "check", "--quiet", "policy", "engine", "tests", "bench"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
