@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from policy.errors import Diagnostic, InputError
 from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
 
-__all__ = ["AttentionKind", "KVCacheGroup", "KVCacheGroups", "KVCacheSpec", "Frozen", "make_model"]
+__all__ = ["AttentionKind", "Frozen", "KVCacheGroup", "KVCacheGroups", "KVCacheSpec", "make_model"]
 
 
 class Frozen(BaseModel):

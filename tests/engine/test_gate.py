@@ -139,7 +139,7 @@ def all_inputs():
         [AttentionKind.full, AttentionKind.mamba, AttentionKind.mla], KV_CACHE_DTYPES,
         BACKEND_PROFILES, list(ScaleViews),
     ):
-        if kind is AttentionKind.mla and not backend.mla or backend.mla and kind is not AttentionKind.mla:
+        if (kind is AttentionKind.mla and not backend.mla) or (backend.mla and kind is not AttentionKind.mla):
             continue  # MLA specs run on MLA backends only, and vice versa
         spec = make_spec(kind, dtype)
         ctx = Context(kv=spec, groups=make_groups(spec, count, attn),
