@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.trace import (
     CandidateRemoved,
@@ -88,8 +88,7 @@ def rule_ref(rule: CompiledRule) -> RuleRef:
     return RuleRef(r.id, rule.source, r.effect.value, r.description, r.reference)
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """The result of one evaluation: survivors' mask, scores and the winner's index."""
 
     alive: int
@@ -102,17 +101,14 @@ def _fast_scope(scope: Scope, n: int, alive: int) -> tuple[int, list[int]]:
     score = [0] * n
     env = scope.env
     for rule in scope.rules:
-        if rule.condition.test(env):
-            code = _EFFECT_CODE[rule.effect]
+        test, code, mask, weights = rule.fast
+        if test(env):
             if code == _FORBID:
-                alive &= ~rule.mask
+                alive &= ~mask
             elif code == _REQUIRE:
-                alive &= rule.mask
+                alive &= mask
             else:
-                w, m = rule.weight, rule.mask
-                for i in range(n):
-                    if m >> i & 1:
-                        score[i] += w
+                score = [a + b for a, b in zip(score, weights)]
     if scope.members:
         member_scores = []
         for member in scope.members:

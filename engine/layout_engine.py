@@ -38,8 +38,23 @@ def shipped_rules_dir() -> Path:
 class LayoutEngine:
     """Decides KV cache layouts with one immutable `RuleSet`."""
 
+    _SCOPE_CACHE_SIZE = 1024
+
     def __init__(self, ruleset: RuleSet) -> None:
         self._ruleset = ruleset
+        # id(context) -> (context, scopes): contexts are immutable, so the scope tree
+        # built for one (envs bound per connector member) is reused on the next decide.
+        self._scopes: dict[int, tuple[Context, Any]] = {}
+
+    def _scopes_for(self, ctx: Context) -> Any:
+        hit = self._scopes.get(id(ctx))
+        if hit is not None and hit[0] is ctx:
+            return hit[1]
+        scopes = scopes_for(self._ruleset, ctx)
+        if len(self._scopes) >= self._SCOPE_CACHE_SIZE:
+            self._scopes.clear()
+        self._scopes[id(ctx)] = (ctx, scopes)
+        return scopes
 
     @property
     def ruleset(self) -> RuleSet:
@@ -68,7 +83,7 @@ class LayoutEngine:
         Raises `NoLayoutError` when nothing survives.
         """
         ctx = context if context is not None else build_context(**inputs)
-        glob, conn = scopes_for(self._ruleset, ctx)
+        glob, conn = self._scopes_for(ctx)
         outcome = evaluate(self._ruleset, glob, conn, explain=explain)
         if outcome.winner is None:
             events = outcome.events or evaluate(self._ruleset, glob, conn, explain=True).events

@@ -81,6 +81,34 @@ def leaf_predicate(leaf: Leaf) -> Callable[[Any], bool]:
     return _num({"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge}[op], value)
 
 
+def _fast_leaf(leaf: Leaf) -> Test | None:
+    """Specialised closures for the common leaves: one dict lookup, one comparison.
+
+    # INVARIANT: each returns exactly what `leaf_predicate` would.
+    """
+    path, op, value = leaf.field, leaf.op, leaf.value
+    if op in ("eq", "ne") and isinstance(value, bool):
+        if op == "eq":
+            return lambda env: env.get(path, MISSING) is value  # bools are singletons
+        return lambda env: env.get(path, MISSING) is not value
+    if op in ("eq", "ne") and isinstance(value, str):
+        if op == "eq":
+            return lambda env: env.get(path, MISSING) == value  # never equal to a bool or a number
+        return lambda env: env.get(path, MISSING) != value
+    if op in ("eq", "ne") and isinstance(value, int):
+        def eq_int(env: Env) -> bool:
+            actual = env.get(path, MISSING)
+            return actual == value and actual.__class__ is not bool
+
+        return eq_int if op == "eq" else (lambda env: not eq_int(env))
+    if op in ("in", "not_in") and all(isinstance(v, str) for v in value):
+        members = frozenset(value)
+        if op == "in":
+            return lambda env: env.get(path, MISSING).__class__ is str and env.get(path) in members
+        return lambda env: not (env.get(path, MISSING).__class__ is str and env.get(path) in members)
+    return None
+
+
 @dataclass(frozen=True)
 class CompiledCondition:
     test: Test
@@ -91,10 +119,7 @@ class CompiledCondition:
 def _compile(cond: Condition) -> tuple[Test, Callable[[Env, list[LeafResult]], bool]]:
     if isinstance(cond, Leaf):
         pred, path, op, expected = leaf_predicate(cond), cond.field, cond.op, cond.value
-        get = dict.get
-
-        def test(env: Env) -> bool:
-            return pred(get(env, path, MISSING))
+        test = _fast_leaf(cond) or (lambda env: pred(env.get(path, MISSING)))
 
         def explain(env: Env, out: list[LeafResult]) -> bool:
             actual = env.get(path, MISSING)
@@ -109,13 +134,36 @@ def _compile(cond: Condition) -> tuple[Test, Callable[[Env, list[LeafResult]], b
     subs = [_compile(c) for c in (cond.all if isinstance(cond, AllOf) else cond.any)]
     tests = tuple(t for t, _ in subs)
     explains = tuple(e for _, e in subs)
+    explain_all = (lambda env, out: all([e(env, out) for e in explains]))
+    explain_any = (lambda env, out: any([e(env, out) for e in explains]))
     if isinstance(cond, AllOf):
+        if len(tests) == 1:
+            return tests[0], explain_all
         if len(tests) == 2:
             a, b = tests
-            return (lambda env: a(env) and b(env)), (lambda env, out: all([e(env, out) for e in explains]))
-        return (lambda env: all(t(env) for t in tests)), (lambda env, out: all([e(env, out) for e in explains]))
+            return (lambda env: a(env) and b(env)), explain_all
+
+        def test_all(env: Env) -> bool:
+            for t in tests:
+                if not t(env):
+                    return False
+            return True
+
+        return test_all, explain_all
     assert isinstance(cond, AnyOf)
-    return (lambda env: any(t(env) for t in tests)), (lambda env, out: any([e(env, out) for e in explains]))
+    if len(tests) == 1:
+        return tests[0], explain_any
+    if len(tests) == 2:
+        a, b = tests
+        return (lambda env: a(env) or b(env)), explain_any
+
+    def test_any(env: Env) -> bool:
+        for t in tests:
+            if t(env):
+                return True
+        return False
+
+    return test_any, explain_any
 
 
 def leaves_of(cond: Condition | None) -> list[Leaf]:

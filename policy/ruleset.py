@@ -39,6 +39,8 @@ class CompiledRule:
     scope: str | None  # connector name, or None for global
     condition: CompiledCondition = field(compare=False)
     mask: int  # bit i set: the pattern matches layout_order[i]
+    # (test, effect code 0 forbid / 1 require / 2 prefer, mask, per-candidate weights): the hot loop's view
+    fast: tuple[Any, ...] = field(default=(), compare=False)
 
     @property
     def id(self) -> str:
@@ -118,5 +120,8 @@ class RuleSet:
         compiled = []
         for rule, source, scope in rules:
             mask = sum(1 << i for i, layout in enumerate(order) if rule.pattern.matches(layout))
-            compiled.append(CompiledRule(rule, source, scope, compile_condition(rule.when), mask))
+            cond = compile_condition(rule.when)
+            code = {Effect.forbid: 0, Effect.require: 1, Effect.prefer: 2}[rule.effect]
+            weights = tuple((rule.weight or 1) if mask >> i & 1 else 0 for i in range(len(order)))
+            compiled.append(CompiledRule(rule, source, scope, cond, mask, (cond.test, code, mask, weights)))
         return cls(tuple(compiled), order, dict(member_preferences or {}), root)

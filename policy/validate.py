@@ -63,10 +63,14 @@ def _context_keys(path: Path) -> tuple[str, ...]:
 
 def _pydantic_diags(src: Located, base: Path, data: Any, exc: ValidationError) -> list[Diagnostic]:
     diags = []
+    seen: set[Path] = set()
     for err in exc.errors():
         rel = _walk_loc(data, err["loc"])
         path = (*base, *rel)
         kind = err["type"]
+        if path in seen and kind != "extra_forbidden":
+            continue  # one message per value: a union (`int | float`) reports each branch
+        seen.add(path)
         if kind == "extra_forbidden":
             key = str(err["loc"][-1])
             valid = _context_keys(path[:-1])
