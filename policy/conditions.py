@@ -134,8 +134,11 @@ def _compile(cond: Condition) -> tuple[Test, Callable[[Env, list[LeafResult]], b
     subs = [_compile(c) for c in (cond.all if isinstance(cond, AllOf) else cond.any)]
     tests = tuple(t for t, _ in subs)
     explains = tuple(e for _, e in subs)
-    explain_all = (lambda env, out: all([e(env, out) for e in explains]))
-    explain_any = (lambda env, out: any([e(env, out) for e in explains]))
+    def explain_all(env: Env, out: list[LeafResult]) -> bool:
+        return all([e(env, out) for e in explains])  # a list: every leaf is recorded
+
+    def explain_any(env: Env, out: list[LeafResult]) -> bool:
+        return any([e(env, out) for e in explains])
     if isinstance(cond, AllOf):
         if len(tests) == 1:
             return tests[0], explain_all
