@@ -1,0 +1,90 @@
+"""What every verb shares: exit codes, the rule-set flag, error printing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from policy.errors import Diagnostic, InputError, ModelConfigError, PolicyError
+from policy.load import load_rules
+from policy.ruleset import RuleSet
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "HelpFormatter",
+    "UsageError",
+    "add_format_flag",
+    "add_rules_flag",
+    "error_dict",
+    "exit_code_for",
+    "load_ruleset",
+    "print_error",
+    "print_json",
+    "rules_root",
+    "usage_error",
+]
+
+EXIT_OK = 0  # success; the policy said yes
+EXIT_FAILED = 1  # the policy said no, a test failed, the rules do not validate
+EXIT_USAGE = 2  # the command line or an input it names is wrong
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples in each verb's epilog as written."""
+
+
+class UsageError(PolicyError):
+    """A flag value the command line cannot use (exit 2); the diagnostic names the flag."""
+
+
+def usage_error(flag: str, message: str, help: str | None = None) -> UsageError:
+    return UsageError("", [Diagnostic(flag, 0, 0, "usage", message, help)])
+
+
+def add_rules_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rules", metavar="DIR", default=None,
+                        help="rule directory (global *.yaml + connectors/); default: the shipped rules")
+
+
+def add_format_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text for people (default), json for programs (docs/json-output.md)")
+
+
+def rules_root(rules: str | None) -> tuple[Path, str]:
+    """The rule directory and how to show it: the shipped one shows as ``rules``."""
+    if rules is not None:
+        return Path(rules), rules
+    from engine.layout_engine import shipped_rules_dir
+
+    return shipped_rules_dir(), "rules"
+
+
+def load_ruleset(rules: str | None) -> RuleSet:
+    """Load ``--rules`` (or the shipped rules); raises `RuleLoadError` listing every problem."""
+    root, shown = rules_root(rules)
+    return load_rules(root, display=shown)
+
+
+def exit_code_for(exc: PolicyError) -> int:
+    """Bad inputs are usage errors (2); a policy "no" or invalid rules are failures (1)."""
+    return EXIT_USAGE if isinstance(exc, (UsageError, InputError, ModelConfigError)) else EXIT_FAILED
+
+
+def print_error(exc: PolicyError, stream: TextIO | None = None) -> None:
+    """``file:line:col: error[code]: message`` lines, each with its ``help:``, on stderr."""
+    print(exc.render(), file=stream or sys.stderr)
+
+
+def error_dict(exc: PolicyError) -> dict[str, Any]:
+    return {"error": {"kind": type(exc).__name__, "message": exc.message,
+                      "diagnostics": [d.to_dict() for d in exc.diagnostics]}}
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))

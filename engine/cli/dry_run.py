@@ -1,0 +1,342 @@
+"""``kvpolicy dry-run``: decide one deployment's layout and explain why, without allocating.
+
+The flags mirror vLLM's (``--kv-cache-dtype``, ``--block-size``,
+``--tensor-parallel-size``, ``kv_connector`` / ``kv_connector_extra_config``).
+Without ``--model`` or ``--spec`` the built-in example is decided
+(`engine.inputs.DEFAULT_EXAMPLE`), and the output says so first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.cli.common import (
+    EXIT_OK,
+    HelpFormatter,
+    add_format_flag,
+    add_rules_flag,
+    error_dict,
+    exit_code_for,
+    load_ruleset,
+    print_error,
+    print_json,
+    usage_error,
+)
+from engine.decision import Decision
+from engine.inputs import DEFAULT_EXAMPLE, build_context
+from policy.backends import BACKENDS, ScaleViews
+from policy.connectors import KNOWN_CONNECTORS, suggest_connector
+from policy.context import Context
+from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
+from policy.quant import KV_CACHE_DTYPES
+from policy.ruleset import RuleSet
+from policy.spec import KVCacheSpec
+from policy.yaml_source import parse_yaml
+
+__all__ = ["register", "run"]
+
+_EPILOG = """\
+examples:
+  kvpolicy dry-run
+      the built-in example: Qwen2.5-0.5B geometry, TRITON_ATTN, OffloadingConnector,
+      fp8_per_token_head (vLLM #48412): per_layer/NHD, and why cross-layer lost
+  kvpolicy dry-run --model ./Qwen2.5-0.5B --kv-cache-dtype auto --connector OffloadingConnector
+  kvpolicy dry-run --spec spec.yaml --backend FLASHINFER --connector NixlConnector \\
+      --connector-config '{"enable_cross_layers_blocks": "true"}' --num-blocks 1024
+  kvpolicy dry-run --connector MultiConnector --connector-config \\
+      '{"connectors": [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]}'
+  kvpolicy dry-run --explain fails          # only what removed candidates and why the rest lost
+  kvpolicy dry-run --format json | jq .layout
+
+spec file (--spec, YAML or JSON): KVCacheSpec fields, or several KV cache groups:
+  num_layers: 24
+  block_size: 16
+  num_kv_heads: 2
+  head_size: 64
+  kv_cache_dtype: fp8_per_token_head     # optional; --kv-cache-dtype overrides
+  # or: groups: [{spec: {...}, num_attention_groups: 1}, {spec: {kind: mamba, ...}}]
+
+exit codes: 0 a layout was chosen, 1 no layout survives the rules (or they do not load),
+            2 usage error (a bad flag value, an unreadable or invalid --spec / --model)
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got `{text}`") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got `{text}`")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"invalid JSON ({exc.msg} at column {exc.colno}); expected an object such as "
+            "'{\"enable_cross_layers_blocks\": \"true\"}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def register(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser(
+        "dry-run", help="decide one deployment's KV cache layout and explain it",
+        description="Evaluate the rules for one deployment and print the chosen layout with its explanation: "
+                    "the inputs, the ranking, what eliminated each losing layout (rule id and file:line), "
+                    "preferences, counterfactuals and every rule's result. Nothing is allocated; torch is "
+                    "not imported.",
+        epilog=_EPILOG, formatter_class=HelpFormatter)
+    src = p.add_argument_group("the KV cache (default: the built-in example)")
+    what = src.add_mutually_exclusive_group()
+    what.add_argument("--model", metavar="PATH", help="a Hugging Face config.json, or the directory holding one")
+    what.add_argument("--spec", metavar="FILE", help="a YAML or JSON file of KVCacheSpec fields (or `groups:`)")
+    src.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="DTYPE",
+                     help="vLLM's --kv-cache-dtype: " + ", ".join(KV_CACHE_DTYPES))
+    src.add_argument("--block-size", type=_positive_int, metavar="N", help="tokens per block (vLLM's --block-size)")
+    src.add_argument("--tensor-parallel-size", type=_positive_int, metavar="N",
+                     help="with --model: KV heads are split over N ranks (default 1)")
+    dep = p.add_argument_group("the deployment")
+    dep.add_argument("--backend", choices=tuple(BACKENDS), metavar="NAME",
+                     help="attention backend: " + ", ".join(BACKENDS) + " (default TRITON_ATTN)")
+    dep.add_argument("--scale-views", choices=[s.value for s in ScaleViews],
+                     help="how the backend builds inline-scale views (default: the backend's own)")
+    dep.add_argument("--connector", metavar="NAME",
+                     help="KV connector class (vLLM's kv_connector), or `none`")
+    dep.add_argument("--connector-config", type=_json_object, metavar="JSON",
+                     help="vLLM's kv_connector_extra_config as a JSON object; for MultiConnector "
+                          '{"connectors": [{"kv_connector": ..., "kv_connector_extra_config": {...}}]}')
+    out = p.add_argument_group("output")
+    add_rules_flag(out)
+    out.add_argument("--explain", choices=("full", "fails", "notes"), default="full",
+                     help="full: everything (default); fails: removals and counterfactuals; notes: what decided")
+    add_format_flag(out)
+    out.add_argument("--num-blocks", type=_positive_int, metavar="N",
+                     help="also plan the buffers for N blocks: physical shapes, views, bytes")
+    p.set_defaults(run=run)
+
+
+# ---------------------------------------------------------------------------------------------
+# --spec FILE
+
+
+def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: ValidationError) -> list[Diagnostic]:
+    from engine.policy_tests import located_validation_errors
+
+    return located_validation_errors(src, base, data, exc)
+
+
+def read_spec_file(path: str) -> dict[str, Any]:
+    """Build-context keywords (``spec`` or ``groups``) from a spec file; errors carry file:line:col."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise usage_error(path, f"cannot read the --spec file: {reason}") from None
+    src, diags = parse_yaml(text, path)
+    if src is None or diags:
+        raise InputError("invalid --spec file", diags)
+    data = src.data
+    if not isinstance(data, dict):
+        raise InputError("", [src.diag((), "invalid-spec", "a spec file is a mapping of KVCacheSpec fields",
+                                       "e.g. {num_layers: 24, block_size: 16, num_kv_heads: 2, head_size: 64}")])
+    if "groups" not in data:
+        try:
+            KVCacheSpec.model_validate(data)
+        except ValidationError as exc:
+            raise InputError("invalid --spec file", _located_spec_errors(src, (), data, exc)) from None
+        return {"spec": data}
+    from engine.policy_tests import GroupInput
+
+    extra = [k for k in data if k != "groups"]
+    if extra:
+        raise InputError("", [src.diag((extra[0],), "unknown-key", f"unknown key `{extra[0]}` beside `groups`",
+                                       "a spec file holds either KVCacheSpec fields or `groups:`", key=True)])
+    groups = data["groups"]
+    if not isinstance(groups, list) or not groups:
+        raise InputError("", [src.diag(("groups",), "invalid-spec", "`groups` must be a non-empty list")])
+    diags: list[Diagnostic] = []
+    parsed = []
+    for i, g in enumerate(groups):
+        try:
+            group = GroupInput.model_validate(g)
+        except ValidationError as exc:
+            diags += _located_spec_errors(src, ("groups", i), g, exc)
+            continue
+        try:
+            KVCacheSpec.model_validate(group.spec)
+        except ValidationError as exc:
+            diags += _located_spec_errors(src, ("groups", i, "spec"), g["spec"], exc)
+            continue
+        parsed.append(group)
+    if diags:
+        raise InputError("invalid --spec file", diags)
+    return {"groups": parsed}
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+_FLAG_OF = {
+    "backend": "--backend",
+    "scale_views": "--scale-views",
+    "connector": "--connector",
+    "connector_config": "--connector-config",
+    "model": "--model",
+    "tensor_parallel_size": "--tensor-parallel-size",
+}
+
+
+def _name_flags(exc: InputError, spec_file: str | None) -> InputError:
+    """Show an input error under the flag (or file) the user typed, not the keyword."""
+    diags = []
+    for d in exc.diagnostics:
+        head = d.file.split(".", 1)[0].split("[", 1)[0]
+        where = _FLAG_OF.get(head)
+        if head in ("spec", "groups"):
+            where = spec_file or "--spec (built-in example)"
+        diags.append(Diagnostic(where or d.file, d.line, d.col, d.code, d.message, d.help) if d.line == 0 else d)
+    return type(exc)(exc.message, diags)
+
+
+def is_example(args: argparse.Namespace) -> bool:
+    return args.model is None and args.spec is None
+
+
+def context_from_args(args: argparse.Namespace) -> Context:
+    """The decision context the flags describe; raises `InputError` naming the flag."""
+    if args.tensor_parallel_size not in (None, 1) and args.model is None:
+        raise usage_error("--tensor-parallel-size", "applies to --model only",
+                          "a --spec already gives the KV heads of one rank (`num_kv_heads`)")
+    example = is_example(args)
+    kwargs: dict[str, Any] = {
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "block_size": args.block_size,
+        "backend": args.backend or (DEFAULT_EXAMPLE["backend"] if example else "TRITON_ATTN"),
+        "scale_views": args.scale_views,
+        "connector": args.connector if args.connector is not None else (
+            DEFAULT_EXAMPLE["connector"] if example else None),
+        "connector_config": args.connector_config,
+    }
+    if args.model is not None:
+        kwargs["model"] = args.model
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size or 1
+    elif args.spec is not None:
+        source = read_spec_file(args.spec)
+        if "groups" in source:
+            from engine.policy_tests import groups_from_data
+
+            try:
+                groups = groups_from_data(source["groups"], kv_cache_dtype=args.kv_cache_dtype,
+                                          block_size=args.block_size)
+            except InputError as exc:
+                raise _name_flags(exc, args.spec) from None
+            kwargs.update(groups=groups, kv_cache_dtype=None, block_size=None)
+        else:
+            kwargs["spec"] = source["spec"]
+    else:
+        kwargs["spec"] = DEFAULT_EXAMPLE["spec"]
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype or DEFAULT_EXAMPLE["kv_cache_dtype"]
+    try:
+        return build_context(**kwargs)
+    except ModuleNotFoundError as exc:  # policy.hf_config not in this install
+        raise usage_error("--model", f"reading model configs is not available here ({exc.name} is missing)",
+                          "pass the KV geometry with --spec FILE instead") from None
+    except InputError as exc:
+        raise _name_flags(exc, args.spec) from None
+
+
+def example_banner(args: argparse.Namespace) -> str:
+    ex = DEFAULT_EXAMPLE
+    mine = [f for f, v in (("--kv-cache-dtype", args.kv_cache_dtype), ("--block-size", args.block_size),
+                           ("--backend", args.backend), ("--scale-views", args.scale_views),
+                           ("--connector", args.connector), ("--connector-config", args.connector_config))
+            if v is not None]
+    text = (f"built-in example: Qwen2.5-0.5B KV geometry, {ex['backend']}, {ex['connector']}, "
+            f"kv_cache_dtype {ex['kv_cache_dtype']}")
+    if mine:
+        text += f", changed by {', '.join(mine)}"
+    return text + " (pass --model PATH or --spec FILE for your own deployment; see --help)"
+
+
+def _warn_unknown_connector(ctx: Context, ruleset: RuleSet) -> None:
+    conn = ctx.connector
+    names = [] if conn is None else [conn.name, *(m.name for m in conn.connectors)]
+    for name in names:
+        if name not in KNOWN_CONNECTORS and name not in ruleset.connectors:
+            near = suggest_connector(name)
+            print(f"warning: unknown connector `{name}`: no rules apply to it"
+                  + (f"; did you mean `{near}`?" if near else ""), file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan (--num-blocks)
+
+
+def plan_for(decision: Decision, num_blocks: int) -> Any:
+    """The layout plan of the chosen layout (pure arithmetic, `engine.plan`)."""
+    from engine.plan import plan_layout
+
+    ctx = decision.context
+    return plan_layout(decision.layout, ctx.kv, ctx.backend, num_blocks)
+
+
+def plan_dict(plan: Any) -> dict[str, Any]:
+    from engine.cli.plan_view import plan_summary
+
+    return plan_summary(plan)
+
+
+def plan_text(plan: Any) -> str:
+    from engine.cli.plan_view import render_plan
+
+    return render_plan(plan)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    """Decide and print; exit 1 when no layout survives."""
+    try:
+        ruleset = load_ruleset(args.rules)
+        ctx = context_from_args(args)
+        _warn_unknown_connector(ctx, ruleset)
+        from engine.layout_engine import LayoutEngine
+
+        decision = LayoutEngine(ruleset).decide(ctx)
+        plan = plan_for(decision, args.num_blocks) if args.num_blocks else None
+    except PolicyError as exc:
+        if args.format == "json":
+            print_json(error_dict(exc))
+        if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
+            print(example_banner(args), file=sys.stderr)
+        print_error(exc)
+        return exit_code_for(exc)
+    if args.format == "json":
+        data = decision.to_dict()
+        if plan is not None:
+            data["plan"] = plan_dict(plan)
+        if is_example(args):
+            print(example_banner(args), file=sys.stderr)
+        print_json(data)
+        return EXIT_OK
+    parts = []
+    if is_example(args):
+        parts.append(example_banner(args) + "\n")
+    parts.append(decision.explain(args.explain))
+    if plan is not None:
+        parts.append("\n" + plan_text(plan))
+    print("\n".join(parts))
+    return EXIT_OK

@@ -1,0 +1,106 @@
+"""``kvpolicy``: the entry point. Builds the parser, dispatches, turns errors into exit codes.
+
+Exit codes (docs/cli.md): 0 ok; 1 the policy said no, a test failed, the rules
+do not validate; 2 a usage error (a bad flag or an input it names). A user's
+mistake prints its located diagnostics, never a traceback. No verb imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from engine.cli import dry_run, schema, testing, validate
+from engine.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, exit_code_for, print_error
+from policy.errors import PolicyError
+
+__all__ = ["build_parser", "main"]
+
+_EPILOG = """\
+examples:
+  kvpolicy dry-run                                  # decide for the built-in example, explain why
+  kvpolicy dry-run --model ./Qwen2.5-0.5B --kv-cache-dtype fp8_per_token_head \\
+      --connector OffloadingConnector --num-blocks 1024
+  kvpolicy validate my-rules/                       # every error, located
+  kvpolicy test                                     # the shipped rules' policy tests
+  kvpolicy schema > rule-file.schema.json
+
+exit codes: 0 ok, 1 the policy said no / a test or validation failed, 2 usage error
+"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvpolicy")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0.1.0+source"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, computed only when asked for (importlib.metadata is not free)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        print(f"kvpolicy {_version()}")
+        parser.exit(0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvpolicy`` parser with one subparser per verb."""
+    parser = argparse.ArgumentParser(
+        prog="kvpolicy",
+        description="Declarative KV cache layout policy: decide, explain, validate and test layout rules.",
+        epilog=_EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action=_VersionAction)
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
+    for module in (dry_run, validate, testing, schema):
+        module.register(verbs)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvpolicy``; returns the exit code (argparse's own exits included)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors: argparse already printed
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    if args.verb is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except PolicyError as exc:
+        print_error(exc)
+        return exit_code_for(exc)
+    except BrokenPipeError:  # `kvpolicy ... | head`: stop quietly
+        _silence_stdout()
+        return EXIT_FAILED
+    except OSError as exc:  # an unreadable file named on the command line
+        where = exc.filename if exc.filename is not None else "kvpolicy"
+        print(f"{where}: error[unreadable]: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the exit flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured in tests)
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

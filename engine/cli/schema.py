@@ -1,0 +1,63 @@
+"""``kvpolicy schema``: the JSON Schema of the rule file format (or of policy test files).
+
+The committed copy, docs/rule-file.schema.json, is what the shipped rule files
+name for editors (``# yaml-language-server: $schema=...``); a test keeps it
+equal to this output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from engine.cli.common import EXIT_OK, HelpFormatter
+
+__all__ = ["case_file_schema", "register", "rule_file_schema", "run"]
+
+_DRAFT = "https://json-schema.org/draft/2020-12/schema"
+
+_EPILOG = """\
+examples:
+  kvpolicy schema > docs/rule-file.schema.json
+  kvpolicy schema --cases > policy-test.schema.json
+
+editors: start a rule file with
+  # yaml-language-server: $schema=../docs/rule-file.schema.json
+"""
+
+
+def rule_file_schema() -> dict[str, Any]:
+    """JSON Schema (2020-12) of a rule file, from `policy.rule_model.RuleFile`."""
+    from policy.rule_model import RuleFile
+
+    body = RuleFile.model_json_schema(by_alias=True)
+    return {"$schema": _DRAFT, "$id": "urn:kvpolicy:rule-file:1", "title": "kvpolicy rule file", **body}
+
+
+def case_file_schema() -> dict[str, Any]:
+    """JSON Schema (2020-12) of a policy test file, from `engine.policy_tests.CaseFile`."""
+    from engine.policy_tests import CaseFile
+
+    body = CaseFile.model_json_schema(by_alias=True)
+    return {"$schema": _DRAFT, "$id": "urn:kvpolicy:policy-test-file:1", "title": "kvpolicy policy test file",
+            **body}
+
+
+def schema_text(cases: bool = False) -> str:
+    """The schema exactly as printed (and committed): 2-space indent, trailing newline."""
+    return json.dumps(case_file_schema() if cases else rule_file_schema(), indent=2) + "\n"
+
+
+def register(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser(
+        "schema", help="print the JSON Schema of the rule file format",
+        description="Print the JSON Schema (draft 2020-12) of kvpolicy's rule files, for editors and CI.",
+        epilog=_EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("--cases", action="store_true", help="the schema of policy test files (kvpolicy test) instead")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(schema_text(args.cases), end="")
+    return EXIT_OK

@@ -1,0 +1,112 @@
+"""``kvpolicy test [PATHS...]``: run policy tests (YAML cases) against a rule set.
+
+A thin printer over `engine.policy_tests.run_policy_tests`; the case format is
+documented in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    HelpFormatter,
+    add_format_flag,
+    add_rules_flag,
+    load_ruleset,
+    print_json,
+    rules_root,
+)
+from engine.policy_tests import CaseResult, TestRun, run_policy_tests
+
+__all__ = ["register", "render_run", "run"]
+
+_EPILOG = """\
+examples:
+  kvpolicy test                                   # rules/tests/*.yaml against the shipped rules
+  kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against my-rules/
+  kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
+
+a case file (docs/cli.md has the full format):
+  version: 1
+  cases:
+    - name: offloading with fp8 per-token-head stays per-layer
+      input:
+        spec: {num_layers: 24, block_size: 16, num_kv_heads: 2, head_size: 64}
+        kv_cache_dtype: fp8_per_token_head
+        connector: OffloadingConnector
+      expect:
+        layout: per_layer/NHD
+        removed: {cross_layer/NHD: [per-token-head-forbids-cross-layer]}
+
+output: each failing case with expected vs actual and the decision's `fails` explanation,
+then `N passed, N failed`, then `coverage: X/Y rules matched by some case` and the
+rules no case made match, with their file:line.
+
+exit codes: 0 every case passed, 1 a case failed (or, with --require-coverage, a rule is
+            uncovered; or a test file does not load), 2 usage error
+"""
+
+
+def register(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser(
+        "test", help="run policy tests (YAML cases) and report rule coverage",
+        description="Run policy unit tests: each case decides one input and checks the chosen layout, the "
+                    "rules that removed candidates and the rules that matched. Reports which rules no case "
+                    "made match.",
+        epilog=_EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="case files or directories of them (default: <rules dir>/tests/)")
+    add_rules_flag(p)
+    p.add_argument("--require-coverage", action="store_true",
+                   help="fail (exit 1) when some rule is matched by no case")
+    p.add_argument("-v", "--verbose", action="store_true", help="list passing cases too")
+    add_format_flag(p)
+    p.set_defaults(run=run)
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line else "" for line in text.splitlines())
+
+
+def render_case(result: CaseResult) -> str:
+    """A failing case: its location and name, what differed, and the decision's explanation."""
+    lines = [f"FAIL {result.loaded.location}: {result.name}"]
+    for failure in result.failures:
+        lines.append(_indent(failure, "  "))
+    lines.append("  decision (fails):" if result.decision is not None else "  error:")
+    lines.append(_indent(result.explanation(), "    "))
+    return "\n".join(lines)
+
+
+def render_run(run: TestRun, *, verbose: bool = False) -> str:
+    """The whole report; ends with the summary line and the coverage report."""
+    out = []
+    for r in run.results:
+        if not r.passed:
+            out.append(render_case(r))
+            out.append("")
+        elif verbose:
+            out.append(f"PASS {r.loaded.location}: {r.name}")
+    if verbose and run.failed == 0:
+        out.append("")
+    cov = run.coverage
+    out.append(f"{run.passed} passed, {run.failed} failed")
+    out.append(f"coverage: {cov.total - len(cov.uncovered)}/{cov.total} rules matched by some case")
+    for rule in cov.uncovered:
+        out.append(f"  uncovered: {rule.id} at {rule.source}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    ruleset = load_ruleset(args.rules)
+    paths = args.paths or [rules_root(args.rules)[0] / "tests"]
+    result = run_policy_tests(ruleset, paths)
+    if args.format == "json":
+        print_json(result.to_dict())
+    else:
+        print(render_run(result, verbose=args.verbose))
+    if not result.ok or (args.require_coverage and not result.coverage.complete):
+        return EXIT_FAILED
+    return EXIT_OK

@@ -1,0 +1,62 @@
+"""``kvpolicy validate [DIR]``: load a rule directory and report every problem, located."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    HelpFormatter,
+    add_format_flag,
+    error_dict,
+    print_error,
+    print_json,
+    rules_root,
+)
+from policy.errors import RuleLoadError
+from policy.load import load_rules, rule_files
+
+__all__ = ["register", "run"]
+
+_EPILOG = """\
+examples:
+  kvpolicy validate                 # the shipped rules
+  kvpolicy validate my-rules/       # an operator's rule directory
+  kvpolicy validate my-rules/ --format json
+
+output: each problem as `file:line:col: error[code]: message` with a `help:` line, on
+stderr; when clean, one line on stdout: `ok: N rules in M files (digest sha256:...)`
+
+exit codes: 0 the rules load cleanly, 1 they do not, 2 usage error
+"""
+
+
+def register(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser(
+        "validate", help="check a rule directory and print every error with its file:line:col",
+        description="Load a rule directory (global *.yaml and connectors/*.yaml) as the engine would: YAML "
+                    "syntax, the rule schema, field names and value types, duplicate ids. Every problem is "
+                    "reported, not just the first.",
+        epilog=_EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("dir", nargs="?", metavar="DIR", help="the rule directory (default: the shipped rules)")
+    add_format_flag(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    root, shown = rules_root(args.dir)
+    try:
+        ruleset = load_rules(root, display=shown)
+    except RuleLoadError as exc:
+        if args.format == "json":
+            print_json({"ok": False, **error_dict(exc)})
+        print_error(exc)
+        return EXIT_FAILED
+    files = len(rule_files(root))
+    if args.format == "json":
+        print_json({"ok": True, "rules": len(ruleset.rules), "files": files, "digest": ruleset.digest,
+                    "root": ruleset.root})
+    else:
+        print(f"ok: {len(ruleset.rules)} rules in {files} files (digest {ruleset.digest})")
+    return EXIT_OK

@@ -1,0 +1,591 @@
+"""Policy tests: YAML cases that pin what a rule set decides, run as a library.
+
+A case file (``rules/tests/*.yaml``; the format is documented in docs/cli.md)::
+
+    version: 1
+    cases:
+      - name: offloading with fp8 per-token-head stays per-layer
+        input: {spec: {num_layers: 24, block_size: 16, num_kv_heads: 2, head_size: 64},
+                kv_cache_dtype: fp8_per_token_head, connector: OffloadingConnector}
+        expect:
+          layout: per_layer/NHD
+          removed: {cross_layer/NHD: [per-token-head-forbids-cross-layer]}
+
+`load_cases` parses with positions (`policy.yaml_source.parse_yaml`) and
+validates every file, collecting every problem located at file:line:col.
+`run_policy_tests` evaluates each case against a `RuleSet` and returns a
+`TestRun`: what failed (expected vs actual, with the decision's ``fails``
+explanation) and which rules no case made match (coverage). `kvpolicy test`
+is a thin printer over it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from engine.decide import evaluate, no_layout_error, scopes_for
+from engine.decision import Decision
+from engine.inputs import build_context
+from engine.trace import CandidateRemoved, RuleEvaluated
+from policy.backends import ScaleViews
+from policy.context import Context
+from policy.errors import Diagnostic, NoLayoutError, PolicyError
+from policy.layouts import Layout, LayoutPattern
+from policy.ruleset import CompiledRule, RuleSet
+from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
+from policy.yaml_source import Located, parse_yaml
+
+__all__ = [
+    "CaseFile",
+    "CaseInput",
+    "CaseResult",
+    "Coverage",
+    "Expect",
+    "GroupInput",
+    "LoadedCase",
+    "PolicyCase",
+    "PolicyTestError",
+    "TestRun",
+    "case_files",
+    "context_for",
+    "coverage_of",
+    "groups_from_data",
+    "load_cases",
+    "located_validation_errors",
+    "run_case",
+    "run_policy_tests",
+]
+
+_SUFFIXES = (".yaml", ".yml")
+
+
+class PolicyTestError(PolicyError):
+    """Policy test files that cannot be read or do not validate (every problem, located)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The case format
+
+
+class GroupInput(Frozen):
+    """One KV cache group of a hybrid model: a spec and its attention-group count."""
+
+    spec: dict[str, Any] = Field(description="KVCacheSpec fields (num_layers, block_size, num_kv_heads, ...)")
+    num_attention_groups: int = Field(default=1, ge=1, description="attention backends in this group")
+
+
+class CaseInput(Frozen):
+    """The deployment a case decides for: the keywords of `engine.inputs.build_context`.
+
+    Exactly one of ``model`` (a config.json, relative to the case file),
+    ``spec`` (one group) or ``groups`` (several) describes the KV cache.
+    """
+
+    model: str | None = Field(default=None, description="HF config.json or its directory, relative to the case file")
+    spec: dict[str, Any] | None = Field(default=None, description="KVCacheSpec fields of the single group")
+    groups: list[GroupInput] | None = Field(default=None, min_length=1, description="several KV cache groups")
+    kv_cache_dtype: str | None = Field(default=None, description="vLLM's --kv-cache-dtype; overrides the spec's")
+    block_size: int | None = Field(default=None, gt=0, description="tokens per block; overrides the spec's")
+    backend: str = Field(default="TRITON_ATTN", description="attention backend name")
+    scale_views: ScaleViews | None = Field(default=None, description="override the backend's scale-view strategy")
+    connector: str | None = Field(default=None, description="KV connector class name; absent: no connector")
+    connector_config: dict[str, Any] | None = Field(default=None, description="vLLM's kv_connector_extra_config")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="with `model` only")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CaseInput:
+        given = [k for k in ("model", "spec", "groups") if getattr(self, k) is not None]
+        if len(given) != 1:
+            found = ", ".join(f"`{k}`" for k in given) or "none"
+            raise ValueError(f"an input needs exactly one of `model`, `spec`, `groups`; found {found}")
+        return self
+
+
+def _pattern(value: Any) -> Any:
+    if isinstance(value, str):
+        layout = Layout.parse(value)  # ValueError names the valid layouts
+        return LayoutPattern(placement=layout.placement, head_order=layout.head_order)
+    return value
+
+
+def _layout_name(value: str) -> str:
+    return str(Layout.parse(value))
+
+
+class Expect(Frozen):
+    """What the decision must be; every key is optional, at least one is required."""
+
+    layout: LayoutPattern | None = Field(
+        default=None, description="the chosen layout, `per_layer/NHD`, or a pattern `{placement: per_layer}`"
+    )
+    survivors: list[str] | None = Field(default=None, description="the surviving layouts, best first (exact)")
+    removed: dict[str, list[str]] | None = Field(
+        default=None, description="layout -> rule ids that must have removed it ([]: removed by some rule)"
+    )
+    matched: list[str] = Field(default_factory=list, description="rule ids that must match (in some scope)")
+    not_matched: list[str] = Field(default_factory=list, description="rule ids that must not match in any scope")
+    error: str | None = Field(default=None, description="a diagnostic code the decision must fail with, e.g. no-layout")
+
+    @field_validator("layout", mode="before")
+    @classmethod
+    def _layout(cls, value: Any) -> Any:
+        return _pattern(value)
+
+    @field_validator("survivors", mode="before")
+    @classmethod
+    def _survivors(cls, value: Any) -> Any:
+        return [_layout_name(v) for v in value] if isinstance(value, list) and all(
+            isinstance(v, str) for v in value) else value
+
+    @field_validator("removed", mode="before")
+    @classmethod
+    def _removed(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {_layout_name(k) if isinstance(k, str) else k: ([] if v is None else v) for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Expect:
+        if self.error is not None and (self.layout is not None or self.survivors is not None):
+            raise ValueError("`error` cannot be combined with `layout` or `survivors`: no layout is chosen")
+        if not (self.layout or self.survivors is not None or self.removed or self.matched or self.not_matched
+                or self.error):
+            raise ValueError("`expect` needs at least one of `layout`, `survivors`, `removed`, `matched`, "
+                             "`not_matched`, `error`")
+        return self
+
+    @property
+    def rule_ids(self) -> list[tuple[tuple[Any, ...], str]]:
+        """(path inside ``expect``, rule id) for every rule the expectation names."""
+        out = [(("matched", i), r) for i, r in enumerate(self.matched)]
+        out += [(("not_matched", i), r) for i, r in enumerate(self.not_matched)]
+        for layout, ids in (self.removed or {}).items():
+            out += [(("removed", layout, i), r) for i, r in enumerate(ids)]
+        return out
+
+
+class PolicyCase(Frozen):
+    """One named case: an input and what the rule set must decide for it."""
+
+    name: str = Field(min_length=1, description="shown in the report; unique within a file")
+    input: CaseInput
+    expect: Expect
+
+
+class CaseFile(Frozen):
+    """One policy test file."""
+
+    version: Literal[1] = Field(description="format version; currently 1")
+    cases: list[PolicyCase] = Field(min_length=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+_KEYS: dict[str, tuple[str, ...]] = {
+    "file": tuple(CaseFile.model_fields),
+    "case": tuple(PolicyCase.model_fields),
+    "input": tuple(CaseInput.model_fields),
+    "expect": tuple(Expect.model_fields),
+    "group": tuple(GroupInput.model_fields),
+    "pattern": tuple(LayoutPattern.model_fields),
+}
+
+
+def _walk_loc(data: Any, loc: Sequence[Any]) -> tuple[Any, ...]:
+    """Map a pydantic error location onto the longest matching path in ``data``."""
+    path: list[Any] = []
+    for part in loc:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+            path.append(part)
+        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+            path.append(part)
+    return tuple(path)
+
+
+def _keys_at(path: tuple[Any, ...]) -> tuple[str, ...]:
+    if not path:
+        return _KEYS["file"]
+    last = path[-1]
+    if isinstance(last, int) and len(path) >= 2:
+        return {"cases": _KEYS["case"], "groups": _KEYS["group"]}.get(path[-2], ())
+    return {"input": _KEYS["input"], "expect": _KEYS["expect"], "layout": _KEYS["pattern"]}.get(last, ())
+
+
+def located_validation_errors(
+    src: Located, base: tuple[Any, ...], data: Any, exc: ValidationError, *, code_prefix: str = ""
+) -> list[Diagnostic]:
+    """Turn a pydantic error into located diagnostics (unknown keys get "did you mean")."""
+    diags = []
+    for err in exc.errors():
+        path = (*base, *_walk_loc(data, err["loc"]))
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            key = str(err["loc"][-1])
+            valid = _keys_at(path[:-1])
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = (f"did you mean `{close[0]}`? " if close else "") + (
+                f"valid keys here: {', '.join(valid)}" if valid else "")
+            diags.append(src.diag(path, "unknown-key", f"unknown key `{key}`", hint or None, key=True))
+        elif kind == "missing":
+            diags.append(src.diag(path, "missing-key", f"missing required key `{err['loc'][-1]}`"))
+        else:
+            msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "expected")
+            msg = msg[:1].lower() + msg[1:]
+            shown = err.get("input")
+            if kind != "value_error" and isinstance(shown, (str, int, float, bool)):
+                msg += f", got `{shown}`"
+            diags.append(src.diag(path, f"{code_prefix}invalid-value", msg))
+    return diags
+
+
+@dataclass(frozen=True)
+class LoadedCase:
+    """A validated case stamped with where it is written (OPA's conformance cases do the same)."""
+
+    case: PolicyCase
+    src: Located
+    index: int
+
+    @property
+    def file(self) -> str:
+        return self.src.file
+
+    @property
+    def line(self) -> int:
+        return self.src.position(("cases", self.index))[0]
+
+    @property
+    def location(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @property
+    def base_dir(self) -> Path:
+        return Path(self.src.file).parent
+
+    def diag(self, path: tuple[Any, ...], code: str, message: str, help: str | None = None) -> Diagnostic:
+        return self.src.diag(("cases", self.index, *path), code, message, help)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it lies under it, else as given."""
+    try:
+        rel = path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return str(path)
+    return str(rel)
+
+
+def case_files(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[Path], list[Diagnostic]]:
+    """The case files named by ``paths`` (files, or directories of ``*.yaml``), sorted per directory."""
+    files: list[Path] = []
+    diags: list[Diagnostic] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(x for x in p.iterdir() if x.suffix in _SUFFIXES and x.is_file())
+            if not found:
+                diags.append(Diagnostic(_shown(p), 0, 0, "no-test-files", "no `.yaml` policy test files here",
+                                        "write cases in `<rules>/tests/*.yaml` (see docs/cli.md)"))
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            diags.append(Diagnostic(_shown(p), 0, 0, "not-found", "no such file or directory",
+                                    "pass policy test files or directories holding them"))
+    return files, diags
+
+
+def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic]]:
+    shown = _shown(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return [], [Diagnostic(shown, 0, 0, "unreadable", f"cannot read the file: {reason}")]
+    src, diags = parse_yaml(text, shown)
+    if src is None or diags:
+        return [], diags
+    if not isinstance(src.data, dict):
+        return [], [src.diag((), "not-a-mapping", "a policy test file is a mapping",
+                             "start the file with `version: 1` and a `cases:` list")]
+    try:
+        model = CaseFile.model_validate(src.data)
+    except ValidationError as exc:
+        return [], located_validation_errors(src, (), src.data, exc)
+    seen: dict[str, int] = {}
+    for i, case in enumerate(model.cases):
+        if case.name in seen:
+            diags.append(src.diag(("cases", i, "name"), "duplicate-case",
+                                  f"case `{case.name}` is already defined at line {seen[case.name]}",
+                                  "give each case of a file its own name"))
+        seen.setdefault(case.name, src.position(("cases", i))[0])
+    return [LoadedCase(c, src, i) for i, c in enumerate(model.cases)], diags
+
+
+def _check_rule_ids(cases: list[LoadedCase], ruleset: RuleSet) -> list[Diagnostic]:
+    known = sorted(r.id for r in ruleset.rules)
+    diags = []
+    for lc in cases:
+        for path, rule_id in lc.case.expect.rule_ids:
+            if rule_id not in known:
+                close = difflib.get_close_matches(rule_id, known, n=1)
+                diags.append(lc.diag(("expect", *path), "unknown-rule",
+                                     f"no rule `{rule_id}` in rule set `{ruleset.root}`",
+                                     f"did you mean `{close[0]}`?" if close else "`kvpolicy validate` lists the rules"))
+    return diags
+
+
+def load_cases(paths: Iterable[str | os.PathLike[str]], ruleset: RuleSet | None = None) -> list[LoadedCase]:
+    """Load and validate every case; raises `PolicyTestError` listing every problem.
+
+    With ``ruleset``, rule ids named in expectations must exist in it.
+    """
+    files, diags = case_files(paths)
+    cases: list[LoadedCase] = []
+    for path in files:
+        loaded, problems = _load_file(path)
+        cases += loaded
+        diags += problems
+    if ruleset is not None:
+        diags += _check_rule_ids(cases, ruleset)
+    if diags:
+        raise PolicyTestError(f"{len(diags)} error(s) in policy test files", diags)
+    if not cases:
+        raise PolicyTestError("", [Diagnostic("<policy tests>", 0, 0, "no-test-files", "no policy test files given")])
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def groups_from_data(
+    groups: Sequence[GroupInput], *, kv_cache_dtype: str | None = None, block_size: int | None = None
+) -> KVCacheGroups:
+    """`KVCacheGroups` from plain group data; ``kv_cache_dtype``/``block_size`` override every
+    attention group's spec, as vLLM's flags do. Raises `InputError` naming ``groups[i].spec``."""
+    out = []
+    for i, g in enumerate(groups):
+        data = dict(g.spec)
+        if data.get("kind", "full") != AttentionKind.mamba.value:
+            if kv_cache_dtype is not None:
+                data["kv_cache_dtype"] = kv_cache_dtype
+            if block_size is not None:
+                data["block_size"] = block_size
+        spec = make_model(KVCacheSpec, f"groups[{i}].spec", data)
+        out.append(KVCacheGroup(spec=spec, num_attention_groups=g.num_attention_groups))
+    return KVCacheGroups(groups=tuple(out))
+
+
+def context_for(inp: CaseInput, base_dir: Path = Path(".")) -> Context:
+    """The decision `Context` for a case input; raises `InputError` / `ModelConfigError`."""
+    common: dict[str, Any] = {
+        "backend": inp.backend,
+        "scale_views": inp.scale_views.value if inp.scale_views else None,
+        "connector": inp.connector,
+        "connector_config": inp.connector_config,
+    }
+    if inp.groups is not None:
+        groups = groups_from_data(inp.groups, kv_cache_dtype=inp.kv_cache_dtype, block_size=inp.block_size)
+        return build_context(groups=groups, **common)
+    sizing = {"kv_cache_dtype": inp.kv_cache_dtype, "block_size": inp.block_size}
+    if inp.model is not None:
+        model = Path(inp.model) if Path(inp.model).is_absolute() else base_dir / inp.model
+        return build_context(model=model, tensor_parallel_size=inp.tensor_parallel_size, **sizing, **common)
+    return build_context(spec=inp.spec, **sizing, **common)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One case's outcome: what was checked, what differed, and the evidence."""
+
+    loaded: LoadedCase
+    failures: tuple[str, ...]
+    matched: frozenset[str]  # rule ids that matched in some scope
+    layout: Layout | None  # the chosen layout (None on error)
+    error: PolicyError | None  # the decision's error, if any
+    decision: Decision | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.loaded.case.name
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def explanation(self) -> str:
+        """The decision's ``fails`` explanation, or the rendered error."""
+        if self.decision is not None:
+            return self.decision.explain("fails")
+        return self.error.render() if self.error is not None else ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "location": self.loaded.location,
+            "passed": self.passed,
+            "failures": list(self.failures),
+            "layout": None if self.layout is None else str(self.layout),
+            "error": None if self.error is None else [d.to_dict() for d in self.error.diagnostics],
+        }
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Which rules of the rule set some case made match."""
+
+    total: int
+    covered: frozenset[str]
+    uncovered: tuple[CompiledRule, ...]
+
+    @property
+    def complete(self) -> bool:
+        return not self.uncovered
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"matched": self.total - len(self.uncovered), "total": self.total,
+                "uncovered": [{"rule": r.id, "source": str(r.source)} for r in self.uncovered]}
+
+
+@dataclass(frozen=True)
+class TestRun:
+    """Every case's result and the rule coverage, for one rule set."""
+
+    ruleset: RuleSet
+    results: tuple[CaseResult, ...]
+    coverage: Coverage
+
+    __test__ = False  # not a pytest class
+
+    @property
+    def passed(self) -> int:
+        return sum(r.passed for r in self.results)
+
+    @property
+    def failed(self) -> int:
+        return len(self.results) - self.passed
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "failed": self.failed, "cases": [r.to_dict() for r in self.results],
+                "coverage": self.coverage.to_dict(),
+                "ruleset": {"root": self.ruleset.root, "digest": self.ruleset.digest}}
+
+
+def _fmt_list(items: Iterable[str]) -> str:
+    items = list(items)
+    return ", ".join(f"`{i}`" for i in items) if items else "nothing"
+
+
+def _show_pattern(p: LayoutPattern) -> str:
+    if p.placement is not None and p.head_order is not None:
+        return f"{p.placement.value}/{p.head_order.value}"
+    return str(p)
+
+
+def _check(expect: Expect, layout: Layout | None, error: PolicyError | None, survivors: list[str],
+           removed: dict[str, list[str]], matched: set[str]) -> list[str]:
+    """Every way the actual outcome differs from ``expect``, each as "expected ...\nactual ..."."""
+    out: list[str] = []
+    codes = [d.code for d in error.diagnostics] if error is not None else []
+    if expect.error is not None:
+        if error is None:
+            out.append(f"expected error: `{expect.error}`\nactual layout:  {layout}")
+        elif expect.error not in codes:
+            out.append(f"expected error: `{expect.error}`\nactual errors:  {_fmt_list(dict.fromkeys(codes))}")
+    elif error is not None:
+        out.append(f"expected a decision\nactual error: {_fmt_list(dict.fromkeys(codes))}")
+        return out
+    if expect.layout is not None and layout is not None and not expect.layout.matches(layout):
+        out.append(f"expected layout: {_show_pattern(expect.layout)}\nactual layout:   {layout}")
+    if expect.survivors is not None and expect.survivors != survivors:
+        out.append(f"expected survivors: {', '.join(expect.survivors) or 'none'}\n"
+                   f"actual survivors:   {', '.join(survivors) or 'none'}")
+    for lay, ids in (expect.removed or {}).items():
+        by = removed.get(lay, [])
+        if not by:
+            out.append(f"expected `{lay}` removed" + (f" by {_fmt_list(ids)}" if ids else "")
+                       + "\nactual: it survived")
+            continue
+        if any(i not in by for i in ids):
+            out.append(f"expected `{lay}` removed by {_fmt_list(ids)}\nactual: removed by {_fmt_list(by)}")
+    for rule_id in expect.matched:
+        if rule_id not in matched:
+            out.append(f"expected rule `{rule_id}` to match\nactual: it matched in no scope")
+    for rule_id in expect.not_matched:
+        if rule_id in matched:
+            out.append(f"expected rule `{rule_id}` not to match\nactual: it matched")
+    return out
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
+def run_case(ruleset: RuleSet, lc: LoadedCase) -> CaseResult:
+    """Decide one case with the full trace and compare it with its expectation."""
+    expect = lc.case.expect
+    try:
+        ctx = context_for(lc.case.input, lc.base_dir)
+    except PolicyError as exc:
+        return CaseResult(lc, tuple(_check(expect, None, exc, [], {}, set())), frozenset(), None, exc)
+    glob, conn = scopes_for(ruleset, ctx)
+    outcome = evaluate(ruleset, glob, conn, explain=True)
+    matched = {e.rule.id for e in outcome.events if isinstance(e, RuleEvaluated) and e.matched}
+    removed: dict[str, list[str]] = {}
+    for e in outcome.events:
+        if isinstance(e, CandidateRemoved):
+            ids = removed.setdefault(str(e.layout), [])
+            if e.rule.id not in ids:
+                ids.append(e.rule.id)
+    order = ruleset.layout_order
+    ranked = sorted((i for i in range(len(order)) if outcome.alive >> i & 1), key=lambda i: (-outcome.scores[i], i))
+    survivors = [str(order[i]) for i in ranked]
+    decision: Decision | None = None
+    error: NoLayoutError | None = None
+    layout: Layout | None = None
+    if outcome.winner is None:
+        error = no_layout_error(ruleset, outcome.events)
+    else:
+        decision = Decision(ruleset, ctx, outcome)
+        layout = decision.layout
+    failures = _check(expect, layout, error, survivors, removed, matched)
+    return CaseResult(lc, tuple(failures), frozenset(matched), layout, error, decision)
+
+
+def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult]) -> Coverage:
+    covered: set[str] = set()
+    for r in results:
+        covered |= r.matched
+    rules = sorted(ruleset.rules, key=lambda r: r.source)
+    return Coverage(len(rules), frozenset(covered), tuple(r for r in rules if r.id not in covered))
+
+
+def run_policy_tests(ruleset: RuleSet, paths: Iterable[str | os.PathLike[str]]) -> TestRun:
+    """Load the cases under ``paths`` and run them against ``ruleset``.
+
+    Raises `PolicyTestError` (every problem, located) when a file does not
+    load; a case that fails is a result, not an exception.
+    """
+    cases = load_cases(paths, ruleset)
+    results = tuple(run_case(ruleset, lc) for lc in cases)
+    return TestRun(ruleset, results, coverage_of(ruleset, results))
