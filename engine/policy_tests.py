@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -108,6 +108,9 @@ class CaseInput(Frozen):
         return self
 
 
+LayoutName = Literal["per_layer/NHD", "per_layer/HND", "cross_layer/NHD", "cross_layer/HND"]
+
+
 def _pattern(value: Any) -> Any:
     if isinstance(value, str):
         layout = Layout.parse(value)  # ValueError names the valid layouts
@@ -133,7 +136,7 @@ class Expect(Frozen):
     not_matched: list[str] = Field(default_factory=list, description="rule ids that must not match in any scope")
     error: str | None = Field(default=None, description="a diagnostic code the decision must fail with, e.g. no-layout")
 
-    @field_validator("layout", mode="before")
+    @field_validator("layout", mode="before", json_schema_input_type=LayoutName | LayoutPattern | None)
     @classmethod
     def _layout(cls, value: Any) -> Any:
         return _pattern(value)
@@ -223,16 +226,20 @@ def _keys_at(path: tuple[Any, ...]) -> tuple[str, ...]:
 
 
 def located_validation_errors(
-    src: Located, base: tuple[Any, ...], data: Any, exc: ValidationError, *, code_prefix: str = ""
+    src: Located, base: tuple[Any, ...], data: Any, exc: ValidationError,
+    *, valid_keys: Callable[[tuple[Any, ...]], tuple[str, ...]] = _keys_at,
 ) -> list[Diagnostic]:
-    """Turn a pydantic error into located diagnostics (unknown keys get "did you mean")."""
+    """Turn a pydantic error into located diagnostics (unknown keys get "did you mean").
+
+    ``valid_keys(path)`` names the keys allowed in the mapping at ``path`` (default: a case file's).
+    """
     diags = []
     for err in exc.errors():
         path = (*base, *_walk_loc(data, err["loc"]))
         kind = err["type"]
         if kind == "extra_forbidden":
             key = str(err["loc"][-1])
-            valid = _keys_at(path[:-1])
+            valid = valid_keys(path[:-1])
             close = difflib.get_close_matches(key, valid, n=1)
             hint = (f"did you mean `{close[0]}`? " if close else "") + (
                 f"valid keys here: {', '.join(valid)}" if valid else "")
@@ -245,7 +252,7 @@ def located_validation_errors(
             shown = err.get("input")
             if kind != "value_error" and isinstance(shown, (str, int, float, bool)):
                 msg += f", got `{shown}`"
-            diags.append(src.diag(path, f"{code_prefix}invalid-value", msg))
+            diags.append(src.diag(path, "invalid-value", msg))
     return diags
 
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -28,6 +28,7 @@ from engine.cli.common import (
     print_json,
     usage_error,
 )
+from engine.cli.plan_view import plan_summary, render_plan
 from engine.decision import Decision
 from engine.inputs import DEFAULT_EXAMPLE, build_context
 from policy.backends import BACKENDS, ScaleViews
@@ -39,7 +40,10 @@ from policy.ruleset import RuleSet
 from policy.spec import KVCacheSpec
 from policy.yaml_source import parse_yaml
 
-__all__ = ["register", "run"]
+if TYPE_CHECKING:
+    from engine.plan import LayoutPlan
+
+__all__ = ["context_from_args", "plan_for", "read_spec_file", "register", "run"]
 
 _EPILOG = """\
 examples:
@@ -131,9 +135,12 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 
 def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: ValidationError) -> list[Diagnostic]:
-    from engine.policy_tests import located_validation_errors
+    from engine.policy_tests import GroupInput, located_validation_errors
 
-    return located_validation_errors(src, base, data, exc)
+    def keys(path: tuple[Any, ...]) -> tuple[str, ...]:
+        return tuple(GroupInput.model_fields if path and isinstance(path[-1], int) else KVCacheSpec.model_fields)
+
+    return located_validation_errors(src, base, data, exc, valid_keys=keys)
 
 
 def read_spec_file(path: str) -> dict[str, Any]:
@@ -168,17 +175,21 @@ def read_spec_file(path: str) -> dict[str, Any]:
     diags: list[Diagnostic] = []
     parsed = []
     for i, g in enumerate(groups):
+        ok = True
         try:
             group = GroupInput.model_validate(g)
         except ValidationError as exc:
             diags += _located_spec_errors(src, ("groups", i), g, exc)
-            continue
-        try:
-            KVCacheSpec.model_validate(group.spec)
-        except ValidationError as exc:
-            diags += _located_spec_errors(src, ("groups", i, "spec"), g["spec"], exc)
-            continue
-        parsed.append(group)
+            ok = False
+        spec = g.get("spec") if isinstance(g, dict) else None
+        if isinstance(spec, dict):
+            try:
+                KVCacheSpec.model_validate(spec)
+            except ValidationError as exc:
+                diags += _located_spec_errors(src, ("groups", i, "spec"), spec, exc)
+                ok = False
+        if ok:
+            parsed.append(group)
     if diags:
         raise InputError("invalid --spec file", diags)
     return {"groups": parsed}
@@ -195,6 +206,8 @@ _FLAG_OF = {
     "connector_config": "--connector-config",
     "model": "--model",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "num_blocks": "--num-blocks",
+    "layout": "--num-blocks",
 }
 
 
@@ -284,24 +297,16 @@ def _warn_unknown_connector(ctx: Context, ruleset: RuleSet) -> None:
 # The plan (--num-blocks)
 
 
-def plan_for(decision: Decision, num_blocks: int) -> Any:
-    """The layout plan of the chosen layout (pure arithmetic, `engine.plan`)."""
+def plan_for(decision: Decision, num_blocks: int, spec_file: str | None = None) -> LayoutPlan:
+    """The chosen layout's plan for ``num_blocks`` (pure arithmetic, `engine.plan`), of the first
+    attention group's spec."""
     from engine.plan import plan_layout
 
     ctx = decision.context
-    return plan_layout(decision.layout, ctx.kv, ctx.backend, num_blocks)
-
-
-def plan_dict(plan: Any) -> dict[str, Any]:
-    from engine.cli.plan_view import plan_summary
-
-    return plan_summary(plan)
-
-
-def plan_text(plan: Any) -> str:
-    from engine.cli.plan_view import render_plan
-
-    return render_plan(plan)
+    try:
+        return plan_layout(decision.layout, ctx.kv, ctx.backend, num_blocks)
+    except InputError as exc:
+        raise _name_flags(exc, spec_file) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
         from engine.layout_engine import LayoutEngine
 
         decision = LayoutEngine(ruleset).decide(ctx)
-        plan = plan_for(decision, args.num_blocks) if args.num_blocks else None
+        plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
     except PolicyError as exc:
         if args.format == "json":
             print_json(error_dict(exc))
@@ -327,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         data = decision.to_dict()
         if plan is not None:
-            data["plan"] = plan_dict(plan)
+            data["plan"] = plan_summary(plan)
         if is_example(args):
             print(example_banner(args), file=sys.stderr)
         print_json(data)
@@ -337,6 +342,6 @@ def run(args: argparse.Namespace) -> int:
         parts.append(example_banner(args) + "\n")
     parts.append(decision.explain(args.explain))
     if plan is not None:
-        parts.append("\n" + plan_text(plan))
+        parts.append("\n" + render_plan(plan, groups=decision.context.groups.count))
     print("\n".join(parts))
     return EXIT_OK

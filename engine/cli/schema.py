@@ -32,7 +32,7 @@ def rule_file_schema() -> dict[str, Any]:
     from policy.rule_model import RuleFile
 
     body = RuleFile.model_json_schema(by_alias=True)
-    return {"$schema": _DRAFT, "$id": "urn:kvpolicy:rule-file:1", "title": "kvpolicy rule file", **body}
+    return {"$schema": _DRAFT, "$id": "urn:kvpolicy:rule-file:1", **body, "title": "kvpolicy rule file"}
 
 
 def case_file_schema() -> dict[str, Any]:
@@ -40,8 +40,8 @@ def case_file_schema() -> dict[str, Any]:
     from engine.policy_tests import CaseFile
 
     body = CaseFile.model_json_schema(by_alias=True)
-    return {"$schema": _DRAFT, "$id": "urn:kvpolicy:policy-test-file:1", "title": "kvpolicy policy test file",
-            **body}
+    return {"$schema": _DRAFT, "$id": "urn:kvpolicy:policy-test-file:1", **body,
+            "title": "kvpolicy policy test file"}
 
 
 def schema_text(cases: bool = False) -> str:
