@@ -12,19 +12,23 @@ Deciding never imports torch; `build` does, lazily.
 
 from __future__ import annotations
 
+import logging
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from engine.decide import evaluate, no_layout_error, scopes_for
 from engine.decision import Decision
 from engine.inputs import build_context
 from policy.context import Context
-from policy.load import Limits, load_rules
+from policy.errors import Diagnostic, RuleLoadError
+from policy.load import Limits, load_rules, load_rules_from_texts
 from policy.ruleset import RuleSet
 
-__all__ = ["LayoutEngine", "shipped_rules_dir"]
+__all__ = ["LayoutEngine", "fallback_ruleset", "shipped_rules_dir"]
+
+logger = logging.getLogger("kvpolicy")
 
 
 def shipped_rules_dir() -> Path:
@@ -35,40 +39,103 @@ def shipped_rules_dir() -> Path:
     return Path(str(resources.files("kvpolicy_rules")))
 
 
+FALLBACK_RULES = """\
+version: 1
+rules:
+  - id: kvpolicy-fallback-per-layer
+    description: >-
+      the configured rules failed to load and the engine was asked to fall back
+      instead of failing: only the per-layer layout, which is safe for every
+      backend and quantization mode, is allowed
+    forbid: {placement: cross_layer}
+"""
+
+
 class LayoutEngine:
-    """Decides KV cache layouts with one immutable `RuleSet`."""
+    """Decides KV cache layouts with one immutable `RuleSet` at a time.
+
+    Thread-safe: `decide` reads the active rule set once, so a concurrent
+    `reload` is seen entirely or not at all by each decision.
+    """
 
     _SCOPE_CACHE_SIZE = 1024
 
-    def __init__(self, ruleset: RuleSet) -> None:
+    def __init__(self, ruleset: RuleSet, *, source: str | os.PathLike[str] | None = None,
+                 limits: Limits = Limits(), load_error: RuleLoadError | None = None) -> None:
         self._ruleset = ruleset
-        # id(context) -> (context, scopes): contexts are immutable, so the scope tree
-        # built for one (envs bound per connector member) is reused on the next decide.
-        self._scopes: dict[int, tuple[Context, Any]] = {}
+        self._source = source
+        self._limits = limits
+        self.load_error = load_error
+        # id(context) -> (context, rule set, scopes): contexts are immutable, so the scope
+        # tree built for one (envs bound per connector member) is reused on the next decide.
+        self._scopes: dict[int, tuple[Context, RuleSet, Any]] = {}
 
-    def _scopes_for(self, ctx: Context) -> Any:
+    def _scopes_for(self, ruleset: RuleSet, ctx: Context) -> Any:
         hit = self._scopes.get(id(ctx))
-        if hit is not None and hit[0] is ctx:
-            return hit[1]
-        scopes = scopes_for(self._ruleset, ctx)
+        if hit is not None and hit[0] is ctx and hit[1] is ruleset:
+            return hit[2]
+        scopes = scopes_for(ruleset, ctx)
         if len(self._scopes) >= self._SCOPE_CACHE_SIZE:
             self._scopes.clear()
-        self._scopes[id(ctx)] = (ctx, scopes)
+        self._scopes[id(ctx)] = (ctx, ruleset, scopes)
         return scopes
 
     @property
     def ruleset(self) -> RuleSet:
+        """The active rule set."""
         return self._ruleset
+
+    @property
+    def is_fallback(self) -> bool:
+        """True when the configured rules failed to load and the per-layer fallback is active."""
+        return self.load_error is not None
 
     @classmethod
     def default(cls) -> LayoutEngine:
         """The shipped rules (``rules/``), which reproduce vLLM's gate."""
-        return cls(load_rules(shipped_rules_dir(), display="rules"))
+        return cls(load_rules(shipped_rules_dir(), display="rules"), source=shipped_rules_dir())
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike[str], *, limits: Limits = Limits()) -> LayoutEngine:
-        """An operator's rule directory; raises `RuleLoadError` with every problem."""
-        return cls(load_rules(path, limits=limits))
+    def from_path(cls, path: str | os.PathLike[str], *, limits: Limits = Limits(),
+                  on_error: Literal["raise", "fallback"] = "raise") -> LayoutEngine:
+        """An operator's rule directory.
+
+        Fail-closed by default: any problem raises `RuleLoadError` listing every
+        one. ``on_error="fallback"`` instead logs the errors (logger ``kvpolicy``)
+        and returns an engine that allows only the per-layer layout, with the
+        error kept in ``load_error``, so a serving engine can still start.
+        """
+        try:
+            return cls(load_rules(path, limits=limits), source=path, limits=limits)
+        except RuleLoadError as exc:
+            if on_error != "fallback":
+                raise
+            logger.error("kvpolicy: rules in %s failed to load; falling back to per_layer only\n%s",
+                         path, exc.render())
+            return cls(fallback_ruleset(), source=path, limits=limits, load_error=exc)
+
+    def reload(self, path: str | os.PathLike[str] | None = None) -> RuleLoadError | None:
+        """Load the rules again (from ``path`` or the original source) and swap them in.
+
+        The new set replaces the active one only if it loads completely;
+        otherwise the active set stays and the error is returned (never raised).
+        Returns None on success.
+        """
+        source = path if path is not None else self._source
+        if source is None:
+            return RuleLoadError("", [Diagnostic("<engine>", 0, 0, "no-source", "this engine has no rules directory",
+                                                 "pass the directory to reload(path)")])
+        try:
+            ruleset = load_rules(source, limits=self._limits,
+                                 display="rules" if Path(source) == shipped_rules_dir() else None)
+        except RuleLoadError as exc:
+            logger.warning("kvpolicy: reload of %s failed; keeping the active rules\n%s", source, exc.render())
+            return exc
+        # INVARIANT: one reference assignment; a decide() in flight keeps the set it read.
+        self._ruleset = ruleset
+        self._source = source
+        self.load_error = None
+        return None
 
     def context(self, **inputs: Any) -> Context:
         """The validated `Context` for ``decide``'s keyword inputs."""
@@ -82,10 +149,16 @@ class LayoutEngine:
         counterfactuals (a search) are computed on first access either way.
         Raises `NoLayoutError` when nothing survives.
         """
+        ruleset = self._ruleset  # read once: a concurrent reload() is all-or-nothing for us
         ctx = context if context is not None else build_context(**inputs)
-        glob, conn = self._scopes_for(ctx)
-        outcome = evaluate(self._ruleset, glob, conn, explain=explain)
+        glob, conn = self._scopes_for(ruleset, ctx)
+        outcome = evaluate(ruleset, glob, conn, explain=explain)
         if outcome.winner is None:
-            events = outcome.events or evaluate(self._ruleset, glob, conn, explain=True).events
-            raise no_layout_error(self._ruleset, events)
-        return Decision(self._ruleset, ctx, outcome)
+            events = outcome.events or evaluate(ruleset, glob, conn, explain=True).events
+            raise no_layout_error(ruleset, events)
+        return Decision(ruleset, ctx, outcome)
+
+
+def fallback_ruleset() -> RuleSet:
+    """The safe default used when configured rules fail to load: per_layer only."""
+    return load_rules_from_texts({"<fallback>.yaml": FALLBACK_RULES})

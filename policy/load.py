@@ -162,7 +162,8 @@ def load_rules_from_texts(texts: dict[str, str], *, limits: Limits = Limits()) -
     diags: list[Diagnostic] = []
     for name in sorted(texts):
         if len(texts[name].encode()) > limits.max_file_bytes:
-            diags.append(Diagnostic(name, 0, 0, "too-large", f"over the {limits.max_file_bytes}-byte limit"))
+            diags.append(Diagnostic(name, 1, 1, "too-large", f"the file is over the {limits.max_file_bytes}-byte limit",
+                                    "split it, or raise Limits.max_file_bytes"))
             continue
         src, problems = parse_yaml(texts[name], name, limits)
         diags += problems

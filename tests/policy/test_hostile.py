@@ -1,0 +1,235 @@
+"""Hostile and broken rule files: every outcome is a loaded set or a located RuleLoadError."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policy import Limits, PolicyError, RuleLoadError, load_rules, load_rules_from_texts
+
+# KVPOLICY_FUZZ_EXAMPLES=20000 pytest tests/policy/test_hostile.py -k fuzz  for a long run
+FUZZ_EXAMPLES = int(os.environ.get("KVPOLICY_FUZZ_EXAMPLES", "300"))
+
+GOOD = ("version: 1\nrules:\n  - id: r1\n    description: d\n"
+        "    when: {field: kv.per_token_head, eq: true}\n    forbid: {placement: cross_layer}\n")
+
+
+def load_dir_error(root: Path, limits: Limits = Limits()) -> RuleLoadError:
+    with pytest.raises(RuleLoadError) as info:
+        load_rules(root, limits=limits)
+    return info.value
+
+
+def write(root: Path, name: str, data: str | bytes) -> Path:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    return path
+
+
+@pytest.mark.parametrize("payload", [
+    "!!python/object/apply:os.system ['touch {marker}']",
+    "!!python/object/new:os.system ['touch {marker}']",
+    "!!python/name:os.system",
+    "{{a: !!python/object/apply:subprocess.call [['touch', '{marker}']]}}",
+])
+def test_python_tags_are_rejected_never_executed(tmp_path: Path, payload: str) -> None:
+    marker = tmp_path / "executed"
+    write(tmp_path, "global.yaml", "version: 1\nrules: " + payload.format(marker=marker) + "\n")
+    err = load_dir_error(tmp_path)
+    [d] = err.diagnostics
+    assert d.code == "unsafe-tag" and d.line == 2, d.render()
+    assert "is not allowed" in d.message
+    assert not marker.exists()
+
+
+def test_billion_laughs_is_rejected_quickly_and_cheaply(tmp_path: Path) -> None:
+    lines = ["version: 1", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 10):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    lines.append("rules: *a9")
+    write(tmp_path, "global.yaml", "\n".join(lines) + "\n")
+    tracemalloc.start()
+    err = load_dir_error(tmp_path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert [d.code for d in err.diagnostics] == ["too-large"]
+    assert "more than 200000 nodes" in err.diagnostics[0].message
+    assert peak < 200 * 2**20  # 10^10 nodes would need terabytes
+
+
+def test_recursive_alias_is_rejected(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", "version: 1\nrules: &r [*r]\n")
+    err = load_dir_error(tmp_path)
+    assert err.diagnostics[0].code in ("too-deep", "yaml-syntax")
+
+
+def test_nesting_depth_cap(tmp_path: Path) -> None:
+    cond = "{field: kv.per_token_head, eq: true}"
+    for _ in range(80):
+        cond = "{not: " + cond + "}"
+    write(tmp_path, "global.yaml", "version: 1\nrules:\n  - id: deep\n    description: d\n"
+          f"    when: {cond}\n    forbid: {{placement: cross_layer}}\n")
+    err = load_dir_error(tmp_path)
+    [d] = err.diagnostics
+    assert (d.code, d.line) == ("too-deep", 5)
+    assert "nesting deeper than 64 levels" in d.message
+
+
+def test_file_size_cap(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", GOOD + "#" * 2000 + "\n")
+    err = load_dir_error(tmp_path, Limits(max_file_bytes=1000))
+    [d] = err.diagnostics
+    assert d.code == "too-large" and "over the 1000-byte limit" in d.message
+    assert d.file.endswith("global.yaml")
+
+
+def test_rule_count_cap(tmp_path: Path) -> None:
+    rules = "".join(f"  - id: r{i}\n    description: d\n    forbid: {{placement: cross_layer}}\n" for i in range(6))
+    write(tmp_path, "global.yaml", "version: 1\nrules:\n" + rules)
+    err = load_dir_error(tmp_path, Limits(max_rules=5))
+    [d] = err.diagnostics
+    assert (d.code, d.line, d.col) == ("too-many-rules", 3, 3)
+
+
+def test_invalid_utf8_is_located(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", b"version: 1\nrules:\n  - id: caf\xe9\n")
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert (d.code, d.line, d.col) == ("encoding", 3, 12)
+    assert d.message == "invalid UTF-8 byte 0xe9"
+
+
+def test_bom_is_rejected_with_help(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", b"\xef\xbb\xbf" + GOOD.encode())
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert (d.code, d.line, d.col) == ("bom", 1, 1)
+    assert d.help == "save it as UTF-8 without BOM"
+
+
+def test_tab_indentation_is_located(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", "version: 1\nrules:\n\t- id: r1\n")
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert d.code == "yaml-syntax" and d.line == 3
+    assert "tab" in (d.help or "").lower()
+
+
+def test_empty_file_and_non_mapping(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", "")
+    write(tmp_path, "connectors/x.yaml", "[1, 2]\n")
+    codes = sorted(d.code for d in load_dir_error(tmp_path).diagnostics)
+    assert codes == ["empty-document", "not-a-mapping"]
+
+
+def test_directory_without_yaml(tmp_path: Path) -> None:
+    write(tmp_path, "README.txt", "not rules")
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert d.code == "no-rule-files"
+
+
+def test_dangling_symlink_is_unreadable(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", GOOD)
+    os.symlink(tmp_path / "missing.yaml", tmp_path / "connectors.yaml")
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert d.code == "unreadable" and d.file.endswith("connectors.yaml")
+
+
+def test_symlink_leaving_the_rules_directory(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    rules = tmp_path / "rules"
+    write(outside, "evil.yaml", GOOD)
+    write(rules, "global.yaml", GOOD.replace("r1", "r2"))
+    (rules / "connectors").mkdir()
+    os.symlink(outside / "evil.yaml", rules / "connectors" / "evil.yaml")
+    [d] = load_dir_error(rules).diagnostics
+    assert d.code == "outside-root"
+    assert "links outside the rules directory" in d.message
+
+
+def test_symlink_inside_the_rules_directory_is_fine(tmp_path: Path) -> None:
+    write(tmp_path, "shared/base.yaml.txt", GOOD)
+    os.symlink(tmp_path / "shared" / "base.yaml.txt", tmp_path / "global.yaml")
+    assert [r.id for r in load_rules(tmp_path).rules] == ["r1"]
+
+
+def test_a_directory_named_like_a_rule_file(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", GOOD)
+    (tmp_path / "extra.yaml").mkdir()
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert d.code == "not-a-file"
+
+
+def test_errors_in_one_file_never_half_load_the_set(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", GOOD)
+    write(tmp_path, "connectors/nixl.yaml", "version: 1\nconnector: NixlConnector\nrules:\n  - id: x\n")
+    err = load_dir_error(tmp_path)
+    assert {d.file.split("/")[-1] for d in err.diagnostics} == {"nixl.yaml"}
+
+
+# -- fuzzing ------------------------------------------------------------------------------
+
+def _check_outcome(texts: dict[str, str]) -> None:
+    try:
+        load_rules_from_texts(texts)
+    except RuleLoadError as exc:
+        assert exc.diagnostics, "a RuleLoadError always carries diagnostics"
+        for d in exc.diagnostics:
+            assert d.file in texts and d.line >= 1 and d.col >= 1, d.render()
+            assert d.message and d.code
+    except PolicyError as exc:  # pragma: no cover - any other PolicyError is a bug here
+        raise AssertionError(f"unexpected {type(exc).__name__}: {exc}") from exc
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(max_size=400))
+def test_fuzz_arbitrary_text(text: str) -> None:
+    _check_outcome({"global.yaml": text})
+
+
+leaf_ops = st.sampled_from(["eq", "ne", "in", "not_in", "lt", "le", "gt", "ge", "exists", "bogus"])
+field_paths = st.sampled_from(["kv.per_token_head", "kv.block_size", "kv.quant_mode", "backend.name",
+                               "connector.extra.flag", "groups.count", "kv.nope", "", "connector.extra."])
+junk = st.one_of(st.none(), st.booleans(), st.integers(-5, 300), st.floats(allow_nan=True),
+                 st.text(max_size=8), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3),
+                                                                                          st.integers(), max_size=2))
+
+
+def conditions():
+    leaf = st.builds(lambda f, op, v: {"field": f, op: v}, field_paths, leaf_ops, junk)
+    return st.recursive(leaf, lambda inner: st.one_of(
+        st.builds(lambda xs: {"all": xs}, st.lists(inner, max_size=3)),
+        st.builds(lambda xs: {"any": xs}, st.lists(inner, max_size=3)),
+        st.builds(lambda x: {"not": x}, inner),
+        inner.map(lambda c: [c]),
+    ), max_leaves=6)
+
+
+patterns = st.fixed_dictionaries({}, optional={"placement": st.sampled_from(["per_layer", "cross_layer", "diag", 1]),
+                                               "head_order": st.sampled_from(["NHD", "HND", "XYZ"])})
+rules = st.fixed_dictionaries(
+    {"id": st.one_of(st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True), junk),
+     "description": st.one_of(st.just("d"), junk)},
+    optional={"when": conditions(), "forbid": patterns, "require": patterns, "prefer": patterns,
+              "weight": junk, "reference": junk, "surprise": junk},
+)
+files = st.fixed_dictionaries(
+    {"version": st.one_of(st.just(1), junk), "rules": st.one_of(st.lists(rules, max_size=4), junk)},
+    optional={"connector": st.sampled_from(["NixlConnector", "Nope", None]),
+              "defaults": st.fixed_dictionaries({"layout_order": st.lists(
+                  st.sampled_from(["per_layer/NHD", "cross_layer/HND", "x/y"]), max_size=4)}),
+              "member_preferences": st.sampled_from(["all", "any", "most"])},
+)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(files, st.sampled_from(["global.yaml", "connectors/c.yaml"]))
+def test_fuzz_schema_shaped_trees(tree: dict, name: str) -> None:
+    _check_outcome({name: yaml.safe_dump(tree, allow_unicode=True)})
