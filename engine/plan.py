@@ -1,0 +1,443 @@
+"""Layout planning: the exact memory geometry of a KV cache, computed without torch.
+
+`plan_layout` turns a layout, a KV spec, a backend profile and a block count
+into a `LayoutPlan`: every buffer's physical shape and strides, every layer's
+logical view (shape, element strides, storage offset), the inline-scale views of
+per-token-head modes and the views a block transfer copies. Nothing is
+allocated, so a 100 GB cache plans in microseconds and ``kvpolicy dry-run``
+never imports torch. `engine.runtime.allocate` builds tensors that match the
+plan exactly, and `engine.verify` checks plans for overlapping views.
+
+Geometry, as vLLM computes it: the backend's physical dim order for the head
+order (with ``layer`` inserted for cross_layer) is allocated contiguously, and
+each layer's logical view is that tensor permuted back, with layer ``i``'s view
+starting at ``i * stride(layer)``. Worked example, Qwen2.5-0.5B on TRITON_ATTN,
+HND, cross_layer, 176452 blocks (L=24, H=2, N=16, D=64, bf16)::
+
+    physical (block, head, layer, kv, token, dim) = (176452, 2, 24, 2, 16, 64)
+    strides                                       = (98304, 49152, 2048, 1024, 64, 1)
+    layer 3's view (B, 2, N, H, D): offset 3*2048, strides (98304, 1024, 64, 49152, 1)
+
+Padded pages (``spec.page_size_padded``): the padding is a trailing pad at the
+end of the innermost ``block`` or ``layer`` unit that holds whole pages, so a
+unit of ``k`` pages takes ``k * page_size_bytes``. Per-layer buffers and
+cross-layer NHD thus step one page per layer of ``page_size_bytes``; cross-layer
+HND, whose pages interleave by head, pads the end of each block's row. Either
+way a block's row is ``L * page_size_bytes`` and the total is
+``num_blocks * L * page_size_bytes``. The runtime allocates each buffer as raw
+bytes and builds every view with ``as_strided``, so padded and unpadded plans
+take the same path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from policy.backends import BackendProfile, Dim
+from policy.errors import GeometryError, input_error
+from policy.layouts import Layout, Placement
+from policy.spec import KVCacheSpec
+
+__all__ = [
+    "BufferPlan",
+    "ByteView",
+    "LayerPlan",
+    "LayoutPlan",
+    "TensorView",
+    "naive_scale_view",
+    "plan_layout",
+    "transfer_format",
+]
+
+SCALE_DTYPE = "float32"
+SCALE_BYTES = 4
+_ROLE_KV_INDEX = {"k": 0, "v": 1}
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """One allocation: ``nbytes`` raw bytes seen as ``shape`` in physical dim order."""
+
+    index: int
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # elements of `dtype`; contiguous unless pages are padded
+    dtype: str
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "dims": list(self.dims),
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+        }
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """A strided view of one buffer in elements of the cache dtype."""
+
+    buffer: int
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    storage_offset: int
+
+    def stride_of(self, dim: Dim) -> int:
+        """The element stride of ``dim``; 0 when the view has no such dim (MLA's kv and head)."""
+        return self.strides[self.dims.index(dim.value)] if dim.value in self.dims else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "buffer": self.buffer,
+            "dims": list(self.dims),
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+            "storage_offset": self.storage_offset,
+        }
+
+
+@dataclass(frozen=True)
+class ByteView:
+    """A strided view of one buffer in bytes: ``dtype`` elements at ``byte_offset``.
+
+    Scale views hold fp32 scales (one per block, token, head); transfer views
+    hold the raw bytes one block transfer copies (``dtype`` uint8, last dim 1).
+    """
+
+    buffer: int
+    role: str
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    byte_strides: tuple[int, ...]
+    byte_offset: int
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "buffer": self.buffer,
+            "role": self.role,
+            "dims": list(self.dims),
+            "shape": list(self.shape),
+            "byte_strides": list(self.byte_strides),
+            "byte_offset": self.byte_offset,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Where one layer lives: its logical view and, for per-token-head modes, its scale views."""
+
+    layer: int
+    view: TensorView
+    scales: tuple[ByteView, ...]  # stride-aware; roles "k" and "v" ("k" alone for MLA); empty if no inline scales
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "view": self.view.to_dict(),
+            "scales": [s.to_dict() for s in self.scales],
+        }
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """The full geometry of one KV cache: what `engine.runtime.allocate` builds."""
+
+    layout: Layout
+    spec: KVCacheSpec
+    backend: BackendProfile
+    num_blocks: int
+    physical_dims: tuple[str, ...]
+    buffers: tuple[BufferPlan, ...]
+    layers: tuple[LayerPlan, ...]
+    transfer: tuple[ByteView, ...]  # in layer order; their rows concatenate to one block's L pages
+    total_bytes: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.spec.page_size_bytes
+
+    @property
+    def element_size(self) -> int:
+        return self.spec.cache_dtype.size_bytes
+
+    @property
+    def block_row_bytes(self) -> int:
+        """Bytes one block transfer moves: every layer's page, scales and padding included."""
+        return self.num_layers * self.page_size_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": str(self.layout),
+            "backend": self.backend.name,
+            "spec": self.spec.model_dump(mode="json"),
+            "num_blocks": self.num_blocks,
+            "quant_mode": self.spec.quant_mode.value,
+            "cache_dtype": self.spec.cache_dtype.value,
+            "cell_bytes": self.spec.cell_bytes,
+            "page_size_bytes": self.page_size_bytes,
+            "physical_dims": list(self.physical_dims),
+            "buffers": [b.to_dict() for b in self.buffers],
+            "layers": [layer.to_dict() for layer in self.layers],
+            "transfer": [t.to_dict() for t in self.transfer],
+            "total_bytes": self.total_bytes,
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the whole plan; equal plans have equal fingerprints."""
+        return _digest(self.to_dict())
+
+
+def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_blocks: int) -> LayoutPlan:
+    """Compute the exact memory geometry of ``layout`` for ``spec`` on ``backend``; allocates nothing.
+
+    Pure: returns a new plan and never mutates its inputs. The policy may
+    forbid a layout (MLA cross-layer, say); the planner still plans it
+    faithfully, so the verifier can show why.
+    """
+    _check_inputs(layout, spec, backend, num_blocks)
+    cross = layout.placement is Placement.cross_layer
+    order = (backend.cross_layer_order if cross else backend.per_layer_order)[layout.head_order]
+    elem = spec.cache_dtype.size_bytes
+    sizes = {
+        Dim.block: num_blocks,
+        Dim.layer: spec.num_layers,
+        Dim.kv: spec.kv_factor,
+        Dim.token: spec.block_size,
+        Dim.head: spec.num_kv_heads,
+        Dim.dim: spec.cell_elements,
+    }
+    strides, numel = _physical_strides(order, sizes, spec)
+    dtype = spec.cache_dtype.value
+    shape = tuple(sizes[d] for d in order)
+    dims = tuple(d.value for d in order)
+    logical = backend.logical_dims
+    lshape = tuple(sizes[d] for d in logical)
+    lstrides = tuple(strides[d] for d in logical)
+    ldims = tuple(d.value for d in logical)
+
+    if cross:
+        buffers = (BufferPlan(0, dims, shape, tuple(strides[d] for d in order), dtype, numel * elem),)
+        views = [TensorView(0, ldims, lshape, lstrides, i * strides[Dim.layer]) for i in range(spec.num_layers)]
+    else:
+        buffers = tuple(
+            BufferPlan(i, dims, shape, tuple(strides[d] for d in order), dtype, numel * elem)
+            for i in range(spec.num_layers)
+        )
+        views = [TensorView(i, ldims, lshape, lstrides, 0) for i in range(spec.num_layers)]
+
+    layers = tuple(LayerPlan(i, v, _stride_aware_scales(v, spec, elem)) for i, v in enumerate(views))
+    total = sum(b.nbytes for b in buffers)
+    # INVARIANT: padding included, the cache is exactly num_blocks * L * page bytes.
+    assert total == num_blocks * spec.num_layers * spec.page_size_bytes, (total, spec.page_size_bytes)
+    return LayoutPlan(
+        layout=layout,
+        spec=spec,
+        backend=backend,
+        num_blocks=num_blocks,
+        physical_dims=dims,
+        buffers=buffers,
+        layers=layers,
+        transfer=_transfer_views(cross, order, strides, sizes, spec, len(buffers)),
+        total_bytes=total,
+    )
+
+
+def naive_scale_view(plan: LayoutPlan, layer: int, role: str) -> ByteView:
+    """The scale view vLLM's 5-D-era Triton ``_ensure_scale_caches`` assumed for ``layer``.
+
+    It ignores the layer's real view: base offset 0 in the layer's buffer, a
+    block stride of one layer page, and NHD-contiguous cells inside the page.
+    That is right for a per-layer NHD buffer; under cross_layer every layer's
+    view lands on the same bytes (vLLM issue #48412). `engine.verify` models
+    the ``assume_per_layer_contiguous`` strategy with it.
+    """
+    spec = plan.spec
+    if not spec.per_token_head:
+        raise input_error("plan", f"quant mode `{spec.quant_mode.value}` stores no inline scales")
+    _check_layer(plan, layer)
+    kv_index = _check_role(spec, role)
+    cell, n, h = spec.cell_bytes, spec.block_size, spec.num_kv_heads
+    if spec.kv_factor == 1:
+        dims, shape, strides = ("block", "token"), (plan.num_blocks, n), (spec.page_size_bytes, cell)
+    else:
+        dims, shape = ("block", "token", "head"), (plan.num_blocks, n, h)
+        strides = (spec.page_size_bytes, h * cell, cell)
+    return ByteView(
+        buffer=plan.layers[layer].view.buffer,
+        role=role,
+        dims=dims,
+        shape=shape,
+        byte_strides=strides,
+        byte_offset=kv_index * n * h * cell + spec.data_bytes_per_head,
+        dtype=SCALE_DTYPE,
+    )
+
+
+def transfer_format(plan: LayoutPlan) -> str:
+    """A hash of what each byte of a transferred block row means, independent of ``num_blocks``.
+
+    Two caches may exchange offloaded blocks exactly when their formats match:
+    same quantization and cell, and every layer's cells at the same place in
+    the row. Per-layer NHD and cross-layer NHD share a format; NHD and HND do not.
+    """
+    spec = plan.spec
+    elem = plan.element_size
+    layers = [
+        [_row_position(plan, lp.view), *(lp.view.stride_of(d) * elem for d in (Dim.kv, Dim.token, Dim.head))]
+        for lp in plan.layers
+    ]
+    return _digest(
+        {
+            "quant_mode": spec.quant_mode.value,
+            "cache_dtype": spec.cache_dtype.value,
+            "kv_factor": spec.kv_factor,
+            "block_size": spec.block_size,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+            "cell_bytes": spec.cell_bytes,
+            "row_bytes": plan.block_row_bytes,
+            "layers": layers,
+        }
+    )
+
+
+def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_blocks: int) -> None:
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise input_error("num_blocks", f"num_blocks must be a positive integer, got `{num_blocks!r}`",
+                          "pass the number of KV cache blocks to plan, at least 1")
+    if not spec.kind.is_attention:
+        raise input_error("spec.kind", f"a `{spec.kind.value}` spec has no paged KV layout to plan",
+                          "plan attention groups only")
+    if layout.head_order not in backend.per_layer_order:
+        supported = ", ".join(h.value for h in backend.head_orders)
+        raise input_error("layout.head_order",
+                          f"backend `{backend.name}` does not support head order `{layout.head_order.value}`",
+                          f"use one of: {supported}", code="unsupported-head-order")
+    if backend.mla != (spec.kv_factor == 1):
+        what = "one latent per token" if backend.mla else "separate K and V per head"
+        raise input_error("backend", f"backend `{backend.name}` stores {what}, which spec kind "
+                          f"`{spec.kind.value}` does not match",
+                          "pair MLA specs with MLA backends and the rest with the others", code="backend-mismatch")
+    elem = spec.cache_dtype.size_bytes
+    if spec.page_size_bytes % elem:
+        raise input_error("spec.page_size_padded",
+                          f"page_size_padded {spec.page_size_bytes} is not a multiple of the "
+                          f"{elem}-byte `{spec.cache_dtype.value}` element",
+                          f"pad pages to a multiple of {elem} bytes")
+    if spec.cell_bytes % elem:  # cannot happen for the shipped dtypes; guards D' = cell / elem
+        raise GeometryError(f"cell of {spec.cell_bytes} bytes is not whole `{spec.cache_dtype.value}` elements")
+
+
+def _physical_strides(order: tuple[Dim, ...], sizes: dict[Dim, int], spec: KVCacheSpec) -> tuple[dict[Dim, int], int]:
+    """Contiguous element strides in physical order, with page padding at the innermost page-holding unit."""
+    elem = spec.cache_dtype.size_bytes
+    page_dims = {d for d in order if d not in (Dim.block, Dim.layer)}
+    seen: set[Dim] = set()
+    pad_at = None
+    for d in reversed(order):
+        if d in (Dim.block, Dim.layer) and page_dims <= seen and pad_at is None:
+            pad_at = d
+        seen.add(d)
+    strides: dict[Dim, int] = {}
+    acc = 1
+    for d in reversed(order):
+        if d is pad_at:
+            pages, rest = divmod(acc * elem, spec.real_page_size_bytes)
+            # INVARIANT: the unit inside the padded dim is a whole number of real pages.
+            assert rest == 0, (order, acc)
+            acc = pages * spec.page_size_bytes // elem
+        strides[d] = acc
+        acc *= sizes[d]
+    return strides, acc
+
+
+def _stride_aware_scales(view: TensorView, spec: KVCacheSpec, elem: int) -> tuple[ByteView, ...]:
+    """Scale views derived from the layer's real view: the fp32 at each cell's tail."""
+    if not spec.per_token_head:
+        return ()
+    roles = ("k", "v") if spec.kv_factor == 2 else ("k",)
+    dims = tuple(d for d in (Dim.block, Dim.token, Dim.head) if d.value in view.dims)
+    out = []
+    for role in roles:
+        base = (view.storage_offset + _ROLE_KV_INDEX[role] * view.stride_of(Dim.kv)) * elem
+        out.append(
+            ByteView(
+                buffer=view.buffer,
+                role=role,
+                dims=tuple(d.value for d in dims),
+                shape=tuple(view.shape[view.dims.index(d.value)] for d in dims),
+                byte_strides=tuple(view.stride_of(d) * elem for d in dims),
+                byte_offset=base + spec.data_bytes_per_head,
+                dtype=SCALE_DTYPE,
+            )
+        )
+    return tuple(out)
+
+
+def _transfer_views(
+    cross: bool, order: tuple[Dim, ...], strides: dict[Dim, int], sizes: dict[Dim, int], spec: KVCacheSpec,
+    nbuffers: int,
+) -> tuple[ByteView, ...]:
+    elem = spec.cache_dtype.size_bytes
+    page = spec.page_size_bytes
+    b = sizes[Dim.block]
+    if not cross:
+        return tuple(
+            ByteView(i, "block_row", ("block", "byte"), (b, page), (strides[Dim.block] * elem, 1), 0, "uint8")
+            for i in range(nbuffers)
+        )
+    row = spec.num_layers * page
+    if order[0] is Dim.block:
+        return (ByteView(0, "block_row", ("block", "byte"), (b, row), (strides[Dim.block] * elem, 1), 0, "uint8"),)
+    if strides[Dim.block] * elem == page:
+        # layer outermost (MLA's cross-layer order): each (block, layer) page is contiguous,
+        # but a block's pages lie one buffer-slab apart.
+        return (
+            ByteView(0, "block_row", ("block", "layer", "byte"), (b, spec.num_layers, page),
+                     (page, strides[Dim.layer] * elem, 1), 0, "uint8"),
+        )
+    raise GeometryError(f"physical order {tuple(d.value for d in order)} leaves no contiguous page per block "
+                        "to transfer")
+
+
+def _row_position(plan: LayoutPlan, view: TensorView) -> int:
+    """Byte position of the layer's block-0 cell (0, 0, 0) inside a transferred block row."""
+    addr = view.storage_offset * plan.element_size
+    if plan.layout.placement is Placement.per_layer:  # one row per layer, concatenated in layer order
+        return view.buffer * plan.page_size_bytes + addr
+    (tv,) = plan.transfer
+    if len(tv.shape) == 3:  # layer-outermost cross layout: the row is chunk `layer` of each slab
+        layer_stride = tv.byte_strides[1]
+        return (addr // layer_stride) * plan.page_size_bytes + addr % layer_stride
+    return addr
+
+
+def _check_layer(plan: LayoutPlan, layer: int) -> None:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < plan.num_layers:
+        raise input_error("layer", f"layer `{layer!r}` is out of range", f"use 0..{plan.num_layers - 1}")
+
+
+def _check_role(spec: KVCacheSpec, role: str) -> int:
+    roles = ("k", "v") if spec.kv_factor == 2 else ("k",)
+    if role not in roles:
+        raise input_error("role", f"unknown role `{role}`", f"use one of: {', '.join(roles)}")
+    return _ROLE_KV_INDEX[role]
+
+
+def _digest(data: dict[str, Any]) -> str:
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

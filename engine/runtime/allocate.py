@@ -1,0 +1,49 @@
+"""Allocation: torch tensors laid out exactly as a `LayoutPlan` says.
+
+Every buffer is allocated as raw zeroed bytes (``plan.buffers[i].nbytes``)
+and every other tensor is an ``as_strided`` view of them, so padded pages,
+cross-layer offsets and permuted dims all take the same path and the bytes
+allocated equal ``plan.total_bytes``. On the ``meta`` device nothing is
+allocated, which checks a plan's geometry at any size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.plan import LayoutPlan
+from engine.runtime.cache import KVCache
+from engine.runtime.quantize import torch_dtype
+from policy.errors import input_error
+
+__all__ = ["allocate"]
+
+
+def allocate(plan: LayoutPlan, device: str | torch.device = "cpu") -> KVCache:
+    """Allocate ``plan`` on ``device`` (``cpu``, ``cuda[:i]`` or ``meta``) and return its `KVCache`."""
+    dev = _device(device)
+    dtype = torch_dtype(plan.spec.cache_dtype.value)
+    raw = tuple(torch.zeros(b.nbytes, dtype=torch.uint8, device=dev) for b in plan.buffers)
+    typed = tuple(r.view(dtype) for r in raw)
+    buffers = tuple(t.as_strided(b.shape, b.strides, 0) for t, b in zip(typed, plan.buffers, strict=True))
+    views = tuple(typed[lp.view.buffer].as_strided(lp.view.shape, lp.view.strides, lp.view.storage_offset)
+                  for lp in plan.layers)
+    cache = KVCache(plan, raw, buffers, views)
+    # INVARIANT: a fresh cache matches its plan; verify() is the same check, callable later.
+    cache.verify()
+    return cache
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise input_error("device", f"unknown device `{device}`", "use `cpu`, `cuda`, `cuda:0` or `meta`") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise input_error("device", f"device `{device}` was asked for but CUDA is not available",
+                              "allocate on `cpu` or `meta`, or run where a GPU is visible")
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    elif dev.type not in ("cpu", "meta"):
+        raise input_error("device", f"unsupported device `{device}`", "use `cpu`, `cuda` or `meta`")
+    return dev

@@ -1,0 +1,218 @@
+"""`KVCache`: allocated tensors that match a `LayoutPlan`, with quantized writes and reads.
+
+``write`` follows vLLM's ``reshape_and_cache``: K and V of shape (T, H, D),
+one slot per token (``block * block_size + offset``; negative skips the
+token). The quantization arithmetic is in `engine.runtime.quantize`. A write
+validates every argument and encodes every cell before it touches the cache,
+so a rejected write changes no byte; then it scatters whole cells (data and
+inline scale together) with one ``index_copy_``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.plan import LayoutPlan, transfer_format
+from engine.runtime import transfer
+from engine.runtime.cells import CellRows
+from engine.runtime.checks import check_device, check_layer, check_slots, check_values
+from engine.runtime.quantize import decode_cells, encode_cells, torch_dtype
+from policy.errors import Diagnostic, GeometryError, input_error
+from policy.quant import QuantMode
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """A KV cache laid out exactly as its plan says; built by `engine.runtime.allocate`.
+
+    ``raw`` holds the allocations (flat uint8, ``plan.buffers[i].nbytes`` each);
+    ``buffers`` are the same bytes as physical-order tensors of the cache dtype;
+    ``layer_view(i)`` is layer ``i``'s logical view, the tensor an attention
+    backend would be handed. ``decision`` is left for the engine to attach the
+    `Decision` this cache was built from.
+    """
+
+    def __init__(self, plan: LayoutPlan, raw: tuple[torch.Tensor, ...], buffers: tuple[torch.Tensor, ...],
+                 views: tuple[torch.Tensor, ...]) -> None:
+        self.plan = plan
+        self.raw = raw
+        self.buffers = buffers
+        self._views = views
+        self.decision: Any = None
+        self.device: torch.device = raw[0].device
+        self.cells = CellRows(plan, raw)
+        self.transfer_format: str = transfer_format(plan)
+        spec = plan.spec
+        self._mode = spec.quant_mode
+        self._cache_dtype = torch_dtype(spec.cache_dtype.value)
+        self._model_dtype = torch_dtype(spec.dtype.value)
+        self._k_scales = [1.0] * spec.num_layers
+        self._v_scales = [1.0] * spec.num_layers
+
+    def __repr__(self) -> str:
+        return (f"KVCache({self.plan.layout}, backend={self.plan.backend.name}, blocks={self.plan.num_blocks}, "
+                f"bytes={self.plan.total_bytes}, device={self.device})")
+
+    @property
+    def num_slots(self) -> int:
+        return self.plan.num_blocks * self.plan.spec.block_size
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s logical view, in the backend's logical dim order."""
+        return self._views[check_layer(layer, self.plan.num_layers)]
+
+    # fp8_per_tensor scales ---------------------------------------------------------------------
+
+    @property
+    def k_scales(self) -> tuple[float, ...]:
+        """Per-layer K scales of ``fp8_per_tensor`` (1.0 until set); unused by other modes."""
+        return tuple(self._k_scales)
+
+    @property
+    def v_scales(self) -> tuple[float, ...]:
+        return tuple(self._v_scales)
+
+    def set_tensor_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Set layer ``layer``'s per-tensor K and V scales (positive, finite)."""
+        check_layer(layer, self.plan.num_layers)
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise input_error(name, f"`{name}` must be a positive finite number, got `{value!r}`")
+        self._k_scales[layer] = float(k_scale)
+        self._v_scales[layer] = float(v_scale)
+
+    # writes and reads --------------------------------------------------------------------------
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        """Store K and V (T, H, D) at ``slot_mapping`` in ``layer``, quantized as the spec says.
+
+        MLA specs store one latent: pass it as ``key`` with ``value=None``.
+        """
+        check_device(self.device, "write to")
+        spec = self.plan.spec
+        check_layer(layer, self.plan.num_layers)
+        key = check_values("key", key, (_len(key), spec.num_kv_heads, spec.head_size), self.device)
+        if spec.kv_factor == 1:
+            if value is not None:
+                raise input_error("value", "an MLA cache stores one latent per token: pass it as `key`",
+                                  "call write(layer, latent, None, slot_mapping)")
+        else:
+            value = check_values("value", value, tuple(key.shape), self.device, like=key)
+        slots = check_slots(slot_mapping, key.shape[0], self.num_slots, self.device, allow_negative=True)
+        if slots.numel() == 0:
+            return
+        with torch.no_grad():
+            parts = [key] if value is None else [key, value]
+            keep = None
+            if bool((slots < 0).any()):
+                keep = torch.nonzero(slots >= 0).squeeze(1)
+                slots = slots.index_select(0, keep)
+                if slots.numel() == 0:
+                    return
+            cells = self._encode(layer, parts, keep)
+            index = self.cells.index(layer, slots)
+            rows = self.cells.rows[self.cells.buffer_of(layer)]
+            staged = cells.view(self.cells.word_dtype).view(-1, self.cells.cell_words)
+            rows.index_copy_(0, index.view(-1), staged)
+
+    def read(self, layer: int, slot_mapping: torch.Tensor, dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V (T, H, D) stored at ``slot_mapping`` in ``layer``, dequantized to ``dtype``.
+
+        ``dtype`` defaults to the spec's model dtype. MLA caches return ``(latent, None)``.
+        """
+        check_device(self.device, "read from")
+        spec = self.plan.spec
+        check_layer(layer, self.plan.num_layers)
+        if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise input_error("dtype", f"cannot read into `{dtype}`", "use bfloat16, float16 or float32")
+        slots = check_slots(slot_mapping, None, self.num_slots, self.device, allow_negative=False)
+        with torch.no_grad():
+            index = self.cells.index(layer, slots)
+            rows = self.cells.rows[self.cells.buffer_of(layer)]
+            cells = rows.index_select(0, index.view(-1)).view(torch.uint8)
+            cells = cells.view(spec.kv_factor, slots.numel(), spec.num_kv_heads, spec.cell_bytes)
+            out = decode_cells(cells, self._mode, spec.head_size, self._cache_dtype, dtype or self._model_dtype,
+                               self._tensor_scales(layer, cells.device))
+        return (out[0], out[1]) if spec.kv_factor == 2 else (out[0], None)
+
+    def _encode(self, layer: int, parts: list[torch.Tensor], keep: torch.Tensor | None) -> torch.Tensor:
+        """Cells (kv_factor, T, H, cell_bytes) for the kept tokens of each part."""
+        if keep is not None:
+            parts = [p.index_select(0, keep) for p in parts]
+        if self._mode is QuantMode.none:
+            x = torch.stack(parts) if len(parts) > 1 else parts[0].unsqueeze(0)
+        else:
+            x = torch.empty((len(parts), *parts[0].shape), dtype=torch.float32, device=self.device)
+            for i, p in enumerate(parts):
+                x[i].copy_(p)
+        return encode_cells(x, self._mode, self._cache_dtype, self._tensor_scales(layer, x.device))
+
+    def _tensor_scales(self, layer: int, device: torch.device) -> torch.Tensor | None:
+        if self._mode is not QuantMode.fp8_per_tensor:
+            return None
+        scales = [self._k_scales[layer], self._v_scales[layer]][: self.plan.spec.kv_factor]
+        return torch.tensor(scales, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+
+    # transfers ---------------------------------------------------------------------------------
+
+    def offload(self, block_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Copy blocks to a CPU uint8 tensor (n, L, page_size_bytes); pinned when the cache is on CUDA."""
+        return transfer.offload(self, block_ids)
+
+    def restore(self, block_ids: torch.Tensor | Sequence[int], data: torch.Tensor, *,
+                source_format: str | None = None) -> None:
+        """Write offloaded ``data`` back into ``block_ids``; refuses data of another geometry.
+
+        The shape (n, L, page_size_bytes) is always checked. Pass the offloading
+        cache's ``transfer_format`` as ``source_format`` to also refuse a cache
+        whose rows mean something else (NHD data into HND, say).
+        """
+        transfer.restore(self, block_ids, data, source_format=source_format)
+
+    # geometry ----------------------------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Raise `GeometryError` unless every tensor still has the plan's bytes, shape, strides and offset."""
+        problems: list[str] = []
+        for bp, raw, buf in zip(self.plan.buffers, self.raw, self.buffers, strict=True):
+            where = f"buffer[{bp.index}]"
+            if raw.dtype != torch.uint8 or raw.numel() != bp.nbytes or not raw.is_contiguous():
+                problems.append(f"{where}: raw bytes `{raw.dtype}` x {raw.numel()}, plan {bp.nbytes} uint8")
+            if raw.untyped_storage().nbytes() != bp.nbytes:
+                problems.append(f"{where}: storage of {raw.untyped_storage().nbytes()} bytes, plan {bp.nbytes}")
+            problems += _compare(where, buf, raw, bp.dtype, bp.shape, bp.strides, 0)
+        for lp, view in zip(self.plan.layers, self._views, strict=True):
+            v = lp.view
+            problems += _compare(f"layer[{lp.layer}]", view, self.raw[v.buffer], self.plan.spec.cache_dtype.value,
+                                 v.shape, v.strides, v.storage_offset)
+        if problems:
+            raise GeometryError("the KV cache no longer matches its plan",
+                                [Diagnostic(p.split(":")[0], 0, 0, "plan-mismatch", p) for p in problems])
+
+
+def _len(t: object) -> int:
+    return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() >= 1 else -1
+
+
+def _compare(where: str, t: torch.Tensor, raw: torch.Tensor, dtype: str, shape: tuple[int, ...],
+             strides: tuple[int, ...], offset: int) -> list[str]:
+    got = (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride(), t.storage_offset())
+    want = (dtype, shape, strides, offset)
+    out = []
+    if got != want:
+        out.append(f"{where}: (dtype, shape, strides, offset) {got}, plan {want}")
+    if t.device == raw.device and t.device.type != "meta" and (
+        t.untyped_storage().data_ptr() != raw.untyped_storage().data_ptr()
+    ):
+        out.append(f"{where}: not a view of its buffer's allocation")
+    return out

@@ -1,0 +1,100 @@
+"""Block transfers: copying whole blocks (every layer, inline scales and padding included) out and back.
+
+A transferred block is its plan's transfer rows concatenated in layer order:
+``L * page_size_bytes`` bytes, returned as a uint8 tensor (n, L, page_size_bytes).
+Under cross_layer with the block outermost, a block is one contiguous row and
+the whole transfer is one gather over the block dim; per_layer gathers one
+(block, page) row per layer. Widths come from the plan, never from the
+unpadded data size: leaving the scales out truncates restored blocks (vLLM
+PR #48411).
+
+Shape alone cannot tell two layouts with equal (L, page) apart (per_layer
+NHD vs HND), so a cache's ``transfer_format`` names what each byte of a row
+means; `restore` checks it when the caller passes the source's format.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.plan import ByteView
+from engine.runtime.checks import check_block_ids, check_device
+from policy.errors import input_error
+
+if TYPE_CHECKING:
+    from engine.runtime.cache import KVCache
+
+__all__ = ["offload", "restore"]
+
+
+def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Copy ``block_ids`` out to a CPU uint8 tensor (n, L, page_size_bytes), pinned if the cache is on CUDA."""
+    check_device(cache.device, "offload from")
+    plan = cache.plan
+    ids = check_block_ids(block_ids, plan.num_blocks, cache.device, unique=False)
+    n = ids.numel()
+    pinned = cache.device.type == "cuda"
+    out = torch.empty((n, plan.num_layers, plan.page_size_bytes), dtype=torch.uint8, pin_memory=pinned)
+    col = 0
+    with torch.no_grad():
+        for tv in plan.transfer:
+            rows, word = _rows(cache, tv)
+            width = math.prod(tv.shape[1:])
+            dst = out.view(n, -1)[:, col : col + width].view(word).view(n, *rows.shape[1:])
+            if cache.device.type == "cpu" and dst.is_contiguous():
+                torch.index_select(rows, 0, ids, out=dst)
+            else:
+                dst.copy_(rows.index_select(0, ids), non_blocking=pinned)
+            col += width
+        if pinned:
+            torch.cuda.current_stream(cache.device).synchronize()
+    # INVARIANT: the rows of a transfer cover a block's L pages exactly, padding and scales included.
+    assert col == plan.block_row_bytes
+    return out
+
+
+def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch.Tensor, *,
+            source_format: str | None = None) -> None:
+    """Write ``data`` from `offload` into ``block_ids``; every check runs before any byte is written."""
+    check_device(cache.device, "restore into")
+    plan = cache.plan
+    ids = check_block_ids(block_ids, plan.num_blocks, cache.device, unique=True)
+    want = (ids.numel(), plan.num_layers, plan.page_size_bytes)
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or tuple(data.shape) != want:
+        got = f"`{data.dtype}` {tuple(data.shape)}" if isinstance(data, torch.Tensor) else f"`{type(data).__name__}`"
+        raise input_error("data", f"offloaded data is {got}, this cache restores uint8 {want}",
+                          "restore blocks into a cache with the same layers and page size they came from",
+                          code="transfer-geometry")
+    if source_format is not None and source_format != cache.transfer_format:
+        raise input_error("source_format", f"blocks of format `{source_format}` cannot be restored into a cache "
+                          f"of format `{cache.transfer_format}`",
+                          "offload and restore between caches of the same layout and quantization",
+                          code="transfer-geometry")
+    if data.device not in (cache.device, torch.device("cpu")):
+        raise input_error("data", f"`data` is on `{data.device}`; expected the CPU or `{cache.device}`")
+    n = ids.numel()
+    if n == 0:
+        return
+    with torch.no_grad():
+        src = data.to(cache.device, non_blocking=data.is_pinned()).contiguous().view(n, -1)
+        col = 0
+        for tv in plan.transfer:
+            rows, word = _rows(cache, tv)
+            width = math.prod(tv.shape[1:])
+            rows.index_copy_(0, ids, src[:, col : col + width].view(word).view(n, *rows.shape[1:]))
+            col += width
+
+
+def _rows(cache: KVCache, tv: ByteView) -> tuple[torch.Tensor, torch.dtype]:
+    """The transfer view ``tv`` over its buffer, in the widest word every stride and width allows."""
+    raw = cache.raw[tv.buffer]
+    sizes = (*tv.byte_strides, tv.byte_offset, tv.shape[-1], raw.numel())
+    word = next(w for w in (8, 4, 2, 1) if all(s % w == 0 for s in sizes))
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+    shape = (*tv.shape[:-1], tv.shape[-1] // word)
+    strides = tuple(s // word for s in tv.byte_strides)
+    return raw.view(dtype).as_strided(shape, strides, tv.byte_offset // word), dtype
