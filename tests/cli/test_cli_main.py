@@ -1,0 +1,116 @@
+"""The real entry point (subprocess): exit codes, --version, help on every verb, no torch import."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from engine.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+VERBS = ("dry-run", "validate", "test", "schema")
+
+
+def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "engine.cli.main", *argv], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=60)
+
+
+def test_entry_point_is_declared() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["kvpolicy"] == "engine.cli.main:main"
+
+
+def test_dry_run_subprocess_and_no_torch() -> None:
+    code = ("import sys\nfrom engine.cli.main import main\nrc = main(['dry-run', '--num-blocks', '16'])\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "NO-TORCH 0"
+    assert out.stderr == ""
+
+
+def test_no_verb_imports_torch() -> None:
+    code = ("import sys, contextlib, io\nfrom engine.cli.main import main\n"
+            "argvs = [['dry-run', '--format', 'json', '--num-blocks', '4'], ['validate'], ['test'], ['schema'],"
+            " ['schema', '--cases'], ['--version']]\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    codes = [main(a) for a in argvs]\n"
+            "print(codes, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.strip() == "[0, 0, 0, 0, 0, 0] False", out.stdout + out.stderr
+
+
+def test_python_m_entry_point() -> None:
+    out = run("dry-run")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("built-in example: ")
+    assert "layout: per_layer/NHD" in out.stdout
+    assert out.stderr == ""  # no runpy double-import warning, no traceback
+
+
+def test_no_layout_via_subprocess(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "rules", tmp_path / "r", ignore=shutil.ignore_patterns("tests"))
+    glob = tmp_path / "r" / "global.yaml"
+    conflict = "\n  - id: conflict\n    description: d\n    require: {placement: cross_layer}\n"
+    glob.write_text(glob.read_text() + conflict)
+    out = run("dry-run", "--rules", str(tmp_path / "r"))
+    assert out.returncode == 1
+    assert "error[removed-candidates]: rule `conflict` (require, global) removed `per_layer/NHD`" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_usage_error_via_subprocess() -> None:
+    out = run("dry-run", "--connector-config", "{not json")
+    assert out.returncode == 2
+    assert "kvpolicy dry-run: error: argument --connector-config: invalid JSON" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("kvpolicy 0.")
+
+
+def test_no_verb_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvpolicy")
+    for verb in VERBS:
+        assert verb in err
+
+
+def test_unknown_verb_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["decide"]) == 2
+    assert "invalid choice: 'decide'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_has_help_with_an_example(capsys: pytest.CaptureFixture[str], verb: str) -> None:
+    assert main([verb, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: kvpolicy {verb}")
+    assert "examples:\n  kvpolicy " + verb in out
+
+
+def test_every_verb_is_registered() -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "verb")
+    assert tuple(sub.choices) == VERBS
+
+
+def test_output_is_plain_text_without_color() -> None:
+    out = run("dry-run", env={**os.environ, "NO_COLOR": "1"})
+    assert "\x1b[" not in out.stdout
+    assert "\x1b[" not in run("dry-run").stdout
+
+
+@pytest.mark.skipif(shutil.which("kvpolicy") is None, reason="the console script is not installed")
+def test_console_script() -> None:
+    out = subprocess.run(["kvpolicy", "validate"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("ok: ")

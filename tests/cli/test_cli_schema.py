@@ -1,0 +1,59 @@
+"""`kvpolicy schema`: the committed schema is the current one, and it describes the shipped files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.cli.main import main
+from engine.cli.schema import schema_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_committed_schema_is_current(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "schema")
+    assert code == 0
+    committed = (ROOT / "docs" / "rule-file.schema.json").read_text()
+    assert committed == out, "regenerate: python -m engine.cli.main schema > docs/rule-file.schema.json"
+
+
+def test_schema_header(capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(schema_text())
+    assert data["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert data["$id"] == "urn:kvpolicy:rule-file:1"
+    assert data["title"] == "kvpolicy rule file"
+    assert set(data["properties"]) == {"version", "connector", "member_preferences", "defaults", "rules"}
+    cases = json.loads(schema_text(cases=True))
+    assert cases["title"] == "kvpolicy policy test file" and set(cases["properties"]) == {"version", "cases"}
+
+
+def test_shipped_rule_files_name_the_schema() -> None:
+    for path in [*(ROOT / "rules").glob("*.yaml"), *(ROOT / "rules" / "connectors").glob("*.yaml")]:
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# yaml-language-server: $schema=") and first.endswith("docs/rule-file.schema.json")
+
+
+def test_schema_accepts_shipped_files_and_rejects_typos() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    rule_schema = json.loads(schema_text())
+    jsonschema.Draft202012Validator.check_schema(rule_schema)
+    for path in [*(ROOT / "rules").glob("*.yaml"), *(ROOT / "rules" / "connectors").glob("*.yaml")]:
+        jsonschema.validate(yaml.safe_load(path.read_text()), rule_schema)
+    bad = {"version": 1, "rules": [{"id": "x", "description": "d", "forbid": {"placement": "cross_layer"},
+                                    "wieght": 1}]}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, rule_schema)
+    case_schema = json.loads(schema_text(cases=True))
+    jsonschema.Draft202012Validator.check_schema(case_schema)
+    for path in (ROOT / "rules" / "tests").glob("*.yaml"):
+        jsonschema.validate(yaml.safe_load(path.read_text()), case_schema)

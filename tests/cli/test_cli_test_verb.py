@@ -1,0 +1,165 @@
+"""`kvpolicy test`: the shipped policy tests pass with full coverage; failures show expected vs actual."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = "{num_layers: 24, block_size: 16, num_kv_heads: 2, head_size: 64}"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def case_file(tmp_path: Path, body: str, name: str = "cases.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text("version: 1\ncases:\n" + body)
+    return path
+
+
+def test_shipped_policy_tests_pass_with_full_coverage(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "test")
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert re.fullmatch(r"\d+ passed, 0 failed", lines[-2]), lines[-2]
+    assert int(lines[-2].split()[0]) >= 25
+    assert lines[-1] == "coverage: 11/11 rules matched by some case"
+    assert "FAIL" not in out
+
+
+def test_require_coverage_passes_on_shipped_tests(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, _ = cli(capsys, "test", "--require-coverage")
+    assert code == 0
+
+
+def test_verbose_lists_passing_cases(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "test", "-v", str(ROOT / "rules" / "tests" / "gate.yaml"))
+    assert code == 0
+    assert re.search(r"^PASS rules/tests/gate\.yaml:\d+: no connector keeps vLLM's default per-layer NHD$", out, re.M)
+
+
+def test_failing_case_shows_expected_vs_actual(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = case_file(tmp_path, f"""\
+  - name: wrong on purpose
+    input: {{spec: {SPEC}, kv_cache_dtype: fp8_per_token_head, connector: OffloadingConnector}}
+    expect:
+      layout: cross_layer/NHD
+      removed: {{cross_layer/HND: [cross-layer-needs-connector]}}
+      not_matched: [offloading-prefers-cross-layer]
+  - name: right
+    input: {{spec: {SPEC}}}
+    expect: {{layout: per_layer/NHD}}
+""")
+    code, out, _ = cli(capsys, "test", str(path))
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0] == f"FAIL {path}:3: wrong on purpose"
+    assert lines[1:7] == [
+        "  expected layout: cross_layer/NHD",
+        "  actual layout:   per_layer/NHD",
+        "  expected `cross_layer/HND` removed by `cross-layer-needs-connector`",
+        "  actual: removed by `per-token-head-forbids-cross-layer`",
+        "  expected rule `offloading-prefers-cross-layer` not to match",
+        "  actual: it matched",
+    ]
+    assert lines[7] == "  decision (fails):"
+    assert lines[8] == "    layout: per_layer/NHD"
+    assert "    counterfactual:" in lines
+    summary = lines.index("1 passed, 1 failed")
+    assert lines[summary + 1] == "coverage: 3/11 rules matched by some case"
+    assert all(line.startswith("  uncovered: ") for line in lines[summary + 2:])
+
+
+def test_uncovered_rules_are_listed_and_require_coverage_fails(capsys: pytest.CaptureFixture[str],
+                                                                tmp_path: Path) -> None:
+    path = case_file(tmp_path, f"  - name: plain\n    input: {{spec: {SPEC}}}\n    expect: {{layout: per_layer/NHD}}\n")
+    code, out, _ = cli(capsys, "test", str(path))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "1 passed, 0 failed"
+    assert lines[1] == "coverage: 1/11 rules matched by some case"
+    uncovered = lines[2:]
+    assert len(uncovered) == 10
+    assert any(re.fullmatch(r"  uncovered: nixl-requires-hnd at rules/connectors/nixl\.yaml:\d+", line)
+               for line in uncovered)
+    assert not any("cross-layer-needs-connector" in line for line in uncovered)
+    code, _, _ = cli(capsys, "test", str(path), "--require-coverage")
+    assert code == 1
+
+
+def test_expected_error_cases(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = case_file(tmp_path, f"""\
+  - name: bad input is an expected error
+    input: {{spec: {SPEC}, backend: NOPE}}
+    expect: {{error: unknown-backend}}
+  - name: unexpected error
+    input: {{spec: {SPEC}, backend: NOPE}}
+    expect: {{layout: per_layer/NHD}}
+""")
+    code, out, _ = cli(capsys, "test", str(path))
+    assert code == 1
+    assert f"FAIL {path}:6: unexpected error\n  expected a decision\n  actual error: `unknown-backend`\n  error:\n" \
+           "    backend: error[unknown-backend]: unknown backend `NOPE`" in out
+    assert "1 passed, 1 failed" in out
+
+
+def test_malformed_case_file_is_located(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = case_file(tmp_path, f"""\
+  - name: typo
+    input:
+      spec: {SPEC}
+      conector: OffloadingConnector
+    expect:
+      layout: cross_layer/XYZ
+""")
+    code, out, err = cli(capsys, "test", str(path))
+    assert code == 1 and out == ""
+    assert f"{path}:6:7: error[unknown-key]: unknown key `conector`\n  help: did you mean `connector`?" in err
+    assert f"{path}:8:15: error[invalid-value]: unknown layout `cross_layer/XYZ`" in err
+
+
+def test_unknown_rule_in_expectation(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = case_file(tmp_path, f"""\
+  - name: typo in a rule id
+    input: {{spec: {SPEC}}}
+    expect: {{matched: [cross-layer-needs-conector]}}
+""")
+    code, _, err = cli(capsys, "test", str(path))
+    assert code == 1
+    assert f"{path}:5:24: error[unknown-rule]: no rule `cross-layer-needs-conector` in rule set `rules`\n" \
+           "  help: did you mean `cross-layer-needs-connector`?" in err
+
+
+def test_rules_flag_selects_rule_set_and_its_tests(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    root = tmp_path / "my-rules"
+    shutil.copytree(ROOT / "rules", root)
+    code, out, _ = cli(capsys, "test", "--rules", str(root))
+    assert code == 0 and "coverage: 11/11 rules matched by some case" in out
+    shutil.rmtree(root / "tests")
+    code, _, err = cli(capsys, "test", "--rules", str(root))
+    assert code == 1
+    assert f"{root}/tests: error[not-found]: no such file or directory" in err
+
+
+def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "test", "--format", "json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["failed"] == 0 and data["passed"] == len(data["cases"])
+    assert data["coverage"] == {"matched": 11, "total": 11, "uncovered": []}
+    assert data["cases"][0]["location"].startswith("rules/tests/")
+
+
+def test_missing_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = cli(capsys, "test", str(tmp_path / "none.yaml"))
+    assert code == 1 and "error[not-found]" in err

@@ -1,0 +1,76 @@
+"""`kvpolicy validate`: the one-line summary when clean, every located error when not."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_shipped_rules_are_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "validate")
+    assert code == 0 and err == ""
+    assert re.fullmatch(r"ok: 11 rules in 6 files \(digest sha256:[0-9a-f]{64}\)\n", out), out
+
+
+def test_json_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "validate", str(ROOT / "rules"), "--format", "json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["ok"] is True and data["rules"] == 11 and data["files"] == 6
+    assert data["digest"].startswith("sha256:")
+
+
+def test_broken_rules_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "rules", tmp_path / "r", ignore=shutil.ignore_patterns("tests"))
+    root = tmp_path / "r"
+    (root / "global.yaml").write_text((root / "global.yaml").read_text().replace(
+        "{field: connector.present, eq: false}", "{field: connector.presnt, eq: false}"))
+    (root / "connectors" / "lmcache.yaml").write_text(
+        "version: 1\nconnector: LMCacheConnector\nrules:\n  - id: lmcache-keeps-per-layer\n"
+        "    description: d\n    prefer: {placement: per_layer}\n    wieght: 1\n")
+    code, out, err = cli(capsys, "validate", str(root))
+    assert code == 1 and out == ""
+    lines = err.splitlines()
+    assert lines[0] == f"3 error(s) in rule set `{root}`"
+    assert any(re.fullmatch(rf"{re.escape(str(root))}/global\.yaml:\d+:\d+: error\[unknown-field\]: "
+                            r"unknown field `connector\.presnt`", line) for line in lines), err
+    assert "  help: did you mean `connector.present`? see docs/rule-language.md for every field path" in lines
+    assert f"{root}/connectors/lmcache.yaml:2:12: error[unknown-connector]: unknown connector `LMCacheConnector`" \
+        in lines
+    assert f"{root}/connectors/lmcache.yaml:7:5: error[unknown-key]: unknown key `wieght`" in lines
+    assert "Traceback" not in err
+
+
+def test_broken_rules_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "global.yaml").write_text("version: 1\nrules:\n\t- id: x\n")
+    code, out, err = cli(capsys, "validate", str(tmp_path), "--format", "json")
+    data = json.loads(out)
+    assert code == 1 and data["ok"] is False
+    assert data["error"]["diagnostics"][0]["code"] == "yaml-syntax"
+    assert data["error"]["diagnostics"][0]["line"] == 3
+    assert "error[yaml-syntax]" in err
+
+
+def test_missing_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = cli(capsys, "validate", str(tmp_path / "nope"))
+    assert code == 1
+    assert err.startswith(f"{tmp_path}/nope: error[no-rules-dir]: not a directory\n  help: ")
+
+
+def test_empty_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 1 and "error[no-rule-files]" in err
