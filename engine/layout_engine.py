@@ -16,11 +16,16 @@ import logging
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.decide import evaluate, no_layout_error, scopes_for
 from engine.decision import Decision
 from engine.inputs import build_context
+from engine.plan import LayoutPlan, plan_layout
+from engine.verify import check_plan
+
+if TYPE_CHECKING:
+    from engine.runtime import KVCache
 from policy.context import Context
 from policy.errors import Diagnostic, RuleLoadError
 from policy.load import Limits, load_rules, load_rules_from_texts
@@ -157,6 +162,31 @@ class LayoutEngine:
             events = outcome.events or evaluate(ruleset, glob, conn, explain=True).events
             raise no_layout_error(ruleset, events)
         return Decision(ruleset, ctx, outcome)
+
+
+    def plan(self, *, num_blocks: int, context: Context | None = None, **inputs: Any) -> LayoutPlan:
+        """Decide, then plan the chosen layout's geometry (pure arithmetic, no torch)."""
+        decision = self.decide(context, explain=False, **inputs)
+        return plan_layout(decision.layout, decision.context.kv, decision.context.backend, num_blocks)
+
+    def build(self, *, num_blocks: int, device: str = "cpu", context: Context | None = None,
+              **inputs: Any) -> KVCache:
+        """Decide, plan, verify and allocate: the one call from inputs to a `KVCache`.
+
+        Takes ``decide``'s keyword inputs. The plan is checked by the geometry
+        verifier before any memory is touched: a layout whose views overlap is
+        refused with `GeometryError`, whatever the rules said (the rules state
+        intent; the verifier enforces the bytes). The cache carries
+        ``.decision`` and ``.plan``. Plans the first attention group's spec.
+        """
+        decision = self.decide(context, explain=False, **inputs)
+        plan = plan_layout(decision.layout, decision.context.kv, decision.context.backend, num_blocks)
+        check_plan(plan)
+        from engine.runtime import allocate  # torch, lazily
+
+        cache = allocate(plan, device)
+        cache.decision = decision
+        return cache
 
 
 def fallback_ruleset() -> RuleSet:

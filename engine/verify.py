@@ -1,0 +1,207 @@
+"""The geometry verifier: do any two writers of a KV cache touch the same byte?
+
+Pure Python on a `LayoutPlan`; nothing is allocated. The writers are, per
+layer, the K data, V data, K scales and V scales (MLA: the latent and its
+scale). Scale writers are modelled with the backend's strategy:
+``stride_aware`` uses the plan's own scale views; ``assume_per_layer_contiguous``
+uses what vLLM's 5-D-era Triton ``_ensure_scale_caches`` built (offset 0, a
+block stride of one layer page), which under the cross-layer layout puts every
+layer's scales on layer 0's bytes: vLLM issue #48412.
+
+Exactness with few blocks: every writer is periodic in the block dim. With
+``P = lcm`` of two writers' block strides and ``F`` their one-block footprint,
+a collision at blocks ``(a, b)`` shifts down by whole periods to one with both
+block offsets below ``P + F``; so enumerating the blocks that start below
+``P + F`` (capped by ``num_blocks``) finds a collision if and only if one exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.plan import ByteView, LayoutPlan, TensorView, naive_scale_view
+from policy.backends import Dim, ScaleViews
+from policy.errors import Diagnostic, GeometryError
+
+__all__ = ["Collision", "GeometryReport", "Writer", "check_plan", "verify_plan", "writers"]
+
+_KV_ROLES = {0: "k", 1: "v"}
+
+
+@dataclass(frozen=True)
+class Writer:
+    """A set of bytes one kind of write touches: cells at a lattice of addresses.
+
+    Address of cell ``(block, *index)`` = ``base + block*block_stride + sum(i*s)``,
+    each ``run`` bytes long, in buffer ``buffer``.
+    """
+
+    layer: int
+    role: str  # k_data, v_data, k_scale, v_scale
+    buffer: int
+    base: int
+    block_stride: int
+    num_blocks: int
+    inner: tuple[tuple[int, int], ...]  # (count, byte stride) of the non-block dims
+    run: int
+
+    @property
+    def name(self) -> str:
+        return f"layer {self.layer} {self.role.replace('_', ' ')}"
+
+    def footprint(self) -> int:
+        """Bytes from the first to the last byte this writer touches in one block."""
+        return sum((n - 1) * abs(s) for n, s in self.inner) + self.run
+
+    def runs(self, blocks: int) -> list[tuple[int, int]]:
+        """Merged (start, end) byte intervals for the first ``blocks`` blocks."""
+        offsets = [0]
+        for count, stride in self.inner:
+            offsets = [o + i * stride for o in offsets for i in range(count)]
+        out: list[tuple[int, int]] = []
+        for b in range(blocks):
+            start0 = self.base + b * self.block_stride
+            for o in sorted(offsets):
+                s = start0 + o
+                if out and out[-1][1] == s:
+                    out[-1] = (out[-1][0], s + self.run)
+                else:
+                    out.append((s, s + self.run))
+        return out
+
+
+@dataclass(frozen=True)
+class Collision:
+    """Two writers that share bytes; ``address`` is the first shared byte."""
+
+    a: Writer
+    b: Writer
+    buffer: int
+    address: int
+
+    def describe(self) -> str:
+        return f"{self.a.name} and {self.b.name} both write buffer {self.buffer} byte {self.address}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": {"layer": self.a.layer, "role": self.a.role}, "b": {"layer": self.b.layer, "role": self.b.role},
+                "buffer": self.buffer, "address": self.address}
+
+
+@dataclass(frozen=True)
+class GeometryReport:
+    """The verifier's answer for one plan under one scale-view strategy."""
+
+    layout: str
+    scale_views: ScaleViews
+    writers: tuple[Writer, ...]
+    collisions: tuple[Collision, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return not self.collisions
+
+    def pairs(self) -> set[tuple[tuple[int, str], tuple[int, str]]]:
+        """Colliding writer pairs as ((layer, role), (layer, role)), each pair sorted."""
+        out = set()
+        for c in self.collisions:
+            x, y = sorted([(c.a.layer, c.a.role), (c.b.layer, c.b.role)])
+            out.add((x, y))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "scale_views": self.scale_views.value, "ok": self.ok,
+                "writers": len(self.writers), "collisions": [c.to_dict() for c in self.collisions]}
+
+
+def _view_dims(view: TensorView) -> list[tuple[int, int]]:
+    return [(view.shape[view.dims.index(d.value)], view.stride_of(d))
+            for d in (Dim.token, Dim.head) if d.value in view.dims]
+
+
+def _scale_writer(layer: int, role: str, sv: ByteView) -> Writer:
+    inner = [(n, s) for d, n, s in zip(sv.dims, sv.shape, sv.byte_strides) if d != "block"]
+    bi = sv.dims.index("block")
+    return Writer(layer, f"{role}_scale", sv.buffer, sv.byte_offset, sv.byte_strides[bi], sv.shape[bi],
+                  tuple(inner), 4)
+
+
+def writers(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> tuple[Writer, ...]:
+    """Every writer of ``plan``, scale writers modelled with ``scale_views``
+    (default: the plan's backend's strategy)."""
+    strategy = scale_views or plan.backend.scale_views
+    spec, elem = plan.spec, plan.element_size
+    data_run = spec.data_bytes_per_head if spec.per_token_head else spec.cell_bytes
+    out: list[Writer] = []
+    for lp in plan.layers:
+        v = lp.view
+        if v.stride_of(Dim.dim) != 1:  # pragma: no cover - every backend keeps a cell contiguous
+            raise GeometryError(f"layer {lp.layer}'s cells are not contiguous")
+        inner = tuple((n, s * elem) for n, s in _view_dims(v))
+        block_stride = v.stride_of(Dim.block) * elem
+        for kv in range(spec.kv_factor):
+            role = _KV_ROLES[kv]
+            base = (v.storage_offset + kv * v.stride_of(Dim.kv)) * elem
+            out.append(Writer(lp.layer, f"{role}_data", v.buffer, base, block_stride, plan.num_blocks, inner,
+                              data_run))
+        if spec.per_token_head:
+            for kv in range(spec.kv_factor):
+                role = _KV_ROLES[kv]
+                sv = (naive_scale_view(plan, lp.layer, role) if strategy is ScaleViews.assume_per_layer_contiguous
+                      else next(s for s in lp.scales if s.role == role))
+                out.append(_scale_writer(lp.layer, role, sv))
+    return tuple(out)
+
+
+def _blocks_to_check(w: Writer, period: int, footprint: int) -> int:
+    if w.block_stride <= 0:
+        return w.num_blocks
+    return min(w.num_blocks, (period + footprint) // w.block_stride + 1)
+
+
+def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> GeometryReport:
+    """Report every pair of writers of ``plan`` that share a byte (first shared byte each)."""
+    strategy = scale_views or plan.backend.scale_views
+    ws = writers(plan, strategy)
+    by_buffer: dict[int, list[int]] = {}
+    for i, w in enumerate(ws):
+        by_buffer.setdefault(w.buffer, []).append(i)
+    strides = sorted({w.block_stride for w in ws if w.block_stride > 0})
+    period = math.lcm(*strides) if strides else 0
+    footprint = max((w.footprint() for w in ws), default=0)
+    found: dict[tuple[int, int], int] = {}
+    for members in by_buffer.values():
+        events: list[tuple[int, int, int]] = []
+        for i in members:
+            for start, end in ws[i].runs(_blocks_to_check(ws[i], period, footprint)):
+                events.append((start, end, i))
+        events.sort()
+        active: list[tuple[int, int, int]] = []  # (end, writer, start)
+        for start, end, i in events:
+            active = [a for a in active if a[0] > start]
+            for _, j, _ in active:
+                key = (min(i, j), max(i, j))
+                if key not in found:
+                    found[key] = start
+            active.append((end, i, start))
+    collisions = tuple(
+        Collision(ws[a], ws[b], ws[a].buffer, addr) for (a, b), addr in sorted(found.items(), key=lambda kv: kv[1])
+    )
+    return GeometryReport(str(plan.layout), strategy, ws, collisions)
+
+
+def check_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> GeometryReport:
+    """`verify_plan`, raising `GeometryError` naming the colliding views when any overlap."""
+    report = verify_plan(plan, scale_views)
+    if report.ok:
+        return report
+    shown = report.collisions[:8]
+    diags = [Diagnostic("<geometry>", 0, 0, "overlapping-views", c.describe()) for c in shown]
+    listed = f"the first {len(shown)}" if len(shown) < len(report.collisions) else "each"
+    raise GeometryError(
+        f"refusing layout `{plan.layout}` on `{plan.backend.name}`: {len(report.collisions)} pair(s) of views "
+        f"write the same bytes with `{report.scale_views.value}` scale views ({listed} below); a write through "
+        "one corrupts the other (vLLM #48412). Choose another layout, or a backend with stride-aware scale views",
+        diags,
+    )

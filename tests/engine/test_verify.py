@@ -1,0 +1,159 @@
+"""The geometry verifier, cross-checked against real bytes, and vLLM #48412 reproduced."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine import LayoutEngine
+from engine.plan import naive_scale_view, plan_layout
+from engine.runtime import allocate
+from engine.verify import Writer, verify_plan, writers
+from policy import (
+    BACKENDS,
+    KV_CACHE_DTYPES,
+    AttentionKind,
+    GeometryError,
+    KVCacheSpec,
+    Layout,
+    Placement,
+    ScaleViews,
+    load_rules_from_texts,
+)
+
+
+def make_spec(kv_cache_dtype: str = "auto", mla: bool = False, **kw: object) -> KVCacheSpec:
+    base: dict[str, object] = dict(num_layers=3, block_size=4, num_kv_heads=2, head_size=8)
+    if mla:
+        base.update(kind=AttentionKind.mla, num_kv_heads=1, head_size=16)
+    base.update(kw)
+    return KVCacheSpec(kv_cache_dtype=kv_cache_dtype, **base)
+
+
+def combos():
+    for backend, dtype, placement, strategy in itertools.product(
+            BACKENDS.values(), KV_CACHE_DTYPES, Placement, ScaleViews):
+        for head_order in backend.head_orders:
+            yield backend, dtype, Layout(placement=placement, head_order=head_order), strategy
+
+
+COMBOS = list(combos())
+
+
+def addresses(w: Writer) -> torch.Tensor:
+    """Every byte address ``w`` touches, by brute force."""
+    offs = torch.zeros(1, dtype=torch.int64)
+    for count, stride in w.inner:
+        offs = (offs[:, None] + torch.arange(count) * stride).reshape(-1)
+    blocks = torch.arange(w.num_blocks) * w.block_stride
+    cells = (w.base + blocks[:, None] + offs[None, :]).reshape(-1)
+    return (cells[:, None] + torch.arange(w.run)).reshape(-1)
+
+
+def canary_corrupted(plan, strategy: ScaleViews) -> set[int]:
+    """Write a distinct tag through every writer in order; return the writers whose
+    bytes no longer hold their tag (overwritten by a later writer)."""
+    cache = allocate(plan, "cpu")
+    ws = writers(plan, strategy)
+    for i, w in enumerate(ws):
+        cache.raw[w.buffer][addresses(w)] = (i % 250) + 1
+    return {i for i, w in enumerate(ws) if not bool((cache.raw[w.buffer][addresses(w)] == (i % 250) + 1).all())}
+
+
+@pytest.mark.parametrize(("backend", "dtype", "layout", "strategy"), COMBOS,
+                         ids=[f"{b.name}-{d}-{lay}-{s.value}" for b, d, lay, s in COMBOS])
+def test_static_answer_matches_real_bytes(backend, dtype, layout, strategy) -> None:
+    spec = make_spec(dtype, mla=backend.mla)
+    plan = plan_layout(layout, spec, backend, num_blocks=3)
+    report = verify_plan(plan, strategy)
+    expected = {a for a, b in ((min(i, j), max(i, j)) for i, j in _index_pairs(report))}
+    assert canary_corrupted(plan, strategy) == expected
+    unsafe = (spec.per_token_head and strategy is ScaleViews.assume_per_layer_contiguous
+              and layout.placement is Placement.cross_layer)
+    assert report.ok is (not unsafe), report.to_dict()
+
+
+def _index_pairs(report):
+    index = {(w.layer, w.role): i for i, w in enumerate(report.writers)}
+    return [(index[a], index[b]) for a, b in report.pairs()]
+
+
+def test_reproduces_vllm_48412() -> None:
+    """Qwen2.5-0.5B geometry, fp8 per-token-head, TRITON_ATTN's contiguity-assuming scale views."""
+    spec = KVCacheSpec(num_layers=24, block_size=16, num_kv_heads=2, head_size=64, kv_cache_dtype="fp8_per_token_head")
+    tri = BACKENDS["TRITON_ATTN"]
+    cross = Layout.parse("cross_layer/NHD")
+    unsafe = verify_plan(plan_layout(cross, spec, tri, 64))
+    assert not unsafe.ok
+    assert ((0, "k_scale"), (1, "k_scale")) in unsafe.pairs()
+    assert verify_plan(plan_layout(Layout.parse("per_layer/NHD"), spec, tri, 64)).ok
+    assert verify_plan(plan_layout(cross, spec, tri, 64), ScaleViews.stride_aware).ok
+
+
+def canary_cache(layout: str):
+    spec = make_spec("int8_per_token_head", num_layers=4)
+    plan = plan_layout(Layout.parse(layout), spec, BACKENDS["TRITON_ATTN"], num_blocks=4)
+    cache = allocate(plan, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.arange(plan.num_blocks * spec.block_size)
+    for layer in range(spec.num_layers):
+        k = torch.randn(len(slots), spec.num_kv_heads, spec.head_size, generator=gen)
+        cache.write(layer, k, -k, slots)
+    return cache, slots
+
+
+def naive_fill_layer0(cache) -> None:
+    """What vLLM's 5-D-era Triton backend did at start-up: build layer 0's scale view
+    assuming offset 0 and a one-page block stride, then fill_(1.0)."""
+    for role in ("k", "v"):
+        sv = naive_scale_view(cache.plan, 0, role)
+        raw = cache.raw[sv.buffer]
+        view = raw.view(torch.float32).as_strided(sv.shape, tuple(s // 4 for s in sv.byte_strides),
+                                                  sv.byte_offset // 4)
+        view.fill_(1.0)
+
+
+def test_first_fill_corrupts_other_layers_under_cross_layer() -> None:
+    cache, slots = canary_cache("cross_layer/NHD")
+    before = [cache.read(layer, slots) for layer in range(4)]
+    naive_fill_layer0(cache)
+    after = [cache.read(layer, slots) for layer in range(4)]
+    changed = [layer for layer in range(4) if not torch.equal(before[layer][0], after[layer][0])]
+    assert set(changed) >= {1, 2, 3}, changed  # neighbouring layers' K dequantizes to garbage
+
+
+def test_the_same_fill_is_harmless_per_layer() -> None:
+    cache, slots = canary_cache("per_layer/NHD")
+    before = [cache.read(layer, slots) for layer in range(4)]
+    naive_fill_layer0(cache)
+    after = [cache.read(layer, slots) for layer in range(4)]
+    for layer in (1, 2, 3):
+        assert torch.equal(before[layer][0], after[layer][0])
+
+
+def test_shipped_rules_never_choose_the_unsafe_layout() -> None:
+    engine = LayoutEngine.default()
+    for dtype in ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"):
+        for conn, cfg in [("OffloadingConnector", None), ("NixlConnector", {"enable_cross_layers_blocks": "true"}),
+                          ("MooncakeStoreConnector", {"enable_cross_layers_blocks": "true"})]:
+            d = engine.decide(spec=dict(num_layers=4, block_size=16, num_kv_heads=2, head_size=64),
+                              kv_cache_dtype=dtype, connector=conn, connector_config=cfg)
+            assert d.layout.placement is Placement.per_layer
+
+
+def test_engine_refuses_to_allocate_it_even_with_no_rules() -> None:
+    empty = LayoutEngine(load_rules_from_texts(
+        {"global.yaml": "version: 1\ndefaults:\n  layout_order: [cross_layer/NHD]\nrules: []\n"}))
+    inputs = dict(spec=dict(num_layers=4, block_size=16, num_kv_heads=2, head_size=64),
+                  kv_cache_dtype="fp8_per_token_head", backend="TRITON_ATTN")
+    assert empty.decide(**inputs).layout.placement is Placement.cross_layer  # the rules allow it...
+    with pytest.raises(GeometryError) as info:
+        empty.build(num_blocks=8, **inputs)  # ...the verifier does not
+    text = info.value.render()
+    assert "refusing layout `cross_layer/NHD` on `TRITON_ATTN`" in text
+    assert "layer 0 k scale and layer 1 k scale both write buffer 0 byte 64" in text
+    # with stride-aware scale views the same layout is safe and allocates
+    cache = empty.build(num_blocks=8, scale_views="stride_aware", **inputs)
+    assert cache.plan.layout.placement is Placement.cross_layer
