@@ -44,7 +44,7 @@ def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int]) -> torch.Te
         for tv in plan.transfer:
             rows, word = _rows(cache, tv)
             width = math.prod(tv.shape[1:])
-            dst = out.view(n, -1)[:, col : col + width].view(word).view(n, *rows.shape[1:])
+            dst = out.view(n, plan.block_row_bytes)[:, col : col + width].view(word).view(n, *rows.shape[1:])
             if cache.device.type == "cpu" and dst.is_contiguous():
                 torch.index_select(rows, 0, ids, out=dst)
             else:
@@ -80,7 +80,7 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
     if n == 0:
         return
     with torch.no_grad():
-        src = data.to(cache.device, non_blocking=data.is_pinned()).contiguous().view(n, -1)
+        src = data.to(cache.device, non_blocking=data.is_pinned()).contiguous().view(n, plan.block_row_bytes)
         col = 0
         for tv in plan.transfer:
             rows, word = _rows(cache, tv)

@@ -1,0 +1,237 @@
+"""engine.runtime.cache: quantized writes and reads, bit-exact against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_allocate import COMBO_IDS, COMBOS, ODD, ODD_LAYOUTS, cell_addresses, fill_random, make_plan
+from test_reference import decode_ref, encode_ref
+
+from engine.runtime import KVCache, allocate
+from policy.errors import InputError
+
+# written to layer 1: one skipped token (-1), slots spread over blocks and offsets
+SLOTS = [0, 7, -1, 19, 10, 5]
+LAYER = 1
+
+
+def make_inputs(cache: KVCache, slots: list[int] = SLOTS, dtype: torch.dtype = torch.bfloat16, seed: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    spec = cache.plan.spec
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(slots), spec.num_kv_heads, spec.head_size)
+    key = (torch.randn(shape, generator=gen) * 2).to(dtype)
+    value = None if spec.kv_factor == 1 else (torch.randn(shape, generator=gen) * 0.5).to(dtype)
+    return key, value, torch.tensor(slots)
+
+
+def snapshot(cache: KVCache) -> list[torch.Tensor]:
+    return [r.clone() for r in cache.raw]
+
+
+def assert_unchanged(cache: KVCache, before: list[torch.Tensor]) -> None:
+    for r, b in zip(cache.raw, before, strict=True):
+        assert torch.equal(r, b), "a rejected call changed the cache"
+
+
+def check_write_read(cache: KVCache, slots: list[int] = SLOTS, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write LAYER, then: written cells hold the reference bytes, no other byte changed, reads dequantize exactly."""
+    plan, spec = cache.plan, cache.plan.spec
+    mode, cdt = spec.quant_mode.value, spec.cache_dtype.value
+    fill_random(cache)
+    before = snapshot(cache)
+    key, value, slot_t = make_inputs(cache, slots, dtype)
+    cache.write(LAYER, key, value, slot_t)
+
+    kept = [i for i, s in enumerate(slots) if s >= 0]
+    kept_slots = [slots[i] for i in kept]
+    addrs = cell_addresses(plan, LAYER, kept_slots)  # (K, T, H, cell)
+    raw = cache.raw[plan.layers[LAYER].view.buffer]
+    parts = [key] if value is None else [key, value]
+    scales = [cache.k_scales[LAYER], cache.v_scales[LAYER]]
+    for kv, part in enumerate(parts):
+        for t, i in enumerate(kept):
+            for h in range(spec.num_kv_heads):
+                values = part[i, h].float().tolist()
+                want = encode_ref(values, mode, cdt, scales[kv])
+                assert bytes(raw[addrs[kv, t, h]].tolist()) == want, (kv, t, h)
+
+    # every byte outside the written cells, in every buffer (other layers, padding), is unchanged
+    for b, (r, old) in enumerate(zip(cache.raw, before, strict=True)):
+        mask = torch.ones(r.numel(), dtype=torch.bool)
+        if b == plan.layers[LAYER].view.buffer:
+            mask[addrs.flatten()] = False
+        assert torch.equal(r[mask], old[mask]), f"bytes outside the written cells changed in buffer {b}"
+
+    got_k, got_v = cache.read(LAYER, torch.tensor(kept_slots), dtype=torch.float32)
+    for kv, (part, got) in enumerate(zip(parts, (got_k, got_v), strict=False)):
+        for t, i in enumerate(kept):
+            for h in range(spec.num_kv_heads):
+                cell = encode_ref(part[i, h].float().tolist(), mode, cdt, scales[kv])
+                assert got[t, h].tolist() == decode_ref(cell, mode, cdt, spec.head_size, scales[kv])
+    if value is None:
+        assert got_v is None
+    if mode == "none" and key.dtype == cache._cache_dtype:
+        assert torch.equal(got_k, key[kept].float())
+
+
+@pytest.mark.parametrize(("backend", "layout", "dtype"), COMBOS, ids=COMBO_IDS)
+def test_write_then_read_is_bit_exact_and_touches_only_its_cells(backend: str, layout: str, dtype: str) -> None:
+    check_write_read(allocate(make_plan(backend, layout, kv_cache_dtype=dtype)))
+
+
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+@pytest.mark.parametrize("geo", ODD, ids=[str(g) for g in ODD])
+def test_odd_cells_and_padded_pages_write_exactly(layout: str, geo: dict) -> None:
+    check_write_read(allocate(make_plan("TRITON_ATTN", layout, **geo)))
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8", "auto"])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.float16])
+def test_other_input_dtypes_are_accepted(dtype: str, input_dtype: torch.dtype) -> None:
+    cache = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype=dtype))
+    if dtype == "auto":  # float32/float16 into a bf16 cache: a plain rounding cast
+        key, value, slots = make_inputs(cache, [3, 4], input_dtype)
+        cache.write(0, key, value, slots)
+        got_k, got_v = cache.read(0, slots)
+        assert torch.equal(got_k, key.to(torch.bfloat16)) and torch.equal(got_v, value.to(torch.bfloat16))
+    else:
+        check_write_read(cache, dtype=input_dtype)
+
+
+def test_per_tensor_fp8_scales_are_per_layer_and_settable() -> None:
+    cache = allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype="fp8_e4m3"))
+    assert cache.k_scales == cache.v_scales == (1.0, 1.0, 1.0)
+    cache.set_tensor_scales(LAYER, 0.25, 3.0)
+    assert cache.k_scales[LAYER] == 0.25 and cache.v_scales[LAYER] == 3.0 and cache.k_scales[0] == 1.0
+    check_write_read(cache)
+    with pytest.raises(InputError, match="k_scale"):
+        cache.set_tensor_scales(0, 0.0, 1.0)
+    with pytest.raises(InputError, match="v_scale"):
+        cache.set_tensor_scales(0, 1.0, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"])
+def test_a_zero_head_reads_back_as_exact_zeros(dtype: str) -> None:
+    cache = allocate(make_plan(kv_cache_dtype=dtype))
+    key = torch.zeros(2, 2, 8)
+    cache.write(0, key, key.clone(), torch.tensor([1, 2]))
+    got_k, got_v = cache.read(0, torch.tensor([1, 2]), dtype=torch.float32)
+    assert torch.equal(got_k, key) and torch.equal(got_v, key)
+    assert torch.isfinite(got_k).all()
+
+
+def test_all_skipped_and_empty_writes_change_nothing() -> None:
+    cache = allocate(make_plan(kv_cache_dtype="int8_per_token_head"))
+    fill_random(cache)
+    before = snapshot(cache)
+    key, value, _ = make_inputs(cache, [-1, -1])
+    cache.write(0, key, value, torch.tensor([-1, -1]))
+    key, value, _ = make_inputs(cache, [])
+    cache.write(0, key, value, torch.tensor([], dtype=torch.int64))
+    assert_unchanged(cache, before)
+
+
+def test_int32_slot_mappings_work() -> None:
+    cache = allocate(make_plan(kv_cache_dtype="int8_per_token_head"))
+    key, value, slots = make_inputs(cache, [3, 9])
+    cache.write(2, key, value, slots.to(torch.int32))
+    got_k, _ = cache.read(2, slots.to(torch.int32))
+    assert got_k.shape == key.shape and got_k.dtype == torch.bfloat16
+
+
+# ---- reconstruction error on Gaussian data -----------------------------------------------------
+
+ERROR_BOUNDS = {"int8_per_token_head": 0.01, "fp8_per_token_head": 0.04, "int4_per_token_head": 0.15}
+
+
+@pytest.mark.parametrize("dtype", list(ERROR_BOUNDS))
+def test_relative_reconstruction_error_on_gaussian_heads_of_128(dtype: str, record_property) -> None:
+    plan = make_plan(layout="cross_layer/HND", kv_cache_dtype=dtype, head_size=128, num_kv_heads=8,
+                     block_size=16, num_blocks=32)
+    cache = allocate(plan)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(512, 8, 128, generator=gen)
+    value = torch.randn(512, 8, 128, generator=gen)
+    slots = torch.randperm(plan.num_blocks * 16, generator=gen)[:512]
+    cache.write(0, key, value, slots)
+    got_k, got_v = cache.read(0, slots, dtype=torch.float32)
+    err = float(torch.linalg.vector_norm(torch.cat([got_k - key, got_v - value]))
+                / torch.linalg.vector_norm(torch.cat([key, value])))
+    record_property("relative_error", err)
+    print(f"\n{dtype}: relative reconstruction error {err:.4%} (bound {ERROR_BOUNDS[dtype]:.0%})")
+    assert err < ERROR_BOUNDS[dtype]
+
+
+# ---- MLA ---------------------------------------------------------------------------------------
+
+
+def test_mla_writes_one_latent_and_reads_it_back() -> None:
+    cache = allocate(make_plan("FLASHMLA", "per_layer/NHD", kv_cache_dtype="int8_per_token_head", head_size=16))
+    latent = torch.randn(3, 1, 16)
+    cache.write(0, latent, None, torch.tensor([0, 5, 9]))
+    got, none = cache.read(0, torch.tensor([0, 5, 9]), dtype=torch.float32)
+    assert none is None and got.shape == (3, 1, 16)
+    assert float((got - latent).abs().max()) < 0.05
+    with pytest.raises(InputError, match="one latent per token"):
+        cache.write(0, latent, latent, torch.tensor([0, 5, 9]))
+
+
+# ---- input checks: clear errors, and a rejected write changes no byte --------------------------
+
+
+def _bad_writes(cache: KVCache) -> list[tuple[str, dict]]:
+    key, value, slots = make_inputs(cache, [1, 2, 3])
+    n = cache.num_slots
+    return [
+        ("layer", dict(layer=3)),
+        ("layer", dict(layer=-1)),
+        ("layer", dict(layer=True)),
+        ("key", dict(key=key[:, :1])),  # wrong head count
+        ("key", dict(key=key[..., :4])),  # wrong head size
+        ("key", dict(key=key.to(torch.int32))),
+        ("key", dict(key=key.to("meta"))),
+        ("key", dict(key=key.tolist())),
+        ("value", dict(value=None)),
+        ("value", dict(value=value[:2])),
+        ("value", dict(value=value.float())),
+        ("slot_mapping", dict(slot_mapping=slots[:2])),
+        ("slot_mapping", dict(slot_mapping=slots.float())),
+        ("slot_mapping", dict(slot_mapping=slots.view(3, 1))),
+        ("slot_mapping", dict(slot_mapping=torch.tensor([1, 2, n]))),
+        ("slot_mapping", dict(slot_mapping=torch.tensor([1, 2, 2]))),
+        ("slot_mapping", dict(slot_mapping=[1, 2, 3])),
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8_per_token_head", "int4_per_token_head"])
+def test_rejected_writes_name_the_argument_and_change_no_byte(dtype: str) -> None:
+    cache = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype=dtype))
+    fill_random(cache)
+    before = snapshot(cache)
+    key, value, slots = make_inputs(cache, [1, 2, 3])
+    for where, override in _bad_writes(cache):
+        args = dict(layer=0, key=key, value=value, slot_mapping=slots) | override
+        with pytest.raises(InputError) as info:
+            cache.write(**args)
+        assert info.value.diagnostics[0].file == where, (where, override, info.value)
+        assert_unchanged(cache, before)
+
+
+def test_bad_reads_are_refused() -> None:
+    cache = allocate(make_plan(kv_cache_dtype="int8_per_token_head"))
+    with pytest.raises(InputError, match="slots must be >= 0"):
+        cache.read(0, torch.tensor([1, -1]))
+    with pytest.raises(InputError, match="out of range"):
+        cache.read(3, torch.tensor([1]))
+    with pytest.raises(InputError, match="dtype"):
+        cache.read(0, torch.tensor([1]), dtype=torch.int8)
+
+
+def test_a_meta_cache_has_geometry_but_no_data() -> None:
+    cache = allocate(make_plan(), "meta")
+    key = torch.zeros(1, 2, 8, device="meta")
+    with pytest.raises(InputError, match="meta"):
+        cache.write(0, key, key, torch.tensor([0], device="meta"))
+    with pytest.raises(InputError, match="meta"):
+        cache.read(0, torch.tensor([0], device="meta"))

@@ -1,0 +1,122 @@
+"""engine.runtime.transfer: offload and restore whole blocks, byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_allocate import COMBO_IDS, COMBOS, NUM_BLOCKS, ODD, ODD_LAYOUTS, fill_random, make_plan
+
+from engine.plan import LayoutPlan
+from engine.runtime import KVCache, allocate
+from policy.errors import InputError
+
+
+def expected_rows(cache: KVCache, block: int) -> torch.Tensor:
+    """Block ``block``'s (L, page) bytes straight from the raw buffers, by the plan's placement."""
+    plan: LayoutPlan = cache.plan
+    page, layers = plan.page_size_bytes, plan.num_layers
+    if len(cache.raw) > 1:  # per_layer: page `block` of each layer's buffer
+        return torch.stack([r[block * page : (block + 1) * page] for r in cache.raw])
+    raw = cache.raw[0]
+    if plan.physical_dims[0] == "block":  # one contiguous row per block
+        return raw[block * layers * page : (block + 1) * layers * page].view(layers, page)
+    # layers outermost (MLA cross_layer): page `block` of each layer's slab
+    slab = plan.num_blocks * page
+    return torch.stack([raw[i * slab + block * page : i * slab + (block + 1) * page] for i in range(layers)])
+
+
+def check_round_trip(cache: KVCache) -> None:
+    fill_random(cache, seed=3)
+    before = [r.clone() for r in cache.raw]
+    ids = [3, 0, 4, 1, 2]
+    data = cache.offload(ids)
+    assert data.shape == (len(ids), cache.plan.num_layers, cache.plan.page_size_bytes)
+    assert data.dtype == torch.uint8 and data.device.type == "cpu"
+    for j, b in enumerate(ids):
+        assert torch.equal(data[j], expected_rows(cache, b)), f"block {b}"
+    for r in cache.raw:
+        r.zero_()
+    cache.restore(ids, data, source_format=cache.transfer_format)
+    for r, b in zip(cache.raw, before, strict=True):
+        assert torch.equal(r, b), "offload -> clear -> restore must give back every byte"
+
+
+@pytest.mark.parametrize(("backend", "layout", "dtype"), COMBOS, ids=COMBO_IDS)
+def test_offload_clear_restore_is_byte_exact(backend: str, layout: str, dtype: str) -> None:
+    check_round_trip(allocate(make_plan(backend, layout, kv_cache_dtype=dtype)))
+
+
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+@pytest.mark.parametrize("geo", ODD, ids=[str(g) for g in ODD])
+def test_padded_and_odd_pages_round_trip_with_their_padding(layout: str, geo: dict) -> None:
+    check_round_trip(allocate(make_plan("TRITON_ATTN", layout, **geo)))
+
+
+def test_offloaded_blocks_restore_into_another_cache_of_the_same_format() -> None:
+    src = allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype="int8_per_token_head"))
+    dst = allocate(make_plan(layout="per_layer/NHD", kv_cache_dtype="int8_per_token_head", num_blocks=9))
+    assert src.transfer_format == dst.transfer_format
+    key = torch.randn(3, 2, 8)
+    src.write(2, key, -key, torch.tensor([4, 5, 6]))  # block 1
+    dst.restore(torch.tensor([7]), src.offload(torch.tensor([1])), source_format=src.transfer_format)
+    got_k, got_v = dst.read(2, torch.tensor([28, 29, 30]), dtype=torch.float32)  # block 7
+    want_k, want_v = src.read(2, torch.tensor([4, 5, 6]), dtype=torch.float32)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_offload_accepts_int32_tensors_and_repeats() -> None:
+    cache = allocate(make_plan(kv_cache_dtype="fp8"))
+    fill_random(cache)
+    data = cache.offload(torch.tensor([2, 2], dtype=torch.int32))
+    assert torch.equal(data[0], data[1]) and torch.equal(data[0], expected_rows(cache, 2))
+    assert cache.offload([]).shape == (0, 3, cache.plan.page_size_bytes)
+
+
+# ---- restore refuses data of another geometry, and then writes nothing -------------------------
+
+
+def _refused(cache: KVCache, block_ids: object, data: object, match: str, **kw: object) -> None:
+    before = [r.clone() for r in cache.raw]
+    with pytest.raises(InputError, match=match):
+        cache.restore(block_ids, data, **kw)  # type: ignore[arg-type]
+    for r, b in zip(cache.raw, before, strict=True):
+        assert torch.equal(r, b), "a refused restore wrote bytes"
+
+
+def test_restore_with_the_wrong_geometry_is_refused_and_writes_nothing() -> None:
+    cache = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype="int8_per_token_head"))
+    fill_random(cache)
+    other_layers = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype="int8_per_token_head", num_layers=2))
+    _refused(cache, [0], other_layers.offload([0]), "this cache restores uint8")
+    unquantized = allocate(make_plan(layout="cross_layer/HND"))  # page without scales: another width
+    _refused(cache, [0], unquantized.offload([0]), "this cache restores uint8")
+    good = cache.offload([0, 1])
+    _refused(cache, [0], good, r"\(1, 3, ")  # two blocks of data for one id
+    _refused(cache, [0, 1], good.view(torch.int8), "int8")
+    _refused(cache, [0, 1], good.tolist(), "list")
+
+
+def test_restore_refuses_same_shaped_data_of_another_format() -> None:
+    nhd = allocate(make_plan(layout="per_layer/NHD", kv_cache_dtype="int8_per_token_head"))
+    hnd = allocate(make_plan(layout="per_layer/HND", kv_cache_dtype="int8_per_token_head"))
+    data = nhd.offload([1])
+    assert data.shape == hnd.offload([1]).shape
+    _refused(hnd, [1], data, "cannot be restored", source_format=nhd.transfer_format)
+
+
+@pytest.mark.parametrize(("block_ids", "match"), [([0, 5], "out of range"), ([-1], "out of range"),
+                                                 ([1, 1], "same block twice"), ([0.5], "sequence of ints"),
+                                                 (torch.tensor([[0]]), "1-D")])
+def test_restore_refuses_bad_block_ids(block_ids: object, match: str) -> None:
+    cache = allocate(make_plan())
+    n = len(block_ids)
+    data = torch.zeros(n, 3, cache.plan.page_size_bytes, dtype=torch.uint8)
+    _refused(cache, block_ids, data, match)
+
+
+def test_offload_refuses_bad_block_ids_and_meta_caches() -> None:
+    cache = allocate(make_plan())
+    with pytest.raises(InputError, match="out of range"):
+        cache.offload([NUM_BLOCKS])
+    with pytest.raises(InputError, match="meta"):
+        allocate(make_plan(), "meta").offload([0])
