@@ -36,7 +36,7 @@ from engine.inputs import build_context
 from engine.trace import CandidateRemoved, RuleEvaluated
 from policy.backends import ScaleViews
 from policy.context import Context
-from policy.errors import Diagnostic, NoLayoutError, PolicyError
+from policy.errors import Diagnostic, GeometryError, InputError, ModelConfigError, NoLayoutError, PolicyError
 from policy.layouts import Layout, LayoutPattern
 from policy.ruleset import CompiledRule, RuleSet
 from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
@@ -56,6 +56,7 @@ __all__ = [
     "case_files",
     "context_for",
     "coverage_of",
+    "error_codes",
     "groups_from_data",
     "load_cases",
     "located_validation_errors",
@@ -134,7 +135,9 @@ class Expect(Frozen):
     )
     matched: list[str] = Field(default_factory=list, description="rule ids that must match (in some scope)")
     not_matched: list[str] = Field(default_factory=list, description="rule ids that must not match in any scope")
-    error: str | None = Field(default=None, description="a diagnostic code the decision must fail with, e.g. no-layout")
+    error: str | None = Field(
+        default=None, description="the decision must fail: `no-layout`, `invalid-input`, `invalid-model-config`, "
+                                  "or the code of one of the error's diagnostics (e.g. `unknown-backend`)")
 
     @field_validator("layout", mode="before", json_schema_input_type=LayoutName | LayoutPattern | None)
     @classmethod
@@ -509,11 +512,26 @@ def _show_pattern(p: LayoutPattern) -> str:
     return str(p)
 
 
+# An `expect.error` names the kind of error or the code of one of its diagnostics.
+_KIND_CODES: tuple[tuple[type[PolicyError], str], ...] = (
+    (NoLayoutError, "no-layout"),
+    (InputError, "invalid-input"),
+    (ModelConfigError, "invalid-model-config"),
+    (GeometryError, "geometry"),
+)
+
+
+def error_codes(error: PolicyError) -> list[str]:
+    """The codes an ``expect.error`` may name: the error's kind first, then its diagnostics' codes."""
+    kinds = [code for cls, code in _KIND_CODES if isinstance(error, cls)]
+    return list(dict.fromkeys([*kinds, *(d.code for d in error.diagnostics)]))
+
+
 def _check(expect: Expect, layout: Layout | None, error: PolicyError | None, survivors: list[str],
            removed: dict[str, list[str]], matched: set[str]) -> list[str]:
     """Every way the actual outcome differs from ``expect``, each as "expected ...\nactual ..."."""
     out: list[str] = []
-    codes = [d.code for d in error.diagnostics] if error is not None else []
+    codes = error_codes(error) if error is not None else []
     if expect.error is not None:
         if error is None:
             out.append(f"expected error: `{expect.error}`\nactual layout:  {layout}")
