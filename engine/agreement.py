@@ -1,0 +1,290 @@
+"""Layout agreement: between two transfer peers, and across the ranks of a process group.
+
+A KV block written under one layout and read under another is silently
+garbage (vLLM issue #48412 is one way to get there). Peers therefore compare
+`LayoutFingerprint`s before exchanging blocks:
+
+- `check_compatible(local, remote)` compares two fingerprints, in any form a
+  handshake carries (the object, its dict, its JSON), and lists every field
+  that differs; `require_compatible` raises `LayoutMismatchError` instead.
+- `agree(decision, group)` gathers every rank's fingerprint with
+  torch.distributed and raises on every rank, naming the ranks and fields,
+  unless all are identical. torch is imported inside the function only.
+
+Errors::
+
+    PolicyError
+     +-- AgreementError          ranks could not compare layouts (one never arrived, no process group)
+          +-- LayoutMismatchError   fingerprints differ; one diagnostic per differing field
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.decision import Decision
+from engine.fingerprint import FORMAT_VERSION, LayoutFingerprint, fingerprint
+from policy.errors import Diagnostic, PolicyError, input_error
+
+__all__ = [
+    "AgreementError",
+    "CompatibilityResult",
+    "Difference",
+    "LayoutMismatchError",
+    "RankFingerprint",
+    "agree",
+    "check_compatible",
+    "compare_ranks",
+    "require_compatible",
+]
+
+logger = logging.getLogger("kvpolicy")
+
+FingerprintLike = LayoutFingerprint | Decision | dict[str, Any] | str | bytes
+
+_FORMAT_HELP = "fingerprints of different formats cannot be compared field by field; run one kvpolicy version"
+_MISMATCH_HELP = ("every peer must decide the same layout: use the same rules (or rules that decide alike), "
+                  "kv_cache_dtype, block size, backend and model sharding")
+
+
+class AgreementError(PolicyError):
+    """Ranks or peers could not compare their layouts."""
+
+
+class LayoutMismatchError(AgreementError):
+    """Fingerprints differ; ``diagnostics`` has one entry per differing field (and rank)."""
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One field whose value differs between two fingerprints."""
+
+    field: str
+    local: Any
+    remote: Any
+    local_name: str = "local"
+    remote_name: str = "remote"
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.local_name} {_show(self.local)}, {self.remote_name} {_show(self.remote)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"field": self.field, self.local_name: self.local, self.remote_name: self.remote}
+
+
+@dataclass(frozen=True)
+class CompatibilityResult:
+    """Whether two fingerprints describe the same cache, and every difference if not."""
+
+    ok: bool
+    differences: tuple[Difference, ...]
+    format_mismatch: bool = False
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def messages(self) -> list[str]:
+        """One line per difference, e.g. ``head_order: local HND, remote NHD``."""
+        return [str(d) for d in self.differences]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "format_mismatch": self.format_mismatch, "differences": self.messages}
+
+
+def _as_dict(value: FingerprintLike, name: str) -> dict[str, Any]:
+    if isinstance(value, LayoutFingerprint):
+        return value.to_dict()
+    if isinstance(value, Decision):
+        return fingerprint(value).to_dict()
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise input_error(name, f"the {name} fingerprint is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise input_error(name, f"the {name} fingerprint must be a LayoutFingerprint, its dict or its JSON, "
+                                f"got {type(value).__name__}")
+    return value
+
+
+def _diff_groups(local: list[Any], remote: list[Any], names: tuple[str, str]) -> list[Difference]:
+    if len(local) != len(remote):
+        return [Difference("groups", local, remote, *names)]
+    out = []
+    for i, (a, b) in enumerate(zip(local, remote)):
+        for key in a:
+            if a[key] != b[key]:
+                out.append(Difference(f"groups[{i}].{key}", a[key], b[key], *names))
+    return out
+
+
+def check_compatible(local: FingerprintLike, remote: FingerprintLike, *, local_name: str = "local",
+                     remote_name: str = "remote") -> CompatibilityResult:
+    """Compare two fingerprints field by field; ``ok`` only if every field is equal.
+
+    Either side may be a `LayoutFingerprint`, a `Decision`, or the dict or JSON
+    form a peer sent. A different ``format_version`` is reported alone, as such.
+    Raises `InputError` if a side is not a fingerprint at all.
+    """
+    names = (local_name, remote_name)
+    a, b = _as_dict(local, local_name), _as_dict(remote, remote_name)
+    va, vb = a.get("format_version"), b.get("format_version")
+    if va != vb or va != FORMAT_VERSION:
+        return CompatibilityResult(False, (Difference("format_version", va, vb, *names),), format_mismatch=True)
+    a = LayoutFingerprint.from_dict(a).to_dict()  # validates, and fixes the field order
+    b = LayoutFingerprint.from_dict(b).to_dict()
+    diffs: list[Difference] = []
+    for key in a:
+        if a[key] == b[key]:
+            continue
+        if key == "groups":
+            diffs += _diff_groups(a[key], b[key], names)
+        else:
+            diffs.append(Difference(key, a[key], b[key], *names))
+    return CompatibilityResult(not diffs, tuple(diffs))
+
+
+def _mismatch(where: str, reference: str, result: CompatibilityResult) -> Diagnostic:
+    """One diagnostic for a peer: every differing field, one a line, in fingerprint order."""
+    n = len(result.differences)
+    head = f"{n} field{'s' if n != 1 else ''} differ{'s' if n == 1 else ''} from {reference}"
+    body = "".join(f"\n    {d}" for d in result.differences)
+    return Diagnostic(where, 0, 0, "layout-mismatch", head + body,
+                      _FORMAT_HELP if result.format_mismatch else _MISMATCH_HELP)
+
+
+def require_compatible(local: FingerprintLike, remote: FingerprintLike, *, local_name: str = "local",
+                       remote_name: str = "remote") -> LayoutFingerprint:
+    """`check_compatible`, raising `LayoutMismatchError` with every difference; returns the local fingerprint."""
+    result = check_compatible(local, remote, local_name=local_name, remote_name=remote_name)
+    if not result.ok:
+        raise LayoutMismatchError(f"the KV cache layouts of `{local_name}` and `{remote_name}` differ:",
+                                  [_mismatch(remote_name, local_name, result)])
+    return LayoutFingerprint.from_dict(_as_dict(local, local_name))
+
+
+@dataclass(frozen=True)
+class RankFingerprint:
+    """What one rank contributes to `agree`: who it is, its fingerprint, and its rule set's digest."""
+
+    rank: int
+    group_rank: int
+    fingerprint: dict[str, Any]
+    ruleset_digest: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.rank == self.group_rank:
+            return f"rank {self.rank}"
+        return f"rank {self.rank} (group rank {self.group_rank})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "group_rank": self.group_rank, "fingerprint": self.fingerprint,
+                "ruleset_digest": self.ruleset_digest}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankFingerprint:
+        return cls(int(data["rank"]), int(data["group_rank"]), dict(data["fingerprint"]), data.get("ruleset_digest"))
+
+
+def _key(fp: dict[str, Any]) -> str:
+    return json.dumps(fp, sort_keys=True, separators=(",", ":"))
+
+
+def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
+    """Check that every rank holds the same fingerprint; the pure half of `agree`.
+
+    The reference is the fingerprint most ranks hold (ties: the one of the
+    lowest rank), so a single odd rank is the one named. Raises
+    `LayoutMismatchError` with one diagnostic per differing rank and field,
+    identical on every rank because every rank sees the same input.
+    """
+    if not ranks:
+        raise input_error("ranks", "no rank fingerprints to compare")
+    ordered = sorted(ranks, key=lambda r: r.group_rank)
+    classes: dict[str, list[RankFingerprint]] = {}
+    for r in ordered:
+        classes.setdefault(_key(r.fingerprint), []).append(r)
+    if len(classes) == 1:
+        digests = {r.ruleset_digest for r in ordered if r.ruleset_digest}
+        if len(digests) > 1:
+            logger.info("kvpolicy: %d ranks agree on the KV cache layout with %d different rule sets",
+                        len(ordered), len(digests))
+        return LayoutFingerprint.from_dict(ordered[0].fingerprint)
+    ref_members = min(classes.values(), key=lambda members: (-len(members), members[0].group_rank))
+    ref = ref_members[0]
+    diags: list[Diagnostic] = []
+    for r in ordered:
+        if _key(r.fingerprint) == _key(ref.fingerprint):
+            continue
+        result = check_compatible(ref.fingerprint, r.fingerprint, local_name=ref.name, remote_name=r.name)
+        diags.append(_mismatch(r.name, ref.name, result))
+        if r.ruleset_digest != ref.ruleset_digest and r.ruleset_digest and ref.ruleset_digest:
+            diags.append(Diagnostic(r.name, 0, 0, "different-rules",
+                                    f"{r.name} decided with rule set `{r.ruleset_digest}`, "
+                                    f"{ref.name} with `{ref.ruleset_digest}`"))
+    odd = [r.name for r in ordered if _key(r.fingerprint) != _key(ref.fingerprint)]
+    holders = ", ".join(r.name for r in ref_members)
+    raise LayoutMismatchError(
+        f"KV cache layouts differ across the {len(ordered)} ranks: {holders} agree; "
+        f"{', '.join(odd)} differ{'s' if len(odd) == 1 else ''} from {ref.name}:",
+        diags,
+    )
+
+
+def agree(decision: Decision | LayoutFingerprint, group: Any = None, timeout_s: float | None = 60.0
+          ) -> LayoutFingerprint:
+    """Check that every rank of ``group`` (default: the whole world) decided the same layout.
+
+    Gathers each rank's fingerprint and rule-set digest with
+    ``torch.distributed.all_gather_object`` and returns the agreed fingerprint,
+    or raises `LayoutMismatchError` on every rank, naming the ranks and fields.
+    Every rank of the group must call it (it is a collective).
+
+    A process that never initialised torch.distributed is a world of one:
+    with ``group=None`` the local fingerprint is returned; with a ``group``
+    given, `AgreementError` is raised. On a gloo group (vLLM's ``cpu_group``)
+    a ``monitored_barrier`` first bounds the wait by ``timeout_s`` and names
+    the ranks that never arrived; other backends wait for the group's own
+    timeout.
+    """
+    local = decision if isinstance(decision, LayoutFingerprint) else fingerprint(decision)
+    ruleset_digest = decision.ruleset.digest if isinstance(decision, Decision) else None
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        dist = None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        if group is None:
+            return local
+        raise AgreementError("", [Diagnostic(
+            "group", 0, 0, "no-process-group", "a process group was given but torch.distributed is not initialised",
+            "call torch.distributed.init_process_group first, or pass group=None in a single process")])
+    world = dist.get_world_size(group)
+    if world == 1:
+        return local
+    if timeout_s is not None and "gloo" in str(dist.get_backend(group)):
+        try:
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise AgreementError("", [Diagnostic(
+                f"rank {dist.get_rank()}", 0, 0, "agreement-timeout",
+                f"not every rank reached the layout agreement within {timeout_s:g} s: {exc}",
+                "every rank of the group must call agree(); check the named ranks' logs")]) from exc
+    mine = RankFingerprint(dist.get_rank(), dist.get_rank(group), local.to_dict(), ruleset_digest)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine.to_dict(), group=group)
+    compare_ranks([RankFingerprint.from_dict(g) for g in gathered])
+    return local

@@ -1,0 +1,296 @@
+"""Layout fingerprints: the canonical description of a KV cache layout that peers must share.
+
+Two processes can exchange KV blocks, or run one model sharded over ranks,
+only if their caches mean the same thing byte for byte. A `LayoutFingerprint`
+is that meaning, and nothing else: the chosen placement and head order, the
+backend's physical dim order for them, the shape of one buffer with the block
+count left symbolic (``"B"``), the cell and page geometry, and where inline
+scales live. Field by field: docs/fingerprint.md.
+
+Deliberately left out:
+
+- ``num_blocks``: it depends on free memory, and peers with different pools
+  still exchange blocks (the shape template writes it as ``"B"``);
+- the rule set and its digest: two rule sets that decide the same layout are
+  compatible (`describe` reports the digest beside the fingerprint);
+- the model's compute dtype and the backend's scale-view strategy, which
+  change no byte of the cache.
+
+Canonical form: `LayoutFingerprint.to_json` is JSON with sorted keys and no
+spaces, built only from strings, integers, booleans, null and lists, so the
+``sha256:`` digest is the same on every machine, Python version and
+``PYTHONHASHSEED``. Any change to the fields or their meaning must bump
+`FORMAT_VERSION`.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from policy.backends import BackendProfile, Dim
+from policy.errors import input_error
+from policy.layouts import Layout, Placement
+from policy.spec import KVCacheGroups, KVCacheSpec
+
+if TYPE_CHECKING:
+    from engine.decision import Decision
+
+__all__ = [
+    "FORMAT_VERSION",
+    "NUM_BLOCKS_SYMBOL",
+    "GroupFingerprint",
+    "LayoutFingerprint",
+    "canonical_kv_cache_dtype",
+    "describe",
+    "fingerprint",
+    "fingerprint_of",
+]
+
+# INVARIANT: bump on any change to the fields, their order of meaning, or how a value is derived;
+# tests/engine/test_fingerprint.py pins the digest of one configuration to catch accidental changes.
+FORMAT_VERSION = 1
+NUM_BLOCKS_SYMBOL = "B"
+SCALE_DTYPE = "float32"
+
+# vLLM spellings of one format -> one canonical name ("auto" resolves to the cache dtype).
+_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+@dataclass(frozen=True)
+class GroupFingerprint:
+    """One KV cache group as a peer sees it: what it stores and how big a page is."""
+
+    kind: str
+    num_layers: int
+    block_size: int
+    page_bytes: int
+    attention_groups: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "num_layers": self.num_layers,
+            "block_size": self.block_size,
+            "page_bytes": self.page_bytes,
+            "attention_groups": self.attention_groups,
+        }
+
+
+@dataclass(frozen=True)
+class LayoutFingerprint:
+    """What every rank and every transfer peer must agree on; see docs/fingerprint.md."""
+
+    placement: str
+    head_order: str
+    backend: str
+    logical_dims: tuple[str, ...]
+    physical_dims: tuple[str, ...]
+    physical_shape: tuple[int | str, ...]
+    num_buffers: int
+    kind: str
+    kv_factor: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    cache_dtype: str
+    quant_mode: str
+    kv_cache_dtype: str
+    cell_bytes: int
+    page_bytes: int
+    scale_placement: str
+    scale_dtype: str | None
+    scale_bytes: int
+    scale_offset: int | None
+    groups: tuple[GroupFingerprint, ...]
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types, in a fixed key order (format_version first)."""
+        out: dict[str, Any] = {"format_version": self.format_version}
+        for f in fields(self):
+            if f.name == "format_version":
+                continue
+            value = getattr(self, f.name)
+            if f.name == "groups":
+                value = [g.to_dict() for g in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def to_json(self) -> str:
+        """The canonical text the digest is taken of: sorted keys, no spaces, ASCII."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+    @property
+    def digest(self) -> str:
+        """``sha256:<hex>`` of `to_json`."""
+        return "sha256:" + hashlib.sha256(self.to_json().encode("ascii")).hexdigest()
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.parse(f"{self.placement}/{self.head_order}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayoutFingerprint:
+        """Rebuild from `to_dict`'s form (a peer's handshake); raises `InputError` if it is not one."""
+        if not isinstance(data, dict):
+            raise input_error("fingerprint", f"a fingerprint is a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise input_error(
+                "fingerprint.format_version",
+                f"fingerprint format `{version}` is not this kvpolicy's format `{FORMAT_VERSION}`",
+                "run the same kvpolicy version on both sides",
+                code="fingerprint-format",
+            )
+        expected = [f.name for f in fields(cls)]
+        missing = sorted(set(expected) - set(data))
+        extra = sorted(set(data) - set(expected))
+        if missing or extra:
+            parts = ([f"missing {', '.join(f'`{k}`' for k in missing)}"] if missing else []) + (
+                [f"unknown {', '.join(f'`{k}`' for k in extra)}"] if extra else [])
+            raise input_error("fingerprint", "not a layout fingerprint: " + "; ".join(parts),
+                              "pass LayoutFingerprint.to_dict() or to_json() from the peer")
+        values = {name: data[name] for name in expected}
+        bad = [name for name in expected if not _FIELD_CHECKS[name](values[name])]
+        if bad:
+            raise input_error("fingerprint", "not a layout fingerprint: wrong type for "
+                              + ", ".join(f"`{name}`" for name in bad))
+        for name in ("logical_dims", "physical_dims", "physical_shape"):
+            values[name] = tuple(values[name])
+        values["groups"] = tuple(GroupFingerprint(**g) for g in values["groups"])
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LayoutFingerprint:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise input_error("fingerprint", f"fingerprint is not JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_opt(check: Any) -> Any:
+    return lambda v: v is None or check(v)
+
+
+def _is_list(check: Any) -> Any:
+    return lambda v: isinstance(v, (list, tuple)) and all(check(x) for x in v)
+
+
+_GROUP_KEYS = {"kind": _is_str, "num_layers": _is_int, "block_size": _is_int, "page_bytes": _is_int,
+               "attention_groups": _is_int}
+
+
+def _is_group(v: Any) -> bool:
+    return isinstance(v, dict) and set(v) == set(_GROUP_KEYS) and all(c(v[k]) for k, c in _GROUP_KEYS.items())
+
+
+# How `from_dict` checks each field of a peer's fingerprint before trusting it.
+_FIELD_CHECKS: dict[str, Any] = {
+    **{name: _is_str for name in ("placement", "head_order", "backend", "kind", "cache_dtype", "quant_mode",
+                                  "kv_cache_dtype", "scale_placement")},
+    **{name: _is_int for name in ("num_buffers", "kv_factor", "num_layers", "block_size", "num_kv_heads",
+                                  "head_size", "cell_bytes", "page_bytes", "scale_bytes", "format_version")},
+    "logical_dims": _is_list(_is_str),
+    "physical_dims": _is_list(_is_str),
+    "physical_shape": _is_list(lambda x: _is_int(x) or x == NUM_BLOCKS_SYMBOL),
+    "scale_dtype": _is_opt(_is_str),
+    "scale_offset": _is_opt(_is_int),
+    "groups": _is_list(_is_group),
+}
+
+
+def canonical_kv_cache_dtype(spec: KVCacheSpec) -> str:
+    """vLLM's ``kv_cache_dtype`` with its aliases resolved: ``auto`` -> the cache dtype, ``fp8`` -> ``fp8_e4m3``.
+
+    ``auto`` on a bfloat16 model and an explicit ``bfloat16`` store the same
+    bytes, so peers that spell them differently still agree.
+    """
+    if spec.kv_cache_dtype == "auto":
+        return spec.cache_dtype.value
+    return _KV_CACHE_DTYPE_ALIASES.get(spec.kv_cache_dtype, spec.kv_cache_dtype)
+
+
+def _physical_order(layout: Layout, backend: BackendProfile) -> tuple[Dim, ...]:
+    orders = backend.cross_layer_order if layout.placement is Placement.cross_layer else backend.per_layer_order
+    try:
+        return orders[layout.head_order]
+    except KeyError:
+        supported = ", ".join(h.value for h in backend.head_orders)
+        raise input_error("layout.head_order",
+                          f"backend `{backend.name}` has no geometry for head order `{layout.head_order.value}`",
+                          f"use one of: {supported}", code="unsupported-head-order") from None
+
+
+def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
+                   groups: KVCacheGroups | None = None) -> LayoutFingerprint:
+    """The fingerprint of ``layout`` for ``spec`` on ``backend``; ``groups`` defaults to ``spec`` alone."""
+    groups = groups if groups is not None else KVCacheGroups.single(spec)
+    order = _physical_order(layout, backend)
+    sizes: dict[Dim, int | str] = {
+        Dim.block: NUM_BLOCKS_SYMBOL,
+        Dim.layer: spec.num_layers,
+        Dim.kv: spec.kv_factor,
+        Dim.token: spec.block_size,
+        Dim.head: spec.num_kv_heads,
+        Dim.dim: spec.cell_elements,
+    }
+    cross = layout.placement is Placement.cross_layer
+    inline = spec.quant_mode.is_per_token_head
+    return LayoutFingerprint(
+        placement=layout.placement.value,
+        head_order=layout.head_order.value,
+        backend=backend.name,
+        logical_dims=tuple(d.value for d in backend.logical_dims),
+        physical_dims=tuple(d.value for d in order),
+        physical_shape=tuple(sizes[d] for d in order),
+        num_buffers=1 if cross else spec.num_layers,
+        kind=spec.kind.value,
+        kv_factor=spec.kv_factor,
+        num_layers=spec.num_layers,
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        cache_dtype=spec.cache_dtype.value,
+        quant_mode=spec.quant_mode.value,
+        kv_cache_dtype=canonical_kv_cache_dtype(spec),
+        cell_bytes=spec.cell_bytes,
+        page_bytes=spec.page_size_bytes,
+        scale_placement="inline_tail" if inline else "none",
+        scale_dtype=SCALE_DTYPE if inline else None,
+        scale_bytes=spec.quant_mode.scale_bytes,
+        scale_offset=spec.data_bytes_per_head if inline else None,
+        groups=tuple(
+            GroupFingerprint(g.spec.kind.value, g.spec.num_layers, g.spec.block_size, g.spec.page_size_bytes,
+                             g.num_attention_groups)
+            for g in groups.groups
+        ),
+    )
+
+
+def fingerprint(decision: Decision) -> LayoutFingerprint:
+    """The fingerprint of a decision's layout for its context."""
+    ctx = decision.context
+    return fingerprint_of(decision.layout, ctx.kv, ctx.backend, ctx.groups)
+
+
+def describe(decision: Decision) -> dict[str, Any]:
+    """The fingerprint, its digest and, beside them (not part of them), the rule set's digest."""
+    fp = fingerprint(decision)
+    return {"fingerprint": fp.to_dict(), "digest": fp.digest, "ruleset_digest": decision.ruleset.digest}
