@@ -1,0 +1,403 @@
+"""A drop-in replacement for vLLM's ``use_uniform_kv_cache`` gate, answered by the rules.
+
+vLLM's model runner asks ``use_uniform_kv_cache(attn_groups)`` whether to
+allocate one cross-layer ("uniform") KV cache. `use_uniform_kv_cache` here
+answers the same question, with the connector passed in, from a kvpolicy
+`Decision`: True exactly when the decided placement is ``cross_layer``. The
+patch that makes vLLM call it is in docs/vllm.md.
+
+Nothing is imported from vLLM. Its objects are read by attribute name:
+
+- ``attn_groups``: a list (one per KV cache group) of lists of attention
+  groups, each with ``kv_cache_spec`` (``block_size``, ``num_kv_heads``,
+  ``head_size``, ``dtype``, ``kv_quant_mode``, maybe ``kv_cache_dtype`` /
+  ``cache_dtype_str``, ``sliding_window``, ``page_size_padded``,
+  ``indexes_kv_by_block_stride``; its class name tells attention, MLA,
+  sliding window or Mamba), ``backend`` (``get_name()``, maybe
+  ``indexes_kv_by_block_stride``) and ``layer_names``;
+- the connector (vLLM's ``get_kv_transfer_group()``, None without one): its
+  class name, ``prefer_cross_layer_blocks`` (property or method), its
+  ``kv_connector_extra_config`` (or ``_kv_transfer_config``'s) and, for
+  MultiConnector, its member connectors ``_connectors``.
+
+Where vLLM's objects say more than the rules know, the adapter stays
+conservative or defers to the object:
+
+- a connector the rule set has no file for (and that has no members) keeps
+  its own ``prefer_cross_layer_blocks``: a synthetic ``prefer`` rule in its
+  scope stands for it, so every global ``forbid`` still applies and the trace
+  names it;
+- an attention backend that is not in `policy.backends.BACKENDS` is assumed
+  to build scale views for per-layer contiguous buffers (so per-token-head
+  quantization never goes cross-layer), and indexes KV by block stride only
+  if the spec or backend says so; for a known backend, an explicit
+  ``indexes_kv_by_block_stride`` from vLLM overrides the shipped profile;
+- a KV cache vLLM describes in a way kvpolicy cannot (an unknown spec class,
+  quant mode such as ``nvfp4``, or ``kv_cache_dtype``) gets per-layer buffers:
+  the gate logs a warning and answers False.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from engine.decision import Decision
+from engine.layout_engine import LayoutEngine
+from policy.backends import BACKENDS, BackendProfile, Dim
+from policy.connectors import ConnectorConfig
+from policy.context import Context
+from policy.errors import InputError, input_error
+from policy.layouts import HeadOrder, LayoutPattern, Placement
+from policy.quant import KV_CACHE_DTYPES, ModelDtype, QuantMode, parse_kv_cache_dtype
+from policy.rule_model import Rule
+from policy.ruleset import RuleSet, Source
+from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
+
+__all__ = [
+    "OWN_PREFERENCE_WEIGHT",
+    "connector_config",
+    "decide",
+    "make_gate",
+    "use_uniform_kv_cache",
+    "vllm_context",
+]
+
+logger = logging.getLogger("kvpolicy")
+
+# The weight of the synthetic prefer rule standing for an unknown connector's own
+# prefer_cross_layer_blocks: the shipped connector files prefer cross-layer with 10.
+OWN_PREFERENCE_WEIGHT = 10
+
+_COMPOSITE = "MultiConnector"
+_SCALAR = (str, bool, int, float, type(None))
+_PER_TOKEN_HEAD = {m.value for m in QuantMode if m.is_per_token_head}
+_MODEL_DTYPES = {m.value for m in ModelDtype}
+
+_default_engine: LayoutEngine | None = None
+
+
+def _engine(engine: LayoutEngine | None) -> LayoutEngine:
+    global _default_engine
+    if engine is not None:
+        return engine
+    if _default_engine is None:
+        _default_engine = LayoutEngine.default()
+    return _default_engine
+
+
+# ---------------------------------------------------------------- KV cache specs
+
+
+def _kind(spec: Any) -> AttentionKind:
+    """vLLM's spec class (and its bases) by name: ``MambaSpec``, ``MLAAttentionSpec``, ``SlidingWindowSpec``..."""
+    names = [cls.__name__ for cls in type(spec).__mro__]
+    if any("Mamba" in n for n in names):
+        return AttentionKind.mamba
+    if any("MLA" in n for n in names):
+        return AttentionKind.mla
+    if any("SlidingWindow" in n for n in names):
+        return AttentionKind.sliding_window
+    if any(n.endswith("AttentionSpec") for n in names):
+        return AttentionKind.full
+    raise input_error("kv_cache_spec", f"`{type(spec).__name__}` is not a KV cache spec kvpolicy knows",
+                      "vLLM's gate accepts attention specs only; kvpolicy keeps per-layer buffers",
+                      code="unknown-spec")
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``, without importing torch."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _quant_mode_name(spec: Any) -> str | None:
+    mode = getattr(spec, "kv_quant_mode", None)
+    if mode is None:
+        return None
+    name = getattr(mode, "name", mode)  # vLLM's KVQuantMode is an IntEnum: NONE, FP8_PER_TOKEN_HEAD, ...
+    if not isinstance(name, str):
+        raise input_error("kv_quant_mode", f"kv_quant_mode `{mode!r}` has no name", code="unknown-quant-mode")
+    return name.lower()
+
+
+def _kv_cache_dtype(spec: Any, cache_dtype: str | None) -> str:
+    """vLLM's ``kv_cache_dtype`` string for a spec: given, or derived from ``kv_quant_mode`` and ``dtype``."""
+    explicit = cache_dtype or getattr(spec, "kv_cache_dtype", None) or getattr(spec, "cache_dtype_str", None)
+    mode = _quant_mode_name(spec)
+    dtype = _dtype_name(getattr(spec, "dtype", None))
+    if explicit is not None:
+        if explicit not in KV_CACHE_DTYPES:
+            raise input_error("kv_cache_dtype", f"kv_cache_dtype `{explicit}` has no kvpolicy geometry",
+                              code="unknown-kv-cache-dtype")
+        derived = parse_kv_cache_dtype(explicit, ModelDtype.bfloat16)[0].value
+        if mode is not None and mode != derived:
+            raise input_error("kv_quant_mode", f"kv_quant_mode `{mode}` contradicts kv_cache_dtype `{explicit}`")
+        return explicit
+    if mode == "none":
+        return "auto"
+    if mode == "fp8_per_tensor":
+        return "fp8_e5m2" if dtype == "float8_e5m2" else "fp8"
+    if mode in _PER_TOKEN_HEAD:
+        return mode
+    if mode is not None:
+        raise input_error("kv_quant_mode", f"quant mode `{mode}` has no kvpolicy geometry",
+                          f"known: {', '.join(m.value for m in QuantMode)}", code="unknown-quant-mode")
+    if dtype in _MODEL_DTYPES:
+        return "auto"
+    if dtype in ("float8_e4m3fn", "float8_e5m2"):
+        return "fp8_e5m2" if dtype == "float8_e5m2" else "fp8"
+    raise input_error("kv_cache_spec.dtype", f"cannot tell the KV cache format of dtype `{dtype}` "
+                      "without kv_quant_mode or kv_cache_dtype", code="unknown-kv-cache-dtype")
+
+
+def _int_attr(obj: Any, name: str) -> int | None:
+    value = getattr(obj, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _spec(spec: Any, num_layers: int, cache_dtype: str | None) -> KVCacheSpec:
+    kind = _kind(spec)
+    if kind is AttentionKind.mamba:
+        # A recurrent state has no heads; the stand-in only carries the kind and the layer count.
+        data: dict[str, Any] = {"kind": kind, "num_layers": num_layers, "block_size": _int_attr(spec, "block_size")
+                                or 1, "num_kv_heads": 1, "head_size": 1}
+    else:
+        dtype = _dtype_name(getattr(spec, "dtype", None))
+        data = {
+            "kind": kind,
+            "num_layers": num_layers,
+            "block_size": getattr(spec, "block_size", None),
+            "num_kv_heads": getattr(spec, "num_kv_heads", None),
+            "head_size": getattr(spec, "head_size", None),
+            # for a quantized cache vLLM's dtype is the cache's; the model's then changes no byte
+            "dtype": dtype if dtype in _MODEL_DTYPES else ModelDtype.bfloat16.value,
+            "kv_cache_dtype": _kv_cache_dtype(spec, cache_dtype),
+            "sliding_window": _int_attr(spec, "sliding_window"),
+            "page_size_padded": _int_attr(spec, "page_size_padded"),
+        }
+    return make_model(KVCacheSpec, "kv_cache_spec", data)
+
+
+# ---------------------------------------------------------------- backends
+
+
+def _backend_name(backend: Any) -> str:
+    get_name = getattr(backend, "get_name", None)
+    name = get_name() if callable(get_name) else getattr(backend, "name", None)
+    if name is None:
+        name = backend.__name__ if isinstance(backend, type) else type(backend).__name__
+    return str(getattr(name, "name", name))
+
+
+def _reported_block_stride(spec: Any, backend: Any) -> bool | None:
+    """vLLM's own ``indexes_kv_by_block_stride``: on the spec (recent vLLM) or the backend; None if absent."""
+    for owner in (spec, backend):
+        value = getattr(owner, "indexes_kv_by_block_stride", None)
+        if callable(value):
+            try:
+                value = value()
+            except Exception:  # a backend method that needs vLLM's config: treat as not said
+                value = None
+        if isinstance(value, bool):
+            return value
+    return None
+
+
+def _outermost(order: tuple[Dim, ...], dim: Dim) -> tuple[Dim, ...]:
+    return (dim, *(d for d in order if d is not dim))
+
+
+def _unknown_backend(name: str, mla: bool, block_stride: bool) -> BackendProfile:
+    """A backend kvpolicy has no profile for: flash-like geometry, conservative scale views."""
+    first = Dim.block if block_stride else Dim.layer
+    B, L, KV, N, H, D = Dim.block, Dim.layer, Dim.kv, Dim.token, Dim.head, Dim.dim
+    if mla:
+        return BackendProfile(name=name, mla=True, logical_dims=(B, N, D), per_layer_order={HeadOrder.NHD: (B, N, D)},
+                              cross_layer_order={HeadOrder.NHD: _outermost((B, L, N, D), first)})
+    return BackendProfile(
+        name=name,
+        logical_dims=(B, KV, N, H, D),
+        per_layer_order={HeadOrder.NHD: (B, KV, N, H, D), HeadOrder.HND: (B, KV, H, N, D)},
+        cross_layer_order={HeadOrder.NHD: _outermost((B, L, KV, N, H, D), first),
+                           HeadOrder.HND: _outermost((B, H, L, KV, N, D), first)},
+    )  # scale_views keeps its default, assume_per_layer_contiguous: the conservative answer
+
+
+def _profile(backend: Any, spec_obj: Any, kind: AttentionKind) -> BackendProfile:
+    name = _backend_name(backend)
+    reported = _reported_block_stride(spec_obj, backend)
+    known = BACKENDS.get(name)
+    if known is None:
+        return _unknown_backend(name, kind is AttentionKind.mla, bool(reported))
+    if reported is None or reported == known.indexes_kv_by_block_stride:
+        return known
+    # vLLM's runtime says otherwise than the shipped profile: its word decides, as in vLLM's own gate.
+    first = Dim.block if reported else Dim.layer
+    orders = {h: _outermost(order, first) for h, order in known.cross_layer_order.items()}
+    return known.model_copy(update={"cross_layer_order": orders})
+
+
+# ---------------------------------------------------------------- connectors
+
+
+def _extra_config(connector: Any) -> dict[str, Any]:
+    extra = getattr(connector, "kv_connector_extra_config", None)
+    if extra is None:
+        extra = getattr(getattr(connector, "_kv_transfer_config", None), "kv_connector_extra_config", None)
+    return dict(extra) if isinstance(extra, Mapping) else {}
+
+
+def _members(connector: Any) -> list[Any] | None:
+    members = getattr(connector, "_connectors", None)
+    return list(members) if isinstance(members, Sequence) and not isinstance(members, str) else None
+
+
+def _own_preference(connector: Any) -> bool:
+    """The connector's ``prefer_cross_layer_blocks`` (a property, or a method in some versions)."""
+    try:
+        value = getattr(connector, "prefer_cross_layer_blocks", False)
+        if callable(value):
+            value = value()
+    except Exception:
+        logger.warning("kvpolicy: reading %s.prefer_cross_layer_blocks failed; taking False",
+                       type(connector).__name__, exc_info=True)
+        return False
+    return value is True
+
+
+def connector_config(connector: Any) -> ConnectorConfig | None:
+    """vLLM's connector object as a `ConnectorConfig` (None for None); MultiConnector keeps its members."""
+    if connector is None:
+        return None
+    extra = _extra_config(connector)
+    listed = extra.pop("connectors", None)
+    scalars = {k: v for k, v in extra.items() if isinstance(v, _SCALAR)}
+    instances = _members(connector)
+    if instances is not None:
+        members = tuple(c for c in (connector_config(m) for m in instances) if c is not None)
+    else:
+        members = ConnectorConfig.from_vllm(_COMPOSITE, {"connectors": listed}).connectors if listed else ()
+    return ConnectorConfig(name=type(connector).__name__, extra=scalars, connectors=members)
+
+
+def _own_preferences(connector: Any, out: dict[str, bool] | None = None) -> dict[str, bool]:
+    """Name -> own ``prefer_cross_layer_blocks`` for every non-composite connector object in the tree."""
+    out = {} if out is None else out
+    if connector is None:
+        return out
+    members = _members(connector)
+    name = type(connector).__name__
+    if members or name == _COMPOSITE:
+        for m in members or ():
+            _own_preferences(m, out)
+        return out
+    # INVARIANT: two objects of one class share one rule scope; both must prefer (conservative).
+    out[name] = out.get(name, True) and _own_preference(connector)
+    return out
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "connector"
+
+
+def _with_own_preferences(ruleset: RuleSet, preferences: dict[str, bool]) -> RuleSet:
+    """``ruleset`` plus one synthetic prefer rule per connector it has no rules for that prefers cross-layer."""
+    unknown = sorted(n for n, prefers in preferences.items() if prefers and n not in ruleset.connectors)
+    if not unknown:
+        return ruleset
+    entries = [(r.rule, r.source, r.scope) for r in ruleset.rules]
+    for name in unknown:
+        rule = Rule(
+            id=f"vllm-own-preference.{_slug(name)}",
+            description=(f"`{name}` has no rules in this rule set; its own prefer_cross_layer_blocks is true, "
+                         "so kvpolicy prefers the cross-layer placement for it as vLLM would"),
+            prefer=LayoutPattern(placement=Placement.cross_layer),
+            weight=OWN_PREFERENCE_WEIGHT,
+        )
+        entries.append((rule, Source(f"<vllm:{name}.prefer_cross_layer_blocks>", 1), name))
+    return RuleSet.build(entries, ruleset.layout_order, ruleset.member_preferences, ruleset.root)
+
+
+# ---------------------------------------------------------------- the gate
+
+
+def vllm_context(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
+                 cache_dtype: str | None = None) -> Context:
+    """The decision `Context` for vLLM's attention groups and connector; raises `InputError`.
+
+    ``cache_dtype`` is vLLM's ``cache_config.cache_dtype``, which older vLLM
+    passes to the gate; newer vLLM carries ``kv_quant_mode`` on the spec.
+    """
+    if not attn_groups:
+        raise input_error("attn_groups", "no KV cache groups", code="no-kv-cache")
+    built: list[tuple[KVCacheGroup, Any, Any]] = []
+    for i, subgroups in enumerate(attn_groups):
+        subgroups = list(subgroups)
+        if not subgroups:
+            raise input_error(f"attn_groups[{i}]", "a KV cache group without attention groups", code="no-kv-cache")
+        spec_obj = subgroups[0].kv_cache_spec
+        num_layers = sum(len(getattr(g, "layer_names", None) or ()) for g in subgroups) or len(subgroups)
+        spec = _spec(spec_obj, num_layers, cache_dtype)
+        built.append((KVCacheGroup(spec=spec, num_attention_groups=len(subgroups)), subgroups[0].backend, spec_obj))
+    groups = KVCacheGroups(groups=tuple(g for g, _, _ in built))
+    primary = next((b for b in built if b[0].spec.kind.is_attention), built[0])
+    group, backend, spec_obj = primary
+    return Context(kv=group.spec, groups=groups, backend=_profile(backend, spec_obj, group.spec.kind),
+                   connector=connector_config(transfer_group))
+
+
+def decide(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *, engine: LayoutEngine | None = None,
+           cache_dtype: str | None = None, explain: bool = False) -> Decision:
+    """The kvpolicy `Decision` for vLLM's KV cache: `vllm_context` decided by ``engine`` (default: shipped rules).
+
+    Connectors without rules contribute their own ``prefer_cross_layer_blocks``
+    as a synthetic rule, so the decision (and its fingerprint, for `agree`) is
+    the layout the gate answers for. Raises `InputError` or `NoLayoutError`.
+    """
+    eng = _engine(engine)
+    ctx = vllm_context(attn_groups, transfer_group, cache_dtype=cache_dtype)
+    ruleset = eng.ruleset
+    augmented = _with_own_preferences(ruleset, _own_preferences(transfer_group))
+    if augmented is not ruleset:
+        eng = LayoutEngine(augmented)
+    return eng.decide(ctx, explain=explain)
+
+
+def use_uniform_kv_cache(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
+                         engine: LayoutEngine | None = None, cache_dtype: str | None = None) -> bool:
+    """vLLM's ``use_uniform_kv_cache(attn_groups)``: allocate one cross-layer KV cache?
+
+    ``transfer_group`` is vLLM's connector (``get_kv_transfer_group()``), or
+    None when no connector is configured. True exactly when the decision's
+    placement is ``cross_layer``. A KV cache kvpolicy cannot describe gets
+    False (per-layer buffers) and a warning; rules that leave no layout raise
+    `NoLayoutError`, since the operator's policy forbids every layout.
+    """
+    try:
+        decision = decide(attn_groups, transfer_group, engine=engine, cache_dtype=cache_dtype)
+    except InputError as exc:
+        logger.warning("kvpolicy: cannot describe vLLM's KV cache, keeping per-layer buffers\n%s", exc.render())
+        return False
+    cross = decision.layout.placement is Placement.cross_layer
+    if cross and transfer_group is not None and not _own_preference(transfer_group):
+        logger.warning("kvpolicy: the rules choose %s although %s.prefer_cross_layer_blocks is false; "
+                       "the rules decide", decision.layout, type(transfer_group).__name__)
+    return cross
+
+
+def make_gate(has_transfer_group: Callable[[], bool], get_transfer_group: Callable[[], Any], *,
+              engine: LayoutEngine | None = None) -> Callable[..., bool]:
+    """A function with the signature of vLLM's gate, ``(attn_groups, cache_dtype=None) -> bool``.
+
+    Pass vLLM's ``has_kv_transfer_group`` and ``get_kv_transfer_group``; the
+    result replaces ``KVConnectorModelRunnerMixin.use_uniform_kv_cache``
+    (docs/vllm.md).
+    """
+
+    def gate(attn_groups: Sequence[Sequence[Any]], cache_dtype: str | None = None) -> bool:
+        connector = get_transfer_group() if has_transfer_group() else None
+        return use_uniform_kv_cache(attn_groups, connector, engine=engine, cache_dtype=cache_dtype)
+
+    return gate
