@@ -352,3 +352,32 @@ def test_plan_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     code, _, err = cli(capsys, "dry-run", "--spec", spec, "--num-blocks", "4")  # MLA spec on TRITON_ATTN
     assert code == 2
     assert "--backend: error[backend-mismatch]" in err
+
+
+# -- the documented contract ------------------------------------------------------------------
+
+
+def test_every_json_key_is_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = (ROOT / "docs" / "json-output.md").read_text()
+    code, out, _ = cli(capsys, "dry-run", "--format", "json", "--num-blocks", "4")
+    data = json.loads(out)
+    assert code == 0
+    keys = set(data) | set(data["plan"]) | set(data["layout"]) | set(data["ruleset"]) | set(data["inputs"])
+    keys |= set(data["rule_results"][0]) | set(data["rule_results"][0]["leaves"][0])
+    keys |= set(data["counterfactual"][1]) | set(data["counterfactual"][1]["changes"][0])
+    keys |= set(data["preferences"][0]) | set(data["eliminated"]["cross_layer/NHD"][0])
+    missing = sorted(k for k in keys if f"`{k}`" not in doc)
+    assert missing == []
+
+
+def test_every_flag_is_documented() -> None:
+    from engine.cli.main import build_parser
+
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    sub = next(a for a in build_parser()._actions if a.dest == "verb")
+    for verb, parser in sub.choices.items():
+        assert f"## `kvpolicy {verb}" in doc, verb
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert f"`{flag}" in doc, (verb, flag)
