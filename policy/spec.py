@@ -28,6 +28,22 @@ class Frozen(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Any:
+        """A copy with ``update`` applied, validated, and no derived value cached from the original.
+
+        (pydantic's own copy neither re-validates nor forgets `cached_property` values.)
+        """
+        if not update:
+            copy = super().model_copy(deep=deep)
+            for name in _cached_properties(type(self)):
+                copy.__dict__.pop(name, None)
+            return copy
+        return type(self).model_validate({**dict(self), **update})
+
+
+def _cached_properties(cls: type) -> list[str]:
+    return [n for k in cls.__mro__ for n, v in vars(k).items() if isinstance(v, cached_property)]
+
 
 class AttentionKind(str, Enum):
     """What a KV cache group stores."""
