@@ -562,10 +562,6 @@ def _check(expect: Expect, layout: Layout | None, error: PolicyError | None, sur
     return out
 
 
-def _indent(text: str, prefix: str) -> str:
-    return "\n".join(prefix + line if line else line for line in text.splitlines())
-
-
 def run_case(ruleset: RuleSet, lc: LoadedCase) -> CaseResult:
     """Decide one case with the full trace and compare it with its expectation."""
     expect = lc.case.expect

@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PolicyError as exc:
         print_error(exc)
         return exit_code_for(exc)
-    except BrokenPipeError:  # `kvpolicy ... | head`: stop quietly
+    except BrokenPipeError:  # `kvpolicy ... | head`: stop quietly, exit 1 as Python itself does on EPIPE
         _silence_stdout()
         return EXIT_FAILED
     except OSError as exc:  # an unreadable file named on the command line
