@@ -55,6 +55,7 @@ class KVCache:
         self._model_dtype = torch_dtype(spec.dtype.value)
         self._k_scales = [1.0] * spec.num_layers
         self._v_scales = [1.0] * spec.num_layers
+        self._scratch = _Scratch()
 
     def __repr__(self) -> str:
         return (f"KVCache({self.plan.layout}, backend={self.plan.backend.name}, blocks={self.plan.num_blocks}, "
@@ -107,22 +108,22 @@ class KVCache:
                                   "call write(layer, latent, None, slot_mapping)")
         else:
             value = check_values("value", value, tuple(key.shape), self.device, like=key)
-        slots = check_slots(slot_mapping, key.shape[0], self.num_slots, self.device, allow_negative=True)
+        slots, skips = check_slots(slot_mapping, key.shape[0], self.num_slots, self.device, allow_negative=True)
         if slots.numel() == 0:
             return
+        parts = [key] if value is None else [key, value]
         with torch.no_grad():
-            parts = [key] if value is None else [key, value]
-            keep = None
-            if bool((slots < 0).any()):
+            if skips:
                 keep = torch.nonzero(slots >= 0).squeeze(1)
-                slots = slots.index_select(0, keep)
-                if slots.numel() == 0:
+                if keep.numel() == 0:
                     return
-            cells = self._encode(layer, parts, keep)
+                slots = slots.index_select(0, keep)
+                parts = [p.index_select(0, keep) for p in parts]
+            # Everything up to here only reads; the one index_copy_ below is the only write.
+            cells = self._encode(layer, parts)
             index = self.cells.index(layer, slots)
             rows = self.cells.rows[self.cells.buffer_of(layer)]
-            staged = cells.view(self.cells.word_dtype).view(-1, self.cells.cell_words)
-            rows.index_copy_(0, index.view(-1), staged)
+            rows.index_copy_(0, index.view(-1), cells.view(self.cells.word_dtype).view(-1, self.cells.cell_words))
 
     def read(self, layer: int, slot_mapping: torch.Tensor, dtype: torch.dtype | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -135,7 +136,7 @@ class KVCache:
         check_layer(layer, self.plan.num_layers)
         if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise input_error("dtype", f"cannot read into `{dtype}`", "use bfloat16, float16 or float32")
-        slots = check_slots(slot_mapping, None, self.num_slots, self.device, allow_negative=False)
+        slots, _ = check_slots(slot_mapping, None, self.num_slots, self.device, allow_negative=False)
         with torch.no_grad():
             index = self.cells.index(layer, slots)
             rows = self.cells.rows[self.cells.buffer_of(layer)]
@@ -145,17 +146,23 @@ class KVCache:
                                self._tensor_scales(layer, cells.device))
         return (out[0], out[1]) if spec.kv_factor == 2 else (out[0], None)
 
-    def _encode(self, layer: int, parts: list[torch.Tensor], keep: torch.Tensor | None) -> torch.Tensor:
-        """Cells (kv_factor, T, H, cell_bytes) for the kept tokens of each part."""
-        if keep is not None:
-            parts = [p.index_select(0, keep) for p in parts]
+    def _encode(self, layer: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Cells (kv_factor, T, H, cell_bytes) of ``parts``, built in reused scratch tensors.
+
+        K and V are converted into one fp32 work tensor and encoded together:
+        half the operations, which is what a decode-sized write spends its time on.
+        """
+        shape = (len(parts), *parts[0].shape)
+        cells = self._scratch.get("cells", (*shape[:-1], self.plan.spec.cell_bytes), torch.uint8, self.device)
         if self._mode is QuantMode.none:
-            x = torch.stack(parts) if len(parts) > 1 else parts[0].unsqueeze(0)
-        else:
-            x = torch.empty((len(parts), *parts[0].shape), dtype=torch.float32, device=self.device)
             for i, p in enumerate(parts):
-                x[i].copy_(p)
-        return encode_cells(x, self._mode, self._cache_dtype, self._tensor_scales(layer, x.device))
+                cells[i].view(self._cache_dtype).copy_(p)
+            return cells
+        work = self._scratch.get("work", shape, torch.float32, self.device)
+        for i, p in enumerate(parts):
+            work[i].copy_(p)
+        return encode_cells(work, self._mode, self._cache_dtype, self._tensor_scales(layer, self.device),
+                            out=cells, work=work)
 
     def _tensor_scales(self, layer: int, device: torch.device) -> torch.Tensor | None:
         if self._mode is not QuantMode.fp8_per_tensor:
@@ -165,9 +172,12 @@ class KVCache:
 
     # transfers ---------------------------------------------------------------------------------
 
-    def offload(self, block_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """Copy blocks to a CPU uint8 tensor (n, L, page_size_bytes); pinned when the cache is on CUDA."""
-        return transfer.offload(self, block_ids)
+    def offload(self, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy blocks to a CPU uint8 tensor (n, L, page_size_bytes); pinned when the cache is on CUDA.
+
+        ``out``: a preallocated contiguous CPU tensor of that shape to fill instead.
+        """
+        return transfer.offload(self, block_ids, out)
 
     def restore(self, block_ids: torch.Tensor | Sequence[int], data: torch.Tensor, *,
                 source_format: str | None = None) -> None:
@@ -198,6 +208,25 @@ class KVCache:
         if problems:
             raise GeometryError("the KV cache no longer matches its plan",
                                 [Diagnostic(p.split(":")[0], 0, 0, "plan-mismatch", p) for p in problems])
+
+
+class _Scratch:
+    """Reusable flat tensors, grown on demand: large fresh CPU allocations page-fault on every write.
+
+    Shared by the writes of one cache, so a `KVCache` takes one write at a time
+    (as its buffers do anyway).
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (name, dtype, device)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < numel:
+            flat = self._flat[key] = torch.empty(numel, dtype=dtype, device=device)
+        return flat[:numel].view(shape)
 
 
 def _len(t: object) -> int:

@@ -50,11 +50,11 @@ def check_values(
 
 
 def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, device: torch.device,
-                allow_negative: bool) -> torch.Tensor:
+                allow_negative: bool) -> tuple[torch.Tensor, bool]:
     """A 1-D int32/int64 tensor of slots ``block * block_size + offset``; negative means skip when allowed.
 
-    Returns it as int64. Valid slots must be distinct: two tokens in one cell
-    would leave which one wins unspecified.
+    Returns the slots as int64 and whether any is negative. Valid slots must
+    be distinct: two tokens in one cell would leave which one wins unspecified.
     """
     if not isinstance(slot_mapping, torch.Tensor):
         raise input_error("slot_mapping", f"`slot_mapping` must be a torch.Tensor, got `{type(slot_mapping).__name__}`")
@@ -69,7 +69,7 @@ def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, de
                           f"`{device}`", "move it to the cache's device first")
     slots = slot_mapping.long()
     if slots.numel() == 0:
-        return slots
+        return slots, False
     lo, hi = (int(v) for v in torch.aminmax(slots))
     if hi >= num_slots or (lo < 0 and not allow_negative):
         bad = hi if hi >= num_slots else lo
@@ -80,7 +80,7 @@ def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, de
     if valid.numel() > 1 and torch.unique(valid).numel() != valid.numel():
         raise input_error("slot_mapping", "`slot_mapping` names the same slot twice",
                           "write each slot at most once per call")
-    return slots
+    return slots, lo < 0
 
 
 def check_block_ids(block_ids: object, num_blocks: int, device: torch.device, unique: bool) -> torch.Tensor:

@@ -54,34 +54,54 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def encode_cells(
-    x: torch.Tensor, mode: QuantMode, cache_dtype: torch.dtype, tensor_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    mode: QuantMode,
+    cache_dtype: torch.dtype,
+    tensor_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Encode ``x`` (..., D) into contiguous uint8 cells (..., cell_bytes).
+    """Encode ``x`` (..., D), any float dtype, into uint8 cells (..., cell_bytes).
 
-    ``x`` must be fp32 for the quantized modes and may be overwritten (it is
-    the caller's scratch). ``tensor_scale`` broadcasts against ``x`` and is
-    required for ``fp8_per_tensor``.
+    ``out`` receives the cells and ``work`` (fp32, shaped like ``x``) is
+    scratch; both are allocated when not given, and ``x`` is only modified
+    when it is ``work`` itself. Reusing them across calls spares the CPU
+    allocator's page faults, which cost more than the arithmetic.
+    ``tensor_scale`` broadcasts against ``x`` and is required for
+    ``fp8_per_tensor``.
     """
+    packed = x.shape[-1] // 2 if mode is QuantMode.int4_per_token_head else x.shape[-1]
+    data_bytes = packed if mode.is_per_token_head else x.shape[-1] * cache_dtype.itemsize
+    cell_bytes = data_bytes + (_SCALE_BYTES if mode.is_per_token_head else 0)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], cell_bytes), dtype=torch.uint8, device=x.device)
     if mode is QuantMode.none:
-        return x.to(cache_dtype).contiguous().view(torch.uint8)
+        out.view(cache_dtype).copy_(x)
+        return out
+    if work is None:
+        work = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    y = work if work is x else work.copy_(x)
     if mode is QuantMode.fp8_per_tensor:
         assert tensor_scale is not None
         fmax = torch.finfo(cache_dtype).max
-        y = x.div_(tensor_scale).clamp_(-fmax, fmax)
-        return y.to(cache_dtype).view(torch.uint8)
+        out.view(cache_dtype).copy_(y.div_(tensor_scale).clamp_(-fmax, fmax))
+        return out
     qmax = QMAX[mode]
-    amax = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_())
-    scale = amax.div_(amax.new_full((), qmax))
+    scale = torch.maximum(y.amax(-1, keepdim=True), y.amin(-1, keepdim=True).neg_())  # max |x|, no temporary
+    scale.div_(scale.new_full((), qmax))
     scale.masked_fill_(scale == 0, 1.0)
-    y = x.div_(scale)
+    y.div_(scale)
+    codes = out[..., :packed]
     if mode is QuantMode.fp8_per_token_head:
-        codes = y.clamp_(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8)
+        codes.view(torch.float8_e4m3fn).copy_(y.clamp_(-qmax, qmax))
+    elif mode is QuantMode.int8_per_token_head:
+        codes.view(torch.int8).copy_(y.round_().clamp_(-qmax, qmax))
     else:
         q = y.round_().clamp_(-qmax, qmax).to(torch.int8)
-        if mode is QuantMode.int4_per_token_head:
-            q = (q[..., 0::2] & 0x0F) | (q[..., 1::2] << 4)
-        codes = q.view(torch.uint8)
-    return torch.cat((codes, scale.view(torch.uint8)), dim=-1)
+        torch.bitwise_or(q[..., 0::2] & 0x0F, q[..., 1::2] << 4, out=codes.view(torch.int8))
+    out[..., packed:].copy_(scale.view(torch.uint8))
+    return out
 
 
 def decode_cells(

@@ -31,26 +31,39 @@ if TYPE_CHECKING:
 __all__ = ["offload", "restore"]
 
 
-def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """Copy ``block_ids`` out to a CPU uint8 tensor (n, L, page_size_bytes), pinned if the cache is on CUDA."""
+def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """Copy ``block_ids`` out to a CPU uint8 tensor (n, L, page_size_bytes), pinned if the cache is on CUDA.
+
+    ``out``, when given, is a contiguous CPU uint8 tensor of that shape to fill
+    instead (a preallocated, possibly pinned, staging buffer).
+    """
     check_device(cache.device, "offload from")
     plan = cache.plan
     ids = check_block_ids(block_ids, plan.num_blocks, cache.device, unique=False)
     n = ids.numel()
-    pinned = cache.device.type == "cuda"
-    out = torch.empty((n, plan.num_layers, plan.page_size_bytes), dtype=torch.uint8, pin_memory=pinned)
+    shape = (n, plan.num_layers, plan.page_size_bytes)
+    on_cuda = cache.device.type == "cuda"
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, pin_memory=on_cuda)
+    elif not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and tuple(out.shape) == shape
+              and out.device.type == "cpu" and out.is_contiguous()):
+        got = f"`{out.dtype}` {tuple(out.shape)} on `{out.device}`" if isinstance(out, torch.Tensor) else "not a tensor"
+        raise input_error("out", f"`out` is {got}; expected a contiguous CPU uint8 tensor of shape {shape}")
+    if n == 0:
+        return out
     col = 0
     with torch.no_grad():
         for tv in plan.transfer:
             rows, word = _rows(cache, tv)
             width = math.prod(tv.shape[1:])
             dst = out.view(n, plan.block_row_bytes)[:, col : col + width].view(word).view(n, *rows.shape[1:])
-            if cache.device.type == "cpu" and dst.is_contiguous():
+            if on_cuda:  # gather on the device, then one device-to-host copy per transfer view
+                dst.copy_(rows.index_select(0, ids), non_blocking=out.is_pinned())
+            else:  # gather straight into the (strided) destination
                 torch.index_select(rows, 0, ids, out=dst)
-            else:
-                dst.copy_(rows.index_select(0, ids), non_blocking=pinned)
             col += width
-        if pinned:
+        if on_cuda:
             torch.cuda.current_stream(cache.device).synchronize()
     # INVARIANT: the rows of a transfer cover a block's L pages exactly, padding and scales included.
     assert col == plan.block_row_bytes

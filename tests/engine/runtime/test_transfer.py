@@ -120,3 +120,15 @@ def test_offload_refuses_bad_block_ids_and_meta_caches() -> None:
         cache.offload([NUM_BLOCKS])
     with pytest.raises(InputError, match="meta"):
         allocate(make_plan(), "meta").offload([0])
+
+
+def test_offload_fills_a_preallocated_buffer_and_checks_it() -> None:
+    cache = allocate(make_plan(layout="per_layer/HND", kv_cache_dtype="int4_per_token_head"))
+    fill_random(cache)
+    out = torch.zeros(2, 3, cache.plan.page_size_bytes, dtype=torch.uint8)
+    assert cache.offload([4, 1], out=out) is out
+    assert torch.equal(out[0], expected_rows(cache, 4)) and torch.equal(out[1], expected_rows(cache, 1))
+    with pytest.raises(InputError, match="`out`"):
+        cache.offload([4], out=out)
+    with pytest.raises(InputError, match="`out`"):
+        cache.offload([4, 1], out=out.transpose(0, 1).contiguous().transpose(0, 1))
