@@ -1,0 +1,280 @@
+"""Peer compatibility and rank agreement, the latter in real multi-process gloo worlds on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LayoutEngine, shipped_rules_dir
+from engine.agreement import (
+    AgreementError,
+    CompatibilityResult,
+    LayoutMismatchError,
+    RankFingerprint,
+    agree,
+    check_compatible,
+    compare_ranks,
+    require_compatible,
+)
+from engine.fingerprint import LayoutFingerprint, fingerprint
+from policy import InputError, PolicyError
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = LayoutEngine.default()
+QWEN = {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
+# The shipped rules choose cross_layer/NHD for this input.
+CROSS = {"spec": QWEN, "backend": "TRITON_ATTN", "connector": "OffloadingConnector"}
+
+
+def fp_for(**overrides: Any) -> LayoutFingerprint:
+    return fingerprint(ENGINE.decide(**{**CROSS, **overrides}))
+
+
+# ---------------------------------------------------------------- check_compatible
+
+
+def test_identical_fingerprints_are_compatible_in_every_form() -> None:
+    a = fp_for()
+    for remote in (a, a.to_dict(), a.to_json(), a.to_json().encode(), ENGINE.decide(**CROSS)):
+        result = check_compatible(a, remote)
+        assert result.ok and bool(result) and result.differences == () and result.messages == []
+
+
+def test_differences_name_the_field_and_both_values() -> None:
+    local = fp_for(connector="NixlConnector", connector_config={"enable_cross_layers_blocks": "true"})
+    remote = fp_for(connector="NixlConnector")
+    result = check_compatible(local, remote.to_json())
+    assert not result.ok
+    assert result.messages[0] == "placement: local cross_layer, remote per_layer"
+    assert {d.field for d in result.differences} == {"placement", "physical_dims", "physical_shape", "num_buffers"}
+    messages = check_compatible(local, fp_for(), local_name="prefill", remote_name="decode").messages  # vs NHD
+    assert "head_order: prefill HND, decode NHD" in messages
+
+
+def test_group_differences_are_reported_per_group_field() -> None:
+    result = check_compatible(fp_for(), fp_for(spec={**QWEN, "page_size_padded": 16384}))
+    assert result.messages == ["page_bytes: local 8192, remote 16384",
+                               "groups[0].page_bytes: local 8192, remote 16384"]
+
+
+def test_a_format_version_mismatch_is_reported_as_such() -> None:
+    future = {**fp_for().to_dict(), "format_version": 2, "new_field": "x"}
+    result = check_compatible(fp_for(), future)
+    assert not result.ok and result.format_mismatch
+    assert result.messages == ["format_version: local 1, remote 2"]
+    with pytest.raises(LayoutMismatchError, match="run one kvpolicy version"):
+        require_compatible(fp_for(), future)
+
+
+def test_what_is_not_a_fingerprint_is_an_input_error() -> None:
+    with pytest.raises(InputError, match="not JSON"):
+        check_compatible(fp_for(), "{nope")
+    with pytest.raises(InputError, match="got int"):
+        check_compatible(fp_for(), 3)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="missing `page_bytes`"):
+        check_compatible(fp_for(), {k: v for k, v in fp_for().to_dict().items() if k != "page_bytes"})
+
+
+def test_require_compatible_raises_a_policy_error_with_every_field() -> None:
+    local, remote = fp_for(), fp_for(kv_cache_dtype="fp8")
+    assert require_compatible(local, local.to_dict()) == local
+    with pytest.raises(LayoutMismatchError) as info:
+        require_compatible(local, remote.to_json(), remote_name="decode-0")
+    err = info.value
+    assert isinstance(err, PolicyError) and isinstance(err, AgreementError)
+    text = str(err)
+    expected = check_compatible(local, remote, remote_name="decode-0").messages
+    assert len(expected) == 6
+    for line in expected:
+        assert line in text
+    assert "decode-0: error[layout-mismatch]: 6 fields differ from local" in text
+    assert "kv_cache_dtype: local bfloat16, decode-0 fp8_e4m3" in text
+
+
+def test_compatibility_result_to_dict() -> None:
+    result = check_compatible(fp_for(), fp_for(spec={**QWEN, "block_size": 32}))
+    assert isinstance(result, CompatibilityResult)
+    d = result.to_dict()
+    assert d["ok"] is False and "block_size: local 16, remote 32" in d["differences"]
+
+
+# ---------------------------------------------------------------- compare_ranks (the pure half of agree)
+
+
+def ranks_of(*fps: LayoutFingerprint, digests: tuple[str, ...] = ()) -> list[RankFingerprint]:
+    return [RankFingerprint(i, i, f.to_dict(), digests[i] if digests else None) for i, f in enumerate(fps)]
+
+
+def test_compare_ranks_names_the_odd_rank_against_the_majority() -> None:
+    a, b = fp_for(), fp_for(kv_cache_dtype="fp8")
+    assert compare_ranks(ranks_of(a, a, a)) == a
+    with pytest.raises(LayoutMismatchError) as info:
+        compare_ranks(ranks_of(b, a, a, a))  # rank 0 is the odd one
+    text = str(info.value)
+    assert "rank 1, rank 2, rank 3 agree; rank 0 differs from rank 1" in text
+    assert "rank 0: error[layout-mismatch]" in text and "quant_mode: rank 1 none, rank 0 fp8_per_tensor" in text
+    with pytest.raises(LayoutMismatchError, match="rank 0 agree; rank 1 differs from rank 0"):
+        compare_ranks(ranks_of(a, b))  # a tie goes to the lowest rank
+
+
+def test_compare_ranks_notes_different_rule_sets_and_group_ranks() -> None:
+    a, b = fp_for(), fp_for(block_size=32)
+    ranks = [RankFingerprint(4, 0, a.to_dict(), "sha256:aa"), RankFingerprint(5, 1, b.to_dict(), "sha256:bb")]
+    with pytest.raises(LayoutMismatchError) as info:
+        compare_ranks(ranks)
+    text = str(info.value)
+    assert "rank 5 (group rank 1): error[different-rules]" in text
+    assert "block_size: rank 4 (group rank 0) 16, rank 5 (group rank 1) 32" in text
+
+
+# ---------------------------------------------------------------- agree, single process
+
+
+def test_agree_without_a_process_group_is_a_world_of_one() -> None:
+    decision = ENGINE.decide(**CROSS)
+    assert agree(decision) == fingerprint(decision)
+    assert agree(fingerprint(decision)) == fingerprint(decision)
+    with pytest.raises(AgreementError, match=r"torch\.distributed is not initialised"):
+        agree(decision, group=object())
+
+
+# ---------------------------------------------------------------- agree, real gloo worlds
+
+WORKER = r'''
+import datetime, json, os, sys, time
+from pathlib import Path
+
+rank, world = int(sys.argv[1]), int(sys.argv[2])
+work = Path(sys.argv[3])
+scenarios = json.loads((work / "scenarios.json").read_text())
+
+import torch.distributed as dist
+from engine import LayoutEngine
+from engine.agreement import AgreementError, agree
+
+dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=30))
+results = {}
+for sc in scenarios:
+    if rank in sc.get("skip", []):
+        results[sc["name"]] = {"skipped": True}
+        continue
+    rules = sc.get("rules", {}).get(str(rank))
+    engine = LayoutEngine.from_path(rules) if rules else LayoutEngine.default()
+    decision = engine.decide(**sc["inputs"].get(str(rank), sc["inputs"]["*"]))
+    start = time.monotonic()
+    try:
+        agreed = agree(decision, timeout_s=sc.get("timeout_s", 30))
+        results[sc["name"]] = {"ok": True, "digest": agreed.digest}
+    except AgreementError as exc:
+        results[sc["name"]] = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+    results[sc["name"]]["seconds"] = time.monotonic() - start
+(work / f"rank{rank}.json").write_text(json.dumps(results))
+if any(rank in sc.get("skip", []) for sc in scenarios):
+    # stay in the world until rank 0 has reported, so its timeout is a timeout and not a closed socket
+    deadline = time.monotonic() + 20
+    while not (work / "rank0.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+dist.destroy_process_group()
+'''
+
+
+def run_world(tmp_path: Path, world: int, scenarios: list[dict[str, Any]], deadline_s: float = 60.0
+              ) -> list[dict[str, Any]]:
+    """Run ``world`` gloo ranks over the scenarios; kill them all if they outlive ``deadline_s``."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "scenarios.json").write_text(json.dumps(scenarios))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r), str(world), str(tmp_path)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    end = time.monotonic() + deadline_s
+    try:
+        outputs = [p.communicate(timeout=max(0.1, end - time.monotonic()))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = [p.communicate()[0] for p in procs]
+        pytest.fail(f"the {world}-rank world did not finish in {deadline_s} s:\n" + "\n---\n".join(logs))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{out}"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def rules_dir(tmp_path: Path, name: str, extra_rule: str) -> str:
+    """The shipped rules plus one more global file."""
+    path = tmp_path / name
+    shutil.copytree(shipped_rules_dir(), path)
+    (path / "zz-extra.yaml").write_text("version: 1\nrules:\n" + extra_rule)
+    return str(path)
+
+
+FORBID_CROSS = ("  - id: site-forbids-cross-layer\n    description: this site keeps per-layer buffers\n"
+                "    forbid: {placement: cross_layer}\n")
+HARMLESS = ("  - id: site-harmless\n    description: matches nothing here\n"
+            "    when: {field: kv.block_size, eq: 12345}\n    forbid: {placement: cross_layer}\n")
+
+
+def test_two_ranks_agree_disagree_and_time_out(tmp_path: Path) -> None:
+    scenarios = [
+        {"name": "same", "inputs": {"*": CROSS}},
+        {"name": "dtype", "inputs": {"*": CROSS, "1": {**CROSS, "kv_cache_dtype": "fp8_per_token_head"}}},
+        {"name": "absent", "inputs": {"*": CROSS}, "skip": [1], "timeout_s": 2},
+    ]
+    r0, r1 = run_world(tmp_path, 2, scenarios)
+    expected = fingerprint(ENGINE.decide(**CROSS)).digest
+    assert r0["same"]["ok"] and r1["same"]["ok"]
+    assert r0["same"]["digest"] == r1["same"]["digest"] == expected
+    for r in (r0, r1):  # the mismatch is raised on every rank, with the same text
+        assert r["dtype"]["error"] == "LayoutMismatchError"
+        assert "rank 1 differs from rank 0" in r["dtype"]["message"]
+        assert "rank 1: error[layout-mismatch]" in r["dtype"]["message"]
+        assert "kv_cache_dtype: rank 0 bfloat16, rank 1 fp8_per_token_head" in r["dtype"]["message"]
+        assert "placement: rank 0 cross_layer, rank 1 per_layer" in r["dtype"]["message"]
+    assert r0["dtype"]["message"] == r1["dtype"]["message"]
+    assert r1["absent"] == {"skipped": True}
+    assert r0["absent"]["error"] == "AgreementError"
+    assert "agreement-timeout" in r0["absent"]["message"] and "within 2 s" in r0["absent"]["message"]
+    assert r0["absent"]["seconds"] < 15
+
+
+def test_four_ranks_one_odd_rule_set_or_dtype(tmp_path: Path) -> None:
+    no_cross = rules_dir(tmp_path, "rules-no-cross", FORBID_CROSS)
+    alike = rules_dir(tmp_path, "rules-alike", HARMLESS)
+    scenarios = [
+        {"name": "same", "inputs": {"*": CROSS}},
+        {"name": "rules", "inputs": {"*": CROSS}, "rules": {"1": no_cross}},
+        {"name": "dtype", "inputs": {"*": CROSS, "3": {**CROSS, "kv_cache_dtype": "fp8"}}},
+        {"name": "rules-alike", "inputs": {"*": CROSS}, "rules": {"2": alike}},
+    ]
+    results = run_world(tmp_path, 4, scenarios)
+    expected = fingerprint(ENGINE.decide(**CROSS)).digest
+    for r in results:
+        assert r["same"] == {"ok": True, "digest": expected, "seconds": r["same"]["seconds"]}
+        assert r["rules-alike"]["ok"] and r["rules-alike"]["digest"] == expected  # same layout, other rules
+        rules = r["rules"]
+        assert rules["error"] == "LayoutMismatchError"
+        assert "rank 0, rank 2, rank 3 agree; rank 1 differs from rank 0" in rules["message"]
+        assert "placement: rank 0 cross_layer, rank 1 per_layer" in rules["message"]
+        assert "rank 1: error[different-rules]" in rules["message"]
+        dtype = r["dtype"]
+        assert dtype["error"] == "LayoutMismatchError"
+        assert "rank 3 differs from rank 0" in dtype["message"]
+        assert "kv_cache_dtype: rank 0 bfloat16, rank 3 fp8_e4m3" in dtype["message"]
+    assert len({r["rules"]["message"] for r in results}) == 1
+    assert len({r["dtype"]["message"] for r in results}) == 1
