@@ -1,12 +1,14 @@
 """``kvpolicy test [PATHS...]``: run policy tests (YAML cases) against a rule set.
 
-A thin printer over `engine.policy_tests.run_policy_tests`; the case format is
+A thin printer over `engine.policy_tests.run_policy_tests` (imported when the
+verb runs, so other verbs do not build its models); the case format is
 documented in docs/cli.md.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from engine.cli.common import (
     EXIT_FAILED,
@@ -18,7 +20,9 @@ from engine.cli.common import (
     print_json,
     rules_root,
 )
-from engine.policy_tests import CaseResult, TestRun, run_policy_tests
+
+if TYPE_CHECKING:
+    from engine.policy_tests import CaseResult, TestRun
 
 __all__ = ["register", "render_run", "run"]
 
@@ -100,6 +104,8 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
+
     ruleset = load_ruleset(args.rules)
     paths = args.paths or [rules_root(args.rules)[0] / "tests"]
     result = run_policy_tests(ruleset, paths)
