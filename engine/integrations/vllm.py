@@ -44,6 +44,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from engine.agreement import agree
 from engine.decision import Decision
 from engine.layout_engine import LayoutEngine
 from policy.backends import BACKENDS, BackendProfile, Dim
@@ -365,6 +366,21 @@ def decide(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *, engine:
     return eng.decide(ctx, explain=explain)
 
 
+def _gate_decision(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, engine: LayoutEngine | None,
+                   cache_dtype: str | None) -> Decision | None:
+    """`decide`, or None (and a warning) when kvpolicy cannot describe the KV cache."""
+    try:
+        decision = decide(attn_groups, transfer_group, engine=engine, cache_dtype=cache_dtype)
+    except InputError as exc:
+        logger.warning("kvpolicy: cannot describe vLLM's KV cache, keeping per-layer buffers\n%s", exc.render())
+        return None
+    if (decision.layout.placement is Placement.cross_layer and transfer_group is not None
+            and not _own_preference(transfer_group)):
+        logger.warning("kvpolicy: the rules choose %s although %s.prefer_cross_layer_blocks is false; "
+                       "the rules decide", decision.layout, type(transfer_group).__name__)
+    return decision
+
+
 def use_uniform_kv_cache(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
                          engine: LayoutEngine | None = None, cache_dtype: str | None = None) -> bool:
     """vLLM's ``use_uniform_kv_cache(attn_groups)``: allocate one cross-layer KV cache?
@@ -375,29 +391,31 @@ def use_uniform_kv_cache(attn_groups: Sequence[Sequence[Any]], transfer_group: A
     False (per-layer buffers) and a warning; rules that leave no layout raise
     `NoLayoutError`, since the operator's policy forbids every layout.
     """
-    try:
-        decision = decide(attn_groups, transfer_group, engine=engine, cache_dtype=cache_dtype)
-    except InputError as exc:
-        logger.warning("kvpolicy: cannot describe vLLM's KV cache, keeping per-layer buffers\n%s", exc.render())
-        return False
-    cross = decision.layout.placement is Placement.cross_layer
-    if cross and transfer_group is not None and not _own_preference(transfer_group):
-        logger.warning("kvpolicy: the rules choose %s although %s.prefer_cross_layer_blocks is false; "
-                       "the rules decide", decision.layout, type(transfer_group).__name__)
-    return cross
+    decision = _gate_decision(attn_groups, transfer_group, engine, cache_dtype)
+    return decision is not None and decision.layout.placement is Placement.cross_layer
 
 
 def make_gate(has_transfer_group: Callable[[], bool], get_transfer_group: Callable[[], Any], *,
-              engine: LayoutEngine | None = None) -> Callable[..., bool]:
+              engine: LayoutEngine | None = None, agreement_group: Callable[[], Any] | None = None,
+              timeout_s: float = 60.0) -> Callable[..., bool]:
     """A function with the signature of vLLM's gate, ``(attn_groups, cache_dtype=None) -> bool``.
 
     Pass vLLM's ``has_kv_transfer_group`` and ``get_kv_transfer_group``; the
     result replaces ``KVConnectorModelRunnerMixin.use_uniform_kv_cache``
-    (docs/vllm.md).
+    (docs/vllm.md). With ``agreement_group`` (a callable returning a process
+    group, e.g. ``lambda: get_world_group().cpu_group``) every call also runs
+    `engine.agreement.agree` on the decision, so ranks that would lay out
+    their caches differently fail at start-up instead of exchanging garbage.
+    It is a collective: every rank of that group must reach the gate.
     """
 
     def gate(attn_groups: Sequence[Sequence[Any]], cache_dtype: str | None = None) -> bool:
         connector = get_transfer_group() if has_transfer_group() else None
-        return use_uniform_kv_cache(attn_groups, connector, engine=engine, cache_dtype=cache_dtype)
+        decision = _gate_decision(attn_groups, connector, engine, cache_dtype)
+        if decision is None:
+            return False
+        if agreement_group is not None:
+            agree(decision, group=agreement_group(), timeout_s=timeout_s)
+        return decision.layout.placement is Placement.cross_layer
 
     return gate

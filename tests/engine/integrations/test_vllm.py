@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from engine import LayoutEngine
+from engine.agreement import AgreementError
 from engine.fingerprint import fingerprint
 from engine.integrations import vllm as adapter
 from engine.integrations.vllm import decide, make_gate, use_uniform_kv_cache, vllm_context
@@ -428,6 +429,18 @@ def test_make_gate_has_the_signature_of_vllms_gate() -> None:
     state["connector"] = OffloadingConnector()
     assert gate(one()) is True
     assert gate(one(FullAttentionSpec(dtype="torch.uint8", kv_quant_mode=None)), "int4_per_token_head") is False
+
+
+def test_make_gate_can_agree_across_ranks() -> None:
+    connector = OffloadingConnector()
+    # a single process that never initialised torch.distributed is a world of one
+    gate = make_gate(lambda: True, lambda: connector, agreement_group=lambda: None)
+    assert gate(one()) is True
+    # the agreement really runs: a group without torch.distributed is refused
+    gate = make_gate(lambda: True, lambda: connector, agreement_group=lambda: object())
+    with pytest.raises(AgreementError, match="no-process-group"):
+        gate(one())
+    assert gate(one(SimpleNamespace(block_size=16))) is False  # nothing to agree on: per-layer, no collective
 
 
 def test_the_adapter_imports_nothing_from_vllm() -> None:
