@@ -8,6 +8,8 @@ a whole write is one ``index_copy_`` and a read one ``index_select``. The view
 is over 4-byte words when the cell size and ``G`` allow: uint8 ``index_copy_``
 is several times slower on CPU. With padded pages ``G`` may be smaller than a
 cell, so rows overlap; only rows that are real cells are ever indexed.
+Decode-sized writes (a few tokens) spend their time on per-op overhead, not
+bytes, so their token rows are computed in Python and become one tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from engine.plan import LayoutPlan
 from policy.backends import Dim
 
 __all__ = ["CellRows"]
+
+_SMALL = 64  # up to this many slots, row arithmetic in Python beats six tensor ops
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ class CellRows:
         self._block_size = spec.block_size
         self._kv_factor = spec.kv_factor
         self._heads = spec.num_kv_heads
-        self._offsets: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def buffer_of(self, layer: int) -> int:
         return self._layers[layer].buffer
@@ -75,17 +79,22 @@ class CellRows:
     def index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Row indices (kv_factor, T, H) of the cells of valid ``slots`` (int64, all >= 0) in ``layer``."""
         lr = self._layers[layer]
-        block = torch.div(slots, self._block_size, rounding_mode="floor")
-        offset = slots - block * self._block_size
-        token_rows = block * lr.block + offset * lr.token + lr.base
-        kv_rows, head_rows = self._offset_rows(layer, slots.device)
-        return token_rows.view(1, -1, 1) + kv_rows + head_rows
+        n = self._block_size
+        if slots.numel() <= _SMALL:  # decode-sized: the token rows in Python, one tensor op after
+            tokens = [(s // n) * lr.block + (s % n) * lr.token for s in slots.tolist()]
+            token_rows = torch.tensor(tokens, dtype=torch.int64).to(slots.device, non_blocking=True)
+        else:
+            block = torch.div(slots, n, rounding_mode="floor")
+            token_rows = block * lr.block + (slots - block * n) * lr.token
+        return token_rows.view(1, -1, 1) + self._cell_rows(layer, slots.device)
 
-    def _offset_rows(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cell_rows(self, layer: int, device: torch.device) -> torch.Tensor:
+        """(kv_factor, 1, H): the row of each (kv, head) cell of the layer's block 0, token 0."""
         key = (layer, device)
-        if key not in self._offsets:
+        rows = self._offsets.get(key)
+        if rows is None:
             lr = self._layers[layer]
             kv = torch.arange(self._kv_factor, device=device).mul_(lr.kv).view(-1, 1, 1)
             head = torch.arange(self._heads, device=device).mul_(lr.head).view(1, 1, -1)
-            self._offsets[key] = (kv, head)
-        return self._offsets[key]
+            rows = self._offsets[key] = kv + head + lr.base
+        return rows

@@ -16,6 +16,7 @@ __all__ = ["check_block_ids", "check_device", "check_layer", "check_slots", "che
 
 VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_SMALL = 64  # up to this many slots are checked in Python: cheaper than four tensor ops
 
 
 def check_device(device: torch.device, what: str) -> None:
@@ -70,14 +71,21 @@ def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, de
     slots = slot_mapping.long()
     if slots.numel() == 0:
         return slots, False
-    lo, hi = (int(v) for v in torch.aminmax(slots))
+    if slots.numel() <= _SMALL:  # decode-sized: one host copy, then plain Python (no sort, no unique)
+        values = slots.tolist()
+        lo, hi = min(values), max(values)
+        valid = [v for v in values if v >= 0] if lo < 0 else values
+        repeated = len(set(valid)) != len(valid)
+    else:
+        lo, hi = (int(v) for v in torch.aminmax(slots))
+        valid_t = slots[slots >= 0] if lo < 0 else slots
+        repeated = valid_t.numel() > 1 and torch.unique(valid_t).numel() != valid_t.numel()
     if hi >= num_slots or (lo < 0 and not allow_negative):
         bad = hi if hi >= num_slots else lo
         low = "a negative slot skips its token" if allow_negative else "slots must be >= 0"
         raise input_error("slot_mapping", f"slot `{bad}` is out of range",
                           f"the cache has {num_slots} slots (num_blocks * block_size); {low}")
-    valid = slots[slots >= 0] if lo < 0 else slots
-    if valid.numel() > 1 and torch.unique(valid).numel() != valid.numel():
+    if repeated:
         raise input_error("slot_mapping", "`slot_mapping` names the same slot twice",
                           "write each slot at most once per call")
     return slots, lo < 0

@@ -89,7 +89,7 @@ def encode_cells(
         return out
     qmax = QMAX[mode]
     scale = torch.maximum(y.amax(-1, keepdim=True), y.amin(-1, keepdim=True).neg_())  # max |x|, no temporary
-    scale.div_(scale.new_full((), qmax))
+    scale.div_(_divisor(qmax, scale.device))
     scale.masked_fill_(scale == 0, 1.0)
     y.div_(scale)
     codes = out[..., :packed]
@@ -102,6 +102,18 @@ def encode_cells(
         torch.bitwise_or(q[..., 0::2] & 0x0F, q[..., 1::2] << 4, out=codes.view(torch.int8))
     out[..., packed:].copy_(scale.view(torch.uint8))
     return out
+
+
+_DIVISORS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _divisor(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d tensor on ``device``: a true division everywhere (see the module docstring)."""
+    key = (value, device)
+    t = _DIVISORS.get(key)
+    if t is None:
+        t = _DIVISORS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return t
 
 
 def decode_cells(
