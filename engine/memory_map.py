@@ -169,36 +169,51 @@ _PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#
 
 
 def render_svg(plan: LayoutPlan, scale_views: ScaleViews | None = None, width: int = 1200) -> str:
-    """The block map as an SVG document: one bar per buffer row, overlaps in red."""
+    """The block map as an SVG document.
+
+    Per buffer row: a lane of the bytes coloured by owning layer (V lighter than
+    K), labelled where wide enough, and beneath it a lane that is red wherever
+    two layers write the same bytes (at least a pixel wide, so it always shows).
+    """
     strategy = scale_views or plan.backend.scale_views
     segs = block_map(plan, strategy)
     rows = sorted({s.buffer for s in segs})
-    row_h, gap, left, top = 28, 10, 70, 40
+    lane, flag, gap, left, top = 30, 10, 16, 70, 40
     span = max((s.end for s in segs), default=1)
-    height = top + len(rows) * (row_h + gap) + 30
+    height = top + len(rows) * (lane + flag + gap) + 30
     title = f"block 0 of {plan.layout} on {plan.backend.name}, {strategy.value} scale views"
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + left + 20}" height="{height}" '
            f'font-family="monospace" font-size="12">',
+           '<rect width="100%" height="100%" fill="white"/>',
            f'<text x="{left}" y="20">{html.escape(title)}</text>']
+
+    def x_of(offset: int) -> float:
+        return left + offset / span * width
+
     for r, buffer in enumerate(rows):
-        y = top + r * (row_h + gap)
-        out.append(f'<text x="4" y="{y + row_h * 0.65:.0f}">buf {buffer}</text>')
-        for s in (s for s in segs if s.buffer == buffer):
-            x = left + s.start / span * width
-            w = max(0.5, (s.end - s.start) / span * width)
-            if s.overlap:
-                fill, stroke = "#e15759", "#7f0000"
-            else:
-                layer, kv = _unit(s.owners[0])
-                fill = _PALETTE[layer % len(_PALETTE)]
-                stroke = "none"
-                if kv == "v":
-                    fill += "b0"
-            title = html.escape(f"{s.start}..{s.end} ({s.end - s.start} B): {s.label()}")
-            out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{fill}" '
-                       f'stroke="{stroke}"><title>{title}</title></rect>')
+        y = top + r * (lane + flag + gap)
+        row = [s for s in segs if s.buffer == buffer]
+        out.append(f'<text x="4" y="{y + lane * 0.65:.0f}">buf {buffer}</text>')
+        for group, _ in _compress(row):
+            owner = next((o for s in group for o in s.owners if o[1].endswith("data")), group[0].owners[0])
+            layer, kv = _unit(owner)
+            fill = _PALETTE[layer % len(_PALETTE)]
+            opacity = "0.6" if kv == "v" else "1"
+            x0, x1 = x_of(group[0].start), x_of(group[-1].end)
+            tip = html.escape(f"{group[0].start}..{group[-1].end}: layer {layer} {kv.upper()}")
+            out.append(f'<rect x="{x0:.2f}" y="{y}" width="{max(0.5, x1 - x0):.2f}" height="{lane}" fill="{fill}" '
+                       f'fill-opacity="{opacity}" stroke="white" stroke-width="0.5"><title>{tip}</title></rect>')
+            if x1 - x0 > 44:
+                out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{y + lane * 0.65:.0f}" text-anchor="middle" '
+                           f'fill="white">L{layer} {kv.upper()}</text>')
+        for s in (s for s in row if s.overlap):
+            x0 = x_of(s.start)
+            tip = html.escape(f"{s.start}..{s.end} ({s.end - s.start} B): {s.label()}")
+            out.append(f'<rect x="{x0:.2f}" y="{y + lane + 1}" width="{max(1.0, x_of(s.end) - x0):.2f}" '
+                       f'height="{flag}" fill="#e15759"><title>{tip}</title></rect>')
     n_over = sum(1 for s in segs if s.overlap)
-    out.append(f'<text x="{left}" y="{height - 10}">{len(segs)} segments, {n_over} overlapping '
-               f'(red); hover for owners</text>')
+    note = (f"{n_over} byte ranges written by more than one layer (red lane)" if n_over
+            else "no byte is written by two layers")
+    out.append(f'<text x="{left}" y="{height - 10}">{len(segs)} segments; {note}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"

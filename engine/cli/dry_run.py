@@ -34,7 +34,8 @@ from engine.inputs import DEFAULT_EXAMPLE, build_context
 from policy.backends import BACKENDS, ScaleViews
 from policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from policy.context import Context
-from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
+from policy.errors import Diagnostic, GeometryError, InputError, NoLayoutError, PolicyError
+from policy.layouts import Layout
 from policy.quant import KV_CACHE_DTYPES
 from policy.ruleset import RuleSet
 from policy.spec import KVCacheSpec
@@ -127,7 +128,19 @@ def register(verbs: argparse._SubParsersAction) -> None:
     add_format_flag(out)
     out.add_argument("--num-blocks", type=_positive_int, metavar="N",
                      help="also plan the buffers for N blocks: physical shapes, views, bytes")
+    out.add_argument("--map", action="store_true",
+                     help="draw one block's bytes: which layer and role owns each range, overlaps marked (!!)")
+    out.add_argument("--map-layout", type=_layout, metavar="LAYOUT",
+                     help="draw this layout instead of the chosen one (what-if), e.g. cross_layer/NHD")
+    out.add_argument("--svg", metavar="FILE", help="also write the block map as an SVG picture to FILE")
     p.set_defaults(run=run)
+
+
+def _layout(text: str) -> Layout:
+    try:
+        return Layout.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,8 +325,57 @@ def plan_for(decision: Decision, num_blocks: int, spec_file: str | None = None) 
 # ---------------------------------------------------------------------------------------------
 
 
+def _map_blocks(decision: Decision) -> int:
+    """Blocks to plan for the map and the check: enough that a view assuming one page per
+    block (vLLM's old scale views) reaches across all of block 0's layers, as it does in a
+    real cache of thousands of blocks."""
+    return decision.context.kv.num_layers + 1
+
+
+def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | None) -> tuple[Any, Any]:
+    """The chosen layout's verifier report, and the plan the map draws (None without --map/--svg)."""
+    from engine.plan import plan_layout
+    from engine.verify import verify_plan
+
+    ctx = decision.context
+    checked = plan or plan_layout(decision.layout, ctx.kv, ctx.backend, _map_blocks(decision))
+    report = verify_plan(checked)
+    drawn = None
+    if args.map or args.svg or args.map_layout:
+        layout = args.map_layout or decision.layout
+        drawn = checked if layout == decision.layout else plan_for_layout(decision, layout, args.spec)
+    return report, drawn
+
+
+def plan_for_layout(decision: Decision, layout: Layout, spec_file: str | None) -> LayoutPlan:
+    from engine.plan import plan_layout
+
+    ctx = decision.context
+    try:
+        return plan_layout(layout, ctx.kv, ctx.backend, _map_blocks(decision))
+    except InputError as exc:
+        raise _name_flags(exc, spec_file) from None
+
+
+def _refusal(report: Any, decision: Decision) -> GeometryError:
+    from engine.verify import check_plan  # the same message LayoutEngine.build raises
+
+    try:
+        check_plan_for_report(report, decision, check_plan)
+    except GeometryError as exc:
+        return exc
+    raise AssertionError("report with collisions did not raise")  # pragma: no cover
+
+
+def check_plan_for_report(report: Any, decision: Decision, check: Any) -> None:
+    from engine.plan import plan_layout
+
+    ctx = decision.context
+    check(plan_layout(decision.layout, ctx.kv, ctx.backend, _map_blocks(decision)))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Decide and print; exit 1 when no layout survives."""
+    """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
     try:
         ruleset = load_ruleset(args.rules)
         ctx = context_from_args(args)
@@ -322,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
 
         decision = LayoutEngine(ruleset).decide(ctx)
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
+        report, drawn = _geometry(decision, args, plan)
     except PolicyError as exc:
         if args.format == "json":
             print_json(error_dict(exc))
@@ -329,19 +392,44 @@ def run(args: argparse.Namespace) -> int:
             print(example_banner(args), file=sys.stderr)
         print_error(exc)
         return exit_code_for(exc)
+    refused = None if report.ok else _refusal(report, decision)
+    if args.svg and drawn is not None:
+        from engine.memory_map import render_svg
+
+        try:
+            Path(args.svg).write_text(render_svg(drawn))
+        except OSError as exc:
+            print_error(usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}"))
+            return exit_code_for(usage_error("--svg", ""))
     if args.format == "json":
         data = decision.to_dict()
+        data["verification"] = report.to_dict() | {"collisions": report.to_dict()["collisions"][:8]}
+        data["verification"].pop("writers", None)
         if plan is not None:
             data["plan"] = plan_summary(plan)
+        if drawn is not None:
+            from engine.memory_map import block_map
+
+            data["map"] = [{"buffer": s.buffer, "start": s.start, "end": s.end, "owners": [list(o) for o in s.owners],
+                            "overlap": s.overlap} for s in block_map(drawn)]
         if is_example(args):
             print(example_banner(args), file=sys.stderr)
         print_json(data)
-        return EXIT_OK
+        if refused is not None:
+            print_error(refused)
+        return EXIT_OK if refused is None else exit_code_for(refused)
     parts = []
     if is_example(args):
         parts.append(example_banner(args) + "\n")
     parts.append(decision.explain(args.explain))
     if plan is not None:
         parts.append("\n" + render_plan(plan, groups=decision.context.groups.count))
+    if drawn is not None and (args.map or args.map_layout):
+        from engine.memory_map import render_text
+
+        parts.append("\n" + render_text(drawn))
     print("\n".join(parts))
+    if refused is not None:
+        print_error(refused)
+        return exit_code_for(refused)
     return EXIT_OK

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from engine.cli import dry_run, schema, testing, validate
+from engine.cli import analyze, dry_run, schema, testing, validate
 from engine.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, exit_code_for, print_error
 from policy.errors import PolicyError
 
@@ -26,6 +26,8 @@ examples:
   kvpolicy validate my-rules/                       # every error, located
   kvpolicy test                                     # the shipped rules' policy tests
   kvpolicy schema > rule-file.schema.json
+  kvpolicy lint my-rules/                           # every input checked against the geometry verifier
+  kvpolicy diff rules/ my-rules/                    # every decision an edit changes, and why
 
 exit codes: 0 ok, 1 the policy said no / a test or validation failed, 2 usage error
 """
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
-    for module in (dry_run, validate, testing, schema):
+    for module in (dry_run, validate, testing, schema, analyze):
         module.register(verbs)
     return parser
 

@@ -1,0 +1,141 @@
+"""`kvpolicy lint`, `kvpolicy diff` and `dry-run --map/--svg`, end to end: output and exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from engine.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "rules"
+SMALL = "num_layers: 4\nblock_size: 16\nnum_kv_heads: 2\nhead_size: 64\n"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def no_pth(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped rules minus the per-token-head rule."""
+    root = tmp_path_factory.mktemp("rules-no-pth")
+    shutil.copytree(RULES, root, dirs_exist_ok=True)
+    text = (root / "global.yaml").read_text()
+    start = text.index("  - id: per-token-head-forbids-cross-layer")
+    end = text.index("  - id: cross-layer-needs-block-stride-indexing")
+    (root / "global.yaml").write_text(text[:start] + text[end:])
+    return root
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> str:
+    path = tmp_path / "spec.yaml"
+    path.write_text(SMALL)
+    return str(path)
+
+
+def test_lint_shipped_rules_is_clean(capsys) -> None:
+    code, out, _ = cli(capsys, "lint")
+    assert code == 0
+    assert out.startswith("lint: 12600 inputs, 11 rules, ")
+    assert out.rstrip().endswith("0 error(s), 0 warning(s), 0 note(s)")
+
+
+def test_lint_without_the_per_token_head_rule_fails_naming_inputs(capsys, no_pth: Path) -> None:
+    code, out, _ = cli(capsys, "lint", str(no_pth), "--max-inputs", "1")
+    assert code == 1
+    assert "error[unsafe-permit]: the rules choose `cross_layer/NHD` for 90 input(s)" in out
+    assert ("kv_cache_dtype=fp8_per_token_head backend=TRITON_ATTN scale_views=assume_per_layer_contiguous "
+            "kind=full groups=1x1 connector=MooncakeStoreConnector{enable_cross_layers_blocks=true}") in out
+    code, out, _ = cli(capsys, "lint", str(no_pth), "--format", "json")
+    data = json.loads(out)
+    assert code == 1 and data["ok"] is False and data["errors"] == 2
+    labels = [label for f in data["findings"] for label in f["inputs"]]
+    assert len(labels) == 180 and all("per_token_head" in label for label in labels)
+
+
+def test_lint_strict_and_scale_view_restriction(capsys, tmp_path: Path) -> None:
+    (tmp_path / "global.yaml").write_text(
+        "version: 1\nrules:\n  - id: never\n    description: d\n    when: {field: kv.block_size, gt: 99999}\n"
+        "    forbid: {placement: cross_layer}\n")
+    code, out, _ = cli(capsys, "lint", str(tmp_path))
+    assert code == 0 and "warning[dead-rule]: rule `never` matches no input" in out
+    assert "global.yaml:3: warning" in out
+    code, _, _ = cli(capsys, "lint", str(tmp_path), "--strict")
+    assert code == 1
+    # once every backend builds stride-aware scale views, the per-token-head rule never
+    # matches: lint says so, and says which forbids then protect no byte
+    code, out, _ = cli(capsys, "lint", "--scale-views", "stride_aware")
+    assert code == 0 and "lint: 6300 inputs" in out
+    assert "warning[dead-rule]: rule `per-token-head-forbids-cross-layer` matches no input" in out
+
+
+def test_diff_lists_exactly_the_per_token_head_inputs(capsys, no_pth: Path) -> None:
+    code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--max-changes", "1")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0] == "diff: 12600 inputs checked, 180 decision(s) change"
+    assert lines[1:3] == ["      90  per_layer/HND -> cross_layer/HND", "      90  per_layer/NHD -> cross_layer/NHD"]
+    assert "    old: per_layer/NHD  because per-token-head-forbids-cross-layer" in out
+    code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--format", "json")
+    changes = json.loads(out)["changes"]
+    assert {c["input"]["kv_cache_dtype"] for c in changes} == {
+        "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"}
+
+
+def test_diff_of_a_rule_set_with_itself_is_empty(capsys) -> None:
+    code, out, _ = cli(capsys, "diff", str(RULES), str(RULES))
+    assert (code, out.splitlines()[0]) == (0, "diff: 12600 inputs checked, 0 decision(s) change")
+
+
+def test_dry_run_map_of_a_safe_choice(capsys, spec: str) -> None:
+    code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--connector", "OffloadingConnector", "--map",
+                       "--explain", "notes")
+    assert code == 0
+    assert "block 0 of `cross_layer/NHD` on TRITON_ATTN" in out
+    assert "       0 .. 4096         4096 B  layer 0 K data" in out
+    assert out.rstrip().endswith("8 segments; no overlaps")
+
+
+def test_dry_run_map_what_if_shows_the_collision(capsys, spec: str) -> None:
+    code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--kv-cache-dtype", "int8_per_token_head",
+                       "--connector", "OffloadingConnector", "--map-layout", "cross_layer/NHD", "--explain", "notes")
+    assert code == 0  # the chosen layout (per_layer) is safe; the map is a what-if
+    assert "!!         0 .. 2176         2176 B  32 x [64 B layer 0 K data | 4 B OVERLAP layers 0..3 k scale]" in out
+
+
+def test_dry_run_refuses_an_unsafe_choice_and_draws_it(capsys, spec: str, tmp_path: Path) -> None:
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "global.yaml").write_text("version: 1\ndefaults:\n  layout_order: [cross_layer/NHD]\nrules: []\n")
+    svg = tmp_path / "block.svg"
+    code, out, err = cli(capsys, "dry-run", "--rules", str(rules), "--spec", spec, "--kv-cache-dtype",
+                         "fp8_per_token_head", "--map", "--svg", str(svg))
+    assert code == 1
+    assert out.startswith("layout: cross_layer/NHD")
+    assert "OVERLAP layers 0..3 k scale" in out
+    assert "refusing layout `cross_layer/NHD` on `TRITON_ATTN`" in err
+    assert "error[overlapping-views]: layer 0 k scale and layer 1 k scale both write buffer 0 byte 64" in err
+    root = ET.fromstring(svg.read_text())
+    assert any(r.get("fill") == "#e15759" for r in root.iter("{http://www.w3.org/2000/svg}rect"))
+
+
+def test_dry_run_json_reports_verification_and_map(capsys, spec: str) -> None:
+    code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--format", "json", "--map")
+    data = json.loads(out)
+    assert code == 0
+    assert data["verification"] == {"layout": "per_layer/NHD", "scale_views": "assume_per_layer_contiguous",
+                                    "ok": True, "collisions": []}
+    assert [s["owners"] for s in data["map"][:2]] == [[[0, "k_data"]], [[0, "v_data"]]]
+
+
+def test_map_layout_rejects_unknown_layouts(capsys) -> None:
+    code, _, err = cli(capsys, "dry-run", "--map-layout", "diagonal/NHD")
+    assert code == 2 and "unknown layout `diagonal/NHD`" in err
