@@ -90,8 +90,8 @@ def cell_addresses(plan: LayoutPlan, layer: int, slots: list[int]) -> torch.Tens
     elements = torch.arange(numel).as_strided(v.shape, v.strides, v.storage_offset)
     if "kv" not in v.dims:  # MLA (block, token, dim): add the kv and head dims of size 1
         elements = elements.unsqueeze(1).unsqueeze(3)
-    blocks = torch.tensor([s // spec.block_size for s in slots])
-    offsets = torch.tensor([s % spec.block_size for s in slots])
+    blocks = torch.tensor([s // spec.block_size for s in slots], dtype=torch.int64)
+    offsets = torch.tensor([s % spec.block_size for s in slots], dtype=torch.int64)
     cells = elements[blocks, :, offsets]  # (T, kv, H, D')
     cells = cells.permute(1, 0, 2, 3)
     return (cells.unsqueeze(-1) * elem + torch.arange(elem)).flatten(-2)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_allocate import COMBO_IDS, COMBOS, ODD, ODD_LAYOUTS, cell_addresses, fill_random, make_plan
 from test_reference import decode_ref, encode_ref
 
@@ -63,7 +65,7 @@ def check_write_read(cache: KVCache, slots: list[int] = SLOTS, dtype: torch.dtyp
             mask[addrs.flatten()] = False
         assert torch.equal(r[mask], old[mask]), f"bytes outside the written cells changed in buffer {b}"
 
-    got_k, got_v = cache.read(LAYER, torch.tensor(kept_slots), dtype=torch.float32)
+    got_k, got_v = cache.read(LAYER, torch.tensor(kept_slots, dtype=torch.int64), dtype=torch.float32)
     for kv, (part, got) in enumerate(zip(parts, (got_k, got_v), strict=False)):
         for t, i in enumerate(kept):
             for h in range(spec.num_kv_heads):
@@ -84,6 +86,26 @@ def test_write_then_read_is_bit_exact_and_touches_only_its_cells(backend: str, l
 @pytest.mark.parametrize("geo", ODD, ids=[str(g) for g in ODD])
 def test_odd_cells_and_padded_pages_write_exactly(layout: str, geo: dict) -> None:
     check_write_read(allocate(make_plan("TRITON_ATTN", layout, **geo)))
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "int4_per_token_head", "fp8_e5m2", "float16"])
+def test_large_writes_take_the_tensor_path_and_stay_exact(dtype: str) -> None:
+    """Over 64 tokens, slot checks and row arithmetic run as tensor ops instead of Python."""
+    cache = allocate(make_plan(layout="per_layer/HND", kv_cache_dtype=dtype, num_blocks=40))
+    slots = torch.randperm(160, generator=torch.Generator().manual_seed(5))[:100].tolist()
+    slots[7] = slots[50] = -1
+    check_write_read(cache, slots)
+
+
+@settings(max_examples=30, deadline=None)
+@given(combo=st.sampled_from(COMBOS), data=st.data())
+def test_any_slot_mapping_round_trips(combo: tuple[str, str, str], data: st.DataObject) -> None:
+    backend, layout, dtype = combo
+    cache = allocate(make_plan(backend, layout, kv_cache_dtype=dtype, num_blocks=20))
+    size = data.draw(st.sampled_from([1, 3, 9, 70]))
+    slots = data.draw(st.lists(st.integers(0, 79), min_size=size, max_size=size, unique=True))
+    skipped = data.draw(st.lists(st.integers(0, size - 1), max_size=2))
+    check_write_read(cache, [-1 if i in skipped else s for i, s in enumerate(slots)])
 
 
 @pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8", "auto"])
@@ -216,6 +238,22 @@ def test_rejected_writes_name_the_argument_and_change_no_byte(dtype: str) -> Non
             cache.write(**args)
         assert info.value.diagnostics[0].file == where, (where, override, info.value)
         assert_unchanged(cache, before)
+
+
+@pytest.mark.parametrize("tokens", [3, 100])
+def test_out_of_range_and_repeated_slots_are_refused_on_both_paths(tokens: int) -> None:
+    cache = allocate(make_plan(kv_cache_dtype="int8_per_token_head", num_blocks=40))
+    fill_random(cache)
+    before = snapshot(cache)
+    key, value, slots = make_inputs(cache, list(range(tokens)))
+    for bad, match in ((160, "out of range"), (1, "same slot twice")):
+        wrong = slots.clone()
+        wrong[-1] = bad
+        with pytest.raises(InputError, match=match):
+            cache.write(0, key, value, wrong)
+        assert_unchanged(cache, before)
+    with pytest.raises(InputError, match="slots must be >= 0"):
+        cache.read(0, torch.cat([slots[:-1], torch.tensor([-1])]))
 
 
 def test_bad_reads_are_refused() -> None:
