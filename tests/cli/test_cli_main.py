@@ -14,7 +14,7 @@ import pytest
 from engine.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
-VERBS = ("dry-run", "validate", "test", "schema")
+VERBS = ("dry-run", "validate", "test", "schema", "lint", "diff")
 
 
 def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
