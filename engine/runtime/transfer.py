@@ -52,18 +52,22 @@ def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int], out: torch.
         raise input_error("out", f"`out` is {got}; expected a contiguous CPU uint8 tensor of shape {shape}")
     if n == 0:
         return out
+    # On CUDA, gather into one contiguous device tensor, then one device-to-host copy into
+    # `out`; on the CPU, gather straight into `out` (strided columns for per_layer).
+    stage = torch.empty((n, plan.block_row_bytes), dtype=torch.uint8, device=cache.device) if on_cuda else out
     col = 0
     with torch.no_grad():
         for tv in plan.transfer:
             rows, word = _rows(cache, tv)
             width = math.prod(tv.shape[1:])
-            dst = out.view(n, plan.block_row_bytes)[:, col : col + width].view(word).view(n, *rows.shape[1:])
-            if on_cuda:  # gather on the device, then one device-to-host copy per transfer view
-                dst.copy_(rows.index_select(0, ids), non_blocking=out.is_pinned())
-            else:  # gather straight into the (strided) destination
+            dst = stage.view(n, plan.block_row_bytes)[:, col : col + width].view(word).view(n, *rows.shape[1:])
+            if on_cuda:
+                dst.copy_(rows.index_select(0, ids))
+            else:
                 torch.index_select(rows, 0, ids, out=dst)
             col += width
         if on_cuda:
+            out.copy_(stage.view(out.shape), non_blocking=out.is_pinned())
             torch.cuda.current_stream(cache.device).synchronize()
     # INVARIANT: the rows of a transfer cover a block's L pages exactly, padding and scales included.
     assert col == plan.block_row_bytes
@@ -93,7 +97,7 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
     if n == 0:
         return
     with torch.no_grad():
-        src = data.to(cache.device, non_blocking=data.is_pinned()).contiguous().view(n, plan.block_row_bytes)
+        src = data.to(cache.device).contiguous().view(n, plan.block_row_bytes)  # blocking: `data` may be reused
         col = 0
         for tv in plan.transfer:
             rows, word = _rows(cache, tv)

@@ -179,3 +179,11 @@ def test_unknown_devices_are_refused(device: object) -> None:
 def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     with pytest.raises(InputError, match="CUDA is not available"):
         allocate(make_plan(), "cuda")
+
+
+def test_the_public_surface_is_explicit() -> None:
+    import engine.plan
+    import engine.runtime
+
+    assert sorted(engine.runtime.__all__) == ["KVCache", "allocate", "decode_cells", "encode_cells"]
+    assert {"LayoutPlan", "plan_layout", "naive_scale_view", "transfer_format"} <= set(engine.plan.__all__)
