@@ -6,16 +6,17 @@ reference can reproduce it (tests/engine/runtime/test_reference.py):
 
 - ``x`` is the input cast to fp32 (exact from bf16/fp16).
 - Per-token-head, ``qmax`` = 448 (fp8 e4m3), 127 (int8), 7 (int4):
-  ``amax = max|x|`` over the head (exact); ``scale = amax / qmax``, one
-  correctly rounded fp32 division; ``scale = 1.0`` where that is 0 (a zero
-  head, or an amax so small the division underflows), so a zero head
-  stores zeros and dequantizes to exact zeros, never NaN.
-  ``y = x / scale``, one correctly rounded fp32 division per value. Then
-  fp8: clamp ``y`` to [-448, 448] and round to e4m3fn, nearest-even;
-  int8: round half to even, clamp to [-127, 127];
-  int4: round half to even, clamp to [-7, 7] (|y| <= 7 up to rounding, so -8
-  never appears), two values a byte: even index in the low nibble, two's
-  complement nibbles.
+  ``amax = max|x|`` over the head (exact); ``scale = max(amax / qmax, 2**-126)``,
+  one correctly rounded fp32 division floored at the smallest normal fp32,
+  so a scale is never zero or subnormal: a zero head stores zeros and
+  dequantizes to exact zeros, never NaN.
+  ``y = x / scale``, one correctly rounded fp32 division per value. Since
+  the scale is normal, ``|y| <= qmax * (1 + 2**-23)``, which rounds to at
+  most ``qmax``: the clamps to [-qmax, qmax] are no-ops and are not run.
+  fp8: round ``y`` to e4m3fn, nearest-even (448 is its largest finite);
+  int8: round half to even, to [-127, 127];
+  int4: round half to even, to [-7, 7] (-8 never appears), two values a
+  byte: even index in the low nibble, two's complement nibbles.
   The cell is the codes then the fp32 scale's 4 native (little-endian) bytes.
 - ``fp8_per_tensor``: ``y = x / s`` with the layer's K or V scale ``s``,
   clamped to the fp8 format's finite range (vLLM saturates), then rounded.
@@ -43,6 +44,7 @@ QMAX: dict[QuantMode, float] = {
     QuantMode.int4_per_token_head: 7.0,
 }
 _SCALE_BYTES = 4
+_MIN_NORMAL = 2.0**-126  # the smallest normal fp32: the floor of every per-token-head scale
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -89,16 +91,15 @@ def encode_cells(
         return out
     qmax = QMAX[mode]
     scale = torch.maximum(y.amax(-1, keepdim=True), y.amin(-1, keepdim=True).neg_())  # max |x|, no temporary
-    scale.div_(_divisor(qmax, scale.device))
-    scale.masked_fill_(scale == 0, 1.0)
+    scale.div_(_divisor(qmax, scale.device)).clamp_min_(_MIN_NORMAL)
     y.div_(scale)
     codes = out[..., :packed]
     if mode is QuantMode.fp8_per_token_head:
-        codes.view(torch.float8_e4m3fn).copy_(y.clamp_(-qmax, qmax))
+        codes.view(torch.float8_e4m3fn).copy_(y)
     elif mode is QuantMode.int8_per_token_head:
-        codes.view(torch.int8).copy_(y.round_().clamp_(-qmax, qmax))
+        codes.view(torch.int8).copy_(y.round_())
     else:
-        q = y.round_().clamp_(-qmax, qmax).to(torch.int8)
+        q = y.round_().to(torch.int8)
         torch.bitwise_or(q[..., 0::2] & 0x0F, q[..., 1::2] << 4, out=codes.view(torch.int8))
     out[..., packed:].copy_(scale.view(torch.uint8))
     return out

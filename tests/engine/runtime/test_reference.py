@@ -24,6 +24,7 @@ from policy.quant import QuantMode
 QMAX = {"fp8_per_token_head": 448.0, "int8_per_token_head": 127.0, "int4_per_token_head": 7.0}
 # (mantissa bits, exponent bias, largest finite) of the two fp8 formats
 FP8 = {"float8_e4m3fn": (3, 7, 448.0), "float8_e5m2": (2, 15, 57344.0)}
+MIN_NORMAL = 2.0**-126  # the floor of per-token-head scales
 
 
 def f32(x: float) -> float:
@@ -75,10 +76,8 @@ def encode_ref(values: list[float], mode: str, cache_dtype: str, tensor_scale: f
         fmax, s = FP8[cache_dtype][2], f32(tensor_scale)  # the cache keeps scales as fp32
         return bytes(fp8_byte(min(max(f32(v / s), -fmax), fmax), cache_dtype) for v in values)
     qmax = QMAX[mode]
-    scale = f32(max(abs(v) for v in values) / qmax)
-    if scale == 0:
-        scale = 1.0
-    ys = [f32(v / scale) for v in values]
+    scale = max(f32(max(abs(v) for v in values) / qmax), MIN_NORMAL)
+    ys = [f32(v / scale) for v in values]  # |y| <= qmax * (1 + 2**-23): the clamps below never bite
     if mode == "fp8_per_token_head":
         data = bytes(fp8_byte(min(max(y, -qmax), qmax), "float8_e4m3fn") for y in ys)
     else:
@@ -145,7 +144,7 @@ def test_int8_reference_rounds_half_to_even_and_stores_the_scale_last() -> None:
     values = [127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -127.0, 0.0]
     cell = encode_ref(values, "int8_per_token_head", "uint8")
     assert list(cell[:8]) == [127, 2, 256 - 4, 0, 0, 2, 256 - 127, 0]
-    assert struct.unpack("<f", cell[8:]) == (1.0,)
+    assert struct.unpack("<f", cell[8:]) == (1.0,)  # amax 127 / 127
 
 
 def test_int4_reference_packs_even_index_in_the_low_nibble() -> None:
@@ -154,10 +153,10 @@ def test_int4_reference_packs_even_index_in_the_low_nibble() -> None:
     assert decode_ref(cell, "int4_per_token_head", "uint8", 4) == [7.0, -7.0, 2.0, -1.0]
 
 
-def test_zero_head_stores_scale_one_and_decodes_to_zeros() -> None:
+def test_zero_head_stores_the_floor_scale_and_decodes_to_zeros() -> None:
     for mode in QMAX:
         cell = encode_ref([0.0] * 8, mode, "uint8")
-        assert struct.unpack("<f", cell[-4:]) == (1.0,)
+        assert struct.unpack("<f", cell[-4:]) == (MIN_NORMAL,)
         assert decode_ref(cell, mode, "uint8", 8) == [0.0] * 8
 
 
