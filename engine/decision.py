@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.counterfactual import counterfactuals, describe
 from engine.decide import Outcome, evaluate, scopes_for
@@ -26,6 +26,9 @@ from engine.trace import (
 from policy.context import MISSING, Context
 from policy.layouts import Layout
 from policy.ruleset import RuleSet
+
+if TYPE_CHECKING:
+    from engine.fingerprint import LayoutFingerprint
 
 __all__ = ["Decision"]
 
@@ -64,6 +67,13 @@ class Decision:
         """For each losing layout, the smallest input change that makes it win."""
         glob, conn = scopes_for(self.ruleset, self.context)
         return counterfactuals(self.ruleset, glob, conn, self.ruleset.layout_order.index(self.layout))
+
+    @cached_property
+    def fingerprint(self) -> LayoutFingerprint:
+        """What every rank and transfer peer must agree on (docs/fingerprint.md)."""
+        from engine.fingerprint import fingerprint
+
+        return fingerprint(self)
 
     @property
     def rule_results(self) -> tuple[RuleEvaluated, ...]:
@@ -120,6 +130,7 @@ class Decision:
                      for c in cf.changes]}
                 for cf in self.counterfactuals
             ] if counterfactual else [],
+            "fingerprint": {"digest": self.fingerprint.digest, **self.fingerprint.to_dict()},
             "ruleset": {"root": self.ruleset.root, "digest": self.ruleset.digest},
             "inputs": self.context.model_dump(mode="json", exclude_none=True),
         }

@@ -95,5 +95,6 @@ def render_text(decision: Decision, mode: str = "full") -> str:
             for leaf in e.leaves:
                 out.append(f"        {leaf.describe()}")
         out.append("")
+    out.append(f"layout fingerprint: {decision.fingerprint.digest[:23]}... (what ranks and peers must agree on)")
     out.append(f"rule set: {decision.ruleset.root} ({decision.ruleset.digest[:23]}...)")
     return "\n".join(out)
