@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +40,7 @@ from policy.errors import Diagnostic, GeometryError, InputError, ModelConfigErro
 from policy.layouts import Layout, LayoutPattern
 from policy.ruleset import CompiledRule, RuleSet
 from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
+from policy.validate import located_validation_errors
 from policy.yaml_source import Located, parse_yaml
 
 __all__ = [
@@ -59,7 +60,6 @@ __all__ = [
     "error_codes",
     "groups_from_data",
     "load_cases",
-    "located_validation_errors",
     "run_case",
     "run_policy_tests",
 ]
@@ -206,19 +206,6 @@ _KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _walk_loc(data: Any, loc: Sequence[Any]) -> tuple[Any, ...]:
-    """Map a pydantic error location onto the longest matching path in ``data``."""
-    path: list[Any] = []
-    for part in loc:
-        if isinstance(data, dict) and part in data:
-            data = data[part]
-            path.append(part)
-        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
-            data = data[part]
-            path.append(part)
-    return tuple(path)
-
-
 def _keys_at(path: tuple[Any, ...]) -> tuple[str, ...]:
     if not path:
         return _KEYS["file"]
@@ -226,37 +213,6 @@ def _keys_at(path: tuple[Any, ...]) -> tuple[str, ...]:
     if isinstance(last, int) and len(path) >= 2:
         return {"cases": _KEYS["case"], "groups": _KEYS["group"]}.get(path[-2], ())
     return {"input": _KEYS["input"], "expect": _KEYS["expect"], "layout": _KEYS["pattern"]}.get(last, ())
-
-
-def located_validation_errors(
-    src: Located, base: tuple[Any, ...], data: Any, exc: ValidationError,
-    *, valid_keys: Callable[[tuple[Any, ...]], tuple[str, ...]] = _keys_at,
-) -> list[Diagnostic]:
-    """Turn a pydantic error into located diagnostics (unknown keys get "did you mean").
-
-    ``valid_keys(path)`` names the keys allowed in the mapping at ``path`` (default: a case file's).
-    """
-    diags = []
-    for err in exc.errors():
-        path = (*base, *_walk_loc(data, err["loc"]))
-        kind = err["type"]
-        if kind == "extra_forbidden":
-            key = str(err["loc"][-1])
-            valid = valid_keys(path[:-1])
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = (f"did you mean `{close[0]}`? " if close else "") + (
-                f"valid keys here: {', '.join(valid)}" if valid else "")
-            diags.append(src.diag(path, "unknown-key", f"unknown key `{key}`", hint or None, key=True))
-        elif kind == "missing":
-            diags.append(src.diag(path, "missing-key", f"missing required key `{err['loc'][-1]}`"))
-        else:
-            msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "expected")
-            msg = msg[:1].lower() + msg[1:]
-            shown = err.get("input")
-            if kind != "value_error" and isinstance(shown, (str, int, float, bool)):
-                msg += f", got `{shown}`"
-            diags.append(src.diag(path, "invalid-value", msg))
-    return diags
 
 
 @dataclass(frozen=True)
@@ -332,7 +288,7 @@ def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic]]:
     try:
         model = CaseFile.model_validate(src.data)
     except ValidationError as exc:
-        return [], located_validation_errors(src, (), src.data, exc)
+        return [], located_validation_errors(src, (), src.data, exc, valid_keys=_keys_at)
     seen: dict[str, int] = {}
     for i, case in enumerate(model.cases):
         if case.name in seen:

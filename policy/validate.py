@@ -7,6 +7,7 @@ here raises for a user's mistake. Evaluation assumes validated input.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,7 +19,7 @@ from policy.layouts import ALL_LAYOUTS, Layout, LayoutPattern
 from policy.rule_model import OPERATORS, AllOf, AnyOf, Condition, Defaults, Leaf, NotOf, Rule, RuleFile
 from policy.yaml_source import Located, Path
 
-__all__ = ["validate_file"]
+__all__ = ["located_validation_errors", "validate_file", "walk_loc"]
 
 _NUMERIC_OPS = {"lt", "le", "gt", "ge"}
 _LIST_OPS = {"in", "not_in"}
@@ -33,8 +34,8 @@ _KNOWN_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _walk_loc(data: Any, loc: tuple[Any, ...]) -> Path:
-    """Map a pydantic error location (with union tags) onto a path in ``data``."""
+def walk_loc(data: Any, loc: tuple[Any, ...]) -> Path:
+    """Map a pydantic error location (with union tags) onto the longest matching path in ``data``."""
     path: list[Any] = []
     for part in loc:
         if isinstance(data, dict) and part in data:
@@ -61,32 +62,36 @@ def _context_keys(path: Path) -> tuple[str, ...]:
     return ()
 
 
-def _pydantic_diags(src: Located, base: Path, data: Any, exc: ValidationError) -> list[Diagnostic]:
+def located_validation_errors(
+    src: Located, base: Path, data: Any, exc: ValidationError,
+    *, valid_keys: Callable[[Path], tuple[str, ...]] = _context_keys,
+) -> list[Diagnostic]:
+    """Turn a pydantic `ValidationError` on ``data`` (found at ``base`` in ``src``) into
+    located diagnostics, one per value; unknown keys get "did you mean" from ``valid_keys(path)``,
+    the keys allowed in the mapping at ``path`` (default: a rule file's)."""
     diags = []
     seen: set[Path] = set()
     for err in exc.errors():
-        rel = _walk_loc(data, err["loc"])
-        path = (*base, *rel)
+        path = (*base, *walk_loc(data, err["loc"]))
         kind = err["type"]
         if path in seen and kind != "extra_forbidden":
             continue  # one message per value: a union (`int | float`) reports each branch
         seen.add(path)
         if kind == "extra_forbidden":
             key = str(err["loc"][-1])
-            valid = _context_keys(path[:-1])
+            valid = valid_keys(path[:-1])
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f"did you mean `{close[0]}`? " if close else ""
             diags.append(src.diag(path, "unknown-key", f"unknown key `{key}`",
                                   f"{hint}valid keys here: {', '.join(valid)}" if valid else None, key=True))
         elif kind == "missing":
-            key = err["loc"][-1]
-            diags.append(src.diag(path, "missing-key", f"missing required key `{key}`"))
+            diags.append(src.diag(path, "missing-key", f"missing required key `{err['loc'][-1]}`"))
         elif kind == "string_type" and isinstance(err.get("input"), bool):
             shown = str(err["input"]).lower()
             diags.append(src.diag(path, "invalid-value", f"expected a string, got boolean `{shown}`",
                                   "YAML reads yes/no/on/off/true/false as booleans: quote the value"))
         elif kind == "string_pattern_mismatch":
-            diags.append(src.diag(path, "invalid-id", f"rule id `{err['input']}` is not a valid id",
+            diags.append(src.diag(path, "invalid-id", f"`{err['input']}` is not a valid id",
                                   "use lowercase letters, digits, `.`, `_` and `-`, starting with a letter or digit"))
         else:
             msg = err["msg"].removeprefix("Value error, ")
@@ -185,7 +190,7 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
     try:
         header = RuleFile.model_validate({**header_data, "rules": []})
     except ValidationError as exc:
-        diags += _pydantic_diags(src, (), header_data, exc)
+        diags += located_validation_errors(src, (), header_data, exc)
     if not isinstance(rules_data, list):
         diags.append(src.diag(("rules",), "invalid-value", "`rules` must be a list of rules"))
         rules_data = []
@@ -231,7 +236,7 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
         try:
             rule = Rule.model_validate(rule_data)
         except ValidationError as exc:
-            diags += _pydantic_diags(src, ("rules", i), rule_data, exc)
+            diags += located_validation_errors(src, ("rules", i), rule_data, exc)
             continue
         if rule.when is not None:
             _check_condition(src, ("rules", i, "when"), rule.when, diags)

@@ -148,7 +148,8 @@ def _layout(text: str) -> Layout:
 
 
 def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: ValidationError) -> list[Diagnostic]:
-    from engine.policy_tests import GroupInput, located_validation_errors
+    from engine.policy_tests import GroupInput
+    from policy.validate import located_validation_errors
 
     def keys(path: tuple[Any, ...]) -> tuple[str, ...]:
         return tuple(GroupInput.model_fields if path and isinstance(path[-1], int) else KVCacheSpec.model_fields)
