@@ -12,9 +12,9 @@ Deciding never imports torch; `build` does, lazily.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,7 +41,11 @@ def shipped_rules_dir() -> Path:
     here = Path(__file__).resolve().parent.parent / "rules"
     if (here / "global.yaml").is_file():
         return here
-    return Path(str(resources.files("kvpolicy_rules")))
+    # installed from a wheel: package data `kvpolicy_rules`, a namespace package (no __init__.py)
+    spec = importlib.util.find_spec("kvpolicy_rules")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return here  # not found: the loader reports the missing directory
 
 
 FALLBACK_RULES = """\
