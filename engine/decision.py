@@ -30,7 +30,11 @@ from policy.ruleset import RuleSet
 if TYPE_CHECKING:
     from engine.fingerprint import LayoutFingerprint
 
-__all__ = ["Decision"]
+__all__ = ["JSON_FORMAT_VERSION", "Decision"]
+
+# The version of the JSON contract (docs/json-output.md). Adding a key keeps it;
+# renaming, removing or changing the meaning of one bumps it.
+JSON_FORMAT_VERSION = 1
 
 
 class Decision:
@@ -104,6 +108,7 @@ class Decision:
         """The JSON contract (docs/json-output.md)."""
         chosen = next((e for e in self.events if isinstance(e, LayoutChosen)), None)
         return {
+            "format_version": JSON_FORMAT_VERSION,
             "layout": {"placement": self.layout.placement.value, "head_order": self.layout.head_order.value,
                        "name": str(self.layout)},
             "score": self.score,
