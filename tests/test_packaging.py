@@ -29,13 +29,22 @@ def test_wheel_ships_every_rule_file(wheel: Path) -> None:
         assert "kvpolicy_rules/" + str(path.relative_to(ROOT / "rules")) in names, path
 
 
+def test_wheel_ships_every_python_package(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for init in [*ROOT.glob("policy/**/__init__.py"), *ROOT.glob("engine/**/__init__.py")]:
+        package = init.parent.relative_to(ROOT)
+        for module in init.parent.glob("*.py"):
+            assert str(package / module.name) in names, f"{package / module.name} is missing from the wheel"
+
+
 def test_installed_package_validates_and_tests_its_rules(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
     env = {**os.environ, "PYTHONPATH": str(target)}
     run = [sys.executable, "-m", "engine.cli.main"]
     for argv, expect in ((["validate"], "ok: 11 rules in 6 files"), (["test"], "0 failed"),
-                         (["dry-run", "--explain", "notes"], "layout: per_layer/NHD")):
+                         (["dry-run", "--explain", "notes"], "layout: per_layer/NHD"),
+                         (["lint"], "0 error(s)")):
         proc = subprocess.run(run + argv, capture_output=True, text=True, cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr
         assert expect in proc.stdout
