@@ -22,10 +22,11 @@ Conditions are a tree of ``all`` / ``any`` / ``not`` over leaves
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, model_validator
 
 from policy.layouts import LayoutPattern
 from policy.spec import Frozen
@@ -45,6 +46,8 @@ __all__ = [
 ]
 
 Scalar = str | bool | int | float | None
+# Strict: YAML `"30"` or `true` where a number belongs is an error, not silently 30 or 1.
+Number = StrictInt | StrictFloat
 
 # op -> what its operand is (the docs and the validator read this table)
 OPERATORS: dict[str, str] = {
@@ -58,6 +61,10 @@ OPERATORS: dict[str, str] = {
     "ge": "the field is a number greater than or equal to the value",
     "exists": "`true`: the field has a value here; `false`: it is absent",
 }
+
+
+_OPERAND = {"in": "a list of values", "not_in": "a list of values", "lt": "a number", "le": "a number",
+            "gt": "a number", "ge": "a number", "exists": "`true` or `false`"}
 
 
 class Effect(str, Enum):
@@ -74,11 +81,11 @@ class Leaf(Frozen):
     ne: Scalar = None
     in_: list[Scalar] | None = Field(default=None, alias="in")
     not_in: list[Scalar] | None = None
-    lt: int | float | None = None
-    le: int | float | None = None
-    gt: int | float | None = None
-    ge: int | float | None = None
-    exists: bool | None = None
+    lt: Number | None = None
+    le: Number | None = None
+    gt: Number | None = None
+    ge: Number | None = None
+    exists: StrictBool | None = None
 
     model_config = Frozen.model_config | {"populate_by_name": True}
 
@@ -92,6 +99,15 @@ class Leaf(Frozen):
                 raise ValueError(
                     f"a leaf needs exactly one operator, found {found}; operators: {', '.join(OPERATORS)}"
                 )
+            op, value = ops[0], data[ops[0]]
+            # INVARIANT: after validation only `eq`/`ne` may hold null (and validate.py rejects it
+            # there with a hint); None elsewhere would be read as "operator not given".
+            if value is None and op not in ("eq", "ne"):
+                raise ValueError(f"`{op}` needs {_OPERAND[op]}, got null")
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, float) and not math.isfinite(item):
+                    raise ValueError(f"`{op}` compares with `{item}`, which no field value ever equals or orders "
+                                     "against; use a finite number")
         return data
 
     @property
@@ -155,7 +171,7 @@ class Rule(Frozen):
     forbid: LayoutPattern | None = Field(default=None, description="remove the layouts the pattern matches")
     require: LayoutPattern | None = Field(default=None, description="remove the layouts the pattern does not match")
     prefer: LayoutPattern | None = Field(default=None, description="add `weight` to the layouts the pattern matches")
-    weight: int | None = Field(default=None, ge=1, le=1000, description="with `prefer` only; default 1")
+    weight: StrictInt | None = Field(default=None, ge=1, le=1000, description="with `prefer` only; default 1")
 
     @model_validator(mode="after")
     def _one_effect(self) -> Rule:

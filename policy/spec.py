@@ -15,7 +15,7 @@ from enum import Enum
 from functools import cached_property
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from policy.errors import Diagnostic, InputError
 from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
@@ -63,14 +63,14 @@ class KVCacheSpec(Frozen):
     """One KV cache group's per-layer geometry."""
 
     kind: AttentionKind = AttentionKind.full
-    num_layers: int = Field(gt=0, description="attention layers sharing this spec")
-    block_size: int = Field(gt=0, description="tokens per block (N)")
-    num_kv_heads: int = Field(gt=0, description="KV heads per layer on this rank (H); 1 for MLA")
-    head_size: int = Field(gt=0, description="values per head (D); the latent width for MLA")
+    num_layers: StrictInt = Field(gt=0, description="attention layers sharing this spec")
+    block_size: StrictInt = Field(gt=0, description="tokens per block (N)")
+    num_kv_heads: StrictInt = Field(gt=0, description="KV heads per layer on this rank (H); 1 for MLA")
+    head_size: StrictInt = Field(gt=0, description="values per head (D); the latent width for MLA")
     dtype: ModelDtype = ModelDtype.bfloat16
     kv_cache_dtype: str = "auto"
-    sliding_window: int | None = Field(default=None, gt=0)
-    page_size_padded: int | None = Field(
+    sliding_window: StrictInt | None = Field(default=None, gt=0)
+    page_size_padded: StrictInt | None = Field(
         default=None, gt=0, description="padded page size in bytes; wins over the computed one"
     )
 
@@ -152,7 +152,7 @@ class KVCacheGroup(Frozen):
     """Layers that share one spec and one block table (vLLM's KV cache group)."""
 
     spec: KVCacheSpec
-    num_attention_groups: int = Field(default=1, ge=1, description="attention backends in this group")
+    num_attention_groups: StrictInt = Field(default=1, ge=1, description="attention backends in this group")
 
 
 class KVCacheGroups(Frozen):

@@ -102,7 +102,7 @@ def located_validation_errors(
                     else "invalid-value")
             shown = err.get("input")
             if kind not in ("condition", "value_error") and isinstance(shown, (str, int, float, bool)):
-                msg += f", got `{shown}`"
+                msg += f", got {_type_name(shown)} `{str(shown).lower() if isinstance(shown, bool) else shown}`"
             diags.append(src.diag(path, code, msg))
     return diags
 

@@ -58,7 +58,7 @@ def test_valid_file_loads() -> None:
         ("unknown enum value in a list", "when: {field: kv.kind, in: [full, mlaa]}\nforbid: {placement: cross_layer}\n",
          "type-mismatch", "`mlaa` is not a value of `kv.kind`", (5, 39)),
         ("unknown layout value", "forbid: {placement: cross_layers}\n",
-         "invalid-value", "expected 'per_layer' or 'cross_layer', got `cross_layers`", (5, 25)),
+         "invalid-value", "expected 'per_layer' or 'cross_layer', got string `cross_layers`", (5, 25)),
         ("numeric op on a string field", "when: {field: backend.name, lt: 3}\nforbid: {placement: cross_layer}\n",
          "bad-operator", "`lt` needs a numeric field", (5, 37)),
         ("two operators", "when: {field: kv.kind, eq: mla, ne: full}\nforbid: {placement: cross_layer}\n",
@@ -210,3 +210,27 @@ def test_digest_ignores_file_order_and_comments() -> None:
     b = {"x.yaml": rule("prefer: {placement: per_layer}\n", "b"),
          "y.yaml": rule("forbid: {placement: cross_layer}\n", "a")}
     assert load_rules_from_texts(a).digest == load_rules_from_texts(b).digest
+
+
+@pytest.mark.parametrize(("operand", "message"), [
+    ("in: null", "`in` needs a list of values, got null"),
+    ("not_in: null", "`not_in` needs a list of values, got null"),
+    ("lt: null", "`lt` needs a number, got null"),
+    ("exists: null", "`exists` needs `true` or `false`, got null"),
+    ("eq: .nan", "`eq` compares with `nan`"),
+    ('lt: "30"', "expected a valid integer, got string `30`"),
+    ("lt: true", "expected a valid integer, got boolean `true`"),
+    ("exists: 1", "expected a valid boolean, got integer `1`"),
+])
+def test_null_nan_and_coercible_operands_are_errors(operand: str, message: str) -> None:
+    """YAML `null`, NaN, a quoted number or a boolean where a number belongs never load silently
+    (they once crashed evaluation or were coerced to 30 / 1)."""
+    d = only(rule(f"when: {{field: kv.num_layers, {operand}}}\nforbid: {{placement: cross_layer}}\n"))
+    assert message in d.message, d.render()
+    assert d.line == 5
+
+
+@pytest.mark.parametrize("weight", ['"5"', "true", "5.0"])
+def test_prefer_weight_must_be_an_integer(weight: str) -> None:
+    d = only(rule(f"prefer: {{placement: cross_layer}}\nweight: {weight}\n"))
+    assert (d.code, d.line) == ("invalid-value", 6)
