@@ -19,7 +19,8 @@ from engine.plan import LayoutPlan, transfer_format
 from engine.runtime import transfer
 from engine.runtime.cells import CellRows
 from engine.runtime.checks import check_device, check_layer, check_slots, check_values
-from engine.runtime.quantize import decode_cells, encode_cells, torch_dtype
+from engine.runtime.quantize import decode_cells, encode_chunks, torch_dtype
+from engine.runtime.scratch import Scratch
 from policy.errors import Diagnostic, GeometryError, input_error
 from policy.quant import QuantMode
 
@@ -55,7 +56,7 @@ class KVCache:
         self._model_dtype = torch_dtype(spec.dtype.value)
         self._k_scales = [1.0] * spec.num_layers
         self._v_scales = [1.0] * spec.num_layers
-        self._scratch = _Scratch()
+        self._scratch = Scratch(self.device)
 
     def __repr__(self) -> str:
         return (f"KVCache({self.plan.layout}, backend={self.plan.backend.name}, blocks={self.plan.num_blocks}, "
@@ -102,28 +103,58 @@ class KVCache:
         spec = self.plan.spec
         check_layer(layer, self.plan.num_layers)
         key = check_values("key", key, (_len(key), spec.num_kv_heads, spec.head_size), self.device)
-        if spec.kv_factor == 1:
-            if value is not None:
-                raise input_error("value", "an MLA cache stores one latent per token: pass it as `key`",
-                                  "call write(layer, latent, None, slot_mapping)")
-        else:
-            value = check_values("value", value, tuple(key.shape), self.device, like=key)
+        value = self._check_value(value, key)
         slots, skips = check_slots(slot_mapping, key.shape[0], self.num_slots, self.device, allow_negative=True)
+        self._store(layer, layer + 1, [key.unsqueeze(0)] if value is None else [key.unsqueeze(0), value.unsqueeze(0)],
+                    slots, skips)
+
+    def write_layers(self, keys: torch.Tensor, values: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        """Store K and V of every layer, (L, T, H, D), at ``slot_mapping``: one call per decode step.
+
+        The same bytes as ``write(i, keys[i], values[i], slot_mapping)`` for every layer ``i``,
+        with one input check, one encode of all layers and one scatter per buffer (one in all
+        under ``cross_layer``, where every layer shares a buffer). MLA: ``values=None``.
+        """
+        check_device(self.device, "write to")
+        spec = self.plan.spec
+        shape = (self.plan.num_layers, _len(keys, 1), spec.num_kv_heads, spec.head_size)
+        keys = check_values("keys", keys, shape, self.device, dims="(layers, tokens, heads, head_size)")
+        values = self._check_value(values, keys, "values")
+        slots, skips = check_slots(slot_mapping, keys.shape[1], self.num_slots, self.device, allow_negative=True)
+        self._store(0, self.plan.num_layers, [keys] if values is None else [keys, values], slots, skips)
+
+    def _check_value(self, value: object, key: torch.Tensor, name: str = "value") -> torch.Tensor | None:
+        if self.plan.spec.kv_factor == 1:
+            if value is not None:
+                raise input_error(name, "an MLA cache stores one latent per token: pass it as `key`",
+                                  f"call write(layer, latent, None, slot_mapping) or write_layers(latents, None, "
+                                  f"slot_mapping), not with `{name}`")
+            return None
+        dims = "(layers, tokens, heads, head_size)" if key.dim() == 4 else "(tokens, heads, head_size)"
+        return check_values(name, value, tuple(key.shape), self.device, like=key, dims=dims)
+
+    def _store(self, first: int, end: int, parts: list[torch.Tensor], slots: torch.Tensor, skips: bool) -> None:
+        """Encode ``parts`` (layers first..end-1, T, H, D each) and scatter the cells to ``slots``, chunk by chunk.
+
+        Every argument has been checked; nothing below can fail on user input, so the
+        scatter is the first write to the cache (a rejected write changes no byte).
+        """
         if slots.numel() == 0:
             return
-        parts = [key] if value is None else [key, value]
         with torch.no_grad():
             if skips:
                 keep = torch.nonzero(slots >= 0).squeeze(1)
                 if keep.numel() == 0:
                     return
                 slots = slots.index_select(0, keep)
-                parts = [p.index_select(0, keep) for p in parts]
-            # Everything up to here only reads; the one index_copy_ below is the only write.
-            cells = self._encode(layer, parts)
-            index = self.cells.index(layer, slots)
-            rows = self.cells.rows[self.cells.buffer_of(layer)]
-            rows.index_copy_(0, index.view(-1), cells.view(self.cells.word_dtype).view(-1, self.cells.cell_words))
+                parts = [p.index_select(1, keep) for p in parts]
+            rows = self.cells
+            index = rows.index(first, end, slots)  # (layers, kv, T, H)
+            chunks = encode_chunks(parts, self._mode, self._cache_dtype, self._tensor_scales(first, end),
+                                   self._scratch)
+            # INVARIANT: the scatters below are the only writes to the cache.
+            for a, t, cells in chunks:
+                rows.scatter(first + a.start, index[a, :, t] if t.stop - t.start < slots.numel() else index[a], cells)
 
     def read(self, layer: int, slot_mapping: torch.Tensor, dtype: torch.dtype | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,37 +169,22 @@ class KVCache:
             raise input_error("dtype", f"cannot read into `{dtype}`", "use bfloat16, float16 or float32")
         slots, _ = check_slots(slot_mapping, None, self.num_slots, self.device, allow_negative=False)
         with torch.no_grad():
-            index = self.cells.index(layer, slots)
+            index = self.cells.index(layer, layer + 1, slots)
             rows = self.cells.rows[self.cells.buffer_of(layer)]
             cells = rows.index_select(0, index.view(-1)).view(torch.uint8)
             cells = cells.view(spec.kv_factor, slots.numel(), spec.num_kv_heads, spec.cell_bytes)
+            scale = self._tensor_scales(layer, layer + 1)
             out = decode_cells(cells, self._mode, spec.head_size, self._cache_dtype, dtype or self._model_dtype,
-                               self._tensor_scales(layer, cells.device))
+                               None if scale is None else scale.view(-1, 1, 1, 1))
         return (out[0], out[1]) if spec.kv_factor == 2 else (out[0], None)
 
-    def _encode(self, layer: int, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Cells (kv_factor, T, H, cell_bytes) of ``parts``, built in reused scratch tensors.
-
-        K and V are converted into one fp32 work tensor and encoded together:
-        half the operations, which is what a decode-sized write spends its time on.
-        """
-        shape = (len(parts), *parts[0].shape)
-        cells = self._scratch.get("cells", (*shape[:-1], self.plan.spec.cell_bytes), torch.uint8, self.device)
-        if self._mode is QuantMode.none:
-            for i, p in enumerate(parts):
-                cells[i].view(self._cache_dtype).copy_(p)
-            return cells
-        work = self._scratch.get("work", shape, torch.float32, self.device)
-        for i, p in enumerate(parts):
-            work[i].copy_(p)
-        return encode_cells(work, self._mode, self._cache_dtype, self._tensor_scales(layer, self.device),
-                            out=cells, work=work)
-
-    def _tensor_scales(self, layer: int, device: torch.device) -> torch.Tensor | None:
+    def _tensor_scales(self, first: int, end: int) -> torch.Tensor | None:
+        """``fp8_per_tensor``: the K and V scales of layers first..end-1 as (layers, kv_factor, 1, 1, 1)."""
         if self._mode is not QuantMode.fp8_per_tensor:
             return None
-        scales = [self._k_scales[layer], self._v_scales[layer]][: self.plan.spec.kv_factor]
-        return torch.tensor(scales, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+        kv = self.plan.spec.kv_factor
+        scales = [[self._k_scales[i], self._v_scales[i]][:kv] for i in range(first, end)]
+        return torch.tensor(scales, dtype=torch.float32, device=self.device).view(end - first, kv, 1, 1, 1)
 
     # transfers ---------------------------------------------------------------------------------
 
@@ -210,27 +226,8 @@ class KVCache:
                                 [Diagnostic(p.split(":")[0], 0, 0, "plan-mismatch", p) for p in problems])
 
 
-class _Scratch:
-    """Reusable flat tensors, grown on demand: large fresh CPU allocations page-fault on every write.
-
-    Shared by the writes of one cache, so a `KVCache` takes one write at a time
-    (as its buffers do anyway).
-    """
-
-    def __init__(self) -> None:
-        self._flat: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = math.prod(shape)
-        key = (name, dtype, device)
-        flat = self._flat.get(key)
-        if flat is None or flat.numel() < numel:
-            flat = self._flat[key] = torch.empty(numel, dtype=dtype, device=device)
-        return flat[:numel].view(shape)
-
-
-def _len(t: object) -> int:
-    return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() >= 1 else -1
+def _len(t: object, dim: int = 0) -> int:
+    return int(t.shape[dim]) if isinstance(t, torch.Tensor) and t.dim() > dim else -1
 
 
 def _compare(where: str, t: torch.Tensor, raw: torch.Tensor, dtype: str, shape: tuple[int, ...],

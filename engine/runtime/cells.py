@@ -71,30 +71,75 @@ class CellRows:
         self._block_size = spec.block_size
         self._kv_factor = spec.kv_factor
         self._heads = spec.num_kv_heads
-        self._offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._offsets: dict[torch.device, torch.Tensor] = {}
+        # INVARIANT: when every layer has the same block and token strides (every plan today:
+        # layers differ only in buffer and offset), a slot's token row is one number for all layers.
+        self._uniform = len({(lr.block, lr.token) for lr in self._layers}) == 1
+        groups: list[tuple[int, int, int]] = []  # (buffer, first layer, end layer): runs sharing a buffer
+        for i, lr in enumerate(self._layers):
+            if groups and groups[-1][0] == lr.buffer:
+                groups[-1] = (lr.buffer, groups[-1][1], i + 1)
+            else:
+                groups.append((lr.buffer, i, i + 1))
+        self._groups = tuple(groups)
+        self._layer_rows = tuple(self.rows[lr.buffer] for lr in self._layers)
 
     def buffer_of(self, layer: int) -> int:
         return self._layers[layer].buffer
 
-    def index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Row indices (kv_factor, T, H) of the cells of valid ``slots`` (int64, all >= 0) in ``layer``."""
-        lr = self._layers[layer]
+    def groups(self, first: int, end: int) -> list[tuple[int, int, int]]:
+        """(buffer, lo, hi) for layers ``first..end-1``: layers ``first+lo..first+hi-1`` share ``buffer``."""
+        return [(b, max(lo, first) - first, min(hi, end) - first) for b, lo, hi in self._groups
+                if lo < end and hi > first]
+
+    def scatter(self, first: int, index: torch.Tensor, cells: torch.Tensor) -> None:
+        """Write ``cells`` (n, ..., cell_bytes) uint8 to the rows ``index`` (n, ...) of layers ``first..first+n-1``.
+
+        One ``index_copy_`` per buffer the layers share: one in all under cross_layer,
+        one per layer under per_layer.
+        """
+        n = index.shape[0]
+        words = cells.view(self.word_dtype).view(n, -1, self.cell_words)
+        flat = index.reshape(n, -1)
+        groups = self.groups(first, first + n)
+        if len(groups) == 1:
+            self.rows[groups[0][0]].index_copy_(0, flat.view(-1), words.view(-1, self.cell_words))
+        elif len(groups) == n:  # a buffer per layer: unbind makes the n views in one call
+            for rows, i, w in zip(self._layer_rows[first : first + n], flat.unbind(0), words.unbind(0), strict=True):
+                rows.index_copy_(0, i, w)
+        else:
+            for buffer, lo, hi in groups:
+                self.rows[buffer].index_copy_(0, flat[lo:hi].reshape(-1), words[lo:hi].reshape(-1, self.cell_words))
+
+    def index(self, first: int, end: int, slots: torch.Tensor) -> torch.Tensor:
+        """Row indices (layers, kv_factor, T, H) of the cells of valid ``slots`` (int64, all >= 0).
+
+        Layers ``first..end-1``; each index is a row of its layer's buffer.
+        """
+        cell_rows = self._cell_rows(slots.device)[first:end]
+        if self._uniform:
+            return cell_rows + self._token_rows(self._layers[first], slots).view(1, 1, -1, 1)
+        token_rows = torch.stack([self._token_rows(lr, slots) for lr in self._layers[first:end]])
+        return cell_rows + token_rows.view(end - first, 1, -1, 1)
+
+    def _token_rows(self, lr: _LayerRows, slots: torch.Tensor) -> torch.Tensor:
+        """(T,): the row of (kv 0, head 0) of each slot's token, relative to the layer's base."""
         n = self._block_size
         if slots.numel() <= _SMALL:  # decode-sized: the token rows in Python, one tensor op after
             tokens = [(s // n) * lr.block + (s % n) * lr.token for s in slots.tolist()]
-            token_rows = torch.tensor(tokens, dtype=torch.int64).to(slots.device, non_blocking=True)
-        else:
-            block = torch.div(slots, n, rounding_mode="floor")
-            token_rows = block * lr.block + (slots - block * n) * lr.token
-        return token_rows.view(1, -1, 1) + self._cell_rows(layer, slots.device)
+            return torch.tensor(tokens, dtype=torch.int64).to(slots.device, non_blocking=True)
+        block = torch.div(slots, n, rounding_mode="floor")
+        return block * lr.block + (slots - block * n) * lr.token
 
-    def _cell_rows(self, layer: int, device: torch.device) -> torch.Tensor:
-        """(kv_factor, 1, H): the row of each (kv, head) cell of the layer's block 0, token 0."""
-        key = (layer, device)
-        rows = self._offsets.get(key)
+    def _cell_rows(self, device: torch.device) -> torch.Tensor:
+        """(L, kv_factor, 1, H): the row of each (layer, kv, head) cell of block 0, token 0."""
+        rows = self._offsets.get(device)
         if rows is None:
-            lr = self._layers[layer]
-            kv = torch.arange(self._kv_factor, device=device).mul_(lr.kv).view(-1, 1, 1)
-            head = torch.arange(self._heads, device=device).mul_(lr.head).view(1, 1, -1)
-            rows = self._offsets[key] = kv + head + lr.base
+            kv = torch.arange(self._kv_factor, device=device).view(1, -1, 1, 1)
+            head = torch.arange(self._heads, device=device).view(1, 1, 1, -1)
+
+            def col(field: str) -> torch.Tensor:
+                return torch.tensor([getattr(lr, field) for lr in self._layers], device=device).view(-1, 1, 1, 1)
+
+            rows = self._offsets[device] = col("base") + kv * col("kv") + head * col("head")
         return rows

@@ -33,15 +33,16 @@ def check_layer(layer: object, num_layers: int) -> int:
 
 
 def check_values(
-    name: str, t: object, shape: tuple[int, ...], device: torch.device, like: torch.Tensor | None = None
+    name: str, t: object, shape: tuple[int, ...], device: torch.device, like: torch.Tensor | None = None,
+    dims: str = "(tokens, heads, head_size)",
 ) -> torch.Tensor:
-    """``t`` is a (T, H, D) bf16/fp16/fp32 tensor on ``device`` (and matches ``like`` if given)."""
+    """``t`` is a bf16/fp16/fp32 tensor of ``shape`` (named by ``dims``) on ``device``, of ``like``'s dtype if given."""
     if not isinstance(t, torch.Tensor):
         raise input_error(name, f"`{name}` must be a torch.Tensor, got `{type(t).__name__}`")
     if t.dtype not in VALUE_DTYPES:
         raise input_error(name, f"`{name}` has dtype `{t.dtype}`", "pass bfloat16, float16 or float32 values")
     if tuple(t.shape) != shape:
-        raise input_error(name, f"`{name}` has shape `{tuple(t.shape)}`, expected `{shape}` (tokens, heads, head_size)")
+        raise input_error(name, f"`{name}` has shape `{tuple(t.shape)}`, expected `{shape}` {dims}")
     if t.device != device:
         raise input_error(name, f"`{name}` is on `{t.device}` but the cache is on `{device}`",
                           "move it to the cache's device first")

@@ -32,11 +32,16 @@ reciprocal, which is not the same rounding.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator, Sequence
+
 import torch
 
+from engine.runtime.scratch import Scratch
 from policy.quant import QuantMode
 
-__all__ = ["QMAX", "decode_cells", "encode_cells", "torch_dtype"]
+__all__ = ["CHUNK_VALUES", "QMAX", "cell_bytes", "decode_cells", "encode_cells", "encode_chunks",
+           "torch_dtype"]
 
 QMAX: dict[QuantMode, float] = {
     QuantMode.fp8_per_token_head: 448.0,
@@ -45,6 +50,10 @@ QMAX: dict[QuantMode, float] = {
 }
 _SCALE_BYTES = 4
 _MIN_NORMAL = 2.0**-126  # the smallest normal fp32: the floor of every per-token-head scale
+# the fp32 bits of qmax * 2**-126, the floor of max|x| (see `_Chunk.encode`)
+_FLOOR_BITS: dict[QuantMode, int] = {
+    mode: int(torch.tensor(qmax * _MIN_NORMAL, dtype=torch.float32).view(torch.int32)) for mode, qmax in QMAX.items()
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -55,6 +64,10 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+CHUNK_VALUES = 1 << 19
+"""Values encoded per pass: the fp32 work tensor (2 MiB) stays in a core's L2 cache and scratch stays small."""
+
+
 def encode_cells(
     x: torch.Tensor,
     mode: QuantMode,
@@ -62,47 +75,142 @@ def encode_cells(
     tensor_scale: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
-    work: torch.Tensor | None = None,
+    scratch: Scratch | None = None,
 ) -> torch.Tensor:
     """Encode ``x`` (..., D), any float dtype, into uint8 cells (..., cell_bytes).
 
-    ``out`` receives the cells and ``work`` (fp32, shaped like ``x``) is
-    scratch; both are allocated when not given, and ``x`` is only modified
-    when it is ``work`` itself. Reusing them across calls spares the CPU
-    allocator's page faults, which cost more than the arithmetic.
-    ``tensor_scale`` broadcasts against ``x`` and is required for
-    ``fp8_per_tensor``.
+    ``out`` receives the cells and is allocated when not given; ``x`` is never
+    modified. ``tensor_scale`` is a scalar tensor, required for
+    ``fp8_per_tensor``. `encode_chunks` is the same encoding for several inputs
+    at once; ``scratch`` is reused across calls when given.
     """
-    packed = x.shape[-1] // 2 if mode is QuantMode.int4_per_token_head else x.shape[-1]
-    data_bytes = packed if mode.is_per_token_head else x.shape[-1] * cache_dtype.itemsize
-    cell_bytes = data_bytes + (_SCALE_BYTES if mode.is_per_token_head else 0)
+    head = x.shape[-1]
+    cell = cell_bytes(mode, head, cache_dtype)
     if out is None:
-        out = torch.empty((*x.shape[:-1], cell_bytes), dtype=torch.uint8, device=x.device)
-    if mode is QuantMode.none:
-        out.view(cache_dtype).copy_(x)
-        return out
-    if work is None:
-        work = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    y = work if work is x else work.copy_(x)
-    if mode is QuantMode.fp8_per_tensor:
-        assert tensor_scale is not None
-        fmax = torch.finfo(cache_dtype).max
-        out.view(cache_dtype).copy_(y.div_(tensor_scale).clamp_(-fmax, fmax))
-        return out
-    qmax = QMAX[mode]
-    scale = torch.maximum(y.amax(-1, keepdim=True), y.amin(-1, keepdim=True).neg_())  # max |x|, no temporary
-    scale.div_(_divisor(qmax, scale.device)).clamp_min_(_MIN_NORMAL)
-    y.div_(scale)
-    codes = out[..., :packed]
-    if mode is QuantMode.fp8_per_token_head:
-        codes.view(torch.float8_e4m3fn).copy_(y)
-    elif mode is QuantMode.int8_per_token_head:
-        codes.view(torch.int8).copy_(y.round_())
-    else:
-        q = y.round_().to(torch.int8)
-        torch.bitwise_or(q[..., 0::2] & 0x0F, q[..., 1::2] << 4, out=codes.view(torch.int8))
-    out[..., packed:].copy_(scale.view(torch.uint8))
+        out = torch.empty((*x.shape[:-1], cell), dtype=torch.uint8, device=x.device)
+    flat = out.view(-1, cell)
+    if tensor_scale is not None:
+        tensor_scale = tensor_scale.reshape(1, 1, 1, 1)
+    chunks = encode_chunks([x.reshape(1, -1, head)], mode, cache_dtype, tensor_scale, scratch or Scratch(x.device))
+    for _, t, cells in chunks:
+        flat[t].copy_(cells.view(-1, cell))
     return out
+
+
+def cell_bytes(mode: QuantMode, head_size: int, cache_dtype: torch.dtype) -> int:
+    """Bytes of one cell: the codes, then the fp32 scale for per-token-head modes."""
+    if mode.is_per_token_head:
+        return mode.packed_head_size(head_size) + _SCALE_BYTES
+    return head_size * cache_dtype.itemsize
+
+
+def encode_chunks(
+    parts: Sequence[torch.Tensor],
+    mode: QuantMode,
+    cache_dtype: torch.dtype,
+    tensor_scale: torch.Tensor | None,
+    scratch: Scratch,
+) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+    """Encode ``parts`` (P tensors (A, T, ..., D)) a chunk at a time: yield ``(a, t, cells)``.
+
+    ``cells`` (len(a), P, len(t), ..., cell_bytes) uint8 holds the cells of
+    ``parts[p][a, t]`` at ``[:, p]``; it is scratch, overwritten by the next chunk.
+    K and V (and every layer, for a whole-model write) go through one fp32 work
+    tensor together: a decode-sized write spends its time on the number of torch
+    operations, not on bytes. Large inputs go `CHUNK_VALUES` at a time (chunks of
+    T, or of A when one A is small), so the working set stays in cache and the
+    extra memory is a few MiB whatever the input size. ``tensor_scale``
+    (``fp8_per_tensor``) broadcasts against (A or 1, P, 1, ..., 1).
+    """
+    a_size, t_size = parts[0].shape[:2]
+    if a_size == 0 or t_size == 0:
+        return
+    inner = tuple(parts[0].shape[2:])
+    per_t = len(parts) * math.prod(inner)
+    step_t = min(max(1, CHUNK_VALUES // per_t), t_size)
+    step_a = max(1, CHUNK_VALUES // (per_t * t_size)) if step_t == t_size else 1
+    for a0 in range(0, a_size, step_a):
+        a = slice(a0, min(a0 + step_a, a_size))
+        scale = tensor_scale[a] if tensor_scale is not None and tensor_scale.shape[0] > 1 else tensor_scale
+        for t0 in range(0, t_size, step_t):
+            t = slice(t0, min(t0 + step_t, t_size))
+            shape = (a.stop - a.start, len(parts), t.stop - t.start, *inner)
+            chunk: _Chunk = scratch.memo(("encode", shape, mode, cache_dtype),
+                                         lambda shape=shape: _Chunk(shape, mode, cache_dtype, scratch))
+            whole = shape[0] == a_size and shape[2] == t_size
+            for dst, part in zip(chunk.inputs, parts, strict=True):
+                dst.copy_(part if whole else part[a, t])
+            if mode is not QuantMode.none:
+                chunk.encode(scale)
+            yield a, t, chunk.cells
+
+
+class _Chunk:
+    """The scratch tensors and views that encoding one chunk shape needs, made once per shape.
+
+    ``shape`` is (a, P, t, ..., D). Making a view costs about as much as a small
+    operation, and a decode step would otherwise make a dozen every call.
+    """
+
+    def __init__(self, shape: tuple[int, ...], mode: QuantMode, cache_dtype: torch.dtype, scratch: Scratch) -> None:
+        head = shape[-1]
+        self.mode = mode
+        self.cache_dtype = cache_dtype
+        self.cells = scratch.get("cells", (*shape[:-1], cell_bytes(mode, head, cache_dtype)), torch.uint8)
+        if mode is QuantMode.none:
+            self.inputs = [self.cells[:, p].view(cache_dtype) for p in range(shape[1])]
+            return
+        self.work = scratch.get("work", shape, torch.float32)
+        self.inputs = [self.work[:, p] for p in range(shape[1])]
+        if mode is QuantMode.fp8_per_tensor:
+            self.codes = self.cells.view(cache_dtype)
+            return
+        # max |x| per head on the int32 bit patterns: with the sign bit cleared, the order of
+        # non-negative floats is that of their bits, and integer max is cheaper than float max.
+        self.bits = self.work.view(torch.int32)
+        self.magnitude = scratch.get("magnitude", shape, torch.int32)
+        self.scale_bits = scratch.get("scale", (*shape[:-1], 1), torch.int32)
+        self.scale = self.scale_bits.view(torch.float32)
+        self.qmax = _divisor(QMAX[mode], scratch.device)
+        packed = mode.packed_head_size(head)
+        self.tail = self.cells[..., packed:]
+        self.scale_bytes = self.scale.view(torch.uint8)
+        if mode is QuantMode.fp8_per_token_head:
+            self.codes = self.cells[..., :packed].view(torch.float8_e4m3fn)
+        elif mode is QuantMode.int8_per_token_head:
+            self.codes = self.cells[..., :packed].view(torch.int8)
+        else:
+            self.codes = self.cells[..., :packed]
+            self.int4 = scratch.get("int4", shape, torch.int8)
+            self.pairs = self.int4.view(torch.int16)
+            self.high = scratch.get("int4_high", tuple(self.pairs.shape), torch.int16)
+
+    def encode(self, tensor_scale: torch.Tensor | None) -> None:
+        """Encode ``work`` (overwriting it) into ``cells``."""
+        work = self.work
+        if self.mode is QuantMode.fp8_per_tensor:
+            assert tensor_scale is not None
+            fmax = torch.finfo(self.cache_dtype).max
+            self.codes.copy_(work.div_(tensor_scale).clamp_(-fmax, fmax))
+            return
+        torch.bitwise_and(self.bits, 0x7FFFFFFF, out=self.magnitude)
+        torch.amax(self.magnitude, -1, keepdim=True, out=self.scale_bits)
+        # max(amax / qmax, 2**-126) == max(amax, qmax * 2**-126) / qmax: division is monotonic
+        # and qmax * 2**-126 is exact, so the floor goes on the bits, before the one division.
+        self.scale_bits.clamp_min_(_FLOOR_BITS[self.mode])
+        self.scale.div_(self.qmax)
+        work.div_(self.scale)
+        if self.mode is QuantMode.int4_per_token_head:
+            # Round to int8 codes, then pack pairs through an int16 view (little-endian: the even
+            # index is the low byte): keep each byte's low nibble, OR in the odd one shifted down
+            # by 4, and the low byte of each int16 is the packed byte.
+            self.int4.copy_(work.round_())
+            self.pairs.bitwise_and_(0x0F0F)
+            torch.bitwise_right_shift(self.pairs, 4, out=self.high)
+            self.codes.copy_(self.high.bitwise_or_(self.pairs))
+        else:
+            self.codes.copy_(work.round_() if self.mode is QuantMode.int8_per_token_head else work)
+        self.tail.copy_(self.scale_bytes)
 
 
 _DIVISORS: dict[tuple[float, torch.device], torch.Tensor] = {}
