@@ -54,12 +54,7 @@ def _connector(connector: str | ConnectorConfig | None, config: dict[str, Any] |
         raise input_error("connector", f"`connector` must be a name, got {type(connector).__name__}")
     if config is not None and not isinstance(config, dict):
         raise input_error("connector_config", "`connector_config` must be a mapping (JSON object)")
-    try:
-        return ConnectorConfig.from_vllm(connector, config)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise input_error("connector_config", f"invalid connector config: {exc}",
-                          'members are {"connectors": [{"kv_connector": NAME, "kv_connector_extra_config": {...}}]}'
-                          ) from None
+    return ConnectorConfig.from_vllm(connector, config)
 
 
 def build_context(

@@ -8,13 +8,15 @@ so that a rule file for a misspelt connector is an error, not a silent no-op.
 from __future__ import annotations
 
 import difflib
+import json
 from typing import Any
 
 from pydantic import Field, field_validator
 
+from policy.errors import input_error
 from policy.spec import Frozen
 
-__all__ = ["KNOWN_CONNECTORS", "ConnectorConfig", "suggest_connector"]
+__all__ = ["COMPOSITE_CONNECTORS", "KNOWN_CONNECTORS", "ConnectorConfig", "flatten_extra", "suggest_connector"]
 
 # vLLM's registered KV connector class names (vllm/distributed/kv_transfer/kv_connector/factory.py).
 KNOWN_CONNECTORS: frozenset[str] = frozenset(
@@ -35,6 +37,9 @@ KNOWN_CONNECTORS: frozenset[str] = frozenset(
 
 Scalar = str | bool | int | float | None
 
+# Connectors that run member connectors (vLLM's MultiConnector lists them in its extra config).
+COMPOSITE_CONNECTORS: frozenset[str] = frozenset({"MultiConnector"})
+
 
 class ConnectorConfig(Frozen):
     """A configured KV connector (vLLM's ``kv_transfer_config``).
@@ -54,26 +59,57 @@ class ConnectorConfig(Frozen):
 
     @field_validator("extra", mode="before")
     @classmethod
-    def _scalars_only(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if isinstance(item, (dict, list)):
-                    raise ValueError(f"extra config `{key}` must be a scalar (string, number, bool, null)")
-        return value
+    def _flat_scalars(cls, value: Any) -> Any:
+        return flatten_extra(value) if isinstance(value, dict) else value
 
     @property
     def is_composite(self) -> bool:
         return bool(self.connectors)
 
     @classmethod
-    def from_vllm(cls, name: str, extra: dict[str, Any] | None = None) -> ConnectorConfig:
-        """Build from vLLM's form, where MultiConnector lists members in ``extra["connectors"]``."""
+    def from_vllm(cls, name: str, extra: dict[str, Any] | None = None, *, where: str = "connector_config"
+                  ) -> ConnectorConfig:
+        """Build from vLLM's form: ``kv_connector`` and ``kv_connector_extra_config``.
+
+        Only a composite connector (MultiConnector) takes members, listed in
+        ``extra["connectors"]`` as ``{"kv_connector": NAME, "kv_connector_extra_config": {...}}``;
+        for any other connector that key is ordinary extra config, as vLLM reads it.
+        """
         extra = dict(extra or {})
-        members = extra.pop("connectors", None) or []
-        subs = tuple(
-            cls.from_vllm(m.get("kv_connector", ""), m.get("kv_connector_extra_config")) for m in members
-        )
-        return cls(name=name, extra=extra, connectors=subs)
+        subs: list[ConnectorConfig] = []
+        if name in COMPOSITE_CONNECTORS and "connectors" in extra:
+            members = extra.pop("connectors")
+            if not isinstance(members, list):
+                raise input_error(f"{where}.connectors", f"`connectors` must be a list, got {type(members).__name__}",
+                                  'e.g. {"connectors": [{"kv_connector": "NixlConnector"}]}')
+            for i, m in enumerate(members):
+                at = f"{where}.connectors[{i}]"
+                if not isinstance(m, dict) or not isinstance(m.get("kv_connector"), str) or not m["kv_connector"]:
+                    raise input_error(at, f"member {i} of `connectors` needs a `kv_connector` name",
+                                      'e.g. {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}')
+                member_extra = m.get("kv_connector_extra_config") or {}
+                if not isinstance(member_extra, dict):
+                    raise input_error(f"{at}.kv_connector_extra_config",
+                                      f"member {i}'s `kv_connector_extra_config` must be a mapping, "
+                                      f"got {type(member_extra).__name__}")
+                subs.append(cls.from_vllm(m["kv_connector"], member_extra, where=at))
+        return cls(name=name, extra=extra, connectors=tuple(subs))
+
+
+def flatten_extra(extra: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:
+    """``kv_connector_extra_config`` as rules see it: nested mappings become dotted keys
+    (``{"a": {"b": 1}}`` -> ``a.b``), lists their JSON text, and null values are dropped
+    (vLLM's ``extra.get(key)`` treats a null as unset)."""
+    out: dict[str, Scalar] = {}
+    for key, value in extra.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_extra(value, f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            out[name] = json.dumps(value, sort_keys=True)
+        elif value is not None:
+            out[name] = value
+    return out
 
 
 def suggest_connector(name: str) -> str | None:

@@ -48,7 +48,7 @@ from engine.agreement import agree
 from engine.decision import Decision
 from engine.layout_engine import LayoutEngine
 from policy.backends import BACKENDS, BackendProfile, Dim
-from policy.connectors import ConnectorConfig
+from policy.connectors import COMPOSITE_CONNECTORS, ConnectorConfig
 from policy.context import Context
 from policy.errors import InputError, input_error
 from policy.layouts import HeadOrder, LayoutPattern, Placement
@@ -72,8 +72,6 @@ logger = logging.getLogger("kvpolicy")
 # prefer_cross_layer_blocks: the shipped connector files prefer cross-layer with 10.
 OWN_PREFERENCE_WEIGHT = 10
 
-_COMPOSITE = "MultiConnector"
-_SCALAR = (str, bool, int, float, type(None))
 _PER_TOKEN_HEAD = {m.value for m in QuantMode if m.is_per_token_head}
 _MODEL_DTYPES = {m.value for m in ModelDtype}
 
@@ -272,15 +270,16 @@ def connector_config(connector: Any) -> ConnectorConfig | None:
     """vLLM's connector object as a `ConnectorConfig` (None for None); MultiConnector keeps its members."""
     if connector is None:
         return None
+    name = type(connector).__name__
     extra = _extra_config(connector)
-    listed = extra.pop("connectors", None)
-    scalars = {k: v for k, v in extra.items() if isinstance(v, _SCALAR)}
+    if name not in COMPOSITE_CONNECTORS:  # only a composite's `connectors` key lists members
+        return ConnectorConfig(name=name, extra=extra)
     instances = _members(connector)
-    if instances is not None:
-        members = tuple(c for c in (connector_config(m) for m in instances) if c is not None)
-    else:
-        members = ConnectorConfig.from_vllm(_COMPOSITE, {"connectors": listed}).connectors if listed else ()
-    return ConnectorConfig(name=type(connector).__name__, extra=scalars, connectors=members)
+    if instances is None:  # no live member objects: vLLM's configuration form
+        return ConnectorConfig.from_vllm(name, extra)
+    extra.pop("connectors", None)
+    members = tuple(c for c in (connector_config(m) for m in instances) if c is not None)
+    return ConnectorConfig(name=name, extra=extra, connectors=members)
 
 
 def _own_preferences(connector: Any, out: dict[str, bool] | None = None) -> dict[str, bool]:
@@ -290,7 +289,7 @@ def _own_preferences(connector: Any, out: dict[str, bool] | None = None) -> dict
         return out
     members = _members(connector)
     name = type(connector).__name__
-    if members or name == _COMPOSITE:
+    if name in COMPOSITE_CONNECTORS:
         for m in members or ():
             _own_preferences(m, out)
         return out

@@ -294,7 +294,7 @@ def test_usage_errors_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[str],
 
 def test_bad_input_values_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = cli(capsys, "dry-run", "--connector", "MultiConnector", "--connector-config", '{"connectors": [1]}')
-    assert code == 2 and err.startswith("--connector-config: error[invalid-input]: invalid connector config")
+    assert code == 2 and err.startswith("--connector-config: error[invalid-input]: member 0 of `connectors` needs")
     code, _, err = cli(capsys, "dry-run", "--connector", "none", "--connector-config", "{}")
     assert code == 0, err  # an empty config without a connector is harmless
     code, _, err = cli(capsys, "dry-run", "--connector", "none", "--connector-config", '{"a": 1}')

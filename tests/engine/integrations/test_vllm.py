@@ -316,7 +316,7 @@ def test_connector_extra_config_and_members() -> None:
     direct = named("NixlConnector", kv_connector_extra_config={"enable_cross_layers_blocks": True,
                                                                "backends": ["UCX"]}, prefer_cross_layer_blocks=True)
     conn = vllm_context(one(be=backend("FLASHINFER")), direct).connector
-    assert conn is not None and conn.extra == {"enable_cross_layers_blocks": True}
+    assert conn is not None and conn.extra == {"enable_cross_layers_blocks": True, "backends": "[\"UCX\"]"}
     assert use_uniform_kv_cache(one(be=backend("FLASHINFER")), direct) is True
     # a MultiConnector known only by its config (no member objects): members come from "connectors"
     listed = KVConnectorBase_V1({"connectors": [{"kv_connector": "OffloadingConnector"},
