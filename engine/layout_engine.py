@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from engine.decide import evaluate, no_layout_error, scopes_for
 from engine.decision import Decision
-from engine.inputs import build_context
+from engine.inputs import context_from_inputs
 from engine.plan import LayoutPlan, plan_layout
 from engine.verify import check_plan
 
 if TYPE_CHECKING:
     from engine.runtime import KVCache
 from policy.context import Context
-from policy.errors import Diagnostic, RuleLoadError
+from policy.errors import Diagnostic, RuleLoadError, input_error
 from policy.load import Limits, load_rules, load_rules_from_texts
 from policy.ruleset import RuleSet
 
@@ -148,7 +148,19 @@ class LayoutEngine:
 
     def context(self, **inputs: Any) -> Context:
         """The validated `Context` for ``decide``'s keyword inputs."""
-        return build_context(**inputs)
+        return context_from_inputs(inputs)
+
+    @staticmethod
+    def _context(context: Context | None, inputs: dict[str, Any]) -> Context:
+        if context is None:
+            return context_from_inputs(inputs)
+        if not isinstance(context, Context):
+            raise input_error("context", f"`context` must be a Context, got {type(context).__name__}",
+                              "pass keyword inputs instead, or build one with engine.context(...)")
+        if inputs:
+            raise input_error(next(iter(inputs)), "give a `context` or keyword inputs, not both",
+                              "a Context already holds every input")
+        return context
 
     def decide(self, context: Context | None = None, *, explain: bool = True, **inputs: Any) -> Decision:
         """Choose a layout for ``context`` (or for keyword inputs, as `kvpolicy dry-run`'s flags).
@@ -159,7 +171,7 @@ class LayoutEngine:
         Raises `NoLayoutError` when nothing survives.
         """
         ruleset = self._ruleset  # read once: a concurrent reload() is all-or-nothing for us
-        ctx = context if context is not None else build_context(**inputs)
+        ctx = self._context(context, inputs)
         glob, conn = self._scopes_for(ruleset, ctx)
         outcome = evaluate(ruleset, glob, conn, explain=explain)
         if outcome.winner is None:
@@ -188,7 +200,12 @@ class LayoutEngine:
         check_plan(plan)
         from engine.runtime import allocate  # torch, lazily
 
-        cache = allocate(plan, device)
+        try:
+            cache = allocate(plan, device)
+        except (RuntimeError, MemoryError) as exc:  # the device's allocator said no
+            raise input_error("num_blocks", f"cannot allocate {plan.total_bytes} bytes for {num_blocks} blocks on "
+                              f"`{device}`: {str(exc).splitlines()[0]}", "plan fewer blocks",
+                              code="out-of-memory") from None
         cache.decision = decision
         return cache
 

@@ -11,6 +11,7 @@ Frozen models with derived ``*_bytes`` properties, after vLLM's
 
 from __future__ import annotations
 
+import difflib
 from enum import Enum
 from functools import cached_property
 from typing import Any
@@ -195,6 +196,18 @@ def make_model(cls: type[Frozen], where: str, data: dict[str, Any]) -> Any:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
             field = f"{where}.{loc}" if loc else where
-            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                key = str(err["loc"][-1])
+                close = difflib.get_close_matches(key, list(cls.model_fields), n=1)
+                diags.append(Diagnostic(field, 0, 0, "unknown-field", f"unknown field `{field}`",
+                                        (f"did you mean `{close[0]}`? " if close else "")
+                                        + "fields: " + ", ".join(cls.model_fields)))
+                continue
+            msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "expected")
+            msg = msg[:1].lower() + msg[1:]
+            shown = err.get("input")
+            if err["type"] != "value_error" and isinstance(shown, (str, int, float, bool)):
+                kind = {bool: "boolean", int: "integer", float: "number", str: "string"}[type(shown)]
+                msg += f", got {kind} `{str(shown).lower() if isinstance(shown, bool) else shown}`"
             diags.append(Diagnostic(field, 0, 0, "invalid-input", f"`{field}`: {msg}"))
         raise InputError(f"invalid {cls.__name__}", diags) from None
