@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from policy.errors import Diagnostic, ModelConfigError, input_error
 from policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
-from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+from policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 __all__ = ["kv_groups_from_hf_config"]
 
@@ -119,8 +119,9 @@ class _Reader:
     def invalid(self, key: str, message: str, help: str | None = None) -> None:
         self.error("invalid-field", message, help or f"fix `{self.name(key)}` in the model's config.json")
 
-    def int_field(self, key: str, *, minimum: int = 1, required: bool = False, help: str = "") -> int | None:
-        """An integer >= ``minimum``; None (and a diagnostic where due) otherwise."""
+    def int_field(self, key: str, *, minimum: int = 1, maximum: int = 1 << 24, required: bool = False,
+                  help: str = "") -> int | None:
+        """An integer in [``minimum``, ``maximum``]; None (and a diagnostic where due) otherwise."""
         value = self.get(key)
         if value is None:
             if required:
@@ -129,6 +130,9 @@ class _Reader:
         if not _is_int(value) or value < minimum:
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             self.invalid(key, f"`{self.name(key)}` must be {what}, got `{_show(value)}`")
+            return None
+        if value > maximum:
+            self.invalid(key, f"`{self.name(key)}` is {value}, over the sanity bound of {maximum}")
             return None
         return value
 
@@ -428,7 +432,7 @@ def kv_groups_from_hf_config(
     override = _check_keywords(kv_cache_dtype, block_size, tensor_parallel_size, dtype)
     raw, where = _load(config)
     r = _text_reader(raw, where)
-    num_layers = r.int_field("num_hidden_layers", required=True,
+    num_layers = r.int_field("num_hidden_layers", required=True, maximum=MAX_LAYERS,
                              help="a decoder's config.json states its layer count in `num_hidden_layers`")
     model_dtype = override or _config_dtype(r)
     r.fail_if_any()

@@ -12,6 +12,7 @@ a rule set with any error is never returned.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -34,6 +35,31 @@ def rule_files(root: Path) -> list[tuple[Path, bool]]:
     if conn.is_dir():
         found += [(p, True) for p in sorted(conn.iterdir()) if p.suffix in _SUFFIXES]
     return found
+
+
+_KNOWN_DIRS = ("connectors", "tests")
+
+
+def stray_files(root: Path, shown_root: str) -> list[Diagnostic]:
+    """Rule-looking files the loader would not read: misspelt directories, upper-case suffixes."""
+    diags = []
+    for d in (root, root / "connectors"):
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            if p.is_file() and p.suffix.lower() in _SUFFIXES and p.suffix not in _SUFFIXES:
+                diags.append(Diagnostic(os.path.join(shown_root, os.path.relpath(p, root)), 0, 0, "stray-file",
+                                        f"`{p.name}` is not read: only `.yaml` and `.yml` files are",
+                                        f"rename it to `{p.stem}.yaml`"))
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and p.name not in _KNOWN_DIRS and not p.name.startswith(".") and \
+                any(q.suffix.lower() in _SUFFIXES for q in p.rglob("*")):
+            close = difflib.get_close_matches(p.name, _KNOWN_DIRS, n=1)
+            diags.append(Diagnostic(os.path.join(shown_root, p.name), 0, 0, "stray-directory",
+                                    f"rule files in `{p.name}/` are not read",
+                                    (f"did you mean `{close[0]}/`? " if close else "")
+                                    + "connector rules go in `connectors/`, policy tests in `tests/`"))
+    return diags
 
 
 def _read(path: Path, shown: str, root: Path, limits: Limits) -> tuple[str | None, list[Diagnostic]]:
@@ -129,7 +155,7 @@ def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), displ
         raise RuleLoadError("", [Diagnostic(shown_root, 0, 0, "no-rules-dir", "not a directory",
                                             "pass the directory holding global.yaml and connectors/")])
     located: list[tuple[Located, bool]] = []
-    diags: list[Diagnostic] = []
+    diags: list[Diagnostic] = stray_files(root, shown_root)
     files = rule_files(root)
     if not files:
         raise RuleLoadError("", [Diagnostic(shown_root, 0, 0, "no-rule-files", "no `.yaml` rule files found",

@@ -46,6 +46,14 @@ def _cached_properties(cls: type) -> list[str]:
     return [n for k in cls.__mro__ for n, v in vars(k).items() if isinstance(v, cached_property)]
 
 
+# Sanity bounds, far above any real model (vLLM's block sizes stop at a few hundred tokens):
+# they turn a typo like `block_size: 100000000` into an error instead of a multi-GB plan check.
+MAX_LAYERS = 4096
+MAX_BLOCK_SIZE = 4096
+MAX_KV_HEADS = 1024
+MAX_HEAD_SIZE = 16384
+
+
 class AttentionKind(str, Enum):
     """What a KV cache group stores."""
 
@@ -64,10 +72,10 @@ class KVCacheSpec(Frozen):
     """One KV cache group's per-layer geometry."""
 
     kind: AttentionKind = AttentionKind.full
-    num_layers: StrictInt = Field(gt=0, description="attention layers sharing this spec")
-    block_size: StrictInt = Field(gt=0, description="tokens per block (N)")
-    num_kv_heads: StrictInt = Field(gt=0, description="KV heads per layer on this rank (H); 1 for MLA")
-    head_size: StrictInt = Field(gt=0, description="values per head (D); the latent width for MLA")
+    num_layers: StrictInt = Field(gt=0, le=MAX_LAYERS, description="attention layers sharing this spec")
+    block_size: StrictInt = Field(gt=0, le=MAX_BLOCK_SIZE, description="tokens per block (N)")
+    num_kv_heads: StrictInt = Field(gt=0, le=MAX_KV_HEADS, description="KV heads per layer on this rank (H); 1 for MLA")
+    head_size: StrictInt = Field(gt=0, le=MAX_HEAD_SIZE, description="values per head (D); the latent width for MLA")
     dtype: ModelDtype = ModelDtype.bfloat16
     kv_cache_dtype: str = "auto"
     sliding_window: StrictInt | None = Field(default=None, gt=0)

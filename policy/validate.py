@@ -185,7 +185,9 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
                                "start the file with `version: 1` and a `rules:` list")]
     diags: list[Diagnostic] = []
     header_data = {k: v for k, v in data.items() if k != "rules"}
-    rules_data = data.get("rules") or []  # `rules:` with nothing under it is an empty list
+    rules_data = data.get("rules", [])
+    if rules_data is None:  # `rules:` with nothing under it is an empty list
+        rules_data = []
     header: RuleFile | None = None
     try:
         header = RuleFile.model_validate({**header_data, "rules": []})
@@ -233,6 +235,11 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
 
     rules: list[Rule] = []
     for i, rule_data in enumerate(rules_data):
+        if isinstance(rule_data, dict) and "when" in rule_data and rule_data["when"] is None:
+            # `when:` with nothing under it (a condition commented out) would silently mean "always"
+            diags.append(src.diag(("rules", i, "when"), "empty-condition", "`when` is empty",
+                                  "write the condition, or delete `when` if the rule always applies", key=True))
+            continue
         try:
             rule = Rule.model_validate(rule_data)
         except ValidationError as exc:

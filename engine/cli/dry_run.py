@@ -225,7 +225,7 @@ _FLAG_OF = {
 }
 
 
-def _name_flags(exc: InputError, spec_file: str | None) -> InputError:
+def _name_flags(exc: InputError, spec_file: str | None, args: argparse.Namespace | None = None) -> InputError:
     """Show an input error under the flag (or file) the user typed, not the keyword."""
     diags = []
     for d in exc.diagnostics:
@@ -233,6 +233,9 @@ def _name_flags(exc: InputError, spec_file: str | None) -> InputError:
         where = _FLAG_OF.get(head)
         if head in ("spec", "groups"):
             where = spec_file or "--spec (built-in example)"
+            field = d.file.rsplit(".", 1)[-1]
+            if args is not None and field in ("block_size", "kv_cache_dtype") and getattr(args, field) is not None:
+                where = "--" + field.replace("_", "-")  # the flag overrode the spec's value
         diags.append(Diagnostic(where or d.file, d.line, d.col, d.code, d.message, d.help) if d.line == 0 else d)
     return type(exc)(exc.message, diags)
 
@@ -281,7 +284,7 @@ def context_from_args(args: argparse.Namespace) -> Context:
         raise usage_error("--model", f"reading model configs is not available here ({exc.name} is missing)",
                           "pass the KV geometry with --spec FILE instead") from None
     except InputError as exc:
-        raise _name_flags(exc, args.spec) from None
+        raise _name_flags(exc, args.spec, args) from None
 
 
 def example_banner(args: argparse.Namespace) -> str:

@@ -233,3 +233,28 @@ files = st.fixed_dictionaries(
 @given(files, st.sampled_from(["global.yaml", "connectors/c.yaml"]))
 def test_fuzz_schema_shaped_trees(tree: dict, name: str) -> None:
     _check_outcome({name: yaml.safe_dump(tree, allow_unicode=True)})
+
+
+def test_empty_when_is_an_error_not_always(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", "version: 1\nrules:\n  - id: r\n    description: d\n    when:\n"
+          "    forbid: {placement: cross_layer}\n")
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert (d.code, d.line, d.col) == ("empty-condition", 5, 5)
+
+
+@pytest.mark.parametrize("value", ["false", "0", '""'])
+def test_falsy_rules_value_is_not_an_empty_list(tmp_path: Path, value: str) -> None:
+    write(tmp_path, "global.yaml", f"version: 1\nrules: {value}\n")
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert "`rules` must be a list" in d.message
+
+
+def test_misspelt_directories_and_suffixes_are_reported(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", GOOD)
+    write(tmp_path, "connector/nixl.yaml", "version: 1\nconnector: NixlConnector\nrules: []\n")
+    write(tmp_path, "Offloading.YAML", GOOD)
+    diags = load_dir_error(tmp_path).diagnostics
+    by_code = {d.code: d for d in diags}
+    assert "did you mean `connectors/`?" in by_code["stray-directory"].help
+    assert by_code["stray-file"].help == "rename it to `Offloading.yaml`"
+    assert len(diags) == 2
