@@ -25,7 +25,7 @@ from engine.plan import ByteView, LayoutPlan, TensorView, naive_scale_view
 from policy.backends import Dim, ScaleViews
 from policy.errors import Diagnostic, GeometryError
 
-__all__ = ["Collision", "GeometryReport", "Writer", "check_plan", "verify_plan", "writers"]
+__all__ = ["Collision", "GeometryReport", "Writer", "check_plan", "refusal", "verify_plan", "writers"]
 
 _KV_ROLES = {0: "k", 1: "v"}
 
@@ -196,10 +196,15 @@ def check_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geome
     report = verify_plan(plan, scale_views)
     if report.ok:
         return report
+    raise refusal(plan, report)
+
+
+def refusal(plan: LayoutPlan, report: GeometryReport) -> GeometryError:
+    """The `GeometryError` for a report with collisions: what `LayoutEngine.build` raises."""
     shown = report.collisions[:8]
     diags = [Diagnostic("<geometry>", 0, 0, "overlapping-views", c.describe()) for c in shown]
     listed = f"the first {len(shown)}" if len(shown) < len(report.collisions) else "each"
-    raise GeometryError(
+    return GeometryError(
         f"refusing layout `{plan.layout}` on `{plan.backend.name}`: {len(report.collisions)} pair(s) of views "
         f"write the same bytes with `{report.scale_views.value}` scale views ({listed} below); a write through "
         "one corrupts the other (vLLM #48412). Choose another layout, or a backend with stride-aware scale views",

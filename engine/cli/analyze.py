@@ -8,12 +8,15 @@ import time
 from engine.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     HelpFormatter,
     add_format_flag,
     load_ruleset,
+    print_error,
     print_json,
 )
 from policy.backends import ScaleViews
+from policy.errors import RuleLoadError
 
 __all__ = ["register"]
 
@@ -45,6 +48,16 @@ exit codes: 0 no decision changes, 1 some decisions change, 2 usage error
 """
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count (0 or more), got `{text}`")
+    return value
+
+
 def register(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
         "lint", help="check a rule set over every input: unsafe permits, conflicts, dead rules",
@@ -56,7 +69,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-views", choices=[s.value for s in ScaleViews], action="append",
                    help="restrict the space to backends with this scale-view strategy (repeatable)")
     p.add_argument("--strict", action="store_true", help="warnings fail the lint too")
-    p.add_argument("--max-inputs", type=int, default=20, metavar="N",
+    p.add_argument("--max-inputs", type=_count, default=20, metavar="N",
                    help="inputs listed per finding in text output (default 20; JSON lists all)")
     add_format_flag(p)
     p.set_defaults(run=run_lint)
@@ -68,7 +81,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
         epilog=_DIFF_EPILOG, formatter_class=HelpFormatter)
     d.add_argument("old", metavar="OLD", help="the rule directory before the change")
     d.add_argument("new", metavar="NEW", help="the rule directory after the change")
-    d.add_argument("--max-changes", type=int, default=50, metavar="N",
+    d.add_argument("--max-changes", type=_count, default=50, metavar="N",
                    help="changed inputs shown in text output (default 50; JSON lists all)")
     add_format_flag(d)
     d.set_defaults(run=run_diff)
@@ -77,7 +90,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
 def run_lint(args: argparse.Namespace) -> int:
     from engine.analysis import enumerate_inputs, lint
 
-    ruleset = load_ruleset(args.dir)
+    ruleset = load_ruleset(args.dir, "DIR")
     start = time.perf_counter()
     views = [ScaleViews(v) for v in args.scale_views] if args.scale_views else None
     report = lint(ruleset, list(enumerate_inputs(ruleset, scale_views=views)))
@@ -97,7 +110,11 @@ def run_lint(args: argparse.Namespace) -> int:
 def run_diff(args: argparse.Namespace) -> int:
     from engine.analysis import diff_rulesets
 
-    old, new = load_ruleset(args.old), load_ruleset(args.new)
+    try:  # exit 1 means "decisions change": a rule set that does not load is a usage error (2)
+        old, new = load_ruleset(args.old, "OLD"), load_ruleset(args.new, "NEW")
+    except RuleLoadError as exc:
+        print_error(exc)
+        return EXIT_USAGE
     report = diff_rulesets(old, new)
     if args.format == "json":
         print_json(report.to_dict())

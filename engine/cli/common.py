@@ -65,9 +65,13 @@ def rules_root(rules: str | None) -> tuple[Path, str]:
     return shipped_rules_dir(), "rules"
 
 
-def load_ruleset(rules: str | None) -> RuleSet:
-    """Load ``--rules`` (or the shipped rules); raises `RuleLoadError` listing every problem."""
+def load_ruleset(rules: str | None, flag: str = "--rules") -> RuleSet:
+    """Load ``--rules`` (or the shipped rules); raises `RuleLoadError` listing every problem,
+    or a `UsageError` naming ``flag`` when the path is not a directory at all."""
     root, shown = rules_root(rules)
+    if not root.is_dir():
+        what = "does not exist" if not root.exists() else "is not a directory"
+        raise usage_error(flag, f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")
     return load_rules(root, display=shown)
 
 

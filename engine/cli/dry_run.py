@@ -34,7 +34,7 @@ from engine.inputs import DEFAULT_EXAMPLE, build_context
 from policy.backends import BACKENDS, ScaleViews
 from policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from policy.context import Context
-from policy.errors import Diagnostic, GeometryError, InputError, NoLayoutError, PolicyError
+from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
 from policy.layouts import Layout
 from policy.quant import KV_CACHE_DTYPES
 from policy.ruleset import RuleSet
@@ -221,7 +221,6 @@ _FLAG_OF = {
     "model": "--model",
     "tensor_parallel_size": "--tensor-parallel-size",
     "num_blocks": "--num-blocks",
-    "layout": "--num-blocks",
 }
 
 
@@ -336,46 +335,33 @@ def _map_blocks(decision: Decision) -> int:
     return decision.context.kv.num_layers + 1
 
 
-def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | None) -> tuple[Any, Any]:
-    """The chosen layout's verifier report, and the plan the map draws (None without --map/--svg)."""
+def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | None
+              ) -> tuple[Any, LayoutPlan | None, LayoutPlan | None]:
+    """(the chosen layout's verifier report, the plan it checked, the plan the map draws).
+
+    A spec with no paged KV layout (a Mamba-only model) has no geometry to check: (None, None, None).
+    A --map-layout the backend cannot lay out is a warning; the exit code follows the chosen layout.
+    """
     from engine.plan import plan_layout
     from engine.verify import verify_plan
 
     ctx = decision.context
+    if not ctx.kv.kind.is_attention:
+        return None, None, None
     checked = plan or plan_layout(decision.layout, ctx.kv, ctx.backend, _map_blocks(decision))
     report = verify_plan(checked)
     drawn = None
     if args.map or args.svg or args.map_layout:
         layout = args.map_layout or decision.layout
-        drawn = checked if layout == decision.layout else plan_for_layout(decision, layout, args.spec)
-    return report, drawn
-
-
-def plan_for_layout(decision: Decision, layout: Layout, spec_file: str | None) -> LayoutPlan:
-    from engine.plan import plan_layout
-
-    ctx = decision.context
-    try:
-        return plan_layout(layout, ctx.kv, ctx.backend, _map_blocks(decision))
-    except InputError as exc:
-        raise _name_flags(exc, spec_file) from None
-
-
-def _refusal(report: Any, decision: Decision) -> GeometryError:
-    from engine.verify import check_plan  # the same message LayoutEngine.build raises
-
-    try:
-        check_plan_for_report(report, decision, check_plan)
-    except GeometryError as exc:
-        return exc
-    raise AssertionError("report with collisions did not raise")  # pragma: no cover
-
-
-def check_plan_for_report(report: Any, decision: Decision, check: Any) -> None:
-    from engine.plan import plan_layout
-
-    ctx = decision.context
-    check(plan_layout(decision.layout, ctx.kv, ctx.backend, _map_blocks(decision)))
+        if layout == decision.layout:
+            drawn = checked
+        else:
+            try:
+                drawn = plan_layout(layout, ctx.kv, ctx.backend, _map_blocks(decision))
+            except InputError as exc:
+                print(f"warning: --map-layout {layout}: {exc.diagnostics[0].message}; nothing drawn",
+                      file=sys.stderr)
+    return report, checked, drawn
 
 
 def run(args: argparse.Namespace) -> int:
@@ -388,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
 
         decision = LayoutEngine(ruleset).decide(ctx)
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
-        report, drawn = _geometry(decision, args, plan)
+        report, checked, drawn = _geometry(decision, args, plan)
     except PolicyError as exc:
         if args.format == "json":
             print_json(error_dict(exc))
@@ -396,7 +382,9 @@ def run(args: argparse.Namespace) -> int:
             print(example_banner(args), file=sys.stderr)
         print_error(exc)
         return exit_code_for(exc)
-    refused = None if report.ok else _refusal(report, decision)
+    from engine.verify import refusal
+
+    refused = None if report is None or report.ok else refusal(checked, report)
     if args.svg and drawn is not None:
         from engine.memory_map import render_svg
 
@@ -407,8 +395,9 @@ def run(args: argparse.Namespace) -> int:
             return exit_code_for(usage_error("--svg", ""))
     if args.format == "json":
         data = decision.to_dict()
-        data["verification"] = report.to_dict() | {"collisions": report.to_dict()["collisions"][:8]}
-        data["verification"].pop("writers", None)
+        if report is not None:
+            data["verification"] = report.to_dict() | {"collisions": report.to_dict()["collisions"][:8]}
+            data["verification"].pop("writers", None)
         if plan is not None:
             data["plan"] = plan_summary(plan)
         if drawn is not None:

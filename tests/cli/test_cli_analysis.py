@@ -139,3 +139,32 @@ def test_dry_run_json_reports_verification_and_map(capsys, spec: str) -> None:
 def test_map_layout_rejects_unknown_layouts(capsys) -> None:
     code, _, err = cli(capsys, "dry-run", "--map-layout", "diagonal/NHD")
     assert code == 2 and "unknown layout `diagonal/NHD`" in err
+
+
+def test_a_rules_path_that_is_not_a_directory_is_a_usage_error(capsys, tmp_path: Path) -> None:
+    code, _, err = cli(capsys, "dry-run", "--rules", str(tmp_path / "missing"))
+    assert code == 2 and err.startswith("--rules: error[usage]: ")
+    code, _, err = cli(capsys, "lint", str(tmp_path / "missing"))
+    assert code == 2 and err.startswith("DIR: error[usage]: ")
+
+
+def test_diff_with_a_broken_side_exits_2_not_1(capsys, tmp_path: Path) -> None:
+    (tmp_path / "global.yaml").write_text("version: 1\nrules: [\n")
+    code, out, err = cli(capsys, "diff", str(RULES), str(tmp_path))
+    assert (code, out) == (2, "")
+    assert "global.yaml:" in err and "error[yaml-syntax]" in err
+
+
+def test_map_layout_the_backend_cannot_lay_out_is_a_warning(capsys) -> None:
+    code, _, err = cli(capsys, "dry-run", "--model", str(ROOT / "tests/fixtures/configs/deepseek-v2-lite.json"),
+                       "--backend", "FLASHMLA", "--map-layout", "per_layer/HND", "--explain", "notes")
+    assert code == 0
+    assert "warning: --map-layout per_layer/HND: backend `FLASHMLA` does not support head order `HND`" in err
+
+
+def test_a_mamba_only_model_is_decided_without_a_geometry_check(capsys, tmp_path: Path) -> None:
+    spec = tmp_path / "mamba.yaml"
+    spec.write_text("groups:\n  - spec: {kind: mamba, num_layers: 4, block_size: 16, num_kv_heads: 1, head_size: 16}\n")
+    code, out, _ = cli(capsys, "dry-run", "--spec", str(spec), "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["layout"]["name"] == "per_layer/NHD" and "verification" not in data
