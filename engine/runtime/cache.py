@@ -66,6 +66,11 @@ class KVCache:
     def num_slots(self) -> int:
         return self.plan.num_blocks * self.plan.spec.block_size
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch held for writes: a write's extra memory, bounded by the encode chunk size."""
+        return self._scratch.nbytes()
+
     def layer_view(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s logical view, in the backend's logical dim order."""
         return self._views[check_layer(layer, self.plan.num_layers)]
@@ -142,16 +147,16 @@ class KVCache:
         if slots.numel() == 0:
             return
         with torch.no_grad():
+            keep = None
             if skips:
                 keep = torch.nonzero(slots >= 0).squeeze(1)
                 if keep.numel() == 0:
                     return
                 slots = slots.index_select(0, keep)
-                parts = [p.index_select(1, keep) for p in parts]
             rows = self.cells
             index = rows.index(first, end, slots)  # (layers, kv, T, H)
             chunks = encode_chunks(parts, self._mode, self._cache_dtype, self._tensor_scales(first, end),
-                                   self._scratch)
+                                   self._scratch, keep)
             # INVARIANT: the scatters below are the only writes to the cache.
             for a, t, cells in chunks:
                 rows.scatter(first + a.start, index[a, :, t] if t.stop - t.start < slots.numel() else index[a], cells)

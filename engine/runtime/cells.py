@@ -116,11 +116,17 @@ class CellRows:
 
         Layers ``first..end-1``; each index is a row of its layer's buffer.
         """
-        cell_rows = self._cell_rows(slots.device)[first:end]
-        if self._uniform:
-            return cell_rows + self._token_rows(self._layers[first], slots).view(1, 1, -1, 1)
-        token_rows = torch.stack([self._token_rows(lr, slots) for lr in self._layers[first:end]])
-        return cell_rows + token_rows.view(end - first, 1, -1, 1)
+        cell_rows = self._cell_rows(slots.device)
+        if first != 0 or end != len(self._layers):
+            cell_rows = cell_rows[first:end]
+        if not self._uniform:
+            token_rows = torch.stack([self._token_rows(lr, slots) for lr in self._layers[first:end]])
+            return cell_rows + token_rows.view(end - first, 1, -1, 1)
+        lr, n = self._layers[first], self._block_size
+        if slots.numel() == 1:  # one decode token: its row is a Python int, one tensor op in all
+            s = int(slots[0])
+            return cell_rows + ((s // n) * lr.block + (s % n) * lr.token)
+        return cell_rows + self._token_rows(lr, slots).view(1, 1, -1, 1)
 
     def _token_rows(self, lr: _LayerRows, slots: torch.Tensor) -> torch.Tensor:
         """(T,): the row of (kv 0, head 0) of each slot's token, relative to the layer's base."""

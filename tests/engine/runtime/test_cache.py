@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_allocate import COMBO_IDS, COMBOS, ODD, ODD_LAYOUTS, cell_addresses, fill_random, make_plan
 from test_reference import decode_ref, encode_ref
 
-from engine.runtime import KVCache, allocate
+from engine.runtime import KVCache, allocate, quantize
 from policy.errors import InputError
 
 # written to layer 1: one skipped token (-1), slots spread over blocks and offsets
@@ -273,3 +273,193 @@ def test_a_meta_cache_has_geometry_but_no_data() -> None:
         cache.write(0, key, key, torch.tensor([0], device="meta"))
     with pytest.raises(InputError, match="meta"):
         cache.read(0, torch.tensor([0], device="meta"))
+
+
+# ---- write_layers: every layer in one call ---------------------------------------------------
+
+
+def make_layer_inputs(cache: KVCache, num_tokens: int, dtype: torch.dtype = torch.bfloat16, seed: int = 3
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    spec = cache.plan.spec
+    gen = torch.Generator().manual_seed(seed)
+    shape = (spec.num_layers, num_tokens, spec.num_kv_heads, spec.head_size)
+    keys = (torch.randn(shape, generator=gen) * 2).to(dtype)
+    values = None if spec.kv_factor == 1 else (torch.randn(shape, generator=gen) * 0.5).to(dtype)
+    return keys, values
+
+
+def assert_write_layers_equals_single_writes(make: callable, slots: list[int], dtype: torch.dtype = torch.bfloat16
+                                             ) -> None:
+    """``write_layers`` leaves every byte as one ``write`` per layer does, from the same starting bytes."""
+    batched, single = make(), make()
+    for cache in (batched, single):
+        fill_random(cache)
+        if cache.plan.spec.quant_mode.value == "fp8_per_tensor":  # distinct scales per layer and K/V
+            for layer in range(cache.plan.num_layers):
+                cache.set_tensor_scales(layer, 0.5 + layer, 2.0 / (layer + 1))
+    keys, values = make_layer_inputs(batched, len(slots), dtype)
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    batched.write_layers(keys, values, slot_t)
+    for layer in range(single.plan.num_layers):
+        single.write(layer, keys[layer], None if values is None else values[layer], slot_t)
+    for got, want in zip(batched.raw, single.raw, strict=True):
+        assert torch.equal(got, want), "write_layers and per-layer writes left different bytes"
+
+
+@pytest.mark.parametrize(("backend", "layout", "dtype"), COMBOS, ids=COMBO_IDS)
+def test_write_layers_writes_the_bytes_of_one_write_per_layer(backend: str, layout: str, dtype: str) -> None:
+    assert_write_layers_equals_single_writes(lambda: allocate(make_plan(backend, layout, kv_cache_dtype=dtype)), SLOTS)
+
+
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+@pytest.mark.parametrize("geo", ODD, ids=[str(g) for g in ODD])
+def test_write_layers_on_odd_cells_and_padded_pages(layout: str, geo: dict) -> None:
+    assert_write_layers_equals_single_writes(lambda: allocate(make_plan("TRITON_ATTN", layout, **geo)), SLOTS)
+
+
+@settings(max_examples=30, deadline=None)
+@given(combo=st.sampled_from(COMBOS), data=st.data())
+def test_write_layers_matches_single_writes_for_any_slot_mapping(combo: tuple[str, str, str], data: st.DataObject
+                                                                 ) -> None:
+    backend, layout, dtype = combo
+    size = data.draw(st.sampled_from([1, 2, 5, 16, 70]))
+    slots = data.draw(st.lists(st.integers(0, 79), min_size=size, max_size=size, unique=True))
+    skipped = data.draw(st.lists(st.integers(0, size - 1), max_size=2))
+    slots = [-1 if i in skipped else s for i, s in enumerate(slots)]
+    input_dtype = data.draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    assert_write_layers_equals_single_writes(
+        lambda: allocate(make_plan(backend, layout, kv_cache_dtype=dtype, num_blocks=20)), slots, input_dtype)
+
+
+def test_write_layers_reads_back_per_layer_against_the_reference() -> None:
+    cache = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype="int4_per_token_head"))
+    keys, values = make_layer_inputs(cache, 3)
+    slots = torch.tensor([2, 11, 17])
+    cache.write_layers(keys, values, slots)
+    for layer in range(cache.plan.num_layers):
+        got_k, got_v = cache.read(layer, slots, dtype=torch.float32)
+        for got, part in ((got_k, keys[layer]), (got_v, values[layer])):
+            for t in range(3):
+                for h in range(2):
+                    cell = encode_ref(part[t, h].float().tolist(), "int4_per_token_head", "uint8")
+                    assert got[t, h].tolist() == decode_ref(cell, "int4_per_token_head", "uint8", 8)
+
+
+def test_write_layers_on_mla_takes_latents_only() -> None:
+    make = lambda: allocate(make_plan("FLASHMLA", "per_layer/NHD", kv_cache_dtype="int8_per_token_head",  # noqa: E731
+                                      head_size=16))
+    assert_write_layers_equals_single_writes(make, [0, 5, -1, 9])
+    cache = make()
+    latents, _ = make_layer_inputs(cache, 2)
+    with pytest.raises(InputError, match="one latent per token") as info:
+        cache.write_layers(latents, latents, torch.tensor([0, 1]))
+    assert info.value.diagnostics[0].file == "values"
+
+
+def _bad_layer_writes(cache: KVCache) -> list[tuple[str, dict]]:
+    keys, values = make_layer_inputs(cache, 3)
+    return [
+        ("keys", dict(keys=keys[:2])),  # a layer short
+        ("keys", dict(keys=keys[0])),  # one layer's (T, H, D)
+        ("keys", dict(keys=keys[:, :, :1])),
+        ("keys", dict(keys=keys.to(torch.int8))),
+        ("keys", dict(keys=keys.tolist())),
+        ("values", dict(values=None)),
+        ("values", dict(values=values[:, :2])),
+        ("values", dict(values=values.float())),
+        ("slot_mapping", dict(slot_mapping=torch.tensor([1, 2]))),
+        ("slot_mapping", dict(slot_mapping=torch.tensor([1, 2, cache.num_slots]))),
+        ("slot_mapping", dict(slot_mapping=torch.tensor([1, 2, 1]))),
+        ("slot_mapping", dict(slot_mapping=torch.tensor([1.0, 2.0, 3.0]))),
+    ]
+
+
+@pytest.mark.parametrize("layout", ["cross_layer/HND", "per_layer/NHD"])
+@pytest.mark.parametrize("dtype", ["auto", "int8_per_token_head", "fp8_e4m3"])
+def test_rejected_write_layers_name_the_argument_and_change_no_byte(layout: str, dtype: str) -> None:
+    cache = allocate(make_plan(layout=layout, kv_cache_dtype=dtype))
+    fill_random(cache)
+    before = snapshot(cache)
+    keys, values = make_layer_inputs(cache, 3)
+    for where, override in _bad_layer_writes(cache):
+        args = dict(keys=keys, values=values, slot_mapping=torch.tensor([1, 2, 3])) | override
+        with pytest.raises(InputError) as info:
+            cache.write_layers(**args)
+        assert info.value.diagnostics[0].file == where, (where, override, info.value)
+        assert_unchanged(cache, before)
+
+
+def test_write_layers_shape_errors_name_the_layers_dim() -> None:
+    cache = allocate(make_plan(kv_cache_dtype="int8_per_token_head"))
+    keys, values = make_layer_inputs(cache, 2)
+    with pytest.raises(InputError, match=r"\(layers, tokens, heads, head_size\)"):
+        cache.write_layers(keys[:1], values, torch.tensor([0, 1]))
+
+
+def test_write_layers_all_skipped_or_empty_changes_nothing() -> None:
+    cache = allocate(make_plan(kv_cache_dtype="fp8_per_token_head"))
+    fill_random(cache)
+    before = snapshot(cache)
+    keys, values = make_layer_inputs(cache, 2)
+    cache.write_layers(keys, values, torch.tensor([-1, -1]))
+    keys, values = make_layer_inputs(cache, 0)
+    cache.write_layers(keys, values, torch.tensor([], dtype=torch.int64))
+    assert_unchanged(cache, before)
+
+
+# ---- chunked encoding and reused scratch ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "fp8_e5m2",
+                                   "auto"])
+@pytest.mark.parametrize("chunk", [1, 40, 8 * 3 * 6 * 2])
+def test_small_chunks_encode_the_same_bytes(dtype: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny `CHUNK_VALUES`: chunks of one token, of a few tokens with a remainder, of two whole layers."""
+    monkeypatch.setattr(quantize, "CHUNK_VALUES", chunk)
+    check_write_read(allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype=dtype)))
+    assert_write_layers_equals_single_writes(
+        lambda: allocate(make_plan(layout="per_layer/HND", kv_cache_dtype=dtype)), [3, -1, 8, 0, 12, 19])
+
+
+@settings(max_examples=20, deadline=None)
+@given(sizes=st.lists(st.sampled_from([1, 2, 7, 30, 70]), min_size=2, max_size=5),
+       chunk=st.sampled_from([64, 300, 1 << 20]), dtype=st.sampled_from(["int8_per_token_head", "int4_per_token_head"]))
+def test_writes_of_changing_sizes_reuse_scratch_exactly(sizes: list[int], chunk: int, dtype: str) -> None:
+    """Scratch views and chunk plans are cached per shape; growing a buffer drops them (never stale)."""
+    old = quantize.CHUNK_VALUES
+    quantize.CHUNK_VALUES = chunk
+    try:
+        cache = allocate(make_plan(layout="per_layer/NHD", kv_cache_dtype=dtype, num_blocks=20))
+        gen = torch.Generator().manual_seed(len(sizes))
+        for i, size in enumerate(sizes):
+            slots = torch.randperm(80, generator=gen)[:size].tolist()
+            if i % 2:
+                check_write_read(cache, slots)
+            else:
+                keys, values = make_layer_inputs(cache, size, seed=i)
+                cache.write_layers(keys, values, torch.tensor(slots))
+                for layer in range(cache.plan.num_layers):
+                    got_k, _ = cache.read(layer, torch.tensor(slots), dtype=torch.float32)
+                    want = encode_ref(keys[layer, 0, 1].float().tolist(), dtype, "uint8")
+                    assert got_k[0, 1].tolist() == decode_ref(want, dtype, "uint8", 8)
+    finally:
+        quantize.CHUNK_VALUES = old
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "int4_per_token_head", "fp8_per_token_head"])
+def test_a_large_write_needs_at_most_twice_its_input_in_scratch(dtype: str) -> None:
+    """The issue's bound on a write's extra memory, at the benchmark's size (2048 tokens x 8 heads x 128, bf16).
+
+    Peak extra memory of a write is the scratch it holds (chunk-sized, whatever
+    the input size) plus index tensors of 8 bytes a cell.
+    """
+    plan = make_plan(layout="per_layer/NHD", kv_cache_dtype=dtype, num_layers=1, num_kv_heads=8, head_size=128,
+                     block_size=16, num_blocks=128)
+    cache = allocate(plan)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(2048, 8, 128, generator=gen).to(torch.bfloat16)
+    value = torch.randn(2048, 8, 128, generator=gen).to(torch.bfloat16)
+    cache.write(0, key, value, torch.arange(2048))
+    index_bytes = 2 * 2048 * 8 * 8
+    extra = cache.scratch_bytes + index_bytes
+    assert extra <= 2 * (key.nbytes + value.nbytes), extra / (key.nbytes + value.nbytes)
