@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.decide import Scope, evaluate
 from engine.trace import Counterfactual, FieldChange
-from policy.conditions import leaves_of
+from policy.conditions import leaves_of, same_value
 from policy.context import MISSING, field_spec
 from policy.ruleset import RuleSet
 
@@ -23,10 +23,6 @@ __all__ = ["counterfactuals"]
 MAX_CHANGES = 3
 MAX_EVALUATIONS = 4000
 ALL_SCOPES = "*"
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a is b or (a == b and isinstance(a, bool) == isinstance(b, bool))
 
 
 def _alternatives(field: str, current: Any, literals: list[Any]) -> list[Any]:
@@ -49,7 +45,7 @@ def _alternatives(field: str, current: Any, literals: list[Any]) -> list[Any]:
         values.append(MISSING)
     out: list[Any] = []
     for v in values:
-        if not _same(v, current) and not any(_same(v, o) for o in out):
+        if not same_value(v, current) and not any(same_value(v, o) for o in out):
             out.append(v)
     return out
 

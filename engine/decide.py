@@ -1,4 +1,4 @@
-"""The decision procedure (DESIGN.md, "Decision semantics"); pure Python, no torch.
+"""The decision procedure (docs/rule-language.md, "Decision semantics"); pure Python, no torch.
 
 1. Candidates: every layout, in the rule set's default order.
 2. Active scopes: global, the configured connector, and recursively each
@@ -30,13 +30,12 @@ from policy.connectors import ConnectorConfig
 from policy.context import Context
 from policy.errors import Diagnostic, NoLayoutError
 from policy.layouts import Layout
-from policy.rule_model import Effect, MemberPreferences
+from policy.rule_model import MemberPreferences
 from policy.ruleset import CompiledRule, RuleSet
 
 __all__ = ["Outcome", "Scope", "evaluate", "rule_ref", "scopes_for"]
 
 _FORBID, _REQUIRE, _PREFER = 0, 1, 2
-_EFFECT_CODE = {Effect.forbid: _FORBID, Effect.require: _REQUIRE, Effect.prefer: _PREFER}
 
 
 @dataclass
@@ -145,7 +144,7 @@ def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: 
         events.append(RuleEvaluated(ref, scope.label, matched, tuple(leaves)))
         if not matched:
             continue
-        code = _EFFECT_CODE[rule.effect]
+        code = rule.fast[1]
         for i, layout in enumerate(order):
             hit = bool(rule.mask >> i & 1)
             if (code == _FORBID and hit) or (code == _REQUIRE and not hit):

@@ -15,7 +15,7 @@ from typing import Any
 from policy.context import MISSING
 from policy.rule_model import AllOf, AnyOf, Condition, Leaf, NotOf
 
-__all__ = ["CompiledCondition", "LeafResult", "compile_condition", "leaves_of"]
+__all__ = ["CompiledCondition", "LeafResult", "compile_condition", "leaves_of", "same_value"]
 
 Env = dict[str, Any]
 Test = Callable[[Env], bool]
@@ -51,7 +51,7 @@ def _num(op: Callable[[Any, Any], bool], bound: float) -> Callable[[Any], bool]:
     return check
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     # `true == 1` in Python; a rule saying `eq: true` must not match the integer 1
     return a == b and isinstance(a, bool) == isinstance(b, bool)
 
@@ -60,9 +60,9 @@ def leaf_predicate(leaf: Leaf) -> Callable[[Any], bool]:
     """The leaf's test on one field value."""
     op, value = leaf.op, leaf.value
     if op == "eq":
-        return lambda actual: _same(actual, value)
+        return lambda actual: same_value(actual, value)
     if op == "ne":
-        return lambda actual: not _same(actual, value)
+        return lambda actual: not same_value(actual, value)
     if op in ("in", "not_in"):
         plain = frozenset(v for v in value if not isinstance(v, bool))
         bools = frozenset(v for v in value if isinstance(v, bool))

@@ -79,8 +79,8 @@ class Leaf(Frozen):
     field: str = Field(description="a field path, e.g. `kv.per_token_head` or `connector.extra.<key>`")
     eq: Scalar = None
     ne: Scalar = None
-    in_: list[Scalar] | None = Field(default=None, alias="in")
-    not_in: list[Scalar] | None = None
+    in_: list[Scalar] | None = Field(default=None, alias="in", min_length=1)
+    not_in: list[Scalar] | None = Field(default=None, min_length=1)
     lt: Number | None = None
     le: Number | None = None
     gt: Number | None = None

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from policy.context import EXTRA_PREFIX, FIELDS, FieldSpec, field_spec
 from policy.errors import Diagnostic
-from policy.layouts import ALL_LAYOUTS, Layout, LayoutPattern
+from policy.layouts import Layout, LayoutPattern
 from policy.rule_model import OPERATORS, AllOf, AnyOf, Condition, Defaults, Leaf, NotOf, Rule, RuleFile
 from policy.yaml_source import Located, Path
 
@@ -256,5 +256,3 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
         return None, diags
     return header.model_copy(update={"rules": rules}), []
 
-
-ALL_LAYOUT_NAMES = tuple(str(layout) for layout in ALL_LAYOUTS)

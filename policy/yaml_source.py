@@ -148,7 +148,7 @@ def parse_yaml(text: str, file: str, limits: Limits = Limits()) -> tuple[Located
         return None, [Diagnostic(file, 1, 1, "yaml-syntax", f"invalid YAML: {exc}")]
     if not nodes or all(n is None for n in nodes):
         return None, [Diagnostic(file, 1, 1, "empty-document", "the file holds no YAML document",
-                                 "a rule file starts with `version: 1` and a `rules:` list")]
+                                 "the file is empty or holds only comments")]
     if len(nodes) > 1:
         line, col = _pos(nodes[1])
         return None, [Diagnostic(file, line, col, "multiple-documents", "a rule file holds exactly one document",

@@ -20,7 +20,7 @@ from typing import Any
 from engine.analysis.space import AnalysisInput, enumerate_inputs
 from engine.decide import evaluate, rule_ref, scopes_for
 from engine.plan import plan_layout
-from engine.trace import RuleRef
+from engine.trace import CandidateRemoved, RuleRef
 from engine.verify import verify_plan
 from policy.errors import PolicyError
 from policy.layouts import Layout
@@ -131,6 +131,7 @@ def lint(ruleset: RuleSet, inputs: list[AnalysisInput] | None = None) -> LintRep
     unsafe: dict[str, list[str]] = {}
     why: dict[str, list[str]] = {}
     conflicts: list[str] = []
+    conflict_rules: dict[str, RuleRef] = {}
     for n, inp in enumerate(space):
         glob, conn = scopes_for(ruleset, inp.context)
         count: dict[int, int] = {}
@@ -148,6 +149,9 @@ def lint(ruleset: RuleSet, inputs: list[AnalysisInput] | None = None) -> LintRep
         outcome = evaluate(ruleset, glob, conn, explain=False)
         if outcome.winner is None:
             conflicts.append(inp.label)
+            for e in evaluate(ruleset, glob, conn, explain=True).events:
+                if isinstance(e, CandidateRemoved):
+                    conflict_rules.setdefault(e.rule.id, e.rule)
             continue
         layout = order[outcome.winner]
         problem = verifier.problem(layout, inp)
@@ -163,8 +167,10 @@ def lint(ruleset: RuleSet, inputs: list[AnalysisInput] | None = None) -> LintRep
                                 f"the rules choose `{layout}` for {len(labels)} input(s) whose views would overlap "
                                 f"({shown})", inputs=tuple(labels)))
     if conflicts:
-        findings.append(Finding("error", "conflict", f"no layout survives for {len(conflicts)} input(s)",
-                                inputs=tuple(conflicts)))
+        named = ", ".join(f"`{r.id}` ({r.source})" for r in sorted(conflict_rules.values(), key=lambda r: r.source))
+        findings.append(Finding("error", "conflict",
+                                f"no layout survives for {len(conflicts)} input(s); the rules removing candidates "
+                                f"there: {named}", inputs=tuple(conflicts)))
     for rule in sorted(ruleset.rules, key=lambda r: (r.source, r.id)):
         hits = matched[rule.id]
         if not hits:

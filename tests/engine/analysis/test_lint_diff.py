@@ -92,6 +92,8 @@ def test_dead_rule_and_conflict_and_not_load_bearing() -> None:
     by_code = {f.code: f for f in report.findings}
     assert by_code["dead-rule"].rule.id == "never"
     assert by_code["conflict"].severity == "error"
+    assert "`mla-needs-hnd` (global.yaml:" in by_code["conflict"].message
+    assert "`mla-forbids-hnd` (global.yaml:" in by_code["conflict"].message
     assert all("backend=FLASHMLA" in label for label in by_code["conflict"].inputs)
     notes = {f.rule.id for f in report.findings if f.code == "not-load-bearing"}
     assert notes == {"no-per-layer-hnd"}  # per_layer/HND never overlaps: removing it protects nothing
