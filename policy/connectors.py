@@ -113,5 +113,9 @@ def flatten_extra(extra: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:
 
 
 def suggest_connector(name: str) -> str | None:
+    """The known connector ``name`` most likely means (``Nixl`` -> ``NixlConnector``), if any."""
     close = difflib.get_close_matches(name, sorted(KNOWN_CONNECTORS), n=1)
-    return close[0] if close else None
+    if close:
+        return close[0]
+    prefixed = sorted(k for k in KNOWN_CONNECTORS if k.lower().startswith(name.lower())) if name else []
+    return prefixed[0] if len(prefixed) == 1 else None
