@@ -13,10 +13,17 @@ the per-round ratios. Conventions follow bench/run.py's goals:
 - ``write_vs_naive``: the int8 write's throughput over a naive eager
   implementation (fresh temporaries, every cell byte written by one uint8
   ``index_put_``), kept below as `naive_int8_write`. Higher is better.
-- ``decode_write_vs_copy``: *time* of a decode step's writes (1, 4, 16 tokens;
-  one `write` per layer, 32 layers, int8 per-token-head) over the time of the same
-  number of ``copy_`` calls of the same bytes; geometric mean over the token
-  counts, each also reported. Lower is better.
+- ``write_scratch_vs_input`` (context): the scratch memory a write holds
+  (`KVCache.scratch_bytes`, its peak extra memory less index tensors) over the
+  input bytes, after the int8 write above.
+- ``decode_write_vs_copy``: *time* of one decode step's write of every layer
+  (1, 4, 16 tokens; one `KVCache.write_layers` call for all 32 layers, int8
+  per-token-head, cross_layer/NHD: one scatter for all layers) over the time of
+  32 ``copy_`` calls, each of one layer's K and V bytes; geometric mean over the
+  token counts, each also reported. Lower is better. Context: the same for
+  per_layer/NHD (``_per_layer``: one scatter per layer), for a bf16 cache
+  (``_auto``, ``_auto_per_layer``), and 32 `KVCache.write` calls on per_layer
+  (``decode_write_loop_per_layer_vs_copy``, the measure before write_layers).
 - ``offload_{cross,per_layer}_vs_copy``: throughput of `KVCache.offload` of 128
   blocks (bf16 cache, 2 MiB a block) into a preallocated CPU tensor, over ``copy_``
   of the same bytes between two contiguous tensors. Higher is better.
@@ -131,6 +138,7 @@ def bench_writes(quick: bool) -> dict[str, float]:
             t_write, t_naive, _ = _compare(lambda c=cache: c.write(3, key, value, slots),
                                            lambda c=cache: naive_int8_write(c, 3, key, value, slots), rounds)
             out["write_vs_naive"] = t_naive / t_write
+            out["write_scratch_vs_input"] = cache.scratch_bytes / nbytes
             fast = torch.cat([r.clone() for r in cache.raw])  # the two must agree byte for byte
             for r in cache.raw:
                 r.zero_()
@@ -141,36 +149,55 @@ def bench_writes(quick: bool) -> dict[str, float]:
     return out
 
 
+DECODE_CASES = [  # (layout, kv_cache_dtype, key suffix); the first is the goal's key
+    ("cross_layer/NHD", "int8_per_token_head", ""),
+    ("per_layer/NHD", "int8_per_token_head", "_per_layer"),
+    ("cross_layer/NHD", "auto", "_auto"),
+    ("per_layer/NHD", "auto", "_auto_per_layer"),
+]
+
+
 def bench_decode(quick: bool) -> dict[str, float]:
+    """One `KVCache.write_layers` call (all 32 layers) vs 32 ``copy_`` calls of one layer's K and V bytes each."""
     rounds = 15 if quick else 50
     num_blocks = 64
     gen = torch.Generator().manual_seed(1)
     out: dict[str, float] = {}
-    logs = []
-    for dtype, short in (("int8_per_token_head", ""), ("auto", "_auto")):
-        cache = allocate(llama_plan(dtype, "per_layer/NHD", num_blocks))
+    for layout, dtype, suffix in DECODE_CASES:
+        cache = allocate(llama_plan(dtype, layout, num_blocks))
+        logs, loop_logs = [], []
         for tokens in (1, 4, 16):
-            key = torch.randn(tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16)
-            value = torch.randn(tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16)
+            keys = torch.randn(LAYERS, tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16)
+            values = torch.randn(LAYERS, tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16)
             slots = torch.randperm(num_blocks * BLOCK, generator=gen)[:tokens]
-            src = torch.cat([key, value])
+            src = torch.cat([keys[0], values[0]])
             dsts = [torch.empty_like(src) for _ in range(LAYERS)]
 
-            def step(c: KVCache = cache, k: torch.Tensor = key, v: torch.Tensor = value,
-                     s: torch.Tensor = slots) -> None:
-                for layer in range(LAYERS):
-                    c.write(layer, k, v, s)
+            def step(c: KVCache = cache, k: torch.Tensor = keys, v: torch.Tensor = values, s: torch.Tensor = slots
+                     ) -> None:
+                c.write_layers(k, v, s)
 
             def copies(src: torch.Tensor = src, dsts: list[torch.Tensor] = dsts) -> None:
                 for d in dsts:
                     d.copy_(src)
 
             _, _, ratio = _compare(step, copies, rounds, inner=3)
-            out[f"decode_write{short}_vs_copy_t{tokens}"] = 1 / ratio  # a time ratio: lower is better
-            if not short:
-                logs.append(math.log(1 / ratio))
+            logs.append(math.log(1 / ratio))  # a time ratio: lower is better
+            if not suffix:
+                out[f"decode_write_vs_copy_t{tokens}"] = 1 / ratio
+            if suffix == "_per_layer":  # the per-layer API, one write() per layer, for comparison
+
+                def loop(c: KVCache = cache, k: torch.Tensor = keys, v: torch.Tensor = values,
+                         s: torch.Tensor = slots) -> None:
+                    for layer in range(LAYERS):
+                        c.write(layer, k[layer], v[layer], s)
+
+                _, _, ratio = _compare(loop, copies, max(5, rounds // 3), inner=3)
+                loop_logs.append(math.log(1 / ratio))
+        out[f"decode_write{suffix}_vs_copy"] = math.exp(sum(logs) / len(logs))
+        if loop_logs:
+            out["decode_write_loop_per_layer_vs_copy"] = math.exp(sum(loop_logs) / len(loop_logs))
         del cache
-    out["decode_write_vs_copy"] = math.exp(sum(logs) / len(logs))
     return out
 
 
@@ -224,7 +251,8 @@ KEYS = [
     ("write_fp8_vs_copy", "fp8 per-token-head write vs copy_ (throughput)", "higher"),
     ("write_int4_vs_copy", "int4 per-token-head write vs copy_ (throughput)", "higher"),
     ("write_vs_naive", "int8 write vs naive eager write (throughput)", "higher"),
-    ("decode_write_vs_copy", "decode writes, 32 layers, vs copy_ calls (time)", "lower"),
+    ("decode_write_vs_copy", "decode write_layers (32 layers, cross_layer) vs 32 copy_ calls (time)", "lower"),
+    ("decode_write_per_layer_vs_copy", "decode write_layers (32 layers, per_layer) vs 32 copy_ calls (time)", "lower"),
     ("offload_cross_vs_copy", "offload 128 blocks, cross_layer, vs copy_ (throughput)", "higher"),
     ("offload_per_layer_vs_copy", "offload 128 blocks, per_layer, vs copy_ (throughput)", "higher"),
 ]

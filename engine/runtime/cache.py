@@ -2,10 +2,12 @@
 
 ``write`` follows vLLM's ``reshape_and_cache``: K and V of shape (T, H, D),
 one slot per token (``block * block_size + offset``; negative skips the
-token). The quantization arithmetic is in `engine.runtime.quantize`. A write
-validates every argument and encodes every cell before it touches the cache,
-so a rejected write changes no byte; then it scatters whole cells (data and
-inline scale together) with one ``index_copy_``.
+token). ``write_layers`` takes every layer's K and V at once, (L, T, H, D), for
+a decode step: one check, one encode and one scatter per buffer instead of L
+of each. The quantization arithmetic is in `engine.runtime.quantize`. A write
+validates every argument before it touches the cache, so a rejected write
+changes no byte; then it encodes a chunk at a time into reused scratch and
+scatters whole cells (data and inline scale together) with ``index_copy_``.
 """
 
 from __future__ import annotations

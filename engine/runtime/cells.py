@@ -4,12 +4,15 @@ Every cell is ``cell_bytes`` contiguous bytes (the ``dim`` dim is innermost in
 every backend), at a byte address that is a sum of multiples of the plan's
 strides. Dividing every address by their greatest common divisor ``G`` makes
 the cells rows of one strided view, ``rows[r] = buffer[r*G : r*G + cell]``, so
-a whole write is one ``index_copy_`` and a read one ``index_select``. The view
-is over 4-byte words when the cell size and ``G`` allow: uint8 ``index_copy_``
-is several times slower on CPU. With padded pages ``G`` may be smaller than a
-cell, so rows overlap; only rows that are real cells are ever indexed.
-Decode-sized writes (a few tokens) spend their time on per-op overhead, not
-bytes, so their token rows are computed in Python and become one tensor.
+a write is one ``index_copy_`` per buffer (for every layer at once under
+cross_layer, whose layers share one buffer) and a read one ``index_select``.
+The view is over 4-byte words when the cell size and ``G`` allow: uint8
+``index_copy_`` is several times slower on CPU. With padded pages ``G`` may be
+smaller than a cell, so rows overlap; only rows that are real cells are ever
+indexed. The row of a cell is ``cell_rows[layer, kv, head] + token_row(slot)``,
+the first precomputed for every layer; decode-sized writes (a few tokens) spend
+their time on per-op overhead, not bytes, so their token rows are computed in
+Python and become one tensor (one token: a Python int, no tensor at all).
 """
 
 from __future__ import annotations

@@ -28,6 +28,15 @@ reference can reproduce it (tests/engine/runtime/test_reference.py):
 Divisors are always tensors on the data's device, never Python scalars:
 CUDA turns a division by a CPU scalar into a multiplication by its
 reciprocal, which is not the same rounding.
+
+The fast path computes exactly those bits with fewer passes over memory
+(`_Chunk.encode`): ``max|x|`` is an integer max over the fp32 bit patterns
+with the sign bit cleared (for non-negative floats, bit order is value
+order); the floor goes on ``amax`` before the division
+(``max(a / q, f) == max(a, q * f) / q``: division is monotonic and ``q * f``
+is exact); int4 pairs are packed through an int16 view of the int8 codes.
+K and V, and every layer of a whole-model write, are encoded together, a
+`CHUNK_VALUES` chunk at a time, in scratch reused across calls.
 """
 
 from __future__ import annotations
