@@ -156,12 +156,19 @@ class KVCache:
                     return
                 slots = slots.index_select(0, keep)
             rows = self.cells
-            index = rows.index(first, end, slots)  # (layers, kv, T, H)
+            blocks = rows.whole_blocks(slots)  # a prefill of whole blocks: scatter a block at a time
+            index = None if blocks is not None else rows.index(first, end, slots)  # (layers, kv, T, H)
+            n = self.plan.spec.block_size
             chunks = encode_chunks(parts, self._mode, self._cache_dtype, self._tensor_scales(first, end),
-                                   self._scratch, keep)
+                                   self._scratch, keep, align=n if blocks is not None else 1)
             # INVARIANT: the scatters below are the only writes to the cache.
             for a, t, cells in chunks:
-                rows.scatter(first + a.start, index[a, :, t] if t.stop - t.start < slots.numel() else index[a], cells)
+                if blocks is not None:
+                    rows.scatter_blocks(first + a.start, blocks[t.start // n : t.stop // n], cells)
+                else:
+                    assert index is not None
+                    whole = t.stop - t.start == slots.numel()
+                    rows.scatter(first + a.start, index[a] if whole else index[a, :, t], cells)
 
     def read(self, layer: int, slot_mapping: torch.Tensor, dtype: torch.dtype | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -121,13 +121,15 @@ def encode_chunks(
     tensor_scale: torch.Tensor | None,
     scratch: Scratch,
     tokens: torch.Tensor | None = None,
+    align: int = 1,
 ) -> Iterator[tuple[slice, slice, torch.Tensor]]:
     """Encode ``parts`` (P tensors (A, T, ..., D)) a chunk at a time: yield ``(a, t, cells)``.
 
     ``cells`` (len(a), P, len(t), ..., cell_bytes) uint8 holds the cells of
     ``parts[p][a, t]`` at ``[:, p]``; it is scratch, overwritten by the next chunk.
     ``tokens`` (int64 indices into T) encodes only those tokens, in that order;
-    ``t`` then indexes ``tokens``. K and V (and every layer, for a whole-model
+    ``t`` then indexes ``tokens``. Chunks of T start at multiples of ``align``
+    (whole blocks, for a block-wise scatter). K and V (and every layer, for a whole-model
     write) go through one fp32 work tensor together: a decode-sized write spends
     its time on the number of torch operations, not on bytes. Large inputs go
     `CHUNK_VALUES` at a time (chunks of T, or of A when one A is small), so the
@@ -141,6 +143,8 @@ def encode_chunks(
     inner = tuple(parts[0].shape[2:])
     per_t = len(parts) * math.prod(inner)
     step_t = min(max(1, CHUNK_VALUES // per_t), t_size)
+    if step_t < t_size:
+        step_t = max(align, step_t - step_t % align)
     step_a = max(1, CHUNK_VALUES // (per_t * t_size)) if step_t == t_size else 1
     for a0 in range(0, a_size, step_a):
         a = slice(a0, min(a0 + step_a, a_size))

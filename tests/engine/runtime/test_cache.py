@@ -463,3 +463,73 @@ def test_a_large_write_needs_at_most_twice_its_input_in_scratch(dtype: str) -> N
     index_bytes = 2 * 2048 * 8 * 8
     extra = cache.scratch_bytes + index_bytes
     assert extra <= 2 * (key.nbytes + value.nbytes), extra / (key.nbytes + value.nbytes)
+
+
+# ---- whole blocks: a prefill scatters a block's run of cells at a time ------------------------
+
+
+def whole_block_slots(blocks: list[int], block_size: int = 4) -> list[int]:
+    return [b * block_size + i for b in blocks for i in range(block_size)]
+
+
+WHOLE = whole_block_slots([7, 0, 19, 3, 12, 5, 18, 1, 9, 14, 2, 16, 11, 6, 17, 4, 10, 13])  # 72 slots
+
+
+@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD"])
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "int4_per_token_head", "fp8_per_token_head", "fp8_e5m2",
+                                   "auto"])
+def test_whole_block_prefills_take_the_block_path_and_stay_exact(layout: str, dtype: str) -> None:
+    cache = allocate(make_plan(layout=layout, kv_cache_dtype=dtype, num_blocks=20))
+    assert cache.cells.whole_blocks(torch.tensor(WHOLE)) is not None
+    check_write_read(cache, WHOLE)
+    assert_write_layers_equals_single_writes(
+        lambda: allocate(make_plan(layout=layout, kv_cache_dtype=dtype, num_blocks=20)), WHOLE)
+
+
+BLOCK_ODD = [*(g for g in ODD if "pad" in g), dict(head_size=6, kv_cache_dtype="int4_per_token_head")]
+
+
+@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD"])
+@pytest.mark.parametrize("geo", BLOCK_ODD, ids=str)
+def test_whole_blocks_on_padded_pages_and_odd_cells(layout: str, geo: dict) -> None:
+    cache = allocate(make_plan("TRITON_ATTN", layout, num_blocks=20, **geo))
+    assert cache.cells.whole_blocks(torch.tensor(WHOLE)) is not None
+    check_write_read(cache, WHOLE)
+
+
+def test_whole_blocks_of_an_mla_latent_cache() -> None:
+    cache = allocate(make_plan("FLASHMLA", "per_layer/NHD", kv_cache_dtype="int8_per_token_head", head_size=16,
+                               num_blocks=20))
+    assert cache.cells.whole_blocks(torch.tensor(WHOLE)) is not None
+    assert_write_layers_equals_single_writes(lambda: cache, WHOLE)
+    latent, _, slots = make_inputs(cache, WHOLE)
+    cache.write(1, latent, None, slots)
+    got, _ = cache.read(1, slots, dtype=torch.float32)
+    assert float((got - latent.float()).abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("name", ["partial last block", "starts mid-block", "tokens out of order", "head-major layout"])
+def test_anything_but_whole_blocks_takes_the_cell_path_and_stays_exact(name: str) -> None:
+    layout, slots = "per_layer/NHD", list(WHOLE)
+    if name == "partial last block":
+        slots = slots[:-1]
+    elif name == "starts mid-block":
+        slots = [*slots[1:], 8 * 4]  # block 8 is not in WHOLE
+    elif name == "tokens out of order":
+        slots[5], slots[6] = slots[6], slots[5]
+    else:
+        layout = "per_layer/HND"
+    cache = allocate(make_plan(layout=layout, kv_cache_dtype="int8_per_token_head", num_blocks=20))
+    assert cache.cells.whole_blocks(torch.tensor(slots)) is None
+    check_write_read(cache, slots)
+
+
+def test_whole_blocks_with_skipped_tokens_and_small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skipped tokens are dropped before the check; chunks of T start on block boundaries."""
+    slots = list(WHOLE)
+    slots[4:4] = [-1, -1]
+    monkeypatch.setattr(quantize, "CHUNK_VALUES", 3 * 2 * 2 * 8)  # 3 tokens a chunk: rounded to one block
+    cache = allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype="int4_per_token_head", num_blocks=20))
+    check_write_read(cache, slots)
+    assert_write_layers_equals_single_writes(
+        lambda: allocate(make_plan(layout="per_layer/NHD", kv_cache_dtype="fp8_per_token_head", num_blocks=20)), slots)
