@@ -93,6 +93,8 @@ class CellRows:
 
     def groups(self, first: int, end: int) -> list[tuple[int, int, int]]:
         """(buffer, lo, hi) for layers ``first..end-1``: layers ``first+lo..first+hi-1`` share ``buffer``."""
+        if end - first == 1:
+            return [(self._layers[first].buffer, 0, 1)]
         return [(b, max(lo, first) - first, min(hi, end) - first) for b, lo, hi in self._groups
                 if lo < end and hi > first]
 
