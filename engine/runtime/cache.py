@@ -133,9 +133,9 @@ class KVCache:
     def _check_value(self, value: object, key: torch.Tensor, name: str = "value") -> torch.Tensor | None:
         if self.plan.spec.kv_factor == 1:
             if value is not None:
-                raise input_error(name, "an MLA cache stores one latent per token: pass it as `key`",
-                                  f"call write(layer, latent, None, slot_mapping) or write_layers(latents, None, "
-                                  f"slot_mapping), not with `{name}`")
+                call = ("write(layer, latent, None, slot_mapping)" if name == "value"
+                        else "write_layers(latents, None, slot_mapping)")
+                raise input_error(name, "an MLA cache stores one latent per token: pass it as `key`", f"call {call}")
             return None
         dims = "(layers, tokens, heads, head_size)" if key.dim() == 4 else "(tokens, heads, head_size)"
         return check_values(name, value, tuple(key.shape), self.device, like=key, dims=dims)
