@@ -37,8 +37,6 @@ the per-round ratios. Conventions follow bench/run.py's goals:
 from __future__ import annotations
 
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -238,15 +236,10 @@ def run(quick: bool = False) -> dict[str, float]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    from run import machine as machine_info  # one description of the machine for every benchmark
+
+    info = machine_info()
+    return f"{info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['threads']} threads)"
 
 
 KEYS = [

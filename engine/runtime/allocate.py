@@ -30,7 +30,9 @@ def allocate(plan: LayoutPlan, device: str | torch.device = "cpu") -> KVCache:
                   for lp in plan.layers)
     cache = KVCache(plan, raw, buffers, views)
     # INVARIANT: a fresh cache matches its plan; verify() is the same check, callable later.
-    cache.verify()
+    # The overlap check is LayoutEngine.build's (and verify()'s on request): allocate() also
+    # serves tests and demonstrations that build an unsafe layout on purpose.
+    cache.verify(geometry=False)
     return cache
 
 

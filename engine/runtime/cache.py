@@ -221,8 +221,10 @@ class KVCache:
 
     # geometry ----------------------------------------------------------------------------------
 
-    def verify(self) -> None:
-        """Raise `GeometryError` unless every tensor still has the plan's bytes, shape, strides and offset."""
+    def verify(self, *, geometry: bool = True) -> None:
+        """Raise `GeometryError` unless every tensor still has the plan's bytes, shape, strides and
+        offset, and (``geometry``) no two of the plan's views write the same byte under the
+        backend's scale-view strategy (`engine.verify`)."""
         problems: list[str] = []
         for bp, raw, buf in zip(self.plan.buffers, self.raw, self.buffers, strict=True):
             where = f"buffer[{bp.index}]"
@@ -238,6 +240,10 @@ class KVCache:
         if problems:
             raise GeometryError("the KV cache no longer matches its plan",
                                 [Diagnostic(p.split(":")[0], 0, 0, "plan-mismatch", p) for p in problems])
+        if geometry:
+            from engine.verify import check_plan
+
+            check_plan(self.plan)
 
 
 def _len(t: object, dim: int = 0) -> int:

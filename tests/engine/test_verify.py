@@ -157,3 +157,12 @@ def test_engine_refuses_to_allocate_it_even_with_no_rules() -> None:
     # with stride-aware scale views the same layout is safe and allocates
     cache = empty.build(num_blocks=8, scale_views="stride_aware", **inputs)
     assert cache.plan.layout.placement is Placement.cross_layer
+
+
+def test_kvcache_verify_reports_overlapping_views() -> None:
+    spec = make_spec("int8_per_token_head")
+    unsafe = allocate(plan_layout(Layout.parse("cross_layer/NHD"), spec, BACKENDS["TRITON_ATTN"], 3))
+    with pytest.raises(GeometryError, match="refusing layout `cross_layer/NHD`"):
+        unsafe.verify()
+    unsafe.verify(geometry=False)  # the tensors themselves still match the plan
+    allocate(plan_layout(Layout.parse("per_layer/NHD"), spec, BACKENDS["TRITON_ATTN"], 3)).verify()

@@ -125,7 +125,7 @@ def test_allocated_tensors_are_exactly_the_plan(backend: str, layout: str, dtype
         assert got == (lp.view.shape, lp.view.strides, lp.view.storage_offset)
         assert got == expected_view(plan, lp.layer)
         assert view.untyped_storage().data_ptr() == cache.raw[lp.view.buffer].untyped_storage().data_ptr()
-    cache.verify()
+    cache.verify(geometry=False)  # every combo, the unsafe ones too: tensors vs plan
 
 
 def expected_strides_contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
