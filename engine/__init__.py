@@ -4,14 +4,8 @@ The decision path (this package's import, `LayoutEngine.decide`) never
 imports torch; the runtime (`LayoutEngine.build`, `engine.runtime`) does, lazily.
 """
 
-from engine.agreement import (
-    AgreementError,
-    CompatibilityResult,
-    LayoutMismatchError,
-    agree,
-    check_compatible,
-    require_compatible,
-)
+from typing import TYPE_CHECKING, Any
+
 from engine.decision import Decision
 from engine.fingerprint import LayoutFingerprint, fingerprint_of
 from engine.layout_engine import LayoutEngine, shipped_rules_dir
@@ -24,6 +18,31 @@ from engine.trace import (
     RuleEvaluated,
     RuleRef,
 )
+
+if TYPE_CHECKING:
+    from engine.agreement import (
+        AgreementError,
+        CompatibilityResult,
+        LayoutMismatchError,
+        agree,
+        check_compatible,
+        require_compatible,
+    )
+
+# Rank and peer agreement is not on the decision path (the CLI never needs it): loaded on first use.
+_LAZY = {name: "engine.agreement" for name in ("AgreementError", "CompatibilityResult", "LayoutMismatchError",
+                                               "agree", "check_compatible", "require_compatible")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
 
 __all__ = [
     "AgreementError",
