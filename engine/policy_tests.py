@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -518,12 +519,26 @@ def _check(expect: Expect, layout: Layout | None, error: PolicyError | None, sur
     return out
 
 
+def _located(exc: PolicyError, lc: LoadedCase) -> PolicyError:
+    """An input error named by field (``spec.block_size``) placed at that field in the case file."""
+    if not isinstance(exc, InputError):
+        return exc  # model-config errors are located in the config file already
+    diags = []
+    for d in exc.diagnostics:
+        if d.line == 0:
+            parts = [int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", d.file) if p]
+            d = lc.diag(("input", *parts), d.code, d.message, d.help)
+        diags.append(d)
+    return type(exc)(exc.message, diags)
+
+
 def run_case(ruleset: RuleSet, lc: LoadedCase) -> CaseResult:
     """Decide one case with the full trace and compare it with its expectation."""
     expect = lc.case.expect
     try:
         ctx = context_for(lc.case.input, lc.base_dir)
     except PolicyError as exc:
+        exc = _located(exc, lc)
         return CaseResult(lc, tuple(_check(expect, None, exc, [], {}, set())), frozenset(), None, exc)
     glob, conn = scopes_for(ruleset, ctx)
     outcome = evaluate(ruleset, glob, conn, explain=True)
