@@ -112,7 +112,8 @@ def test_expected_error_cases(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert code == 1
     assert (f"FAIL {path}:6: unexpected error\n  expected a decision\n"
             "  actual error: `invalid-input`, `unknown-backend`\n  error:\n"
-            "    backend: error[unknown-backend]: unknown backend `NOPE`") in out
+            f"    {path}:7:") in out  # located at `backend:` in the case file
+    assert "error[unknown-backend]: unknown backend `NOPE`" in out
     assert "1 passed, 1 failed" in out
 
 
