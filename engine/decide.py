@@ -202,7 +202,7 @@ def no_layout_error(ruleset: RuleSet, events: tuple[Event, ...]) -> NoLayoutErro
                                     + ", ".join(f"`{r}`" for r in removed)))
     return NoLayoutError(
         "no layout survives the rules for this input; these rules removed the candidates "
-        "(relax one of them or change the input; `kvpolicy dry-run` shows the full trace):",
+        "(relax one of them, or change the input):",
         diags,
     )
 
