@@ -31,11 +31,30 @@ the per-round ratios. Conventions follow bench/run.py's goals:
   blocks (bf16 cache, 2 MiB a block) into a preallocated CPU tensor, over ``copy_``
   of the same bytes between two contiguous tensors. Higher is better.
 
-    python bench/bench_runtime.py [--quick]
+With ``--device cuda`` (`run(quick, "cuda")`) the cache, the inputs, the slot
+mappings and every ``copy_`` reference are on the GPU; every timed region is
+bracketed by ``torch.cuda.synchronize()`` and timed with ``perf_counter``, so
+host work inside a call (launches, the runtime's host syncs) counts, as it does
+for a caller. The keys above keep their meaning with "on the device" for "on the
+CPU", except offload: the cache is on the GPU, the destination a pinned CPU
+tensor, and the reference a plain ``copy_`` of the same bytes from a contiguous
+device tensor into a pinned one (device to host). GPU-only keys:
+
+- ``device_copy_gbps`` (context): device memory bandwidth, bytes read plus
+  bytes written per second by ``copy_`` of 1 GiB from one device tensor to another.
+- ``write_{int8,fp8,int4}_vs_membw``: the write's achieved bandwidth, input bytes
+  read plus cell bytes written (codes and scales) per second, over
+  ``device_copy_gbps``. Higher is better; the issue's goal is 0.5x (FlashInfer's
+  fused append reaches about 0.6x from 384 tokens up).
+- ``write_int8_t{384,2048,16384}_vs_membw`` (context): the same for int8 at three
+  prefill sizes (2048 is the goal key's write).
+
+    python bench/bench_runtime.py [--quick] [--device cpu|cuda]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import sys
@@ -57,6 +76,10 @@ from policy.spec import KVCacheSpec  # noqa: E402
 LAYERS, BLOCK, HEADS, HEAD = 32, 16, 8, 128  # Llama-3-8B per rank
 TOKENS = 2048
 TRITON = BACKENDS["TRITON_ATTN"]
+GPU_INNER = 10  # calls per timed region on a GPU, where one call can be a few microseconds
+SWEEP_TOKENS = (384, 2048, 16384)
+CPU = torch.device("cpu")
+MEMBW_BYTES = 1 << 30
 
 
 def llama_plan(kv_cache_dtype: str, layout: str, num_blocks: int) -> LayoutPlan:
@@ -81,63 +104,100 @@ def naive_int8_write(cache: KVCache, layer: int, key: torch.Tensor, value: torch
     sizes = {d: s for d, s in zip(view.dims, view.strides, strict=True)}
     block = slot_mapping // spec.block_size
     offset = slot_mapping % spec.block_size
+    dev = slot_mapping.device
+    # CUDA turns a division by a Python scalar into a multiplication by its reciprocal (see
+    # engine/runtime/quantize.py), which is not the runtime's rounding: divide by a device tensor there.
+    qmax = 127.0 if dev.type == "cpu" else torch.tensor(127.0, device=dev)
     for kv, x in enumerate((key, value)):
         xf = x.float()
-        scale = xf.abs().amax(-1, keepdim=True) / 127.0
+        scale = xf.abs().amax(-1, keepdim=True) / qmax
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         q = torch.clamp(torch.round(xf / scale), -127, 127).to(torch.int8)
         cells = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
         base = view.storage_offset + kv * sizes["kv"] + block * sizes["block"] + offset * sizes["token"]
-        addr = (base.view(-1, 1, 1) + torch.arange(spec.num_kv_heads).view(1, -1, 1) * sizes["head"]
-                + torch.arange(spec.cell_bytes).view(1, 1, -1))
+        addr = (base.view(-1, 1, 1) + torch.arange(spec.num_kv_heads, device=dev).view(1, -1, 1) * sizes["head"]
+                + torch.arange(spec.cell_bytes, device=dev).view(1, 1, -1))
         raw.index_put_((addr.flatten(),), cells.flatten())
 
 
-def _time(fn: Callable[[], object], inner: int = 1) -> float:
+Sync = Callable[[], None] | None
+
+
+def _sync(device: torch.device) -> Sync:
+    """What to call before and after a timed region: nothing on the CPU, a device synchronize on CUDA."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], object], inner: int = 1, sync: Sync = None) -> float:
+    if sync is not None:
+        sync()
     start = time.perf_counter()
     for _ in range(inner):
         fn()
+    if sync is not None:
+        sync()
     return (time.perf_counter() - start) / inner
 
 
 def _compare(ours: Callable[[], object], base: Callable[[], object], rounds: int, inner: int = 1,
-             warmup: int = 2) -> tuple[float, float, float]:
+             warmup: int = 2, sync: Sync = None) -> tuple[float, float, float]:
     """(median time ours, median time base, median of per-round base/ours), interleaved."""
     for _ in range(warmup):
         ours()
         base()
     t_ours, t_base, ratios = [], [], []
     for _ in range(rounds):
-        a = _time(ours, inner)
-        b = _time(base, inner)
+        a = _time(ours, inner, sync)
+        b = _time(base, inner, sync)
         t_ours.append(a)
         t_base.append(b)
         ratios.append(b / a)
     return statistics.median(t_ours), statistics.median(t_base), statistics.median(ratios)
 
 
-def bench_writes(quick: bool) -> dict[str, float]:
+def bench_bandwidth(quick: bool, device: torch.device) -> float:
+    """Device memory bandwidth, bytes read plus written per second, of a 1 GiB device-to-device ``copy_``."""
+    sync = _sync(device)
+    src = torch.empty(MEMBW_BYTES, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    t = []
+    for _ in range(2):  # warm-up
+        dst.copy_(src)
+    for _ in range(5 if quick else 15):
+        t.append(_time(lambda: dst.copy_(src), 5, sync))
+    return 2 * MEMBW_BYTES / statistics.median(t)
+
+
+def bench_writes(quick: bool, device: torch.device = CPU, membw: float | None = None) -> dict[str, float]:
     rounds = 7 if quick else 41
+    sync = _sync(device)
+    inner = 1 if sync is None else GPU_INNER
     num_blocks = TOKENS // BLOCK * 2
     gen = torch.Generator().manual_seed(0)
-    key = torch.randn(TOKENS, HEADS, HEAD, generator=gen).to(torch.bfloat16)
-    value = torch.randn(TOKENS, HEADS, HEAD, generator=gen).to(torch.bfloat16)
-    slots = prefill_slots(TOKENS, num_blocks, gen)
+    key = torch.randn(TOKENS, HEADS, HEAD, generator=gen).to(torch.bfloat16).to(device)
+    value = torch.randn(TOKENS, HEADS, HEAD, generator=gen).to(torch.bfloat16).to(device)
+    slots = prefill_slots(TOKENS, num_blocks, gen).to(device)
     nbytes = key.nbytes + value.nbytes
     src = torch.cat([key, value])
     dst = torch.empty_like(src)
     out: dict[str, float] = {}
     for short, dtype in (("int8", "int8_per_token_head"), ("fp8", "fp8_per_token_head"),
                          ("int4", "int4_per_token_head")):
-        cache = allocate(llama_plan(dtype, "per_layer/NHD", num_blocks))
+        cache = allocate(llama_plan(dtype, "per_layer/NHD", num_blocks), device)
         t_write, t_copy, ratio = _compare(lambda c=cache: c.write(3, key, value, slots), lambda: dst.copy_(src),
-                                          rounds)
+                                          rounds, inner, sync=sync)
         out[f"write_{short}_vs_copy"] = ratio
         out[f"write_{short}_gbps"] = nbytes / t_write / 1e9
         out.setdefault("copy_gbps", nbytes / t_copy / 1e9)
+        if membw is not None:  # bytes read (the input) plus bytes written (the cells), over the device's bandwidth
+            moved = nbytes + 2 * TOKENS * HEADS * cache.plan.spec.cell_bytes
+            out[f"write_{short}_vs_membw"] = moved / t_write / membw
         if short == "int8":
             t_write, t_naive, _ = _compare(lambda c=cache: c.write(3, key, value, slots),
-                                           lambda c=cache: naive_int8_write(c, 3, key, value, slots), rounds)
+                                           lambda c=cache: naive_int8_write(c, 3, key, value, slots), rounds,
+                                           inner, sync=sync)
             out["write_vs_naive"] = t_naive / t_write
             out["write_scratch_vs_input"] = cache.scratch_bytes / nbytes
             fast = torch.cat([r.clone() for r in cache.raw])  # the two must agree byte for byte
@@ -150,6 +210,28 @@ def bench_writes(quick: bool) -> dict[str, float]:
     return out
 
 
+def bench_write_sweep(quick: bool, device: torch.device, membw: float) -> dict[str, float]:
+    """GPU context: the int8 write's achieved bandwidth over the device's at several prefill sizes."""
+    sync = _sync(device)
+    rounds = 5 if quick else 21
+    gen = torch.Generator().manual_seed(3)
+    out: dict[str, float] = {}
+    for tokens in SWEEP_TOKENS:
+        num_blocks = math.ceil(tokens / BLOCK) * 2
+        key = torch.randn(tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16).to(device)
+        value = torch.randn(tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16).to(device)
+        slots = prefill_slots(tokens, num_blocks, gen).to(device)
+        src = torch.cat([key, value])
+        dst = torch.empty_like(src)
+        cache = allocate(llama_plan("int8_per_token_head", "per_layer/NHD", num_blocks), device)
+        t_write, _, _ = _compare(lambda c=cache, k=key, v=value, s=slots: c.write(3, k, v, s),
+                                 lambda s=src, d=dst: d.copy_(s), rounds, GPU_INNER, sync=sync)
+        moved = src.nbytes + 2 * tokens * HEADS * cache.plan.spec.cell_bytes
+        out[f"write_int8_t{tokens}_vs_membw"] = moved / t_write / membw
+        del cache, key, value, src, dst
+    return out
+
+
 DECODE_CASES = [  # (layout, kv_cache_dtype, key suffix); the first is the goal's key
     ("cross_layer/NHD", "int8_per_token_head", ""),
     ("per_layer/NHD", "int8_per_token_head", "_per_layer"),
@@ -158,19 +240,21 @@ DECODE_CASES = [  # (layout, kv_cache_dtype, key suffix); the first is the goal'
 ]
 
 
-def bench_decode(quick: bool) -> dict[str, float]:
+def bench_decode(quick: bool, device: torch.device = CPU) -> dict[str, float]:
     """One `KVCache.write_layers` call (all 32 layers) vs 32 ``copy_`` calls of one layer's K and V bytes each."""
     rounds = 15 if quick else 50
+    sync = _sync(device)
+    inner = 3 if sync is None else GPU_INNER
     num_blocks = 64
     gen = torch.Generator().manual_seed(1)
     out: dict[str, float] = {}
     for layout, dtype, suffix in DECODE_CASES:
-        cache = allocate(llama_plan(dtype, layout, num_blocks))
+        cache = allocate(llama_plan(dtype, layout, num_blocks), device)
         logs, loop_logs = [], []
         for tokens in (1, 4, 16):
-            keys = torch.randn(LAYERS, tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16)
-            values = torch.randn(LAYERS, tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16)
-            slots = torch.randperm(num_blocks * BLOCK, generator=gen)[:tokens]
+            keys = torch.randn(LAYERS, tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16).to(device)
+            values = torch.randn(LAYERS, tokens, HEADS, HEAD, generator=gen).to(torch.bfloat16).to(device)
+            slots = torch.randperm(num_blocks * BLOCK, generator=gen)[:tokens].to(device)
             src = torch.cat([keys[0], values[0]])
             dsts = [torch.empty_like(src) for _ in range(LAYERS)]
 
@@ -182,7 +266,7 @@ def bench_decode(quick: bool) -> dict[str, float]:
                 for d in dsts:
                     d.copy_(src)
 
-            _, _, ratio = _compare(step, copies, rounds, inner=3)
+            _, _, ratio = _compare(step, copies, rounds, inner=inner, sync=sync)
             logs.append(math.log(1 / ratio))  # a time ratio: lower is better
             if not suffix:
                 out[f"decode_write_vs_copy_t{tokens}"] = 1 / ratio
@@ -193,7 +277,7 @@ def bench_decode(quick: bool) -> dict[str, float]:
                     for layer in range(LAYERS):
                         c.write(layer, k[layer], v[layer], s)
 
-                _, _, ratio = _compare(loop, copies, max(5, rounds // 3), inner=3)
+                _, _, ratio = _compare(loop, copies, max(5, rounds // 3), inner=inner, sync=sync)
                 loop_logs.append(math.log(1 / ratio))
         out[f"decode_write{suffix}_vs_copy"] = math.exp(sum(logs) / len(logs))
         if loop_logs:
@@ -202,50 +286,89 @@ def bench_decode(quick: bool) -> dict[str, float]:
     return out
 
 
-def bench_offload(quick: bool) -> dict[str, float]:
+def bench_offload(quick: bool, device: torch.device = CPU) -> dict[str, float]:
+    """CPU: offload into a CPU tensor vs a CPU ``copy_``. CUDA: offload into a pinned CPU tensor vs a
+    device-to-pinned-host ``copy_`` of the same bytes from a contiguous device tensor."""
     rounds = 5 if quick else 15
+    sync = _sync(device)
+    cuda = sync is not None
     n, num_blocks = 128, 160
     gen = torch.Generator().manual_seed(2)
     ids = torch.randperm(num_blocks, generator=gen)[:n]
     out: dict[str, float] = {}
     dst = None
     for layout, key in (("cross_layer/NHD", "offload_cross_vs_copy"), ("per_layer/NHD", "offload_per_layer_vs_copy")):
-        cache = allocate(llama_plan("auto", layout, num_blocks))
+        cache = allocate(llama_plan("auto", layout, num_blocks), device)
         for r in cache.raw:
             r.random_(0, 256)
-        buf = torch.empty((n, LAYERS, cache.plan.page_size_bytes), dtype=torch.uint8)
-        if dst is None:
-            src, dst = torch.empty_like(buf).random_(0, 256), torch.empty_like(buf)
-        t_off, t_copy, ratio = _compare(lambda c=cache, b=buf: c.offload(ids, out=b), lambda s=src, d=dst: d.copy_(s),
-                                        rounds, warmup=1)
+        shape = (n, LAYERS, cache.plan.page_size_bytes)
+        buf = _host(shape, pinned=cuda)
+        if dst is None:  # the reference: the same bytes from a contiguous tensor on the cache's device
+            src, dst = torch.empty_like(buf, device=device).random_(0, 256), _host(shape, pinned=cuda)
+        t_off, t_copy, ratio = _compare(lambda c=cache, b=buf: c.offload(ids, out=b),
+                                        lambda s=src, d=dst: d.copy_(s, non_blocking=cuda), rounds, warmup=1,
+                                        sync=sync)
         out[key] = ratio
         out[key.replace("_vs_copy", "_gbps")] = buf.nbytes / t_off / 1e9
         out.setdefault("offload_copy_gbps", buf.nbytes / t_copy / 1e9)
+        if cuda and not torch.equal(buf, cache.offload(ids)):
+            raise AssertionError("offload into a pinned buffer and a fresh offload disagree")
         del cache, buf
     return out
 
 
-def run(quick: bool = False) -> dict[str, float]:
+def _host(shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
+    """A CPU uint8 tensor; pinned (page-locked) for transfers from a GPU (``empty_like`` would drop that)."""
+    if pinned:
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(shape, dtype=torch.uint8)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``cpu`` or ``cuda[:i]`` (with its index, as the runtime's tensors carry it)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise SystemExit(f"--device {device}: use cpu or cuda")
+    return dev
+
+
+def run(quick: bool = False, device: str | torch.device = "cpu") -> dict[str, float]:
     """Every runtime ratio (see the module docstring) plus context figures (GB/s, per-token-count ratios)."""
+    dev = resolve_device(device)
     results: dict[str, float] = {}
     with torch.no_grad():
-        results.update(bench_writes(quick))
-        results.update(bench_decode(quick))
-        results.update(bench_offload(quick))
+        membw = None
+        if dev.type == "cuda":
+            membw = bench_bandwidth(quick, dev)
+            results["device_copy_gbps"] = membw / 1e9
+        results.update(bench_writes(quick, dev, membw))
+        if membw is not None:
+            results.update(bench_write_sweep(quick, dev, membw))
+        results.update(bench_decode(quick, dev))
+        results.update(bench_offload(quick, dev))
     return results
 
 
-def machine() -> str:
+def machine(device: str | torch.device = "cpu") -> str:
     from run import machine as machine_info  # one description of the machine for every benchmark
 
-    info = machine_info()
-    return f"{info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['threads']} threads)"
+    info = machine_info(device)
+    text = f"{info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['threads']} threads)"
+    return text + (f"; {info['gpu']}" if "gpu" in info else "")
 
 
 KEYS = [
     ("write_int8_vs_copy", "int8 per-token-head write vs copy_ (throughput)", "higher"),
     ("write_fp8_vs_copy", "fp8 per-token-head write vs copy_ (throughput)", "higher"),
     ("write_int4_vs_copy", "int4 per-token-head write vs copy_ (throughput)", "higher"),
+    ("write_int8_vs_membw", "int8 write, bytes read+written/s, vs device copy_ bandwidth (GPU)", "higher"),
+    ("write_fp8_vs_membw", "fp8 write, bytes read+written/s, vs device copy_ bandwidth (GPU)", "higher"),
+    ("write_int4_vs_membw", "int4 write, bytes read+written/s, vs device copy_ bandwidth (GPU)", "higher"),
     ("write_vs_naive", "int8 write vs naive eager write (throughput)", "higher"),
     ("decode_write_vs_copy", "decode write_layers (32 layers, cross_layer) vs 32 copy_ calls (time)", "lower"),
     ("decode_write_per_layer_vs_copy", "decode write_layers (32 layers, per_layer) vs 32 copy_ calls (time)", "lower"),
@@ -254,14 +377,19 @@ KEYS = [
 ]
 
 
-def table(results: dict[str, float]) -> str:
-    lines = [f"machine: {machine()}", "", "| what | ratio | better |", "|---|---|---|"]
+def table(results: dict[str, float], device: str | torch.device = "cpu") -> str:
+    lines = [f"machine: {machine(device)}", "", "| what | ratio | better |", "|---|---|---|"]
     for key, what, better in KEYS:
-        lines.append(f"| {what} (`{key}`) | {results[key]:.3f}x | {better} |")
+        if key in results:  # the _vs_membw keys exist on a GPU only
+            lines.append(f"| {what} (`{key}`) | {results[key]:.3f}x | {better} |")
     extra = [k for k in results if k not in dict((k, 0) for k, _, _ in KEYS)]
     lines += ["", "context: " + ", ".join(f"{k}={results[k]:.3g}" for k in extra)]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(table(run(quick="--quick" in sys.argv)))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
+    args = parser.parse_args()
+    print(table(run(args.quick, args.device), args.device))

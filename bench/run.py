@@ -3,11 +3,16 @@
     python bench/run.py            # full run (a few minutes on 2 cores)
     python bench/run.py --quick    # within a minute
     python bench/run.py --json -   # also write the flat JSON object of ratios (- for stdout)
+    python bench/run.py --device cuda   # the runtime benchmarks on a GPU (bench/README.md, "On a GPU")
 
 Every figure is a ratio measured in the same run against its reference
 (hand-written check, yaml.safe_load, `import torch`, torch `copy_` of the
 same bytes, the naive eager implementation), so it does not depend on how
 fast the machine is. Goals are those of the performance issue.
+
+``--device cuda`` runs only the runtime family (bench_runtime.py) with its
+cache, inputs and references on the GPU: the decision and command-line
+benchmarks never touch a device, so their figures are the CPU's either way.
 """
 
 from __future__ import annotations
@@ -37,10 +42,15 @@ GOALS: dict[str, tuple[str, str, object]] = {
                              lambda r: r <= 3),
     "offload_cross_vs_copy": ("offload 128 blocks, cross_layer, vs copy_", ">= 0.8x", lambda r: r >= 0.8),
     "offload_per_layer_vs_copy": ("offload 128 blocks, per_layer, vs copy_", ">= 0.5x", lambda r: r >= 0.5),
+    # --device cuda only: bytes read + written per second over the device's copy_ bandwidth (bench_runtime.py)
+    "write_int8_vs_membw": ("int8 write, bytes read+written/s, vs device memory bandwidth", ">= 0.5x",
+                            lambda r: r >= 0.5),
+    "write_fp8_vs_membw": ("fp8 write vs device memory bandwidth", ">= 0.5x", lambda r: r >= 0.5),
+    "write_int4_vs_membw": ("int4 write vs device memory bandwidth", ">= 0.5x", lambda r: r >= 0.5),
 }
 
 
-def machine() -> dict[str, str]:
+def machine(device: str = "cpu") -> dict[str, str]:
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -51,19 +61,26 @@ def machine() -> dict[str, str]:
         pass
     import torch
 
-    return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(),
+    info = {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(),
             "torch": torch.__version__, "threads": str(torch.get_num_threads())}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info["gpu"] = (f"GPU {props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}, "
+                       f"compute capability {props.major}.{props.minor}")
+    return info
 
 
-def run(quick: bool) -> dict[str, float]:
-    import bench_cli
-    import bench_decide
+def run(quick: bool, device: str = "cpu") -> dict[str, float]:
     import bench_runtime
 
     results: dict[str, float] = {}
-    results.update(bench_decide.run(quick))
-    results.update(bench_cli.run(quick))
-    results.update(bench_runtime.run(quick))
+    if device == "cpu":  # no device in these two: on a GPU run they would only repeat the CPU's figures
+        import bench_cli
+        import bench_decide
+
+        results.update(bench_decide.run(quick))
+        results.update(bench_cli.run(quick))
+    results.update(bench_runtime.run(quick, device))
     return results
 
 
@@ -71,6 +88,8 @@ def table(results: dict[str, float], info: dict[str, str]) -> str:
     lines = [f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, torch {info['torch']} "
              f"({info['threads']} threads)", "",
              "| what | ratio | goal | met |", "|---|---|---|---|"]
+    if "gpu" in info:
+        lines[1:1] = [f"device: {info['gpu']} (runtime benchmarks only; decide and CLI are CPU-only)"]
     for key, (what, goal, ok) in GOALS.items():
         if key in results:
             value = results[key]
@@ -84,12 +103,18 @@ def table(results: dict[str, float], info: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions; finishes within a minute")
-    parser.add_argument("--json", metavar="FILE", help="write the flat JSON object of ratios (- for stdout)")
+    parser.add_argument("--json", metavar="FILE", help="write the flat JSON object of ratios (- for stdout); "
+                        "with --device cuda, the context figures too")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]: where the runtime "
+                        "benchmarks put the cache, inputs and copy_ references")
     args = parser.parse_args(argv)
-    results = run(args.quick)
-    print(table(results, machine()))
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device {args.device}: use cpu or cuda")
+    results = run(args.quick, args.device)
+    print(table(results, machine(args.device)))
     if args.json:
-        ratios = {k: round(results[k], 4) for k in GOALS if k in results}
+        keys = list(GOALS) if args.device == "cpu" else sorted(results)
+        ratios = {k: round(results[k], 4) for k in keys if k in results}
         text = json.dumps(ratios, indent=2, sort_keys=True)
         if args.json == "-":
             print(text)
