@@ -11,6 +11,7 @@ from engine.cli.common import (
     EXIT_USAGE,
     HelpFormatter,
     add_format_flag,
+    int_at_least,
     load_ruleset,
     print_error,
     print_json,
@@ -48,16 +49,6 @@ exit codes: 0 no decision changes, 1 some decisions change, 2 usage error
 """
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a count (0 or more), got `{text}`")
-    return value
-
-
 def register(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
         "lint", help="check a rule set over every input: unsafe permits, conflicts, dead rules",
@@ -69,7 +60,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-views", choices=[s.value for s in ScaleViews], action="append",
                    help="restrict the space to backends with this scale-view strategy (repeatable)")
     p.add_argument("--strict", action="store_true", help="warnings fail the lint too")
-    p.add_argument("--max-inputs", type=_count, default=20, metavar="N",
+    p.add_argument("--max-inputs", type=int_at_least(0), default=20, metavar="N",
                    help="inputs listed per finding in text output (default 20; JSON lists all)")
     add_format_flag(p)
     p.set_defaults(run=run_lint)
@@ -81,7 +72,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
         epilog=_DIFF_EPILOG, formatter_class=HelpFormatter)
     d.add_argument("old", metavar="OLD", help="the rule directory before the change")
     d.add_argument("new", metavar="NEW", help="the rule directory after the change")
-    d.add_argument("--max-changes", type=_count, default=50, metavar="N",
+    d.add_argument("--max-changes", type=int_at_least(0), default=50, metavar="N",
                    help="changed inputs shown in text output (default 50; JSON lists all)")
     add_format_flag(d)
     d.set_defaults(run=run_diff)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,6 +23,7 @@ __all__ = [
     "add_rules_flag",
     "error_dict",
     "exit_code_for",
+    "int_at_least",
     "load_ruleset",
     "print_error",
     "print_json",
@@ -44,6 +46,22 @@ class UsageError(PolicyError):
 
 def usage_error(flag: str, message: str, help: str | None = None) -> UsageError:
     return UsageError("", [Diagnostic(flag, 0, 0, "usage", message, help)])
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (1: a positive integer, 0: a count)."""
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got `{text}`") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got `{text}`")
+        return value
+
+    return parse
 
 
 def add_rules_flag(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from engine.cli.common import (
     add_rules_flag,
     error_dict,
     exit_code_for,
+    int_at_least,
     load_ruleset,
     print_error,
     print_json,
@@ -72,16 +73,6 @@ exit codes: 0 a layout was chosen, 1 no layout survives the rules (or they do no
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got `{text}`") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got `{text}`")
-    return value
-
-
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -108,8 +99,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
     what.add_argument("--spec", metavar="FILE", help="a YAML or JSON file of KVCacheSpec fields (or `groups:`)")
     src.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="DTYPE",
                      help="vLLM's --kv-cache-dtype: " + ", ".join(KV_CACHE_DTYPES))
-    src.add_argument("--block-size", type=_positive_int, metavar="N", help="tokens per block (vLLM's --block-size)")
-    src.add_argument("--tensor-parallel-size", type=_positive_int, metavar="N",
+    src.add_argument("--block-size", type=int_at_least(1), metavar="N", help="tokens per block (vLLM's --block-size)")
+    src.add_argument("--tensor-parallel-size", type=int_at_least(1), metavar="N",
                      help="with --model: KV heads are split over N ranks (default 1)")
     dep = p.add_argument_group("the deployment")
     dep.add_argument("--backend", choices=tuple(BACKENDS), metavar="NAME",
@@ -126,7 +117,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     out.add_argument("--explain", choices=("full", "fails", "notes"), default="full",
                      help="full: everything (default); fails: removals and counterfactuals; notes: what decided")
     add_format_flag(out)
-    out.add_argument("--num-blocks", type=_positive_int, metavar="N",
+    out.add_argument("--num-blocks", type=int_at_least(1), metavar="N",
                      help="also plan the buffers for N blocks: physical shapes, views, bytes")
     out.add_argument("--map", action="store_true",
                      help="draw one block's bytes: which layer and role owns each range, overlaps marked (!!)")
