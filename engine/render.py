@@ -78,6 +78,9 @@ def render_text(decision: Decision, mode: str = "full") -> str:
         out.append("preferences:")
         for p in decision.preferences:
             out.append(f"  +{p.weight} {p.layout!s:<16} {p.rule.id} ({p.scope}) at {p.rule.source}")
+        if any("/" in p.scope for p in decision.preferences):
+            out.append("  (member connectors' weights combine by the composite's `member_preferences`, "
+                       "`all` = the smallest; the ranking shows the combined scores)")
         out.append("")
 
     if mode in ("full", "fails"):
