@@ -31,11 +31,10 @@ from policy.context import Context
 from policy.errors import Diagnostic, NoLayoutError
 from policy.layouts import Layout
 from policy.rule_model import MemberPreferences
-from policy.ruleset import CompiledRule, RuleSet
+from policy.ruleset import FORBID, PREFER, REQUIRE, CompiledRule, RuleSet
 
 __all__ = ["Outcome", "Scope", "evaluate", "rule_ref", "scopes_for"]
 
-_FORBID, _REQUIRE, _PREFER = 0, 1, 2
 
 
 @dataclass
@@ -47,7 +46,6 @@ class Scope:
     env: dict[str, Any]
     members: tuple[Scope, ...] = ()
     mode: MemberPreferences = MemberPreferences.all
-    is_connector: bool = False
 
     def walk(self) -> list[Scope]:
         out = [self]
@@ -63,7 +61,7 @@ class Scope:
         if self.label in overrides:
             env = {**env, **overrides[self.label]}
         members = tuple(m.with_env(overrides) for m in self.members)
-        return Scope(self.label, self.rules, env, members, self.mode, self.is_connector)
+        return Scope(self.label, self.rules, env, members, self.mode)
 
 
 def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, label: str, top: bool) -> Scope:
@@ -71,7 +69,7 @@ def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, labe
         _connector_scope(ruleset, ctx, m, f"{label}/{m.name}[{i}]", False) for i, m in enumerate(conn.connectors)
     )
     env = ctx.env() if top else ctx.env(conn)
-    return Scope(label, ruleset.connector_rules(conn.name), env, members, ruleset.combine_mode(conn.name), True)
+    return Scope(label, ruleset.connector_rules(conn.name), env, members, ruleset.combine_mode(conn.name))
 
 
 def scopes_for(ruleset: RuleSet, ctx: Context) -> tuple[Scope, Scope | None]:
@@ -95,6 +93,10 @@ class Outcome(NamedTuple):
     winner: int | None
     events: tuple[Event, ...] = ()
 
+    def ranked(self) -> list[int]:
+        """Indices of the surviving candidates, best first (score, then the default order)."""
+        return sorted((i for i in range(len(self.scores)) if self.alive >> i & 1), key=lambda i: (-self.scores[i], i))
+
 
 def _fast_scope(scope: Scope, n: int, alive: int) -> tuple[int, list[int]]:
     score = [0] * n
@@ -102,9 +104,9 @@ def _fast_scope(scope: Scope, n: int, alive: int) -> tuple[int, list[int]]:
     for rule in scope.rules:
         test, code, mask, weights = rule.fast
         if test(env):
-            if code == _FORBID:
+            if code == FORBID:
                 alive &= ~mask
-            elif code == _REQUIRE:
+            elif code == REQUIRE:
                 alive &= mask
             else:
                 score = [a + b for a, b in zip(score, weights)]
@@ -146,15 +148,14 @@ def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: 
             continue
         code = rule.fast[1]
         for i, layout in enumerate(order):
-            hit = bool(rule.mask >> i & 1)
-            if (code == _FORBID and hit) or (code == _REQUIRE and not hit):
+            if rule.removes(i):
                 events.append(CandidateRemoved(layout, ref, scope.label))
-            elif code == _PREFER and hit:
+            elif code == PREFER and rule.mask >> i & 1:
                 score[i] += rule.weight
                 events.append(PreferenceApplied(layout, ref, scope.label, rule.weight))
-        if code == _FORBID:
+        if code == FORBID:
             alive &= ~rule.mask
-        elif code == _REQUIRE:
+        elif code == REQUIRE:
             alive &= rule.mask
     if scope.members:
         member_scores = []
@@ -183,10 +184,11 @@ def evaluate(ruleset: RuleSet, glob: Scope, conn: Scope | None, *, explain: bool
         alive, conn_scores = _explain_scope(conn, order, alive, events)
         scores = [a + b for a, b in zip(scores, conn_scores)]
     winner = _pick(alive, scores, n)
+    outcome = Outcome(alive, tuple(scores), winner)
     if winner is not None:
-        ranking = sorted((i for i in range(n) if alive >> i & 1), key=lambda i: (-scores[i], i))
-        events.append(LayoutChosen(order[winner], scores[winner], tuple((order[i], scores[i]) for i in ranking)))
-    return Outcome(alive, tuple(scores), winner, tuple(events))
+        events.append(LayoutChosen(order[winner], scores[winner],
+                                   tuple((order[i], scores[i]) for i in outcome.ranked())))
+    return outcome._replace(events=tuple(events))
 
 
 def no_layout_error(ruleset: RuleSet, events: tuple[Event, ...]) -> NoLayoutError:

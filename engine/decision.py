@@ -57,8 +57,7 @@ class Decision:
     def ranking(self) -> tuple[tuple[Layout, int], ...]:
         """Surviving layouts, best first, with their preference scores."""
         order, o = self.ruleset.layout_order, self._outcome
-        alive = [i for i in range(len(order)) if o.alive >> i & 1]
-        return tuple((order[i], o.scores[i]) for i in sorted(alive, key=lambda i: (-o.scores[i], i)))
+        return tuple((order[i], o.scores[i]) for i in o.ranked())
 
     @cached_property
     def events(self) -> tuple[Event, ...]:

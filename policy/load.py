@@ -25,15 +25,15 @@ from policy.yaml_source import Limits, Located, parse_yaml
 
 __all__ = ["Limits", "load_rules", "load_rules_from_texts", "rule_files"]
 
-_SUFFIXES = (".yaml", ".yml")
+RULE_FILE_SUFFIXES = (".yaml", ".yml")  # rule files, and policy test files beside them
 
 
 def rule_files(root: Path) -> list[tuple[Path, bool]]:
     """The rule files under ``root`` as (path, in_connectors_dir), sorted."""
-    found = [(p, False) for p in sorted(root.iterdir()) if p.suffix in _SUFFIXES]
+    found = [(p, False) for p in sorted(root.iterdir()) if p.suffix in RULE_FILE_SUFFIXES]
     conn = root / "connectors"
     if conn.is_dir():
-        found += [(p, True) for p in sorted(conn.iterdir()) if p.suffix in _SUFFIXES]
+        found += [(p, True) for p in sorted(conn.iterdir()) if p.suffix in RULE_FILE_SUFFIXES]
     return found
 
 
@@ -47,13 +47,13 @@ def stray_files(root: Path, shown_root: str) -> list[Diagnostic]:
         if not d.is_dir():
             continue
         for p in sorted(d.iterdir()):
-            if p.is_file() and p.suffix.lower() in _SUFFIXES and p.suffix not in _SUFFIXES:
+            if p.is_file() and p.suffix.lower() in RULE_FILE_SUFFIXES and p.suffix not in RULE_FILE_SUFFIXES:
                 diags.append(Diagnostic(os.path.join(shown_root, os.path.relpath(p, root)), 0, 0, "stray-file",
                                         f"`{p.name}` is not read: only `.yaml` and `.yml` files are",
                                         f"rename it to `{p.stem}.yaml`"))
     for p in sorted(root.iterdir()):
         if p.is_dir() and p.name not in _KNOWN_DIRS and not p.name.startswith(".") and \
-                any(q.suffix.lower() in _SUFFIXES for q in p.rglob("*")):
+                any(q.suffix.lower() in RULE_FILE_SUFFIXES for q in p.rglob("*")):
             close = difflib.get_close_matches(p.name, _KNOWN_DIRS, n=1)
             diags.append(Diagnostic(os.path.join(shown_root, p.name), 0, 0, "stray-directory",
                                     f"rule files in `{p.name}/` are not read",

@@ -15,7 +15,7 @@ from policy.conditions import CompiledCondition, compile_condition
 from policy.layouts import ALL_LAYOUTS, Layout, LayoutPattern
 from policy.rule_model import Effect, MemberPreferences, Rule
 
-__all__ = ["CompiledRule", "RuleSet", "Source"]
+__all__ = ["EFFECT_CODES", "FORBID", "PREFER", "REQUIRE", "CompiledRule", "RuleSet", "Source"]
 
 
 @dataclass(frozen=True, order=True)
@@ -28,6 +28,11 @@ class Source:
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
+
+
+# Effect codes of the hot loop (`CompiledRule.fast[1]`): ints compare faster than enum members.
+FORBID, REQUIRE, PREFER = 0, 1, 2
+EFFECT_CODES = {Effect.forbid: FORBID, Effect.require: REQUIRE, Effect.prefer: PREFER}
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,11 @@ class CompiledRule:
     @property
     def weight(self) -> int:
         return self.rule.weight or 1
+
+    def removes(self, i: int) -> bool:
+        """Whether this rule, when it matches, removes candidate ``i`` of the layout order."""
+        hit = bool(self.mask >> i & 1)
+        return (self.fast[1] == FORBID and hit) or (self.fast[1] == REQUIRE and not hit)
 
 
 @dataclass(frozen=True)
@@ -121,7 +131,7 @@ class RuleSet:
         for rule, source, scope in rules:
             mask = sum(1 << i for i, layout in enumerate(order) if rule.pattern.matches(layout))
             cond = compile_condition(rule.when)
-            code = {Effect.forbid: 0, Effect.require: 1, Effect.prefer: 2}[rule.effect]
+            code = EFFECT_CODES[rule.effect]
             weights = tuple((rule.weight or 1) if mask >> i & 1 else 0 for i in range(len(order)))
             compiled.append(CompiledRule(rule, source, scope, cond, mask, (cond.test, code, mask, weights)))
         return cls(tuple(compiled), order, dict(member_preferences or {}), root)

@@ -25,7 +25,7 @@ from engine.verify import verify_plan
 from policy.errors import PolicyError
 from policy.layouts import Layout
 from policy.rule_model import Effect
-from policy.ruleset import CompiledRule, RuleSet
+from policy.ruleset import RuleSet
 
 __all__ = ["Finding", "LintReport", "lint"]
 
@@ -103,11 +103,6 @@ class _Verifier:
         return found is not None and found[0] == "overlap"
 
 
-def _removes(rule: CompiledRule, i: int) -> bool:
-    hit = bool(rule.mask >> i & 1)
-    return hit if rule.effect is Effect.forbid else not hit
-
-
 def _needed(verifier: _Verifier, layout: Layout, inp: AnalysisInput, removers: int) -> bool:
     """Is removing ``layout`` for ``inp`` protecting anything?
 
@@ -143,7 +138,7 @@ def lint(ruleset: RuleSet, inputs: list[AnalysisInput] | None = None) -> LintRep
                         hits.append(n)
                     if rule.effect is not Effect.prefer:
                         for i in range(len(order)):
-                            if _removes(rule, i):
+                            if rule.removes(i):
                                 count[i] = count.get(i, 0) + 1
         removers.append(count)
         outcome = evaluate(ruleset, glob, conn, explain=False)
@@ -177,7 +172,7 @@ def lint(ruleset: RuleSet, inputs: list[AnalysisInput] | None = None) -> LintRep
             findings.append(Finding("warning", "dead-rule", f"rule `{rule.id}` matches no input of the space",
                                     rule_ref(rule)))
         elif rule.effect in (Effect.forbid, Effect.require):
-            removed = [i for i in range(len(order)) if _removes(rule, i)]
+            removed = [i for i in range(len(order)) if rule.removes(i)]
             load_bearing = any(_needed(verifier, order[i], space[n], removers[n].get(i, 0))
                                for n in hits for i in removed)
             if not load_bearing:

@@ -31,6 +31,7 @@ from policy.backends import ScaleViews
 from policy.context import Context
 from policy.errors import Diagnostic, PolicyError
 from policy.layouts import Layout, LayoutPattern
+from policy.load import RULE_FILE_SUFFIXES
 from policy.ruleset import RuleSet
 from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 from policy.validate import located_validation_errors
@@ -50,7 +51,6 @@ __all__ = [
     "load_cases",
 ]
 
-_SUFFIXES = (".yaml", ".yml")
 
 
 class PolicyTestError(PolicyError):
@@ -245,7 +245,7 @@ def case_files(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[Path], lis
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            found = sorted(x for x in p.iterdir() if x.suffix in _SUFFIXES and x.is_file())
+            found = sorted(x for x in p.iterdir() if x.suffix in RULE_FILE_SUFFIXES and x.is_file())
             if not found:
                 diags.append(Diagnostic(_shown(p), 0, 0, "no-test-files", "no `.yaml` policy test files here",
                                         "write cases in `<rules>/tests/*.yaml` (see docs/cli.md)"))

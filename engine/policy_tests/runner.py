@@ -197,8 +197,7 @@ def run_case(ruleset: RuleSet, lc: LoadedCase) -> CaseResult:
             if e.rule.id not in ids:
                 ids.append(e.rule.id)
     order = ruleset.layout_order
-    ranked = sorted((i for i in range(len(order)) if outcome.alive >> i & 1), key=lambda i: (-outcome.scores[i], i))
-    survivors = [str(order[i]) for i in ranked]
+    survivors = [str(order[i]) for i in outcome.ranked()]
     decision: Decision | None = None
     error: NoLayoutError | None = None
     layout: Layout | None = None
