@@ -2,16 +2,18 @@
 
 Every cell is ``cell_bytes`` contiguous bytes (the ``dim`` dim is innermost in
 every backend), at a byte address that is a sum of multiples of the plan's
-strides. Dividing every address by their greatest common divisor ``G`` makes
-the cells rows of one strided view, ``rows[r] = buffer[r*G : r*G + cell]``, so
-a write is one ``index_copy_`` per buffer (for every layer at once under
-cross_layer, whose layers share one buffer) and a read one ``index_select``.
-The view is over 4-byte words when the cell size and ``G`` allow: uint8
-``index_copy_`` is several times slower on CPU. With padded pages ``G`` may be
-smaller than a cell, so rows overlap; only rows that are real cells are ever
-indexed. The row of a cell is ``cell_rows[layer, kv, head] + token_row(slot)``,
-the first precomputed for every layer; decode-sized writes (a few tokens) spend
-their time on per-op overhead, not bytes, so their token rows are computed in
+strides. Where the head stride is one cell (NHD), the H cells of one (layer,
+kv, token) are one run, and a row is that run instead of one cell: H times
+fewer rows to index. Dividing every row address by their greatest common
+divisor ``G`` makes the rows one strided view, ``rows[r] = buffer[r*G : r*G +
+unit]``, so a write is one ``index_copy_`` per buffer (for every layer at once
+under cross_layer, whose layers share one buffer) and a read one
+``index_select``, each in the widest word the addresses allow
+(`engine.runtime.words`). With padded pages ``G`` may be smaller than a row,
+so rows overlap; only rows that are real runs are ever indexed. The row of a
+run is ``cell_rows[layer, kv, head] + token_row(slot)``, the first
+precomputed for every layer; decode-sized writes (a few tokens) spend their
+time on per-op overhead, not bytes, so their token rows are computed in
 Python and become one tensor (one token: a Python int, no tensor at all).
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.plan import LayoutPlan
+from engine.runtime.words import SCATTER_WIDTHS, as_words, row_view, widest_word
 from policy.backends import Dim
 
 __all__ = ["CellRows"]
@@ -47,19 +50,20 @@ class CellRows:
         spec = plan.spec
         elem = plan.element_size
         cell = spec.cell_bytes
+        heads = spec.num_kv_heads
+        # INVARIANT: with the head stride one cell in every layer, a token's H cells are contiguous.
+        together = heads == 1 or all(lp.view.stride_of(Dim.head) * elem == cell for lp in plan.layers)
+        self.heads_per_row = heads if together else 1
+        unit = cell * self.heads_per_row  # bytes of one row
+        dims = (Dim.block, Dim.kv, Dim.token) if together else (Dim.block, Dim.kv, Dim.token, Dim.head)
         steps = [lp.view.storage_offset * elem for lp in plan.layers]
-        steps += [lp.view.stride_of(d) * elem for lp in plan.layers for d in (Dim.block, Dim.kv, Dim.token, Dim.head)]
-        gap = math.gcd(*steps) or cell  # bytes between consecutive rows
-        word = next(w for w in (4, 2, 1) if math.gcd(gap, cell) % w == 0 and all(b.nbytes % w == 0 for b in
-                                                                              plan.buffers))
-        self.word_bytes = word
-        self.word_dtype = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-        self.cell_words = cell // word
-        # INVARIANT: every cell address is a multiple of `gap`, and `gap` of the word size.
-        self.rows = tuple(
-            r.view(self.word_dtype).as_strided(((r.numel() - cell) // gap + 1, cell // word), (gap // word, 1))
-            for r in raw
-        )
+        steps += [lp.view.stride_of(d) * elem for lp in plan.layers for d in dims]
+        gap = math.gcd(*steps) or unit  # bytes between consecutive rows
+        word = widest_word([gap, unit, *(b.nbytes for b in plan.buffers)], SCATTER_WIDTHS)
+        self.word = word
+        self.unit_words = unit // word
+        # INVARIANT: every row address is a multiple of `gap`, and `gap` of the word size.
+        self.rows = tuple(row_view(r, unit, gap, word) for r in raw)
         self._layers = tuple(
             _LayerRows(
                 buffer=lp.view.buffer,
@@ -67,13 +71,13 @@ class CellRows:
                 block=lp.view.stride_of(Dim.block) * elem // gap,
                 kv=lp.view.stride_of(Dim.kv) * elem // gap,
                 token=lp.view.stride_of(Dim.token) * elem // gap,
-                head=lp.view.stride_of(Dim.head) * elem // gap,
+                head=0 if together else lp.view.stride_of(Dim.head) * elem // gap,
             )
             for lp in plan.layers
         )
         self._block_size = spec.block_size
         self._kv_factor = spec.kv_factor
-        self._heads = spec.num_kv_heads
+        self._head_rows = heads // self.heads_per_row  # rows per (layer, kv, token): H, or 1 for runs
         self._offsets: dict[torch.device, torch.Tensor] = {}
         # INVARIANT: when every layer has the same block and token strides (every plan today:
         # layers differ only in buffer and offset), a slot's token row is one number for all layers.
@@ -105,7 +109,7 @@ class CellRows:
         one per layer under per_layer.
         """
         n = index.shape[0]
-        words = cells.view(self.word_dtype).view(n, -1, self.cell_words)
+        words = as_words(cells, self.word).view(n, -1, self.unit_words)
         _scatter(self.rows, self._layer_rows, self.groups(first, first + n), first, index.reshape(n, -1), words)
 
     def whole_blocks(self, slots: torch.Tensor) -> torch.Tensor | None:
@@ -128,13 +132,14 @@ class CellRows:
         runs, n = self._runs, cells.shape[0]
         assert runs is not None
         index = runs.base(cells.device)[first : first + n] + blocks.view(1, 1, -1) * runs.block
-        words = cells.view(-1).view(runs.word_dtype).view(n, -1, runs.unit_words)
+        words = as_words(cells, runs.word).view(n, -1, runs.unit_words)
         _scatter(runs.rows, runs.layer_rows, self.groups(first, first + n), first, index.view(n, -1), words)
 
     def index(self, first: int, end: int, slots: torch.Tensor) -> torch.Tensor:
-        """Row indices (layers, kv_factor, T, H) of the cells of valid ``slots`` (int64, all >= 0).
+        """Row indices (layers, kv_factor, T, H or 1) of the cells of valid ``slots`` (int64, all >= 0).
 
-        Layers ``first..end-1``; each index is a row of its layer's buffer.
+        Layers ``first..end-1``; each index is a row of its layer's buffer: one cell, or a
+        token's H cells where they are one run (``heads_per_row``).
         """
         cell_rows = self._cell_rows(slots.device)
         if first != 0 or end != len(self._layers):
@@ -158,11 +163,11 @@ class CellRows:
         return block * lr.block + (slots - block * n) * lr.token
 
     def _cell_rows(self, device: torch.device) -> torch.Tensor:
-        """(L, kv_factor, 1, H): the row of each (layer, kv, head) cell of block 0, token 0."""
+        """(L, kv_factor, 1, H or 1): the row of each (layer, kv, head) of block 0, token 0."""
         rows = self._offsets.get(device)
         if rows is None:
             kv = torch.arange(self._kv_factor, device=device).view(1, -1, 1, 1)
-            head = torch.arange(self._heads, device=device).view(1, 1, 1, -1)
+            head = torch.arange(self._head_rows, device=device).view(1, 1, 1, -1)
 
             def col(field: str) -> torch.Tensor:
                 return torch.tensor([getattr(lr, field) for lr in self._layers], device=device).view(-1, 1, 1, 1)
@@ -198,7 +203,7 @@ class _BlockRuns:
                  block: int, layer_buffers: list[int], block_size: int) -> None:
         self.rows = rows
         self.layer_rows = tuple(rows[b] for b in layer_buffers)
-        self.word_dtype = _WORD_DTYPES[word]
+        self.word = word
         self.unit_words = unit // word
         self.block = block
         self._bases = bases
@@ -220,11 +225,9 @@ class _BlockRuns:
         bases = [[v.storage_offset * elem + kv * v.stride_of(Dim.kv) * elem for kv in range(spec.kv_factor)]
                  for v in views]
         gap = math.gcd(block, *(b for layer in bases for b in layer)) or unit
-        word = next(w for w in (8, 4, 2, 1) if unit % w == 0 and gap % w == 0 and all(r.numel() % w == 0 for r in raw))
+        word = widest_word([unit, gap, *(r.numel() for r in raw)], SCATTER_WIDTHS)
         # INVARIANT: every (layer, kv, block) run starts at a multiple of `gap`, and `gap` of the word size.
-        dtype = _WORD_DTYPES[word]
-        rows = tuple(r.view(dtype).as_strided(((r.numel() - unit) // gap + 1, unit // word), (gap // word, 1))
-                     for r in raw)
+        rows = tuple(row_view(r, unit, gap, word) for r in raw)
         return cls(rows, word, unit, gap, [[b // gap for b in layer] for layer in bases], block // gap,
                    [v.buffer for v in views], n)
 
@@ -242,5 +245,3 @@ class _BlockRuns:
             t = self._cache[("arange", device)] = torch.arange(self._block_size, device=device)
         return t
 
-
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}

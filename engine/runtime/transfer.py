@@ -23,6 +23,7 @@ import torch
 
 from engine.plan import ByteView
 from engine.runtime.checks import check_block_ids, check_device
+from engine.runtime.words import GATHER_WIDTHS, SCATTER_WIDTHS, widest_word, word_dtype
 from policy.errors import input_error
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int], out: torch.
     col = 0
     with torch.no_grad():
         for tv in plan.transfer:
-            rows, word = _rows(cache, tv)
+            rows, word = _rows(cache, tv, GATHER_WIDTHS, col)
             width = math.prod(tv.shape[1:])
             dst = stage.view(n, plan.block_row_bytes)[:, col : col + width].view(word).view(n, *rows.shape[1:])
             if on_cuda:
@@ -97,21 +98,25 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
     if n == 0:
         return
     with torch.no_grad():
-        src = data.to(cache.device).contiguous().view(n, plan.block_row_bytes)  # blocking: `data` may be reused
+        src = data.to(cache.device).contiguous()  # blocking: `data` may be reused
+        if src.storage_offset() % 16:  # a slice of a larger tensor: realign, so the widest words apply
+            src = src.clone()
+        src = src.view(n, plan.block_row_bytes)
         col = 0
         for tv in plan.transfer:
-            rows, word = _rows(cache, tv)
+            rows, word = _rows(cache, tv, SCATTER_WIDTHS, col)
             width = math.prod(tv.shape[1:])
             rows.index_copy_(0, ids, src[:, col : col + width].view(word).view(n, *rows.shape[1:]))
             col += width
 
 
-def _rows(cache: KVCache, tv: ByteView) -> tuple[torch.Tensor, torch.dtype]:
-    """The transfer view ``tv`` over its buffer, in the widest word every stride and width allows."""
+def _rows(cache: KVCache, tv: ByteView, widths: tuple[int, ...], col: int) -> tuple[torch.Tensor, torch.dtype]:
+    """The transfer view ``tv`` over its buffer, in the widest of ``widths`` that every stride and width
+    allows, and the block row's layout (its width, and ``col``, where ``tv`` starts in it)."""
     raw = cache.raw[tv.buffer]
-    sizes = (*tv.byte_strides, tv.byte_offset, tv.shape[-1], raw.numel())
-    word = next(w for w in (8, 4, 2, 1) if all(s % w == 0 for s in sizes))
-    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+    sizes = (*tv.byte_strides, tv.byte_offset, tv.shape[-1], raw.numel(), col, cache.plan.block_row_bytes)
+    word = widest_word(sizes, widths)
+    dtype = word_dtype(word)
     shape = (*tv.shape[:-1], tv.shape[-1] // word)
     strides = tuple(s // word for s in tv.byte_strides)
     return raw.view(dtype).as_strided(shape, strides, tv.byte_offset // word), dtype
