@@ -30,15 +30,18 @@ the per-round ratios. Conventions follow bench/run.py's goals:
 - ``offload_{cross,per_layer}_vs_copy``: throughput of `KVCache.offload` of 128
   blocks (bf16 cache, 2 MiB a block) into a preallocated CPU tensor, over ``copy_``
   of the same bytes between two contiguous tensors. Higher is better.
+- ``restore_{cross,per_layer}_vs_copy``: the same for `KVCache.restore` of those
+  blocks from that tensor. Context: ``{offload,restore}_cross_over_per_layer``,
+  the cross_layer throughput over the per_layer one.
 
 With ``--device cuda`` (`run(quick, "cuda")`) the cache, the inputs, the slot
 mappings and every ``copy_`` reference are on the GPU; every timed region is
 bracketed by ``torch.cuda.synchronize()`` and timed with ``perf_counter``, so
 host work inside a call (launches, the runtime's host syncs) counts, as it does
 for a caller. The keys above keep their meaning with "on the device" for "on the
-CPU", except offload: the cache is on the GPU, the destination a pinned CPU
-tensor, and the reference a plain ``copy_`` of the same bytes from a contiguous
-device tensor into a pinned one (device to host). GPU-only keys:
+CPU", except offload and restore: the cache is on the GPU, the host side a pinned CPU
+tensor, and the reference a plain ``copy_`` of the same bytes between a contiguous
+device tensor and a pinned one, in the same direction. GPU-only keys:
 
 - ``device_copy_gbps`` (context): device memory bandwidth, bytes read plus
   bytes written per second by ``copy_`` of 1 GiB from one device tensor to another.
@@ -287,8 +290,12 @@ def bench_decode(quick: bool, device: torch.device = CPU) -> dict[str, float]:
 
 
 def bench_offload(quick: bool, device: torch.device = CPU) -> dict[str, float]:
-    """CPU: offload into a CPU tensor vs a CPU ``copy_``. CUDA: offload into a pinned CPU tensor vs a
-    device-to-pinned-host ``copy_`` of the same bytes from a contiguous device tensor."""
+    """Offload and restore of 128 blocks against ``copy_`` of the same bytes.
+
+    CPU: offload into a CPU tensor, restore from it, against a CPU ``copy_``. CUDA: offload into
+    a pinned CPU tensor and restore from it, against a ``copy_`` of the same bytes between a
+    contiguous device tensor and pinned memory, in the same direction.
+    """
     rounds = 5 if quick else 15
     sync = _sync(device)
     cuda = sync is not None
@@ -296,24 +303,34 @@ def bench_offload(quick: bool, device: torch.device = CPU) -> dict[str, float]:
     gen = torch.Generator().manual_seed(2)
     ids = torch.randperm(num_blocks, generator=gen)[:n]
     out: dict[str, float] = {}
-    dst = None
-    for layout, key in (("cross_layer/NHD", "offload_cross_vs_copy"), ("per_layer/NHD", "offload_per_layer_vs_copy")):
+    dev_buf = host = None
+    for layout, short in (("cross_layer/NHD", "cross"), ("per_layer/NHD", "per_layer")):
         cache = allocate(llama_plan("auto", layout, num_blocks), device)
         for r in cache.raw:
             r.random_(0, 256)
         shape = (n, LAYERS, cache.plan.page_size_bytes)
         buf = _host(shape, pinned=cuda)
-        if dst is None:  # the reference: the same bytes from a contiguous tensor on the cache's device
-            src, dst = torch.empty_like(buf, device=device).random_(0, 256), _host(shape, pinned=cuda)
+        if dev_buf is None:  # the references: the same bytes between a contiguous tensor on the device and host
+            dev_buf, host = torch.empty_like(buf, device=device).random_(0, 256), _host(shape, pinned=cuda)
         t_off, t_copy, ratio = _compare(lambda c=cache, b=buf: c.offload(ids, out=b),
-                                        lambda s=src, d=dst: d.copy_(s, non_blocking=cuda), rounds, warmup=1,
+                                        lambda s=dev_buf, d=host: d.copy_(s, non_blocking=cuda), rounds, warmup=1,
                                         sync=sync)
-        out[key] = ratio
-        out[key.replace("_vs_copy", "_gbps")] = buf.nbytes / t_off / 1e9
+        out[f"offload_{short}_vs_copy"] = ratio
+        out[f"offload_{short}_gbps"] = buf.nbytes / t_off / 1e9
         out.setdefault("offload_copy_gbps", buf.nbytes / t_copy / 1e9)
         if cuda and not torch.equal(buf, cache.offload(ids)):
             raise AssertionError("offload into a pinned buffer and a fresh offload disagree")
-        del cache, buf
+        before = [r.clone() for r in cache.raw]
+        t_res, _, ratio = _compare(lambda c=cache, b=buf: c.restore(ids, b),
+                                   lambda s=host, d=dev_buf: d.copy_(s, non_blocking=cuda), rounds, warmup=1,
+                                   sync=sync)
+        out[f"restore_{short}_vs_copy"] = ratio
+        out[f"restore_{short}_gbps"] = buf.nbytes / t_res / 1e9
+        if not all(torch.equal(a, b) for a, b in zip(before, cache.raw, strict=True)):
+            raise AssertionError("restoring the offloaded blocks changed the cache")
+        del cache, buf, before
+    out["offload_cross_over_per_layer"] = out["offload_cross_gbps"] / out["offload_per_layer_gbps"]
+    out["restore_cross_over_per_layer"] = out["restore_cross_gbps"] / out["restore_per_layer_gbps"]
     return out
 
 
@@ -374,6 +391,8 @@ KEYS = [
     ("decode_write_per_layer_vs_copy", "decode write_layers (32 layers, per_layer) vs 32 copy_ calls (time)", "lower"),
     ("offload_cross_vs_copy", "offload 128 blocks, cross_layer, vs copy_ (throughput)", "higher"),
     ("offload_per_layer_vs_copy", "offload 128 blocks, per_layer, vs copy_ (throughput)", "higher"),
+    ("restore_cross_vs_copy", "restore 128 blocks, cross_layer, vs copy_ (throughput)", "higher"),
+    ("restore_per_layer_vs_copy", "restore 128 blocks, per_layer, vs copy_ (throughput)", "higher"),
 ]
 
 

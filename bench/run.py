@@ -42,6 +42,8 @@ GOALS: dict[str, tuple[str, str, object]] = {
                              lambda r: r <= 3),
     "offload_cross_vs_copy": ("offload 128 blocks, cross_layer, vs copy_", ">= 0.8x", lambda r: r >= 0.8),
     "offload_per_layer_vs_copy": ("offload 128 blocks, per_layer, vs copy_", ">= 0.5x", lambda r: r >= 0.5),
+    "restore_cross_vs_copy": ("restore 128 blocks, cross_layer, vs copy_", ">= 0.8x", lambda r: r >= 0.8),
+    "restore_per_layer_vs_copy": ("restore 128 blocks, per_layer, vs copy_", ">= 0.5x", lambda r: r >= 0.5),
     # --device cuda only: bytes read + written per second over the device's copy_ bandwidth (bench_runtime.py)
     "write_int8_vs_membw": ("int8 write, bytes read+written/s, vs device memory bandwidth", ">= 0.5x",
                             lambda r: r >= 0.5),

@@ -112,11 +112,18 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
 
 def _rows(cache: KVCache, tv: ByteView, widths: tuple[int, ...], col: int) -> tuple[torch.Tensor, torch.dtype]:
     """The transfer view ``tv`` over its buffer, in the widest of ``widths`` that every stride and width
-    allows, and the block row's layout (its width, and ``col``, where ``tv`` starts in it)."""
+    allows, and the block row's layout (its width, and ``col``, where ``tv`` starts in it).
+
+    A transfer view's last dim is contiguous bytes (stride 1); the word divides its length, the
+    outer strides and every offset, and the rows are read and written a word at a time.
+    """
     raw = cache.raw[tv.buffer]
-    sizes = (*tv.byte_strides, tv.byte_offset, tv.shape[-1], raw.numel(), col, cache.plan.block_row_bytes)
+    *outer, inner = tv.byte_strides
+    # INVARIANT: transfer views end in a dim of contiguous bytes (`ByteView`, dtype uint8).
+    assert inner == 1, tv
+    sizes = (*outer, tv.byte_offset, tv.shape[-1], raw.numel(), col, cache.plan.block_row_bytes)
     word = widest_word(sizes, widths)
     dtype = word_dtype(word)
     shape = (*tv.shape[:-1], tv.shape[-1] // word)
-    strides = tuple(s // word for s in tv.byte_strides)
+    strides = (*(s // word for s in outer), 1)
     return raw.view(dtype).as_strided(shape, strides, tv.byte_offset // word), dtype

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_allocate import make_plan
@@ -78,3 +80,17 @@ def test_nhd_tokens_are_one_row_of_wide_words(layout: str, head_size: int, heads
     got_k, got_v = cache.read(1, slots, torch.float32)
     assert torch.equal(got_k, -got_v)
     assert torch.allclose(got_k, key, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD", "per_layer/HND", "cross_layer/HND"])
+def test_transfers_move_whole_words(layout: str) -> None:
+    """Offload gathers 8-byte words and restore scatters 16-byte ones: byte-wide elements made
+    restore 9x slower than a copy (the contiguous last dim's stride of 1 once capped the word)."""
+    from engine.runtime.transfer import _rows
+
+    cache = allocate(make_plan(layout=layout, kv_cache_dtype="auto", head_size=16))
+    col = 0
+    for tv in cache.plan.transfer:
+        assert _rows(cache, tv, GATHER_WIDTHS, col)[1] == torch.int64
+        assert _rows(cache, tv, SCATTER_WIDTHS, col)[1] == torch.complex128
+        col += math.prod(tv.shape[1:])
