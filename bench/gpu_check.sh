@@ -144,6 +144,7 @@ r = json.load(open(sys.argv[1]))
 print(f"headline: device_copy_gbps = {r.get('device_copy_gbps', float('nan')):.0f} GB/s (read + written)")
 for k in ("write_int8_vs_membw", "write_fp8_vs_membw", "write_int4_vs_membw", "write_int8_t384_vs_membw",
           "write_int8_t16384_vs_membw", "write_int8_vs_copy", "decode_write_vs_copy", "offload_cross_vs_copy",
+          "restore_cross_vs_copy", "restore_per_layer_vs_copy",
           "offload_per_layer_vs_copy"):
     if k in r:
         print(f"headline: {k} = {r[k]:.3f}x")
