@@ -59,7 +59,7 @@ def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int], out: torch.
     col = 0
     with torch.no_grad():
         for tv in plan.transfer:
-            rows, word = _rows(cache, tv, GATHER_WIDTHS, col)
+            rows, word = _rows(cache, tv, GATHER_WIDTHS, stage.storage_offset() + col)
             width = math.prod(tv.shape[1:])
             dst = stage.view(n, plan.block_row_bytes)[:, col : col + width].view(word).view(n, *rows.shape[1:])
             if on_cuda:
@@ -104,24 +104,24 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
         src = src.view(n, plan.block_row_bytes)
         col = 0
         for tv in plan.transfer:
-            rows, word = _rows(cache, tv, SCATTER_WIDTHS, col)
+            rows, word = _rows(cache, tv, SCATTER_WIDTHS, src.storage_offset() + col)
             width = math.prod(tv.shape[1:])
             rows.index_copy_(0, ids, src[:, col : col + width].view(word).view(n, *rows.shape[1:]))
             col += width
 
 
-def _rows(cache: KVCache, tv: ByteView, widths: tuple[int, ...], col: int) -> tuple[torch.Tensor, torch.dtype]:
-    """The transfer view ``tv`` over its buffer, in the widest of ``widths`` that every stride and width
-    allows, and the block row's layout (its width, and ``col``, where ``tv`` starts in it).
+def _rows(cache: KVCache, tv: ByteView, widths: tuple[int, ...], start: int) -> tuple[torch.Tensor, torch.dtype]:
+    """The transfer view ``tv`` over its buffer, in the widest of ``widths`` that its strides, offset
+    and width allow, and that also divides ``start``, the byte where its columns begin in the storage
+    of the host-side tensor (a caller's ``out`` may be an odd slice), and the block row's length.
 
-    A transfer view's last dim is contiguous bytes (stride 1); the word divides its length, the
-    outer strides and every offset, and the rows are read and written a word at a time.
+    A transfer view's last dim is contiguous bytes (stride 1): rows move a word at a time.
     """
     raw = cache.raw[tv.buffer]
     *outer, inner = tv.byte_strides
     # INVARIANT: transfer views end in a dim of contiguous bytes (`ByteView`, dtype uint8).
     assert inner == 1, tv
-    sizes = (*outer, tv.byte_offset, tv.shape[-1], raw.numel(), col, cache.plan.block_row_bytes)
+    sizes = (*outer, tv.byte_offset, tv.shape[-1], raw.numel(), start, cache.plan.block_row_bytes)
     word = widest_word(sizes, widths)
     dtype = word_dtype(word)
     shape = (*tv.shape[:-1], tv.shape[-1] // word)

@@ -10,8 +10,9 @@ so the element is the widest word that divides every address and size:
   (1 MiB in 64 runs), close to a plain copy (18 us). A copy moves bits and
   never does arithmetic, so every pattern survives, NaN payloads included
   (`tests/engine/runtime/test_words.py`).
-- ``index_select`` (reads, offloads) is as fast with 8-byte words, and
-  slightly slower with 16: it stops at 8.
+- ``index_select`` (offloads) is as fast with 8-byte words, and slightly
+  slower with 16: transfers gather at most 8. The cells' rows serve writes and
+  reads alike and take 16.
 """
 
 from __future__ import annotations

@@ -52,15 +52,18 @@ def test_restore_keeps_every_bit_pattern(layout: str) -> None:
     assert torch.equal(cache.offload(ids), hostile)
 
 
-def test_restore_from_an_unaligned_slice() -> None:
-    """Data that is a slice of a larger tensor (an odd byte offset) restores the same bytes."""
-    cache = allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype="int8_per_token_head", head_size=28))
+@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD"])
+def test_offload_into_and_restore_from_unaligned_slices(layout: str) -> None:
+    """Host tensors that are slices of larger ones (an odd byte offset) move the same bytes."""
+    cache = allocate(make_plan(layout=layout, kv_cache_dtype="int8_per_token_head", head_size=28))
     ids = [0, 2]
     shape = cache.offload(ids).shape
     backing = torch.randint(0, 256, (shape.numel() + 1,), dtype=torch.uint8)
     data = backing[1:].view(shape)
     cache.restore(ids, data)
-    assert torch.equal(cache.offload(ids), data)
+    out = torch.zeros(shape.numel() + 3, dtype=torch.uint8)[3:].view(shape)
+    assert cache.offload(ids, out=out) is out
+    assert torch.equal(out, data)
 
 
 @pytest.mark.parametrize(("layout", "head_size", "heads_per_row", "word"), [
@@ -92,5 +95,6 @@ def test_transfers_move_whole_words(layout: str) -> None:
     col = 0
     for tv in cache.plan.transfer:
         assert _rows(cache, tv, GATHER_WIDTHS, col)[1] == torch.int64
+        assert _rows(cache, tv, GATHER_WIDTHS, col + 3)[1] == torch.uint8  # an odd host slice
         assert _rows(cache, tv, SCATTER_WIDTHS, col)[1] == torch.complex128
         col += math.prod(tv.shape[1:])
