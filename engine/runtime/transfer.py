@@ -99,7 +99,8 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
         return
     with torch.no_grad():
         src = data.to(cache.device).contiguous()  # blocking: `data` may be reused
-        if src.storage_offset() % 16:  # a slice of a larger tensor: realign, so the widest words apply
+        if src.storage_offset() % SCATTER_WIDTHS[0]:  # an odd slice of a larger tensor: realign, so the
+            # widest words apply (narrower ones would make index_copy_ several times slower)
             src = src.clone()
         src = src.view(n, plan.block_row_bytes)
         col = 0
@@ -111,11 +112,12 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
 
 
 def _rows(cache: KVCache, tv: ByteView, widths: tuple[int, ...], start: int) -> tuple[torch.Tensor, torch.dtype]:
-    """The transfer view ``tv`` over its buffer, in the widest of ``widths`` that its strides, offset
-    and width allow, and that also divides ``start``, the byte where its columns begin in the storage
-    of the host-side tensor (a caller's ``out`` may be an odd slice), and the block row's length.
+    """The transfer view ``tv`` over its buffer as rows of words, and the word's dtype.
 
-    A transfer view's last dim is contiguous bytes (stride 1): rows move a word at a time.
+    The word is the widest of ``widths`` dividing the view's outer strides, offset and row
+    width, the block row's length, and ``start``: the byte where the view's columns begin in
+    the host-side tensor's storage (a caller's ``out`` may be an odd slice). The last dim is
+    contiguous bytes (stride 1), so a row moves a word at a time.
     """
     raw = cache.raw[tv.buffer]
     *outer, inner = tv.byte_strides

@@ -38,7 +38,7 @@ def word_dtype(word: int) -> torch.dtype:
 
 def as_words(t: torch.Tensor, word: int) -> torch.Tensor:
     """The bytes of contiguous ``t`` as a flat tensor of ``word``-byte elements (a view, no copy)."""
-    return t.reshape(-1).view(torch.uint8).view(_DTYPES[word])
+    return t.view(-1).view(torch.uint8).view(_DTYPES[word])
 
 
 def row_view(raw: torch.Tensor, unit: int, gap: int, word: int) -> torch.Tensor:
