@@ -1,6 +1,8 @@
 """The decision procedure (docs/rule-language.md, "Decision semantics"); pure Python, no torch.
 
-1. Candidates: every layout, in the rule set's default order.
+1. Candidates: the layouts the release profile has and every attention
+   backend supports (``Context.candidates``), most preferred first; the
+   others are removed up front by the built-in ``release-candidates`` entry.
 2. Active scopes: global, the configured connector, and recursively each
    member of a composite connector, whose ``connector.*`` fields bind to it.
 3. A matched ``forbid`` removes what its pattern matches; a matched
@@ -8,7 +10,8 @@
 4. Survivors rank by summed ``prefer`` weights: global + the connector's
    score, where a connector's score is its own prefers plus its members'
    scores combined by its ``member_preferences`` (``all`` = min).
-   Ties go to the default order.
+   Ties go to the candidates' preference order (vLLM's: the backends' merged
+   ``supported_kv_cache_layouts``, else the release's default preference).
 5. No survivor raises `NoLayoutError` naming every rule that removed one.
 """
 
@@ -31,7 +34,7 @@ from policy.context import Context
 from policy.errors import Diagnostic, NoLayoutError
 from policy.layouts import Layout
 from policy.rule_model import MemberPreferences
-from policy.ruleset import FORBID, PREFER, REQUIRE, CompiledRule, RuleSet
+from policy.ruleset import FORBID, PREFER, REQUIRE, CompiledRule, RuleSet, Source
 
 __all__ = ["Outcome", "Scope", "evaluate", "rule_ref", "scopes_for"]
 
@@ -46,6 +49,8 @@ class Scope:
     env: dict[str, Any]
     members: tuple[Scope, ...] = ()
     mode: MemberPreferences = MemberPreferences.all
+    candidates: tuple[Layout, ...] | None = None  # global scope only: Context.candidates
+    release: RuleRef | None = None  # global scope only: what stands for the built-in candidate filter
 
     def walk(self) -> list[Scope]:
         out = [self]
@@ -61,7 +66,7 @@ class Scope:
         if self.label in overrides:
             env = {**env, **overrides[self.label]}
         members = tuple(m.with_env(overrides) for m in self.members)
-        return Scope(self.label, self.rules, env, members, self.mode)
+        return Scope(self.label, self.rules, env, members, self.mode, self.candidates, self.release)
 
 
 def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, label: str, top: bool) -> Scope:
@@ -74,10 +79,18 @@ def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, labe
 
 def scopes_for(ruleset: RuleSet, ctx: Context) -> tuple[Scope, Scope | None]:
     """The global scope and the connector scope tree (None without a connector)."""
-    glob = Scope("global", ruleset.global_rules, ctx.env())
+    glob = Scope("global", ruleset.global_rules, ctx.env(), candidates=ctx.candidates, release=release_ref(ctx))
     if ctx.connector is None:
         return glob, None
     return glob, _connector_scope(ruleset, ctx, ctx.connector, f"connector:{ctx.connector.name}", True)
+
+
+def release_ref(ctx: Context) -> RuleRef:
+    """The built-in candidate filter, shown like a rule: the release's layouts the backends support."""
+    names = ", ".join(str(x) for x in ctx.candidates) or "none"
+    return RuleRef("release-candidates", Source(f"policy/releases/{ctx.profile}.yaml", 1), "require",
+                   f"the layouts `{ctx.profile}` has that attention backend `{ctx.backend.name}` supports, most "
+                   f"preferred first: {names}")
 
 
 def rule_ref(rule: CompiledRule) -> RuleRef:
@@ -92,10 +105,13 @@ class Outcome(NamedTuple):
     scores: tuple[int, ...]
     winner: int | None
     events: tuple[Event, ...] = ()
+    ranks: tuple[int, ...] = ()
 
     def ranked(self) -> list[int]:
-        """Indices of the surviving candidates, best first (score, then the default order)."""
-        return sorted((i for i in range(len(self.scores)) if self.alive >> i & 1), key=lambda i: (-self.scores[i], i))
+        """Indices of the surviving candidates, best first (score, then the candidates' preference order)."""
+        ranks = self.ranks or tuple(range(len(self.scores)))
+        return sorted((i for i in range(len(self.scores)) if self.alive >> i & 1),
+                      key=lambda i: (-self.scores[i], ranks[i]))
 
 
 def _fast_scope(scope: Scope, n: int, alive: int) -> tuple[int, list[int]]:
@@ -115,25 +131,47 @@ def _fast_scope(scope: Scope, n: int, alive: int) -> tuple[int, list[int]]:
         for member in scope.members:
             alive, s = _fast_scope(member, n, alive)
             member_scores.append(s)
+        if _conflict(scope.mode, member_scores, n):
+            alive = 0
         combined = _combine(scope.mode, member_scores, n)
         score = [a + b for a, b in zip(score, combined)]
     return alive, score
 
 
+def _conflict(mode: MemberPreferences, member_scores: list[list[int]], n: int) -> bool:
+    """Under ``agree``: do two members prefer different best layouts?"""
+    if mode is not MemberPreferences.agree:
+        return False
+    tops = set()
+    for s in member_scores:
+        best = max(s, default=0)
+        if best > 0:
+            tops.add(tuple(i for i in range(n) if s[i] == best))
+    return len(tops) > 1
+
+
 def _combine(mode: MemberPreferences, member_scores: list[list[int]], n: int) -> list[int]:
     if mode is MemberPreferences.all:
         return [min(s[i] for s in member_scores) for i in range(n)]
-    if mode is MemberPreferences.any:
+    if mode in (MemberPreferences.any, MemberPreferences.agree):
         return [max(s[i] for s in member_scores) for i in range(n)]
     return [sum(s[i] for s in member_scores) for i in range(n)]
 
 
-def _pick(alive: int, scores: list[int], n: int) -> int | None:
+def _pick(alive: int, scores: list[int], ranks: tuple[int, ...]) -> int | None:
     best: int | None = None
-    for i in range(n):
+    for i in sorted(range(len(ranks)), key=ranks.__getitem__):
         if alive >> i & 1 and (best is None or scores[i] > scores[best]):
             best = i
     return best
+
+
+def _start(order: tuple[Layout, ...], glob: Scope) -> tuple[int, tuple[int, ...]]:
+    """The candidates' mask over ``order`` and each layout's tie-break rank."""
+    cands = glob.candidates if glob.candidates is not None else order
+    rank = {layout: i for i, layout in enumerate(cands)}
+    mask = sum(1 << i for i, layout in enumerate(order) if layout in rank)
+    return mask, tuple(rank.get(layout, len(order) + i) for i, layout in enumerate(order))
 
 
 def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: list[Event]) -> tuple[int, list[int]]:
@@ -162,6 +200,12 @@ def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: 
         for member in scope.members:
             alive, s = _explain_scope(member, order, alive, events)
             member_scores.append(s)
+        if _conflict(scope.mode, member_scores, n):
+            ref = RuleRef(f"{scope.label}:members-agree", Source(scope.label, 1), "require",
+                          "the members prefer different layouts and `member_preferences: agree` asks them to "
+                          "agree (vLLM: all connectors must use the same layout)")
+            events += [CandidateRemoved(layout, ref, scope.label) for i, layout in enumerate(order) if alive >> i & 1]
+            alive = 0
         combined = _combine(scope.mode, member_scores, n)
         score = [a + b for a, b in zip(score, combined)]
     return alive, score
@@ -171,20 +215,23 @@ def evaluate(ruleset: RuleSet, glob: Scope, conn: Scope | None, *, explain: bool
     """Run the decision over prepared scopes; never raises for a policy "no"."""
     order = ruleset.layout_order
     n = len(order)
-    full = (1 << n) - 1
+    full, ranks = _start(order, glob)
     if not explain:
         alive, scores = _fast_scope(glob, n, full)
         if conn is not None:
             alive, conn_scores = _fast_scope(conn, n, alive)
             scores = [a + b for a, b in zip(scores, conn_scores)]
-        return Outcome(alive, tuple(scores), _pick(alive, scores, n))
+        return Outcome(alive, tuple(scores), _pick(alive, scores, ranks), ranks=ranks)
     events: list[Event] = []
+    if glob.release is not None:
+        events += [CandidateRemoved(layout, glob.release, "release") for i, layout in enumerate(order)
+                   if not full >> i & 1]
     alive, scores = _explain_scope(glob, order, full, events)
     if conn is not None:
         alive, conn_scores = _explain_scope(conn, order, alive, events)
         scores = [a + b for a, b in zip(scores, conn_scores)]
-    winner = _pick(alive, scores, n)
-    outcome = Outcome(alive, tuple(scores), winner)
+    winner = _pick(alive, scores, ranks)
+    outcome = Outcome(alive, tuple(scores), winner, ranks=ranks)
     if winner is not None:
         events.append(LayoutChosen(order[winner], scores[winner],
                                    tuple((order[i], scores[i]) for i in outcome.ranked())))

@@ -12,11 +12,13 @@ import inspect
 import os
 from typing import Any
 
-from policy.backends import BACKENDS, BackendProfile, ScaleViews, get_backend
+from policy.backends import BackendProfile, ScaleViews
 from policy.connectors import ConnectorConfig
-from policy.context import Context
+from policy.context import Context, VllmOptions
 from policy.errors import input_error
+from policy.layouts import Layout
 from policy.quant import ModelDtype, parse_kv_cache_dtype
+from policy.releases import ReleaseProfile, get_profile
 from policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs"]
@@ -68,13 +70,34 @@ def build_context(
     groups: KVCacheGroups | None = None,
     kv_cache_dtype: str | None = None,
     block_size: int | None = None,
-    backend: str | BackendProfile = "TRITON_ATTN",
+    attention_backend: str | BackendProfile | None = None,
+    backend: str | BackendProfile | None = None,
     scale_views: str | ScaleViews | None = None,
     connector: str | ConnectorConfig | None = None,
     connector_config: dict[str, Any] | None = None,
     tensor_parallel_size: int = 1,
+    vllm_version: str | ReleaseProfile | None = None,
+    vllm_kv_cache_layout: str | None = None,
+    enable_extensible_kv_cache: bool = False,
+    hisparse: bool = False,
+    device_capability: int | None = None,
 ) -> Context:
-    """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`."""
+    """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
+
+    Names follow vLLM: ``attention_backend`` (``backend`` is an alias) is the
+    backend's enum name, ``vllm_kv_cache_layout`` is ``VLLM_KV_CACHE_LAYOUT``,
+    ``device_capability`` the CUDA capability's major number (FlashInfer's
+    layouts depend on it), ``hisparse`` whether ``attention_config.hisparse_config``
+    is set. ``vllm_version`` selects the release profile (default: the installed
+    vLLM's, else the newest).
+    """
+    release = get_profile(vllm_version)
+    if attention_backend is not None and backend is not None and attention_backend != backend:
+        raise input_error("backend", "give `attention_backend` or its alias `backend`, not both")
+    backend = attention_backend if attention_backend is not None else backend
+    if backend is None:
+        backend = "TRITON_ATTN"
+    options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability)
     if model is not None and spec is not None:
         raise input_error("model", "give `model` or `spec`, not both")
     if groups is not None and not isinstance(groups, KVCacheGroups):
@@ -87,7 +110,8 @@ def build_context(
         from policy.hf_config import kv_groups_from_hf_config
 
         groups = kv_groups_from_hf_config(
-            model, kv_cache_dtype=kv_cache_dtype or "auto", block_size=block_size or 16,
+            model, kv_cache_dtype=kv_cache_dtype or "auto",
+            block_size=release.default_block_size if block_size is None else block_size,
             tensor_parallel_size=tensor_parallel_size,
         )
         if not groups.groups:
@@ -101,7 +125,12 @@ def build_context(
         kv = groups.primary
     else:
         raise input_error("spec", "no KV cache described", "pass `model` (a config.json) or `spec`")
-    profile = backend if isinstance(backend, BackendProfile) else get_backend(str(backend))
+    if isinstance(backend, BackendProfile):
+        profile = backend
+    elif isinstance(backend, str):
+        profile = release.backend(backend)
+    else:
+        raise input_error("attention_backend", f"`attention_backend` must be a name, got {type(backend).__name__}")
     if scale_views is not None:
         try:
             profile = profile.with_scale_views(ScaleViews(scale_views))
@@ -109,11 +138,46 @@ def build_context(
             raise input_error("scale_views", f"unknown scale-view strategy `{scale_views}`",
                               "valid: " + ", ".join(s.value for s in ScaleViews)) from None
     if profile.mla != (kv.kind is AttentionKind.mla):
-        want = "an MLA backend (" + ", ".join(n for n, b in BACKENDS.items() if b.mla) + ")" if not profile.mla \
-            else "an MLA spec (kind mla)"
+        mla_names = ", ".join(n for n, b in release.backends.items() if b.mla)
+        want = f"an MLA backend ({mla_names})" if not profile.mla else "an MLA spec (kind mla)"
         raise input_error("backend", f"backend `{profile.name}` does not fit a `{kv.kind.value}` KV spec",
                           f"use {want}", code="backend-mismatch")
-    return Context(kv=kv, groups=groups, backend=profile, connector=_connector(connector, connector_config))
+    if kv.kv_cache_dtype not in release.kv_cache_dtypes:
+        raise input_error("kv_cache_dtype", f"vLLM profile `{release.name}` has no kv_cache_dtype "
+                          f"`{kv.kv_cache_dtype}`", "valid: " + ", ".join(release.kv_cache_dtypes),
+                          code="unknown-kv-cache-dtype")
+    candidates = _candidates(release, profile, options)
+    return Context(kv=kv, groups=groups, backend=profile, connector=_connector(connector, connector_config),
+                   profile=release.name, candidates=candidates, options=options)
+
+
+def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hisparse: Any,
+             capability: Any) -> VllmOptions:
+    if layout is not None and layout != "":
+        if not isinstance(layout, str):
+            raise input_error("vllm_kv_cache_layout", "`vllm_kv_cache_layout` must be a layout name")
+        valid = [*(x.value for x in Layout), "NHD", "HND"]
+        if layout not in valid:
+            raise input_error("vllm_kv_cache_layout", f"unknown VLLM_KV_CACHE_LAYOUT `{layout}`",
+                              "valid: " + ", ".join(valid), code="unknown-layout")
+    for name, value in (("enable_extensible_kv_cache", extensible), ("hisparse", hisparse)):
+        if not isinstance(value, bool):
+            raise input_error(name, f"`{name}` must be true or false, got `{value!r}`")
+    if capability is not None and (isinstance(capability, bool) or not isinstance(capability, int)
+                                   or not 0 < capability < 100):
+        raise input_error("device_capability", f"`device_capability` must be a CUDA capability major number "
+                          f"such as 9 or 10, got `{capability!r}`")
+    return VllmOptions(kv_cache_layout=layout or None, enable_extensible_kv_cache=extensible, hisparse=hisparse,
+                       device_capability=capability)
+
+
+def _candidates(release: ReleaseProfile, backend: BackendProfile, options: VllmOptions) -> tuple[Layout, ...]:
+    """The release's layouts this backend declares and has a geometry for, most preferred first."""
+    if backend.name in release.backends:
+        declared = release.declared_layouts([[backend.name]], options.device_capability)
+    else:  # a BackendProfile the release does not know: its own declaration, else the release's default
+        declared = backend.supported_layouts or release.default_layout_preference
+    return tuple(x for x in declared if x in release.layouts and x in backend.orders)
 
 
 INPUT_NAMES: tuple[str, ...] = tuple(inspect.signature(build_context).parameters)

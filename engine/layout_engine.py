@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 from policy.context import Context
 from policy.errors import Diagnostic, RuleLoadError, input_error
 from policy.load import Limits, load_rules, load_rules_from_texts
+from policy.releases import ReleaseProfile, get_profile
 from policy.ruleset import RuleSet
 
 __all__ = ["LayoutEngine", "fallback_ruleset", "shipped_rules_dir"]
@@ -36,16 +37,18 @@ __all__ = ["LayoutEngine", "fallback_ruleset", "shipped_rules_dir"]
 logger = logging.getLogger("kvpolicy")
 
 
-def shipped_rules_dir() -> Path:
-    """The shipped ``rules/`` directory: beside the source tree, or the installed package data."""
+def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
+    """The shipped rules of a release profile (default: the default profile's), e.g. ``rules/vllm-0.34``:
+    beside the source tree, or in the installed package data."""
+    sub = get_profile(vllm_version).rules
     here = Path(__file__).resolve().parent.parent / "rules"
-    if (here / "global.yaml").is_file():
-        return here
+    if (here / sub / "global.yaml").is_file():
+        return here / sub
     # installed from a wheel: package data `kvpolicy_rules`, a namespace package (no __init__.py)
     spec = importlib.util.find_spec("kvpolicy_rules")
     if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    return here  # not found: the loader reports the missing directory
+        return Path(next(iter(spec.submodule_search_locations))) / sub
+    return here / sub  # not found: the loader reports the missing directory
 
 
 FALLBACK_RULES = """\
@@ -70,7 +73,9 @@ class LayoutEngine:
     _SCOPE_CACHE_SIZE = 1024
 
     def __init__(self, ruleset: RuleSet, *, source: str | os.PathLike[str] | None = None,
-                 limits: Limits = Limits(), load_error: RuleLoadError | None = None) -> None:
+                 limits: Limits = Limits(), load_error: RuleLoadError | None = None,
+                 vllm_version: str | ReleaseProfile | None = None) -> None:
+        self.profile: ReleaseProfile = get_profile(vllm_version)
         self._ruleset = ruleset
         self._source = source
         self._limits = limits
@@ -100,13 +105,20 @@ class LayoutEngine:
         return self.load_error is not None
 
     @classmethod
-    def default(cls) -> LayoutEngine:
-        """The shipped rules (``rules/``), which reproduce vLLM's gate."""
-        return cls(load_rules(shipped_rules_dir(), display="rules"), source=shipped_rules_dir())
+    def default(cls, vllm_version: str | ReleaseProfile | None = None) -> LayoutEngine:
+        """The shipped rules of a vLLM release profile, which reproduce that release's decision.
+
+        ``vllm_version``: a profile name (``vllm-0.34``) or a version (``0.34.0``); by
+        default the installed vLLM's profile, else the newest shipped release.
+        """
+        profile = get_profile(vllm_version)
+        root = shipped_rules_dir(profile)
+        return cls(load_rules(root, display=f"rules/{profile.rules}"), source=root, vllm_version=profile)
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], *, limits: Limits = Limits(),
-                  on_error: Literal["raise", "fallback"] = "raise") -> LayoutEngine:
+                  on_error: Literal["raise", "fallback"] = "raise",
+                  vllm_version: str | ReleaseProfile | None = None) -> LayoutEngine:
         """An operator's rule directory.
 
         Fail-closed by default: any problem raises `RuleLoadError` listing every
@@ -114,14 +126,15 @@ class LayoutEngine:
         and returns an engine that allows only the per-layer layout, with the
         error kept in ``load_error``, so a serving engine can still start.
         """
+        profile = get_profile(vllm_version)
         try:
-            return cls(load_rules(path, limits=limits), source=path, limits=limits)
+            return cls(load_rules(path, limits=limits), source=path, limits=limits, vllm_version=profile)
         except RuleLoadError as exc:
             if on_error != "fallback":
                 raise
             logger.error("kvpolicy: rules in %s failed to load; falling back to per_layer only\n%s",
                          path, exc.render())
-            return cls(fallback_ruleset(), source=path, limits=limits, load_error=exc)
+            return cls(fallback_ruleset(), source=path, limits=limits, load_error=exc, vllm_version=profile)
 
     def reload(self, path: str | os.PathLike[str] | None = None) -> RuleLoadError | None:
         """Load the rules again (from ``path`` or the original source) and swap them in.
@@ -135,8 +148,9 @@ class LayoutEngine:
             return RuleLoadError("", [Diagnostic("<engine>", 0, 0, "no-source", "this engine has no rules directory",
                                                  "pass the directory to reload(path)")])
         try:
+            shipped = Path(source) == shipped_rules_dir(self.profile)
             ruleset = load_rules(source, limits=self._limits,
-                                 display="rules" if Path(source) == shipped_rules_dir() else None)
+                                 display=f"rules/{self.profile.rules}" if shipped else None)
         except RuleLoadError as exc:
             logger.warning("kvpolicy: reload of %s failed; keeping the active rules\n%s", source, exc.render())
             return exc
@@ -147,13 +161,21 @@ class LayoutEngine:
         return None
 
     def context(self, **inputs: Any) -> Context:
-        """The validated `Context` for ``decide``'s keyword inputs."""
-        return context_from_inputs(inputs)
+        """The validated `Context` for ``decide``'s keyword inputs, in this engine's release profile."""
+        return context_from_inputs(self._with_profile(inputs))
 
-    @staticmethod
-    def _context(context: Context | None, inputs: dict[str, Any]) -> Context:
+    def _with_profile(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        asked = inputs.get("vllm_version")
+        if asked is not None and get_profile(asked) is not self.profile:
+            raise input_error("vllm_version", f"this engine decides for profile `{self.profile.name}`, not "
+                              f"`{get_profile(asked).name}`",
+                              "make an engine for that release: LayoutEngine.default(vllm_version=...)",
+                              code="profile-mismatch")
+        return {**inputs, "vllm_version": self.profile}
+
+    def _context(self, context: Context | None, inputs: dict[str, Any]) -> Context:
         if context is None:
-            return context_from_inputs(inputs)
+            return context_from_inputs(self._with_profile(inputs))
         if not isinstance(context, Context):
             raise input_error("context", f"`context` must be a Context, got {type(context).__name__}",
                               "pass keyword inputs instead, or build one with engine.context(...)")

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from engine.plan import LayoutPlan
 from engine.verify import Writer, verify_plan, writers
 from policy.backends import ScaleViews
-from policy.layouts import Placement
 
 __all__ = ["Segment", "block_map", "render_svg", "render_text"]
 
@@ -56,7 +55,9 @@ def _owners_label(owners: tuple[tuple[int, str], ...]) -> str:
 
 def _row(plan: LayoutPlan, buffer: int) -> tuple[int, int]:
     """Byte range of block 0 in ``buffer``."""
-    tv = plan.transfer[buffer if plan.layout.placement is Placement.per_layer else 0]
+    if not plan.transfer:  # no contiguous page per block (LHBNC): block 0 spans the buffer
+        return 0, plan.buffers[buffer].nbytes
+    tv = plan.transfer[buffer if len(plan.buffers) > 1 else 0]
     if len(tv.shape) == 3:  # layer-outermost cross layout: the block's pages are one slab apart
         return 0, tv.byte_strides[1] * (plan.num_layers - 1) + plan.page_size_bytes
     return 0, tv.shape[1]
@@ -115,7 +116,7 @@ def _line(plan: LayoutPlan, segs: list[Segment], repeat: int) -> str:
     first, last = segs[0], segs[-1]
     overlap = any(s.overlap for s in segs)
     mark = "!!" if overlap else "  "
-    where = f"buf {first.buffer:<3}" if plan.layout.placement is Placement.per_layer else ""
+    where = f"buf {first.buffer:<3}" if len(plan.buffers) > 1 else ""
     if repeat == 1:
         what = first.label()
     else:

@@ -38,7 +38,7 @@ from typing import Any
 
 from policy.backends import BackendProfile, Dim
 from policy.errors import GeometryError, input_error
-from policy.layouts import Layout, Placement
+from policy.layouts import Layout
 from policy.spec import KVCacheSpec
 
 __all__ = [
@@ -209,8 +209,11 @@ def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_
     faithfully, so the verifier can show why.
     """
     _check_inputs(layout, spec, backend, num_blocks)
-    cross = layout.placement is Placement.cross_layer
-    order = (backend.cross_layer_order if cross else backend.per_layer_order)[layout.head_order]
+    full_order = backend.order(layout)
+    # One buffer per layer (vLLM 0.28's runner, #48412's state) when the layer dim is outermost;
+    # otherwise one buffer holds every layer (cross-layer, and every layout of vLLM 0.29+).
+    split = backend.layer_buffers and full_order[0] is Dim.layer
+    order = full_order[1:] if split else full_order
     elem = spec.cache_dtype.size_bytes
     sizes = {
         Dim.block: num_blocks,
@@ -229,15 +232,15 @@ def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_
     lstrides = tuple(strides[d] for d in logical)
     ldims = tuple(d.value for d in logical)
 
-    if cross:
-        buffers = (BufferPlan(0, dims, shape, tuple(strides[d] for d in order), dtype, numel * elem),)
-        views = [TensorView(0, ldims, lshape, lstrides, i * strides[Dim.layer]) for i in range(spec.num_layers)]
-    else:
+    if split:
         buffers = tuple(
             BufferPlan(i, dims, shape, tuple(strides[d] for d in order), dtype, numel * elem)
             for i in range(spec.num_layers)
         )
         views = [TensorView(i, ldims, lshape, lstrides, 0) for i in range(spec.num_layers)]
+    else:
+        buffers = (BufferPlan(0, dims, shape, tuple(strides[d] for d in order), dtype, numel * elem),)
+        views = [TensorView(0, ldims, lshape, lstrides, i * strides[Dim.layer]) for i in range(spec.num_layers)]
 
     layers = tuple(LayerPlan(i, v, _stride_aware_scales(v, spec, elem)) for i, v in enumerate(views))
     total = sum(b.nbytes for b in buffers)
@@ -251,7 +254,7 @@ def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_
         physical_dims=dims,
         buffers=buffers,
         layers=layers,
-        transfer=_transfer_views(cross, order, strides, sizes, spec, len(buffers)),
+        transfer=_transfer_views(split, order, strides, sizes, spec, len(buffers)),
         total_bytes=total,
     )
 
@@ -322,11 +325,7 @@ def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, nu
     if not spec.kind.is_attention:
         raise input_error("spec.kind", f"a `{spec.kind.value}` spec has no paged KV layout to plan",
                           "plan attention groups only")
-    if layout.head_order not in backend.per_layer_order:
-        supported = ", ".join(h.value for h in backend.head_orders)
-        raise input_error("layout.head_order",
-                          f"backend `{backend.name}` does not support head order `{layout.head_order.value}`",
-                          f"use one of: {supported}", code="unsupported-head-order")
+    backend.order(layout)  # an InputError naming the layouts the backend has a geometry for
     if backend.mla != (spec.kv_factor == 1):
         what = "one latent per token" if backend.mla else "separate K and V per head"
         raise input_error("backend", f"backend `{backend.name}` stores {what}, which spec kind "
@@ -389,13 +388,13 @@ def _stride_aware_scales(view: TensorView, spec: KVCacheSpec, elem: int) -> tupl
 
 
 def _transfer_views(
-    cross: bool, order: tuple[Dim, ...], strides: dict[Dim, int], sizes: dict[Dim, int], spec: KVCacheSpec,
+    split: bool, order: tuple[Dim, ...], strides: dict[Dim, int], sizes: dict[Dim, int], spec: KVCacheSpec,
     nbuffers: int,
 ) -> tuple[ByteView, ...]:
     elem = spec.cache_dtype.size_bytes
     page = spec.page_size_bytes
     b = sizes[Dim.block]
-    if not cross:
+    if split:
         return tuple(
             ByteView(i, "block_row", ("block", "byte"), (b, page), (strides[Dim.block] * elem, 1), 0, "uint8")
             for i in range(nbuffers)
@@ -410,14 +409,15 @@ def _transfer_views(
             ByteView(0, "block_row", ("block", "layer", "byte"), (b, spec.num_layers, page),
                      (page, strides[Dim.layer] * elem, 1), 0, "uint8"),
         )
-    raise GeometryError(f"physical order {tuple(d.value for d in order)} leaves no contiguous page per block "
-                        "to transfer")
+    # The head dim outside the block (vLLM's LHBNC): a page is H runs apart, and block
+    # transfers are not offered for it (`KVCache.offload` says so).
+    return ()
 
 
 def _row_position(plan: LayoutPlan, view: TensorView) -> int:
     """Byte position of the layer's block-0 cell (0, 0, 0) inside a transferred block row."""
     addr = view.storage_offset * plan.element_size
-    if plan.layout.placement is Placement.per_layer:  # one row per layer, concatenated in layer order
+    if len(plan.buffers) > 1:  # one buffer per layer: one row per layer, concatenated in layer order
         return view.buffer * plan.page_size_bytes + addr
     (tv,) = plan.transfer
     if len(tv.shape) == 3:  # layer-outermost cross layout: the row is chunk `layer` of each slab

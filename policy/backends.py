@@ -18,15 +18,18 @@ from enum import Enum
 from pydantic import Field, model_validator
 
 from policy.errors import input_error
-from policy.layouts import HeadOrder
+from policy.layouts import HeadOrder, Layout
 from policy.spec import Frozen
 
 __all__ = [
     "BACKENDS",
+    "DEV_48412_BACKENDS",
     "BackendProfile",
     "Dim",
     "ScaleViews",
     "get_backend",
+    "packed_backend",
+    "packed_order",
 ]
 
 
@@ -54,46 +57,66 @@ class ScaleViews(str, Enum):
 
 
 class BackendProfile(Frozen):
-    """One attention backend's KV cache geometry."""
+    """One attention backend's KV cache geometry in one release.
+
+    ``orders`` maps each layout the backend can lay out to its physical dim
+    order, layer dim included; the logical per-layer view is ``logical_dims``.
+    With ``layer_buffers`` (vLLM 0.28's model runner, the #48412 development
+    state), a layer-compact layout allocates one buffer per layer instead of
+    one buffer holding every layer (vLLM 0.29+'s ``KVCacheTensor``).
+    ``supported_layouts`` is what the backend declares to vLLM's resolver, most
+    preferred first; None when it declares nothing (any layout, no vote).
+    """
 
     name: str = Field(min_length=1)
     mla: bool = Field(default=False, description="MLA backends store one latent per token, no head dim")
     logical_dims: tuple[Dim, ...]
-    per_layer_order: dict[HeadOrder, tuple[Dim, ...]]
-    cross_layer_order: dict[HeadOrder, tuple[Dim, ...]]
-    scale_views: ScaleViews = ScaleViews.assume_per_layer_contiguous
+    orders: dict[Layout, tuple[Dim, ...]]
+    layer_buffers: bool = False
+    supported_layouts: tuple[Layout, ...] | None = None
+    scale_views: ScaleViews = ScaleViews.stride_aware
 
     def __hash__(self) -> int:
-        return hash((self.name, self.mla, self.logical_dims, tuple(sorted(self.per_layer_order.items())),
-                     tuple(sorted(self.cross_layer_order.items())), self.scale_views))
+        return hash((self.name, self.mla, self.logical_dims, tuple(sorted(self.orders.items())),
+                     self.layer_buffers, self.supported_layouts, self.scale_views))
 
     @model_validator(mode="after")
     def _orders_are_permutations(self) -> BackendProfile:
         logical = set(self.logical_dims)
         if len(logical) != len(self.logical_dims) or Dim.layer in logical or Dim.block not in logical:
             raise ValueError("logical_dims must name each dim once, include `block` and exclude `layer`")
-        if set(self.per_layer_order) != set(self.cross_layer_order):
-            raise ValueError("per_layer_order and cross_layer_order must cover the same head orders")
-        for order in self.per_layer_order.values():
-            if sorted(order) != sorted(self.logical_dims):
-                raise ValueError(f"per-layer order {order} is not a permutation of {self.logical_dims}")
-        for order in self.cross_layer_order.values():
+        for layout, order in self.orders.items():
             if sorted(order) != sorted((*self.logical_dims, Dim.layer)):
-                raise ValueError(f"cross-layer order {order} must permute the logical dims plus `layer`")
+                raise ValueError(f"{layout} order {order} must permute the logical dims plus `layer`")
         return self
 
     @property
+    def layouts(self) -> tuple[Layout, ...]:
+        """The layouts this backend has a geometry for, in vLLM's enum order."""
+        return tuple(x for x in Layout if x in self.orders)
+
+    @property
     def head_orders(self) -> tuple[HeadOrder, ...]:
-        return tuple(h for h in HeadOrder if h in self.per_layer_order)
+        return tuple(h for h in HeadOrder if any(x.head_order is h for x in self.orders))
 
     @property
     def supports_hnd(self) -> bool:
-        return HeadOrder.HND in self.per_layer_order
+        return HeadOrder.HND in self.head_orders
 
     @property
     def indexes_kv_by_block_stride(self) -> bool:
-        """True when every cross-layer order puts ``block`` outermost physically."""
-        return all(order[0] is Dim.block for order in self.cross_layer_order.values())
+        """True when every block-outermost layout really puts ``block`` outermost physically."""
+        cross = [order for layout, order in self.orders.items() if layout.is_block_outermost]
+        return bool(cross) and all(order[0] is Dim.block for order in cross)
+
+    def order(self, layout: Layout) -> tuple[Dim, ...]:
+        """The physical order of ``layout``; an `InputError` when this backend has no geometry for it."""
+        try:
+            return self.orders[layout]
+        except KeyError:
+            have = ", ".join(str(x) for x in self.layouts)
+            raise input_error("layout", f"backend `{self.name}` has no geometry for layout `{layout}`",
+                              f"use one of: {have}", code="unsupported-layout") from None
 
     def with_scale_views(self, scale_views: ScaleViews) -> BackendProfile:
         return self.model_copy(update={"scale_views": scale_views})
@@ -101,36 +124,57 @@ class BackendProfile(Frozen):
 
 _B, _L, _KV, _N, _H, _D = Dim.block, Dim.layer, Dim.kv, Dim.token, Dim.head, Dim.dim
 _MHA_LOGICAL = (_B, _KV, _N, _H, _D)
+_LETTER = {"L": _L, "B": _B, "H": _H, "N": _N}
 
 
-def _flash_like(name: str) -> BackendProfile:
+def packed_order(layout: Layout, mla: bool = False) -> tuple[Dim, ...]:
+    """vLLM's physical order for ``layout`` over ``[L, B, H, N, C]``, C being K then V (MLA: the latent)."""
+    dims = tuple(_LETTER[c] for c in layout.value[:-1])
+    return (*dims, _D) if mla else (*dims, _KV, _D)
+
+
+def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] = tuple(Layout),
+                   layer_buffers: bool = False, supported_layouts: tuple[Layout, ...] | None = None,
+                   scale_views: ScaleViews = ScaleViews.stride_aware) -> BackendProfile:
+    """A backend of released vLLM (0.27.1 on): logical ``[B, H, N, C]`` per layer, K and V packed in C."""
+    logical = (_B, _H, _N, _D) if mla else (_B, _H, _N, _KV, _D)
+    return BackendProfile(name=name, mla=mla, logical_dims=logical,
+                          orders={x: packed_order(x, mla) for x in layouts}, layer_buffers=layer_buffers,
+                          supported_layouts=supported_layouts, scale_views=scale_views)
+
+
+def _dev_48412(name: str, cross_hnd: tuple[Dim, ...]) -> BackendProfile:
     return BackendProfile(
         name=name,
         logical_dims=_MHA_LOGICAL,
-        per_layer_order={HeadOrder.NHD: (_B, _KV, _N, _H, _D), HeadOrder.HND: (_B, _KV, _H, _N, _D)},
-        cross_layer_order={HeadOrder.NHD: (_B, _L, _KV, _N, _H, _D), HeadOrder.HND: (_B, _H, _L, _KV, _N, _D)},
+        orders={
+            Layout.LBNHC: (_L, _B, _KV, _N, _H, _D),
+            Layout.LBHNC: (_L, _B, _KV, _H, _N, _D),
+            Layout.BLNHC: (_B, _L, _KV, _N, _H, _D),
+            Layout.BHLNC: cross_hnd,
+        },
+        layer_buffers=True,
+        scale_views=ScaleViews.assume_per_layer_contiguous,
     )
 
 
-# The shipped profiles: vLLM's 5-D era geometry, every one building its scale
-# views as if each layer's buffer were contiguous (as at the time of #48412).
-BACKENDS: dict[str, BackendProfile] = {
-    "TRITON_ATTN": _flash_like("TRITON_ATTN"),
-    "FLASH_ATTN": _flash_like("FLASH_ATTN"),
-    "FLASHINFER": BackendProfile(
-        name="FLASHINFER",
-        logical_dims=_MHA_LOGICAL,
-        per_layer_order={HeadOrder.NHD: (_B, _KV, _N, _H, _D), HeadOrder.HND: (_B, _KV, _H, _N, _D)},
-        cross_layer_order={HeadOrder.NHD: (_B, _L, _KV, _N, _H, _D), HeadOrder.HND: (_B, _KV, _H, _L, _N, _D)},
-    ),
+# The #48412 development state (the `issue-48412` profile): a separate K/V dim
+# (logged shapes `(B, 2, L, H, N, D)`), every backend building its scale views
+# as if each layer's buffer were contiguous. Not a release; never a default.
+DEV_48412_BACKENDS: dict[str, BackendProfile] = {
+    "TRITON_ATTN": _dev_48412("TRITON_ATTN", (_B, _H, _L, _KV, _N, _D)),
+    "FLASH_ATTN": _dev_48412("FLASH_ATTN", (_B, _H, _L, _KV, _N, _D)),
+    "FLASHINFER": _dev_48412("FLASHINFER", (_B, _KV, _H, _L, _N, _D)),
     "FLASHMLA": BackendProfile(
         name="FLASHMLA",
         mla=True,
         logical_dims=(_B, _N, _D),
-        per_layer_order={HeadOrder.NHD: (_B, _N, _D)},
-        cross_layer_order={HeadOrder.NHD: (_L, _B, _N, _D)},
+        orders={Layout.LBNHC: (_L, _B, _N, _D), Layout.BLNHC: (_L, _B, _N, _D)},
+        layer_buffers=True,
+        scale_views=ScaleViews.assume_per_layer_contiguous,
     ),
 }
+BACKENDS = DEV_48412_BACKENDS
 
 
 def get_backend(name: str) -> BackendProfile:

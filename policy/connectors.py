@@ -18,22 +18,15 @@ from policy.spec import Frozen
 
 __all__ = ["COMPOSITE_CONNECTORS", "KNOWN_CONNECTORS", "ConnectorConfig", "flatten_extra", "suggest_connector"]
 
-# vLLM's registered KV connector class names (vllm/distributed/kv_transfer/kv_connector/factory.py).
-KNOWN_CONNECTORS: frozenset[str] = frozenset(
-    {
-        "DecodeBenchConnector",
-        "ExampleConnector",
-        "LMCacheConnectorV1",
-        "LMCacheMPConnector",
-        "MooncakeConnector",
-        "MooncakeStoreConnector",
-        "MultiConnector",
-        "NixlConnector",
-        "OffloadingConnector",
-        "P2pNcclConnector",
-        "SharedStorageConnector",
-    }
-)
+def _registered() -> frozenset[str]:
+    from policy.releases import iter_profiles
+
+    return frozenset(name for profile in iter_profiles() for name in profile.connectors)
+
+
+# The KV connector names vLLM registers in any shipped release profile
+# (vllm/distributed/kv_transfer/kv_connector/factory.py of each release).
+KNOWN_CONNECTORS: frozenset[str] = _registered()
 
 Scalar = str | bool | int | float | None
 

@@ -13,14 +13,15 @@ from enum import Enum
 from functools import cached_property
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from policy.backends import BackendProfile, ScaleViews
 from policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
+from policy.layouts import Layout
 from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode
 from policy.spec import AttentionKind, Frozen, KVCacheGroups, KVCacheSpec
 
-__all__ = ["EXTRA_PREFIX", "FIELDS", "MISSING", "Context", "FieldSpec", "field_spec"]
+__all__ = ["EXTRA_PREFIX", "FIELDS", "MISSING", "Context", "FieldSpec", "VllmOptions", "field_spec"]
 
 EXTRA_PREFIX = "connector.extra."
 
@@ -118,6 +119,26 @@ _FIELD_LIST: tuple[FieldSpec, ...] = (
               lambda ctx, _c: ctx.backend.scale_views.value, _enum(ScaleViews)),
     FieldSpec("backend.supports_hnd", "bool", "the backend has an HND (head-major) geometry",
               lambda ctx, _c: ctx.backend.supports_hnd),
+    FieldSpec("vllm.profile", "str", "the vLLM release profile deciding (e.g. `vllm-0.34`)",
+              lambda ctx, _c: ctx.profile),
+    FieldSpec("env.VLLM_KV_CACHE_LAYOUT", "str",
+              "vLLM's `VLLM_KV_CACHE_LAYOUT` override (a layout name, or the aliases NHD/HND); absent when unset",
+              lambda ctx, _c: ctx.options.kv_cache_layout if ctx.options.kv_cache_layout is not None else MISSING,
+              (*(x.value for x in Layout), "NHD", "HND"), nullable=True),
+    FieldSpec("cache.enable_extensible_kv_cache", "bool", "vLLM's `enable_extensible_kv_cache`",
+              lambda ctx, _c: ctx.options.enable_extensible_kv_cache),
+    FieldSpec("attention.hisparse", "bool", "a HiSparse config is set (`attention_config.hisparse_config`)",
+              lambda ctx, _c: ctx.options.hisparse),
+    FieldSpec("platform.device_capability", "int",
+              "the CUDA device capability's major number (9 for Hopper, 10 for Blackwell); absent when unknown",
+              lambda ctx, _c: ctx.options.device_capability if ctx.options.device_capability is not None
+              else MISSING, nullable=True),
+    FieldSpec("groups.mixed_hnc_shapes", "bool",
+              "the attention specs differ in (heads, tokens per block, page bytes): vLLM then needs a "
+              "block-compact layout", lambda ctx, _c: ctx.groups.mixed_hnc_shapes),
+    FieldSpec("groups.dcp_mixed_page_sizes", "bool",
+              "DCP-sharded and replicated attention specs with different page sizes (a replicated draft "
+              "model under decode context parallelism)", lambda ctx, _c: ctx.groups.dcp_mixed_page_sizes),
     FieldSpec("connector.present", "bool", "a KV connector is configured (in a connector file: always true)",
               _conn(lambda c: True, absent=False)),
     FieldSpec("connector.name", "str", "the connector's class name", _conn(lambda c: c.name),
@@ -141,17 +162,31 @@ def field_spec(path: str) -> FieldSpec | None:
     return spec
 
 
+class VllmOptions(Frozen):
+    """vLLM settings the layout decision reads, named as vLLM names them."""
+
+    kv_cache_layout: str | None = Field(default=None, description="`VLLM_KV_CACHE_LAYOUT`")
+    enable_extensible_kv_cache: bool = False
+    hisparse: bool = Field(default=False, description="`attention_config.hisparse_config` is set")
+    device_capability: int | None = Field(default=None, description="CUDA capability major (FlashInfer reads it)")
+
+
 class Context(Frozen):
-    """Everything a rule can see: the KV spec, its groups, the backend, the connector.
+    """Everything a rule can see: the KV spec, its groups, the backend, the connector, vLLM's settings.
 
     ``groups`` defaults to one group holding ``kv``. ``connector`` None means no
-    KV connector is configured.
+    KV connector is configured. ``candidates`` are the layouts the release has
+    and every backend supports, most preferred first (the tie-break order);
+    ``profile`` names the release profile they come from.
     """
 
     kv: KVCacheSpec
     groups: KVCacheGroups | None = None
     backend: BackendProfile
     connector: ConnectorConfig | None = None
+    profile: str = "issue-48412"
+    candidates: tuple[Layout, ...] = (Layout.LBNHC, Layout.LBHNC, Layout.BLNHC, Layout.BHLNC)
+    options: VllmOptions = VllmOptions()
 
     @model_validator(mode="after")
     def _default_groups(self) -> Context:

@@ -208,6 +208,8 @@ class MemberPreferences(str, Enum):
     all = "all"  # the smallest member score: every member must prefer it (vLLM's MultiConnector)
     any = "any"  # the largest member score
     sum = "sum"  # the members' scores added
+    agree = "agree"  # the largest; members preferring different best layouts are a conflict (vLLM 0.34's
+    # MultiConnector: "All connectors must use the same layout")
 
 
 class RuleFile(Frozen):

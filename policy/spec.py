@@ -162,6 +162,8 @@ class KVCacheGroup(Frozen):
 
     spec: KVCacheSpec
     num_attention_groups: StrictInt = Field(default=1, ge=1, description="attention backends in this group")
+    dcp_sharded: bool = Field(default=True, description="sharded by decode context parallelism (a replicated "
+                              "draft model's cache is not)")
 
 
 class KVCacheGroups(Frozen):
@@ -181,6 +183,18 @@ class KVCacheGroups(Frozen):
     @property
     def has_mamba(self) -> bool:
         return any(g.spec.kind is AttentionKind.mamba for g in self.groups)
+
+    @property
+    def mixed_hnc_shapes(self) -> bool:
+        """The attention specs differ in (heads, tokens per block, page bytes) (vLLM's HNC-shape check)."""
+        return len({(g.spec.num_kv_heads, g.spec.block_size, g.spec.page_size_bytes)
+                    for g in self.groups if g.spec.kind.is_attention}) > 1
+
+    @property
+    def dcp_mixed_page_sizes(self) -> bool:
+        """Sharded and replicated attention specs whose page sizes differ (vLLM's DCP check)."""
+        attn = [g for g in self.groups if g.spec.kind.is_attention]
+        return len({g.dcp_sharded for g in attn}) > 1 and len({g.spec.page_size_bytes for g in attn}) > 1
 
     @property
     def primary(self) -> KVCacheSpec | None:

@@ -247,10 +247,15 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
             continue
         if rule.when is not None:
             _check_condition(src, ("rules", i, "when"), rule.when, diags)
-        if rule.pattern.placement is None and rule.pattern.head_order is None:
+        if not rule.pattern.model_fields_set - {k for k in rule.pattern.model_fields_set
+                                                  if getattr(rule.pattern, k) is None}:
             diags.append(src.diag(("rules", i, rule.effect.value), "empty-pattern",
                                   f"the `{rule.effect.value}` pattern matches every layout",
-                                  "name a `placement` and/or a `head_order`"))
+                                  "name a `layout`, or a property such as `block_outermost` or `placement`"))
+        elif not any(rule.pattern.matches(x) for x in Layout):
+            diags.append(src.diag(("rules", i, rule.effect.value), "unsatisfiable-pattern",
+                                  f"the `{rule.effect.value}` pattern `{rule.pattern}` matches no layout",
+                                  "drop a key: no layout has all of these properties"))
         rules.append(rule)
     if diags or header is None:
         return None, diags

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.plan import ByteView
+from engine.plan import ByteView, LayoutPlan
 from engine.runtime.checks import check_block_ids, check_device
 from engine.runtime.words import GATHER_WIDTHS, SCATTER_WIDTHS, widest_word, word_dtype
 from policy.errors import input_error
@@ -41,6 +41,7 @@ def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int], out: torch.
     """
     check_device(cache.device, "offload from")
     plan = cache.plan
+    _check_transferable(plan)
     ids = check_block_ids(block_ids, plan.num_blocks, cache.device, unique=False)
     n = ids.numel()
     shape = (n, plan.num_layers, plan.page_size_bytes)
@@ -80,6 +81,7 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
     """Write ``data`` from `offload` into ``block_ids``; every check runs before any byte is written."""
     check_device(cache.device, "restore into")
     plan = cache.plan
+    _check_transferable(plan)
     ids = check_block_ids(block_ids, plan.num_blocks, cache.device, unique=True)
     want = (ids.numel(), plan.num_layers, plan.page_size_bytes)
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or tuple(data.shape) != want:
@@ -109,6 +111,14 @@ def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch
             width = math.prod(tv.shape[1:])
             rows.index_copy_(0, ids, src[:, col : col + width].view(word).view(n, *rows.shape[1:]))
             col += width
+
+
+def _check_transferable(plan: LayoutPlan) -> None:
+    if not plan.transfer:
+        raise input_error("layout", f"layout `{plan.layout}` keeps no page of a block contiguous (the head dim "
+                          "lies outside the block dim), so kvpolicy offers no block transfer for it",
+                          "offload from a block-compact layout (LBHNC, LBNHC, BLHNC, BLNHC)",
+                          code="transfer-geometry")
 
 
 def _rows(cache: KVCache, tv: ByteView, widths: tuple[int, ...], start: int) -> tuple[torch.Tensor, torch.dtype]:

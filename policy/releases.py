@@ -1,0 +1,260 @@
+"""vLLM release profiles: what kvpolicy knows about one engine version, as data.
+
+One YAML file per profile in ``policy/releases/`` holds the facts of one vLLM
+release, each checked against the real release by ``tests/conformance/``: its
+layouts, its attention backends (what each declares to the layout resolver,
+MLA or not, its geometry), the ``kv_cache_dtype`` strings it accepts, its
+registered KV connectors, its default block size, and the directory of the
+shipped rules that reproduce its decision. Selecting a profile selects the
+candidates, the geometry and the shipped rules together.
+
+The profile is chosen by ``vllm_version=`` / ``--vllm-version``; by default,
+the version of an installed ``vllm`` distribution (read from its package
+metadata, never by importing vLLM) when a profile answers for it, else the
+newest shipped profile. ``issue-48412`` is the development state in which
+vLLM issue #48412 was found; no default ever selects it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from enum import Enum
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+from pydantic import Field, ValidationError
+
+from policy.backends import DEV_48412_BACKENDS, BackendProfile, ScaleViews, packed_backend
+from policy.errors import input_error
+from policy.layouts import Layout
+from policy.spec import Frozen
+
+__all__ = [
+    "BackendFacts",
+    "Geometry",
+    "ReleaseProfile",
+    "Resolver",
+    "default_profile_name",
+    "get_profile",
+    "installed_vllm_version",
+    "profile_names",
+]
+
+RELEASES_DIR = Path(__file__).with_name("releases")
+
+
+class Resolver(str, Enum):
+    """How the release decides a layout."""
+
+    kv_cache_layout = "kv_cache_layout"  # 0.29+: resolve_kv_cache_layout over the six KVCacheLayouts
+    uniform_gate = "uniform_gate"  # 0.24-0.28: use_uniform_kv_cache, plus the head order
+
+
+class Geometry(str, Enum):
+    """How the release lays out the bytes of a layout."""
+
+    packed = "packed"  # logical [L, B, H, N, C], K then V packed in C (0.27.1 on)
+    dev_48412 = "dev-48412"  # a separate K/V dim, scale views assuming contiguous layers (not a release)
+
+
+class BackendFacts(Frozen):
+    """One attention backend as a release declares it."""
+
+    mla: bool = False
+    supported_layouts: tuple[Layout, ...] | None = Field(
+        default=None, description="`supported_kv_cache_layouts()`, most preferred first; null: declares none")
+    supported_layouts_by_capability: dict[int, tuple[Layout, ...]] = Field(
+        default_factory=dict, description="overrides of `supported_layouts` by CUDA device capability major")
+    kv_cache_dtypes: tuple[str, ...] | None = Field(default=None, description="`supported_kv_cache_dtypes`")
+
+    def __hash__(self) -> int:
+        return hash((self.mla, self.supported_layouts, tuple(sorted(self.supported_layouts_by_capability.items())),
+                     self.kv_cache_dtypes))
+
+    def declared_layouts(self, device_capability: int | None) -> tuple[Layout, ...] | None:
+        if device_capability is not None and device_capability in self.supported_layouts_by_capability:
+            return self.supported_layouts_by_capability[device_capability]
+        return self.supported_layouts
+
+
+class ReleaseProfile(Frozen):
+    """The facts of one vLLM release (or of the #48412 development state)."""
+
+    name: str
+    description: str
+    vllm_versions: tuple[str, ...] = Field(description="installed vLLM versions this profile answers for")
+    historical: bool = Field(default=False, description="a development state: never selected by default")
+    resolver: Resolver
+    geometry: Geometry
+    layer_buffers: bool = Field(description="layer-compact layouts allocate one buffer per layer")
+    layouts: tuple[Layout, ...] = Field(description="the candidates this release has")
+    default_layout_preference: tuple[Layout, ...] = Field(
+        description="the order used when no backend declares its layouts (vLLM's _DEFAULT_LAYOUT_PREFERENCE)")
+    default_block_size: int
+    kv_cache_dtypes: tuple[str, ...]
+    backends: dict[str, BackendFacts]
+    connectors: dict[str, str] = Field(description="registered KV connector names -> the class each loads")
+    rules: str = Field(description="the shipped rules' directory, relative to the rules root")
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def backend_names(self) -> tuple[str, ...]:
+        return tuple(self.backends)
+
+    def backend(self, name: str) -> BackendProfile:
+        """The geometry of backend ``name`` in this release; an `InputError` with the known names."""
+        key = _backend_key(name, self.backends)
+        if key is None:
+            import difflib
+
+            close = difflib.get_close_matches(name.upper(), list(self.backends), n=1)
+            raise input_error("attention_backend", f"unknown attention backend `{name}` in profile `{self.name}`",
+                              (f"did you mean `{close[0]}`? " if close else "")
+                              + "known backends: " + ", ".join(self.backends), code="unknown-backend")
+        return _geometry(self, key)
+
+    def declared_layouts(self, backends: Sequence[Sequence[str]], device_capability: int | None = None
+                         ) -> tuple[Layout, ...]:
+        """The candidates in vLLM's preference order for these workers' backends.
+
+        Each worker reports the layouts all its backends support (vLLM's
+        ``get_supported_kv_cache_layouts``), and the engine core merges the
+        workers' lists (``_merge_supported_layouts``): identical lists keep
+        their order; otherwise the layouts in every list, ranked by how many
+        lists put them first, ties in enum order. Backends and workers that
+        declare nothing do not vote. An empty result means no layout fits
+        every backend. Releases with the uniform gate have no such lists: every
+        layout of the profile is a candidate, in its default order.
+        """
+        if self.resolver is Resolver.uniform_gate:
+            return self.default_layout_preference
+        reports = []
+        for worker in backends:
+            declared = [d for d in (self.backends[_backend_key(b, self.backends) or b].declared_layouts(
+                device_capability) for b in worker if _backend_key(b, self.backends)) if d is not None]
+            reports.append(_merge(declared or [self.default_layout_preference]))
+        voting = [r for r in reports if r != self.default_layout_preference] or reports
+        return _merge(voting) if voting else self.default_layout_preference
+
+
+def _backend_key(name: str, backends: dict[str, BackendFacts]) -> str | None:
+    if not isinstance(name, str):
+        return None
+    if name in backends:
+        return name
+    upper = name.upper()
+    return upper if upper in backends else None
+
+
+def _merge(lists: Sequence[Sequence[Layout]]) -> tuple[Layout, ...]:
+    """vLLM 0.34's ``_merge_supported_layouts`` (conformance-tested against it)."""
+    if not lists:
+        return ()
+    first = tuple(lists[0])
+    if all(tuple(x) == first for x in lists[1:]):
+        return first
+    votes: dict[Layout, int] = defaultdict(int)
+    for preferred, *_ in lists:
+        votes[preferred] += 1
+    common = set.intersection(*(set(x) for x in lists))
+    return tuple(sorted((x for x in Layout if x in common), key=lambda x: votes[x], reverse=True))
+
+
+@functools.cache
+def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
+    facts = profile.backends[name]
+    if profile.geometry is Geometry.dev_48412:
+        return DEV_48412_BACKENDS[name]
+    scale_views = ScaleViews.stride_aware
+    return packed_backend(name, mla=facts.mla, layouts=profile.layouts, layer_buffers=profile.layer_buffers,
+                          supported_layouts=facts.supported_layouts, scale_views=scale_views)
+
+
+@functools.cache
+def _profiles() -> dict[str, ReleaseProfile]:
+    out: dict[str, ReleaseProfile] = {}
+    for path in sorted(RELEASES_DIR.glob("*.yaml")):
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        try:
+            profile = ReleaseProfile.model_validate(data)
+        except ValidationError as exc:  # shipped data: a packaging defect, not a user's mistake
+            raise RuntimeError(f"release profile {path.name} is invalid: {exc}") from None
+        out[profile.name] = profile
+    return out
+
+
+def profile_names() -> tuple[str, ...]:
+    """Every shipped profile, newest release first, historical ones last."""
+    profiles = _profiles().values()
+    ordered = sorted(profiles, key=lambda p: (p.historical, _version_key(p.vllm_versions[0]) if p.vllm_versions
+                                              else ()), reverse=False)
+    released = sorted((p for p in ordered if not p.historical), key=lambda p: _version_key(p.vllm_versions[0]),
+                      reverse=True)
+    return tuple(p.name for p in released) + tuple(p.name for p in ordered if p.historical)
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("."):
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def installed_vllm_version() -> str | None:
+    """The version of an installed ``vllm`` distribution, from its metadata (vLLM is not imported)."""
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _for_version(version: str) -> ReleaseProfile | None:
+    for profile in _profiles().values():
+        if profile.historical:
+            continue
+        for known in profile.vllm_versions:
+            if version == known or version.split("+")[0] == known:
+                return profile
+    return None
+
+
+def default_profile_name() -> str:
+    """The installed vLLM's profile when one answers for it, else the newest shipped release."""
+    installed = installed_vllm_version()
+    if installed is not None:
+        profile = _for_version(installed)
+        if profile is not None:
+            return profile.name
+    return profile_names()[0]
+
+
+def get_profile(name: str | None = None) -> ReleaseProfile:
+    """The profile called ``name`` (``vllm-0.34`` or a version such as ``0.34.0``); the default when None.
+
+    An unknown name is an `InputError` listing the known profiles.
+    """
+    if name is None:
+        name = default_profile_name()
+    if isinstance(name, ReleaseProfile):
+        return name
+    profiles = _profiles()
+    if isinstance(name, str):
+        if name in profiles:
+            return profiles[name]
+        if f"vllm-{name}" in profiles:
+            return profiles[f"vllm-{name}"]
+        by_version = _for_version(name)
+        if by_version is not None:
+            return by_version
+    known = ", ".join(f"{p} ({', '.join(profiles[p].vllm_versions) or 'not a release'})" for p in profile_names())
+    raise input_error("vllm_version", f"no profile for vLLM version `{name}`",
+                      f"known profiles: {known}", code="unknown-vllm-version")
+
+
+def iter_profiles() -> Iterable[ReleaseProfile]:
+    return (get_profile(n) for n in profile_names())
