@@ -34,10 +34,10 @@ from policy import ConnectorConfig, Context, HeadOrder, Layout, Placement, load_
 from policy.backends import BACKENDS  # noqa: E402
 
 NIXL_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"})
-PER_LAYER_NHD = Layout(placement=Placement.per_layer, head_order=HeadOrder.NHD)
-PER_LAYER_HND = Layout(placement=Placement.per_layer, head_order=HeadOrder.HND)
-CROSS_NHD = Layout(placement=Placement.cross_layer, head_order=HeadOrder.NHD)
-CROSS_HND = Layout(placement=Placement.cross_layer, head_order=HeadOrder.HND)
+PER_LAYER_NHD = Layout.parse("per_layer/NHD")
+PER_LAYER_HND = Layout.parse("per_layer/HND")
+CROSS_NHD = Layout.parse("cross_layer/NHD")
+CROSS_HND = Layout.parse("cross_layer/HND")
 
 
 def _prefers(c: ConnectorConfig, ctx: Context) -> bool:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from policy.backends import BackendProfile, Dim
 from policy.errors import input_error
-from policy.layouts import Layout, Placement
+from policy.layouts import Layout
 from policy.spec import KVCacheGroups, KVCacheSpec
 
 if TYPE_CHECKING:
@@ -227,22 +227,19 @@ def canonical_kv_cache_dtype(spec: KVCacheSpec) -> str:
     return _KV_CACHE_DTYPE_ALIASES.get(spec.kv_cache_dtype, spec.kv_cache_dtype)
 
 
-def _physical_order(layout: Layout, backend: BackendProfile) -> tuple[Dim, ...]:
-    orders = backend.cross_layer_order if layout.placement is Placement.cross_layer else backend.per_layer_order
-    try:
-        return orders[layout.head_order]
-    except KeyError:
-        supported = ", ".join(h.value for h in backend.head_orders)
-        raise input_error("layout.head_order",
-                          f"backend `{backend.name}` has no geometry for head order `{layout.head_order.value}`",
-                          f"use one of: {supported}", code="unsupported-head-order") from None
+def _physical_order(layout: Layout, backend: BackendProfile) -> tuple[tuple[Dim, ...], int]:
+    """The physical dims of one buffer, and whether layers get buffers of their own (1) or share one (0)."""
+    order = backend.order(layout)
+    if backend.layer_buffers and order[0] is Dim.layer:
+        return order[1:], 1
+    return order, 0
 
 
 def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
                    groups: KVCacheGroups | None = None) -> LayoutFingerprint:
     """The fingerprint of ``layout`` for ``spec`` on ``backend``; ``groups`` defaults to ``spec`` alone."""
     groups = groups if groups is not None else KVCacheGroups.single(spec)
-    order = _physical_order(layout, backend)
+    order, split = _physical_order(layout, backend)
     sizes: dict[Dim, int | str] = {
         Dim.block: NUM_BLOCKS_SYMBOL,
         Dim.layer: spec.num_layers,
@@ -251,7 +248,6 @@ def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
         Dim.head: spec.num_kv_heads,
         Dim.dim: spec.cell_elements,
     }
-    cross = layout.placement is Placement.cross_layer
     inline = spec.quant_mode.is_per_token_head
     return LayoutFingerprint(
         placement=layout.placement.value,
@@ -260,7 +256,7 @@ def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
         logical_dims=tuple(d.value for d in backend.logical_dims),
         physical_dims=tuple(d.value for d in order),
         physical_shape=tuple(sizes[d] for d in order),
-        num_buffers=1 if cross else spec.num_layers,
+        num_buffers=spec.num_layers if split else 1,
         kind=spec.kind.value,
         kv_factor=spec.kv_factor,
         num_layers=spec.num_layers,

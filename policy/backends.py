@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import difflib
 from enum import Enum
+from typing import Any
 
 from pydantic import Field, model_validator
 
 from policy.errors import input_error
-from policy.layouts import HeadOrder, Layout
+from policy.layouts import LEGACY_NAMES, HeadOrder, Layout
 from policy.spec import Frozen
 
 __all__ = [
@@ -79,6 +80,23 @@ class BackendProfile(Frozen):
     def __hash__(self) -> int:
         return hash((self.name, self.mla, self.logical_dims, tuple(sorted(self.orders.items())),
                      self.layer_buffers, self.supported_layouts, self.scale_views))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_orders(cls, data: Any) -> Any:
+        """Accept the pre-0.29 form: ``per_layer_order`` / ``cross_layer_order`` by head order
+        (per-layer orders without the layer dim, each layer its own buffer)."""
+        if isinstance(data, dict) and ("per_layer_order" in data or "cross_layer_order" in data):
+            data = dict(data)
+            orders: dict[Layout, tuple[Dim, ...]] = {}
+            for h, order in (data.pop("per_layer_order", None) or {}).items():
+                orders[LEGACY_NAMES[f"per_layer/{HeadOrder(h).value}"]] = (Dim.layer, *order)
+            for h, order in (data.pop("cross_layer_order", None) or {}).items():
+                orders[LEGACY_NAMES[f"cross_layer/{HeadOrder(h).value}"]] = tuple(order)
+            data.setdefault("orders", orders)
+            data.setdefault("layer_buffers", True)
+            data.setdefault("scale_views", ScaleViews.assume_per_layer_contiguous)
+        return data
 
     @model_validator(mode="after")
     def _orders_are_permutations(self) -> BackendProfile:

@@ -18,6 +18,7 @@ vLLM issue #48412 was found; no default ever selects it.
 from __future__ import annotations
 
 import functools
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from enum import Enum
@@ -224,7 +225,11 @@ def _for_version(version: str) -> ReleaseProfile | None:
 
 
 def default_profile_name() -> str:
-    """The installed vLLM's profile when one answers for it, else the newest shipped release."""
+    """``KVPOLICY_VLLM_VERSION`` when set; else the installed vLLM's profile when one answers for it,
+    else the newest shipped release."""
+    chosen = os.environ.get("KVPOLICY_VLLM_VERSION")
+    if chosen:
+        return get_profile(chosen).name
     installed = installed_vllm_version()
     if installed is not None:
         profile = _for_version(installed)

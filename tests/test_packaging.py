@@ -25,7 +25,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wheel_ships_every_rule_file(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    for path in [*ROOT.glob("rules/*.yaml"), *ROOT.glob("rules/connectors/*.yaml"), *ROOT.glob("rules/tests/*.yaml")]:
+    for path in [*ROOT.glob("rules/*/*.yaml"), *ROOT.glob("rules/*/connectors/*.yaml"), *ROOT.glob("rules/*/tests/*.yaml")]:
         assert "kvpolicy_rules/" + str(path.relative_to(ROOT / "rules")) in names, path
 
 

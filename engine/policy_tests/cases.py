@@ -95,13 +95,13 @@ class CaseInput(Frozen):
         return self
 
 
-LayoutName = Literal["per_layer/NHD", "per_layer/HND", "cross_layer/NHD", "cross_layer/HND"]
+LayoutName = Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC",
+                     "per_layer/NHD", "per_layer/HND", "cross_layer/NHD", "cross_layer/HND"]
 
 
 def _pattern(value: Any) -> Any:
     if isinstance(value, str):
-        layout = Layout.parse(value)  # ValueError names the valid layouts
-        return LayoutPattern(placement=layout.placement, head_order=layout.head_order)
+        return LayoutPattern(layout=(Layout.parse(value),))  # ValueError names the valid layouts
     return value
 
 

@@ -11,7 +11,7 @@ import pytest
 from engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
-RULES = ROOT / "rules"
+RULES = ROOT / "rules" / "issue-48412"
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 QWEN = {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
 
@@ -53,9 +53,9 @@ def test_default_example_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert "  1. per_layer/NHD    score 0  <- chosen" in lines
     assert "  2. per_layer/HND    score 0  (tie: rule set's default order)" in lines
     i = lines.index("  cross_layer/NHD")
-    assert lines[i + 1] == f"    by per-token-head-forbids-cross-layer (forbid, global) at rules/global.yaml:{PTH_LINE}"
+    assert lines[i + 1] == f"    by per-token-head-forbids-cross-layer (forbid, global) at rules/issue-48412/global.yaml:{PTH_LINE}"
     assert "  cross_layer/NHD would be chosen if kv.per_token_head were false (it is true)" in lines
-    assert f"  [x] per-token-head-forbids-cross-layer (forbid, global) at rules/global.yaml:{PTH_LINE}" in lines
+    assert f"  [x] per-token-head-forbids-cross-layer (forbid, global) at rules/issue-48412/global.yaml:{PTH_LINE}" in lines
     assert any(line.startswith("  +10 cross_layer/NHD  offloading-prefers-cross-layer") for line in lines)
     assert lines[-1].startswith("rule set: rules (sha256:")
     assert err == ""
@@ -70,7 +70,7 @@ def test_default_example_json(capsys: pytest.CaptureFixture[str]) -> None:
             "counterfactual", "ruleset", "inputs"} <= set(data)
     assert data["layout"] == {"placement": "per_layer", "head_order": "NHD", "name": "per_layer/NHD"}
     assert data["eliminated"]["cross_layer/NHD"] == [
-        {"rule": "per-token-head-forbids-cross-layer", "source": f"rules/global.yaml:{PTH_LINE}",
+        {"rule": "per-token-head-forbids-cross-layer", "source": f"rules/issue-48412/global.yaml:{PTH_LINE}",
          "scope": "global", "effect": "forbid"}]
     assert data["rules"]["per-token-head-forbids-cross-layer"] is True
     assert data["rules"]["cross-layer-needs-connector"] is False
@@ -142,7 +142,7 @@ def test_hybrid_model_stays_per_layer(capsys: pytest.CaptureFixture[str]) -> Non
                        "--connector", "OffloadingConnector", "--explain", "fails")
     assert code == 0
     assert "layout: per_layer/NHD" in out
-    assert "    by cross-layer-needs-attention-spec (forbid, global) at rules/global.yaml:" in out
+    assert "    by cross-layer-needs-attention-spec (forbid, global) at rules/issue-48412/global.yaml:" in out
 
 
 def test_spec_yaml_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

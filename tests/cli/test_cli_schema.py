@@ -38,7 +38,7 @@ def test_schema_header(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_shipped_rule_files_name_the_schema() -> None:
-    for path in [*(ROOT / "rules").glob("*.yaml"), *(ROOT / "rules" / "connectors").glob("*.yaml")]:
+    for path in [*(ROOT / "rules").glob("*/*.yaml"), *(ROOT / "rules").glob("*/connectors/*.yaml")]:
         first = path.read_text().splitlines()[0]
         assert first.startswith("# yaml-language-server: $schema=") and first.endswith("docs/rule-file.schema.json")
 
@@ -47,7 +47,7 @@ def test_schema_accepts_shipped_files_and_rejects_typos() -> None:
     jsonschema = pytest.importorskip("jsonschema")
     rule_schema = json.loads(schema_text())
     jsonschema.Draft202012Validator.check_schema(rule_schema)
-    for path in [*(ROOT / "rules").glob("*.yaml"), *(ROOT / "rules" / "connectors").glob("*.yaml")]:
+    for path in [*(ROOT / "rules").glob("*/*.yaml"), *(ROOT / "rules").glob("*/connectors/*.yaml")]:
         jsonschema.validate(yaml.safe_load(path.read_text()), rule_schema)
     bad = {"version": 1, "rules": [{"id": "x", "description": "d", "forbid": {"placement": "cross_layer"},
                                     "wieght": 1}]}
@@ -55,5 +55,5 @@ def test_schema_accepts_shipped_files_and_rejects_typos() -> None:
         jsonschema.validate(bad, rule_schema)
     case_schema = json.loads(schema_text(cases=True))
     jsonschema.Draft202012Validator.check_schema(case_schema)
-    for path in (ROOT / "rules" / "tests").glob("*.yaml"):
+    for path in (ROOT / "rules").glob("*/tests/*.yaml"):
         jsonschema.validate(yaml.safe_load(path.read_text()), case_schema)

@@ -45,9 +45,9 @@ def test_require_coverage_passes_on_shipped_tests(capsys: pytest.CaptureFixture[
 
 
 def test_verbose_lists_passing_cases(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = cli(capsys, "test", "-v", str(ROOT / "rules" / "tests" / "gate.yaml"))
+    code, out, _ = cli(capsys, "test", "-v", str(ROOT / "rules" / "issue-48412" / "tests" / "gate.yaml"))
     assert code == 0
-    assert re.search(r"^PASS rules/tests/gate\.yaml:\d+: no connector keeps vLLM's default per-layer NHD$", out, re.M)
+    assert re.search(r"^PASS rules/issue-48412/tests/gate\.yaml:\d+: no connector keeps vLLM's default per-layer NHD$", out, re.M)
 
 
 def test_failing_case_shows_expected_vs_actual(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_uncovered_rules_are_listed_and_require_coverage_fails(capsys: pytest.Ca
     assert lines[1] == f"coverage: 1/{N_RULES} rules matched by some case"
     uncovered = lines[2:]
     assert len(uncovered) == N_RULES - 1
-    assert any(re.fullmatch(r"  uncovered: nixl-requires-hnd at rules/connectors/nixl\.yaml:\d+", line)
+    assert any(re.fullmatch(r"  uncovered: nixl-requires-hnd at rules/issue-48412/connectors/nixl\.yaml:\d+", line)
                for line in uncovered)
     assert not any("cross-layer-needs-connector" in line for line in uncovered)
     code, _, _ = cli(capsys, "test", str(path), "--require-coverage")
@@ -146,7 +146,7 @@ def test_unknown_rule_in_expectation(capsys: pytest.CaptureFixture[str], tmp_pat
 
 def test_rules_flag_selects_rule_set_and_its_tests(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     root = tmp_path / "my-rules"
-    shutil.copytree(ROOT / "rules", root)
+    shutil.copytree(ROOT / "rules" / "issue-48412", root)
     code, out, _ = cli(capsys, "test", "--rules", str(root))
     assert code == 0 and f"coverage: {N_RULES}/{N_RULES} rules matched by some case" in out
     shutil.rmtree(root / "tests")
@@ -161,7 +161,7 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     assert data["failed"] == 0 and data["passed"] == len(data["cases"])
     assert data["coverage"] == {"matched": N_RULES, "total": N_RULES, "uncovered": []}
-    assert data["cases"][0]["location"].startswith("rules/tests/")
+    assert data["cases"][0]["location"].startswith("rules/issue-48412/tests/")
 
 
 def test_missing_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

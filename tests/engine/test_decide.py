@@ -170,7 +170,7 @@ def test_trace_records_every_rule_and_leaf_value() -> None:
     assert results["cross-layer-needs-connector"].matched is False
     removed = d.eliminated[Layout.parse("cross_layer/NHD")]
     assert [(rule.id, str(rule.source)) for rule, _ in removed] == [
-        ("per-token-head-forbids-cross-layer", "rules/global.yaml:42")]
+        ("per-token-head-forbids-cross-layer", "rules/issue-48412/global.yaml:42")]
 
 
 def test_counterfactual_names_the_smallest_change() -> None:
@@ -216,7 +216,7 @@ def test_json_contract() -> None:
 def test_fast_path_trace_is_computed_on_demand() -> None:
     d = LayoutEngine.default().decide(spec=SPEC, connector="NixlConnector",
                                       connector_config={"enable_cross_layers_blocks": "true"}, explain=False)
-    assert d.layout == Layout(placement=Placement.cross_layer, head_order=HeadOrder.HND)
+    assert d.layout == Layout.parse("cross_layer/HND")
     assert any(isinstance(e, CandidateRemoved) for e in d.events)
     assert all(isinstance(e, RuleEvaluated) for e in d.rule_results)
 

@@ -42,7 +42,7 @@ ENGINE = LayoutEngine.default()
 
 # Qwen2.5-0.5B, the geometry of DESIGN.md's worked examples.
 QWEN = {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": "bfloat16"}
-CROSS_HND = Layout(placement=Placement.cross_layer, head_order=HeadOrder.HND)
+CROSS_HND = Layout.parse("cross_layer/HND")
 
 
 def make_spec(**overrides: object) -> KVCacheSpec:

@@ -47,7 +47,7 @@ def layout(text: str) -> Layout:
 
 
 def all_layouts(backend: BackendProfile) -> list[Layout]:
-    return [Layout(placement=p, head_order=h) for p in Placement for h in backend.head_orders]
+    return [Layout.parse(f"{p.value}/{h.value}") for p in Placement for h in backend.head_orders]
 
 
 # ---- vLLM's numbers ----------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def test_cells_are_disjoint_in_bounds_and_transfers_cover_each_byte_once(
     pad = geo.pop("pad")
     base = make_spec(mla=profile.mla, **geo)
     spec = make_spec(mla=profile.mla, page_size_padded=base.real_page_size_bytes + pad, **geo) if pad else base
-    plan = plan_layout(Layout(placement=placement, head_order=head_order), spec, profile, num_blocks)
+    plan = plan_layout(Layout.parse(f"{placement.value}/{head_order.value}"), spec, profile, num_blocks)
 
     for buf, cells in _cells(plan).items():
         cells.sort()

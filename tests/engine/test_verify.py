@@ -36,7 +36,7 @@ def combos():
     for backend, dtype, placement, strategy in itertools.product(
             BACKENDS.values(), KV_CACHE_DTYPES, Placement, ScaleViews):
         for head_order in backend.head_orders:
-            yield backend, dtype, Layout(placement=placement, head_order=head_order), strategy
+            yield backend, dtype, Layout.parse(f"{placement.value}/{head_order.value}"), strategy
 
 
 COMBOS = list(combos())

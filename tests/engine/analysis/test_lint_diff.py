@@ -64,7 +64,7 @@ def test_diff_lists_exactly_the_per_token_head_inputs(shipped, no_pth) -> None:
     assert changed == unsafe  # every decision the edit changes is one the verifier rejects
     for c in report.changes:
         assert c.old.startswith("per_layer/") and c.new.startswith("cross_layer/")
-        assert c.old_because == ("per-token-head-forbids-cross-layer (rules/global.yaml:42)",) or \
+        assert c.old_because == ("per-token-head-forbids-cross-layer (rules/issue-48412/global.yaml:42)",) or \
             c.old_because[0].startswith("per-token-head-forbids-cross-layer")
         assert c.new_because  # the connector preference that now wins
     assert sum(report.counts().values()) == len(report.changes)
