@@ -230,7 +230,7 @@ def canonical_kv_cache_dtype(spec: KVCacheSpec) -> str:
 def _physical_order(layout: Layout, backend: BackendProfile) -> tuple[tuple[Dim, ...], int]:
     """The physical dims of one buffer, and whether layers get buffers of their own (1) or share one (0)."""
     order = backend.order(layout)
-    if backend.layer_buffers and order[0] is Dim.layer:
+    if backend.layer_buffers and layout.is_layer_compact:
         return order[1:], 1
     return order, 0
 

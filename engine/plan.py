@@ -212,7 +212,7 @@ def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_
     full_order = backend.order(layout)
     # One buffer per layer (vLLM 0.28's runner, #48412's state) when the layer dim is outermost;
     # otherwise one buffer holds every layer (cross-layer, and every layout of vLLM 0.29+).
-    split = backend.layer_buffers and full_order[0] is Dim.layer
+    split = backend.layer_buffers and layout.is_layer_compact
     order = full_order[1:] if split else full_order
     elem = spec.cache_dtype.size_bytes
     sizes = {

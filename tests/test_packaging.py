@@ -43,7 +43,7 @@ def test_installed_package_validates_and_tests_its_rules(wheel: Path, tmp_path: 
     env = {**os.environ, "PYTHONPATH": str(target)}
     run = [sys.executable, "-m", "engine.cli.main"]
     for argv, expect in ((["validate"], "ok: 11 rules in 6 files"), (["test"], "0 failed"),
-                         (["dry-run", "--explain", "notes"], "layout: per_layer/NHD"),
+                         (["dry-run", "--explain", "notes"], "layout: LBNHC"),
                          (["lint"], "0 error(s)")):
         proc = subprocess.run(run + argv, capture_output=True, text=True, cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr

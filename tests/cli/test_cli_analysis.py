@@ -12,7 +12,7 @@ import pytest
 from engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
-RULES = ROOT / "rules"
+RULES = ROOT / "rules" / "issue-48412"
 SMALL = "num_layers: 4\nblock_size: 16\nnum_kv_heads: 2\nhead_size: 64\n"
 
 
@@ -82,8 +82,8 @@ def test_diff_lists_exactly_the_per_token_head_inputs(capsys, no_pth: Path) -> N
     assert code == 1
     lines = out.splitlines()
     assert lines[0] == "diff: 12600 inputs checked, 180 decision(s) change"
-    assert lines[1:3] == ["      90  per_layer/HND -> cross_layer/HND", "      90  per_layer/NHD -> cross_layer/NHD"]
-    assert "    old: per_layer/NHD  because per-token-head-forbids-cross-layer" in out
+    assert lines[1:3] == ["      90  LBHNC -> BHLNC", "      90  LBNHC -> BLNHC"]
+    assert "    old: LBNHC  because per-token-head-forbids-cross-layer" in out
     code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--format", "json")
     changes = json.loads(out)["changes"]
     assert {c["input"]["kv_cache_dtype"] for c in changes} == {
@@ -106,7 +106,7 @@ def test_dry_run_map_of_a_safe_choice(capsys, spec: str) -> None:
 
 def test_dry_run_map_what_if_shows_the_collision(capsys, spec: str) -> None:
     code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--kv-cache-dtype", "int8_per_token_head",
-                       "--connector", "OffloadingConnector", "--map-layout", "cross_layer/NHD", "--explain", "notes")
+                       "--connector", "OffloadingConnector", "--map-layout", "BLNHC", "--explain", "notes")
     assert code == 0  # the chosen layout (per_layer) is safe; the map is a what-if
     assert "!!         0 .. 2176         2176 B  32 x [64 B layer 0 K data | 4 B OVERLAP layers 0..3 k scale]" in out
 
@@ -114,12 +114,12 @@ def test_dry_run_map_what_if_shows_the_collision(capsys, spec: str) -> None:
 def test_dry_run_refuses_an_unsafe_choice_and_draws_it(capsys, spec: str, tmp_path: Path) -> None:
     rules = tmp_path / "rules"
     rules.mkdir()
-    (rules / "global.yaml").write_text("version: 1\ndefaults:\n  layout_order: [cross_layer/NHD]\nrules: []\n")
+    (rules / "global.yaml").write_text("version: 1\ndefaults:\n  layout_order: [BLNHC]\nrules: []\n")
     svg = tmp_path / "block.svg"
     code, out, err = cli(capsys, "dry-run", "--rules", str(rules), "--spec", spec, "--kv-cache-dtype",
                          "fp8_per_token_head", "--map", "--svg", str(svg))
     assert code == 1
-    assert out.startswith("layout: cross_layer/NHD")
+    assert out.startswith("layout: BLNHC")
     assert "OVERLAP layers 0..3 k scale" in out
     assert "refusing layout `cross_layer/NHD` on `TRITON_ATTN`" in err
     assert "error[overlapping-views]: layer 0 k scale and layer 1 k scale both write buffer 0 byte 64" in err
@@ -131,7 +131,7 @@ def test_dry_run_json_reports_verification_and_map(capsys, spec: str) -> None:
     code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--format", "json", "--map")
     data = json.loads(out)
     assert code == 0
-    assert data["verification"] == {"layout": "per_layer/NHD", "scale_views": "assume_per_layer_contiguous",
+    assert data["verification"] == {"layout": "LBNHC", "scale_views": "assume_per_layer_contiguous",
                                     "ok": True, "collisions": []}
     assert [s["owners"] for s in data["map"][:2]] == [[[0, "k_data"]], [[0, "v_data"]]]
 
@@ -157,9 +157,9 @@ def test_diff_with_a_broken_side_exits_2_not_1(capsys, tmp_path: Path) -> None:
 
 def test_map_layout_the_backend_cannot_lay_out_is_a_warning(capsys) -> None:
     code, _, err = cli(capsys, "dry-run", "--model", str(ROOT / "tests/fixtures/configs/deepseek-v2-lite.json"),
-                       "--backend", "FLASHMLA", "--map-layout", "per_layer/HND", "--explain", "notes")
+                       "--backend", "FLASHMLA", "--map-layout", "LBHNC", "--explain", "notes")
     assert code == 0
-    assert "warning: --map-layout per_layer/HND: backend `FLASHMLA` does not support head order `HND`" in err
+    assert "warning: --map-layout LBHNC: backend `FLASHMLA` does not support head order `HND`" in err
 
 
 def test_a_mamba_only_model_is_decided_without_a_geometry_check(capsys, tmp_path: Path) -> None:
@@ -167,4 +167,4 @@ def test_a_mamba_only_model_is_decided_without_a_geometry_check(capsys, tmp_path
     spec.write_text("groups:\n  - spec: {kind: mamba, num_layers: 4, block_size: 16, num_kv_heads: 1, head_size: 16}\n")
     code, out, _ = cli(capsys, "dry-run", "--spec", str(spec), "--format", "json")
     data = json.loads(out)
-    assert code == 0 and data["layout"]["name"] == "per_layer/NHD" and "verification" not in data
+    assert code == 0 and data["layout"]["name"] == "LBNHC" and "verification" not in data

@@ -49,14 +49,14 @@ def test_default_example_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].startswith("built-in example: Qwen2.5-0.5B KV geometry, TRITON_ATTN, OffloadingConnector, "
                                "kv_cache_dtype fp8_per_token_head")
     assert "pass --model PATH or --spec FILE" in lines[0]
-    assert lines[2] == "layout: per_layer/NHD"
-    assert "  1. per_layer/NHD    score 0  <- chosen" in lines
-    assert "  2. per_layer/HND    score 0  (tie: rule set's default order)" in lines
-    i = lines.index("  cross_layer/NHD")
+    assert lines[2] == "layout: LBNHC"
+    assert "  1. LBNHC    score 0  <- chosen" in lines
+    assert "  2. LBHNC    score 0  (tie: rule set's default order)" in lines
+    i = lines.index("  BLNHC")
     assert lines[i + 1] == f"    by per-token-head-forbids-cross-layer (forbid, global) at rules/issue-48412/global.yaml:{PTH_LINE}"
-    assert "  cross_layer/NHD would be chosen if kv.per_token_head were false (it is true)" in lines
+    assert "  BLNHC would be chosen if kv.per_token_head were false (it is true)" in lines
     assert f"  [x] per-token-head-forbids-cross-layer (forbid, global) at rules/issue-48412/global.yaml:{PTH_LINE}" in lines
-    assert any(line.startswith("  +10 cross_layer/NHD  offloading-prefers-cross-layer") for line in lines)
+    assert any(line.startswith("  +10 BLNHC  offloading-prefers-cross-layer") for line in lines)
     assert lines[-1].startswith("rule set: rules (sha256:")
     assert err == ""
 
@@ -68,15 +68,15 @@ def test_default_example_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert {"layout", "score", "ranking", "eliminated", "rules", "rule_results", "preferences",
             "counterfactual", "ruleset", "inputs"} <= set(data)
-    assert data["layout"] == {"placement": "per_layer", "head_order": "NHD", "name": "per_layer/NHD"}
-    assert data["eliminated"]["cross_layer/NHD"] == [
+    assert data["layout"] == {"placement": "per_layer", "head_order": "NHD", "name": "LBNHC"}
+    assert data["eliminated"]["BLNHC"] == [
         {"rule": "per-token-head-forbids-cross-layer", "source": f"rules/issue-48412/global.yaml:{PTH_LINE}",
          "scope": "global", "effect": "forbid"}]
     assert data["rules"]["per-token-head-forbids-cross-layer"] is True
     assert data["rules"]["cross-layer-needs-connector"] is False
-    assert [r["layout"] for r in data["ranking"]] == ["per_layer/NHD", "per_layer/HND"]
+    assert [r["layout"] for r in data["ranking"]] == ["LBNHC", "LBHNC"]
     cf = {c["layout"]: c for c in data["counterfactual"]}
-    assert cf["cross_layer/NHD"]["changes"] == [
+    assert cf["BLNHC"]["changes"] == [
         {"scope": "*", "field": "kv.per_token_head", "from": True, "to": False}]
     assert data["ruleset"]["root"] == "rules" and data["ruleset"]["digest"].startswith("sha256:")
     assert data["inputs"]["kv"]["kv_cache_dtype"] == "fp8_per_token_head"
@@ -102,7 +102,7 @@ def test_example_flags_are_named_in_the_banner(capsys: pytest.CaptureFixture[str
     code, out, _ = cli(capsys, "dry-run", "--kv-cache-dtype", "auto")
     assert code == 0
     assert "changed by --kv-cache-dtype" in out.splitlines()[0]
-    assert "layout: cross_layer/NHD" in out
+    assert "layout: BLNHC" in out
 
 
 def test_connector_none_disables_the_example_connector(capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,7 +114,7 @@ def test_connector_none_disables_the_example_connector(capsys: pytest.CaptureFix
 
 def test_stride_aware_scale_views(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "dry-run", "--scale-views", "stride_aware", "--format", "json")
-    assert code == 0 and json.loads(out)["layout"]["name"] == "cross_layer/NHD"
+    assert code == 0 and json.loads(out)["layout"]["name"] == "BLNHC"
 
 
 # -- deployments ------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_model_config(capsys: pytest.CaptureFixture[str]) -> None:
                        "--format", "json")
     data = json.loads(out)
     assert code == 0
-    assert data["layout"]["name"] == "cross_layer/HND"
+    assert data["layout"]["name"] == "BHLNC"
     assert data["inputs"]["kv"]["num_layers"] == 24 and data["inputs"]["kv"]["num_kv_heads"] == 2
 
 
@@ -141,18 +141,18 @@ def test_hybrid_model_stays_per_layer(capsys: pytest.CaptureFixture[str]) -> Non
     code, out, _ = cli(capsys, "dry-run", "--model", str(CONFIGS / "jamba-v0.1.json"),
                        "--connector", "OffloadingConnector", "--explain", "fails")
     assert code == 0
-    assert "layout: per_layer/NHD" in out
+    assert "layout: LBNHC" in out
     assert "    by cross-layer-needs-attention-spec (forbid, global) at rules/issue-48412/global.yaml:" in out
 
 
 def test_spec_yaml_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     yml = write_spec(tmp_path, "num_layers: 24\nblock_size: 16\nnum_kv_heads: 2\nhead_size: 64\n")
     code, out, _ = cli(capsys, "dry-run", "--spec", yml, "--connector", "OffloadingConnector")
-    assert code == 0 and "layout: cross_layer/NHD" in out
+    assert code == 0 and "layout: BLNHC" in out
     assert not out.startswith("built-in example")
     js = write_spec(tmp_path, json.dumps({**QWEN, "kv_cache_dtype": "int8_per_token_head"}), "spec.json")
     code, out, _ = cli(capsys, "dry-run", "--spec", js, "--connector", "OffloadingConnector", "--format", "json")
-    assert code == 0 and json.loads(out)["layout"]["name"] == "per_layer/NHD"
+    assert code == 0 and json.loads(out)["layout"]["name"] == "LBNHC"
 
 
 def test_spec_flags_override_the_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -160,7 +160,7 @@ def test_spec_flags_override_the_file(capsys: pytest.CaptureFixture[str], tmp_pa
     code, out, _ = cli(capsys, "dry-run", "--spec", yml, "--kv-cache-dtype", "auto", "--block-size", "32",
                        "--connector", "OffloadingConnector", "--format", "json")
     data = json.loads(out)
-    assert code == 0 and data["layout"]["name"] == "cross_layer/NHD"
+    assert code == 0 and data["layout"]["name"] == "BLNHC"
     assert data["inputs"]["kv"]["block_size"] == 32
 
 
@@ -172,8 +172,8 @@ groups:
 """)
     code, out, _ = cli(capsys, "dry-run", "--spec", yml, "--connector", "OffloadingConnector", "--format", "json")
     data = json.loads(out)
-    assert code == 0 and data["layout"]["name"] == "per_layer/NHD"
-    assert {h["rule"] for h in data["eliminated"]["cross_layer/NHD"]} == {
+    assert code == 0 and data["layout"]["name"] == "LBNHC"
+    assert {h["rule"] for h in data["eliminated"]["BLNHC"]} == {
         "cross-layer-needs-single-group", "cross-layer-needs-attention-spec"}
 
 
@@ -183,10 +183,10 @@ def test_multiconnector_config(capsys: pytest.CaptureFixture[str]) -> None:
         {"kv_connector": "OffloadingConnector"}]}
     args = ["dry-run", "--kv-cache-dtype", "auto", "--connector", "MultiConnector", "--format", "json"]
     code, out, _ = cli(capsys, *args, "--connector-config", json.dumps(conf))
-    assert code == 0 and json.loads(out)["layout"]["name"] == "cross_layer/HND"
+    assert code == 0 and json.loads(out)["layout"]["name"] == "BHLNC"
     del conf["connectors"][0]["kv_connector_extra_config"]
     code, out, _ = cli(capsys, *args, "--connector-config", json.dumps(conf))
-    assert code == 0 and json.loads(out)["layout"]["name"] == "per_layer/HND"
+    assert code == 0 and json.loads(out)["layout"]["name"] == "LBHNC"
 
 
 def test_unknown_connector_warns(capsys: pytest.CaptureFixture[str]) -> None:
@@ -217,7 +217,7 @@ def test_plan_cross_layer_matches_vllm_log(capsys: pytest.CaptureFixture[str]) -
                        "--num-blocks", "176452", "--format", "json")
     plan = json.loads(out)["plan"]
     assert code == 0
-    assert plan["layout"] == "cross_layer/HND" and plan["num_buffers"] == 1
+    assert plan["layout"] == "BHLNC" and plan["num_buffers"] == 1
     assert plan["physical_shape"] == [176452, 2, 24, 2, 16, 64]
     assert plan["total_bytes"] == 176452 * 24 * 8192
 
@@ -226,7 +226,7 @@ def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "dry-run", "--kv-cache-dtype", "auto", "--num-blocks", "8", "--explain", "notes")
     assert code == 0
     lines = out.splitlines()
-    assert "plan: cross_layer/NHD on TRITON_ATTN, 8 blocks" in lines
+    assert "plan: BLNHC on TRITON_ATTN, 8 blocks" in lines
     assert "  buffers:   1 x (8, 24, 2, 16, 2, 64) bfloat16 [block, layer, kv, token, head, dim], " \
            "1572864 B (1.5 MiB) each" in lines
     assert "  total:     1572864 B (1.5 MiB)" in lines
@@ -365,7 +365,7 @@ def test_every_json_key_is_documented(capsys: pytest.CaptureFixture[str]) -> Non
     keys = set(data) | set(data["plan"]) | set(data["layout"]) | set(data["ruleset"]) | set(data["inputs"])
     keys |= set(data["rule_results"][0]) | set(data["rule_results"][0]["leaves"][0])
     keys |= set(data["counterfactual"][1]) | set(data["counterfactual"][1]["changes"][0])
-    keys |= set(data["preferences"][0]) | set(data["eliminated"]["cross_layer/NHD"][0])
+    keys |= set(data["preferences"][0]) | set(data["eliminated"]["BLNHC"][0])
     missing = sorted(k for k in keys if f"`{k}`" not in doc)
     assert missing == []
 

@@ -51,12 +51,12 @@ def test_python_m_entry_point() -> None:
     out = run("dry-run")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("built-in example: ")
-    assert "layout: per_layer/NHD" in out.stdout
+    assert "layout: LBNHC" in out.stdout
     assert out.stderr == ""  # no runpy double-import warning, no traceback
 
 
 def test_no_layout_via_subprocess(tmp_path: Path) -> None:
-    shutil.copytree(ROOT / "rules", tmp_path / "r", ignore=shutil.ignore_patterns("tests"))
+    shutil.copytree(ROOT / "rules" / "issue-48412", tmp_path / "r", ignore=shutil.ignore_patterns("tests"))
     glob = tmp_path / "r" / "global.yaml"
     conflict = "\n  - id: conflict\n    description: d\n    require: {placement: cross_layer}\n"
     glob.write_text(glob.read_text() + conflict)

@@ -55,27 +55,27 @@ def test_failing_case_shows_expected_vs_actual(capsys: pytest.CaptureFixture[str
   - name: wrong on purpose
     input: {{spec: {SPEC}, kv_cache_dtype: fp8_per_token_head, connector: OffloadingConnector}}
     expect:
-      layout: cross_layer/NHD
-      removed: {{cross_layer/HND: [cross-layer-needs-connector]}}
+      layout: BLNHC
+      removed: {{BHLNC: [cross-layer-needs-connector]}}
       not_matched: [offloading-prefers-cross-layer]
   - name: right
     input: {{spec: {SPEC}}}
-    expect: {{layout: per_layer/NHD}}
+    expect: {{layout: LBNHC}}
 """)
     code, out, _ = cli(capsys, "test", str(path))
     assert code == 1
     lines = out.splitlines()
     assert lines[0] == f"FAIL {path}:3: wrong on purpose"
     assert lines[1:7] == [
-        "  expected layout: cross_layer/NHD",
-        "  actual layout:   per_layer/NHD",
+        "  expected layout: BLNHC",
+        "  actual layout:   LBNHC",
         "  expected `cross_layer/HND` removed by `cross-layer-needs-connector`",
         "  actual: removed by `per-token-head-forbids-cross-layer`",
         "  expected rule `offloading-prefers-cross-layer` not to match",
         "  actual: it matched",
     ]
     assert lines[7] == "  decision (fails):"
-    assert lines[8] == "    layout: per_layer/NHD"
+    assert lines[8] == "    layout: LBNHC"
     assert "    counterfactual:" in lines
     summary = lines.index("1 passed, 1 failed")
     assert lines[summary + 1] == f"coverage: 3/{N_RULES} rules matched by some case"
@@ -84,7 +84,7 @@ def test_failing_case_shows_expected_vs_actual(capsys: pytest.CaptureFixture[str
 
 def test_uncovered_rules_are_listed_and_require_coverage_fails(capsys: pytest.CaptureFixture[str],
                                                                 tmp_path: Path) -> None:
-    path = case_file(tmp_path, f"  - name: plain\n    input: {{spec: {SPEC}}}\n    expect: {{layout: per_layer/NHD}}\n")
+    path = case_file(tmp_path, f"  - name: plain\n    input: {{spec: {SPEC}}}\n    expect: {{layout: LBNHC}}\n")
     code, out, _ = cli(capsys, "test", str(path))
     assert code == 0
     lines = out.splitlines()
@@ -106,7 +106,7 @@ def test_expected_error_cases(capsys: pytest.CaptureFixture[str], tmp_path: Path
     expect: {{error: unknown-backend}}
   - name: unexpected error
     input: {{spec: {SPEC}, backend: NOPE}}
-    expect: {{layout: per_layer/NHD}}
+    expect: {{layout: LBNHC}}
 """)
     code, out, _ = cli(capsys, "test", str(path))
     assert code == 1

@@ -30,7 +30,7 @@ from policy import InputError, PolicyError
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = LayoutEngine.default()
 QWEN = {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
-# The shipped rules choose cross_layer/NHD for this input.
+# The shipped rules choose BLNHC for this input.
 CROSS = {"spec": QWEN, "backend": "TRITON_ATTN", "connector": "OffloadingConnector"}
 
 

@@ -48,16 +48,16 @@ def decide(engine: LayoutEngine, **kw):
 
 def test_no_rules_picks_the_default_order_head() -> None:
     e = engine_for({"global.yaml": rules_yaml()})
-    assert str(decide(e).layout) == "per_layer/NHD"
+    assert str(decide(e).layout) == "LBNHC"
 
 
 def test_declared_default_order_breaks_ties() -> None:
-    e = engine_for({"global.yaml": rules_yaml(extra="defaults:\n  layout_order: [cross_layer/HND]\n")})
+    e = engine_for({"global.yaml": rules_yaml(extra="defaults:\n  layout_order: [BHLNC]\n")})
     d = decide(e)
-    assert str(d.layout) == "cross_layer/HND"
+    assert str(d.layout) == "BHLNC"
     # unlisted layouts follow in canonical order
-    assert [str(lay) for lay, _ in d.ranking] == ["cross_layer/HND", "per_layer/NHD", "per_layer/HND",
-                                                 "cross_layer/NHD"]
+    assert [str(lay) for lay, _ in d.ranking] == ["BHLNC", "LBNHC", "LBHNC",
+                                                 "BLNHC"]
 
 
 def test_prefer_weights_sum_and_rank() -> None:
@@ -68,7 +68,7 @@ def test_prefer_weights_sum_and_rank() -> None:
     )})
     d = decide(e)
     assert [(str(lay), s) for lay, s in d.ranking] == [
-        ("per_layer/HND", 6), ("cross_layer/HND", 5), ("cross_layer/NHD", 3), ("per_layer/NHD", 0)]
+        ("LBHNC", 6), ("BHLNC", 5), ("BLNHC", 3), ("LBNHC", 0)]
 
 
 def test_connector_rules_cannot_lift_a_global_forbid() -> None:
@@ -100,8 +100,8 @@ def test_connector_rules_apply_only_to_their_connector() -> None:
     assert decide(e).layout.placement is Placement.per_layer
 
 
-@pytest.mark.parametrize(("mode", "expected"), [("all", "cross_layer/HND"), ("any", "per_layer/HND"),
-                                                ("sum", "cross_layer/HND")])
+@pytest.mark.parametrize(("mode", "expected"), [("all", "BHLNC"), ("any", "LBHNC"),
+                                                ("sum", "BHLNC")])
 def test_member_preferences_combine(mode: str, expected: str) -> None:
     files = {
         "global.yaml": rules_yaml(),
@@ -168,7 +168,7 @@ def test_trace_records_every_rule_and_leaf_value() -> None:
     assert [(lf.field, lf.actual, lf.result) for lf in ev.leaves] == [
         ("kv.per_token_head", True, True), ("backend.scale_views", "assume_per_layer_contiguous", True)]
     assert results["cross-layer-needs-connector"].matched is False
-    removed = d.eliminated[Layout.parse("cross_layer/NHD")]
+    removed = d.eliminated[Layout.parse("BLNHC")]
     assert [(rule.id, str(rule.source)) for rule, _ in removed] == [
         ("per-token-head-forbids-cross-layer", "rules/issue-48412/global.yaml:42")]
 
@@ -176,17 +176,17 @@ def test_trace_records_every_rule_and_leaf_value() -> None:
 def test_counterfactual_names_the_smallest_change() -> None:
     d = LayoutEngine.default().decide(spec=SPEC, kv_cache_dtype="fp8_per_token_head",
                                       connector="OffloadingConnector")
-    cf = {str(c.layout): c for c in d.counterfactuals}["cross_layer/NHD"]
+    cf = {str(c.layout): c for c in d.counterfactuals}["BLNHC"]
     assert cf.changes is not None and len(cf.changes) == 1
     assert (cf.changes[0].field, cf.changes[0].was, cf.changes[0].becomes) == ("kv.per_token_head", True, False)
     text = d.to_dict()["counterfactual"]
-    assert any(c["text"] == "cross_layer/NHD would be chosen if kv.per_token_head were false (it is true)"
+    assert any(c["text"] == "BLNHC would be chosen if kv.per_token_head were false (it is true)"
                for c in text)
 
 
 def test_counterfactual_for_no_connector() -> None:
     d = LayoutEngine.default().decide(spec=SPEC)
-    cf = {str(c.layout): c for c in d.counterfactuals}["cross_layer/NHD"]
+    cf = {str(c.layout): c for c in d.counterfactuals}["BLNHC"]
     # removing the forbid is not enough: nothing prefers cross_layer without a connector
     assert cf.changes is None
 
@@ -205,8 +205,8 @@ def test_json_contract() -> None:
     d = LayoutEngine.default().decide(spec=SPEC, kv_cache_dtype="fp8_per_token_head",
                                       connector="OffloadingConnector")
     data = json.loads(d.to_json())
-    assert data["layout"] == {"placement": "per_layer", "head_order": "NHD", "name": "per_layer/NHD"}
-    assert data["eliminated"]["cross_layer/NHD"][0]["rule"] == "per-token-head-forbids-cross-layer"
+    assert data["layout"] == {"placement": "per_layer", "head_order": "NHD", "name": "LBNHC"}
+    assert data["eliminated"]["BLNHC"][0]["rule"] == "per-token-head-forbids-cross-layer"
     assert data["rules"]["per-token-head-forbids-cross-layer"] is True
     assert data["rules"]["nixl-requires-hnd"] is False  # out of scope: reported, not matched
     assert data["ruleset"]["digest"].startswith("sha256:")
@@ -216,7 +216,7 @@ def test_json_contract() -> None:
 def test_fast_path_trace_is_computed_on_demand() -> None:
     d = LayoutEngine.default().decide(spec=SPEC, connector="NixlConnector",
                                       connector_config={"enable_cross_layers_blocks": "true"}, explain=False)
-    assert d.layout == Layout.parse("cross_layer/HND")
+    assert d.layout == Layout.parse("BHLNC")
     assert any(isinstance(e, CandidateRemoved) for e in d.events)
     assert all(isinstance(e, RuleEvaluated) for e in d.rule_results)
 

@@ -42,7 +42,7 @@ ENGINE = LayoutEngine.default()
 
 # Qwen2.5-0.5B, the geometry of DESIGN.md's worked examples.
 QWEN = {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": "bfloat16"}
-CROSS_HND = Layout.parse("cross_layer/HND")
+CROSS_HND = Layout.parse("BHLNC")
 
 
 def make_spec(**overrides: object) -> KVCacheSpec:
@@ -90,7 +90,7 @@ def test_canonical_json_and_key_order() -> None:
 
 def test_round_trip_through_dict_and_json() -> None:
     for f in (fp(), fp(kv_cache_dtype="int4_per_token_head", page_size_padded=4096),
-              fingerprint_of(Layout.parse("per_layer/NHD"),
+              fingerprint_of(Layout.parse("LBNHC"),
                              KVCacheSpec(kind="mla", num_layers=27, block_size=64, num_kv_heads=1, head_size=576),
                              BACKENDS["FLASHMLA"])):
         assert LayoutFingerprint.from_dict(f.to_dict()) == f
@@ -117,7 +117,7 @@ def test_from_dict_rejects_what_is_not_a_fingerprint(mutate, message: str) -> No
 
 
 def test_shape_template_is_the_planned_shape_for_any_num_blocks() -> None:
-    cases = [(lay, kv) for lay in ("per_layer/NHD", "per_layer/HND", "cross_layer/NHD", "cross_layer/HND")
+    cases = [(lay, kv) for lay in ("LBNHC", "LBHNC", "BLNHC", "BHLNC")
              for kv in ("auto", "fp8", "fp8_per_token_head", "int4_per_token_head")]
     for name, kv in cases:
         layout, spec, backend = Layout.parse(name), make_spec(kv_cache_dtype=kv), BACKENDS["FLASHINFER"]
@@ -152,8 +152,8 @@ def test_spellings_of_one_format_agree() -> None:
 def test_every_field_changes_the_digest() -> None:
     base = fp()
     variants = {
-        "head_order": fp(layout=Layout.parse("cross_layer/NHD")),
-        "placement": fp(layout=Layout.parse("per_layer/HND")),
+        "head_order": fp(layout=Layout.parse("BLNHC")),
+        "placement": fp(layout=Layout.parse("LBHNC")),
         "backend (same geometry, other name)": fp(backend="FLASH_ATTN"),
         "backend (other geometry)": fp(backend="FLASHINFER"),
         "dtype": fp(dtype="float16"),

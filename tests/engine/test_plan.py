@@ -55,7 +55,7 @@ def all_layouts(backend: BackendProfile) -> list[Layout]:
 
 def test_qwen2_5_0_5b_triton_hnd_cross_layer_matches_vllm() -> None:
     spec = make_spec(num_layers=24, block_size=16, num_kv_heads=2, head_size=64)
-    plan = plan_layout(layout("cross_layer/HND"), spec, TRITON, 176452)
+    plan = plan_layout(layout("BHLNC"), spec, TRITON, 176452)
     (buf,) = plan.buffers
     assert buf.shape == (176452, 2, 24, 2, 16, 64)
     assert buf.dims == ("block", "head", "layer", "kv", "token", "dim")
@@ -65,7 +65,7 @@ def test_qwen2_5_0_5b_triton_hnd_cross_layer_matches_vllm() -> None:
 
 def test_llama_70b_triton_hnd_cross_layer_matches_vllm() -> None:
     spec = make_spec(num_layers=80, block_size=16, num_kv_heads=8, head_size=128)
-    plan = plan_layout(layout("cross_layer/HND"), spec, TRITON, 8724)
+    plan = plan_layout(layout("BHLNC"), spec, TRITON, 8724)
     assert plan.buffers[0].shape == (8724, 8, 80, 2, 16, 128)
 
 
@@ -76,7 +76,7 @@ def test_a_100_gb_plan_allocates_nothing_and_imports_no_torch() -> None:
         "from policy.layouts import Layout\n"
         "from policy.spec import KVCacheSpec\n"
         "spec = KVCacheSpec(num_layers=80, block_size=16, num_kv_heads=8, head_size=128)\n"
-        "p = engine.plan.plan_layout(Layout.parse('cross_layer/HND'), spec, BACKENDS['TRITON_ATTN'], 300_000)\n"
+        "p = engine.plan.plan_layout(Layout.parse('BHLNC'), spec, BACKENDS['TRITON_ATTN'], 300_000)\n"
         "assert p.total_bytes > 100e9, p.total_bytes\n"
         "assert 'torch' not in sys.modules, 'engine.plan imported torch'\n"
     )
@@ -88,7 +88,7 @@ def test_a_100_gb_plan_allocates_nothing_and_imports_no_torch() -> None:
 
 def test_cross_layer_views_step_one_layer_inside_each_block_row() -> None:
     spec = make_spec(num_layers=4, block_size=16, num_kv_heads=2, head_size=64)
-    plan = plan_layout(layout("cross_layer/NHD"), spec, TRITON, 10)
+    plan = plan_layout(layout("BLNHC"), spec, TRITON, 10)
     page_elems = spec.page_size_bytes // 2
     for lp in plan.layers:
         assert lp.view.storage_offset == lp.layer * page_elems
@@ -98,7 +98,7 @@ def test_cross_layer_views_step_one_layer_inside_each_block_row() -> None:
 
 def test_per_layer_views_are_contiguous_buffers_of_their_own() -> None:
     spec = make_spec()
-    plan = plan_layout(layout("per_layer/NHD"), spec, TRITON, 5)
+    plan = plan_layout(layout("LBNHC"), spec, TRITON, 5)
     assert len(plan.buffers) == 3
     for lp in plan.layers:
         assert (lp.view.buffer, lp.view.storage_offset) == (lp.layer, 0)
@@ -106,21 +106,21 @@ def test_per_layer_views_are_contiguous_buffers_of_their_own() -> None:
 
 
 def test_hnd_views_put_heads_before_tokens_physically() -> None:
-    plan = plan_layout(layout("per_layer/HND"), make_spec(), TRITON, 5)
+    plan = plan_layout(layout("LBHNC"), make_spec(), TRITON, 5)
     view = plan.layers[0].view
     assert view.dims == ("block", "kv", "token", "head", "dim")
     assert view.strides == (128, 64, 8, 32, 1)  # token stride D, head stride N*D
 
 
 def test_flashinfer_hnd_cross_layer_order() -> None:
-    plan = plan_layout(layout("cross_layer/HND"), make_spec(), BACKENDS["FLASHINFER"], 5)
+    plan = plan_layout(layout("BHLNC"), make_spec(), BACKENDS["FLASHINFER"], 5)
     assert plan.buffers[0].dims == ("block", "kv", "head", "layer", "token", "dim")
     assert plan.buffers[0].shape == (5, 2, 2, 3, 4, 8)
 
 
 def test_mla_cross_layer_puts_layers_outermost_and_still_transfers_whole_pages() -> None:
     spec = make_spec(mla=True, head_size=16)
-    plan = plan_layout(layout("cross_layer/NHD"), spec, MLA, 5)
+    plan = plan_layout(layout("BLNHC"), spec, MLA, 5)
     assert plan.buffers[0].shape == (3, 5, 4, 16)
     assert [lp.view.storage_offset for lp in plan.layers] == [0, 5 * 4 * 16, 2 * 5 * 4 * 16]
     (tv,) = plan.transfer
@@ -130,7 +130,7 @@ def test_mla_cross_layer_puts_layers_outermost_and_still_transfers_whole_pages()
 
 def test_per_token_head_scale_views_sit_at_each_cell_tail() -> None:
     spec = make_spec(num_layers=2, kv_cache_dtype="int8_per_token_head")  # cell 8 + 4 = 12 bytes
-    plan = plan_layout(layout("cross_layer/NHD"), spec, TRITON, 5)
+    plan = plan_layout(layout("BLNHC"), spec, TRITON, 5)
     k, v = plan.layers[1].scales
     page = spec.page_size_bytes
     assert (k.role, v.role) == ("k", "v")
@@ -143,7 +143,7 @@ def test_per_token_head_scale_views_sit_at_each_cell_tail() -> None:
 def test_naive_scale_views_of_every_cross_layer_layer_collide() -> None:
     """vLLM issue #48412: under cross_layer the naive views of all layers are the same bytes."""
     spec = make_spec(kv_cache_dtype="fp8_per_token_head")
-    plan = plan_layout(layout("cross_layer/NHD"), spec, TRITON, 5)
+    plan = plan_layout(layout("BLNHC"), spec, TRITON, 5)
     naive = {naive_scale_view(plan, i, "k") for i in range(spec.num_layers)}
     assert len(naive) == 1
     real = {plan.layers[i].scales[0] for i in range(spec.num_layers)}
@@ -152,17 +152,17 @@ def test_naive_scale_views_of_every_cross_layer_layer_collide() -> None:
 
 def test_naive_scale_view_equals_the_real_one_for_per_layer_nhd() -> None:
     spec = make_spec(kv_cache_dtype="int4_per_token_head")
-    plan = plan_layout(layout("per_layer/NHD"), spec, TRITON, 5)
+    plan = plan_layout(layout("LBNHC"), spec, TRITON, 5)
     for lp in plan.layers:
         for role, real in zip(("k", "v"), lp.scales, strict=True):
             assert naive_scale_view(plan, lp.layer, role) == real
 
 
 def test_naive_scale_view_rejects_bad_arguments() -> None:
-    plan = plan_layout(layout("per_layer/NHD"), make_spec(), TRITON, 5)
+    plan = plan_layout(layout("LBNHC"), make_spec(), TRITON, 5)
     with pytest.raises(InputError, match="stores no inline scales"):
         naive_scale_view(plan, 0, "k")
-    plan = plan_layout(layout("per_layer/NHD"), make_spec(kv_cache_dtype="int8_per_token_head"), TRITON, 5)
+    plan = plan_layout(layout("LBNHC"), make_spec(kv_cache_dtype="int8_per_token_head"), TRITON, 5)
     with pytest.raises(InputError, match="out of range"):
         naive_scale_view(plan, 3, "k")
     with pytest.raises(InputError, match="unknown role"):
@@ -171,38 +171,38 @@ def test_naive_scale_view_rejects_bad_arguments() -> None:
 
 def test_transfer_rows_include_scales_and_padding() -> None:
     spec = make_spec(kv_cache_dtype="fp8_per_token_head", page_size_padded=256)
-    cross = plan_layout(layout("cross_layer/HND"), spec, TRITON, 5)
+    cross = plan_layout(layout("BHLNC"), spec, TRITON, 5)
     (tv,) = cross.transfer
     assert tv.shape == (5, 3 * 256) and tv.byte_strides == (3 * 256, 1)
-    per = plan_layout(layout("per_layer/HND"), spec, TRITON, 5)
+    per = plan_layout(layout("LBHNC"), spec, TRITON, 5)
     assert [t.shape for t in per.transfer] == [(5, 256)] * 3
     assert cross.total_bytes == per.total_bytes == 5 * 3 * 256
 
 
 def test_padding_goes_after_each_page_where_pages_are_contiguous() -> None:
     spec = make_spec(page_size_padded=320)  # real page 2*4*2*8 bf16 = 256 B; padded page 160 elements
-    nhd = plan_layout(layout("cross_layer/NHD"), spec, TRITON, 5)
+    nhd = plan_layout(layout("BLNHC"), spec, TRITON, 5)
     assert nhd.buffers[0].strides[:2] == (3 * 160, 160)  # block, layer: one padded page per layer
-    hnd = plan_layout(layout("cross_layer/HND"), spec, TRITON, 5)
+    hnd = plan_layout(layout("BHLNC"), spec, TRITON, 5)
     assert hnd.buffers[0].strides[:2] == (3 * 160, 3 * 2 * 4 * 8)  # pad at the end of the block row
 
 
 def test_to_dict_is_json_and_fingerprints_differ_by_layout() -> None:
     spec = make_spec(kv_cache_dtype="int8_per_token_head")
-    a = plan_layout(layout("cross_layer/HND"), spec, TRITON, 5)
-    b = plan_layout(layout("per_layer/HND"), spec, TRITON, 5)
+    a = plan_layout(layout("BHLNC"), spec, TRITON, 5)
+    b = plan_layout(layout("LBHNC"), spec, TRITON, 5)
     data = json.loads(json.dumps(a.to_dict()))
-    assert data["layout"] == "cross_layer/HND" and data["total_bytes"] == a.total_bytes
+    assert data["layout"] == "BHLNC" and data["total_bytes"] == a.total_bytes
     assert a.fingerprint != b.fingerprint
-    assert a.fingerprint == plan_layout(layout("cross_layer/HND"), spec, TRITON, 5).fingerprint
+    assert a.fingerprint == plan_layout(layout("BHLNC"), spec, TRITON, 5).fingerprint
 
 
 def test_transfer_format_ignores_block_count_and_tells_head_orders_apart() -> None:
     spec = make_spec()
-    nhd5 = plan_layout(layout("per_layer/NHD"), spec, TRITON, 5)
-    assert transfer_format(nhd5) == transfer_format(plan_layout(layout("per_layer/NHD"), spec, TRITON, 9))
-    assert transfer_format(nhd5) == transfer_format(plan_layout(layout("cross_layer/NHD"), spec, TRITON, 9))
-    assert transfer_format(nhd5) != transfer_format(plan_layout(layout("per_layer/HND"), spec, TRITON, 5))
+    nhd5 = plan_layout(layout("LBNHC"), spec, TRITON, 5)
+    assert transfer_format(nhd5) == transfer_format(plan_layout(layout("LBNHC"), spec, TRITON, 9))
+    assert transfer_format(nhd5) == transfer_format(plan_layout(layout("BLNHC"), spec, TRITON, 9))
+    assert transfer_format(nhd5) != transfer_format(plan_layout(layout("LBHNC"), spec, TRITON, 5))
 
 
 # ---- input checks ------------------------------------------------------------------------------
@@ -211,32 +211,32 @@ def test_transfer_format_ignores_block_count_and_tells_head_orders_apart() -> No
 @pytest.mark.parametrize("num_blocks", [0, -3, 2.5, True, "8"])
 def test_num_blocks_must_be_a_positive_int(num_blocks: object) -> None:
     with pytest.raises(InputError, match="num_blocks") as info:
-        plan_layout(layout("per_layer/NHD"), make_spec(), TRITON, num_blocks)  # type: ignore[arg-type]
+        plan_layout(layout("LBNHC"), make_spec(), TRITON, num_blocks)  # type: ignore[arg-type]
     assert info.value.diagnostics[0].file == "num_blocks"
 
 
 def test_head_order_must_be_supported_by_the_backend() -> None:
     with pytest.raises(InputError, match="does not support head order `HND`") as info:
-        plan_layout(layout("per_layer/HND"), make_spec(mla=True), MLA, 5)
+        plan_layout(layout("LBHNC"), make_spec(mla=True), MLA, 5)
     assert "use one of: NHD" in info.value.render()
 
 
 def test_spec_and_backend_must_agree_on_mla() -> None:
     with pytest.raises(InputError, match="backend `FLASHMLA`"):
-        plan_layout(layout("per_layer/NHD"), make_spec(), MLA, 5)
+        plan_layout(layout("LBNHC"), make_spec(), MLA, 5)
     with pytest.raises(InputError, match="backend `TRITON_ATTN`"):
-        plan_layout(layout("per_layer/NHD"), make_spec(mla=True), TRITON, 5)
+        plan_layout(layout("LBNHC"), make_spec(mla=True), TRITON, 5)
 
 
 def test_mamba_specs_have_no_plan() -> None:
     spec = KVCacheSpec(kind=AttentionKind.mamba, num_layers=2, block_size=4, num_kv_heads=2, head_size=8)
     with pytest.raises(InputError, match="mamba"):
-        plan_layout(layout("per_layer/NHD"), spec, TRITON, 5)
+        plan_layout(layout("LBNHC"), spec, TRITON, 5)
 
 
 def test_padding_must_be_whole_elements() -> None:
     with pytest.raises(InputError, match="multiple of 2"):
-        plan_layout(layout("per_layer/NHD"), make_spec(page_size_padded=257), TRITON, 5)
+        plan_layout(layout("LBNHC"), make_spec(page_size_padded=257), TRITON, 5)
 
 
 # ---- invariants over random geometry -----------------------------------------------------------

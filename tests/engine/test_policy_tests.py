@@ -83,30 +83,30 @@ def test_results_report_failures_and_matches(tmp_path: Path) -> None:
   - name: right
     input: {{spec: {SPEC}, kv_cache_dtype: fp8_per_token_head, connector: OffloadingConnector}}
     expect:
-      layout: per_layer/NHD
-      survivors: [per_layer/NHD, per_layer/HND]
-      removed: {{cross_layer/NHD: [per-token-head-forbids-cross-layer], cross_layer/HND: []}}
+      layout: LBNHC
+      survivors: [LBNHC, LBHNC]
+      removed: {{BLNHC: [per-token-head-forbids-cross-layer], BHLNC: []}}
       matched: [offloading-prefers-cross-layer]
       not_matched: [cross-layer-needs-connector]
   - name: wrong
     input: {{spec: {SPEC}}}
     expect:
       layout: {{placement: cross_layer}}
-      survivors: [per_layer/NHD]
-      removed: {{per_layer/NHD: []}}
+      survivors: [LBNHC]
+      removed: {{LBNHC: []}}
       matched: [offloading-prefers-cross-layer]
 """)
     run = run_policy_tests(SHIPPED, [path])
     right, wrong = run.results
-    assert right.passed and right.layout == Layout.parse("per_layer/NHD")
+    assert right.passed and right.layout == Layout.parse("LBNHC")
     assert "per-token-head-forbids-cross-layer" in right.matched
     assert wrong.failures == (
-        "expected layout: {placement: cross_layer}\nactual layout:   per_layer/NHD",
-        "expected survivors: per_layer/NHD\nactual survivors:   per_layer/NHD, per_layer/HND",
+        "expected layout: {placement: cross_layer}\nactual layout:   LBNHC",
+        "expected survivors: LBNHC\nactual survivors:   LBNHC, LBHNC",
         "expected `per_layer/NHD` removed\nactual: it survived",
         "expected rule `offloading-prefers-cross-layer` to match\nactual: it matched in no scope",
     )
-    assert wrong.explanation().startswith("layout: per_layer/NHD\n")
+    assert wrong.explanation().startswith("layout: LBNHC\n")
     assert "counterfactual:" in wrong.explanation()
     assert (run.passed, run.failed, run.ok) == (1, 1, False)
     data = run.to_dict()
@@ -129,7 +129,7 @@ def test_expected_no_layout_still_records_matches(tmp_path: Path) -> None:
     input: {{spec: {SPEC}, connector: OffloadingConnector}}
     expect:
       error: no-layout
-      removed: {{per_layer/NHD: [cross-only], cross_layer/NHD: [no-cross]}}
+      removed: {{LBNHC: [cross-only], BLNHC: [no-cross]}}
       matched: [no-cross, cross-only]
   - name: without a connector they agree
     input: {{spec: {SPEC}}}
@@ -140,7 +140,7 @@ def test_expected_no_layout_still_records_matches(tmp_path: Path) -> None:
     assert conflict.passed and conflict.layout is None
     assert {d.code for d in conflict.error.diagnostics} >= {"removed-candidates"}
     assert "error[removed-candidates]" in conflict.explanation()
-    assert fine.failures == ("expected error: `no-layout`\nactual layout:  per_layer/NHD",)
+    assert fine.failures == ("expected error: `no-layout`\nactual layout:  LBNHC",)
     assert [r.id for r in run.coverage.uncovered] == ["never"]
     assert run.coverage.to_dict()["uncovered"] == [{"rule": "never", "source": "global.yaml:10"}]
 
@@ -179,7 +179,7 @@ def test_structure_errors_are_located(tmp_path: Path) -> None:
     input: {{spec: {SPEC}, model: x.json}}
     expect: {{}}
   - input: {{spec: {SPEC}}}
-    expect: {{error: no-layout, layout: per_layer/NHD}}
+    expect: {{error: no-layout, layout: LBNHC}}
 """)
     with pytest.raises(PolicyTestError) as exc:
         load_cases([path])
@@ -221,7 +221,7 @@ def test_duplicate_names_and_unknown_rules(tmp_path: Path) -> None:
     expect: {{not_matched: [no-crosss]}}
   - name: same
     input: {{spec: {SPEC}}}
-    expect: {{removed: {{cross_layer/HND: [cross-only, nope]}}}}
+    expect: {{removed: {{BHLNC: [cross-only, nope]}}}}
 """)
     with pytest.raises(PolicyTestError) as exc:
         load_cases([path], CONFLICT)
@@ -266,7 +266,7 @@ def test_model_case_in_a_file(tmp_path: Path) -> None:
     path = write(tmp_path, f"""\
   - name: an MLA model from its config
     input: {{model: {config}, backend: FLASHMLA, connector: NixlConnector}}
-    expect: {{layout: per_layer/NHD, not_matched: [nixl-requires-hnd]}}
+    expect: {{layout: LBNHC, not_matched: [nixl-requires-hnd]}}
 """)
     run = run_policy_tests(SHIPPED, [path])
     assert run.ok, run.results[0].failures

@@ -84,11 +84,11 @@ def test_reproduces_vllm_48412() -> None:
     """Qwen2.5-0.5B geometry, fp8 per-token-head, TRITON_ATTN's contiguity-assuming scale views."""
     spec = KVCacheSpec(num_layers=24, block_size=16, num_kv_heads=2, head_size=64, kv_cache_dtype="fp8_per_token_head")
     tri = BACKENDS["TRITON_ATTN"]
-    cross = Layout.parse("cross_layer/NHD")
+    cross = Layout.parse("BLNHC")
     unsafe = verify_plan(plan_layout(cross, spec, tri, 64))
     assert not unsafe.ok
     assert ((0, "k_scale"), (1, "k_scale")) in unsafe.pairs()
-    assert verify_plan(plan_layout(Layout.parse("per_layer/NHD"), spec, tri, 64)).ok
+    assert verify_plan(plan_layout(Layout.parse("LBNHC"), spec, tri, 64)).ok
     assert verify_plan(plan_layout(cross, spec, tri, 64), ScaleViews.stride_aware).ok
 
 
@@ -116,7 +116,7 @@ def naive_fill_layer0(cache) -> None:
 
 
 def test_first_fill_corrupts_other_layers_under_cross_layer() -> None:
-    cache, slots = canary_cache("cross_layer/NHD")
+    cache, slots = canary_cache("BLNHC")
     before = [cache.read(layer, slots) for layer in range(4)]
     naive_fill_layer0(cache)
     after = [cache.read(layer, slots) for layer in range(4)]
@@ -125,7 +125,7 @@ def test_first_fill_corrupts_other_layers_under_cross_layer() -> None:
 
 
 def test_the_same_fill_is_harmless_per_layer() -> None:
-    cache, slots = canary_cache("per_layer/NHD")
+    cache, slots = canary_cache("LBNHC")
     before = [cache.read(layer, slots) for layer in range(4)]
     naive_fill_layer0(cache)
     after = [cache.read(layer, slots) for layer in range(4)]
@@ -145,7 +145,7 @@ def test_shipped_rules_never_choose_the_unsafe_layout() -> None:
 
 def test_engine_refuses_to_allocate_it_even_with_no_rules() -> None:
     empty = LayoutEngine(load_rules_from_texts(
-        {"global.yaml": "version: 1\ndefaults:\n  layout_order: [cross_layer/NHD]\nrules: []\n"}))
+        {"global.yaml": "version: 1\ndefaults:\n  layout_order: [BLNHC]\nrules: []\n"}))
     inputs = dict(spec=dict(num_layers=4, block_size=16, num_kv_heads=2, head_size=64),
                   kv_cache_dtype="fp8_per_token_head", backend="TRITON_ATTN")
     assert empty.decide(**inputs).layout.placement is Placement.cross_layer  # the rules allow it...
@@ -161,8 +161,8 @@ def test_engine_refuses_to_allocate_it_even_with_no_rules() -> None:
 
 def test_kvcache_verify_reports_overlapping_views() -> None:
     spec = make_spec("int8_per_token_head")
-    unsafe = allocate(plan_layout(Layout.parse("cross_layer/NHD"), spec, BACKENDS["TRITON_ATTN"], 3))
+    unsafe = allocate(plan_layout(Layout.parse("BLNHC"), spec, BACKENDS["TRITON_ATTN"], 3))
     with pytest.raises(GeometryError, match="refusing layout `cross_layer/NHD`"):
         unsafe.verify()
     unsafe.verify(geometry=False)  # the tensors themselves still match the plan
-    allocate(plan_layout(Layout.parse("per_layer/NHD"), spec, BACKENDS["TRITON_ATTN"], 3)).verify()
+    allocate(plan_layout(Layout.parse("LBNHC"), spec, BACKENDS["TRITON_ATTN"], 3)).verify()

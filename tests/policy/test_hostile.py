@@ -224,7 +224,7 @@ files = st.fixed_dictionaries(
     {"version": st.one_of(st.just(1), junk), "rules": st.one_of(st.lists(rules, max_size=4), junk)},
     optional={"connector": st.sampled_from(["NixlConnector", "Nope", None]),
               "defaults": st.fixed_dictionaries({"layout_order": st.lists(
-                  st.sampled_from(["per_layer/NHD", "cross_layer/HND", "x/y"]), max_size=4)}),
+                  st.sampled_from(["LBNHC", "BHLNC", "x/y"]), max_size=4)}),
               "member_preferences": st.sampled_from(["all", "any", "most"])},
 )
 

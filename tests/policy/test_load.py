@@ -163,7 +163,7 @@ def test_unsafe_tags_are_rejected_not_executed(tmp_path) -> None:
 
 
 def test_defaults_layout_order_validated() -> None:
-    d = only("version: 1\ndefaults:\n  layout_order: [per_layer/NHD, diagonal/NHD]\nrules: []\n")
+    d = only("version: 1\ndefaults:\n  layout_order: [LBNHC, diagonal/NHD]\nrules: []\n")
     assert d.code == "unknown-layout"
     assert at(d) == (3, 33)
     assert "unknown layout `diagonal/NHD`" in d.message

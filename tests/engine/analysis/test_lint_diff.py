@@ -96,7 +96,7 @@ def test_dead_rule_and_conflict_and_not_load_bearing() -> None:
     assert "`mla-forbids-hnd` (global.yaml:" in by_code["conflict"].message
     assert all("backend=FLASHMLA" in label for label in by_code["conflict"].inputs)
     notes = {f.rule.id for f in report.findings if f.code == "not-load-bearing"}
-    assert notes == {"no-per-layer-hnd"}  # per_layer/HND never overlaps: removing it protects nothing
+    assert notes == {"no-per-layer-hnd"}  # LBHNC never overlaps: removing it protects nothing
 
 
 def test_stride_aware_space_shows_the_rule_is_not_load_bearing() -> None:

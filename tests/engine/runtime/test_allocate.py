@@ -43,7 +43,7 @@ def make_spec(
     return KVCacheSpec(**fields, page_size_padded=spec.real_page_size_bytes + pad) if pad else spec
 
 
-def make_plan(backend: str = "TRITON_ATTN", layout: str = "per_layer/NHD", num_blocks: int = NUM_BLOCKS,
+def make_plan(backend: str = "TRITON_ATTN", layout: str = "LBNHC", num_blocks: int = NUM_BLOCKS,
               **spec_fields: object) -> LayoutPlan:
     profile = BACKENDS[backend]
     return plan_layout(Layout.parse(layout), make_spec(mla=profile.mla, **spec_fields), profile, num_blocks)
@@ -73,7 +73,7 @@ ODD = [
     dict(kv_cache_dtype="int4_per_token_head", pad=64),
     dict(kv_cache_dtype="fp8_per_token_head", num_kv_heads=3, pad=8),
 ]
-ODD_LAYOUTS = ["per_layer/NHD", "per_layer/HND", "cross_layer/NHD", "cross_layer/HND"]
+ODD_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BHLNC"]
 
 
 def fill_random(cache: KVCache, seed: int = 0) -> None:
@@ -146,7 +146,7 @@ def test_padded_and_odd_plans_allocate_exactly(layout: str, geo: dict) -> None:
 
 def test_vllm_sized_plan_allocates_on_meta_without_memory() -> None:
     spec = KVCacheSpec(num_layers=80, block_size=16, num_kv_heads=8, head_size=128)
-    plan = plan_layout(Layout.parse("cross_layer/HND"), spec, BACKENDS["TRITON_ATTN"], 8724)
+    plan = plan_layout(Layout.parse("BHLNC"), spec, BACKENDS["TRITON_ATTN"], 8724)
     cache = allocate(plan, "meta")
     assert tuple(cache.buffers[0].shape) == (8724, 8, 80, 2, 16, 128)
     assert cache.raw[0].device.type == "meta" and cache.raw[0].numel() == plan.total_bytes
@@ -154,7 +154,7 @@ def test_vllm_sized_plan_allocates_on_meta_without_memory() -> None:
 
 
 def test_verify_notices_a_view_that_no_longer_matches() -> None:
-    cache = allocate(make_plan(layout="cross_layer/NHD"))
+    cache = allocate(make_plan(layout="BLNHC"))
     views = list(cache._views)
     views[1] = cache.raw[0].view(torch.bfloat16).as_strided(views[1].shape, views[1].stride(), 0)
     cache._views = tuple(views)

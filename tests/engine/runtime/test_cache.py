@@ -91,7 +91,7 @@ def test_odd_cells_and_padded_pages_write_exactly(layout: str, geo: dict) -> Non
 @pytest.mark.parametrize("dtype", ["int8_per_token_head", "int4_per_token_head", "fp8_e5m2", "float16"])
 def test_large_writes_take_the_tensor_path_and_stay_exact(dtype: str) -> None:
     """Over 64 tokens, slot checks and row arithmetic run as tensor ops instead of Python."""
-    cache = allocate(make_plan(layout="per_layer/HND", kv_cache_dtype=dtype, num_blocks=40))
+    cache = allocate(make_plan(layout="LBHNC", kv_cache_dtype=dtype, num_blocks=40))
     slots = torch.randperm(160, generator=torch.Generator().manual_seed(5))[:100].tolist()
     slots[7] = slots[50] = -1
     check_write_read(cache, slots)
@@ -111,7 +111,7 @@ def test_any_slot_mapping_round_trips(combo: tuple[str, str, str], data: st.Data
 @pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8", "auto"])
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.float16])
 def test_other_input_dtypes_are_accepted(dtype: str, input_dtype: torch.dtype) -> None:
-    cache = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype=dtype))
+    cache = allocate(make_plan(layout="BHLNC", kv_cache_dtype=dtype))
     if dtype == "auto":  # float32/float16 into a bf16 cache: a plain rounding cast
         key, value, slots = make_inputs(cache, [3, 4], input_dtype)
         cache.write(0, key, value, slots)
@@ -122,7 +122,7 @@ def test_other_input_dtypes_are_accepted(dtype: str, input_dtype: torch.dtype) -
 
 
 def test_per_tensor_fp8_scales_are_per_layer_and_settable() -> None:
-    cache = allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype="fp8_e4m3"))
+    cache = allocate(make_plan(layout="BLNHC", kv_cache_dtype="fp8_e4m3"))
     assert cache.k_scales == cache.v_scales == (1.0, 1.0, 1.0)
     cache.set_tensor_scales(LAYER, 0.25, 3.0)
     assert cache.k_scales[LAYER] == 0.25 and cache.v_scales[LAYER] == 3.0 and cache.k_scales[0] == 1.0
@@ -169,7 +169,7 @@ ERROR_BOUNDS = {"int8_per_token_head": 0.01, "fp8_per_token_head": 0.04, "int4_p
 
 @pytest.mark.parametrize("dtype", list(ERROR_BOUNDS))
 def test_relative_reconstruction_error_on_gaussian_heads_of_128(dtype: str, record_property) -> None:
-    plan = make_plan(layout="cross_layer/HND", kv_cache_dtype=dtype, head_size=128, num_kv_heads=8,
+    plan = make_plan(layout="BHLNC", kv_cache_dtype=dtype, head_size=128, num_kv_heads=8,
                      block_size=16, num_blocks=32)
     cache = allocate(plan)
     gen = torch.Generator().manual_seed(0)
@@ -189,7 +189,7 @@ def test_relative_reconstruction_error_on_gaussian_heads_of_128(dtype: str, reco
 
 
 def test_mla_writes_one_latent_and_reads_it_back() -> None:
-    cache = allocate(make_plan("FLASHMLA", "per_layer/NHD", kv_cache_dtype="int8_per_token_head", head_size=16))
+    cache = allocate(make_plan("FLASHMLA", "LBNHC", kv_cache_dtype="int8_per_token_head", head_size=16))
     latent = torch.randn(3, 1, 16)
     cache.write(0, latent, None, torch.tensor([0, 5, 9]))
     got, none = cache.read(0, torch.tensor([0, 5, 9]), dtype=torch.float32)
@@ -228,7 +228,7 @@ def _bad_writes(cache: KVCache) -> list[tuple[str, dict]]:
 
 @pytest.mark.parametrize("dtype", ["auto", "int8_per_token_head", "int4_per_token_head"])
 def test_rejected_writes_name_the_argument_and_change_no_byte(dtype: str) -> None:
-    cache = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype=dtype))
+    cache = allocate(make_plan(layout="BHLNC", kv_cache_dtype=dtype))
     fill_random(cache)
     before = snapshot(cache)
     key, value, slots = make_inputs(cache, [1, 2, 3])
@@ -332,7 +332,7 @@ def test_write_layers_matches_single_writes_for_any_slot_mapping(combo: tuple[st
 
 
 def test_write_layers_reads_back_per_layer_against_the_reference() -> None:
-    cache = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype="int4_per_token_head"))
+    cache = allocate(make_plan(layout="BHLNC", kv_cache_dtype="int4_per_token_head"))
     keys, values = make_layer_inputs(cache, 3)
     slots = torch.tensor([2, 11, 17])
     cache.write_layers(keys, values, slots)
@@ -346,7 +346,7 @@ def test_write_layers_reads_back_per_layer_against_the_reference() -> None:
 
 
 def test_write_layers_on_mla_takes_latents_only() -> None:
-    make = lambda: allocate(make_plan("FLASHMLA", "per_layer/NHD", kv_cache_dtype="int8_per_token_head",  # noqa: E731
+    make = lambda: allocate(make_plan("FLASHMLA", "LBNHC", kv_cache_dtype="int8_per_token_head",  # noqa: E731
                                       head_size=16))
     assert_write_layers_equals_single_writes(make, [0, 5, -1, 9])
     cache = make()
@@ -374,7 +374,7 @@ def _bad_layer_writes(cache: KVCache) -> list[tuple[str, dict]]:
     ]
 
 
-@pytest.mark.parametrize("layout", ["cross_layer/HND", "per_layer/NHD"])
+@pytest.mark.parametrize("layout", ["BHLNC", "LBNHC"])
 @pytest.mark.parametrize("dtype", ["auto", "int8_per_token_head", "fp8_e4m3"])
 def test_rejected_write_layers_name_the_argument_and_change_no_byte(layout: str, dtype: str) -> None:
     cache = allocate(make_plan(layout=layout, kv_cache_dtype=dtype))
@@ -416,9 +416,9 @@ def test_write_layers_all_skipped_or_empty_changes_nothing() -> None:
 def test_small_chunks_encode_the_same_bytes(dtype: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiny `CHUNK_VALUES`: chunks of one token, of a few tokens with a remainder, of two whole layers."""
     monkeypatch.setattr(quantize, "CHUNK_VALUES", chunk)
-    check_write_read(allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype=dtype)))
+    check_write_read(allocate(make_plan(layout="BLNHC", kv_cache_dtype=dtype)))
     assert_write_layers_equals_single_writes(
-        lambda: allocate(make_plan(layout="per_layer/HND", kv_cache_dtype=dtype)), [3, -1, 8, 0, 12, 19])
+        lambda: allocate(make_plan(layout="LBHNC", kv_cache_dtype=dtype)), [3, -1, 8, 0, 12, 19])
 
 
 @settings(max_examples=20, deadline=None)
@@ -429,7 +429,7 @@ def test_writes_of_changing_sizes_reuse_scratch_exactly(sizes: list[int], chunk:
     old = quantize.CHUNK_VALUES
     quantize.CHUNK_VALUES = chunk
     try:
-        cache = allocate(make_plan(layout="per_layer/NHD", kv_cache_dtype=dtype, num_blocks=20))
+        cache = allocate(make_plan(layout="LBNHC", kv_cache_dtype=dtype, num_blocks=20))
         gen = torch.Generator().manual_seed(len(sizes))
         for i, size in enumerate(sizes):
             slots = torch.randperm(80, generator=gen)[:size].tolist()
@@ -453,7 +453,7 @@ def test_a_large_write_needs_at_most_twice_its_input_in_scratch(dtype: str) -> N
     Peak extra memory of a write is the scratch it holds (chunk-sized, whatever
     the input size) plus index tensors of 8 bytes a cell.
     """
-    plan = make_plan(layout="per_layer/NHD", kv_cache_dtype=dtype, num_layers=1, num_kv_heads=8, head_size=128,
+    plan = make_plan(layout="LBNHC", kv_cache_dtype=dtype, num_layers=1, num_kv_heads=8, head_size=128,
                      block_size=16, num_blocks=128)
     cache = allocate(plan)
     gen = torch.Generator().manual_seed(0)
@@ -475,7 +475,7 @@ def whole_block_slots(blocks: list[int], block_size: int = 4) -> list[int]:
 WHOLE = whole_block_slots([7, 0, 19, 3, 12, 5, 18, 1, 9, 14, 2, 16, 11, 6, 17, 4, 10, 13])  # 72 slots
 
 
-@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD"])
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
 @pytest.mark.parametrize("dtype", ["int8_per_token_head", "int4_per_token_head", "fp8_per_token_head", "fp8_e5m2",
                                    "auto"])
 def test_whole_block_prefills_take_the_block_path_and_stay_exact(layout: str, dtype: str) -> None:
@@ -489,7 +489,7 @@ def test_whole_block_prefills_take_the_block_path_and_stay_exact(layout: str, dt
 BLOCK_ODD = [*(g for g in ODD if "pad" in g), dict(head_size=6, kv_cache_dtype="int4_per_token_head")]
 
 
-@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD"])
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
 @pytest.mark.parametrize("geo", BLOCK_ODD, ids=str)
 def test_whole_blocks_on_padded_pages_and_odd_cells(layout: str, geo: dict) -> None:
     cache = allocate(make_plan("TRITON_ATTN", layout, num_blocks=20, **geo))
@@ -498,7 +498,7 @@ def test_whole_blocks_on_padded_pages_and_odd_cells(layout: str, geo: dict) -> N
 
 
 def test_whole_blocks_of_an_mla_latent_cache() -> None:
-    cache = allocate(make_plan("FLASHMLA", "per_layer/NHD", kv_cache_dtype="int8_per_token_head", head_size=16,
+    cache = allocate(make_plan("FLASHMLA", "LBNHC", kv_cache_dtype="int8_per_token_head", head_size=16,
                                num_blocks=20))
     assert cache.cells.whole_blocks(torch.tensor(WHOLE)) is not None
     assert_write_layers_equals_single_writes(lambda: cache, WHOLE)
@@ -510,7 +510,7 @@ def test_whole_blocks_of_an_mla_latent_cache() -> None:
 
 @pytest.mark.parametrize("name", ["partial last block", "starts mid-block", "tokens out of order", "head-major layout"])
 def test_anything_but_whole_blocks_takes_the_cell_path_and_stays_exact(name: str) -> None:
-    layout, slots = "per_layer/NHD", list(WHOLE)
+    layout, slots = "LBNHC", list(WHOLE)
     if name == "partial last block":
         slots = slots[:-1]
     elif name == "starts mid-block":
@@ -518,7 +518,7 @@ def test_anything_but_whole_blocks_takes_the_cell_path_and_stays_exact(name: str
     elif name == "tokens out of order":
         slots[5], slots[6] = slots[6], slots[5]
     else:
-        layout = "per_layer/HND"
+        layout = "LBHNC"
     cache = allocate(make_plan(layout=layout, kv_cache_dtype="int8_per_token_head", num_blocks=20))
     assert cache.cells.whole_blocks(torch.tensor(slots)) is None
     check_write_read(cache, slots)
@@ -529,7 +529,7 @@ def test_whole_blocks_with_skipped_tokens_and_small_chunks(monkeypatch: pytest.M
     slots = list(WHOLE)
     slots[4:4] = [-1, -1]
     monkeypatch.setattr(quantize, "CHUNK_VALUES", 3 * 2 * 2 * 8)  # 3 tokens a chunk: rounded to one block
-    cache = allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype="int4_per_token_head", num_blocks=20))
+    cache = allocate(make_plan(layout="BLNHC", kv_cache_dtype="int4_per_token_head", num_blocks=20))
     check_write_read(cache, slots)
     assert_write_layers_equals_single_writes(
-        lambda: allocate(make_plan(layout="per_layer/NHD", kv_cache_dtype="fp8_per_token_head", num_blocks=20)), slots)
+        lambda: allocate(make_plan(layout="LBNHC", kv_cache_dtype="fp8_per_token_head", num_blocks=20)), slots)

@@ -29,7 +29,7 @@ DEVICES = [
                                                   reason="torch sees no CUDA device (torch.cuda.is_available())")),
 ]
 WRITE_DTYPES = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "auto"]
-LAYOUTS = ["per_layer/NHD", "per_layer/HND", "cross_layer/NHD", "cross_layer/HND"]
+LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BHLNC"]
 # slot mappings for write(): decode-sized with a skipped token (Python path), then over 64 slots
 # (tensor path), then 20 whole blocks in token order (the block-wise prefill scatter on NHD)
 SLOTS = {
@@ -137,7 +137,7 @@ def test_write_then_read_is_bit_exact_against_the_cpu(device: str, dtype: str, l
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_write_of_several_chunks_is_bit_exact_against_the_cpu(device: str, dtype: str) -> None:
     """Over `quantize.CHUNK_VALUES` values: the encode runs chunk by chunk through reused scratch."""
-    fields = dict(kv_cache_dtype=dtype, layout="per_layer/NHD", num_layers=2, num_kv_heads=8, head_size=128,
+    fields = dict(kv_cache_dtype=dtype, layout="LBNHC", num_layers=2, num_kv_heads=8, head_size=128,
                   block_size=16)
     cpu = allocate(make_plan(num_blocks=160, **fields))
     fill_random(cpu, 4)
@@ -151,7 +151,7 @@ def test_a_write_of_several_chunks_is_bit_exact_against_the_cpu(device: str, dty
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 70])
-@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD", "cross_layer/HND"])
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "BHLNC"])
 @pytest.mark.parametrize("dtype", WRITE_DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_write_layers_is_bit_exact_against_the_cpu(device: str, dtype: str, layout: str, tokens: int) -> None:
@@ -167,7 +167,7 @@ def test_write_layers_is_bit_exact_against_the_cpu(device: str, dtype: str, layo
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_per_tensor_fp8_scales_give_the_cpu_bytes(device: str) -> None:
-    cpu, cache = random_cache(device, kv_cache_dtype="fp8_e4m3", layout="cross_layer/NHD")
+    cpu, cache = random_cache(device, kv_cache_dtype="fp8_e4m3", layout="BLNHC")
     for c in (cpu, cache):
         c.set_tensor_scales(2, 0.03, 7.0)
     key, value = inputs(cpu, (4,))
@@ -222,7 +222,7 @@ def test_offload_restore_is_byte_exact_on_the_device(device: str, dtype: str, la
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_offload_fills_a_preallocated_buffer_on_the_device(device: str) -> None:
-    cpu, cache = random_cache(device, seed=6, kv_cache_dtype="fp8_per_token_head", layout="per_layer/HND")
+    cpu, cache = random_cache(device, seed=6, kv_cache_dtype="fp8_per_token_head", layout="LBHNC")
     # a GPU transfer can only fill a pinned buffer asynchronously; the CPU has no pinned memory to give
     out = torch.zeros(3, cpu.plan.num_layers, cpu.plan.page_size_bytes, dtype=torch.uint8,
                       pin_memory=cache.device.type == "cuda")
@@ -244,7 +244,7 @@ def test_offload_fills_a_preallocated_buffer_on_the_device(device: str) -> None:
 
 
 def test_a_meta_cache_has_the_geometry_and_refuses_data() -> None:
-    plan = make_plan(layout="cross_layer/HND", kv_cache_dtype="int4_per_token_head", num_blocks=NUM_BLOCKS)
+    plan = make_plan(layout="BHLNC", kv_cache_dtype="int4_per_token_head", num_blocks=NUM_BLOCKS)
     cache = allocate(plan, "meta")
     assert cache.device.type == "meta" and cache.raw[0].is_meta
     key = torch.zeros(1, 2, 8, device="meta")
@@ -263,7 +263,7 @@ def test_a_meta_cache_has_the_geometry_and_refuses_data() -> None:
 
 
 def test_a_vllm_sized_plan_allocates_on_meta_without_memory() -> None:
-    plan = make_plan(layout="per_layer/NHD", kv_cache_dtype="int8_per_token_head", num_layers=80, block_size=16,
+    plan = make_plan(layout="LBNHC", kv_cache_dtype="int8_per_token_head", num_layers=80, block_size=16,
                      num_kv_heads=8, head_size=128, num_blocks=20000)
     cache = allocate(plan, "meta")  # about 54 GB: nothing is allocated
     assert sum(r.numel() for r in cache.raw) == plan.total_bytes > 40e9

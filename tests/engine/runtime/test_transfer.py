@@ -53,8 +53,8 @@ def test_padded_and_odd_pages_round_trip_with_their_padding(layout: str, geo: di
 
 
 def test_offloaded_blocks_restore_into_another_cache_of_the_same_format() -> None:
-    src = allocate(make_plan(layout="cross_layer/NHD", kv_cache_dtype="int8_per_token_head"))
-    dst = allocate(make_plan(layout="per_layer/NHD", kv_cache_dtype="int8_per_token_head", num_blocks=9))
+    src = allocate(make_plan(layout="BLNHC", kv_cache_dtype="int8_per_token_head"))
+    dst = allocate(make_plan(layout="LBNHC", kv_cache_dtype="int8_per_token_head", num_blocks=9))
     assert src.transfer_format == dst.transfer_format
     key = torch.randn(3, 2, 8)
     src.write(2, key, -key, torch.tensor([4, 5, 6]))  # block 1
@@ -84,11 +84,11 @@ def _refused(cache: KVCache, block_ids: object, data: object, match: str, **kw: 
 
 
 def test_restore_with_the_wrong_geometry_is_refused_and_writes_nothing() -> None:
-    cache = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype="int8_per_token_head"))
+    cache = allocate(make_plan(layout="BHLNC", kv_cache_dtype="int8_per_token_head"))
     fill_random(cache)
-    other_layers = allocate(make_plan(layout="cross_layer/HND", kv_cache_dtype="int8_per_token_head", num_layers=2))
+    other_layers = allocate(make_plan(layout="BHLNC", kv_cache_dtype="int8_per_token_head", num_layers=2))
     _refused(cache, [0], other_layers.offload([0]), "this cache restores uint8")
-    unquantized = allocate(make_plan(layout="cross_layer/HND"))  # page without scales: another width
+    unquantized = allocate(make_plan(layout="BHLNC"))  # page without scales: another width
     _refused(cache, [0], unquantized.offload([0]), "this cache restores uint8")
     good = cache.offload([0, 1])
     _refused(cache, [0], good, r"\(1, 3, ")  # two blocks of data for one id
@@ -97,8 +97,8 @@ def test_restore_with_the_wrong_geometry_is_refused_and_writes_nothing() -> None
 
 
 def test_restore_refuses_same_shaped_data_of_another_format() -> None:
-    nhd = allocate(make_plan(layout="per_layer/NHD", kv_cache_dtype="int8_per_token_head"))
-    hnd = allocate(make_plan(layout="per_layer/HND", kv_cache_dtype="int8_per_token_head"))
+    nhd = allocate(make_plan(layout="LBNHC", kv_cache_dtype="int8_per_token_head"))
+    hnd = allocate(make_plan(layout="LBHNC", kv_cache_dtype="int8_per_token_head"))
     data = nhd.offload([1])
     assert data.shape == hnd.offload([1]).shape
     _refused(hnd, [1], data, "cannot be restored", source_format=nhd.transfer_format)
@@ -123,7 +123,7 @@ def test_offload_refuses_bad_block_ids_and_meta_caches() -> None:
 
 
 def test_offload_fills_a_preallocated_buffer_and_checks_it() -> None:
-    cache = allocate(make_plan(layout="per_layer/HND", kv_cache_dtype="int4_per_token_head"))
+    cache = allocate(make_plan(layout="LBHNC", kv_cache_dtype="int4_per_token_head"))
     fill_random(cache)
     out = torch.zeros(2, 3, cache.plan.page_size_bytes, dtype=torch.uint8)
     assert cache.offload([4, 1], out=out) is out

@@ -41,7 +41,7 @@ def test_index_copy_of_complex128_words_keeps_nan_payloads() -> None:
     assert not dst[1024 : 2 * 1024].any()
 
 
-@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD", "per_layer/HND", "cross_layer/HND"])
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "LBHNC", "BHLNC"])
 def test_restore_keeps_every_bit_pattern(layout: str) -> None:
     cache = allocate(make_plan(layout=layout, kv_cache_dtype="int8_per_token_head", head_size=28))
     assert cache.cells.word == 16
@@ -52,7 +52,7 @@ def test_restore_keeps_every_bit_pattern(layout: str) -> None:
     assert torch.equal(cache.offload(ids), hostile)
 
 
-@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD"])
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
 def test_offload_into_and_restore_from_unaligned_slices(layout: str) -> None:
     """Host tensors that are slices of larger ones (an odd byte offset) move the same bytes."""
     cache = allocate(make_plan(layout=layout, kv_cache_dtype="int8_per_token_head", head_size=28))
@@ -67,10 +67,10 @@ def test_offload_into_and_restore_from_unaligned_slices(layout: str) -> None:
 
 
 @pytest.mark.parametrize(("layout", "head_size", "heads_per_row", "word"), [
-    ("per_layer/NHD", 28, 2, 16),  # head stride one cell: a token's two 32-byte cells are one run
-    ("cross_layer/NHD", 28, 2, 16),
-    ("per_layer/NHD", 16, 2, 8),  # two 20-byte cells: a 40-byte run, 8-byte words
-    ("per_layer/HND", 16, 1, 4),  # head-major: each 20-byte cell alone, 4-byte words
+    ("LBNHC", 28, 2, 16),  # head stride one cell: a token's two 32-byte cells are one run
+    ("BLNHC", 28, 2, 16),
+    ("LBNHC", 16, 2, 8),  # two 20-byte cells: a 40-byte run, 8-byte words
+    ("LBHNC", 16, 1, 4),  # head-major: each 20-byte cell alone, 4-byte words
 ])
 def test_nhd_tokens_are_one_row_of_wide_words(layout: str, head_size: int, heads_per_row: int, word: int) -> None:
     plan = make_plan(layout=layout, kv_cache_dtype="int8_per_token_head", head_size=head_size, num_kv_heads=2)
@@ -85,7 +85,7 @@ def test_nhd_tokens_are_one_row_of_wide_words(layout: str, head_size: int, heads
     assert torch.allclose(got_k, key, rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("layout", ["per_layer/NHD", "cross_layer/NHD", "per_layer/HND", "cross_layer/HND"])
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "LBHNC", "BHLNC"])
 def test_transfers_move_whole_words(layout: str) -> None:
     """Offload gathers 8-byte words and restore scatters 16-byte ones: byte-wide elements made
     restore 9x slower than a copy (the contiguous last dim's stride of 1 once capped the word)."""
