@@ -166,11 +166,15 @@ def _pick(alive: int, scores: list[int], ranks: tuple[int, ...]) -> int | None:
     return best
 
 
-def _start(order: tuple[Layout, ...], glob: Scope) -> tuple[int, tuple[int, ...]]:
-    """The candidates' mask over ``order`` and each layout's tie-break rank."""
+def _start(ruleset: RuleSet, glob: Scope) -> tuple[int, tuple[int, ...]]:
+    """The candidates' mask over the rule set's order, and each layout's tie-break rank: the rule
+    set's declared `defaults.layout_order` when it has one, else the candidates' preference order."""
+    order = ruleset.layout_order
     cands = glob.candidates if glob.candidates is not None else order
+    mask = sum(1 << i for i, layout in enumerate(order) if layout in cands)
+    if ruleset.order_declared:
+        return mask, tuple(range(len(order)))
     rank = {layout: i for i, layout in enumerate(cands)}
-    mask = sum(1 << i for i, layout in enumerate(order) if layout in rank)
     return mask, tuple(rank.get(layout, len(order) + i) for i, layout in enumerate(order))
 
 
@@ -215,7 +219,7 @@ def evaluate(ruleset: RuleSet, glob: Scope, conn: Scope | None, *, explain: bool
     """Run the decision over prepared scopes; never raises for a policy "no"."""
     order = ruleset.layout_order
     n = len(order)
-    full, ranks = _start(order, glob)
+    full, ranks = _start(ruleset, glob)
     if not explain:
         alive, scores = _fast_scope(glob, n, full)
         if conn is not None:

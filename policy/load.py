@@ -119,7 +119,7 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
             modes[model.connector] = model.member_preferences
     if diags:
         raise RuleLoadError(f"{len(diags)} error(s) in rule set `{root}`", diags)
-    return RuleSet.build(entries, order or ALL_LAYOUTS, modes, root)
+    return RuleSet.build(entries, order or ALL_LAYOUTS, modes, root, order_declared=order is not None)
 
 
 def _collect(src: Located, model: RuleFile, entries: list, first_id: dict[str, Source],

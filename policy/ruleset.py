@@ -77,6 +77,7 @@ class RuleSet:
     layout_order: tuple[Layout, ...] = ALL_LAYOUTS
     member_preferences: dict[str, MemberPreferences] = field(default_factory=dict)
     root: str = "<memory>"
+    order_declared: bool = False  # `defaults.layout_order` given: it, not the release's preference, breaks ties
 
     def __post_init__(self) -> None:
         by_scope: dict[str | None, list[CompiledRule]] = {}
@@ -106,7 +107,7 @@ class RuleSet:
     def digest(self) -> str:
         """sha256 of the rules' meaning: independent of file order, paths and comments."""
         canon: dict[str, Any] = {
-            "layout_order": [str(layout) for layout in self.layout_order],
+            "layout_order": [str(layout) for layout in self.layout_order] if self.order_declared else None,
             "member_preferences": {k: v.value for k, v in sorted(self.member_preferences.items())},
             "rules": sorted(
                 ({"scope": r.scope, **r.rule.model_dump(mode="json", by_alias=True, exclude_none=True)}
@@ -124,6 +125,8 @@ class RuleSet:
         layout_order: tuple[Layout, ...] = ALL_LAYOUTS,
         member_preferences: dict[str, MemberPreferences] | None = None,
         root: str = "<memory>",
+        *,
+        order_declared: bool = False,
     ) -> RuleSet:
         """Compile validated rules. Unlisted layouts follow ``layout_order`` canonically."""
         order = tuple(layout_order) + tuple(x for x in ALL_LAYOUTS if x not in layout_order)
@@ -134,4 +137,4 @@ class RuleSet:
             code = EFFECT_CODES[rule.effect]
             weights = tuple((rule.weight or 1) if mask >> i & 1 else 0 for i in range(len(order)))
             compiled.append(CompiledRule(rule, source, scope, cond, mask, (cond.test, code, mask, weights)))
-        return cls(tuple(compiled), order, dict(member_preferences or {}), root)
+        return cls(tuple(compiled), order, dict(member_preferences or {}), root, order_declared)

@@ -234,8 +234,8 @@ def _profile(backend: Any, spec_obj: Any, kind: AttentionKind) -> BackendProfile
         return known
     # vLLM's runtime says otherwise than the shipped profile: its word decides, as in vLLM's own gate.
     first = Dim.block if reported else Dim.layer
-    orders = {h: _outermost(order, first) for h, order in known.cross_layer_order.items()}
-    return known.model_copy(update={"cross_layer_order": orders})
+    orders = {x: _outermost(order, first) if x.is_block_outermost else order for x, order in known.orders.items()}
+    return known.model_copy(update={"orders": orders})
 
 
 # ---------------------------------------------------------------- connectors
@@ -317,7 +317,8 @@ def _with_own_preferences(ruleset: RuleSet, preferences: dict[str, bool]) -> Rul
             weight=OWN_PREFERENCE_WEIGHT,
         )
         entries.append((rule, Source(f"<vllm:{name}.prefer_cross_layer_blocks>", 1), name))
-    return RuleSet.build(entries, ruleset.layout_order, ruleset.member_preferences, ruleset.root)
+    return RuleSet.build(entries, ruleset.layout_order, ruleset.member_preferences, ruleset.root,
+                         order_declared=ruleset.order_declared)
 
 
 # ---------------------------------------------------------------- the gate

@@ -38,8 +38,7 @@ def test_fallback_allows_only_per_layer_and_logs(rules_dir: Path, caplog: pytest
     assert "falling back to per_layer only" in caplog.text and "global.yaml:" in caplog.text
     d = engine.decide(**OFFLOAD)
     assert d.layout.placement is Placement.per_layer
-    assert [r.id for r, _ in d.eliminated[d.ranking[0][0].model_copy(
-        update={"placement": Placement.cross_layer})]] == ["kvpolicy-fallback-per-layer"]
+    assert [r.id for r, _ in d.eliminated[Layout.BLNHC]] == ["kvpolicy-fallback-per-layer"]
 
 
 def test_reload_swaps_only_a_complete_rule_set(rules_dir: Path) -> None:
