@@ -22,7 +22,7 @@ SPEC = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
     ({"spec": [1]}, "spec", "`spec` must be a KVCacheSpec or a mapping, got list"),
     ({"spec": SPEC, "connector": 3}, "connector", "`connector` must be a name, got int"),
     ({"spec": SPEC, "kv_cache_dtype": "fp9"}, "kv_cache_dtype", "unknown kv_cache_dtype `fp9`"),
-    ({"spec": SPEC, "backend": "TRITON"}, "backend", "unknown backend `TRITON`"),
+    ({"spec": SPEC, "backend": "TRITON"}, "attention_backend", "unknown attention backend `TRITON`"),
     ({"spec": {**SPEC, "kind": "mla", "num_kv_heads": 1}}, "backend", "does not fit a `mla` KV spec"),
 ])
 def test_decide_input_mistakes(inputs: dict, where: str, message: str) -> None:

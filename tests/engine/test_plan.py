@@ -216,7 +216,7 @@ def test_num_blocks_must_be_a_positive_int(num_blocks: object) -> None:
 
 
 def test_head_order_must_be_supported_by_the_backend() -> None:
-    with pytest.raises(InputError, match="does not support head order `HND`") as info:
+    with pytest.raises(InputError, match="has no geometry for layout `LBHNC`") as info:
         plan_layout(layout("LBHNC"), make_spec(mla=True), MLA, 5)
     assert "use one of: NHD" in info.value.render()
 

@@ -165,7 +165,7 @@ def test_unsafe_tags_are_rejected_not_executed(tmp_path) -> None:
 def test_defaults_layout_order_validated() -> None:
     d = only("version: 1\ndefaults:\n  layout_order: [LBNHC, diagonal/NHD]\nrules: []\n")
     assert d.code == "unknown-layout"
-    assert at(d) == (3, 33)
+    assert at(d) == (3, 25)
     assert "unknown layout `diagonal/NHD`" in d.message
 
 
