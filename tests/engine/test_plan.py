@@ -218,7 +218,7 @@ def test_num_blocks_must_be_a_positive_int(num_blocks: object) -> None:
 def test_head_order_must_be_supported_by_the_backend() -> None:
     with pytest.raises(InputError, match="has no geometry for layout `LBHNC`") as info:
         plan_layout(layout("LBHNC"), make_spec(mla=True), MLA, 5)
-    assert "use one of: NHD" in info.value.render()
+    assert "use one of: LBNHC, BLNHC" in info.value.render()
 
 
 def test_spec_and_backend_must_agree_on_mla() -> None:
