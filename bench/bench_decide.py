@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import LayoutEngine  # noqa: E402
-from policy import ConnectorConfig, Context, HeadOrder, Layout, Placement, load_rules_from_texts  # noqa: E402
+from policy import ConnectorConfig, Context, Layout, load_rules_from_texts  # noqa: E402
 from policy.backends import BACKENDS  # noqa: E402
 
 NIXL_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"})

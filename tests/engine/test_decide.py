@@ -12,7 +12,6 @@ import pytest
 from engine import CandidateRemoved, LayoutEngine, RuleEvaluated
 from policy import (
     ConnectorConfig,
-    HeadOrder,
     Layout,
     NoLayoutError,
     Placement,

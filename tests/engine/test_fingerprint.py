@@ -26,13 +26,11 @@ from engine.plan import plan_layout
 from policy import (
     BACKENDS,
     AttentionKind,
-    HeadOrder,
     InputError,
     KVCacheGroup,
     KVCacheGroups,
     KVCacheSpec,
     Layout,
-    Placement,
     load_rules,
     load_rules_from_texts,
 )
