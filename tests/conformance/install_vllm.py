@@ -1,0 +1,200 @@
+"""Install released vLLM wheels, next to the project's CPU torch, for the conformance tests.
+
+    python3 tests/conformance/install_vllm.py 0.34.0 0.28.0
+
+Each release goes to ``$KVPOLICY_VLLM_CACHE`` (default ``~/.cache/kvpolicy/vllm``)
+``/<version>/site`` and is reused while ``<version>/COMPLETE`` exists; COMPLETE is
+written last and holds the pinned dependency list. vLLM itself is installed with
+``--no-deps``: pip never resolves its requirements (they pull a CUDA torch). The
+oracles run with the running interpreter's torch and only the small packages that the
+vLLM modules they import need, pinned per release below. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# The packages that the oracles' vLLM imports need, found by importing and iterating
+# (vllm.config, v1.attention.backends.*, v1.kv_cache_interface, the KV connector
+# factory and every registered connector the oracles load). Versions are the newest
+# that each release's own requirements accept (fastapi < 0.137, transformers < 5.23
+# for 0.34). Not installed, on purpose: flashinfer (CUDA JIT package; the oracle
+# gives the FLASHINFER backend module a stand-in), nixl, mooncake, lmcache (their
+# connectors import them lazily or inside try/except), triton (vLLM's
+# triton_utils has a CPU placeholder).
+_COMMON = [
+    "aiohappyeyeballs==2.7.1",
+    "aiohttp==3.14.5",
+    "aiosignal==1.4.0",
+    "annotated-doc==0.0.7",
+    "anyio==4.16.0",
+    "apache-tvm-ffi==0.1.11",
+    "attrs==26.1.0",
+    "cachetools==8.0.2",
+    "cbor2==6.3.0",
+    "certifi==2026.10.19.post1",
+    "click==8.5.1",
+    "cloudpickle==3.1.3",
+    "einops==0.8.2",
+    "fastapi==0.136.3",
+    "frozenlist==1.8.0",
+    "h11==0.16.0",
+    "httpcore2==2.16.2",
+    "httpx2==2.16.2",
+    "huggingface-hub==2.4.0",
+    "idna==3.20",
+    "llguidance==1.7.6",
+    "msgspec==0.23.0",
+    "multidict==7.2.1",
+    "numpy==2.4.6",
+    "pillow==13.0.0",
+    "prometheus-client==0.26.0",
+    "propcache==0.5.4",
+    "psutil==7.2.2",
+    "py-cpuinfo==9.0.0",
+    "pybase64==1.5.1",
+    "pyzmq==27.3.0",
+    "regex==2026.11.19",
+    "requests==2.34.2",
+    "safetensors==0.8.0",
+    "starlette==1.10.0",
+    "tokenizers==0.23.3",
+    "tqdm==4.70.1",
+    "transformers==5.22.2",
+    "truststore==0.10.5",
+    "urllib3==2.8.0",
+    "uvicorn==0.55.0",
+    "uvloop==0.23.0",
+    "xgrammar==0.2.8",
+    "yarl==1.25.1",
+]
+
+PINNED: dict[str, list[str]] = {
+    "0.34.0": list(_COMMON),
+    # 0.28 also imports openai / openai_harmony at module level (entrypoint types that
+    # its config and worker modules reach), and its MooncakeConnector imports httpx.
+    "0.28.0": [
+        *_COMMON,
+        "httpcore==1.0.9",
+        "httpx==0.29.0",
+        "openai==3.57.0",
+        "openai-harmony==0.0.8",
+        "sniffio==1.3.1",
+    ],
+}
+
+
+class InstallError(RuntimeError):
+    """An install step failed; the message says which and why."""
+
+
+def cache_root() -> Path:
+    env = os.environ.get("KVPOLICY_VLLM_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "kvpolicy" / "vllm"
+
+
+def _complete_marker(version: str) -> Path:
+    return cache_root() / version / "COMPLETE"
+
+
+def site_for(version: str) -> Path:
+    """The installed site of a release; raises InstallError if it is not installed."""
+    site = cache_root() / version / "site"
+    if not _complete_marker(version).is_file() or not site.is_dir():
+        raise InstallError(
+            f"vLLM {version} is not installed under {cache_root()}; run "
+            f"`python3 tests/conformance/install_vllm.py {version}`"
+        )
+    return site
+
+
+def _pip(*args: str, log: list[str]) -> None:
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
+    log.append(" ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise InstallError(f"pip failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+
+
+def _install(version: str) -> Path:
+    if version not in PINNED:
+        raise InstallError(f"no pinned dependency list for vLLM {version}; known: {sorted(PINNED)}")
+    root = cache_root() / version
+    root.mkdir(parents=True, exist_ok=True)
+    log: list[str] = []
+    with tempfile.TemporaryDirectory(prefix=".install-", dir=root) as tmp:
+        tmp_path = Path(tmp)
+        wheels = tmp_path / "wheels"
+        site = tmp_path / "site"
+        _pip("download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), f"vllm=={version}", log=log)
+        vllm_wheels = sorted(wheels.glob("vllm-*.whl"))
+        if len(vllm_wheels) != 1:
+            raise InstallError(f"expected one vllm wheel, got {vllm_wheels}")
+        _pip("install", "--no-deps", "--no-compile", "--target", str(site), str(vllm_wheels[0]), log=log)
+        _pip(
+            "install",
+            "--no-deps",
+            "--no-compile",
+            "--only-binary=:all:",
+            "--target",
+            str(site),
+            *PINNED[version],
+            log=log,
+        )
+        if (site / "torch").exists():
+            raise InstallError(f"{site} must not contain torch")
+        # Byte-compile once: the tests run with PYTHONDONTWRITEBYTECODE, and vLLM
+        # plus transformers take many seconds to compile on every import otherwise.
+        # A few vendored files may not compile under this Python; that is not fatal.
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", "-j0", str(site)],
+            capture_output=True,
+        )
+        final = root / "site"
+        if final.exists():
+            shutil.rmtree(final)
+        site.rename(final)
+    _complete_marker(version).write_text(
+        f"vllm=={version}\npython {sys.version.split()[0]}\n" + "\n".join(PINNED[version]) + "\n"
+    )
+    return root / "site"
+
+
+def ensure(version: str) -> Path:
+    """The installed site of a release, installing it first if needed."""
+    try:
+        return site_for(version)
+    except InstallError:
+        return _install(version)
+
+
+def ensure_verbose(version: str) -> tuple[Path, str]:
+    try:
+        return site_for(version), "cached"
+    except InstallError:
+        start = time.monotonic()
+        site = _install(version)
+        return site, f"installed in {time.monotonic() - start:.0f} s"
+
+
+def main(argv: list[str]) -> int:
+    versions = argv or sorted(PINNED)
+    for version in versions:
+        try:
+            site, how = ensure_verbose(version)
+        except InstallError as exc:
+            print(f"install_vllm: vLLM {version}: {exc}", file=sys.stderr)
+            return 1
+        print(f"{version} {site} ({how})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
