@@ -1,0 +1,455 @@
+"""vLLM 0.34 oracle: run under the installed release (PYTHONPATH = its site).
+
+Reads a JSON list of cases on stdin, writes one JSON result per case on stdout.
+Case kinds (see notes/conformance-contract.md):
+  {"facts": true}                  what the release declares (backends, dtypes, connectors)
+  {"workers": [...], "specs": ...} a layout decision, by resolve_kv_cache_layout
+  {"backend": ..., "layout": ...}  geometry, by vLLM's own allocation path
+
+Everything is computed by vLLM's own functions and objects. Stand-ins, each needed
+only because this runs on a CPU without the CUDA stack:
+  * current_platform.get_device_capability: patched to the case's capability (the
+    CPU platform has none); it is what backends read in supported_kv_cache_layouts.
+  * current_platform.check_and_update_config: a no-op while VllmConfig is built. The
+    CPU platform refuses to configure vLLM without triton-cpu, and the engine whose
+    decision we reproduce runs on a GPU platform anyway. get_hisparse_backend_cls
+    answers as the CUDA platform does, so hisparse configs validate.
+  * flashinfer: the FLASHINFER backend module imports names from the flashinfer
+    package at import time (a CUDA JIT package, not installed). A stub module tree,
+    whose attributes are inert placeholders, is put in sys.modules only if the real
+    import fails; none of it is called by supported_kv_cache_layouts/customize_spec.
+  * model_config: a real ModelConfig built from a tiny local config.json (llama,
+    or deepseek_v2 for use_mla), with no weights and no tokenizer.
+  * the attention layer's model dtype for kv_cache_dtype "auto": kv_cache_dtype_str_to_dtype
+    gets an object with only .dtype (the case's dtype), which is all it reads.
+  * geometry's K/V split: the backend impl methods that split a cache
+    (TritonAttentionImpl._ensure_scale_caches / _pth_key_value_caches) are called on
+    a bare object carrying only the attributes they read, not a constructed impl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import types
+
+# stdout carries only the JSON answer: route everything else printed to fd 1 to stderr.
+_ANSWER = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+import torch  # noqa: E402
+from _common import (  # noqa: E402
+    STUBBED,
+    backend_class,
+    captured_warnings,
+    device_capability,
+    gpu_platform_config,
+)
+
+BACKENDS = ["TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "FLASHMLA", "TRITON_MLA", "FLEX_ATTENTION", "CPU_ATTN"]
+CONNECTORS = [
+    "NixlConnector",
+    "OffloadingConnector",
+    "MooncakeStoreConnector",
+    "MooncakeConnector",
+    "LMCacheConnectorV1",
+    "MultiConnector",
+    "HiSparseConnector",
+]
+CAPABILITIES = [None, (8, 0), (9, 0), (10, 0), (12, 0)]
+
+
+# ---------------------------------------------------------------------------
+# stand-ins
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def vllm_env(value):
+    """VLLM_KV_CACHE_LAYOUT for this case; vllm.envs reads os.environ lazily."""
+    import vllm.envs as envs
+
+    old = os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+    if value is not None:
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = value
+    if envs._is_envs_cache_enabled():
+        envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+        if old is not None:
+            os.environ["VLLM_KV_CACHE_LAYOUT"] = old
+
+
+_MODEL_CONFIGS: dict[tuple[bool, bool], object] = {}
+
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+_DEEPSEEK = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "torch_dtype": "bfloat16",
+}
+
+
+def model_config(use_mla, hisparse=False):
+    """A real ModelConfig from a tiny local config.json (no weights, no tokenizer):
+    llama, or deepseek_v2 for use_mla; with index_topk (a DSA model) for hisparse."""
+    key = (use_mla, hisparse)
+    if key not in _MODEL_CONFIGS:
+        from vllm.config import ModelConfig
+
+        hf = dict(_DEEPSEEK if use_mla else _LLAMA)
+        if hisparse:
+            hf["index_topk"] = 64
+        root = tempfile.mkdtemp(prefix="kvpolicy-oracle-model-")
+        with open(os.path.join(root, "config.json"), "w") as f:
+            json.dump(hf, f)
+        mc = ModelConfig(model=root, skip_tokenizer_init=True, dtype="bfloat16")
+        if mc.use_mla != use_mla:
+            raise RuntimeError(f"tiny model config gives use_mla={mc.use_mla}, wanted {use_mla}")
+        _MODEL_CONFIGS[key] = mc
+    return _MODEL_CONFIGS[key]
+
+
+def build_vllm_config(case, layout=None, num_blocks=None):
+    from vllm.config import AttentionConfig, CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.config.attention import HiSparseConfig
+
+    cache = {"enable_extensible_kv_cache": bool(case.get("enable_extensible_kv_cache", False))}
+    if case.get("block_size") is not None:
+        cache["block_size"] = case["block_size"]
+    if num_blocks is not None:
+        cache["num_gpu_blocks_override"] = num_blocks
+    kv_transfer = case.get("kv_transfer_config")
+    kwargs = dict(
+        cache_config=CacheConfig(**cache),
+        kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
+        attention_config=AttentionConfig(hisparse_config=HiSparseConfig() if case.get("hisparse") else None),
+    )
+    if case.get("model_config", True):
+        # HiSparse needs a DSA model (hf_config.index_topk); HiSparseConnector turns it on.
+        dsa = bool(case.get("hisparse")) or "HiSparseConnector" in json.dumps(kv_transfer or {})
+        kwargs["model_config"] = model_config(bool(case.get("use_mla", False)), dsa)
+    with gpu_platform_config():
+        vllm_config = VllmConfig(**kwargs)
+    if layout is not None:
+        # How a worker adopts the layout the engine core resolved.
+        from vllm.v1.attention.backends.utils import record_kv_cache_layout
+
+        record_kv_cache_layout(vllm_config.cache_config, layout)
+    return vllm_config
+
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_spec(s, backend):
+    """The layer's KV cache spec as vLLM's attention layers build it, then customized by
+    the backend as the worker does (v1/worker/utils.customize_attention_spec)."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        get_kv_quant_mode,
+    )
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    kv_cache_dtype = s.get("kv_cache_dtype", "auto")
+    model_dtype = types.SimpleNamespace(dtype=TORCH_DTYPES[s.get("dtype", "bfloat16")])
+    common = dict(
+        block_size=s.get("block_size", 16),
+        num_kv_heads=s.get("num_kv_heads", 8),
+        head_size=s.get("head_size", 128),
+        dtype=kv_cache_dtype_str_to_dtype(kv_cache_dtype, model_dtype),
+        kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
+        dcp_sharded=s.get("dcp_sharded", True),
+        page_size_padded=s.get("page_size_padded"),
+    )
+    kind = s.get("kind", "full")
+    if kind == "full":
+        spec = FullAttentionSpec(**common)
+    elif kind == "mla":
+        spec = MLAAttentionSpec(**common, cache_dtype_str=kv_cache_dtype)
+    elif kind == "sliding_window":
+        spec = SlidingWindowSpec(**common, sliding_window=s.get("sliding_window", 128))
+    else:
+        raise ValueError(f"unknown spec kind {kind!r}")
+    return customize_attention_spec(backend, spec) if backend is not None else spec
+
+
+def spec_facts(spec):
+    return {
+        "type": type(spec).__name__,
+        "num_heads": spec.num_heads,
+        "num_states": spec.num_states,
+        "state_content_size_bytes": spec.state_content_size_bytes,
+        "page_size_bytes": spec.page_size_bytes,
+        "kv_quant_mode": spec.kv_quant_mode.name,
+        "dtype": str(spec.dtype).removeprefix("torch."),
+    }
+
+
+# ---------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------
+
+
+def decision(case):
+    """resolve_kv_cache_layout as the engine core calls it (v1/engine/core.py)."""
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+
+    cap = case.get("device_capability")
+    with device_capability(cap):
+        # Each worker reports layout names (worker_base.get_supported_kv_cache_layouts).
+        supported = [
+            [layout.name for layout in get_supported_kv_cache_layouts([backend_class(n) for n in names])]
+            for names in case["workers"]
+        ]
+        first_backend = backend_class(case["workers"][0][0]) if case["workers"] and case["workers"][0] else None
+        specs = [
+            build_spec(s, backend_class(s["backend"]) if s.get("backend") else first_backend)
+            for s in case.get("specs", [])
+        ]
+        vllm_config = build_vllm_config(case)
+        with vllm_env(case.get("VLLM_KV_CACHE_LAYOUT")), captured_warnings() as warnings:
+            layout = resolve_kv_cache_layout(vllm_config, supported, specs)
+    return {"layout": layout.name, "warnings": warnings, "supported": supported}
+
+
+def facts(case):
+    from vllm.config import KVTransferConfig
+    from vllm.config.cache import KV_CACHE_DTYPES, CacheConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    out = {
+        "version": __import__("vllm").__version__,
+        "layouts": {m.name: list(m.value) for m in KVCacheLayout},
+        "default_layout_preference": [m.name for m in _DEFAULT_LAYOUT_PREFERENCE],
+        "kv_cache_dtypes": list(KV_CACHE_DTYPES),
+        "default_block_size": CacheConfig().block_size,
+        "backends": {},
+        "connectors": {},
+        "stand_ins": STUBBED,
+    }
+    for name in BACKENDS:
+        try:
+            cls = backend_class(name)
+        except Exception as exc:
+            out["backends"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        per_cap = {}
+        for cap in CAPABILITIES:
+            with device_capability(cap):
+                layouts = cls.supported_kv_cache_layouts()
+            per_cap["none" if cap is None else f"{cap[0]}.{cap[1]}"] = (
+                None if layouts is None else [m.name for m in layouts]
+            )
+        out["backends"][name] = {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "supported_kv_cache_layouts": per_cap,
+            "is_mla": cls.is_mla(),
+            "supported_kv_cache_dtypes": list(getattr(cls, "supported_kv_cache_dtypes", []) or []),
+        }
+    out["stand_ins"] = STUBBED
+    registry = getattr(KVConnectorFactory, "_registry", {})
+    out["registered_connectors"] = sorted(registry)
+    for name in CONNECTORS:
+        entry = {}
+        try:
+            cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector=name, kv_role="kv_both"))
+            entry["class"] = f"{cls.__module__}.{cls.__qualname__}"
+        except Exception as exc:
+            out["connectors"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        layouts = {}
+        for label, extra in (
+            ("default", {}),
+            ("use_mla", {"use_mla": True}),
+            ("hisparse", {"hisparse": True}),
+            ("no_model_config", {"model_config": False}),
+        ):
+            ktc = {"kv_connector": name, "kv_role": "kv_both"}
+            if name == "MultiConnector":
+                ktc["kv_connector_extra_config"] = {
+                    "connectors": [
+                        {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+                    ]
+                }
+            try:
+                vc = build_vllm_config({"kv_transfer_config": ktc, **extra})
+                with captured_warnings():
+                    layouts[label] = cls.get_required_kvcache_layout(vc)
+            except Exception as exc:
+                layouts[label] = {"error": f"{type(exc).__name__}: {exc}"}
+        entry["get_required_kvcache_layout"] = layouts
+        out["connectors"][name] = entry
+    return out
+
+
+def geometry(case):
+    """Allocation as the 0.34 engine does it: get_kv_cache_config_from_groups computes the
+    KVCacheTensors (layer_stride, block_stride, offset, size) for the resolved layout,
+    allocate_kv_cache views a raw int8 buffer per layer (create_kv_cache_views)."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    backend = backend_class(case["backend"])
+    s = dict(case)
+    s.setdefault("kind", "mla" if backend.is_mla() else "full")
+    with device_capability(case.get("device_capability")):
+        spec = build_spec(s, backend)
+        num_layers = case["num_layers"]
+        num_blocks = case["num_blocks"]
+        vllm_config = build_vllm_config({"block_size": spec.block_size}, layout=case["layout"], num_blocks=num_blocks)
+        layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        groups = get_kv_cache_groups(vllm_config, {n: spec for n in layer_names})
+        kv_cache_config = get_kv_cache_config_from_groups(
+            vllm_config, groups, available_memory=num_blocks * num_layers * spec.page_size_bytes * 4
+        )
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        buffers = []
+
+        def allocate(nbytes):
+            buf = torch.zeros(nbytes, dtype=torch.int8)
+            buffers.append(buf)
+            return buf
+
+        views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, allocate=allocate)
+    base = buffers[0].data_ptr()
+    layers = []
+    for name in layer_names:
+        view = views[name]
+        esize = view.element_size()
+        entry = {
+            "buffer": 0,
+            "byte_offset": view.data_ptr() - base,
+            "shape": list(view.shape),
+            "dtype": str(view.dtype).removeprefix("torch."),
+            "byte_strides": [st * esize for st in view.stride()],
+        }
+        entry.update(cell_split(backend, spec, view, case))
+        layers.append(entry)
+    return {
+        "num_blocks": kv_cache_config.num_blocks,
+        "buffers": [{"nbytes": b.numel()} for b in buffers],
+        "kv_cache_tensors": [
+            {
+                "size": t.size,
+                "layers": len(t.layers),
+                "layer_stride": t.layer_stride,
+                "block_stride": t.block_stride,
+                "offset": t.offset,
+            }
+            for t in kv_cache_config.kv_cache_tensors
+        ],
+        "spec": spec_facts(spec),
+        "layers": layers,
+    }
+
+
+def cell_split(backend, spec, view, case):
+    """Where K, V (and per-token-head scales) sit inside a cell, by the backend's own
+    split of the [B, H, N, C] view (byte offsets from the cell's first byte)."""
+    cell0 = view.data_ptr()
+    if backend.is_mla():
+        # MLA caches one latent per token; there is no K/V split.
+        return {"k_byte_offset_in_cell": 0, "content_bytes": spec.state_content_size_bytes}
+    if spec.kv_quant_mode.is_per_token_head and backend.get_name() == "TRITON_ATTN":
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+        impl = types.SimpleNamespace(
+            _k_scale_cache=None,
+            _v_scale_cache=None,
+            _set_kv_ptr_range=False,
+            _kv_quant_mode=spec.kv_quant_mode,
+            fp8_dtype=torch.float8_e4m3fn,
+        )
+        impl._ensure_scale_caches = types.MethodType(TritonAttentionImpl._ensure_scale_caches, impl)
+        key, value = TritonAttentionImpl._pth_key_value_caches(impl, view)
+        return {
+            "split": "TritonAttentionImpl._pth_key_value_caches",
+            "k_byte_offset_in_cell": key.data_ptr() - cell0,
+            "k_bytes": key.shape[-1] * key.element_size(),
+            "v_byte_offset_in_cell": value.data_ptr() - cell0,
+            "v_bytes": value.shape[-1] * value.element_size(),
+            "k_scale_byte_offset_in_cell": impl._k_scale_cache.data_ptr() - cell0,
+            "v_scale_byte_offset_in_cell": impl._v_scale_cache.data_ptr() - cell0,
+            "scale_dtype": str(impl._k_scale_cache.dtype).removeprefix("torch."),
+            "scale_byte_strides": [st * 4 for st in impl._k_scale_cache.stride()],
+        }
+    # FLASH_ATTN / TRITON_ATTN (not per-token-head) / FLEX_ATTENTION / CPU_ATTN:
+    # kv_cache.transpose(1, 2).split(head_size, dim=-1) in their forward.
+    if spec.kv_quant_mode.is_per_token_head:
+        return {"split": None, "note": f"{backend.get_name()} has no per-token-head split"}
+    key, value = view.transpose(1, 2).split(case.get("head_size", spec.head_size), dim=-1)
+    return {
+        "split": "kv_cache.transpose(1, 2).split(head_size, dim=-1)",
+        "k_byte_offset_in_cell": key.data_ptr() - cell0,
+        "k_bytes": key.shape[-1] * key.element_size(),
+        "v_byte_offset_in_cell": value.data_ptr() - cell0,
+        "v_bytes": value.shape[-1] * value.element_size(),
+    }
+
+
+def handle(case):
+    if case.get("facts"):
+        return facts(case)
+    if "workers" in case:
+        return decision(case)
+    if "backend" in case and "layout" in case:
+        return geometry(case)
+    raise ValueError(f"unknown case kind: {sorted(case)}")
+
+
+def main():
+    cases = json.load(sys.stdin)
+    results = []
+    for case in cases:
+        try:
+            results.append(handle(case))
+        except Exception as exc:
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+    json.dump(results, _ANSWER)
+    _ANSWER.write("\n")
+    _ANSWER.flush()
+
+
+if __name__ == "__main__":
+    main()
