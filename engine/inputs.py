@@ -24,9 +24,10 @@ from policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 __all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs"]
 
 # `kvpolicy dry-run` with no arguments: Qwen2.5-0.5B geometry, TRITON_ATTN,
-# OffloadingConnector, fp8_per_token_head -- the combination of vLLM #48412.
+# OffloadingConnector, fp8_per_token_head -- the combination of vLLM #48412 --
+# at the release's default block size.
 DEFAULT_EXAMPLE: dict[str, Any] = {
-    "spec": {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": "bfloat16"},
+    "spec": {"num_layers": 24, "num_kv_heads": 2, "head_size": 64, "dtype": "bfloat16"},
     "kv_cache_dtype": "fp8_per_token_head",
     "backend": "TRITON_ATTN",
     "connector": "OffloadingConnector",
@@ -118,6 +119,8 @@ def build_context(
             raise input_error("model", "the model config describes no KV cache layers")
         kv = groups.primary
     elif spec is not None:
+        if block_size is None and isinstance(spec, dict) and "block_size" not in spec:
+            block_size = release.default_block_size  # vLLM's default --block-size
         kv = _spec(spec, kv_cache_dtype, block_size)
         if groups is None:
             groups = KVCacheGroups.single(kv)

@@ -33,6 +33,12 @@ def render_inputs(decision: Decision) -> list[str]:
         lines.append("  connector: none")
     else:
         lines.append(f"  connector: {_connector(c)}")
+    o = ctx.options
+    settings = [f"{k}={v}" for k, v in (("VLLM_KV_CACHE_LAYOUT", o.kv_cache_layout),
+                                         ("enable_extensible_kv_cache", o.enable_extensible_kv_cache or None),
+                                         ("hisparse", o.hisparse or None),
+                                         ("device_capability", o.device_capability)) if v is not None]
+    lines.append(f"  vllm:      profile {ctx.profile}" + (f"; {', '.join(settings)}" if settings else ""))
     return lines
 
 
@@ -53,7 +59,9 @@ def _wrap(text: str, indent: str) -> list[str]:
 def render_text(decision: Decision, mode: str = "full") -> str:
     """``full``: everything; ``fails``: removals and counterfactuals; ``notes``: what decided."""
     events = explain_filter(decision.events, mode)  # type: ignore[arg-type]
-    out = [f"layout: {decision.layout}", "", "inputs:", *render_inputs(decision), ""]
+    lay = decision.layout
+    out = [f"layout: {lay} ({lay.placement.value}, {lay.head_order.value})", "", "inputs:",
+           *render_inputs(decision), ""]
 
     out.append("ranking (survivors, best first):")
     for rank, (layout, score) in enumerate(decision.ranking, 1):

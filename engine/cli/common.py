@@ -20,6 +20,7 @@ __all__ = [
     "HelpFormatter",
     "UsageError",
     "add_format_flag",
+    "add_vllm_version_flag",
     "add_rules_flag",
     "error_dict",
     "exit_code_for",
@@ -69,24 +70,45 @@ def add_rules_flag(parser: argparse.ArgumentParser) -> None:
                         help="rule directory (global *.yaml + connectors/); default: the shipped rules")
 
 
+def add_vllm_version_flag(parser: Any) -> None:
+    parser.add_argument("--vllm-version", metavar="VERSION", default=None,
+                        help="the vLLM release to decide for, e.g. 0.34.0 or 0.28.0, or a profile name "
+                             "(default: the installed vllm's version, else the newest profile)")
+
+
 def add_format_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="text for people (default), json for programs (docs/json-output.md)")
 
 
-def rules_root(rules: str | None) -> tuple[Path, str]:
-    """The rule directory and how to show it: the shipped one shows as ``rules``."""
+def rules_root(rules: str | None, vllm_version: str | None = None) -> tuple[Path, str]:
+    """The rule directory and how to show it: the shipped one of the release profile
+    shows as ``rules/<profile>``, its path in the source tree."""
     if rules is not None:
         return Path(rules), rules
     from engine.layout_engine import shipped_rules_dir
+    from policy.releases import get_profile
 
-    return shipped_rules_dir(), "rules"
+    sub = get_profile(vllm_version).rules
+    return shipped_rules_dir(vllm_version), f"rules/{sub}"
 
 
-def load_ruleset(rules: str | None, flag: str = "--rules") -> RuleSet:
-    """Load ``--rules`` (or the shipped rules); raises `RuleLoadError` listing every problem,
-    or a `UsageError` naming ``flag`` when the path is not a directory at all."""
-    root, shown = rules_root(rules)
+def check_vllm_version(vllm_version: str | None) -> None:
+    """An unknown ``--vllm-version`` is a usage error under that flag, listing the known profiles."""
+    from policy.releases import get_profile
+
+    try:
+        get_profile(vllm_version)
+    except InputError as exc:
+        raise UsageError("", [Diagnostic("--vllm-version", 0, 0, d.code, d.message, d.help)
+                              for d in exc.diagnostics]) from None
+
+
+def load_ruleset(rules: str | None, flag: str = "--rules", vllm_version: str | None = None) -> RuleSet:
+    """Load ``--rules`` (or the shipped rules of ``vllm_version``'s profile); raises `RuleLoadError`
+    listing every problem, or a `UsageError` naming ``flag`` when the path is not a directory at all."""
+    check_vllm_version(vllm_version)
+    root, shown = rules_root(rules, vllm_version)
     if not root.is_dir():
         what = "does not exist" if not root.exists() else "is not a directory"
         raise usage_error(flag, f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")

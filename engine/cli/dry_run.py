@@ -21,6 +21,7 @@ from engine.cli.common import (
     HelpFormatter,
     add_format_flag,
     add_rules_flag,
+    add_vllm_version_flag,
     error_dict,
     exit_code_for,
     int_at_least,
@@ -32,12 +33,11 @@ from engine.cli.common import (
 from engine.cli.plan_view import plan_summary, render_plan
 from engine.decision import Decision
 from engine.inputs import DEFAULT_EXAMPLE, build_context
-from policy.backends import BACKENDS, ScaleViews
+from policy.backends import ScaleViews
 from policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from policy.context import Context
 from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
 from policy.layouts import Layout
-from policy.quant import KV_CACHE_DTYPES
 from policy.ruleset import RuleSet
 from policy.spec import KVCacheSpec
 from policy.yaml_source import parse_yaml
@@ -97,21 +97,33 @@ def register(verbs: argparse._SubParsersAction) -> None:
     what = src.add_mutually_exclusive_group()
     what.add_argument("--model", metavar="PATH", help="a Hugging Face config.json, or the directory holding one")
     what.add_argument("--spec", metavar="FILE", help="a YAML or JSON file of KVCacheSpec fields (or `groups:`)")
-    src.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="DTYPE",
-                     help="vLLM's --kv-cache-dtype: " + ", ".join(KV_CACHE_DTYPES))
+    src.add_argument("--kv-cache-dtype", metavar="DTYPE",
+                     help="vLLM's --kv-cache-dtype (the release profile lists the valid ones), e.g. auto, fp8, "
+                          "fp8_per_token_head")
     src.add_argument("--block-size", type=int_at_least(1), metavar="N", help="tokens per block (vLLM's --block-size)")
     src.add_argument("--tensor-parallel-size", type=int_at_least(1), metavar="N",
                      help="with --model: KV heads are split over N ranks (default 1)")
-    dep = p.add_argument_group("the deployment")
-    dep.add_argument("--backend", choices=tuple(BACKENDS), metavar="NAME",
-                     help="attention backend: " + ", ".join(BACKENDS) + " (default TRITON_ATTN)")
+    dep = p.add_argument_group("the deployment (named as vLLM names them)")
+    add_vllm_version_flag(dep)
+    dep.add_argument("--attention-backend", "--backend", dest="backend", metavar="NAME",
+                     help="attention backend, vLLM's enum name: " + ", ".join(_backend_names())
+                          + " (default TRITON_ATTN; the release profile lists its own)")
     dep.add_argument("--scale-views", choices=[s.value for s in ScaleViews],
                      help="how the backend builds inline-scale views (default: the backend's own)")
     dep.add_argument("--connector", metavar="NAME",
-                     help="KV connector class (vLLM's kv_connector), or `none`")
+                     help="KV connector (vLLM's kv_connector), or `none`")
     dep.add_argument("--connector-config", type=_json_object, metavar="JSON",
                      help="vLLM's kv_connector_extra_config as a JSON object; for MultiConnector "
                           '{"connectors": [{"kv_connector": ..., "kv_connector_extra_config": {...}}]}')
+    dep.add_argument("--vllm-kv-cache-layout", metavar="LAYOUT",
+                     help="the VLLM_KV_CACHE_LAYOUT environment variable: one of the six layouts, or NHD/HND "
+                          "(not read from the environment: pass it)")
+    dep.add_argument("--enable-extensible-kv-cache", action="store_true", default=None,
+                     help="vLLM's --enable-extensible-kv-cache (0.34: restricts layouts with a connector)")
+    dep.add_argument("--hisparse", action="store_true", default=None,
+                     help="attention_config.hisparse_config is set (HiSparse attention)")
+    dep.add_argument("--device-capability", type=_capability, metavar="MAJOR[.MINOR]",
+                     help="the GPU's CUDA compute capability, e.g. 9.0 or 10.0 (FlashInfer's layouts depend on it)")
     out = p.add_argument_group("output")
     add_rules_flag(out)
     out.add_argument("--explain", choices=("full", "fails", "notes"), default="full",
@@ -125,6 +137,23 @@ def register(verbs: argparse._SubParsersAction) -> None:
                      help="draw this layout instead of the chosen one (what-if), e.g. cross_layer/NHD")
     out.add_argument("--svg", metavar="FILE", help="also write the block map as an SVG picture to FILE")
     p.set_defaults(run=run)
+
+
+def _backend_names() -> list[str]:
+    from policy.releases import iter_profiles
+
+    names: list[str] = []
+    for profile in iter_profiles():
+        names += [n for n in profile.backends if n not in names]
+    return names
+
+
+def _capability(text: str) -> int:
+    """``9``, ``9.0`` or ``10.0``: the major number is what vLLM's backends read."""
+    major, _, minor = text.partition(".")
+    if not major.isdigit() or not (minor == "" or minor.isdigit()) or not 0 < int(major) < 100:
+        raise argparse.ArgumentTypeError(f"`{text}` is not a CUDA compute capability such as 9.0 or 10.0")
+    return int(major)
 
 
 def _layout(text: str) -> Layout:
@@ -164,7 +193,7 @@ def read_spec_file(path: str) -> dict[str, Any]:
                                        "e.g. {num_layers: 24, block_size: 16, num_kv_heads: 2, head_size: 64}")])
     if "groups" not in data:
         try:
-            KVCacheSpec.model_validate(data)
+            KVCacheSpec.model_validate({"block_size": 16, **data})  # absent: the release's default
         except ValidationError as exc:
             raise InputError("invalid --spec file", _located_spec_errors(src, (), data, exc)) from None
         return {"spec": data}
@@ -205,7 +234,14 @@ def read_spec_file(path: str) -> dict[str, Any]:
 
 
 _FLAG_OF = {
-    "backend": "--backend",
+    "backend": "--attention-backend",
+    "attention_backend": "--attention-backend",
+    "vllm_version": "--vllm-version",
+    "vllm_kv_cache_layout": "--vllm-kv-cache-layout",
+    "enable_extensible_kv_cache": "--enable-extensible-kv-cache",
+    "hisparse": "--hisparse",
+    "device_capability": "--device-capability",
+    "kv_cache_dtype": "--kv-cache-dtype",
     "scale_views": "--scale-views",
     "connector": "--connector",
     "connector_config": "--connector-config",
@@ -248,6 +284,11 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "connector": args.connector if args.connector is not None else (
             DEFAULT_EXAMPLE["connector"] if example else None),
         "connector_config": args.connector_config,
+        "vllm_version": args.vllm_version,
+        "vllm_kv_cache_layout": args.vllm_kv_cache_layout,
+        "enable_extensible_kv_cache": bool(args.enable_extensible_kv_cache),
+        "hisparse": bool(args.hisparse),
+        "device_capability": args.device_capability,
     }
     if args.model is not None:
         kwargs["model"] = args.model
@@ -280,8 +321,11 @@ def context_from_args(args: argparse.Namespace) -> Context:
 def example_banner(args: argparse.Namespace) -> str:
     ex = DEFAULT_EXAMPLE
     mine = [f for f, v in (("--kv-cache-dtype", args.kv_cache_dtype), ("--block-size", args.block_size),
-                           ("--backend", args.backend), ("--scale-views", args.scale_views),
-                           ("--connector", args.connector), ("--connector-config", args.connector_config))
+                           ("--attention-backend", args.backend), ("--scale-views", args.scale_views),
+                           ("--connector", args.connector), ("--connector-config", args.connector_config),
+                           ("--vllm-kv-cache-layout", args.vllm_kv_cache_layout),
+                           ("--enable-extensible-kv-cache", args.enable_extensible_kv_cache),
+                           ("--hisparse", args.hisparse), ("--device-capability", args.device_capability))
             if v is not None]
     text = (f"built-in example: Qwen2.5-0.5B KV geometry, {ex['backend']}, {ex['connector']}, "
             f"kv_cache_dtype {ex['kv_cache_dtype']}")
@@ -358,7 +402,7 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
     try:
-        ruleset = load_ruleset(args.rules)
+        ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version)
         ctx = context_from_args(args)
         _warn_unknown_connector(ctx, ruleset)
         from engine.layout_engine import LayoutEngine

@@ -111,7 +111,10 @@ def _fmt_list(items: Iterable[str]) -> str:
 
 
 def _show_pattern(p: LayoutPattern) -> str:
-    if p.placement is not None and p.head_order is not None:
+    others = p.model_dump(exclude={"layout"}, exclude_none=True)
+    if p.layout is not None and len(p.layout) == 1 and not others:
+        return p.layout[0].value
+    if p.layout is None and set(others) == {"placement", "head_order"}:
         return f"{p.placement.value}/{p.head_order.value}"
     return str(p)
 

@@ -51,7 +51,7 @@ def test_lint_shipped_rules_is_clean(capsys) -> None:
 def test_lint_without_the_per_token_head_rule_fails_naming_inputs(capsys, no_pth: Path) -> None:
     code, out, _ = cli(capsys, "lint", str(no_pth), "--max-inputs", "1")
     assert code == 1
-    assert "error[unsafe-permit]: the rules choose `cross_layer/NHD` for 90 input(s)" in out
+    assert "error[unsafe-permit]: the rules choose `BLNHC` for 90 input(s)" in out
     assert ("kv_cache_dtype=fp8_per_token_head backend=TRITON_ATTN scale_views=assume_per_layer_contiguous "
             "kind=full groups=1x1 connector=MooncakeStoreConnector{enable_cross_layers_blocks=true}") in out
     code, out, _ = cli(capsys, "lint", str(no_pth), "--format", "json")
@@ -99,7 +99,7 @@ def test_dry_run_map_of_a_safe_choice(capsys, spec: str) -> None:
     code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--connector", "OffloadingConnector", "--map",
                        "--explain", "notes")
     assert code == 0
-    assert "block 0 of `cross_layer/NHD` on TRITON_ATTN" in out
+    assert "block 0 of `BLNHC` on TRITON_ATTN" in out
     assert "       0 .. 4096         4096 B  layer 0 K data" in out
     assert out.rstrip().endswith("8 segments; no overlaps")
 
@@ -121,7 +121,7 @@ def test_dry_run_refuses_an_unsafe_choice_and_draws_it(capsys, spec: str, tmp_pa
     assert code == 1
     assert out.startswith("layout: BLNHC")
     assert "OVERLAP layers 0..3 k scale" in out
-    assert "refusing layout `cross_layer/NHD` on `TRITON_ATTN`" in err
+    assert "refusing layout `BLNHC` on `TRITON_ATTN`" in err
     assert "error[overlapping-views]: layer 0 k scale and layer 1 k scale both write buffer 0 byte 64" in err
     root = ET.fromstring(svg.read_text())
     assert any(r.get("fill") == "#e15759" for r in root.iter("{http://www.w3.org/2000/svg}rect"))
@@ -159,7 +159,7 @@ def test_map_layout_the_backend_cannot_lay_out_is_a_warning(capsys) -> None:
     code, _, err = cli(capsys, "dry-run", "--model", str(ROOT / "tests/fixtures/configs/deepseek-v2-lite.json"),
                        "--backend", "FLASHMLA", "--map-layout", "LBHNC", "--explain", "notes")
     assert code == 0
-    assert "warning: --map-layout LBHNC: backend `FLASHMLA` does not support head order `HND`" in err
+    assert "warning: --map-layout LBHNC: backend `FLASHMLA` has no geometry for layout `LBHNC`; nothing drawn" in err
 
 
 def test_a_mamba_only_model_is_decided_without_a_geometry_check(capsys, tmp_path: Path) -> None:

@@ -49,14 +49,14 @@ def test_default_example_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].startswith("built-in example: Qwen2.5-0.5B KV geometry, TRITON_ATTN, OffloadingConnector, "
                                "kv_cache_dtype fp8_per_token_head")
     assert "pass --model PATH or --spec FILE" in lines[0]
-    assert lines[2] == "layout: LBNHC"
-    assert "  1. LBNHC    score 0  <- chosen" in lines
-    assert "  2. LBHNC    score 0  (tie: rule set's default order)" in lines
+    assert lines[2] == "layout: LBNHC (per_layer, NHD)"
+    assert "  1. LBNHC            score 0  <- chosen" in lines
+    assert "  2. LBHNC            score 0  (tie: rule set's default order)" in lines
     i = lines.index("  BLNHC")
     assert lines[i + 1] == f"    by per-token-head-forbids-cross-layer (forbid, global) at rules/issue-48412/global.yaml:{PTH_LINE}"
     assert "  BLNHC would be chosen if kv.per_token_head were false (it is true)" in lines
     assert f"  [x] per-token-head-forbids-cross-layer (forbid, global) at rules/issue-48412/global.yaml:{PTH_LINE}" in lines
-    assert any(line.startswith("  +10 BLNHC  offloading-prefers-cross-layer") for line in lines)
+    assert any(line.startswith("  +10 BLNHC            offloading-prefers-cross-layer") for line in lines)
     assert lines[-1].startswith("rule set: rules (sha256:")
     assert err == ""
 
@@ -78,7 +78,7 @@ def test_default_example_json(capsys: pytest.CaptureFixture[str]) -> None:
     cf = {c["layout"]: c for c in data["counterfactual"]}
     assert cf["BLNHC"]["changes"] == [
         {"scope": "*", "field": "kv.per_token_head", "from": True, "to": False}]
-    assert data["ruleset"]["root"] == "rules" and data["ruleset"]["digest"].startswith("sha256:")
+    assert data["ruleset"]["root"] == "rules/issue-48412" and data["ruleset"]["digest"].startswith("sha256:")
     assert data["inputs"]["kv"]["kv_cache_dtype"] == "fp8_per_token_head"
     assert data["inputs"]["connector"]["name"] == "OffloadingConnector"
     assert "plan" not in data
@@ -254,7 +254,7 @@ def test_no_layout_exits_1_with_located_diagnostics(capsys: pytest.CaptureFixtur
     assert out == ""
     shown = f"{root}/global.yaml"
     assert f"{shown}:{PTH_LINE}:5: error[removed-candidates]: rule `per-token-head-forbids-cross-layer`" in err
-    assert "error[removed-candidates]: rule `always-cross-layer` (require, global) removed `per_layer/NHD`" in err
+    assert "error[removed-candidates]: rule `always-cross-layer` (require, global) removed `LBNHC`" in err
     assert "Traceback" not in err
 
 
@@ -277,8 +277,8 @@ def test_broken_rules_exit_1(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 @pytest.mark.parametrize(("argv", "flag"), [
     (["--connector-config", "{bad"], "argument --connector-config: invalid JSON"),
     (["--connector-config", "[1, 2]"], "argument --connector-config: expected a JSON object, got list"),
-    (["--backend", "TRITON"], "argument --backend: invalid choice: 'TRITON'"),
-    (["--kv-cache-dtype", "fp9"], "argument --kv-cache-dtype: invalid choice: 'fp9'"),
+    (["--backend", "TRITON"], "--attention-backend: error[unknown-backend]: unknown attention backend `TRITON`"),
+    (["--kv-cache-dtype", "fp9"], "--kv-cache-dtype: error[unknown-kv-cache-dtype]: unknown kv_cache_dtype `fp9`"),
     (["--num-blocks", "0"], "argument --num-blocks: expected a positive integer, got `0`"),
     (["--block-size", "x"], "argument --block-size: expected a positive integer, got `x`"),
     (["--explain", "all"], "argument --explain: invalid choice: 'all'"),
@@ -351,7 +351,7 @@ def test_plan_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     spec = write_spec(tmp_path, "{kind: mla, num_layers: 4, block_size: 64, num_kv_heads: 1, head_size: 576}")
     code, _, err = cli(capsys, "dry-run", "--spec", spec, "--num-blocks", "4")  # MLA spec on TRITON_ATTN
     assert code == 2
-    assert "--backend: error[backend-mismatch]" in err
+    assert "--attention-backend: error[backend-mismatch]" in err
 
 
 # -- the documented contract ------------------------------------------------------------------

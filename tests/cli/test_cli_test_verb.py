@@ -69,13 +69,13 @@ def test_failing_case_shows_expected_vs_actual(capsys: pytest.CaptureFixture[str
     assert lines[1:7] == [
         "  expected layout: BLNHC",
         "  actual layout:   LBNHC",
-        "  expected `cross_layer/HND` removed by `cross-layer-needs-connector`",
+        "  expected `BHLNC` removed by `cross-layer-needs-connector`",
         "  actual: removed by `per-token-head-forbids-cross-layer`",
         "  expected rule `offloading-prefers-cross-layer` not to match",
         "  actual: it matched",
     ]
     assert lines[7] == "  decision (fails):"
-    assert lines[8] == "    layout: LBNHC"
+    assert lines[8] == "    layout: LBNHC (per_layer, NHD)"
     assert "    counterfactual:" in lines
     summary = lines.index("1 passed, 1 failed")
     assert lines[summary + 1] == f"coverage: 3/{N_RULES} rules matched by some case"
@@ -113,7 +113,7 @@ def test_expected_error_cases(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert (f"FAIL {path}:6: unexpected error\n  expected a decision\n"
             "  actual error: `invalid-input`, `unknown-backend`\n  error:\n"
             f"    {path}:7:") in out  # located at `backend:` in the case file
-    assert "error[unknown-backend]: unknown backend `NOPE`" in out
+    assert "error[unknown-backend]: unknown attention backend `NOPE` in profile `issue-48412`" in out
     assert "1 passed, 1 failed" in out
 
 
@@ -140,7 +140,7 @@ def test_unknown_rule_in_expectation(capsys: pytest.CaptureFixture[str], tmp_pat
 """)
     code, _, err = cli(capsys, "test", str(path))
     assert code == 1
-    assert f"{path}:5:24: error[unknown-rule]: no rule `cross-layer-needs-conector` in rule set `rules`\n" \
+    assert f"{path}:5:24: error[unknown-rule]: no rule `cross-layer-needs-conector` in rule set `rules/issue-48412`\n" \
            "  help: did you mean `cross-layer-needs-connector`?" in err
 
 

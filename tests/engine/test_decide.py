@@ -82,8 +82,8 @@ def test_connector_rules_cannot_lift_a_global_forbid() -> None:
     with pytest.raises(NoLayoutError) as info:
         decide(e, connector="OffloadingConnector")
     text = info.value.render()
-    assert "rule `no-cross` (forbid, global) removed `cross_layer/NHD`, `cross_layer/HND`" in text
-    assert "rule `need-cross` (require, connector:OffloadingConnector) removed `per_layer/NHD`, `per_layer/HND`" in text
+    assert "rule `no-cross` (forbid, global) removed `BLNHC`, `BHLNC`" in text
+    assert "rule `need-cross` (require, connector:OffloadingConnector) removed `LBNHC`, `LBHNC`" in text
     assert "global.yaml:3:5" in text and "connectors/off.yaml:8:5" in text
     # without the connector, its rules are out of scope
     assert decide(e).layout.placement is Placement.per_layer

@@ -103,7 +103,7 @@ def test_results_report_failures_and_matches(tmp_path: Path) -> None:
     assert wrong.failures == (
         "expected layout: {placement: cross_layer}\nactual layout:   LBNHC",
         "expected survivors: LBNHC\nactual survivors:   LBNHC, LBHNC",
-        "expected `per_layer/NHD` removed\nactual: it survived",
+        "expected `LBNHC` removed\nactual: it survived",
         "expected rule `offloading-prefers-cross-layer` to match\nactual: it matched in no scope",
     )
     assert wrong.explanation().startswith("layout: LBNHC\n")

@@ -152,7 +152,7 @@ def test_engine_refuses_to_allocate_it_even_with_no_rules() -> None:
     with pytest.raises(GeometryError) as info:
         empty.build(num_blocks=8, **inputs)  # ...the verifier does not
     text = info.value.render()
-    assert "refusing layout `cross_layer/NHD` on `TRITON_ATTN`" in text
+    assert "refusing layout `BLNHC` on `TRITON_ATTN`" in text
     assert "layer 0 k scale and layer 1 k scale both write buffer 0 byte 64" in text
     # with stride-aware scale views the same layout is safe and allocates
     cache = empty.build(num_blocks=8, scale_views="stride_aware", **inputs)
@@ -162,7 +162,7 @@ def test_engine_refuses_to_allocate_it_even_with_no_rules() -> None:
 def test_kvcache_verify_reports_overlapping_views() -> None:
     spec = make_spec("int8_per_token_head")
     unsafe = allocate(plan_layout(Layout.parse("BLNHC"), spec, BACKENDS["TRITON_ATTN"], 3))
-    with pytest.raises(GeometryError, match="refusing layout `cross_layer/NHD`"):
+    with pytest.raises(GeometryError, match="refusing layout `BLNHC`"):
         unsafe.verify()
     unsafe.verify(geometry=False)  # the tensors themselves still match the plan
     allocate(plan_layout(Layout.parse("LBNHC"), spec, BACKENDS["TRITON_ATTN"], 3)).verify()
