@@ -249,7 +249,7 @@ def agree(decision: Decision | LayoutFingerprint, group: Any = None, timeout_s: 
     """Check that every rank of ``group`` (default: the whole world) decided the same layout.
 
     Gathers each rank's fingerprint and rule-set digest with
-    ``torch.distributed.all_gather_object`` and returns the agreed fingerprint,
+    ``torch.distributed.all_gather`` (JSON bytes; no pickle, no numpy) and returns the agreed fingerprint,
     or raises `LayoutMismatchError` on every rank, naming the ranks and fields.
     Every rank of the group must call it (it is a collective).
 
@@ -284,7 +284,26 @@ def agree(decision: Decision | LayoutFingerprint, group: Any = None, timeout_s: 
                 f"not every rank reached the layout agreement within {timeout_s:g} s: {exc}",
                 "every rank of the group must call agree(); check the named ranks' logs")]) from exc
     mine = RankFingerprint(dist.get_rank(), dist.get_rank(group), local.to_dict(), ruleset_digest)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine.to_dict(), group=group)
+    gathered = _all_gather_json(dist, mine.to_dict(), world, group)
     compare_ranks([RankFingerprint.from_dict(g) for g in gathered])
     return local
+
+
+def _all_gather_json(dist: Any, payload: dict[str, Any], world: int, group: Any) -> list[Any]:
+    """Every rank's ``payload``, as JSON bytes in uint8 tensors: unlike ``all_gather_object``
+    (pickle, then ``tensor.numpy()``), this needs no numpy and unpickles nothing a peer sent."""
+    import torch
+
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)):
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = json.dumps(payload, sort_keys=True).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    return [json.loads(bytes(row[: int(n.item())].cpu().tolist()).decode()) for row, n in zip(rows, sizes, strict=True)]

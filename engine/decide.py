@@ -178,7 +178,10 @@ def _start(ruleset: RuleSet, glob: Scope) -> tuple[int, tuple[int, ...]]:
     return mask, tuple(rank.get(layout, len(order) + i) for i, layout in enumerate(order))
 
 
-def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: list[Event]) -> tuple[int, list[int]]:
+def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: list[Event],
+                   candidates: int) -> tuple[int, list[int]]:
+    """Evaluate one scope with a trace; removals are reported only for ``candidates`` (what the
+    release left), so an error never blames a rule for a layout the release never offered."""
     n = len(order)
     score = [0] * n
     for rule in scope.rules:
@@ -191,7 +194,8 @@ def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: 
         code = rule.fast[1]
         for i, layout in enumerate(order):
             if rule.removes(i):
-                events.append(CandidateRemoved(layout, ref, scope.label))
+                if candidates >> i & 1:
+                    events.append(CandidateRemoved(layout, ref, scope.label))
             elif code == PREFER and rule.mask >> i & 1:
                 score[i] += rule.weight
                 events.append(PreferenceApplied(layout, ref, scope.label, rule.weight))
@@ -202,7 +206,7 @@ def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: 
     if scope.members:
         member_scores = []
         for member in scope.members:
-            alive, s = _explain_scope(member, order, alive, events)
+            alive, s = _explain_scope(member, order, alive, events, candidates)
             member_scores.append(s)
         if _conflict(scope.mode, member_scores, n):
             ref = RuleRef(f"{scope.label}:members-agree", Source(scope.label, 1), "require",
@@ -230,9 +234,9 @@ def evaluate(ruleset: RuleSet, glob: Scope, conn: Scope | None, *, explain: bool
     if glob.release is not None:
         events += [CandidateRemoved(layout, glob.release, "release") for i, layout in enumerate(order)
                    if not full >> i & 1]
-    alive, scores = _explain_scope(glob, order, full, events)
+    alive, scores = _explain_scope(glob, order, full, events, full)
     if conn is not None:
-        alive, conn_scores = _explain_scope(conn, order, alive, events)
+        alive, conn_scores = _explain_scope(conn, order, alive, events, full)
         scores = [a + b for a, b in zip(scores, conn_scores)]
     winner = _pick(alive, scores, ranks)
     outcome = Outcome(alive, tuple(scores), winner, ranks=ranks)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.counterfactual import counterfactuals, describe
 from engine.decide import Outcome, evaluate, scopes_for
+from engine.fingerprint import LayoutFingerprint, fingerprint
+from engine.render import render_text
 from engine.trace import (
     CandidateRemoved,
     Counterfactual,
@@ -26,9 +28,6 @@ from engine.trace import (
 from policy.context import MISSING, Context
 from policy.layouts import Layout
 from policy.ruleset import RuleSet
-
-if TYPE_CHECKING:
-    from engine.fingerprint import LayoutFingerprint
 
 __all__ = ["JSON_FORMAT_VERSION", "Decision"]
 
@@ -74,8 +73,6 @@ class Decision:
     @cached_property
     def fingerprint(self) -> LayoutFingerprint:
         """What every rank and transfer peer must agree on (docs/fingerprint.md)."""
-        from engine.fingerprint import fingerprint
-
         return fingerprint(self)
 
     @property
@@ -144,8 +141,6 @@ class Decision:
 
     def explain(self, mode: str = "full") -> str:
         """The decision rendered as text for people (see `engine.render`)."""
-        from engine.render import render_text
-
         return render_text(self, mode=mode)
 
 

@@ -30,15 +30,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from policy.backends import BackendProfile, Dim
 from policy.errors import input_error
 from policy.layouts import Layout
 from policy.spec import KVCacheGroups, KVCacheSpec
-
-if TYPE_CHECKING:
-    from engine.decision import Decision
 
 __all__ = [
     "FORMAT_VERSION",
@@ -280,13 +277,25 @@ def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
     )
 
 
-def fingerprint(decision: Decision) -> LayoutFingerprint:
+class Decided(Protocol):
+    """What a fingerprint reads of a `engine.Decision` (typed structurally, so this module
+    does not depend on the decision's)."""
+
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def context(self) -> Any: ...
+    @property
+    def ruleset(self) -> Any: ...
+
+
+def fingerprint(decision: Decided) -> LayoutFingerprint:
     """The fingerprint of a decision's layout for its context."""
     ctx = decision.context
     return fingerprint_of(decision.layout, ctx.kv, ctx.backend, ctx.groups)
 
 
-def describe(decision: Decision) -> dict[str, Any]:
+def describe(decision: Decided) -> dict[str, Any]:
     """The fingerprint, its digest and, beside them (not part of them), the rule set's digest."""
     fp = fingerprint(decision)
     return {"fingerprint": fp.to_dict(), "digest": fp.digest, "ruleset_digest": decision.ruleset.digest}

@@ -1,20 +1,45 @@
-"""Text rendering of a `Decision` for people; kept apart from the trace itself."""
+"""Text rendering of a `Decision` for people; kept apart from the trace itself.
+
+The decision is typed structurally (`Explainable`): the decision module
+depends on this one, never the other way round.
+"""
 
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from engine.counterfactual import describe
-from engine.trace import RuleEvaluated, explain_filter
+from engine.trace import Counterfactual, Event, PreferenceApplied, RuleEvaluated, explain_filter
+from policy.context import Context
+from policy.layouts import Layout
 
-if TYPE_CHECKING:
-    from engine.decision import Decision
-
-__all__ = ["render_inputs", "render_text"]
+__all__ = ["Explainable", "render_inputs", "render_text"]
 
 
-def render_inputs(decision: Decision) -> list[str]:
+class Explainable(Protocol):
+    """What rendering reads of an `engine.Decision`."""
+
+    context: Context
+    layout: Layout
+    score: int
+    ruleset: Any
+
+    @property
+    def events(self) -> tuple[Event, ...]: ...
+    @property
+    def ranking(self) -> tuple[tuple[Layout, int], ...]: ...
+    @property
+    def eliminated(self) -> dict[Layout, list[tuple[Any, str]]]: ...
+    @property
+    def preferences(self) -> tuple[PreferenceApplied, ...]: ...
+    @property
+    def counterfactuals(self) -> tuple[Counterfactual, ...]: ...
+    @property
+    def fingerprint(self) -> Any: ...
+
+
+def render_inputs(decision: Explainable) -> list[str]:
     ctx = decision.context
     kv, b, c = ctx.kv, ctx.backend, ctx.connector
     quant = kv.quant_mode.value
@@ -56,7 +81,7 @@ def _wrap(text: str, indent: str) -> list[str]:
     return textwrap.wrap(" ".join(text.split()), width=88, initial_indent=indent, subsequent_indent=indent)
 
 
-def render_text(decision: Decision, mode: str = "full") -> str:
+def render_text(decision: Explainable, mode: str = "full") -> str:
     """``full``: everything; ``fails``: removals and counterfactuals; ``notes``: what decided."""
     events = explain_filter(decision.events, mode)  # type: ignore[arg-type]
     lay = decision.layout

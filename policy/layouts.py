@@ -20,7 +20,7 @@ orders vLLM 0.28's backends allocate).
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -134,6 +134,11 @@ ALL_LAYOUTS: tuple[Layout, ...] = tuple(Layout)
 _PROPERTY_KEYS = ("layer_compact", "block_outermost", "block_compact", "block_contiguous")
 
 
+# What a rule file may write for a layout: vLLM's names, or the legacy `placement/head_order`.
+LayoutName = Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC",
+                     "per_layer/NHD", "per_layer/HND", "cross_layer/NHD", "cross_layer/HND"]
+
+
 class LayoutPattern(Frozen):
     """The layouts a rule's effect applies to: every given key must hold (absent keys match anything).
 
@@ -151,7 +156,8 @@ class LayoutPattern(Frozen):
     block_contiguous: bool | None = Field(default=None,
                                           description="vLLM's `is_block_contiguous`: [H, N, C] innermost")
 
-    @field_validator("layout", mode="before")
+    @field_validator("layout", mode="before",
+                     json_schema_input_type=LayoutName | list[LayoutName] | None)  # type: ignore[valid-type]
     @classmethod
     def _names(cls, value: Any) -> Any:
         if value is None:

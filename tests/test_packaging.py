@@ -25,7 +25,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wheel_ships_every_rule_file(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    for path in [*ROOT.glob("rules/*/*.yaml"), *ROOT.glob("rules/*/connectors/*.yaml"), *ROOT.glob("rules/*/tests/*.yaml")]:
+    shipped = [*ROOT.glob("rules/*/*.yaml"), *ROOT.glob("rules/*/connectors/*.yaml"),
+               *ROOT.glob("rules/*/tests/*.yaml")]
+    assert len(shipped) >= 17
+    for path in shipped:
         assert "kvpolicy_rules/" + str(path.relative_to(ROOT / "rules")) in names, path
 
 
@@ -50,4 +53,9 @@ def test_installed_package_validates_and_tests_its_rules(wheel: Path, tmp_path: 
         assert expect in proc.stdout
     where = subprocess.run([sys.executable, "-c", "import engine; print(engine.shipped_rules_dir())"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, check=True).stdout.strip()
-    assert where == str(target / "kvpolicy_rules")
+    assert where == str(target / "kvpolicy_rules" / "issue-48412")  # the profile tests/conftest.py selects
+    default = {k: v for k, v in env.items() if k != "KVPOLICY_VLLM_VERSION"}
+    proc = subprocess.run([*run, "dry-run", "--explain", "notes"], capture_output=True, text=True, cwd=tmp_path,
+                          env=default)
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: LBHNC (per_layer, HND)" in proc.stdout and "rule set: rules/vllm-0.34" in proc.stdout

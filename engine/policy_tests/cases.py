@@ -30,7 +30,7 @@ from engine.inputs import build_context
 from policy.backends import ScaleViews
 from policy.context import Context
 from policy.errors import Diagnostic, PolicyError
-from policy.layouts import Layout, LayoutPattern
+from policy.layouts import Layout, LayoutName, LayoutPattern
 from policy.load import RULE_FILE_SUFFIXES
 from policy.ruleset import RuleSet
 from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
@@ -95,8 +95,6 @@ class CaseInput(Frozen):
         return self
 
 
-LayoutName = Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC",
-                     "per_layer/NHD", "per_layer/HND", "cross_layer/NHD", "cross_layer/HND"]
 
 
 def _pattern(value: Any) -> Any:

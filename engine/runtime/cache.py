@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.plan import LayoutPlan, transfer_format
-from engine.runtime import transfer
 from engine.runtime.cells import CellRows
 from engine.runtime.checks import check_device, check_layer, check_slots, check_values
 from engine.runtime.quantize import decode_cells, encode_chunks, torch_dtype
 from engine.runtime.scratch import Scratch
+from engine.runtime.transfer import offload as offload_blocks
+from engine.runtime.transfer import restore as restore_blocks
 from policy.errors import Diagnostic, GeometryError, input_error
 from policy.quant import QuantMode
 
@@ -207,7 +208,7 @@ class KVCache:
 
         ``out``: a preallocated contiguous CPU tensor of that shape to fill instead.
         """
-        return transfer.offload(self, block_ids, out)
+        return offload_blocks(self, block_ids, out)
 
     def restore(self, block_ids: torch.Tensor | Sequence[int], data: torch.Tensor, *,
                 source_format: str | None = None) -> None:
@@ -217,7 +218,7 @@ class KVCache:
         cache's ``transfer_format`` as ``source_format`` to also refuse a cache
         whose rows mean something else (NHD data into HND, say).
         """
-        transfer.restore(self, block_ids, data, source_format=source_format)
+        restore_blocks(self, block_ids, data, source_format=source_format)
 
     # geometry ----------------------------------------------------------------------------------
 

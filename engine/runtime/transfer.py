@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -26,13 +26,20 @@ from engine.runtime.checks import check_block_ids, check_device
 from engine.runtime.words import GATHER_WIDTHS, SCATTER_WIDTHS, widest_word, word_dtype
 from policy.errors import input_error
 
-if TYPE_CHECKING:
-    from engine.runtime.cache import KVCache
-
-__all__ = ["offload", "restore"]
+__all__ = ["BlockStore", "offload", "restore"]
 
 
-def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor | None = None
+class BlockStore(Protocol):
+    """What a transfer reads of an `engine.runtime.KVCache`: its plan, device, raw buffers and
+    transfer format (typed structurally: the cache depends on this module, not the reverse)."""
+
+    plan: LayoutPlan
+    device: torch.device
+    raw: Sequence[torch.Tensor]
+    transfer_format: str
+
+
+def offload(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor | None = None
             ) -> torch.Tensor:
     """Copy ``block_ids`` out to a CPU uint8 tensor (n, L, page_size_bytes), pinned if the cache is on CUDA.
 
@@ -76,7 +83,7 @@ def offload(cache: KVCache, block_ids: torch.Tensor | Sequence[int], out: torch.
     return out
 
 
-def restore(cache: KVCache, block_ids: torch.Tensor | Sequence[int], data: torch.Tensor, *,
+def restore(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], data: torch.Tensor, *,
             source_format: str | None = None) -> None:
     """Write ``data`` from `offload` into ``block_ids``; every check runs before any byte is written."""
     check_device(cache.device, "restore into")
@@ -121,7 +128,7 @@ def _check_transferable(plan: LayoutPlan) -> None:
                           code="transfer-geometry")
 
 
-def _rows(cache: KVCache, tv: ByteView, widths: tuple[int, ...], start: int) -> tuple[torch.Tensor, torch.dtype]:
+def _rows(cache: BlockStore, tv: ByteView, widths: tuple[int, ...], start: int) -> tuple[torch.Tensor, torch.dtype]:
     """The transfer view ``tv`` over its buffer as rows of words, and the word's dtype.
 
     The word is the widest of ``widths`` dividing the view's outer strides, offset and row

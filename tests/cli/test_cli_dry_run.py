@@ -53,11 +53,12 @@ def test_default_example_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert "  1. LBNHC            score 0  <- chosen" in lines
     assert "  2. LBHNC            score 0  (tie: rule set's default order)" in lines
     i = lines.index("  BLNHC")
-    assert lines[i + 1] == f"    by per-token-head-forbids-cross-layer (forbid, global) at rules/issue-48412/global.yaml:{PTH_LINE}"
+    at = f"at rules/issue-48412/global.yaml:{PTH_LINE}"
+    assert lines[i + 1] == f"    by per-token-head-forbids-cross-layer (forbid, global) {at}"
     assert "  BLNHC would be chosen if kv.per_token_head were false (it is true)" in lines
-    assert f"  [x] per-token-head-forbids-cross-layer (forbid, global) at rules/issue-48412/global.yaml:{PTH_LINE}" in lines
+    assert f"  [x] per-token-head-forbids-cross-layer (forbid, global) {at}" in lines
     assert any(line.startswith("  +10 BLNHC            offloading-prefers-cross-layer") for line in lines)
-    assert lines[-1].startswith("rule set: rules (sha256:")
+    assert lines[-1].startswith("rule set: rules/issue-48412 (sha256:")
     assert err == ""
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sysconfig
 import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 

@@ -47,7 +47,8 @@ def test_require_coverage_passes_on_shipped_tests(capsys: pytest.CaptureFixture[
 def test_verbose_lists_passing_cases(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "test", "-v", str(ROOT / "rules" / "issue-48412" / "tests" / "gate.yaml"))
     assert code == 0
-    assert re.search(r"^PASS rules/issue-48412/tests/gate\.yaml:\d+: no connector keeps vLLM's default per-layer NHD$", out, re.M)
+    passed = r"^PASS rules/issue-48412/tests/gate\.yaml:\d+: no connector keeps vLLM's default per-layer NHD$"
+    assert re.search(passed, out, re.M)
 
 
 def test_failing_case_shows_expected_vs_actual(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -54,9 +54,8 @@ def test_declared_default_order_breaks_ties() -> None:
     e = engine_for({"global.yaml": rules_yaml(extra="defaults:\n  layout_order: [BHLNC]\n")})
     d = decide(e)
     assert str(d.layout) == "BHLNC"
-    # unlisted layouts follow in canonical order
-    assert [str(lay) for lay, _ in d.ranking] == ["BHLNC", "LBNHC", "LBHNC",
-                                                 "BLNHC"]
+    # unlisted layouts follow in vLLM's KVCacheLayout enum order
+    assert [str(lay) for lay, _ in d.ranking] == ["BHLNC", "LBHNC", "LBNHC", "BLNHC"]
 
 
 def test_prefer_weights_sum_and_rank() -> None:
@@ -83,7 +82,7 @@ def test_connector_rules_cannot_lift_a_global_forbid() -> None:
         decide(e, connector="OffloadingConnector")
     text = info.value.render()
     assert "rule `no-cross` (forbid, global) removed `BLNHC`, `BHLNC`" in text
-    assert "rule `need-cross` (require, connector:OffloadingConnector) removed `LBNHC`, `LBHNC`" in text
+    assert "rule `need-cross` (require, connector:OffloadingConnector) removed `LBHNC`, `LBNHC`" in text
     assert "global.yaml:3:5" in text and "connectors/off.yaml:8:5" in text
     # without the connector, its rules are out of scope
     assert decide(e).layout.placement is Placement.per_layer

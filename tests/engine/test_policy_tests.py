@@ -106,7 +106,7 @@ def test_results_report_failures_and_matches(tmp_path: Path) -> None:
         "expected `LBNHC` removed\nactual: it survived",
         "expected rule `offloading-prefers-cross-layer` to match\nactual: it matched in no scope",
     )
-    assert wrong.explanation().startswith("layout: LBNHC\n")
+    assert wrong.explanation().startswith("layout: LBNHC (per_layer, NHD)\n")
     assert "counterfactual:" in wrong.explanation()
     assert (run.passed, run.failed, run.ok) == (1, 1, False)
     data = run.to_dict()
@@ -225,7 +225,7 @@ def test_duplicate_names_and_unknown_rules(tmp_path: Path) -> None:
 """)
     with pytest.raises(PolicyTestError) as exc:
         load_cases([path], CONFLICT)
-    assert errors_of(exc) == [(5, 28, "unknown-rule"), (6, 11, "duplicate-case"), (8, 54, "unknown-rule")]
+    assert errors_of(exc) == [(5, 28, "unknown-rule"), (6, 11, "duplicate-case"), (8, 44, "unknown-rule")]
     assert "help: did you mean `no-cross`?" in exc.value.render()
     with pytest.raises(PolicyTestError) as exc:
         load_cases([path])  # without a rule set, rule ids are not checked

@@ -25,7 +25,7 @@ from engine.integrations.vllm import decide, make_gate, use_uniform_kv_cache, vl
 from policy import (
     BACKENDS,
     AttentionKind,
-    HeadOrder,
+    Layout,
     NoLayoutError,
     Placement,
     ScaleViews,
@@ -383,7 +383,7 @@ def test_unknown_backend_profile_is_conservative() -> None:
 def test_a_known_backend_follows_what_vllm_reports() -> None:
     said_no = vllm_context(one(FullAttentionSpec(indexes_kv_by_block_stride=False)), None).backend
     assert said_no.name == "FLASH_ATTN" and not said_no.indexes_kv_by_block_stride
-    assert said_no.cross_layer_order[HeadOrder.NHD][0].value == "layer"
+    assert said_no.orders[Layout.BLNHC][0].value == "layer"  # layers stay outermost
     agrees = vllm_context(one(FullAttentionSpec(indexes_kv_by_block_stride=True)), None).backend
     assert agrees is BACKENDS["FLASH_ATTN"]
 
