@@ -7,59 +7,71 @@ A test compares the committed file with this output.
 
 from __future__ import annotations
 
-from policy.backends import BACKENDS
 from policy.context import EXTRA_PREFIX, FIELDS
-from policy.layouts import ALL_LAYOUTS, HeadOrder, Placement
-from policy.quant import KV_CACHE_DTYPES
+from policy.layouts import ALL_LAYOUTS, LEGACY_NAMES, HeadOrder, Layout, LayoutPattern, Placement
+from policy.releases import ReleaseProfile, iter_profiles
 from policy.rule_model import OPERATORS, Defaults, MemberPreferences, Rule, RuleFile
 
 __all__ = ["render_reference"]
 
 _WORKED_EXAMPLE = """\
+The built-in example of `kvpolicy dry-run`, under the default profile
+`vllm-0.34`: Qwen2.5-0.5B's KV geometry (24 layers, 2 KV heads, head 64, the
+release's default block size 64), `kv_cache_dtype=fp8_per_token_head`,
+attention backend TRITON_ATTN, OffloadingConnector. The rules it meets:
+
 ```yaml
-# rules/global.yaml
+# rules/vllm-0.34/global.yaml (one of its rules)
 version: 1
-defaults:
-  layout_order: [per_layer/NHD, per_layer/HND, cross_layer/NHD, cross_layer/HND]
 rules:
-  - id: per-token-head-forbids-cross-layer
-    description: inline fp32 scales collide across layers under cross-layer
-    reference: vllm-project/vllm#48412
+  - id: extensible-kv-cache-with-connector-needs-block-compact
+    description: >-
+      an extensible KV cache commits one contiguous run per layer only under a
+      block-compact layout, which KV connectors need to register its memory
+    reference: vllm/v1/attention/backends/utils.py resolve_kv_cache_layout
     when:
       all:
-        - {field: kv.per_token_head, eq: true}
-        - {field: backend.scale_views, eq: assume_per_layer_contiguous}
-    forbid: {placement: cross_layer}
+        - {field: cache.enable_extensible_kv_cache, eq: true}
+        - {field: connector.present, eq: true}
+    require: {block_compact: true}
 
-# rules/connectors/offloading.yaml
+# rules/vllm-0.34/connectors/OffloadingConnector.yaml
 version: 1
 connector: OffloadingConnector
 rules:
-  - id: offloading-prefers-cross-layer
-    description: one contiguous region per block instead of one per layer
-    prefer: {placement: cross_layer}
+  - id: offloading-requires-lbhnc
+    description: OffloadingConnector's get_required_kvcache_layout asks for LBHNC
+    reference: vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py
+    when: {field: attention.hisparse, eq: false}
+    prefer: {layout: LBHNC}
     weight: 10
 ```
 
-For Qwen2.5-0.5B (24 layers, 2 KV heads, head 64, block 16) with
-`kv_cache_dtype=fp8_per_token_head` on TRITON_ATTN with OffloadingConnector:
-
-1. Candidates, in default order: per_layer/NHD, per_layer/HND, cross_layer/NHD, cross_layer/HND.
+1. Candidates: TRITON_ATTN declares no layouts, so every layout of the
+   release is a candidate, in vLLM's default preference order
+   (LBNHC, LBHNC, BLNHC, BLHNC, BHLNC, LHBNC).
 2. Active scopes: global, and `connector:OffloadingConnector`.
-3. `per-token-head-forbids-cross-layer` matches (`kv.per_token_head` is true, the
-   backend's scale views assume per-layer contiguous buffers): both cross_layer
-   candidates are removed.
-4. `offloading-prefers-cross-layer` matches and adds 10 to both cross_layer
-   candidates, but they are already removed: a preference never restores.
-5. Survivors per_layer/NHD and per_layer/HND both score 0; the default order
-   picks **per_layer/NHD**.
-6. The counterfactual: cross_layer/NHD would be chosen if `kv.per_token_head` were false.
+3. No `forbid` or `require` matches (the KV cache is not extensible, the
+   groups have one shape, no `VLLM_KV_CACHE_LAYOUT` is set): all six survive.
+4. `offloading-requires-lbhnc` matches (`attention.hisparse` is false) and
+   adds 10 to LBHNC.
+5. LBHNC ranks first with 10; the others tie at 0 in the preference order.
+   The decision is **LBHNC** (per_layer, HND), as vLLM 0.34 resolves it.
+6. The counterfactuals: LBNHC would be chosen if `env.VLLM_KV_CACHE_LAYOUT`
+   were LBNHC; BLHNC if `attention.hisparse` were true.
 
-`kvpolicy dry-run` with no arguments prints exactly this decision and its trace.
+`kvpolicy dry-run` with no arguments prints exactly this decision and its trace;
+`kvpolicy dry-run --vllm-version issue-48412` replays the development state
+of vLLM #48412, where `per-token-head-forbids-cross-layer` removes the
+cross-layer candidates.
 """
 
 _SEMANTICS = """\
-1. **Candidates** are every layout: placement x head order (four in all).
+1. **Candidates** come from the release profile (`--vllm-version`,
+   `vllm_version=`): the layouts the release has that every attention backend
+   supports, most preferred first (vLLM's merged `supported_kv_cache_layouts()`,
+   else the release's default preference). The others are removed up front by
+   the built-in entry `release-candidates`.
 2. **Scopes.** Global rules (files at the top of the rules directory) always
    apply. A connector file's rules apply only while that connector is
    configured; for a composite connector (MultiConnector) each member's file
@@ -72,7 +84,9 @@ _SEMANTICS = """\
    `prefer` rules: global prefers, plus the connector's score, which is its
    own prefers plus its members' scores combined by its `member_preferences`
    (`all`: the smallest member score, so every member must prefer a layout;
-   `any`: the largest; `sum`: added). Ties go to `defaults.layout_order`.
+   `any`: the largest; `sum`: added; `agree`: the largest, and members whose
+   best layouts differ are a conflict). Ties go to `defaults.layout_order`
+   when the rule set declares one, else to the candidates' preference order.
 5. **Conflict.** If no candidate survives, the decision is an error
    (`NoLayoutError`, exit 1 in the CLI) naming every rule that removed a
    candidate, with its file:line.
@@ -93,6 +107,20 @@ def _model_keys(model: type, skip: tuple[str, ...] = ()) -> list[str]:
         required = "required" if info.is_required() else "optional"
         rows.append(f"| `{key}` | {required} | {info.description or ''} |")
     return rows
+
+
+def _layout_row(lay: Layout) -> str:
+    flags = ["yes" if getattr(lay, f"is_{k}") else "no"
+             for k in ("layer_compact", "block_outermost", "block_compact", "block_contiguous")]
+    legacy = next((name for name, x in LEGACY_NAMES.items() if x is lay), "")
+    return (f"| `{lay}` | {lay.stride_order} | `{lay.placement.value}` | `{lay.head_order.value}` | "
+            + " | ".join(flags) + f" | {f'`{legacy}`' if legacy else ''} |")
+
+
+def _profile_row(p: ReleaseProfile) -> str:
+    versions = ", ".join(p.vllm_versions) or "a development state"
+    return (f"| `{p.name}` | {versions} | {', '.join(f'`{x}`' for x in p.layouts)} | "
+            f"{', '.join(f'`{b}`' for b in p.backends)} | {p.default_block_size} | `rules/{p.rules}/` |")
 
 
 def render_reference() -> str:
@@ -139,14 +167,26 @@ def render_reference() -> str:
         "| `require: <pattern>` | remove every candidate the pattern does not match |",
         "| `prefer: <pattern>` | add `weight` (default 1, at most 1000) to every candidate the pattern matches |",
         "",
-        "A pattern is a mapping with `placement` and/or `head_order`; an absent key matches any value.",
+        "A pattern is a mapping; every key given must hold, an absent key matches any value.",
         "",
-        "| key | values |",
-        "|---|---|",
-        f"| `placement` | {', '.join(f'`{p.value}`' for p in Placement)} |",
-        f"| `head_order` | {', '.join(f'`{h.value}`' for h in HeadOrder)} |",
+        "| key | | meaning |",
+        "|---|---|---|",
+        *_model_keys(LayoutPattern),
         "",
-        "Layouts are written `placement/head_order`: " + ", ".join(f"`{lay}`" for lay in ALL_LAYOUTS) + ".",
+        f"`placement` is one of {', '.join(f'`{p.value}`' for p in Placement)}; "
+        f"`head_order` one of {', '.join(f'`{h.value}`' for h in HeadOrder)}.",
+        "",
+        "## Layouts",
+        "",
+        "vLLM's `KVCacheLayout`s: each name spells the physical order of the logical",
+        "`[L, B, H, N, C]` dims (layers, blocks, KV heads, tokens of a block, cell bytes),",
+        "outermost first. The releases before 0.29 named four of them",
+        "`placement/head_order`; those names still parse.",
+        "",
+        "| layout | stride order | placement | head_order | layer_compact | block_outermost | block_compact "
+        "| block_contiguous | legacy name |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(_layout_row(lay) for lay in ALL_LAYOUTS),
         "",
         "## Conditions",
         "",
@@ -175,11 +215,20 @@ def render_reference() -> str:
         f"| `{EXTRA_PREFIX}<key>` | string, number or boolean (may be absent) | a key of vLLM's "
         "`kv_connector_extra_config` |",
         "",
-        "`kv.*` describe the first attention KV cache group. `kv.kv_cache_dtype` takes vLLM's",
-        "strings: " + ", ".join(f"`{d}`" for d in KV_CACHE_DTYPES) + ".",
+        "`kv.*` describe the first attention KV cache group. `kv.kv_cache_dtype` takes the",
+        "strings the selected release accepts (below).",
         "",
-        "Shipped backend profiles: " + ", ".join(f"`{b}`" for b in BACKENDS) + ".",
+        "## Release profiles",
         "",
+        "What kvpolicy knows about each vLLM release (`policy/releases/<profile>.yaml`),",
+        "checked against the installed release by `tests/conformance/`:",
+        "",
+        "| profile | vLLM | layouts | attention backends | default block size | shipped rules |",
+        "|---|---|---|---|---|---|",
+        *(_profile_row(p) for p in iter_profiles()),
+        "",
+        *(line for p in iter_profiles() for line in (
+            f"`{p.name}` `kv_cache_dtype`s: " + ", ".join(f"`{d}`" for d in p.kv_cache_dtypes) + ".", "")),
         "## Worked example",
         "",
         _WORKED_EXAMPLE,

@@ -5,7 +5,7 @@ A rule file::
     version: 1
     connector: NixlConnector          # connector files only: the scope
     defaults:                         # global file only
-      layout_order: [per_layer/NHD, per_layer/HND, cross_layer/NHD, cross_layer/HND]
+      layout_order: [LBNHC, LBHNC, BLNHC, BHLNC]
     rules:
       - id: per-token-head-forbids-cross-layer
         description: inline scales collide under the cross-layer layout
@@ -198,7 +198,8 @@ class Rule(Frozen):
 class Defaults(Frozen):
     layout_order: list[str] = Field(
         min_length=1,
-        description="tie-break order of candidate layouts, as `placement/head_order`; unlisted ones follow",
+        description="tie-break order of candidate layouts (vLLM names, or legacy `placement/head_order`); unlisted "
+                    "ones follow in vLLM's enum order; absent: the candidates' preference order",
     )
 
 

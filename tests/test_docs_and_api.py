@@ -51,3 +51,19 @@ def test_ruff_clean() -> None:
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--quiet", "policy", "engine", "tests", "bench"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_worked_example_is_the_default_dry_run() -> None:
+    """docs/rule-language.md's worked example: its rules exist as quoted, and the decision is the one it states."""
+    from engine import LayoutEngine
+    from engine.inputs import DEFAULT_EXAMPLE
+
+    engine = LayoutEngine.default("vllm-0.34")
+    rules = {r.id: r for r in engine.ruleset.rules}
+    for rid in ("extensible-kv-cache-with-connector-needs-block-compact", "offloading-requires-lbhnc"):
+        assert rid in rules, rid
+    assert str(rules["offloading-requires-lbhnc"].rule.prefer) == "{layout: LBHNC}"
+    d = engine.decide(**DEFAULT_EXAMPLE)
+    assert str(d.layout) == "LBHNC" and d.score == 10
+    assert [str(x) for x in d.context.candidates] == ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
+    assert "**LBHNC** (per_layer, HND)" in (ROOT / "docs" / "rule-language.md").read_text()
