@@ -36,7 +36,10 @@ from policy.layouts import Layout
 from policy.rule_model import MemberPreferences
 from policy.ruleset import FORBID, PREFER, REQUIRE, CompiledRule, RuleSet, Source
 
-__all__ = ["Outcome", "Scope", "evaluate", "rule_ref", "scopes_for"]
+__all__ = ["RELEASE_CANDIDATES", "Outcome", "Scope", "evaluate", "rule_ref", "scopes_for"]
+
+# The id under which the built-in candidate filter (step 1) appears in traces, errors and policy tests.
+RELEASE_CANDIDATES = "release-candidates"
 
 
 
@@ -88,7 +91,7 @@ def scopes_for(ruleset: RuleSet, ctx: Context) -> tuple[Scope, Scope | None]:
 def release_ref(ctx: Context) -> RuleRef:
     """The built-in candidate filter, shown like a rule: the release's layouts the backends support."""
     names = ", ".join(str(x) for x in ctx.candidates) or "none"
-    return RuleRef("release-candidates", Source(f"policy/releases/{ctx.profile}.yaml", 1), "require",
+    return RuleRef(RELEASE_CANDIDATES, Source(f"policy/releases/{ctx.profile}.yaml", 1), "require",
                    f"the layouts `{ctx.profile}` has that attention backend `{ctx.backend.name}` supports, most "
                    f"preferred first: {names}")
 

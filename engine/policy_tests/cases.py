@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from engine.decide import RELEASE_CANDIDATES
 from engine.inputs import build_context
 from policy.backends import ScaleViews
 from policy.context import Context
@@ -284,7 +285,7 @@ def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic]]:
 
 
 def _check_rule_ids(cases: list[LoadedCase], ruleset: RuleSet) -> list[Diagnostic]:
-    known = sorted(r.id for r in ruleset.rules)
+    known = sorted([r.id for r in ruleset.rules] + [RELEASE_CANDIDATES])  # the built-in filter counts as a rule
     diags = []
     for lc in cases:
         for path, rule_id in lc.case.expect.rule_ids:
