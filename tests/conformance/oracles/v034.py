@@ -5,6 +5,7 @@ Case kinds (see notes/conformance-contract.md):
   {"facts": true}                  what the release declares (backends, dtypes, connectors)
   {"workers": [...], "specs": ...} a layout decision, by resolve_kv_cache_layout
   {"backend": ..., "layout": ...}  geometry, by vLLM's own allocation path
+  {"geometry_sweep": {...}}        geometry of every backend x dtype x layout vLLM accepts
 
 Everything is computed by vLLM's own functions and objects. Stand-ins, each needed
 only because this runs on a CPU without the CUDA stack:
@@ -356,14 +357,23 @@ def geometry(case):
             return buf
 
         views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, allocate=allocate)
-    base = buffers[0].data_ptr()
+
+    def locate(tensor):
+        """(index of the buffer holding the tensor's first byte, byte offset in that buffer)."""
+        ptr = tensor.data_ptr()
+        for i, b in enumerate(buffers):
+            if b.data_ptr() <= ptr < b.data_ptr() + b.numel():
+                return i, ptr - b.data_ptr()
+        raise RuntimeError("a view starts outside every allocated buffer")
+
     layers = []
     for name in layer_names:
         view = views[name]
         esize = view.element_size()
+        buffer, offset = locate(view)
         entry = {
-            "buffer": 0,
-            "byte_offset": view.data_ptr() - base,
+            "buffer": buffer,
+            "byte_offset": offset,
             "shape": list(view.shape),
             "dtype": str(view.dtype).removeprefix("torch."),
             "byte_strides": [st * esize for st in view.stride()],
@@ -373,7 +383,7 @@ def geometry(case):
         except Exception as exc:  # a dtype this split does not know (nvfp4 packs K and V by head)
             entry["split_error"] = f"{type(exc).__name__}: {exc}"
         try:
-            entry["writes"] = kv_write_views(backend, spec, view, case, base)
+            entry["writes"] = kv_write_views(backend, spec, view, case, locate)
         except Exception as exc:
             entry["writes_error"] = f"{type(exc).__name__}: {exc}"
         layers.append(entry)
@@ -517,7 +527,7 @@ def recorded_write_kernels():
 _MISSING = object()
 
 
-def kv_write_views(backend, spec, view, case, base):
+def kv_write_views(backend, spec, view, case, locate):
     """The tensors this layer's cache-write kernel receives, by vLLM's own code: the layer's
     bind_kv_cache (MLA squeezes the head dim) and the backend impl's do_kv_cache_update, which
     splits the cache into K, V (and per-token-head scale) views and hands them to the kernel.
@@ -577,9 +587,11 @@ def kv_write_views(backend, spec, view, case, base):
     (call,) = calls
     out = {"kernel": call["kernel"], "impl": f"{impl_cls.__module__}.{impl_cls.__qualname__}", "tensors": {}}
     for name, t in call["tensors"].items():
+        buffer, offset = locate(t)
         out["tensors"][name] = {
             "dims": list(call["dims"][name]),
-            "byte_offset": t.data_ptr() - base,
+            "buffer": buffer,
+            "byte_offset": offset,
             "shape": list(t.shape),
             "byte_strides": [st * t.element_size() for st in t.stride()],
             "dtype": str(t.dtype).removeprefix("torch."),
@@ -587,9 +599,51 @@ def kv_write_views(backend, spec, view, case, base):
     return out
 
 
+def geometry_sweep(case):
+    """Geometry for every combination vLLM accepts: for each backend named, every kv_cache_dtype
+    its class lists (``supported_kv_cache_dtypes``) and every layout it declares under any of the
+    device capabilities (``supported_kv_cache_layouts()``; None declares none, so every
+    KVCacheLayout). Each combination runs ``per_combo`` geometry cases whose sizes are taken in
+    turn from ``configs`` (MLA backends from ``mla_configs``). Returns the declarations and
+    ``cases``: one ``{"case", "result"}`` per geometry run, a refusal as ``{"error": ...}``."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    sweep = case["geometry_sweep"]
+    per_combo = sweep.get("per_combo", 1)
+    caps = [None if c is None else tuple(c) for c in sweep.get("capabilities", CAPABILITIES)]
+    declared, cases = {}, []
+    turn = {"mha": 0, "mla": 0}
+    for name in sweep["backends"]:
+        cls = backend_class(name)
+        layouts = set()
+        for cap in caps:
+            with device_capability(cap):
+                got = cls.supported_kv_cache_layouts()
+            layouts |= {m.name for m in (KVCacheLayout if got is None else got)}
+        ordered = [m.name for m in KVCacheLayout if m.name in layouts]
+        dtypes = list(getattr(cls, "supported_kv_cache_dtypes", []) or [])
+        kind = "mla" if cls.is_mla() else "mha"
+        declared[name] = {"is_mla": cls.is_mla(), "kv_cache_dtypes": dtypes, "layouts": ordered}
+        configs = sweep["mla_configs" if kind == "mla" else "configs"]
+        for dtype in dtypes:
+            for layout in ordered:
+                for _ in range(per_combo):
+                    size = configs[turn[kind] % len(configs)]
+                    turn[kind] += 1
+                    one = {"backend": name, "kv_cache_dtype": dtype, "layout": layout, **size}
+                    try:
+                        result = geometry(one)
+                    except Exception as exc:
+                        result = {"error": f"{type(exc).__name__}: {exc}"}
+                    cases.append({"case": one, "result": result})
+    return {"version": __import__("vllm").__version__, "backends": declared, "cases": cases}
+
+
 def handle(case):
     if case.get("facts"):
         return facts(case)
+    if "geometry_sweep" in case:
+        return geometry_sweep(case)
     if "workers" in case:
         return decision(case)
     if "backend" in case and "layout" in case:
