@@ -599,12 +599,44 @@ def kv_write_views(backend, spec, view, case, locate):
     return out
 
 
+def validation(cls, case, caps):
+    """The backend's own ``validate_configuration`` for this case (a decoder layer, no sinks,
+    no sparsity, no connector) under each device capability: the reasons vLLM's backend
+    selection would refuse it for, by capability ("M.m"); an empty list accepts it."""
+    out = {}
+    for cap in caps:
+        if cap is None:
+            continue
+        from vllm.platforms.interface import DeviceCapability
+        from vllm.v1.attention.backend import AttentionType
+
+        try:
+            reasons = cls.validate_configuration(
+                head_size=case["head_size"],
+                dtype=TORCH_DTYPES[case.get("dtype", "bfloat16")],
+                kv_cache_dtype=case["kv_cache_dtype"],
+                block_size=case["block_size"],
+                use_mla=cls.is_mla(),
+                has_sink=False,
+                use_sparse=False,
+                use_mm_prefix=False,
+                use_per_head_quant_scales=False,
+                device_capability=DeviceCapability(*cap),
+                attn_type=AttentionType.DECODER,
+            )
+        except Exception as exc:
+            reasons = [f"{type(exc).__name__}: {exc}"]
+        out[f"{cap[0]}.{cap[1]}"] = list(reasons)
+    return out
+
+
 def geometry_sweep(case):
     """Geometry for every combination vLLM accepts: for each backend named, every kv_cache_dtype
     its class lists (``supported_kv_cache_dtypes``) and every layout it declares under any of the
     device capabilities (``supported_kv_cache_layouts()``; None declares none, so every
     KVCacheLayout). Each combination runs ``per_combo`` geometry cases whose sizes are taken in
-    turn from ``configs`` (MLA backends from ``mla_configs``). Returns the declarations and
+    turn from ``configs`` (MLA backends from ``mla_configs``); a config's ``page_padding`` asks
+    for ``page_size_padded`` = vLLM's page size plus that many bytes. Returns the declarations and
     ``cases``: one ``{"case", "result"}`` per geometry run, a refusal as ``{"error": ...}``."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -628,13 +660,19 @@ def geometry_sweep(case):
         for dtype in dtypes:
             for layout in ordered:
                 for _ in range(per_combo):
-                    size = configs[turn[kind] % len(configs)]
+                    size = dict(configs[turn[kind] % len(configs)])
                     turn[kind] += 1
                     one = {"backend": name, "kv_cache_dtype": dtype, "layout": layout, **size}
+                    padding = one.pop("page_padding", None)
+                    if padding is not None:  # page_size_padded: vLLM's own page size plus `padding` bytes
+                        with device_capability(None):
+                            real = build_spec({**one, "kind": "mla" if cls.is_mla() else "full"}, cls)
+                        one["page_size_padded"] = real.page_size_bytes + padding
                     try:
                         result = geometry(one)
                     except Exception as exc:
                         result = {"error": f"{type(exc).__name__}: {exc}"}
+                    result["validate_configuration"] = validation(cls, one, caps)
                     cases.append({"case": one, "result": result})
     return {"version": __import__("vllm").__version__, "backends": declared, "cases": cases}
 
