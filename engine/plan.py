@@ -303,7 +303,10 @@ def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_
         Dim.head: spec.num_kv_heads,
         Dim.dim: spec.cell_elements,
     }
-    strides, numel = _physical_strides(order, sizes, spec)
+    packed = backend.kv_split is not None
+    if packed and spec.page_size_padded is not None:
+        _check_paddable(layout, spec)
+    strides, numel = _physical_strides(order, sizes, spec, skip_singletons=packed)
     dtype = spec.cache_dtype.value
     shape = tuple(sizes[d] for d in order)
     dims = tuple(d.value for d in order)
@@ -421,10 +424,29 @@ def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, nu
         raise GeometryError(f"cell of {spec.cell_bytes} bytes is not whole `{spec.cache_dtype.value}` elements")
 
 
-def _physical_strides(order: tuple[Dim, ...], sizes: dict[Dim, int], spec: KVCacheSpec) -> tuple[dict[Dim, int], int]:
-    """Contiguous element strides in physical order, with page padding at the innermost page-holding unit."""
+def _check_paddable(layout: Layout, spec: KVCacheSpec) -> None:
+    """vLLM 0.29+ pads a page only when every dim outside the page's ``[H, N, C]`` tail is L, B or
+    of size 1 (``compute_layout_strides`` asserts it): LHBNC and BHLNC with several KV heads
+    interleave pages by head, so a padded page has nowhere to go."""
+    if layout.is_block_compact or spec.num_kv_heads == 1:
+        return
+    raise input_error("spec.page_size_padded",
+                      f"vLLM cannot pad pages (page_size_padded {spec.page_size_padded}) under layout `{layout}` "
+                      f"with {spec.num_kv_heads} KV heads: the head dim lies outside the page, between "
+                      "layers or blocks (vLLM's compute_layout_strides refuses it)",
+                      "use a layout with the layer and block dims outermost (LBHNC, LBNHC, BLHNC, BLNHC), "
+                      "or unpadded pages", code="unpaddable-layout")
+
+
+def _physical_strides(order: tuple[Dim, ...], sizes: dict[Dim, int], spec: KVCacheSpec, *,
+                      skip_singletons: bool = False) -> tuple[dict[Dim, int], int]:
+    """Contiguous element strides in physical order, with page padding at the innermost page-holding unit.
+
+    With ``skip_singletons`` (vLLM's packed geometry) a page dim of size 1 does not hold
+    the padding out: MLA's single head under LHBNC or BHLNC pads each page as vLLM does.
+    """
     elem = spec.cache_dtype.size_bytes
-    page_dims = {d for d in order if d not in (Dim.block, Dim.layer)}
+    page_dims = {d for d in order if d not in (Dim.block, Dim.layer) and not (skip_singletons and sizes[d] == 1)}
     seen: set[Dim] = set()
     pad_at = None
     for d in reversed(order):
@@ -541,7 +563,7 @@ def _vllm_allocation(plan: LayoutPlan) -> VllmAllocation:
         order = tuple(d for d in order if d is not Dim.layer)
     sizes = {Dim.block: plan.num_blocks, Dim.layer: spec.num_layers, Dim.head: spec.num_kv_heads,
              Dim.token: spec.block_size, Dim.dim: spec.kv_factor * spec.cell_elements}
-    strides, _ = _physical_strides(order, sizes, spec)
+    strides, _ = _physical_strides(order, sizes, spec, skip_singletons=True)
     names = {Dim.dim: "content"}
     dims = tuple(names.get(d, d.value) for d in order)
     buffers = tuple(ByteView(b.index, "buffer", dims, tuple(sizes[d] for d in order),
