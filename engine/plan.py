@@ -383,7 +383,8 @@ def transfer_format(plan: LayoutPlan) -> str:
     spec = plan.spec
     elem = plan.element_size
     layers = [
-        [_row_position(plan, lp.view), *(lp.view.stride_of(d) * elem for d in (Dim.kv, Dim.token, Dim.head))]
+        [_row_position(plan, lp.layer, lp.view),
+         *(lp.view.stride_of(d) * elem for d in (Dim.kv, Dim.token, Dim.head))]
         for lp in plan.layers
     ]
     return _digest(
@@ -516,11 +517,13 @@ def _transfer_views(
     return ()
 
 
-def _row_position(plan: LayoutPlan, view: TensorView) -> int:
+def _row_position(plan: LayoutPlan, layer: int, view: TensorView) -> int:
     """Byte position of the layer's block-0 cell (0, 0, 0) inside a transferred block row."""
     addr = view.storage_offset * plan.element_size
     if len(plan.buffers) > 1:  # one buffer per layer: one row per layer, concatenated in layer order
         return view.buffer * plan.page_size_bytes + addr
+    if not plan.transfer:  # no block row (LHBNC: a page is H runs apart): the layer's place in layer order
+        return layer * plan.page_size_bytes
     (tv,) = plan.transfer
     if len(tv.shape) == 3:  # layer-outermost cross layout: the row is chunk `layer` of each slab
         layer_stride = tv.byte_strides[1]
