@@ -26,7 +26,15 @@ HND, whose pages interleave by head, pads the end of each block's row. Either
 way a block's row is ``L * page_size_bytes`` and the total is
 ``num_blocks * L * page_size_bytes``. The runtime allocates each buffer as raw
 bytes and builds every view with ``as_strided``, so padded and unpadded plans
-take the same path.
+take the same path. Released vLLM's packed geometry (`BackendProfile.kv_split`
+set) pads as vLLM 0.29+'s ``compute_layout_strides`` does: a head dim of size 1
+(MLA) does not hold the padding out, and a padded page under LHBNC or BHLNC with
+several heads, which vLLM refuses, is an `InputError`.
+
+Addresses: `LayoutPlan.cell_offset` / `scale_offset` give the byte address of
+one K or V cell and of its inline scale, and `LayoutPlan.vllm_allocation` the
+buffers and per-layer ``[B, H, N, C]`` views as vLLM allocates them;
+``tests/conformance/test_v034_geometry.py`` holds all three to vLLM 0.34.0.
 """
 
 from __future__ import annotations
