@@ -7,7 +7,7 @@ a backend that declares none takes all six), and allocates every such combinatio
 with vLLM's ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``: once with a
 bfloat16 and once with a float16 model, sizes taken in turn from `MHA_CONFIGS` /
 `MLA_CONFIGS` (1..3 layers, 2..5 blocks, 1..4 KV heads, head size 64/128 (MLA also 576),
-block size 16/64). For each the backend's own ``do_kv_cache_update`` runs with its
+block size 16/64, some with padded pages). For each the backend's own ``do_kv_cache_update`` runs with its
 write kernel recorded, so vLLM says which bytes it hands the kernel as K, V and the
 per-token-head scales. `engine.plan.plan_layout` for the same inputs must then agree on:
 
@@ -17,6 +17,10 @@ per-token-head scales. `engine.plan.plan_layout` for the same inputs must then a
   offset, shape, byte strides and vLLM's dtype;
 - the width of a cell and the byte address of every K and V cell and inline scale
   (`LayoutPlan.cell_offset` / `scale_offset`) against the kernel's views.
+
+vLLM refuses padded pages under LHBNC and BHLNC with several KV heads (``compute_layout_strides``
+asserts the head dim is not between pages); kvpolicy must refuse the same cases
+(``unpaddable-layout``), and each such agreement counts as one comparison.
 
 Combinations vLLM accepts that kvpolicy cannot plan, each a clear kvpolicy `InputError`
 (asserted by `test_combinations_kvpolicy_cannot_plan_are_refused_clearly`):
@@ -51,7 +55,9 @@ VERSION = "0.34.0"
 PROFILE = get_profile("vllm-0.34")
 
 # Consecutive entries alternate the model dtype and each combination takes two in turn, so
-# every backend x kv_cache_dtype x layout runs with a bfloat16 and with a float16 model.
+# every backend x kv_cache_dtype x layout runs with a bfloat16 and with a float16 model. The
+# lists' lengths (14, 8) are no divisor of a backend's 12 turns per kv_cache_dtype, so the sizes
+# (and the padded pages) rotate over the layouts from one kv_cache_dtype to the next.
 MHA_CONFIGS = [
     {"num_layers": 1, "num_blocks": 2, "num_kv_heads": 1, "head_size": 64, "block_size": 16, "dtype": "bfloat16"},
     {"num_layers": 2, "num_blocks": 3, "num_kv_heads": 2, "head_size": 128, "block_size": 16, "dtype": "float16"},
@@ -69,6 +75,9 @@ MHA_CONFIGS = [
     {"num_layers": 3, "num_blocks": 5, "num_kv_heads": 4, "head_size": 64, "block_size": 16, "dtype": "bfloat16",
      "page_padding": 512},
     {"num_layers": 1, "num_blocks": 3, "num_kv_heads": 3, "head_size": 128, "block_size": 64, "dtype": "float16"},
+    {"num_layers": 2, "num_blocks": 3, "num_kv_heads": 3, "head_size": 64, "block_size": 64, "dtype": "bfloat16",
+     "page_padding": 128},
+    {"num_layers": 1, "num_blocks": 2, "num_kv_heads": 4, "head_size": 128, "block_size": 16, "dtype": "float16"},
 ]
 # MLA caches one latent per token (one head); 576 is DeepSeek's (kv_lora_rank 512 + rope 64).
 MLA_CONFIGS = [
@@ -80,6 +89,9 @@ MLA_CONFIGS = [
     {"num_layers": 3, "num_blocks": 2, "num_kv_heads": 1, "head_size": 128, "block_size": 16, "dtype": "bfloat16",
      "page_padding": 64},
     {"num_layers": 1, "num_blocks": 5, "num_kv_heads": 1, "head_size": 576, "block_size": 16, "dtype": "float16"},
+    {"num_layers": 2, "num_blocks": 2, "num_kv_heads": 1, "head_size": 576, "block_size": 16, "dtype": "bfloat16",
+     "page_padding": 128},
+    {"num_layers": 3, "num_blocks": 4, "num_kv_heads": 1, "head_size": 64, "block_size": 64, "dtype": "float16"},
 ]
 CAPABILITIES = [None, [8, 0], [9, 0], [10, 0], [12, 0]]
 
@@ -229,6 +241,7 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
     accepted = Counter()
     unplannable = []
     refused_alike = []
+    padded: set[tuple[str, bool]] = set()
     started = time.monotonic()
     for entry in sweep["cases"]:
         case, result = entry["case"], entry["result"]
@@ -247,6 +260,8 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
         if "error" in result:
             tally.check(key, "refusal", "planned", result["error"])
             continue
+        if "page_size_padded" in case:
+            padded.add((case["layout"], plan.backend.mla))
         page_sizes.add((case["backend"], case["kv_cache_dtype"], result["spec"]["page_size_bytes"]))
         verdicts = result["validate_configuration"].values()
         accepted["accepted by validate_configuration" if any(not r for r in verdicts) else "refused"] += 1
@@ -254,20 +269,26 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
     compare_seconds = time.monotonic() - started
 
     made, agree = sum(tally.made.values()), sum(tally.agree.values())
-    per_backend = defaultdict(lambda: [0, 0, set(), set()])
-    for key, n in tally.made.items():
-        row = per_backend[key[0]]
+    compared = sum(accepted.values())
+    lines = [f"vLLM {VERSION} geometry: {agree} of {made} comparisons agree; {len(tally.made)} backend x "
+             f"kv_cache_dtype x layout combinations; {len(sweep['cases'])} cases: {compared} compared "
+             f"({accepted['accepted by validate_configuration']} of them sizes the backend's "
+             f"validate_configuration accepts), {len(refused_alike)} refused by vLLM and kvpolicy alike "
+             f"(padded pages between heads), {len(unplannable)} not plannable by kvpolicy; page sizes compared: "
+             f"{compared} ({len({p for *_, p in page_sizes})} distinct values); "
+             f"oracle {sweep['oracle_seconds']:.1f} s, comparisons {compare_seconds:.1f} s"]
+    by_dtype: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, []])
+    for key, n in sorted(tally.made.items()):
+        row = by_dtype[key[:2]]
         row[0] += n
         row[1] += tally.agree[key]
-        row[2].add(key[1])
-        row[3].add(key[2])
-    lines = [f"vLLM {VERSION} geometry: {agree} of {made} comparisons agree over {len(tally.made)} "
-             f"backend x kv_cache_dtype x layout combinations, {sum(accepted.values())} cases "
-             f"({dict(accepted)}), {len(page_sizes)} distinct (backend, dtype, page size); oracle "
-             f"{sweep['oracle_seconds']:.1f} s, comparisons {compare_seconds:.1f} s"]
-    for name, (n, ok, dtypes, layouts) in sorted(per_backend.items()):
-        lines.append(f"  {name:15} {ok:>8} of {n:>8} agree  ({len(dtypes)} dtypes x {len(layouts)} layouts)")
-    lines.append(f"  refused by vLLM and kvpolicy alike (padded pages between heads): {len(refused_alike)} cases")
+        row[2].append(key[2])
+    for name in PROFILE.backend_names():
+        rows = [(d, r) for (b, d), r in by_dtype.items() if b == name]
+        n, ok = sum(r[0] for _, r in rows), sum(r[1] for _, r in rows)
+        lines.append(f"  {name}: {ok} of {n} agree")
+        for dtype, (n, ok, layouts) in rows:
+            lines.append(f"    {dtype:22} {ok:>7} of {n:>7}  {' '.join(layouts)}")
     lines.append("  not plannable by kvpolicy (InputError): "
                  + (", ".join(sorted({f'{b}/{d}' for b, d, _ in unplannable})) or "none"))
     with capsys.disabled():
@@ -280,6 +301,10 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
         assert dtypes == {"bfloat16", "float16"}, key
     assert {(b, d) for b, d, _ in unplannable} == set(EXPECTED_UNPLANNABLE)
     assert refused_alike
+    # padded pages were compared under every layout vLLM pads: MHA's four block-compact ones, and all
+    # six for MLA's single head
+    assert {(x.value, False) for x in Layout if x.is_block_compact} <= padded
+    assert {(x.value, True) for x in Layout} <= padded
 
 
 def test_combinations_kvpolicy_cannot_plan_are_refused_clearly(sweep):
