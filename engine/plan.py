@@ -26,7 +26,15 @@ HND, whose pages interleave by head, pads the end of each block's row. Either
 way a block's row is ``L * page_size_bytes`` and the total is
 ``num_blocks * L * page_size_bytes``. The runtime allocates each buffer as raw
 bytes and builds every view with ``as_strided``, so padded and unpadded plans
-take the same path.
+take the same path. Released vLLM's packed geometry (`BackendProfile.kv_split`
+set) pads as vLLM 0.29+'s ``compute_layout_strides`` does: a head dim of size 1
+(MLA) does not hold the padding out, and a padded page under LHBNC or BHLNC with
+several heads, which vLLM refuses, is an `InputError`.
+
+Addresses: `LayoutPlan.cell_offset` / `scale_offset` give the byte address of
+one K or V cell and of its inline scale, and `LayoutPlan.vllm_allocation` the
+buffers and per-layer ``[B, H, N, C]`` views as vLLM allocates them;
+``tests/conformance/test_v034_geometry.py`` holds all three to vLLM 0.34.0.
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
-from policy.backends import BackendProfile, Dim
+from policy.backends import BackendProfile, Dim, packed_order
 from policy.errors import GeometryError, input_error
 from policy.layouts import Layout
 from policy.spec import KVCacheSpec
@@ -47,6 +56,7 @@ __all__ = [
     "LayerPlan",
     "LayoutPlan",
     "TensorView",
+    "VllmAllocation",
     "naive_scale_view",
     "plan_layout",
     "transfer_format",
@@ -132,6 +142,33 @@ class ByteView:
 
 
 @dataclass(frozen=True)
+class VllmAllocation:
+    """The cache as vLLM allocates it, in bytes: what a connector registers and a kernel is handed.
+
+    vLLM 0.29+ allocates each `KVCacheTensor` as ``nbytes`` raw bytes and gives every
+    layer a ``[B, H, N, C]`` view (``C``: a cell's K and V content, or MLA's latent)
+    whose strides are the layout's permutation of ``[L, B, H, N, C]`` (vLLM's
+    ``compute_layout_strides`` / ``create_kv_cache_views``). ``buffers`` are the
+    allocations seen whole in that physical order (dims among ``layer``, ``block``,
+    ``head``, ``token``, ``content``; role ``buffer``), ``buffer_bytes`` their sizes,
+    and ``layers`` the per-layer views (role ``kv_cache``). ``dtype`` is vLLM's element
+    type of the views (fp8 caches are ``uint8`` there, ``int8_per_token_head`` is
+    ``int8``): the same bytes `LayoutPlan` types by what its runtime writes. A backend
+    without vLLM's packed geometry (the #48412 development state) reports its own dims.
+    """
+
+    buffers: tuple[ByteView, ...]
+    buffer_bytes: tuple[int, ...]
+    layers: tuple[ByteView, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "buffers": [{**b.to_dict(), "nbytes": n} for b, n in zip(self.buffers, self.buffer_bytes, strict=True)],
+            "layers": [{"layer": i, **v.to_dict()} for i, v in enumerate(self.layers)],
+        }
+
+
+@dataclass(frozen=True)
 class LayerPlan:
     """Where one layer lives: its logical view and, for per-token-head modes, its scale views."""
 
@@ -200,6 +237,57 @@ class LayoutPlan:
         """A short hash of the whole plan; equal plans have equal fingerprints."""
         return _digest(self.to_dict())
 
+    def cell_offset(self, layer: int, kv: int, block: int, token: int, head: int) -> tuple[int, int]:
+        """Where one K or V cell starts: ``(buffer index, byte offset in that buffer)``.
+
+        ``kv`` is 0 for K and 1 for V (MLA stores one latent per token: 0 only);
+        ``block``, ``token`` and ``head`` index the layer's cache. The address is the
+        one vLLM's cache-write kernel is handed for that cell, taken from the layer's
+        real view (its storage offset and strides), so it is right under every layout,
+        cross-layer included; the conformance tests hold it to vLLM's own views. The
+        cell holds the stored values and, for per-token-head modes, the inline scale
+        after them (`scale_offset`). Out-of-range indices are an `InputError` naming the
+        argument and its valid range.
+        """
+        view = self._cell_view(layer, kv, block, token, head)
+        index = (view.storage_offset + kv * view.stride_of(Dim.kv) + block * view.stride_of(Dim.block)
+                 + token * view.stride_of(Dim.token) + head * view.stride_of(Dim.head))
+        return view.buffer, index * self.element_size
+
+    def scale_offset(self, layer: int, kv: int, block: int, token: int, head: int) -> tuple[int, int]:
+        """Where one cell's inline fp32 scale lives: ``(buffer index, byte offset in that buffer)``.
+
+        Per-token-head modes (``fp8/int8/int4_per_token_head``) store one fp32 scale per
+        (token, head) of K and of V, right after the cell's quantized values; this is
+        where the backend's scale views (vLLM's ``_ensure_scale_caches``) read it. Any
+        other ``kv_cache_dtype`` has no inline scale: an `InputError`. Indices as in
+        `cell_offset`.
+        """
+        spec = self.spec
+        if not spec.per_token_head:
+            raise input_error("kv_cache_dtype", f"kv_cache_dtype `{spec.kv_cache_dtype}` stores no inline scales",
+                              "scale_offset applies to fp8_per_token_head, int8_per_token_head and "
+                              "int4_per_token_head caches", code="no-inline-scales")
+        buffer, offset = self.cell_offset(layer, kv, block, token, head)
+        return buffer, offset + spec.data_bytes_per_head
+
+    @cached_property
+    def vllm_allocation(self) -> VllmAllocation:
+        """This plan's bytes as vLLM allocates and views them (see `VllmAllocation`)."""
+        return _vllm_allocation(self)
+
+    def _cell_view(self, layer: int, kv: int, block: int, token: int, head: int) -> TensorView:
+        spec = self.spec
+        _check_layer(self, layer)
+        if spec.kv_factor == 1:
+            _check_index("kv", kv, 1, "MLA stores one latent per token: use 0")
+        else:
+            _check_index("kv", kv, 2, "use 0 for K, 1 for V")
+        _check_index("block", block, self.num_blocks)
+        _check_index("token", token, spec.block_size)
+        _check_index("head", head, spec.num_kv_heads)
+        return self.layers[layer].view
+
 
 def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_blocks: int) -> LayoutPlan:
     """Compute the exact memory geometry of ``layout`` for ``spec`` on ``backend``; allocates nothing.
@@ -223,7 +311,10 @@ def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_
         Dim.head: spec.num_kv_heads,
         Dim.dim: spec.cell_elements,
     }
-    strides, numel = _physical_strides(order, sizes, spec)
+    packed = backend.kv_split is not None
+    if packed and spec.page_size_padded is not None:
+        _check_paddable(layout, spec)
+    strides, numel = _physical_strides(order, sizes, spec, skip_singletons=packed)
     dtype = spec.cache_dtype.value
     shape = tuple(sizes[d] for d in order)
     dims = tuple(d.value for d in order)
@@ -300,7 +391,8 @@ def transfer_format(plan: LayoutPlan) -> str:
     spec = plan.spec
     elem = plan.element_size
     layers = [
-        [_row_position(plan, lp.view), *(lp.view.stride_of(d) * elem for d in (Dim.kv, Dim.token, Dim.head))]
+        [_row_position(plan, lp.layer, lp.view),
+         *(lp.view.stride_of(d) * elem for d in (Dim.kv, Dim.token, Dim.head))]
         for lp in plan.layers
     ]
     return _digest(
@@ -341,10 +433,29 @@ def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, nu
         raise GeometryError(f"cell of {spec.cell_bytes} bytes is not whole `{spec.cache_dtype.value}` elements")
 
 
-def _physical_strides(order: tuple[Dim, ...], sizes: dict[Dim, int], spec: KVCacheSpec) -> tuple[dict[Dim, int], int]:
-    """Contiguous element strides in physical order, with page padding at the innermost page-holding unit."""
+def _check_paddable(layout: Layout, spec: KVCacheSpec) -> None:
+    """vLLM 0.29+ pads a page only when every dim outside the page's ``[H, N, C]`` tail is L, B or
+    of size 1 (``compute_layout_strides`` asserts it): LHBNC and BHLNC with several KV heads
+    interleave pages by head, so a padded page has nowhere to go."""
+    if layout.is_block_compact or spec.num_kv_heads == 1:
+        return
+    raise input_error("spec.page_size_padded",
+                      f"vLLM cannot pad pages (page_size_padded {spec.page_size_padded}) under layout `{layout}` "
+                      f"with {spec.num_kv_heads} KV heads: the head dim lies outside the page, between "
+                      "layers or blocks (vLLM's compute_layout_strides refuses it)",
+                      "use a layout with the layer and block dims outermost (LBHNC, LBNHC, BLHNC, BLNHC), "
+                      "or unpadded pages", code="unpaddable-layout")
+
+
+def _physical_strides(order: tuple[Dim, ...], sizes: dict[Dim, int], spec: KVCacheSpec, *,
+                      skip_singletons: bool = False) -> tuple[dict[Dim, int], int]:
+    """Contiguous element strides in physical order, with page padding at the innermost page-holding unit.
+
+    With ``skip_singletons`` (vLLM's packed geometry) a page dim of size 1 does not hold
+    the padding out: MLA's single head under LHBNC or BHLNC pads each page as vLLM does.
+    """
     elem = spec.cache_dtype.size_bytes
-    page_dims = {d for d in order if d not in (Dim.block, Dim.layer)}
+    page_dims = {d for d in order if d not in (Dim.block, Dim.layer) and not (skip_singletons and sizes[d] == 1)}
     seen: set[Dim] = set()
     pad_at = None
     for d in reversed(order):
@@ -414,11 +525,13 @@ def _transfer_views(
     return ()
 
 
-def _row_position(plan: LayoutPlan, view: TensorView) -> int:
+def _row_position(plan: LayoutPlan, layer: int, view: TensorView) -> int:
     """Byte position of the layer's block-0 cell (0, 0, 0) inside a transferred block row."""
     addr = view.storage_offset * plan.element_size
     if len(plan.buffers) > 1:  # one buffer per layer: one row per layer, concatenated in layer order
         return view.buffer * plan.page_size_bytes + addr
+    if not plan.transfer:  # no block row (LHBNC: a page is H runs apart): the layer's place in layer order
+        return layer * plan.page_size_bytes
     (tv,) = plan.transfer
     if len(tv.shape) == 3:  # layer-outermost cross layout: the row is chunk `layer` of each slab
         layer_stride = tv.byte_strides[1]
@@ -429,6 +542,70 @@ def _row_position(plan: LayoutPlan, view: TensorView) -> int:
 def _check_layer(plan: LayoutPlan, layer: int) -> None:
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < plan.num_layers:
         raise input_error("layer", f"layer `{layer!r}` is out of range", f"use 0..{plan.num_layers - 1}")
+
+
+def _check_index(name: str, value: int, size: int, why: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+        valid = "0" if size == 1 else f"0..{size - 1}"
+        raise input_error(name, f"{name} `{value!r}` is out of range ({valid})", why or f"use {valid}",
+                          code="out-of-range")
+
+
+def _vllm_allocation(plan: LayoutPlan) -> VllmAllocation:
+    """vLLM's raw buffers and per-layer ``[B, H, N, C]`` views of ``plan``.
+
+    Packed geometry: the layout's permutation of ``[L, B, H, N, C]`` (``C`` = K and V
+    cells, or MLA's latent) with the planner's padding rule, independent of where the
+    backend finds K and V inside ``C`` (`policy.backends.KVSplit`); the layer dim is
+    dropped when each layer has a buffer of its own.
+    """
+    spec, elem = plan.spec, plan.element_size
+    dtype = _vllm_dtype(spec)
+    per_layer_buffers = len(plan.buffers) > 1
+    if plan.backend.kv_split is None:  # not vLLM's packed geometry: the planner's own dims, in bytes
+        buffers = tuple(ByteView(b.index, "buffer", b.dims, b.shape, tuple(st * elem for st in b.strides), 0, dtype)
+                        for b in plan.buffers)
+        layers = tuple(ByteView(lp.view.buffer, "kv_cache", lp.view.dims, lp.view.shape,
+                                tuple(st * elem for st in lp.view.strides), lp.view.storage_offset * elem, dtype)
+                       for lp in plan.layers)
+        return VllmAllocation(buffers, tuple(b.nbytes for b in plan.buffers), layers)
+    order = packed_order(plan.layout, mla=True)  # the layout's letters, then C
+    if per_layer_buffers:
+        order = tuple(d for d in order if d is not Dim.layer)
+    sizes = {Dim.block: plan.num_blocks, Dim.layer: spec.num_layers, Dim.head: spec.num_kv_heads,
+             Dim.token: spec.block_size, Dim.dim: spec.kv_factor * spec.cell_elements}
+    strides, _ = _physical_strides(order, sizes, spec, skip_singletons=True)
+    names = {Dim.dim: "content"}
+    dims = tuple(names.get(d, d.value) for d in order)
+    buffers = tuple(ByteView(b.index, "buffer", dims, tuple(sizes[d] for d in order),
+                             tuple(strides[d] * elem for d in order), 0, dtype) for b in plan.buffers)
+    logical = (Dim.block, Dim.head, Dim.token, Dim.dim)
+    shape = tuple(sizes[d] for d in logical)
+    byte_strides = tuple(strides[d] * elem for d in logical)
+    layers = []
+    for lp in plan.layers:
+        offset = 0 if per_layer_buffers else lp.layer * strides[Dim.layer] * elem
+        # INVARIANT: the backend's split of C starts where the layer's view does.
+        assert offset == lp.view.storage_offset * elem, (plan.layout, lp.layer)
+        layers.append(ByteView(lp.view.buffer, "kv_cache", ("block", "head", "token", "content"), shape, byte_strides,
+                               offset, dtype))
+    return VllmAllocation(buffers, tuple(b.nbytes for b in plan.buffers), tuple(layers))
+
+
+# vLLM's element type for a kv_cache_dtype where it differs from the cache dtype kvpolicy types
+# the bytes with (vllm.utils.torch_utils.kv_cache_dtype_str_to_dtype; conformance-tested).
+_VLLM_DTYPES = {
+    "fp8": "uint8",
+    "fp8_e4m3": "uint8",
+    "fp8_e5m2": "uint8",
+    "fp8_per_token_head": "uint8",
+    "int8_per_token_head": "int8",
+    "int4_per_token_head": "uint8",
+}
+
+
+def _vllm_dtype(spec: KVCacheSpec) -> str:
+    return _VLLM_DTYPES.get(spec.kv_cache_dtype, spec.cache_dtype.value)
 
 
 def _check_role(spec: KVCacheSpec, role: str) -> int:

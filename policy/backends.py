@@ -27,6 +27,7 @@ __all__ = [
     "DEV_48412_BACKENDS",
     "BackendProfile",
     "Dim",
+    "KVSplit",
     "ScaleViews",
     "get_backend",
     "packed_backend",
@@ -57,6 +58,26 @@ class ScaleViews(str, Enum):
     assume_per_layer_contiguous = "assume_per_layer_contiguous"
 
 
+class KVSplit(str, Enum):
+    """How a backend of released vLLM (0.27.1 on) finds K and V in its ``[B, H, N, C]`` cache view.
+
+    The allocation is the same for every backend (the layout's permutation of
+    ``[L, B, H, N, C]``, ``C = 2 x cell``); what differs is which of those bytes
+    the backend's cache-write kernel is handed as K and as V, so the planner
+    must know it to put a cell where vLLM does.
+
+    ``content``: K then V inside each (token, head) content run, vLLM's
+    ``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` (FLASH_ATTN,
+    TRITON_ATTN, FLASHINFER, FLEX_ATTENTION). ``token_rows``: each head's
+    ``N x C`` run read as ``2N`` rows of ``C / 2``, K's ``N`` rows then V's,
+    CPU_ATTN's ``kv_cache.view(B, H, 2N, -1).chunk(2, dim=2)``; it needs the
+    token dim directly outside ``C`` (LBHNC, BLHNC, LHBNC, BHLNC).
+    """
+
+    content = "content"
+    token_rows = "token_rows"
+
+
 class BackendProfile(Frozen):
     """One attention backend's KV cache geometry in one release.
 
@@ -67,6 +88,9 @@ class BackendProfile(Frozen):
     one buffer holding every layer (vLLM 0.29+'s ``KVCacheTensor``).
     ``supported_layouts`` is what the backend declares to vLLM's resolver, most
     preferred first; None when it declares nothing (any layout, no vote).
+    ``kv_split`` is set for released vLLM's packed geometry (logical
+    ``[B, H, N, C]`` per layer, see `KVSplit`); None for a geometry that keeps
+    K and V in a dim of their own (the #48412 development state).
     """
 
     name: str = Field(min_length=1)
@@ -76,10 +100,11 @@ class BackendProfile(Frozen):
     layer_buffers: bool = False
     supported_layouts: tuple[Layout, ...] | None = None
     scale_views: ScaleViews = ScaleViews.stride_aware
+    kv_split: KVSplit | None = None
 
     def __hash__(self) -> int:
         return hash((self.name, self.mla, self.logical_dims, tuple(sorted(self.orders.items())),
-                     self.layer_buffers, self.supported_layouts, self.scale_views))
+                     self.layer_buffers, self.supported_layouts, self.scale_views, self.kv_split))
 
     @model_validator(mode="before")
     @classmethod
@@ -145,20 +170,36 @@ _MHA_LOGICAL = (_B, _KV, _N, _H, _D)
 _LETTER = {"L": _L, "B": _B, "H": _H, "N": _N}
 
 
-def packed_order(layout: Layout, mla: bool = False) -> tuple[Dim, ...]:
-    """vLLM's physical order for ``layout`` over ``[L, B, H, N, C]``, C being K then V (MLA: the latent)."""
+def packed_order(layout: Layout, mla: bool = False, kv_split: KVSplit = KVSplit.content) -> tuple[Dim, ...] | None:
+    """vLLM's physical order for ``layout`` over ``[L, B, H, N, C]``, with C read as ``kv_split`` says.
+
+    ``content``: C is K then V, ``(..., kv, dim)``; MLA: C is the latent, ``(..., dim)``.
+    ``token_rows``: the ``N x C`` run is K's rows then V's, ``(..., kv, token, dim)``; None
+    when the layout does not put the token dim directly outside C (the backend cannot view it).
+    """
     dims = tuple(_LETTER[c] for c in layout.value[:-1])
-    return (*dims, _D) if mla else (*dims, _KV, _D)
+    if mla:
+        return (*dims, _D)
+    if kv_split is KVSplit.token_rows:
+        return (*dims[:-1], _KV, _N, _D) if dims[-1] is _N else None
+    return (*dims, _KV, _D)
 
 
 def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] = tuple(Layout),
                    layer_buffers: bool = False, supported_layouts: tuple[Layout, ...] | None = None,
-                   scale_views: ScaleViews = ScaleViews.stride_aware) -> BackendProfile:
-    """A backend of released vLLM (0.27.1 on): logical ``[B, H, N, C]`` per layer, K and V packed in C."""
-    logical = (_B, _H, _N, _D) if mla else (_B, _H, _N, _KV, _D)
-    return BackendProfile(name=name, mla=mla, logical_dims=logical,
-                          orders={x: packed_order(x, mla) for x in layouts}, layer_buffers=layer_buffers,
-                          supported_layouts=supported_layouts, scale_views=scale_views)
+                   scale_views: ScaleViews = ScaleViews.stride_aware,
+                   kv_split: KVSplit = KVSplit.content) -> BackendProfile:
+    """A backend of released vLLM (0.27.1 on): logical ``[B, H, N, C]`` per layer, K and V in C as
+    ``kv_split`` says; a geometry for each of ``layouts`` the backend can view."""
+    if mla:
+        logical = (_B, _H, _N, _D)
+    elif kv_split is KVSplit.token_rows:
+        logical = (_B, _H, _KV, _N, _D)
+    else:
+        logical = (_B, _H, _N, _KV, _D)
+    orders = {x: order for x in layouts if (order := packed_order(x, mla, kv_split)) is not None}
+    return BackendProfile(name=name, mla=mla, logical_dims=logical, orders=orders, layer_buffers=layer_buffers,
+                          supported_layouts=supported_layouts, scale_views=scale_views, kv_split=kv_split)
 
 
 def _dev_48412(name: str, cross_hnd: tuple[Dim, ...]) -> BackendProfile:

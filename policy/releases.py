@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
-from policy.backends import DEV_48412_BACKENDS, BackendProfile, ScaleViews, packed_backend
+from policy.backends import DEV_48412_BACKENDS, BackendProfile, KVSplit, ScaleViews, packed_backend
 from policy.errors import input_error
 from policy.layouts import Layout
 from policy.spec import Frozen
@@ -70,10 +70,12 @@ class BackendFacts(Frozen):
     supported_layouts_by_capability: dict[int, tuple[Layout, ...]] = Field(
         default_factory=dict, description="overrides of `supported_layouts` by CUDA device capability major")
     kv_cache_dtypes: tuple[str, ...] | None = Field(default=None, description="`supported_kv_cache_dtypes`")
+    kv_split: KVSplit = Field(default=KVSplit.content,
+                              description="where the backend's cache write finds K and V in C (packed geometry)")
 
     def __hash__(self) -> int:
         return hash((self.mla, self.supported_layouts, tuple(sorted(self.supported_layouts_by_capability.items())),
-                     self.kv_cache_dtypes))
+                     self.kv_cache_dtypes, self.kv_split))
 
     def declared_layouts(self, device_capability: int | None) -> tuple[Layout, ...] | None:
         if device_capability is not None and device_capability in self.supported_layouts_by_capability:
@@ -172,7 +174,8 @@ def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
         return DEV_48412_BACKENDS[name]
     scale_views = ScaleViews.stride_aware
     return packed_backend(name, mla=facts.mla, layouts=profile.layouts, layer_buffers=profile.layer_buffers,
-                          supported_layouts=facts.supported_layouts, scale_views=scale_views)
+                          supported_layouts=facts.supported_layouts, scale_views=scale_views,
+                          kv_split=facts.kv_split)
 
 
 @functools.cache

@@ -45,7 +45,7 @@ from policy.yaml_source import parse_yaml
 if TYPE_CHECKING:
     from engine.plan import LayoutPlan
 
-__all__ = ["context_from_args", "plan_for", "read_spec_file", "register", "run"]
+__all__ = ["allocation_summary", "context_from_args", "plan_for", "read_spec_file", "register", "release_of", "run"]
 
 _EPILOG = """\
 examples:
@@ -345,6 +345,41 @@ def _warn_unknown_connector(ctx: Context, ruleset: RuleSet) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The JSON output's release and allocation
+
+
+def release_of(decision: Decision) -> dict[str, Any]:
+    """``vllm_version`` (the release the profile reproduces, e.g. ``0.34.0``; null for a
+    development state such as ``issue-48412``) and ``profile`` (its name)."""
+    from policy.releases import get_profile
+
+    profile = get_profile(decision.context.profile)
+    return {"vllm_version": profile.vllm_versions[0] if profile.vllm_versions else None, "profile": profile.name}
+
+
+def allocation_summary(plan: LayoutPlan) -> dict[str, Any]:
+    """The ``allocation`` object: the cache as vLLM allocates it for ``plan`` (`LayoutPlan.vllm_allocation`):
+    each buffer seen whole in physical order and each layer's ``[B, H, N, C]`` view, in bytes."""
+    spec = plan.spec
+    first = plan.layers[0].view.storage_offset * plan.element_size
+
+    def at(kv: int, scale: bool) -> int | None:
+        if kv >= spec.kv_factor or (scale and not spec.per_token_head):
+            return None
+        return (plan.scale_offset if scale else plan.cell_offset)(0, kv, 0, 0, 0)[1] - first
+
+    return {
+        "num_blocks": plan.num_blocks,
+        "page_size_bytes": plan.page_size_bytes,
+        "total_bytes": plan.total_bytes,
+        "kv_split": plan.backend.kv_split.value if plan.backend.kv_split else None,
+        "cell": {"bytes": spec.cell_bytes, "k": at(0, False), "v": at(1, False), "k_scale": at(0, True),
+                 "v_scale": at(1, True)},
+        **plan.vllm_allocation.to_dict(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # The plan (--num-blocks)
 
 
@@ -430,6 +465,8 @@ def run(args: argparse.Namespace) -> int:
             return exit_code_for(usage_error("--svg", ""))
     if args.format == "json":
         data = decision.to_dict()
+        data.update(release_of(decision))
+        data["allocation"] = None if checked is None else allocation_summary(checked)
         if report is not None:
             data["verification"] = report.to_dict() | {"collisions": report.to_dict()["collisions"][:8]}
             data["verification"].pop("writers", None)

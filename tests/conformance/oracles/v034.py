@@ -5,6 +5,7 @@ Case kinds (see notes/conformance-contract.md):
   {"facts": true}                  what the release declares (backends, dtypes, connectors)
   {"workers": [...], "specs": ...} a layout decision, by resolve_kv_cache_layout
   {"backend": ..., "layout": ...}  geometry, by vLLM's own allocation path
+  {"geometry_sweep": {...}}        geometry of every backend x dtype x layout vLLM accepts
 
 Everything is computed by vLLM's own functions and objects. Stand-ins, each needed
 only because this runs on a CPU without the CUDA stack:
@@ -25,6 +26,10 @@ only because this runs on a CPU without the CUDA stack:
   * geometry's K/V split: the backend impl methods that split a cache
     (TritonAttentionImpl._ensure_scale_caches / _pth_key_value_caches) are called on
     a bare object carrying only the attributes they read, not a constructed impl.
+  * geometry's "writes": each backend impl's own do_kv_cache_update (after the layer's
+    own bind_kv_cache) runs on an impl built with __new__ plus the attributes it reads;
+    the cache-write kernels it calls (reshape_and_cache_flash, the Triton and CPU ones,
+    concat_and_cache_mla) are recorders of the K/V/scale tensors they are handed.
 """
 
 from __future__ import annotations
@@ -352,21 +357,39 @@ def geometry(case):
             return buf
 
         views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, allocate=allocate)
-    base = buffers[0].data_ptr()
+
+    def locate(tensor):
+        """(index of the buffer holding the tensor's first byte, byte offset in that buffer)."""
+        ptr = tensor.data_ptr()
+        for i, b in enumerate(buffers):
+            if b.data_ptr() <= ptr < b.data_ptr() + b.numel():
+                return i, ptr - b.data_ptr()
+        raise RuntimeError("a view starts outside every allocated buffer")
+
     layers = []
     for name in layer_names:
         view = views[name]
         esize = view.element_size()
+        buffer, offset = locate(view)
         entry = {
-            "buffer": 0,
-            "byte_offset": view.data_ptr() - base,
+            "buffer": buffer,
+            "byte_offset": offset,
             "shape": list(view.shape),
             "dtype": str(view.dtype).removeprefix("torch."),
             "byte_strides": [st * esize for st in view.stride()],
         }
-        entry.update(cell_split(backend, spec, view, case))
+        try:
+            entry.update(cell_split(backend, spec, view, case))
+        except Exception as exc:  # a dtype this split does not know (nvfp4 packs K and V by head)
+            entry["split_error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            entry["writes"] = kv_write_views(backend, spec, view, case, locate)
+        except Exception as exc:
+            entry["writes_error"] = f"{type(exc).__name__}: {exc}"
         layers.append(entry)
     return {
+        "layout": layout.name,
+        "stride_order": list(layout.value),
         "num_blocks": kv_cache_config.num_blocks,
         "buffers": [{"nbytes": b.numel()} for b in buffers],
         "kv_cache_tensors": [
@@ -428,9 +451,237 @@ def cell_split(backend, spec, view, case):
     }
 
 
+# The cache-write kernels' tensor arguments, in order, with the dims each kernel documents
+# for them (csrc/cache_kernels.cu, vllm/_custom_ops.py, the backends' comments).
+_WRITE_KERNELS = {
+    # (B, H, N, 2*D) -> ((B, N, H, D), (B, N, H, D)) in FLASH_ATTN / TRITON_ATTN / FLASHINFER / FLEX_ATTENTION
+    "reshape_and_cache_flash": (("key", "value", "key_cache", "value_cache"),
+                                {"key_cache": ("block", "token", "head", "dim"),
+                                 "value_cache": ("block", "token", "head", "dim")}),
+    "triton_reshape_and_cache_flash": (("key", "value", "key_cache", "value_cache"),
+                                       {"key_cache": ("block", "token", "head", "dim"),
+                                        "value_cache": ("block", "token", "head", "dim")}),
+    # _ensure_scale_caches: "Scale shape: (num_blocks, block_size, num_kv_heads)"
+    "triton_reshape_and_cache_flash_per_token_head_quant": (
+        ("key", "value", "key_cache", "value_cache", "k_scale_cache", "v_scale_cache"),
+        {"key_cache": ("block", "token", "head", "dim"), "value_cache": ("block", "token", "head", "dim"),
+         "k_scale_cache": ("block", "token", "head"), "v_scale_cache": ("block", "token", "head")}),
+    # CPU_ATTN: kv_cache.view(B, H, 2N, -1).chunk(2, dim=2) -> key/value [B, H, N, D]
+    "cpu_attn_reshape_and_cache": (("key", "value", "key_cache", "value_cache"),
+                                   {"key_cache": ("block", "head", "token", "dim"),
+                                    "value_cache": ("block", "head", "token", "dim")}),
+    # MLA: MLAAttention.bind_kv_cache squeezes [B, 1, N, C] -> [B, N, C]
+    "concat_and_cache_mla": (("kv_c", "k_pe", "kv_cache"), {"kv_cache": ("block", "token", "dim")}),
+}
+
+
+@contextlib.contextmanager
+def recorded_write_kernels():
+    """STAND-IN: every cache-write kernel a backend's do_kv_cache_update may call is replaced by a
+    recorder of the cache tensors it is handed (the CUDA/CPU kernels are not built here). Yields
+    the list the calls are appended to, as {kernel, tensors: {argument name: tensor}}."""
+    import importlib
+
+    calls = []
+
+    def recorder(kernel):
+        names, dims = _WRITE_KERNELS[kernel]
+
+        def record(*args, **kwargs):
+            bound = dict(zip(names, args))
+            bound.update({k: v for k, v in kwargs.items() if k in names})
+            calls.append({"kernel": kernel, "tensors": {n: bound[n] for n in dims}, "dims": dims})
+
+        return record
+
+    targets = [
+        ("vllm.v1.attention.backends.flash_attn", "reshape_and_cache_flash", "reshape_and_cache_flash"),
+        ("vllm.v1.attention.backends.triton_attn", "triton_reshape_and_cache_flash",
+         "triton_reshape_and_cache_flash"),
+        ("vllm.v1.attention.backends.triton_attn", "triton_reshape_and_cache_flash_per_token_head_quant",
+         "triton_reshape_and_cache_flash_per_token_head_quant"),
+        ("vllm._cpu_ops", "cpu_attn_reshape_and_cache", "cpu_attn_reshape_and_cache"),
+        ("vllm._custom_ops", "concat_and_cache_mla", "concat_and_cache_mla"),
+    ]
+    saved = []
+    for module_name, attr, kernel in targets:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # a backend module this interpreter cannot import is never called
+            continue
+        saved.append((module, attr, module.__dict__.get(attr, _MISSING)))
+        setattr(module, attr, recorder(kernel))
+    ops_ns = torch.ops._C_cache_ops
+    saved.append((ops_ns, "reshape_and_cache_flash", ops_ns.__dict__.get("reshape_and_cache_flash", _MISSING)))
+    ops_ns.reshape_and_cache_flash = recorder("reshape_and_cache_flash")
+    try:
+        yield calls
+    finally:
+        for obj, attr, value in reversed(saved):
+            if value is _MISSING:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, value)
+
+
+_MISSING = object()
+
+
+def kv_write_views(backend, spec, view, case, locate):
+    """The tensors this layer's cache-write kernel receives, by vLLM's own code: the layer's
+    bind_kv_cache (MLA squeezes the head dim) and the backend impl's do_kv_cache_update, which
+    splits the cache into K, V (and per-token-head scale) views and hands them to the kernel.
+
+    STAND-INs: the impl is the backend's impl class built with ``__new__`` plus the attributes
+    do_kv_cache_update reads, set as its ``__init__`` sets them for this spec (``__init__`` checks
+    the platform's kernels); the attention layer is an object with the scale attributes it reads;
+    the kernels are recorders (`recorded_write_kernels`). Each tensor is reported as its byte
+    offset from the buffer, shape, byte strides, dtype and the dims the kernel documents."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    kv_cache_dtype = case.get("kv_cache_dtype", "auto")
+    head_size = case.get("head_size", spec.head_size)
+    num_kv_heads = case.get("num_kv_heads", spec.num_kv_heads)
+    impl_cls = backend.get_impl_cls()
+    impl = impl_cls.__new__(impl_cls)
+    mode = get_kv_quant_mode(kv_cache_dtype)
+    for name, value in {
+        "attn_type": AttentionType.DECODER,
+        "head_size": head_size,
+        "num_kv_heads": num_kv_heads,
+        "kv_cache_dtype": kv_cache_dtype,
+        "fp8_dtype": current_platform.fp8_dtype(),
+        "kv_sharing_target_layer_name": None,
+        "cache_dtype": kv_cache_dtype,  # FlashInferImpl: the dtype handed to its write kernel
+        # TritonAttentionImpl.__init__
+        "_kv_quant_mode": mode,
+        "_is_per_token_head_quant": mode.is_per_token_head,
+        "_k_scale_cache": None,
+        "_v_scale_cache": None,
+        "_set_kv_ptr_range": False,
+        # FlashInferImpl.__init__ (the non-FA2 NVFP4 path)
+        "is_kvcache_nvfp4": kv_cache_dtype.startswith("nvfp4"),
+        "nvfp4_fa2": False,
+    }.items():
+        impl.__dict__[name] = value
+    one = torch.ones((), dtype=torch.float32)
+    layer = types.SimpleNamespace(_k_scale=one, _v_scale=one, _k_scale_float=1.0, _v_scale_float=1.0, isa="vec",
+                                  _vllm_config=types.SimpleNamespace(
+                                      kernel_config=types.SimpleNamespace(enable_jit_warmup=False)))
+    slots = torch.zeros(0, dtype=torch.long)
+    with recorded_write_kernels() as calls:
+        if backend.is_mla():
+            MLAAttention.bind_kv_cache(layer, view)
+            impl.do_kv_cache_update(torch.zeros(0, head_size), torch.zeros(0, 1, 0), layer.kv_cache, slots,
+                                    kv_cache_dtype, one)
+        else:
+            AttentionLayerBase.bind_kv_cache(layer, view)
+            key = torch.zeros(0, num_kv_heads, head_size)
+            impl.do_kv_cache_update(layer, key, key, layer.kv_cache, slots)
+    if len(calls) != 1:
+        raise RuntimeError(f"do_kv_cache_update made {len(calls)} recorded kernel calls, expected 1")
+    (call,) = calls
+    out = {"kernel": call["kernel"], "impl": f"{impl_cls.__module__}.{impl_cls.__qualname__}", "tensors": {}}
+    for name, t in call["tensors"].items():
+        buffer, offset = locate(t)
+        out["tensors"][name] = {
+            "dims": list(call["dims"][name]),
+            "buffer": buffer,
+            "byte_offset": offset,
+            "shape": list(t.shape),
+            "byte_strides": [st * t.element_size() for st in t.stride()],
+            "dtype": str(t.dtype).removeprefix("torch."),
+        }
+    return out
+
+
+def validation(cls, case, caps):
+    """The backend's own ``validate_configuration`` for this case (a decoder layer, no sinks,
+    no sparsity, no connector) under each device capability: the reasons vLLM's backend
+    selection would refuse it for, by capability ("M.m"); an empty list accepts it."""
+    out = {}
+    for cap in caps:
+        if cap is None:
+            continue
+        from vllm.platforms.interface import DeviceCapability
+        from vllm.v1.attention.backend import AttentionType
+
+        try:
+            reasons = cls.validate_configuration(
+                head_size=case["head_size"],
+                dtype=TORCH_DTYPES[case.get("dtype", "bfloat16")],
+                kv_cache_dtype=case["kv_cache_dtype"],
+                block_size=case["block_size"],
+                use_mla=cls.is_mla(),
+                has_sink=False,
+                use_sparse=False,
+                use_mm_prefix=False,
+                use_per_head_quant_scales=False,
+                device_capability=DeviceCapability(*cap),
+                attn_type=AttentionType.DECODER,
+            )
+        except Exception as exc:
+            reasons = [f"{type(exc).__name__}: {exc}"]
+        out[f"{cap[0]}.{cap[1]}"] = list(reasons)
+    return out
+
+
+def geometry_sweep(case):
+    """Geometry for every combination vLLM accepts: for each backend named, every kv_cache_dtype
+    its class lists (``supported_kv_cache_dtypes``) and every layout it declares under any of the
+    device capabilities (``supported_kv_cache_layouts()``; None declares none, so every
+    KVCacheLayout). Each combination runs ``per_combo`` geometry cases whose sizes are taken in
+    turn from ``configs`` (MLA backends from ``mla_configs``); a config's ``page_padding`` asks
+    for ``page_size_padded`` = vLLM's page size plus that many bytes. Returns the declarations and
+    ``cases``: one ``{"case", "result"}`` per geometry run, a refusal as ``{"error": ...}``."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    sweep = case["geometry_sweep"]
+    per_combo = sweep.get("per_combo", 1)
+    caps = [None if c is None else tuple(c) for c in sweep.get("capabilities", CAPABILITIES)]
+    declared, cases = {}, []
+    turn = {"mha": 0, "mla": 0}
+    for name in sweep["backends"]:
+        cls = backend_class(name)
+        layouts = set()
+        for cap in caps:
+            with device_capability(cap):
+                got = cls.supported_kv_cache_layouts()
+            layouts |= {m.name for m in (KVCacheLayout if got is None else got)}
+        ordered = [m.name for m in KVCacheLayout if m.name in layouts]
+        dtypes = list(getattr(cls, "supported_kv_cache_dtypes", []) or [])
+        kind = "mla" if cls.is_mla() else "mha"
+        declared[name] = {"is_mla": cls.is_mla(), "kv_cache_dtypes": dtypes, "layouts": ordered}
+        configs = sweep["mla_configs" if kind == "mla" else "configs"]
+        for dtype in dtypes:
+            for layout in ordered:
+                for _ in range(per_combo):
+                    size = dict(configs[turn[kind] % len(configs)])
+                    turn[kind] += 1
+                    one = {"backend": name, "kv_cache_dtype": dtype, "layout": layout, **size}
+                    padding = one.pop("page_padding", None)
+                    if padding is not None:  # page_size_padded: vLLM's own page size plus `padding` bytes
+                        with device_capability(None):
+                            real = build_spec({**one, "kind": "mla" if cls.is_mla() else "full"}, cls)
+                        one["page_size_padded"] = real.page_size_bytes + padding
+                    try:
+                        result = geometry(one)
+                    except Exception as exc:
+                        result = {"error": f"{type(exc).__name__}: {exc}"}
+                    result["validate_configuration"] = validation(cls, one, caps)
+                    cases.append({"case": one, "result": result})
+    return {"version": __import__("vllm").__version__, "backends": declared, "cases": cases}
+
+
 def handle(case):
     if case.get("facts"):
         return facts(case)
+    if "geometry_sweep" in case:
+        return geometry_sweep(case)
     if "workers" in case:
         return decision(case)
     if "backend" in case and "layout" in case:
