@@ -18,7 +18,7 @@ from policy.context import Context, VllmOptions
 from policy.errors import input_error
 from policy.layouts import Layout
 from policy.quant import ModelDtype, parse_kv_cache_dtype
-from policy.releases import ReleaseProfile, get_profile
+from policy.releases import ReleaseProfile, Resolver, get_profile
 from policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs"]
@@ -149,6 +149,14 @@ def build_context(
         raise input_error("kv_cache_dtype", f"vLLM profile `{release.name}` has no kv_cache_dtype "
                           f"`{kv.kv_cache_dtype}`", "valid: " + ", ".join(release.kv_cache_dtypes),
                           code="unknown-kv-cache-dtype")
+    facts = release.backends.get(profile.name)
+    if (kv.kind.is_attention and facts is not None and facts.kv_cache_dtypes is not None
+            and kv.kv_cache_dtype not in facts.kv_cache_dtypes):
+        # vLLM refuses the backend at selection: validate_configuration's "kv_cache_dtype not supported"
+        raise input_error("kv_cache_dtype", f"attention backend `{profile.name}` of `{release.name}` does not "
+                          f"support kv_cache_dtype `{kv.kv_cache_dtype}`",
+                          "its supported_kv_cache_dtypes: " + ", ".join(facts.kv_cache_dtypes),
+                          code="unsupported-kv-cache-dtype")
     candidates = _candidates(release, profile, options)
     return Context(kv=kv, groups=groups, backend=profile, connector=_connector(connector, connector_config),
                    profile=release.name, candidates=candidates, options=options)
@@ -159,7 +167,9 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
     if layout is not None and layout != "":
         if not isinstance(layout, str):
             raise input_error("vllm_kv_cache_layout", "`vllm_kv_cache_layout` must be a layout name")
-        valid = [*(x.value for x in Layout), "NHD", "HND"]
+        # 0.29+ takes a KVCacheLayout name or the NHD/HND aliases; the uniform-gate releases NHD or HND only.
+        names = [] if release.resolver is Resolver.uniform_gate else [x.value for x in Layout]
+        valid = [*names, "NHD", "HND"]
         if layout not in valid:
             raise input_error("vllm_kv_cache_layout", f"unknown VLLM_KV_CACHE_LAYOUT `{layout}`",
                               "valid: " + ", ".join(valid), code="unknown-layout")
