@@ -82,6 +82,7 @@ def build_context(
     enable_extensible_kv_cache: bool = False,
     hisparse: bool = False,
     device_capability: int | None = None,
+    use_v2_model_runner: bool = False,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -98,7 +99,8 @@ def build_context(
     backend = attention_backend if attention_backend is not None else backend
     if backend is None:
         backend = "TRITON_ATTN"
-    options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability)
+    options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability,
+                       use_v2_model_runner)
     if model is not None and spec is not None:
         raise input_error("model", "give `model` or `spec`, not both")
     if groups is not None and not isinstance(groups, KVCacheGroups):
@@ -163,7 +165,7 @@ def build_context(
 
 
 def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hisparse: Any,
-             capability: Any) -> VllmOptions:
+             capability: Any, v2_runner: Any = False) -> VllmOptions:
     if layout is not None and layout != "":
         if not isinstance(layout, str):
             raise input_error("vllm_kv_cache_layout", "`vllm_kv_cache_layout` must be a layout name")
@@ -173,7 +175,8 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
         if layout not in valid:
             raise input_error("vllm_kv_cache_layout", f"unknown VLLM_KV_CACHE_LAYOUT `{layout}`",
                               "valid: " + ", ".join(valid), code="unknown-layout")
-    for name, value in (("enable_extensible_kv_cache", extensible), ("hisparse", hisparse)):
+    for name, value in (("enable_extensible_kv_cache", extensible), ("hisparse", hisparse),
+                        ("use_v2_model_runner", v2_runner)):
         if not isinstance(value, bool):
             raise input_error(name, f"`{name}` must be true or false, got `{value!r}`")
     if capability is not None and (isinstance(capability, bool) or not isinstance(capability, int)
@@ -181,7 +184,7 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
         raise input_error("device_capability", f"`device_capability` must be a CUDA capability major number "
                           f"such as 9 or 10, got `{capability!r}`")
     return VllmOptions(kv_cache_layout=layout or None, enable_extensible_kv_cache=extensible, hisparse=hisparse,
-                       device_capability=capability)
+                       device_capability=capability, use_v2_model_runner=v2_runner)
 
 
 def _candidates(release: ReleaseProfile, backend: BackendProfile, options: VllmOptions) -> tuple[Layout, ...]:

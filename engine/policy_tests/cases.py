@@ -88,6 +88,7 @@ class CaseInput(Frozen):
     tensor_parallel_size: int = Field(default=1, ge=1, description="with `model` only")
     vllm_kv_cache_layout: str | None = Field(default=None, description="the VLLM_KV_CACHE_LAYOUT environment "
                                              "variable (NHD/HND, or a layout name from vLLM 0.29 on)")
+    use_v2_model_runner: bool = Field(default=False, description="vLLM's `VllmConfig.use_v2_model_runner`")
 
     @model_validator(mode="after")
     def _one_source(self) -> CaseInput:
@@ -350,6 +351,7 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
         "connector": inp.connector,
         "connector_config": inp.connector_config,
         "vllm_kv_cache_layout": inp.vllm_kv_cache_layout,
+        "use_v2_model_runner": inp.use_v2_model_runner,
         "vllm_version": vllm_version,
     }
     if inp.groups is not None:
