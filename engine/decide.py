@@ -33,10 +33,11 @@ from policy.connectors import ConnectorConfig
 from policy.context import Context
 from policy.errors import Diagnostic, NoLayoutError
 from policy.layouts import Layout
+from policy.releases import get_profile, profile_names
 from policy.rule_model import MemberPreferences
 from policy.ruleset import FORBID, PREFER, REQUIRE, CompiledRule, RuleSet, Source
 
-__all__ = ["RELEASE_CANDIDATES", "Outcome", "Scope", "evaluate", "rule_ref", "scopes_for"]
+__all__ = ["RELEASE_CANDIDATES", "Outcome", "Scope", "connector_rules_for", "evaluate", "rule_ref", "scopes_for"]
 
 # The id under which the built-in candidate filter (step 1) appears in traces, errors and policy tests.
 RELEASE_CANDIDATES = "release-candidates"
@@ -72,12 +73,22 @@ class Scope:
         return Scope(self.label, self.rules, env, members, self.mode, self.candidates, self.release)
 
 
+def connector_rules_for(ruleset: RuleSet, ctx: Context, name: str) -> tuple[CompiledRule, ...]:
+    """The rules of connector ``name``: its own file's, else those of the class the release loads
+    for that name (vLLM 0.28's ``NixlConnector`` is ``NixlPullConnector``)."""
+    own = ruleset.connector_rules(name)
+    if own:
+        return own
+    loads = get_profile(ctx.profile).connectors.get(name) if ctx.profile in profile_names() else None
+    return ruleset.connector_rules(loads) if loads and loads != name else own
+
+
 def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, label: str, top: bool) -> Scope:
     members = tuple(
         _connector_scope(ruleset, ctx, m, f"{label}/{m.name}[{i}]", False) for i, m in enumerate(conn.connectors)
     )
     env = ctx.env() if top else ctx.env(conn)
-    return Scope(label, ruleset.connector_rules(conn.name), env, members, ruleset.combine_mode(conn.name))
+    return Scope(label, connector_rules_for(ruleset, ctx, conn.name), env, members, ruleset.combine_mode(conn.name))
 
 
 def scopes_for(ruleset: RuleSet, ctx: Context) -> tuple[Scope, Scope | None]:

@@ -18,7 +18,7 @@ from policy.context import Context, VllmOptions
 from policy.errors import input_error
 from policy.layouts import Layout
 from policy.quant import ModelDtype, parse_kv_cache_dtype
-from policy.releases import ReleaseProfile, get_profile
+from policy.releases import ReleaseProfile, Resolver, get_profile
 from policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs"]
@@ -82,6 +82,7 @@ def build_context(
     enable_extensible_kv_cache: bool = False,
     hisparse: bool = False,
     device_capability: int | None = None,
+    use_v2_model_runner: bool = False,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -98,7 +99,8 @@ def build_context(
     backend = attention_backend if attention_backend is not None else backend
     if backend is None:
         backend = "TRITON_ATTN"
-    options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability)
+    options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability,
+                       use_v2_model_runner)
     if model is not None and spec is not None:
         raise input_error("model", "give `model` or `spec`, not both")
     if groups is not None and not isinstance(groups, KVCacheGroups):
@@ -149,21 +151,32 @@ def build_context(
         raise input_error("kv_cache_dtype", f"vLLM profile `{release.name}` has no kv_cache_dtype "
                           f"`{kv.kv_cache_dtype}`", "valid: " + ", ".join(release.kv_cache_dtypes),
                           code="unknown-kv-cache-dtype")
+    facts = release.backends.get(profile.name)
+    if (kv.kind.is_attention and facts is not None and facts.kv_cache_dtypes is not None
+            and kv.kv_cache_dtype not in facts.kv_cache_dtypes):
+        # vLLM refuses the backend at selection: validate_configuration's "kv_cache_dtype not supported"
+        raise input_error("kv_cache_dtype", f"attention backend `{profile.name}` of `{release.name}` does not "
+                          f"support kv_cache_dtype `{kv.kv_cache_dtype}`",
+                          "its supported_kv_cache_dtypes: " + ", ".join(facts.kv_cache_dtypes),
+                          code="unsupported-kv-cache-dtype")
     candidates = _candidates(release, profile, options)
     return Context(kv=kv, groups=groups, backend=profile, connector=_connector(connector, connector_config),
                    profile=release.name, candidates=candidates, options=options)
 
 
 def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hisparse: Any,
-             capability: Any) -> VllmOptions:
+             capability: Any, v2_runner: Any = False) -> VllmOptions:
     if layout is not None and layout != "":
         if not isinstance(layout, str):
             raise input_error("vllm_kv_cache_layout", "`vllm_kv_cache_layout` must be a layout name")
-        valid = [*(x.value for x in Layout), "NHD", "HND"]
+        # 0.29+ takes a KVCacheLayout name or the NHD/HND aliases; the uniform-gate releases NHD or HND only.
+        names = [] if release.resolver is Resolver.uniform_gate else [x.value for x in Layout]
+        valid = [*names, "NHD", "HND"]
         if layout not in valid:
             raise input_error("vllm_kv_cache_layout", f"unknown VLLM_KV_CACHE_LAYOUT `{layout}`",
                               "valid: " + ", ".join(valid), code="unknown-layout")
-    for name, value in (("enable_extensible_kv_cache", extensible), ("hisparse", hisparse)):
+    for name, value in (("enable_extensible_kv_cache", extensible), ("hisparse", hisparse),
+                        ("use_v2_model_runner", v2_runner)):
         if not isinstance(value, bool):
             raise input_error(name, f"`{name}` must be true or false, got `{value!r}`")
     if capability is not None and (isinstance(capability, bool) or not isinstance(capability, int)
@@ -171,7 +184,7 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
         raise input_error("device_capability", f"`device_capability` must be a CUDA capability major number "
                           f"such as 9 or 10, got `{capability!r}`")
     return VllmOptions(kv_cache_layout=layout or None, enable_extensible_kv_cache=extensible, hisparse=hisparse,
-                       device_capability=capability)
+                       device_capability=capability, use_v2_model_runner=v2_runner)
 
 
 def _candidates(release: ReleaseProfile, backend: BackendProfile, options: VllmOptions) -> tuple[Layout, ...]:

@@ -129,6 +129,10 @@ _FIELD_LIST: tuple[FieldSpec, ...] = (
               lambda ctx, _c: ctx.options.enable_extensible_kv_cache),
     FieldSpec("attention.hisparse", "bool", "a HiSparse config is set (`attention_config.hisparse_config`)",
               lambda ctx, _c: ctx.options.hisparse),
+    FieldSpec("worker.use_v2_model_runner", "bool",
+              "the workers run vLLM's model runner V2 (`VllmConfig.use_v2_model_runner`; 0.28 defaults to it on "
+              "GPUs for non-MoE models, `VLLM_USE_V2_MODEL_RUNNER` overrides)",
+              lambda ctx, _c: ctx.options.use_v2_model_runner),
     FieldSpec("platform.device_capability", "int",
               "the CUDA device capability's major number (9 for Hopper, 10 for Blackwell); absent when unknown",
               lambda ctx, _c: ctx.options.device_capability if ctx.options.device_capability is not None
@@ -168,6 +172,7 @@ class VllmOptions(Frozen):
     kv_cache_layout: str | None = Field(default=None, description="`VLLM_KV_CACHE_LAYOUT`")
     enable_extensible_kv_cache: bool = False
     hisparse: bool = Field(default=False, description="`attention_config.hisparse_config` is set")
+    use_v2_model_runner: bool = Field(default=False, description="`VllmConfig.use_v2_model_runner`")
     device_capability: int | None = Field(default=None, description="CUDA capability major (FlashInfer reads it)")
 
 

@@ -30,7 +30,7 @@ from pydantic import Field, ValidationError
 
 from policy.backends import DEV_48412_BACKENDS, BackendProfile, KVSplit, ScaleViews, packed_backend
 from policy.errors import input_error
-from policy.layouts import Layout
+from policy.layouts import HeadOrder, Layout
 from policy.spec import Frozen
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Geometry",
     "ReleaseProfile",
     "Resolver",
+    "StrideOrders",
     "default_profile_name",
     "get_profile",
     "installed_vllm_version",
@@ -61,6 +62,20 @@ class Geometry(str, Enum):
     dev_48412 = "dev-48412"  # a separate K/V dim, scale views assuming contiguous layers (not a release)
 
 
+class StrideOrders(Frozen):
+    """What a pre-0.29 backend's ``get_kv_cache_stride_order`` returns under one ``get_kv_cache_layout()``.
+
+    Permutations of the backend's logical ``get_kv_cache_shape`` (``(B, H, N, C)``, MLA
+    ``(B, N, C)``), without and with the leading num-layers dim. Null where vLLM raises
+    ``NotImplementedError``: the runner then keeps the identity order per layer, and the
+    backend never gets a cross-layer cache (``indexes_kv_by_block_stride`` is false).
+    """
+
+    per_layer: tuple[int, ...] | None = Field(description="`get_kv_cache_stride_order()`")
+    cross_layer: tuple[int, ...] | None = Field(
+        description="`get_kv_cache_stride_order(include_num_layers_dimension=True)`")
+
+
 class BackendFacts(Frozen):
     """One attention backend as a release declares it."""
 
@@ -69,13 +84,42 @@ class BackendFacts(Frozen):
         default=None, description="`supported_kv_cache_layouts()`, most preferred first; null: declares none")
     supported_layouts_by_capability: dict[int, tuple[Layout, ...]] = Field(
         default_factory=dict, description="overrides of `supported_layouts` by CUDA device capability major")
-    kv_cache_dtypes: tuple[str, ...] | None = Field(default=None, description="`supported_kv_cache_dtypes`")
+    kv_cache_dtypes: tuple[str, ...] | None = Field(
+        default=None, description="`supported_kv_cache_dtypes`; null: not checked")
+    stride_orders: dict[HeadOrder, StrideOrders] | None = Field(
+        default=None, description="pre-0.29 releases: the stride orders under each `get_kv_cache_layout()`; "
+                                  "they give the layouts the backend can allocate (null: every layout)")
     kv_split: KVSplit = Field(default=KVSplit.content,
                               description="where the backend's cache write finds K and V in C (packed geometry)")
 
     def __hash__(self) -> int:
         return hash((self.mla, self.supported_layouts, tuple(sorted(self.supported_layouts_by_capability.items())),
-                     self.kv_cache_dtypes, self.kv_split))
+                     self.kv_cache_dtypes, tuple(sorted((self.stride_orders or {}).items())), self.kv_split))
+
+    def allocated_layout(self, head_order: HeadOrder, cross_layer: bool) -> Layout | None:
+        """The layout vLLM allocates under ``head_order``, per layer or cross-layer, from the stride orders.
+
+        Per layer the layer dim is outermost (one buffer per layer); cross-layer only when the
+        block dim is outermost (vLLM's ``indexes_kv_by_block_stride``), else None. MLA's shape has
+        no head dim: its layouts are named with H beside N (H=1, the same bytes).
+        """
+        if self.stride_orders is None:
+            return None
+        orders = self.stride_orders[head_order]
+        logical = "BNC" if self.mla else "BHNC"
+        if not cross_layer:
+            order = orders.per_layer if orders.per_layer is not None else tuple(range(len(logical)))
+            return _layout_name("L" + "".join(logical[i] for i in order))
+        if orders.cross_layer is None or orders.cross_layer[0] == 0:
+            return None
+        return _layout_name("".join(("L" + logical)[i] for i in orders.cross_layer))
+
+    def allocated_layouts(self) -> tuple[Layout, ...] | None:
+        """Every layout the stride orders give (None: no stride orders, every layout)."""
+        if self.stride_orders is None:
+            return None
+        found = {self.allocated_layout(h, cross) for h in self.stride_orders for cross in (False, True)}
+        return tuple(x for x in Layout if x in found)
 
     def declared_layouts(self, device_capability: int | None) -> tuple[Layout, ...] | None:
         if device_capability is not None and device_capability in self.supported_layouts_by_capability:
@@ -144,6 +188,11 @@ class ReleaseProfile(Frozen):
         return _merge(voting) if voting else self.default_layout_preference
 
 
+def _layout_name(physical: str) -> Layout:
+    """``BLNC`` (MLA, no head dim) -> ``BLNHC``; ``BHLNC`` as it is."""
+    return Layout(physical if "H" in physical else physical.replace("NC", "NHC"))
+
+
 def _backend_key(name: str, backends: dict[str, BackendFacts]) -> str | None:
     if not isinstance(name, str):
         return None
@@ -173,7 +222,9 @@ def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
     if profile.geometry is Geometry.dev_48412:
         return DEV_48412_BACKENDS[name]
     scale_views = ScaleViews.stride_aware
-    return packed_backend(name, mla=facts.mla, layouts=profile.layouts, layer_buffers=profile.layer_buffers,
+    allocated = facts.allocated_layouts()
+    layouts = profile.layouts if allocated is None else tuple(x for x in profile.layouts if x in allocated)
+    return packed_backend(name, mla=facts.mla, layouts=layouts, layer_buffers=profile.layer_buffers,
                           supported_layouts=facts.supported_layouts, scale_views=scale_views,
                           kv_split=facts.kv_split)
 

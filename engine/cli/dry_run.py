@@ -122,6 +122,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                      help="vLLM's --enable-extensible-kv-cache (0.34: restricts layouts with a connector)")
     dep.add_argument("--hisparse", action="store_true", default=None,
                      help="attention_config.hisparse_config is set (HiSparse attention)")
+    dep.add_argument("--use-v2-model-runner", action="store_true", default=None,
+                     help="the workers run vLLM's model runner V2 (VllmConfig.use_v2_model_runner; vLLM 0.28 "
+                          "picks it on GPUs for non-MoE models unless VLLM_USE_V2_MODEL_RUNNER=0)")
     dep.add_argument("--device-capability", type=_capability, metavar="MAJOR[.MINOR]",
                      help="the GPU's CUDA compute capability, e.g. 9.0 or 10.0 (FlashInfer's layouts depend on it)")
     out = p.add_argument_group("output")
@@ -240,6 +243,7 @@ _FLAG_OF = {
     "vllm_kv_cache_layout": "--vllm-kv-cache-layout",
     "enable_extensible_kv_cache": "--enable-extensible-kv-cache",
     "hisparse": "--hisparse",
+    "use_v2_model_runner": "--use-v2-model-runner",
     "device_capability": "--device-capability",
     "kv_cache_dtype": "--kv-cache-dtype",
     "scale_views": "--scale-views",
@@ -289,6 +293,7 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "enable_extensible_kv_cache": bool(args.enable_extensible_kv_cache),
         "hisparse": bool(args.hisparse),
         "device_capability": args.device_capability,
+        "use_v2_model_runner": bool(args.use_v2_model_runner),
     }
     if args.model is not None:
         kwargs["model"] = args.model
@@ -325,7 +330,8 @@ def example_banner(args: argparse.Namespace) -> str:
                            ("--connector", args.connector), ("--connector-config", args.connector_config),
                            ("--vllm-kv-cache-layout", args.vllm_kv_cache_layout),
                            ("--enable-extensible-kv-cache", args.enable_extensible_kv_cache),
-                           ("--hisparse", args.hisparse), ("--device-capability", args.device_capability))
+                           ("--hisparse", args.hisparse), ("--device-capability", args.device_capability),
+                           ("--use-v2-model-runner", args.use_v2_model_runner))
             if v is not None]
     text = (f"built-in example: Qwen2.5-0.5B KV geometry, {ex['backend']}, {ex['connector']}, "
             f"kv_cache_dtype {ex['kv_cache_dtype']}")

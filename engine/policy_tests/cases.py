@@ -86,6 +86,9 @@ class CaseInput(Frozen):
     connector: str | None = Field(default=None, description="KV connector class name; absent: no connector")
     connector_config: dict[str, Any] | None = Field(default=None, description="vLLM's kv_connector_extra_config")
     tensor_parallel_size: int = Field(default=1, ge=1, description="with `model` only")
+    vllm_kv_cache_layout: str | None = Field(default=None, description="the VLLM_KV_CACHE_LAYOUT environment "
+                                             "variable (NHD/HND, or a layout name from vLLM 0.29 on)")
+    use_v2_model_runner: bool = Field(default=False, description="vLLM's `VllmConfig.use_v2_model_runner`")
 
     @model_validator(mode="after")
     def _one_source(self) -> CaseInput:
@@ -339,13 +342,17 @@ def groups_from_data(
     return KVCacheGroups(groups=tuple(out))
 
 
-def context_for(inp: CaseInput, base_dir: Path = Path(".")) -> Context:
-    """The decision `Context` for a case input; raises `InputError` / `ModelConfigError`."""
+def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | None = None) -> Context:
+    """The decision `Context` for a case input, in ``vllm_version``'s release profile (default: the
+    default profile); raises `InputError` / `ModelConfigError`."""
     common: dict[str, Any] = {
         "backend": inp.backend,
         "scale_views": inp.scale_views.value if inp.scale_views else None,
         "connector": inp.connector,
         "connector_config": inp.connector_config,
+        "vllm_kv_cache_layout": inp.vllm_kv_cache_layout,
+        "use_v2_model_runner": inp.use_v2_model_runner,
+        "vllm_version": vllm_version,
     }
     if inp.groups is not None:
         groups = groups_from_data(inp.groups, kv_cache_dtype=inp.kv_cache_dtype, block_size=inp.block_size)

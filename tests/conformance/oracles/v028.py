@@ -34,6 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
+from _common import backend_class as _registry_backend_class  # noqa: E402
 from vllm import envs  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
@@ -56,7 +57,6 @@ from vllm.model_executor.layers.attention_layer_base import (  # noqa: E402
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # noqa: E402
 from vllm.v1.attention.backends import utils as backend_utils  # noqa: E402
 from vllm.v1.attention.backends.registry import (  # noqa: E402
-    AttentionBackendEnum,
     MambaAttentionBackendEnum,
 )
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
@@ -230,7 +230,11 @@ class _StandInLayer(AttentionLayerBase):
 def _backend_class(name: str):
     if name in MambaAttentionBackendEnum.__members__:
         return MambaAttentionBackendEnum[name].get_class()
-    return AttentionBackendEnum[name].get_class()
+    # STAND-IN (shared with v034, _common.backend_class): the FLASHINFER module imports
+    # the flashinfer package (a CUDA JIT package, not installed) at import time; an inert
+    # stub tree is installed only when that import fails. Shapes and stride orders are
+    # pure Python and call none of it.
+    return _registry_backend_class(name)
 
 
 def _base_spec(s: dict, case: dict, model_config) -> Any:
@@ -388,7 +392,7 @@ def _facts(case: dict) -> dict:
     backends: dict[str, Any] = {}
     for name in case.get("backends", FACT_BACKENDS):
         try:
-            b = AttentionBackendEnum[name].get_class()
+            b = _backend_class(name)
         except Exception as e:
             backends[name] = _err(e)
             continue
