@@ -32,6 +32,7 @@ from policy.context import Context
 from policy.errors import Diagnostic, PolicyError
 from policy.layouts import Layout, LayoutName, LayoutPattern
 from policy.load import RULE_FILE_SUFFIXES
+from policy.releases import ReleaseProfile
 from policy.ruleset import RuleSet
 from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 from policy.validate import located_validation_errors
@@ -338,9 +339,12 @@ def groups_from_data(
     return KVCacheGroups(groups=tuple(out))
 
 
-def context_for(inp: CaseInput, base_dir: Path = Path(".")) -> Context:
-    """The decision `Context` for a case input; raises `InputError` / `ModelConfigError`."""
+def context_for(inp: CaseInput, base_dir: Path = Path("."),
+                vllm_version: str | ReleaseProfile | None = None) -> Context:
+    """The decision `Context` for a case input in ``vllm_version``'s release profile (default: the
+    default profile); raises `InputError` / `ModelConfigError`."""
     common: dict[str, Any] = {
+        "vllm_version": vllm_version,
         "backend": inp.backend,
         "scale_views": inp.scale_views.value if inp.scale_views else None,
         "connector": inp.connector,
