@@ -285,7 +285,8 @@ def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic]]:
 
 
 def _check_rule_ids(cases: list[LoadedCase], ruleset: RuleSet) -> list[Diagnostic]:
-    known = sorted(r.id for r in ruleset.rules)
+    # `release-candidates`: the built-in filter of the release's candidates (engine.decide.release_ref)
+    known = sorted([*(r.id for r in ruleset.rules), "release-candidates"])
     diags = []
     for lc in cases:
         for path, rule_id in lc.case.expect.rule_ids:
