@@ -305,8 +305,9 @@ def lint(
         elif rule.id in bearing and bearing[rule.id].kind is None:
             findings.append(Finding(
                 "note", "not-load-bearing",
-                f"rule `{rule.id}` matches {matched[rule.id]} input(s), but removing it changes no decision and "
-                "lets no unsafe layout through: it can go", rule_ref(rule)))
+                f"rule `{rule.id}` matches {matched[rule.id]} input(s), but removing it alone changes no decision "
+                "and lets no unsafe layout through (other rules or the release's candidates cover it): it can go, "
+                "or it guards inputs outside the space", rule_ref(rule)))
     if conflicts[True]:
         findings.append(Finding("note", "release-refuses",
                                 f"no layout survives for {len(conflicts[True])} input(s), as with the shipped rules "
