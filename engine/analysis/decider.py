@@ -67,16 +67,18 @@ class Decider:
         self.ruleset = ruleset
         fields = {leaf.field for r in ruleset.rules for leaf in leaves_of(r.rule.when)}
         self.fields = tuple(sorted(f for f in fields if not f.startswith("connector.")))
-        self._core_keys: dict[int, tuple[Any, ...]] = {}
-        self._cache: dict[tuple[Any, ...], Decided] = {}
+        self._core_keys: dict[int, int] = {}  # id(core) -> interned key (the space keeps every core alive)
+        self._interned: dict[tuple[Any, ...], int] = {}
+        self._cache: dict[tuple[int, str], Decided] = {}
 
-    def key(self, inp: AnalysisInput) -> tuple[Any, ...]:
+    def key(self, inp: AnalysisInput) -> tuple[int, str]:
+        """Equal for inputs this rule set decides alike: (what the rules see of the shared part, the connector)."""
         core = inp.core
         ck = self._core_keys.get(id(core))
         if ck is None:
             env = core.env
-            ck = (core.context.candidates, tuple(env.get(f, MISSING) for f in self.fields))
-            self._core_keys[id(core)] = ck
+            seen = (core.context.candidates, tuple(env.get(f, MISSING) for f in self.fields))
+            ck = self._core_keys[id(core)] = self._interned.setdefault(seen, len(self._interned))
         return ck, inp.conn.label
 
     def decide(self, inp: AnalysisInput) -> Decided:

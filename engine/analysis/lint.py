@@ -225,10 +225,18 @@ def lint(
     conflict_rules: dict[bool, dict[str, RuleRef]] = {False: {}, True: {}}
     # Inputs with the same decision key decide alike; within one, the verifier's answer depends
     # only on the geometry. So each key is analysed once, and each (key, geometry) verified once.
-    cases: dict[tuple[Any, ...], dict[tuple[str, ...], list[AnalysisInput]]] = {}
+    cases: dict[tuple[int, str], dict[tuple[str, ...], list[AnalysisInput]]] = {}
     for inp in space:
-        key = (decider.key(inp), None if base_decider in (None, decider) else base_decider.key(inp))
-        cases.setdefault(key, {}).setdefault(inp.geometry, []).append(inp)
+        key = decider.key(inp)
+        by_geometry = cases.get(key)
+        if by_geometry is None:
+            by_geometry = cases[key] = {}
+        geometry = inp.core.geometry
+        members = by_geometry.get(geometry)
+        if members is None:
+            by_geometry[geometry] = [inp]
+        else:
+            members.append(inp)
     full = (1 << len(order)) - 1
     for geometries in cases.values():
         everyone = [inp for members in geometries.values() for inp in members]
@@ -257,21 +265,25 @@ def lint(
                     lb.examples.append(f"{rep.label}: {decider.name(d.winner)} -> {decider.name(w)}"
                                        + (" (unsafe)" if through else ""))
         if d.winner is None:
-            refused = base_decider is not None and base_decider.decide(inp).winner is None
-            conflicts[refused] += everyone
-            found = conflict_rules[refused]
-            for ids in d.removers.values():
-                for rule_id in ids:
-                    if rule_id not in found:
-                        found[rule_id] = rule_ref(ruleset.rule(rule_id))
-            if d.candidates != full and "release-candidates" not in found:
-                found["release-candidates"] = release_ref(inp.context)
-            agree = f"connector:{inp.conn.config.name}:members-agree" if inp.conn.config else ""
-            if agree not in found and d.candidates & ~sum(1 << i for i in d.removers):  # the members disagreed
-                for e in decider.events(inp):
-                    if isinstance(e, CandidateRemoved) and e.rule.id.endswith(":members-agree"):
-                        found.setdefault(e.rule.id, e.rule)
-                        break
+            sides = set()
+            for x in everyone:  # the release refuses these too when its shipped rules leave nothing
+                refused = base_decider is not None and base_decider.decide(x).winner is None
+                conflicts[refused].append(x)
+                sides.add(refused)
+            for refused in sides:
+                found = conflict_rules[refused]
+                for ids in d.removers.values():
+                    for rule_id in ids:
+                        if rule_id not in found:
+                            found[rule_id] = rule_ref(ruleset.rule(rule_id))
+                if d.candidates != full and "release-candidates" not in found:
+                    found["release-candidates"] = release_ref(inp.context)
+                agree = f"connector:{inp.conn.config.name}:members-agree" if inp.conn.config else ""
+                if agree not in found and d.candidates & ~sum(1 << i for i in d.removers):  # members disagreed
+                    for e in decider.events(inp):
+                        if isinstance(e, CandidateRemoved) and e.rule.id.endswith(":members-agree"):
+                            found.setdefault(e.rule.id, e.rule)
+                            break
             continue
         layout = order[d.winner]
         for members in geometries.values():
