@@ -109,7 +109,7 @@ class LoadBearing:
         return f"it matches {self.matched} input(s), but without it no decision changes"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule.to_dict(), "load_bearing": self.kind, "matched": self.matched,
+        return {**self.rule.to_dict(), "load_bearing": self.kind, "matched": self.matched,
                 "decisions_changed": self.changed, "unsafe_without": self.unsafe,
                 "unsafe_chosen_without": self.unsafe_chosen, "examples": list(self.examples)}
 
