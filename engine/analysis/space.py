@@ -187,9 +187,6 @@ class _Leaves:
     def signature(self, env: dict[str, Any]) -> tuple[bool, ...]:
         return tuple(p(env[f]) for f in sorted(env) for p in self.by_field.get(f, ()))
 
-    def tested(self, path: str) -> bool:
-        return path in self.by_field
-
     def values(self, path: str) -> list[Any]:
         """The literals the rules compare ``path`` with (and the integers either side of an ordering)."""
         out: list[Any] = []
