@@ -1,8 +1,8 @@
-"""Policy analysis over the whole input space: lint, diff."""
+"""Policy analysis over a release profile's whole input space: lint, diff."""
 
 from engine.analysis.diff import DecisionChange, DiffReport, diff_rulesets
-from engine.analysis.lint import Finding, LintReport, lint
-from engine.analysis.space import AnalysisInput, enumerate_inputs
+from engine.analysis.lint import Finding, LintReport, LoadBearing, lint, shipped_ruleset
+from engine.analysis.space import AnalysisInput, Space, build_space, enumerate_inputs
 
 __all__ = [
     "AnalysisInput",
@@ -10,7 +10,11 @@ __all__ = [
     "DiffReport",
     "Finding",
     "LintReport",
+    "LoadBearing",
+    "Space",
+    "build_space",
     "diff_rulesets",
     "enumerate_inputs",
     "lint",
+    "shipped_ruleset",
 ]

@@ -1,9 +1,10 @@
 """`kvpolicy diff OLD NEW`: every input whose decision a rule change alters, and why.
 
-Both rule sets decide every input of one enumerated space (the union of what
-either set's connector rules test). For each changed input the report names,
-on each side, the rules responsible: those that removed the other side's
-layout, or else the preferences that ranked this side's layout first.
+Both rule sets decide every input of one release profile's space (the
+inputs either set reads: `engine.analysis.space`). For each changed input the
+report names, on each side, the rules responsible: those that removed the
+other side's layout, or else the preferences that ranked this side's layout
+first.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.analysis.space import AnalysisInput, enumerate_inputs
-from engine.decide import Outcome, evaluate, scopes_for
+from engine.analysis.decider import Decider
+from engine.analysis.space import AnalysisInput, Space, build_space
 from engine.trace import CandidateRemoved, PreferenceApplied
+from policy.backends import ScaleViews
+from policy.releases import ReleaseProfile, get_profile
 from policy.ruleset import RuleSet
 
 __all__ = ["DecisionChange", "DiffReport", "diff_rulesets"]
@@ -40,6 +43,8 @@ class DecisionChange:
 class DiffReport:
     inputs_checked: int
     changes: tuple[DecisionChange, ...]
+    profile: str = ""
+    space: Space | None = None
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -49,50 +54,49 @@ class DiffReport:
         return dict(sorted(out.items()))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"inputs_checked": self.inputs_checked, "changed": len(self.changes), "counts": self.counts(),
+        return {"profile": self.profile, "inputs_checked": self.inputs_checked,
+                "space": self.space.to_dict() if self.space is not None else None,
+                "changed": len(self.changes), "counts": self.counts(),
                 "changes": [c.to_dict() for c in self.changes]}
 
 
-def _outcome(ruleset: RuleSet, inp: AnalysisInput) -> Outcome:
-    glob, conn = scopes_for(ruleset, inp.context)
-    return evaluate(ruleset, glob, conn, explain=False)
-
-
-def _name(ruleset: RuleSet, out: Outcome) -> str:
-    return "no layout" if out.winner is None else str(ruleset.layout_order[out.winner])
-
-
-def _because(ruleset: RuleSet, inp: AnalysisInput, out: Outcome, other: str) -> tuple[str, ...]:
+def _because(decider: Decider, inp: AnalysisInput, other: str) -> tuple[str, ...]:
     """Why this side did not pick ``other``: what removed it, else what ranked our choice first."""
-    glob, conn = scopes_for(ruleset, inp.context)
-    events = evaluate(ruleset, glob, conn, explain=True).events
+    events = decider.events(inp)
+    winner = decider.decide(inp).winner
     removed = {f"{e.rule.id} ({e.rule.source})" for e in events
-               if isinstance(e, CandidateRemoved) and str(e.layout) == other}
-    if out.winner is None:
-        removed = {f"{e.rule.id} ({e.rule.source})" for e in events if isinstance(e, CandidateRemoved)}
+               if isinstance(e, CandidateRemoved) and (winner is None or str(e.layout) == other)}
     if removed:
         return tuple(sorted(removed))
-    mine = str(ruleset.layout_order[out.winner])
+    mine = decider.name(winner)
     return tuple(sorted({f"{e.rule.id} ({e.rule.source})" for e in events
                          if isinstance(e, PreferenceApplied) and str(e.layout) == mine}))
 
 
-def diff_rulesets(old: RuleSet, new: RuleSet, inputs: list[AnalysisInput] | None = None) -> DiffReport:
-    """Decide every input under both rule sets and list what changed."""
+def diff_rulesets(
+    old: RuleSet,
+    new: RuleSet,
+    inputs: Space | list[AnalysisInput] | None = None,
+    *,
+    vllm_version: str | ReleaseProfile | None = None,
+    scale_views: list[ScaleViews] | None = None,
+) -> DiffReport:
+    """Decide every input under both rule sets (in ``vllm_version``'s profile) and list what changed."""
+    profile = get_profile(vllm_version)
     if inputs is None:
-        seen: set[str] = set()
-        inputs = []
-        for rs in (old, new):  # the union of both spaces, each input once
-            for inp in enumerate_inputs(rs):
-                if inp.label not in seen:
-                    seen.add(inp.label)
-                    inputs.append(inp)
+        space = build_space([old, new], vllm_version=profile, scale_views=scale_views)
+    elif isinstance(inputs, Space):
+        space = inputs
+    else:
+        space = Space(profile, list(inputs))
+    a, b = Decider(old), Decider(new)
+    because: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
     changes = []
-    for inp in inputs:
-        a, b = _outcome(old, inp), _outcome(new, inp)
-        na, nb = _name(old, a), _name(new, b)
+    for inp in space:
+        na, nb = a.name(a.decide(inp).winner), b.name(b.decide(inp).winner)
         if na != nb:
-            changes.append(DecisionChange(inp, na, nb, _because(old, inp, a, nb), _because(new, inp, b, na)))
-    return DiffReport(len(inputs), tuple(changes))
-
-
+            key = (a.key(inp), b.key(inp))
+            if key not in because:
+                because[key] = (_because(a, inp, nb), _because(b, inp, na))
+            changes.append(DecisionChange(inp, na, nb, *because[key]))
+    return DiffReport(len(space), tuple(changes), space.profile.name, space)

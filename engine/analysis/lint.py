@@ -1,15 +1,27 @@
-"""`kvpolicy lint`: a rule set checked over every input it could see, grounded in bytes.
+"""`kvpolicy lint`: a rule set checked over every input of one release profile, grounded in bytes.
 
 Findings, by severity:
 
 - error ``unsafe-permit``: the rules choose a layout whose views the verifier
-  finds overlapping (or one the backend cannot lay out) for these inputs;
-- error ``conflict``: no layout survives for these inputs;
+  finds overlapping (or one the backend has no geometry for) for these inputs;
+- error ``conflict``: no layout survives for these inputs, where the
+  profile's shipped rules choose one;
 - warning ``dead-rule``: no input makes the rule match;
-- note ``not-load-bearing``: a forbid/require whose every removed layout is
-  safe by the verifier for every input it matches. Its reason is not memory
-  safety (a performance or compatibility rule), or it can go: this is how the
-  cross-layer speed-up comes back once backends build stride-aware scale views.
+- note ``release-refuses``: no layout survives, as with the profile's shipped
+  rules: the release itself refuses to start there (``VLLM_KV_CACHE_LAYOUT``
+  naming a layout the backends lack, MultiConnector members requiring
+  different layouts, ...). The shipped rules reproduce the release, checked
+  against it by ``tests/conformance/``;
+- note ``not-load-bearing``: a forbid/require whose removal changes no
+  decision of the space and lets no unsafe layout through: it can go.
+
+Load-bearing, for every forbid and require: removing the rule lets an unsafe
+layout (overlapping views, or no geometry) survive the rules for some input
+(``safety``), or else changes some input's decision (``decision``: a rule that
+reproduces the release or an operator's choice, not one that protects bytes).
+The per-token-head guard of the #48412 state is a ``safety`` rule there; in
+the released profiles, whose backends build stride-aware scale views (vLLM
+0.27.1 on), it protects nothing.
 """
 
 from __future__ import annotations
@@ -17,19 +29,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.analysis.space import AnalysisInput, enumerate_inputs
-from engine.decide import evaluate, rule_ref, scopes_for
+from engine.analysis.decider import Decider
+from engine.analysis.space import AnalysisInput, Space, build_space
+from engine.decide import release_ref, rule_ref
 from engine.plan import plan_layout
 from engine.trace import CandidateRemoved, RuleRef
 from engine.verify import verify_plan
+from policy.backends import ScaleViews
 from policy.errors import PolicyError
 from policy.layouts import Layout
+from policy.releases import ReleaseProfile, get_profile
 from policy.rule_model import Effect
 from policy.ruleset import RuleSet
 
-__all__ = ["Finding", "LintReport", "lint"]
+__all__ = ["Finding", "LintReport", "LoadBearing", "lint", "shipped_ruleset"]
 
 VERIFY_BLOCKS = 2
+_EXAMPLES = 3
+_REFUSALS_LISTED = 50  # a release's refusals are many and expected: a sample is listed, the count is exact
 
 
 @dataclass(frozen=True)
@@ -39,19 +56,62 @@ class Finding:
     message: str
     rule: RuleRef | None = None
     inputs: tuple[str, ...] = ()
+    total: int | None = None  # inputs in all, when ``inputs`` lists only a sample
+
+    @property
+    def count(self) -> int:
+        return len(self.inputs) if self.total is None else self.total
 
     def render(self, max_inputs: int = 20) -> str:
         where = f"{self.rule.source}: " if self.rule else ""
         text = f"{where}{self.severity}[{self.code}]: {self.message}"
         for label in self.inputs[:max_inputs]:
             text += f"\n    {label}"
-        if len(self.inputs) > max_inputs:
-            text += f"\n    ... and {len(self.inputs) - max_inputs} more inputs (--format json lists all)"
+        if self.count > min(max_inputs, len(self.inputs)):
+            more = self.count - min(max_inputs, len(self.inputs))
+            text += f"\n    ... and {more} more inputs " + (
+                "(--format json lists all)" if self.total is None else f"(--format json lists {len(self.inputs)})")
         return text
 
     def to_dict(self) -> dict[str, Any]:
         return {"severity": self.severity, "code": self.code, "message": self.message,
-                "rule": self.rule.to_dict() if self.rule else None, "inputs": list(self.inputs)}
+                "rule": self.rule.to_dict() if self.rule else None, "count": self.count, "inputs": list(self.inputs)}
+
+
+@dataclass
+class LoadBearing:
+    """What one forbid/require bears in the space: what deleting it would change."""
+
+    rule: RuleRef
+    matched: int = 0  # inputs it matches
+    changed: int = 0  # inputs whose decision changes without it
+    unsafe: int = 0  # inputs for which an unsafe layout survives the rules without it
+    unsafe_chosen: int = 0  # ... and is chosen
+    examples: list[str] = field(default_factory=list)  # inputs where it bears load (safety ones first)
+
+    @property
+    def kind(self) -> str | None:
+        """``safety``, ``decision``, or None (not load-bearing)."""
+        if self.unsafe:
+            return "safety"
+        return "decision" if self.changed else None
+
+    def describe(self) -> str:
+        if self.kind == "safety":
+            text = f"without it an unsafe layout gets through the rules for {self.unsafe} input(s)"
+            if self.unsafe_chosen:
+                text += f" (and is chosen for {self.unsafe_chosen})"
+            return text + f"; {self.changed} decision(s) change"
+        if self.kind == "decision":
+            return f"without it {self.changed} decision(s) change, every one to a safe layout"
+        if not self.matched:
+            return "it matches no input"
+        return f"it matches {self.matched} input(s), but without it no decision changes"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.rule.to_dict(), "load_bearing": self.kind, "matched": self.matched,
+                "decisions_changed": self.changed, "unsafe_without": self.unsafe,
+                "unsafe_chosen_without": self.unsafe_chosen, "examples": list(self.examples)}
 
 
 @dataclass(frozen=True)
@@ -61,6 +121,9 @@ class LintReport:
     rules: int
     plans_verified: int = 0
     summary: dict[str, int] = field(default_factory=dict)
+    profile: str = ""
+    space: Space | None = None
+    load_bearing: tuple[LoadBearing, ...] = ()
 
     @property
     def errors(self) -> tuple[Finding, ...]:
@@ -70,116 +133,201 @@ class LintReport:
     def warnings(self) -> tuple[Finding, ...]:
         return tuple(f for f in self.findings if f.severity == "warning")
 
+    def bearing(self, kind: str | None) -> list[str]:
+        """Ids of the forbids/requires of this kind (``safety``, ``decision``, None)."""
+        return [lb.rule.id for lb in self.load_bearing if lb.kind == kind]
+
+    def render_load_bearing(self) -> str:
+        lines = [f"load-bearing forbids/requires under `{self.profile}` (deleting one lets an unsafe layout "
+                 "through: safety; or changes a decision: decision):"]
+        for lb in self.load_bearing:
+            lines.append(f"  {lb.kind or 'no':<8}  `{lb.rule.id}` ({lb.rule.effect}, {lb.rule.source}): "
+                         f"{lb.describe()}")
+        if not self.load_bearing:
+            lines.append("  (the rule set has no forbid or require)")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"inputs_checked": self.inputs_checked, "rules": self.rules, "plans_verified": self.plans_verified,
+        return {"profile": self.profile, "inputs_checked": self.inputs_checked,
+                "space": self.space.to_dict() if self.space is not None else None,
+                "rules": self.rules, "plans_verified": self.plans_verified,
                 "errors": len(self.errors), "warnings": len(self.warnings),
-                "findings": [f.to_dict() for f in self.findings]}
+                "findings": [f.to_dict() for f in self.findings],
+                "load_bearing": [lb.to_dict() for lb in self.load_bearing]}
 
 
 class _Verifier:
-    """Verify (layout, spec, backend) once; the space repeats them many times."""
+    """Verify (layout, geometry) once; the space repeats them many times."""
 
     def __init__(self) -> None:
         self.cache: dict[tuple[Any, ...], tuple[str, str] | None] = {}
 
     def check(self, layout: Layout, inp: AnalysisInput) -> tuple[str, str] | None:
         """None when safe; else ("overlap" | "unplannable", what is wrong in one line)."""
-        ctx = inp.context
-        key = (layout, ctx.kv, ctx.backend)
+        key = (layout, inp.geometry)
         if key not in self.cache:
             try:
-                report = verify_plan(plan_layout(layout, ctx.kv, ctx.backend, VERIFY_BLOCKS))
+                report = verify_plan(plan_layout(layout, inp.kv, inp.backend, VERIFY_BLOCKS))
                 self.cache[key] = None if report.ok else ("overlap", report.collisions[0].describe())
             except PolicyError as exc:
-                self.cache[key] = ("unplannable", exc.render().splitlines()[-1].strip())
+                self.cache[key] = ("unplannable", exc.diagnostics[0].message if exc.diagnostics else exc.message)
         return self.cache[key]
 
-    def problem(self, layout: Layout, inp: AnalysisInput) -> str | None:
-        found = self.check(layout, inp)
-        return None if found is None else found[1]
 
-    def overlaps(self, layout: Layout, inp: AnalysisInput) -> bool:
-        found = self.check(layout, inp)
-        return found is not None and found[0] == "overlap"
+def _labels(inputs: list[AnalysisInput], limit: int | None = None) -> tuple[str, ...]:
+    return tuple(sorted(inp.label for inp in inputs[:limit]))
 
 
-def _needed(verifier: _Verifier, layout: Layout, inp: AnalysisInput, removers: int) -> bool:
-    """Is removing ``layout`` for ``inp`` protecting anything?
+def shipped_ruleset(vllm_version: str | ReleaseProfile | None = None) -> RuleSet | None:
+    """The profile's shipped rules (None when they do not load: lint then has no baseline)."""
+    from engine.layout_engine import LayoutEngine
 
-    An overlapping layout always is (defence in depth, even if another rule
-    also removes it). A layout the backend cannot lay out at all (HND without a
-    head dim) is, when this rule is the only one removing it.
+    try:
+        return LayoutEngine.default(vllm_version).ruleset
+    except PolicyError:  # pragma: no cover - a packaging defect; the shipped-rules tests catch it
+        return None
+
+
+def lint(
+    ruleset: RuleSet,
+    inputs: Space | list[AnalysisInput] | None = None,
+    *,
+    vllm_version: str | ReleaseProfile | None = None,
+    scale_views: list[ScaleViews] | None = None,
+    baseline: RuleSet | bool | None = True,
+) -> LintReport:
+    """Lint ``ruleset`` over ``inputs`` (default: the profile's space; see `engine.analysis.space`).
+
+    ``baseline``: the rule set whose conflicts are the release's own refusals
+    (True: the profile's shipped rules; None/False: none, every conflict is an
+    error). Its fields are part of the default space.
     """
-    found = verifier.check(layout, inp)
-    if found is None:
-        return False
-    return found[0] == "overlap" or removers <= 1
-
-
-def lint(ruleset: RuleSet, inputs: list[AnalysisInput] | None = None) -> LintReport:
-    """Lint ``ruleset`` over ``inputs`` (default: the whole enumerated space)."""
-    space = inputs if inputs is not None else list(enumerate_inputs(ruleset))
+    profile = get_profile(vllm_version)
+    base = shipped_ruleset(profile) if baseline is True else (baseline or None)
+    if base is not None and base.digest == ruleset.digest:
+        base = ruleset
+    if inputs is None:
+        space = build_space([ruleset] if base is None or base is ruleset else [ruleset, base],
+                            vllm_version=profile, scale_views=scale_views)
+    elif isinstance(inputs, Space):
+        space = inputs
+    else:
+        space = Space(profile, list(inputs))
     order = ruleset.layout_order
     verifier = _Verifier()
-    matched: dict[str, list[int]] = {r.id: [] for r in ruleset.rules}
-    removers: list[dict[int, int]] = []  # per input: layout index -> how many matched rules remove it
-    unsafe: dict[str, list[str]] = {}
-    why: dict[str, list[str]] = {}
-    conflicts: list[str] = []
-    conflict_rules: dict[str, RuleRef] = {}
-    for n, inp in enumerate(space):
-        glob, conn = scopes_for(ruleset, inp.context)
-        count: dict[int, int] = {}
-        for scope in glob.walk() + (conn.walk() if conn else []):
-            for rule in scope.rules:
-                if rule.fast[0](scope.env):
-                    hits = matched[rule.id]
-                    if not hits or hits[-1] != n:
-                        hits.append(n)
-                    if rule.effect is not Effect.prefer:
-                        for i in range(len(order)):
-                            if rule.removes(i):
-                                count[i] = count.get(i, 0) + 1
-        removers.append(count)
-        outcome = evaluate(ruleset, glob, conn, explain=False)
-        if outcome.winner is None:
-            conflicts.append(inp.label)
-            for e in evaluate(ruleset, glob, conn, explain=True).events:
-                if isinstance(e, CandidateRemoved):
-                    conflict_rules.setdefault(e.rule.id, e.rule)
+    decider = Decider(ruleset)
+    base_decider = None if base is None else (decider if base is ruleset else Decider(base))
+    matched: dict[str, int] = {r.id: 0 for r in ruleset.rules}
+    bearing = {r.id: LoadBearing(rule_ref(r)) for r in ruleset.rules if r.effect is not Effect.prefer}
+    unsafe: dict[tuple[str, str], list[AnalysisInput]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    conflicts: dict[bool, list[AnalysisInput]] = {False: [], True: []}  # refused by the release too?
+    conflict_rules: dict[bool, dict[str, RuleRef]] = {False: {}, True: {}}
+    # Inputs with the same decision key decide alike; within one, the verifier's answer depends
+    # only on the geometry. So each key is analysed once, and each (key, geometry) verified once.
+    cases: dict[tuple[int, str], dict[tuple[str, ...], list[AnalysisInput]]] = {}
+    for inp in space:
+        key = decider.key(inp)
+        by_geometry = cases.get(key)
+        if by_geometry is None:
+            by_geometry = cases[key] = {}
+        geometry = inp.core.geometry
+        members = by_geometry.get(geometry)
+        if members is None:
+            by_geometry[geometry] = [inp]
+        else:
+            members.append(inp)
+    full = (1 << len(order)) - 1
+    for geometries in cases.values():
+        everyone = [inp for members in geometries.values() for inp in members]
+        inp, n = everyone[0], len(everyone)
+        d = decider.decide(inp)
+        for rule in d.matched:
+            matched[rule.id] += n
+            lb = bearing.get(rule.id)
+            if lb is None:
+                continue
+            lb.matched += n
+            sole = d.sole(rule.id)  # what survives without it; nothing else changes (no scores)
+            if not sole:
+                continue
+            w = decider.without(inp, rule.id)
+            if w != d.winner:
+                lb.changed += n
+            for members in geometries.values():
+                rep = members[0]
+                through = any(verifier.check(order[i], rep) is not None for i in sole)
+                if through:
+                    lb.unsafe += len(members)
+                    if w is not None and w != d.winner and verifier.check(order[w], rep) is not None:
+                        lb.unsafe_chosen += len(members)
+                if (through or w != d.winner) and len(lb.examples) < _EXAMPLES:
+                    lb.examples.append(f"{rep.label}: {decider.name(d.winner)} -> {decider.name(w)}"
+                                       + (" (unsafe)" if through else ""))
+        if d.winner is None:
+            sides = set()
+            for x in everyone:  # the release refuses these too when its shipped rules leave nothing
+                refused = base_decider is not None and base_decider.decide(x).winner is None
+                conflicts[refused].append(x)
+                sides.add(refused)
+            for refused in sides:
+                found = conflict_rules[refused]
+                for ids in d.removers.values():
+                    for rule_id in ids:
+                        if rule_id not in found:
+                            found[rule_id] = rule_ref(ruleset.rule(rule_id))
+                if d.candidates != full and "release-candidates" not in found:
+                    found["release-candidates"] = release_ref(inp.context)
+                agree = f"connector:{inp.conn.config.name}:members-agree" if inp.conn.config else ""
+                if agree not in found and d.candidates & ~sum(1 << i for i in d.removers):  # members disagreed
+                    for e in decider.events(inp):
+                        if isinstance(e, CandidateRemoved) and e.rule.id.endswith(":members-agree"):
+                            found.setdefault(e.rule.id, e.rule)
+                            break
             continue
-        layout = order[outcome.winner]
-        problem = verifier.problem(layout, inp)
-        if problem is not None:
-            unsafe.setdefault(str(layout), []).append(inp.label)
-            if problem not in why.setdefault(str(layout), []):
-                why[str(layout)].append(problem)
+        layout = order[d.winner]
+        for members in geometries.values():
+            problem = verifier.check(layout, members[0])
+            if problem is not None:
+                reason = (str(layout), problem[0])
+                unsafe.setdefault(reason, []).extend(members)
+                if problem[1] not in why.setdefault(reason, []):
+                    why[reason].append(problem[1])
 
     findings: list[Finding] = []
-    for layout, labels in sorted(unsafe.items()):
-        shown = "; ".join(why[layout][:2]) + (f"; and {len(why[layout]) - 2} more" if len(why[layout]) > 2 else "")
-        findings.append(Finding("error", "unsafe-permit",
-                                f"the rules choose `{layout}` for {len(labels)} input(s) whose views would overlap "
-                                f"({shown})", inputs=tuple(labels)))
-    if conflicts:
-        named = ", ".join(f"`{r.id}` ({r.source})" for r in sorted(conflict_rules.values(), key=lambda r: r.source))
+    for (layout, reason), labels in sorted(unsafe.items()):
+        shown = "; ".join(why[(layout, reason)][:2])
+        if len(why[(layout, reason)]) > 2:
+            shown += f"; and {len(why[(layout, reason)]) - 2} more"
+        what = "whose views would overlap" if reason == "overlap" else "that the backend has no geometry for"
+        findings.append(Finding("error", "unsafe-permit", f"the rules choose `{layout}` for {len(labels)} input(s) "
+                                f"{what} ({shown})", inputs=_labels(labels)))
+
+    def named(refs: dict[str, RuleRef]) -> str:
+        return ", ".join(f"`{r.id}` ({r.source})" for r in sorted(refs.values(), key=lambda r: (str(r.source), r.id)))
+
+    if conflicts[False]:
         findings.append(Finding("error", "conflict",
-                                f"no layout survives for {len(conflicts)} input(s); the rules removing candidates "
-                                f"there: {named}", inputs=tuple(conflicts)))
+                                f"no layout survives for {len(conflicts[False])} input(s); the rules removing "
+                                f"candidates there: {named(conflict_rules[False])}", inputs=_labels(conflicts[False])))
     for rule in sorted(ruleset.rules, key=lambda r: (r.source, r.id)):
-        hits = matched[rule.id]
-        if not hits:
+        if not matched[rule.id]:
             findings.append(Finding("warning", "dead-rule", f"rule `{rule.id}` matches no input of the space",
                                     rule_ref(rule)))
-        elif rule.effect in (Effect.forbid, Effect.require):
-            removed = [i for i in range(len(order)) if rule.removes(i)]
-            load_bearing = any(_needed(verifier, order[i], space[n], removers[n].get(i, 0))
-                               for n in hits for i in removed)
-            if not load_bearing:
-                findings.append(Finding(
-                    "note", "not-load-bearing",
-                    f"rule `{rule.id}` only removes layouts the verifier finds safe for all {len(hits)} input(s) "
-                    "it matches: it is not a memory-safety rule, or it can be removed", rule_ref(rule)))
+        elif rule.id in bearing and bearing[rule.id].kind is None:
+            findings.append(Finding(
+                "note", "not-load-bearing",
+                f"rule `{rule.id}` matches {matched[rule.id]} input(s), but removing it alone changes no decision "
+                "and lets no unsafe layout through (other rules or the release's candidates cover it): it can go, "
+                "or it guards inputs outside the space", rule_ref(rule)))
+    if conflicts[True]:
+        findings.append(Finding("note", "release-refuses",
+                                f"no layout survives for {len(conflicts[True])} input(s), as with the shipped rules "
+                                f"of `{profile.name}`: the release refuses to start there; the rules removing "
+                                f"candidates: {named(conflict_rules[True])}",
+                                inputs=_labels(conflicts[True], _REFUSALS_LISTED), total=len(conflicts[True])))
     summary = {"inputs": len(space), "unsafe_inputs": sum(len(v) for v in unsafe.values()),
-               "conflicts": len(conflicts)}
-    return LintReport(tuple(findings), len(space), len(ruleset.rules), len(verifier.cache), summary)
+               "conflicts": len(conflicts[False]), "release_refuses": len(conflicts[True])}
+    ordered = tuple(sorted(bearing.values(), key=lambda lb: (str(lb.rule.source), lb.rule.id)))
+    return LintReport(tuple(findings), len(space), len(ruleset.rules), len(verifier.cache), summary,
+                      space.profile.name, space, ordered)

@@ -1,43 +1,108 @@
-"""The finite input space a rule set is analysed over.
+"""The finite input space a rule set is analysed over, for one vLLM release profile.
 
-Every combination of: kv_cache_dtype, backend profile x scale-view strategy,
-attention kind, group structure, and connector (none, each known connector
-with each value its rules test in ``connector.extra.*``, an unknown one, and
-MultiConnector pairs). Sizes are small and representative: the verifier's
-answer does not depend on them (its geometry is periodic), and rules testing
-sizes see the values they compare with.
+Every input is built as an operator's would be (`engine.inputs.build_context`
+with the profile's ``vllm_version``), so lint never decides an input the
+release cannot have: the profile's backends with their geometry and
+candidates, its ``kv_cache_dtype`` strings, and vLLM's options. Dimensions:
+
+- attention backend (the profile's), and for a backend whose declared layouts
+  depend on the CUDA device capability, each capability that changes them
+  (plus none);
+- ``kv_cache_dtype``: the profile's strings kvpolicy has a cell geometry for,
+  one per (quant mode, element size, what the rules can tell apart);
+- attention kind (MLA backends: ``mla``; others ``full``, and
+  ``sliding_window`` when a rule can tell it apart);
+- group shape: one group, one group with two attention groups, two groups,
+  a Mamba hybrid, mixed (heads, tokens, page bytes) shapes, and a replicated
+  draft under DCP with another page size;
+- ``VLLM_KV_CACHE_LAYOUT`` (unset, a layout, ``NHD``/``HND``),
+  ``enable_extensible_kv_cache``, HiSparse;
+- connector: none, every connector some rule names in each variant of the
+  ``connector.extra.*`` values its rules test, a connector no rule names, and
+  MultiConnector pairs of those.
+
+A dimension's values that no rule of the analysed rule sets can tell apart
+(and that give the same candidates and geometry) collapse to the first one,
+so a dimension the rules never read costs nothing. Sizes are fixed and small
+(the verifier's answer does not depend on them: its geometry is periodic).
+
+Inputs share their parts: the environment rules see is composed from the
+shared part of its context and its connector's part, never copied per input.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from policy.backends import BACKENDS, BackendProfile, ScaleViews
-from policy.conditions import leaves_of
+from engine.decide import Scope
+from engine.inputs import build_context
+from policy.backends import BackendProfile, ScaleViews, packed_backend
+from policy.conditions import leaf_predicate, leaves_of
 from policy.connectors import ConnectorConfig
-from policy.context import EXTRA_PREFIX, Context
+from policy.context import EXTRA_PREFIX, FIELDS, MISSING, Context, VllmOptions
+from policy.errors import PolicyError
+from policy.layouts import Layout
 from policy.quant import KV_CACHE_DTYPES
+from policy.releases import ReleaseProfile, Resolver, get_profile
 from policy.ruleset import RuleSet
 from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
-__all__ = ["AnalysisInput", "enumerate_inputs"]
+__all__ = ["AnalysisInput", "Space", "build_space", "enumerate_inputs"]
 
 SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 16}
 MLA_SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 1, "head_size": 32}
-GROUP_SHAPES = ("1x1", "1x2", "2x1", "mamba-hybrid")
+GROUP_SHAPES = ("1x1", "1x2", "2x1", "mamba-hybrid", "mixed-hnc", "dcp-mixed")
 UNKNOWN_CONNECTOR = "ThirdPartyConnector"
+_OPTION_PREFIXES = ("env.", "cache.", "attention.", "platform.")
+_CONNECTOR_PREFIX = "connector."
+_ENV_LAYOUTS: tuple[str | None, ...] = (None, *(x.value for x in Layout), "NHD", "HND")
 
 
-@dataclass(frozen=True)
-class AnalysisInput:
-    """One point of the space: a context and a short label that names it."""
+# ---------------------------------------------------------------------------------------------
+# One input
+
+
+@dataclass(frozen=True, eq=False)
+class _Core:
+    """What many inputs share: a validated context without a connector, its environment, its labels."""
 
     context: Context
+    env: dict[str, Any]
     labels: tuple[tuple[str, str], ...]
+    tail: tuple[tuple[str, str], ...]  # vLLM's options that are set, shown before the connector
+    geometry: tuple[str, ...]  # (kv_cache_dtype, kind, backend, scale_views): what the verifier sees
+    member_envs: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)  # id(_Conn) -> env
+
+
+@dataclass(frozen=True, eq=False)
+class _Conn:
+    """A connector of the space, its label, and the connector.* fields bound to it and to each member."""
+
+    config: ConnectorConfig | None
+    label: str
+    env: dict[str, Any]  # the connector.* fields (and extras) bound to this connector
+    members: tuple[_Conn, ...] = ()
+
+    @classmethod
+    def of(cls, config: ConnectorConfig | None) -> _Conn:
+        members = () if config is None else tuple(cls.of(m) for m in config.connectors)
+        return cls(config, _connector_label(config), _connector_env(config), members)
+
+
+@dataclass(frozen=True, eq=False)
+class AnalysisInput:
+    """One point of the space: a context (built on demand) and a short label that names it."""
+
+    core: _Core
+    conn: _Conn
+
+    @property
+    def labels(self) -> tuple[tuple[str, str], ...]:
+        return (*self.core.labels, *self.core.tail, ("connector", self.conn.label))
 
     @property
     def label(self) -> str:
@@ -45,6 +110,112 @@ class AnalysisInput:
 
     def to_dict(self) -> dict[str, str]:
         return dict(self.labels)
+
+    @property
+    def context(self) -> Context:
+        """The full decision context, validated (built on demand: lint and diff need it rarely)."""
+        c = self.core.context
+        return Context(kv=c.kv, groups=c.groups, backend=c.backend, connector=self.conn.config, profile=c.profile,
+                       candidates=c.candidates, options=c.options)
+
+    @property
+    def kv(self) -> KVCacheSpec:
+        return self.core.context.kv
+
+    @property
+    def backend(self) -> BackendProfile:
+        return self.core.context.backend
+
+    @property
+    def candidates(self) -> tuple[Layout, ...]:
+        return self.core.context.candidates
+
+    @property
+    def geometry(self) -> tuple[str, ...]:
+        return self.core.geometry
+
+    @property
+    def env(self) -> dict[str, Any]:
+        """What conditions see in the global scope (equal to ``context.env()``)."""
+        return {**self.core.env, **self.conn.env}
+
+    def scopes(self, ruleset: RuleSet) -> tuple[Scope, Scope | None]:
+        """`engine.decide.scopes_for` from the shared environments (no trace: ``release`` unset)."""
+        env = self.env
+        glob = Scope("global", ruleset.global_rules, env, candidates=self.candidates)
+        if self.conn.config is None:
+            return glob, None
+        return glob, self._connector_scope(ruleset, self.conn, f"connector:{self.conn.config.name}", env)
+
+    def _connector_scope(self, ruleset: RuleSet, conn: _Conn, label: str, env: dict[str, Any] | None) -> Scope:
+        name = conn.config.name  # type: ignore[union-attr]
+        members = tuple(self._connector_scope(ruleset, m, f"{label}/{m.config.name}[{i}]", None)  # type: ignore
+                        for i, m in enumerate(conn.members))
+        if env is None:
+            env = self.core.member_envs.get(id(conn))
+            if env is None:
+                env = self.core.member_envs[id(conn)] = {**self.core.env, **conn.env}
+        return Scope(label, ruleset.connector_rules(name), env, members, ruleset.combine_mode(name))
+
+
+def _connector_env(c: ConnectorConfig | None) -> dict[str, Any]:
+    env = {path: spec.get(None, c) for path, spec in FIELDS.items()  # type: ignore[arg-type]
+           if path.startswith(_CONNECTOR_PREFIX)}
+    if c is not None:
+        for key, value in c.extra.items():
+            env[EXTRA_PREFIX + key] = value
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# What the rules can tell apart
+
+
+class _Leaves:
+    """Every leaf of the analysed rule sets, by field: a dimension's values with equal answers
+    from every leaf are the same input to the rules."""
+
+    def __init__(self, rulesets: Sequence[RuleSet]) -> None:
+        self.by_field: dict[str, list[Callable[[Any], bool]]] = {}
+        self.literals: dict[str, list[tuple[str, Any]]] = {}
+        for rs in rulesets:
+            for rule in rs.rules:
+                for leaf in leaves_of(rule.rule.when):
+                    self.by_field.setdefault(leaf.field, []).append(leaf_predicate(leaf))
+                    self.literals.setdefault(leaf.field, []).append((leaf.op, leaf.value))
+
+    def signature(self, env: dict[str, Any]) -> tuple[bool, ...]:
+        return tuple(p(env[f]) for f in sorted(env) for p in self.by_field.get(f, ()))
+
+    def values(self, path: str) -> list[Any]:
+        """The literals the rules compare ``path`` with (and the integers either side of an ordering)."""
+        out: list[Any] = []
+        for op, value in self.literals.get(path, []):
+            items = value if isinstance(value, list) else [value]
+            for v in items:
+                if isinstance(v, bool) or v is None:
+                    continue
+                near = [v - 1, v, v + 1] if op in ("lt", "le", "gt", "ge") and isinstance(v, int) else [v]
+                out += [x for x in near if x not in out]
+        return out
+
+
+def _distinct(values: Iterable[Any], key: Callable[[Any], Any]) -> dict[Any, list[Any]]:
+    """First value of each key -> every value it stands for, in order."""
+    firsts: dict[Any, Any] = {}
+    out: dict[Any, list[Any]] = {}
+    for v in values:
+        k = key(v)
+        if k not in firsts:
+            firsts[k] = v
+            out[v] = [v]
+        else:
+            out[firsts[k]].append(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Connectors
 
 
 def _connector_label(c: ConnectorConfig | None) -> str:
@@ -57,23 +228,24 @@ def _connector_label(c: ConnectorConfig | None) -> str:
     return text
 
 
-def _extra_values(ruleset: RuleSet, connector: str) -> dict[str, list[Any]]:
+def _extra_values(rulesets: Sequence[RuleSet], connector: str) -> dict[str, list[Any]]:
     values: dict[str, list[Any]] = {}
-    for rule in ruleset.connector_rules(connector):
-        for leaf in leaves_of(rule.rule.when):
-            if leaf.field.startswith(EXTRA_PREFIX):
-                key = leaf.field[len(EXTRA_PREFIX):]
-                lits = leaf.value if isinstance(leaf.value, list) else [leaf.value]
-                bucket = values.setdefault(key, [])
-                for v in lits:
-                    if isinstance(v, (str, bool, int, float)) and not any(v == b and type(v) is type(b)
-                                                                         for b in bucket):
-                        bucket.append(v)
+    for ruleset in rulesets:
+        for rule in ruleset.connector_rules(connector):
+            for leaf in leaves_of(rule.rule.when):
+                if leaf.field.startswith(EXTRA_PREFIX):
+                    key = leaf.field[len(EXTRA_PREFIX):]
+                    lits = leaf.value if isinstance(leaf.value, list) else [leaf.value]
+                    bucket = values.setdefault(key, [])
+                    for v in lits:
+                        if isinstance(v, (str, bool, int, float)) and not any(v == b and type(v) is type(b)
+                                                                             for b in bucket):
+                            bucket.append(v)
     return values
 
 
-def _variants(ruleset: RuleSet, name: str, full: bool) -> list[ConnectorConfig]:
-    values = _extra_values(ruleset, name)
+def _variants(rulesets: Sequence[RuleSet], name: str, full: bool) -> list[ConnectorConfig]:
+    values = _extra_values(rulesets, name)
     keys = sorted(values)
     if not full:  # members of a composite: absent, or every tested key at its first literal
         out = [ConnectorConfig(name=name)]
@@ -81,23 +253,63 @@ def _variants(ruleset: RuleSet, name: str, full: bool) -> list[ConnectorConfig]:
             out.append(ConnectorConfig(name=name, extra={k: values[k][0] for k in keys}))
         return out
     choices = [[None, *values[k]] for k in keys]
-    out = []
-    for combo in itertools.product(*choices):
-        out.append(ConnectorConfig(name=name, extra={k: v for k, v in zip(keys, combo) if v is not None}))
-    return out
+    return [ConnectorConfig(name=name, extra={k: v for k, v in zip(keys, combo) if v is not None})
+            for combo in itertools.product(*choices)]
 
 
-def connectors(ruleset: RuleSet) -> list[ConnectorConfig | None]:
-    """None, every connector with rules in each tested extra variant, an unknown one, and pairs."""
-    named = [c for c in ruleset.connectors if c != "MultiConnector"]
-    out: list[ConnectorConfig | None] = [None, ConnectorConfig(name=UNKNOWN_CONNECTOR)]
+def connectors(rulesets: RuleSet | Sequence[RuleSet]) -> list[ConnectorConfig | None]:
+    """None, an unknown connector, every connector with rules in each tested extra variant, and
+    MultiConnector pairs of those (the unknown one included: a member that asks for nothing)."""
+    sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
+    named = sorted({c for rs in sets for c in rs.connectors if c != "MultiConnector"})
+    unknown = ConnectorConfig(name=UNKNOWN_CONNECTOR)
+    out: list[ConnectorConfig | None] = [None, unknown]
     for name in named:
-        out += _variants(ruleset, name, full=True)
-    members = [v for name in named for v in _variants(ruleset, name, full=False)]
+        out += _variants(sets, name, full=True)
+    members = [v for name in named for v in _variants(sets, name, full=False)] + [unknown]
     for a, b in itertools.combinations(members, 2):
         if a.name != b.name:
             out.append(ConnectorConfig(name="MultiConnector", connectors=(a, b)))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The space
+
+
+@dataclass
+class Space:
+    """The inputs of one profile's space, and what each dimension holds."""
+
+    profile: ReleaseProfile
+    inputs: list[AnalysisInput]
+    dimensions: dict[str, list[str]] = field(default_factory=dict)
+    stands_for: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    left_out: dict[str, list[str]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __iter__(self) -> Iterator[AnalysisInput]:
+        return iter(self.inputs)
+
+    def describe(self) -> str:
+        """One line: the size and each dimension's count, and what was left out."""
+        dims = ", ".join(f"{len(v)} {k}" for k, v in self.dimensions.items())
+        text = f"{len(self.inputs)} inputs of `{self.profile.name}` ({dims})"
+        for what, items in self.left_out.items():
+            text += f"; left out {len(items)} {what}: {', '.join(items)}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"profile": self.profile.name, "size": len(self.inputs), "dimensions": self.dimensions,
+                "stands_for": self.stands_for, "left_out": self.left_out}
+
+
+def _spec(kind: AttentionKind, dtype: str) -> KVCacheSpec:
+    sizes = MLA_SIZES if kind is AttentionKind.mla else SIZES
+    return KVCacheSpec(kind=kind, kv_cache_dtype=dtype,
+                       sliding_window=128 if kind is AttentionKind.sliding_window else None, **sizes)
 
 
 def _groups(spec: KVCacheSpec, shape: str) -> KVCacheGroups:
@@ -106,36 +318,206 @@ def _groups(spec: KVCacheSpec, shape: str) -> KVCacheGroups:
     if shape == "1x2":
         return KVCacheGroups(groups=(KVCacheGroup(spec=spec, num_attention_groups=2),))
     if shape == "2x1":
-        other = spec.model_copy(update={"kind": AttentionKind.sliding_window, "sliding_window": 128})
+        kind = AttentionKind.mla if spec.kind is AttentionKind.mla else AttentionKind.sliding_window
+        other = spec.model_copy(update={"kind": kind, "sliding_window": None if kind is AttentionKind.mla else 128})
         return KVCacheGroups(groups=(KVCacheGroup(spec=spec), KVCacheGroup(spec=other)))
-    mamba = KVCacheSpec(kind=AttentionKind.mamba, num_layers=spec.num_layers, block_size=spec.block_size,
-                        num_kv_heads=1, head_size=16)
-    return KVCacheGroups(groups=(KVCacheGroup(spec=spec), KVCacheGroup(spec=mamba)))
+    if shape == "mamba-hybrid":
+        mamba = KVCacheSpec(kind=AttentionKind.mamba, num_layers=spec.num_layers, block_size=spec.block_size,
+                            num_kv_heads=1, head_size=16)
+        return KVCacheGroups(groups=(KVCacheGroup(spec=spec), KVCacheGroup(spec=mamba)))
+    # another attention spec whose pages differ: twice the head size (an MLA indexer, a draft model)
+    other = spec.model_copy(update={"head_size": spec.head_size * 2})
+    if shape == "mixed-hnc":
+        return KVCacheGroups(groups=(KVCacheGroup(spec=spec), KVCacheGroup(spec=other)))
+    # dcp-mixed: a DCP-sharded target and a replicated draft with another page size
+    return KVCacheGroups(groups=(KVCacheGroup(spec=spec), KVCacheGroup(spec=other, dcp_sharded=False)))
+
+
+def _kv_choices(profile: ReleaseProfile, leaves: _Leaves, left_out: list[str]
+               ) -> tuple[dict[bool, list[tuple[AttentionKind, str]]], dict[str, list[str]], dict[str, list[str]]]:
+    """(MLA or not -> the (kind, kv_cache_dtype) pairs to enumerate), and what each dtype and kind stands for.
+
+    Two ``kv_cache_dtype`` strings are one when they give the same quant mode and
+    element size (so the same cell geometry) and no rule tells them apart; two
+    kinds are one when no rule tells them apart. Strings kvpolicy has no cell
+    geometry for go to ``left_out``.
+    """
+    usable = [d for d in profile.kv_cache_dtypes if d in KV_CACHE_DTYPES]
+    left_out += [d for d in profile.kv_cache_dtypes if d not in KV_CACHE_DTYPES]
+    out: dict[bool, list[tuple[AttentionKind, str]]] = {}
+    dtype_for: dict[str, list[str]] = {}
+    kind_for: dict[str, list[str]] = {}
+    if not usable:
+        return {False: [], True: []}, dtype_for, kind_for
+
+    def kv_fields(spec: KVCacheSpec) -> dict[str, Any]:
+        return {k: v for k, v in _probe(spec).items() if k.startswith("kv.")}
+
+    for mla in (False, True):
+        kinds = [AttentionKind.mla] if mla else [AttentionKind.full, AttentionKind.sliding_window]
+
+        def dtype_key(d: str, kind: AttentionKind = kinds[0]) -> Any:
+            spec = _spec(kind, d)
+            return spec.quant_mode, spec.cache_dtype.size_bytes, leaves.signature(kv_fields(spec))
+
+        dtypes = _distinct(usable, dtype_key)
+        kinds_kept = _distinct(kinds, lambda k: leaves.signature(kv_fields(_spec(k, usable[0]))))
+        out[mla] = [(k, d) for k in kinds_kept for d in dtypes]
+        for d, same in dtypes.items():
+            dtype_for.setdefault(d, same)
+        for k, same_kinds in kinds_kept.items():
+            kind_for[k.value] = [x.value for x in same_kinds]
+    return out, dtype_for, kind_for
+
+
+_PROBE_BACKENDS = {mla: packed_backend("PROBE", mla=mla) for mla in (False, True)}
+
+
+def _probe(spec: KVCacheSpec, groups: KVCacheGroups | None = None,
+           options: VllmOptions | None = None) -> dict[str, Any]:
+    """The fields a stand-in context with these parts shows (read only for kv.*, groups.* and options)."""
+    backend = _PROBE_BACKENDS[spec.kind is AttentionKind.mla]
+    ctx = Context.model_construct(kv=spec, groups=groups or KVCacheGroups.single(spec), backend=backend,
+                                  connector=None, profile="", candidates=(), options=options or VllmOptions())
+    return ctx.env()
+
+
+_Combo = tuple[str | None, bool, bool]
+
+
+def _option_values(leaves: _Leaves) -> tuple[list[_Combo], dict[str, list[str]], dict[str, dict[str, list[str]]]]:
+    """The (VLLM_KV_CACHE_LAYOUT, enable_extensible_kv_cache, hisparse) combinations the rules can tell
+    apart, each dimension's values, and what the kept layout values stand for."""
+    def sig(path: str) -> Callable[[Any], Any]:
+        return lambda v: leaves.signature({path: MISSING if v is None else v})
+
+    layouts = _distinct(_ENV_LAYOUTS, sig("env.VLLM_KV_CACHE_LAYOUT"))
+    extensible = _distinct((False, True), sig("cache.enable_extensible_kv_cache"))
+    hisparse = _distinct((False, True), sig("attention.hisparse"))
+    combos = list(itertools.product(layouts, extensible, hisparse))
+    dims = {"VLLM_KV_CACHE_LAYOUT": [x or "unset" for x in layouts],
+            "enable_extensible_kv_cache": [str(x).lower() for x in extensible],
+            "hisparse": [str(x).lower() for x in hisparse]}
+    stands = {"VLLM_KV_CACHE_LAYOUT": {k or "unset": [x or "unset" for x in v] for k, v in layouts.items()}}
+    return combos, dims, stands
+
+
+def _capabilities(profile: ReleaseProfile, name: str, leaves: _Leaves) -> list[int | None]:
+    """None, and each device capability that changes the backend's layouts or a rule's answer."""
+    facts = profile.backends[name]
+    values: list[int | None] = [None]
+    if profile.resolver is Resolver.kv_cache_layout:
+        values += sorted(facts.supported_layouts_by_capability)
+    values += [v for v in leaves.values("platform.device_capability")
+               if isinstance(v, int) and 0 < v < 100 and v not in values]
+    path = "platform.device_capability"
+    return list(_distinct(values, lambda v: (facts.declared_layouts(v),
+                                             leaves.signature({path: MISSING if v is None else v}))))
+
+
+def build_space(
+    rulesets: RuleSet | Sequence[RuleSet],
+    *,
+    vllm_version: str | ReleaseProfile | None = None,
+    scale_views: Sequence[ScaleViews] | None = None,
+    backends: Sequence[str] | None = None,
+    kv_cache_dtypes: Sequence[str] | None = None,
+) -> Space:
+    """The space of ``vllm_version``'s profile (default: the default profile) that ``rulesets`` read.
+
+    ``scale_views`` overrides the backends' own strategy (a what-if: the
+    released backends build stride-aware views, the #48412 state did not);
+    ``backends`` and ``kv_cache_dtypes`` restrict those dimensions.
+    """
+    sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
+    profile = get_profile(vllm_version)
+    leaves = _Leaves(sets)
+    no_geometry: list[str] = []
+    pairs, dtype_for, kind_for = _kv_choices(profile, leaves, no_geometry)
+    if kv_cache_dtypes is not None:
+        pairs = {m: [(k, d) for k, d in p if d in kv_cache_dtypes] for m, p in pairs.items()}
+    combos, option_dims, option_stands = _option_values(leaves)
+    conns = [_Conn.of(c) for c in connectors(sets)]
+    no_connector = _connector_env(None)
+    names = [n for n in profile.backend_names() if backends is None or n in backends]
+    strategies: list[ScaleViews | None] = list(scale_views) if scale_views else [None]
+    shapes: dict[tuple[AttentionKind, str], list[str]] = {}
+    option_env: dict[tuple[int, int | None], tuple[VllmOptions, dict[str, Any]]] = {}
+    inputs: list[AnalysisInput] = []
+    dims: dict[str, list[str]] = {"backend": [], "kv_cache_dtype": [], "kind": [], "groups": []}
+    refused: dict[str, list[str]] = {}
+
+    def seen(dim: str, value: str) -> None:
+        if value not in dims[dim]:
+            dims[dim].append(value)
+
+    for name in names:
+        facts = profile.backends[name]
+        own_views = profile.backend(name).scale_views
+        for strategy, cap in itertools.product(strategies, _capabilities(profile, name, leaves)):
+            views = (strategy or own_views).value
+            for kind, dtype in pairs[facts.mla]:
+                if facts.kv_cache_dtypes is not None and dtype not in facts.kv_cache_dtypes:
+                    continue
+                spec = _spec(kind, dtype)
+                if (kind, dtype) not in shapes:
+                    shapes[(kind, dtype)] = list(_distinct(GROUP_SHAPES, lambda s, spec=spec: leaves.signature(
+                        {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
+                for shape in shapes[(kind, dtype)]:
+                    try:  # as an operator's input is built: the release's candidates and checks
+                        ctx = build_context(groups=_groups(spec, shape), attention_backend=name,
+                                            scale_views=strategy, vllm_version=profile, device_capability=cap)
+                    except PolicyError as exc:  # an input the release cannot have: say so, skip it
+                        refused.setdefault(exc.render().splitlines()[0], []).append(f"{name}/{dtype}/{shape}")
+                        continue
+                    core_env = {k: v for k, v in ctx.env().items()
+                                if not k.startswith((*_OPTION_PREFIXES, _CONNECTOR_PREFIX))}
+                    labels = [("kv_cache_dtype", dtype), ("backend", name)]
+                    if cap is not None:
+                        labels.append(("device_capability", str(cap)))
+                    labels += [("scale_views", views), ("kind", kind.value), ("groups", shape)]
+                    for i, combo in enumerate(combos):
+                        if (i, cap) not in option_env:
+                            options = VllmOptions(kv_cache_layout=combo[0], enable_extensible_kv_cache=combo[1],
+                                                  hisparse=combo[2], device_capability=cap)
+                            probe = _probe(spec, options=options)
+                            option_env[(i, cap)] = options, {k: v for k, v in probe.items()
+                                                            if k.startswith(_OPTION_PREFIXES)}
+                        options, opt_env = option_env[(i, cap)]
+                        full = Context.model_construct(kv=ctx.kv, groups=ctx.groups, backend=ctx.backend,
+                                                       connector=None, profile=ctx.profile,
+                                                       candidates=ctx.candidates, options=options)
+                        tail = ((("VLLM_KV_CACHE_LAYOUT", combo[0]),) if combo[0] is not None else ()) + \
+                            ((("enable_extensible_kv_cache", "true"),) if combo[1] else ()) + \
+                            ((("hisparse", "true"),) if combo[2] else ())
+                        core = _Core(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
+                                     (dtype, kind.value, name, views))
+                        inputs += [AnalysisInput(core, c) for c in conns]
+                    seen("kv_cache_dtype", dtype)
+                    seen("kind", kind.value)
+                    seen("groups", shape)
+            seen("backend", name if cap is None else f"{name}@{cap}")
+    out_dims = {**dims, **option_dims, "connector": [c.label for c in conns]}
+    if scale_views:
+        out_dims["scale_views"] = [s.value for s in scale_views]
+    stands = {"kv_cache_dtype": {k: v for k, v in dtype_for.items() if k in dims["kv_cache_dtype"]},
+              "kind": {k: v for k, v in kind_for.items() if k in dims["kind"]}, **option_stands}
+    left_out: dict[str, list[str]] = {}
+    if no_geometry:
+        left_out["kv_cache_dtypes kvpolicy has no cell geometry for"] = no_geometry
+    for message, where in refused.items():
+        left_out[f"inputs the release refuses ({message})"] = where
+    return Space(profile, inputs, out_dims, stands, left_out)
 
 
 def enumerate_inputs(
-    ruleset: RuleSet,
+    rulesets: RuleSet | Sequence[RuleSet],
     *,
-    backends: list[BackendProfile] | None = None,
-    scale_views: list[ScaleViews] | None = None,
-    kv_cache_dtypes: list[str] | None = None,
+    vllm_version: str | ReleaseProfile | None = None,
+    scale_views: Sequence[ScaleViews] | None = None,
+    backends: Sequence[str] | None = None,
+    kv_cache_dtypes: Sequence[str] | None = None,
 ) -> Iterator[AnalysisInput]:
-    """Every input of the space, in a deterministic order."""
-    profiles = backends if backends is not None else list(BACKENDS.values())
-    strategies = scale_views if scale_views is not None else list(ScaleViews)
-    dtypes = kv_cache_dtypes if kv_cache_dtypes is not None else list(KV_CACHE_DTYPES)
-    conns = connectors(ruleset)
-    for backend, strategy in itertools.product(profiles, strategies):
-        profile = backend.with_scale_views(strategy)
-        kinds = [AttentionKind.mla] if backend.mla else [AttentionKind.full, AttentionKind.sliding_window]
-        for kind, dtype, shape in itertools.product(kinds, dtypes, GROUP_SHAPES):
-            sizes = MLA_SIZES if kind is AttentionKind.mla else SIZES
-            spec = KVCacheSpec(kind=kind, kv_cache_dtype=dtype,
-                               sliding_window=128 if kind is AttentionKind.sliding_window else None, **sizes)
-            groups = _groups(spec, shape)
-            for conn in conns:
-                ctx = Context(kv=spec, groups=groups, backend=profile, connector=conn)
-                yield AnalysisInput(ctx, (
-                    ("kv_cache_dtype", dtype), ("backend", backend.name), ("scale_views", strategy.value),
-                    ("kind", kind.value), ("groups", shape), ("connector", _connector_label(conn)),
-                ))
+    """Every input of `build_space`, in a deterministic order."""
+    return iter(build_space(rulesets, vllm_version=vllm_version, scale_views=scale_views, backends=backends,
+                            kv_cache_dtypes=kv_cache_dtypes))

@@ -11,6 +11,8 @@ from engine.cli.common import (
     EXIT_USAGE,
     HelpFormatter,
     add_format_flag,
+    add_vllm_version_flag,
+    check_vllm_version,
     int_at_least,
     load_ruleset,
     print_error,
@@ -23,27 +25,39 @@ __all__ = ["register"]
 
 _LINT_EPILOG = """\
 examples:
-  kvpolicy lint                         # the shipped rules: clean
-  kvpolicy lint my-rules/ --strict      # warnings (dead rules) fail too
-  kvpolicy lint --scale-views stride_aware
-      only inputs whose backends build stride-aware scale views: shows which
-      forbids stop protecting anything once the backends are fixed
+  kvpolicy lint                         # the shipped rules of the default release profile
+  kvpolicy lint --vllm-version issue-48412
+      the #48412 development state: the per-token-head guard is a safety rule there
+  kvpolicy lint my-rules/ --vllm-version 0.34.0 --strict
+      an operator's rules over vLLM 0.34's inputs; warnings (dead rules) fail too
+  kvpolicy lint --vllm-version issue-48412 --scale-views stride_aware
+      what if the backends built stride-aware scale views: which forbids stop protecting bytes
 
-findings: error[unsafe-permit] the rules choose a layout whose views overlap (the
-inputs are listed); error[conflict] no layout survives; warning[dead-rule] no input
-makes the rule match; note[not-load-bearing] the rule only removes layouts the
-verifier finds safe
+the space: every input the profile's decision reads (its backends, kv_cache_dtypes,
+device capabilities, VLLM_KV_CACHE_LAYOUT, extensible KV cache, HiSparse, group shapes,
+connectors and MultiConnector pairs), values no rule tells apart counted once; its size
+is printed
+
+findings: error[unsafe-permit] the rules choose a layout whose views overlap (the inputs
+are listed); error[conflict] no layout survives where the profile's shipped rules choose
+one; warning[dead-rule] no input makes the rule match; note[release-refuses] no layout
+survives, as with the shipped rules (the release refuses to start); note[not-load-bearing]
+deleting the forbid/require changes nothing
+
+load-bearing: each forbid/require is `safety` (deleting it lets an unsafe layout through),
+`decision` (deleting it changes decisions, all to safe layouts) or `no`
 
 exit codes: 0 no errors, 1 errors (or warnings with --strict), 2 usage error
 """
 
 _DIFF_EPILOG = """\
 examples:
-  kvpolicy diff rules/ my-rules/        # what my edit changes, and which rules cause it
-  kvpolicy diff rules/ my-rules/ --format json | jq .counts
+  kvpolicy diff rules/vllm-0.34 my-rules/                  # what my edit changes, and why
+  kvpolicy diff rules/issue-48412 my-rules/ --vllm-version issue-48412
+  kvpolicy diff rules/vllm-0.34 my-rules/ --format json | jq .counts
 
-output: a summary (inputs checked, decisions changed, counts per old -> new), then each
-changed input with the rules responsible on each side
+output: a summary (the profile, inputs checked, decisions changed, counts per old -> new),
+then each changed input with the rules responsible on each side
 
 exit codes: 0 no decision changes, 1 some decisions change, 2 usage error
 """
@@ -51,14 +65,18 @@ exit codes: 0 no decision changes, 1 some decisions change, 2 usage error
 
 def register(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
-        "lint", help="check a rule set over every input: unsafe permits, conflicts, dead rules",
-        description="Enumerate the finite input space (every kv_cache_dtype, backend and scale-view "
-                    "strategy, attention kind, group shape, connector and the extra-config values its rules "
-                    "test) and check the rules' decision for each against the geometry verifier.",
+        "lint", help="check a rule set over every input of a vLLM release: unsafe permits, conflicts, "
+                     "dead rules, load-bearing forbids",
+        description="Enumerate the finite input space of a vLLM release profile and check the rules' decision "
+                    "for each against the geometry verifier; report, for every forbid and require, whether "
+                    "it is load-bearing.",
         epilog=_LINT_EPILOG, formatter_class=HelpFormatter)
-    p.add_argument("dir", nargs="?", metavar="DIR", help="the rule directory (default: the shipped rules)")
+    p.add_argument("dir", nargs="?", metavar="DIR",
+                   help="the rule directory (default: the shipped rules of the release profile)")
+    add_vllm_version_flag(p)
     p.add_argument("--scale-views", choices=[s.value for s in ScaleViews], action="append",
-                   help="restrict the space to backends with this scale-view strategy (repeatable)")
+                   help="model the backends' inline-scale views with this strategy instead of the profile's "
+                        "(repeatable: each is a copy of the space)")
     p.add_argument("--strict", action="store_true", help="warnings fail the lint too")
     p.add_argument("--max-inputs", type=int_at_least(0), default=20, metavar="N",
                    help="inputs listed per finding in text output (default 20; JSON lists all)")
@@ -67,11 +85,12 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
     d = verbs.add_parser(
         "diff", help="list every input whose decision changes between two rule sets, and why",
-        description="Decide every input of the enumerated space with both rule sets and list each input "
-                    "whose layout changes, with the rules responsible on each side. A summary comes first.",
+        description="Decide every input of a vLLM release profile's space with both rule sets and list each "
+                    "input whose layout changes, with the rules responsible on each side. A summary comes first.",
         epilog=_DIFF_EPILOG, formatter_class=HelpFormatter)
     d.add_argument("old", metavar="OLD", help="the rule directory before the change")
     d.add_argument("new", metavar="NEW", help="the rule directory after the change")
+    add_vllm_version_flag(d)
     d.add_argument("--max-changes", type=int_at_least(0), default=50, metavar="N",
                    help="changed inputs shown in text output (default 50; JSON lists all)")
     add_format_flag(d)
@@ -79,12 +98,14 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 
 def run_lint(args: argparse.Namespace) -> int:
-    from engine.analysis import enumerate_inputs, lint
+    from engine.analysis import lint
+    from policy.releases import get_profile
 
-    ruleset = load_ruleset(args.dir, "DIR")
+    ruleset = load_ruleset(args.dir, "DIR", vllm_version=args.vllm_version)
+    profile = get_profile(args.vllm_version)
     start = time.perf_counter()
     views = [ScaleViews(v) for v in args.scale_views] if args.scale_views else None
-    report = lint(ruleset, list(enumerate_inputs(ruleset, scale_views=views)))
+    report = lint(ruleset, vllm_version=profile, scale_views=views)
     seconds = time.perf_counter() - start
     failed = bool(report.errors) or (args.strict and bool(report.warnings))
     if args.format == "json":
@@ -92,25 +113,36 @@ def run_lint(args: argparse.Namespace) -> int:
         return EXIT_FAILED if failed else EXIT_OK
     for finding in report.findings:
         print(finding.render(args.max_inputs))
+    if report.findings:
+        print()
+    print(report.render_load_bearing())
+    print()
+    assert report.space is not None
+    print(f"space: {report.space.describe()}")
     counts = {sev: sum(1 for f in report.findings if f.severity == sev) for sev in ("error", "warning", "note")}
-    print(f"lint: {report.inputs_checked} inputs, {report.rules} rules, {report.plans_verified} plans verified "
-          f"in {seconds:.2f}s: {counts['error']} error(s), {counts['warning']} warning(s), {counts['note']} note(s)")
+    print(f"lint: {report.inputs_checked} inputs of {report.profile}, {report.rules} rules, "
+          f"{report.plans_verified} plans verified in {seconds:.2f}s: {counts['error']} error(s), "
+          f"{counts['warning']} warning(s), {counts['note']} note(s)")
     return EXIT_FAILED if failed else EXIT_OK
 
 
 def run_diff(args: argparse.Namespace) -> int:
     from engine.analysis import diff_rulesets
+    from policy.releases import get_profile
 
+    check_vllm_version(args.vllm_version)
     try:  # exit 1 means "decisions change": a rule set that does not load is a usage error (2)
-        old, new = load_ruleset(args.old, "OLD"), load_ruleset(args.new, "NEW")
+        old = load_ruleset(args.old, "OLD", vllm_version=args.vllm_version)
+        new = load_ruleset(args.new, "NEW", vllm_version=args.vllm_version)
     except RuleLoadError as exc:
         print_error(exc)
         return EXIT_USAGE
-    report = diff_rulesets(old, new)
+    report = diff_rulesets(old, new, vllm_version=get_profile(args.vllm_version))
     if args.format == "json":
         print_json(report.to_dict())
         return EXIT_FAILED if report.changes else EXIT_OK
-    print(f"diff: {report.inputs_checked} inputs checked, {len(report.changes)} decision(s) change")
+    print(f"diff: {report.inputs_checked} inputs of {report.profile} checked, "
+          f"{len(report.changes)} decision(s) change")
     for key, n in report.counts().items():
         print(f"  {n:>6}  {key}")
     if report.changes:

@@ -29,7 +29,8 @@ __all__ = ["register", "render_run", "run"]
 
 _EPILOG = """\
 examples:
-  kvpolicy test                                   # rules/tests/*.yaml against the shipped rules
+  kvpolicy test                                   # rules/<profile>/tests/*.yaml against the shipped rules
+  kvpolicy test --vllm-version issue-48412        # that profile's shipped rules and tests
   kvpolicy test --vllm-version 0.28.0             # rules/vllm-0.28/tests/*.yaml, decided as vLLM 0.28
   kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against my-rules/
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v

@@ -9,6 +9,8 @@ from engine.cli.common import (
     EXIT_OK,
     HelpFormatter,
     add_format_flag,
+    add_vllm_version_flag,
+    check_vllm_version,
     error_dict,
     print_error,
     print_json,
@@ -21,7 +23,8 @@ __all__ = ["register", "run"]
 
 _EPILOG = """\
 examples:
-  kvpolicy validate                 # the shipped rules
+  kvpolicy validate                 # the shipped rules of the default release profile
+  kvpolicy validate --vllm-version issue-48412   # the shipped rules of that profile
   kvpolicy validate my-rules/       # an operator's rule directory
   kvpolicy validate my-rules/ --format json
 
@@ -39,13 +42,16 @@ def register(verbs: argparse._SubParsersAction) -> None:
                     "syntax, the rule schema, field names and value types, duplicate ids. Every problem is "
                     "reported, not just the first.",
         epilog=_EPILOG, formatter_class=HelpFormatter)
-    p.add_argument("dir", nargs="?", metavar="DIR", help="the rule directory (default: the shipped rules)")
+    p.add_argument("dir", nargs="?", metavar="DIR",
+                   help="the rule directory (default: the shipped rules of the release profile)")
+    add_vllm_version_flag(p)
     add_format_flag(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    root, shown = rules_root(args.dir)
+    check_vllm_version(args.vllm_version)
+    root, shown = rules_root(args.dir, args.vllm_version)
     try:
         ruleset = load_rules(root, display=shown)
     except RuleLoadError as exc:

@@ -33,6 +33,7 @@ from policy.context import Context
 from policy.errors import Diagnostic, PolicyError
 from policy.layouts import Layout, LayoutName, LayoutPattern
 from policy.load import RULE_FILE_SUFFIXES
+from policy.releases import ReleaseProfile
 from policy.ruleset import RuleSet
 from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 from policy.validate import located_validation_errors
@@ -342,17 +343,18 @@ def groups_from_data(
     return KVCacheGroups(groups=tuple(out))
 
 
-def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | None = None) -> Context:
-    """The decision `Context` for a case input, in ``vllm_version``'s release profile (default: the
+def context_for(inp: CaseInput, base_dir: Path = Path("."),
+                vllm_version: str | ReleaseProfile | None = None) -> Context:
+    """The decision `Context` for a case input in ``vllm_version``'s release profile (default: the
     default profile); raises `InputError` / `ModelConfigError`."""
     common: dict[str, Any] = {
+        "vllm_version": vllm_version,
         "backend": inp.backend,
         "scale_views": inp.scale_views.value if inp.scale_views else None,
         "connector": inp.connector,
         "connector_config": inp.connector_config,
         "vllm_kv_cache_layout": inp.vllm_kv_cache_layout,
         "use_v2_model_runner": inp.use_v2_model_runner,
-        "vllm_version": vllm_version,
     }
     if inp.groups is not None:
         groups = groups_from_data(inp.groups, kv_cache_dtype=inp.kv_cache_dtype, block_size=inp.block_size)

@@ -19,6 +19,7 @@ from engine.policy_tests.cases import Expect, LoadedCase, context_for, load_case
 from engine.trace import CandidateRemoved, RuleEvaluated
 from policy.errors import GeometryError, InputError, ModelConfigError, NoLayoutError, PolicyError
 from policy.layouts import Layout, LayoutPattern
+from policy.releases import ReleaseProfile
 from policy.ruleset import CompiledRule, RuleSet
 
 __all__ = ["CaseResult", "Coverage", "TestRun", "coverage_of", "error_codes", "run_case", "run_policy_tests"]
@@ -182,8 +183,8 @@ def _located(exc: PolicyError, lc: LoadedCase) -> PolicyError:
     return type(exc)(exc.message, diags)
 
 
-def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | None = None) -> CaseResult:
-    """Decide one case with the full trace (in ``vllm_version``'s profile) and compare it with its expectation."""
+def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfile | None = None) -> CaseResult:
+    """Decide one case (in ``vllm_version``'s profile) with the full trace and compare it with its expectation."""
     expect = lc.case.expect
     try:
         ctx = context_for(lc.case.input, lc.base_dir, vllm_version)
@@ -221,10 +222,10 @@ def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult]) -> Coverage:
     return Coverage(len(rules), frozenset(covered), tuple(r for r in rules if r.id not in covered))
 
 
-def run_policy_tests(ruleset: RuleSet, paths: Iterable[str | os.PathLike[str]],
-                     vllm_version: str | None = None) -> TestRun:
-    """Load the cases under ``paths`` and run them against ``ruleset``, deciding in ``vllm_version``'s
-    release profile (default: the default profile).
+def run_policy_tests(ruleset: RuleSet, paths: Iterable[str | os.PathLike[str]], *,
+                     vllm_version: str | ReleaseProfile | None = None) -> TestRun:
+    """Load the cases under ``paths`` and run them against ``ruleset``, deciding each in
+    ``vllm_version``'s release profile (default: the default profile).
 
     Raises `PolicyTestError` (every problem, located) when a file does not
     load; a case that fails is a result, not an exception.

@@ -44,45 +44,70 @@ def spec(tmp_path: Path) -> str:
 def test_lint_shipped_rules_is_clean(capsys) -> None:
     code, out, _ = cli(capsys, "lint")
     assert code == 0
-    assert out.startswith("lint: 12600 inputs, 11 rules, ")
-    assert out.rstrip().endswith("0 error(s), 0 warning(s), 0 note(s)")
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("lint: 2480 inputs of issue-48412, 11 rules, ")
+    assert last.endswith("0 error(s), 0 warning(s), 3 note(s)")
+    assert "space: 2480 inputs of `issue-48412` (4 backend, 5 kv_cache_dtype, " in out
+    assert "  safety    `per-token-head-forbids-cross-layer` (forbid, rules/issue-48412/global.yaml:42)" in out
 
 
 def test_lint_without_the_per_token_head_rule_fails_naming_inputs(capsys, no_pth: Path) -> None:
     code, out, _ = cli(capsys, "lint", str(no_pth), "--max-inputs", "1")
     assert code == 1
-    assert "error[unsafe-permit]: the rules choose `BLNHC` for 90 input(s)" in out
-    assert ("kv_cache_dtype=fp8_per_token_head backend=TRITON_ATTN scale_views=assume_per_layer_contiguous "
-            "kind=full groups=1x1 connector=MooncakeStoreConnector{enable_cross_layers_blocks=true}") in out
+    assert "error[unsafe-permit]: the rules choose `BLNHC` for 45 input(s) whose views would overlap" in out
+    assert "error[unsafe-permit]: the rules choose `BHLNC` for 45 input(s) whose views would overlap" in out
     code, out, _ = cli(capsys, "lint", str(no_pth), "--format", "json")
     data = json.loads(out)
-    assert code == 1 and data["ok"] is False and data["errors"] == 2
+    assert code == 1 and data["ok"] is False and data["errors"] == 2 and data["profile"] == "issue-48412"
     labels = [label for f in data["findings"] for label in f["inputs"]]
-    assert len(labels) == 180 and all("per_token_head" in label for label in labels)
+    assert len(labels) == 90 and all("per_token_head" in label for label in labels)
+    assert ("kv_cache_dtype=fp8_per_token_head backend=TRITON_ATTN scale_views=assume_per_layer_contiguous "
+            "kind=full groups=1x1 connector=MooncakeStoreConnector{enable_cross_layers_blocks=true}") in labels
 
 
-def test_lint_strict_and_scale_view_restriction(capsys, tmp_path: Path) -> None:
+def test_lint_strict_and_scale_view_what_if(capsys, tmp_path: Path) -> None:
     (tmp_path / "global.yaml").write_text(
         "version: 1\nrules:\n  - id: never\n    description: d\n    when: {field: kv.block_size, gt: 99999}\n"
-        "    forbid: {placement: cross_layer}\n")
+        "    forbid: {block_outermost: true}\n")
     code, out, _ = cli(capsys, "lint", str(tmp_path))
     assert code == 0 and "warning[dead-rule]: rule `never` matches no input" in out
     assert "global.yaml:3: warning" in out
     code, _, _ = cli(capsys, "lint", str(tmp_path), "--strict")
     assert code == 1
-    # once every backend builds stride-aware scale views, the per-token-head rule never
-    # matches: lint says so, and says which forbids then protect no byte
+    # what if every backend built stride-aware scale views: the per-token-head rule never
+    # matches, and lint says so
     code, out, _ = cli(capsys, "lint", "--scale-views", "stride_aware")
-    assert code == 0 and "lint: 6300 inputs" in out
+    assert code == 0 and "lint: 2480 inputs of issue-48412" in out
     assert "warning[dead-rule]: rule `per-token-head-forbids-cross-layer` matches no input" in out
+
+
+def test_lint_vllm_version_prints_each_profile_load_bearing_rules(capsys) -> None:
+    code, out, _ = cli(capsys, "lint", "--vllm-version", "0.34.0", "--max-inputs", "0")
+    assert code == 0
+    assert "load-bearing forbids/requires under `vllm-0.34`" in out
+    assert "  decision  `env-layout-bhlnc` (require, rules/vllm-0.34/global.yaml:" in out
+    assert "safety " not in out and "error[" not in out
+    assert out.rstrip().splitlines()[-1].startswith("lint: ") and "0 error(s), 0 warning(s)" in out
+    assert "note[release-refuses]: no layout survives for " in out
+    code, out, _ = cli(capsys, "lint", "--vllm-version", "issue-48412", "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["profile"] == "issue-48412" and data["space"]["size"] == data["inputs_checked"]
+    bearing = {b["rule"]: b["load_bearing"] for b in data["load_bearing"]}
+    assert bearing["per-token-head-forbids-cross-layer"] == "safety"
+    assert bearing["hnd-needs-head-dim"] is None
+    # the #48412 rules over vLLM 0.34's inputs: the guard never matches there
+    code, out, _ = cli(capsys, "lint", str(RULES), "--vllm-version", "vllm-0.34", "--format", "json")
+    bearing = {b["rule"]: b for b in json.loads(out)["load_bearing"]}
+    assert bearing["per-token-head-forbids-cross-layer"]["load_bearing"] is None
+    assert bearing["per-token-head-forbids-cross-layer"]["matched"] == 0
 
 
 def test_diff_lists_exactly_the_per_token_head_inputs(capsys, no_pth: Path) -> None:
     code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--max-changes", "1")
     assert code == 1
     lines = out.splitlines()
-    assert lines[0] == "diff: 12600 inputs checked, 180 decision(s) change"
-    assert lines[1:3] == ["      90  LBHNC -> BHLNC", "      90  LBNHC -> BLNHC"]
+    assert lines[0] == "diff: 2480 inputs of issue-48412 checked, 90 decision(s) change"
+    assert lines[1:3] == ["      45  LBHNC -> BHLNC", "      45  LBNHC -> BLNHC"]
     assert "    old: LBNHC  because per-token-head-forbids-cross-layer" in out
     code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--format", "json")
     changes = json.loads(out)["changes"]
@@ -92,7 +117,42 @@ def test_diff_lists_exactly_the_per_token_head_inputs(capsys, no_pth: Path) -> N
 
 def test_diff_of_a_rule_set_with_itself_is_empty(capsys) -> None:
     code, out, _ = cli(capsys, "diff", str(RULES), str(RULES))
-    assert (code, out.splitlines()[0]) == (0, "diff: 12600 inputs checked, 0 decision(s) change")
+    assert (code, out.splitlines()[0]) == (0, "diff: 2480 inputs of issue-48412 checked, 0 decision(s) change")
+
+
+def test_diff_under_a_chosen_profile(capsys, tmp_path: Path) -> None:
+    shipped = ROOT / "rules" / "vllm-0.34"
+    edited = tmp_path / "rules"
+    shutil.copytree(shipped, edited, ignore=shutil.ignore_patterns("tests"))
+    (edited / "connectors" / "OffloadingConnector.yaml").unlink()
+    code, out, _ = cli(capsys, "diff", str(shipped), str(edited), "--vllm-version", "0.34.0", "--format", "json")
+    data = json.loads(out)
+    assert code == 1 and data["profile"] == "vllm-0.34" and data["changed"] > 0
+    assert all("OffloadingConnector" in c["input"]["connector"] for c in data["changes"])
+
+
+def test_unknown_vllm_version_is_a_usage_error_on_every_verb(capsys) -> None:
+    for argv in (["validate"], ["test"], ["lint"], ["diff", str(RULES), str(RULES)]):
+        code, out, err = cli(capsys, *argv, "--vllm-version", "9.9")
+        assert (code, out) == (2, ""), argv
+        assert err.startswith("--vllm-version: error[unknown-vllm-version]: no profile for vLLM version `9.9`"), argv
+        assert "known profiles: vllm-0.34 (0.34.0)" in err and "issue-48412 (not a release)" in err, argv
+
+
+def test_validate_and_test_select_the_profile_shipped_rules(capsys, monkeypatch) -> None:
+    from engine import LayoutEngine
+
+    monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "vllm-0.34")
+    n = len(LayoutEngine.default("vllm-0.34").ruleset.rules)
+    code, out, _ = cli(capsys, "validate")
+    assert code == 0 and out.startswith(f"ok: {n} rules in ")
+    code, out, _ = cli(capsys, "validate", "--vllm-version", "issue-48412")
+    assert code == 0 and out.startswith("ok: 11 rules in 6 files")
+    # the #48412 cases, decided in their own profile although the default is vLLM 0.34
+    code, out, _ = cli(capsys, "test", "--vllm-version", "issue-48412")
+    assert code == 0 and "30 passed, 0 failed" in out and "coverage: 11/11 rules" in out
+    code, out, _ = cli(capsys, "test", "--rules", str(RULES), "--vllm-version", "issue-48412", "--format", "json")
+    assert code == 0 and json.loads(out)["failed"] == 0
 
 
 def test_dry_run_map_of_a_safe_choice(capsys, spec: str) -> None:

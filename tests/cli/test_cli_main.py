@@ -40,12 +40,12 @@ def test_dry_run_subprocess_and_no_torch() -> None:
 def test_no_verb_imports_torch() -> None:
     code = ("import sys, contextlib, io\nfrom engine.cli.main import main\n"
             "argvs = [['dry-run', '--format', 'json', '--num-blocks', '4'], ['validate'], ['test'], ['schema'],"
-            " ['schema', '--cases'], ['--version']]\n"
+            " ['schema', '--cases'], ['--version'], ['lint'], ['diff', 'rules/issue-48412', 'rules/issue-48412']]\n"
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
             "    codes = [main(a) for a in argvs]\n"
             "print(codes, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.stdout.strip() == "[0, 0, 0, 0, 0, 0] False", out.stdout + out.stderr
+    assert out.stdout.strip() == "[0, 0, 0, 0, 0, 0, 0, 0] False", out.stdout + out.stderr
 
 
 def test_python_m_entry_point() -> None:
