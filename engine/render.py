@@ -34,6 +34,8 @@ class Explainable(Protocol):
     @property
     def preferences(self) -> tuple[PreferenceApplied, ...]: ...
     @property
+    def warnings(self) -> tuple[str, ...]: ...
+    @property
     def counterfactuals(self) -> tuple[Counterfactual, ...]: ...
     @property
     def fingerprint(self) -> Any: ...
@@ -94,6 +96,13 @@ def render_text(decision: Explainable, mode: str = "full") -> str:
                                                 if score == decision.score else "")
         out.append(f"  {rank}. {layout!s:<16} score {score}{note}")
     out.append("")
+
+    warnings = decision.warnings
+    if warnings:
+        out.append("warnings:")
+        for text in warnings:
+            out += _wrap(text, "  ")
+        out.append("")
 
     eliminated = decision.eliminated
     if eliminated:

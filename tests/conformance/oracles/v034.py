@@ -267,13 +267,37 @@ def spec_facts(spec):
 # ---------------------------------------------------------------------------
 
 
+_DECISION_CONFIGS: dict[str, object] = {}
+
+
+def decision_config(case):
+    """The case's VllmConfig, built (and validated) once per distinct configuration.
+
+    resolve_kv_cache_layout reads the config and writes only its answer, to
+    cache_config.kv_cache_layout, which a freshly built config has unset: it is
+    cleared before each reuse. A config vLLM refuses is refused again for every case.
+    """
+    keys = ("kv_transfer_config", "enable_extensible_kv_cache", "hisparse", "use_mla", "model_config")
+    key = json.dumps([case.get(k) for k in keys], sort_keys=True)
+    if key not in _DECISION_CONFIGS:
+        try:
+            _DECISION_CONFIGS[key] = build_vllm_config(case)
+        except Exception as exc:
+            _DECISION_CONFIGS[key] = exc
+    config = _DECISION_CONFIGS[key]
+    if isinstance(config, Exception):
+        raise config
+    config.cache_config.kv_cache_layout = None
+    return config
+
+
 def decision(case):
     """resolve_kv_cache_layout as the engine core calls it (v1/engine/core.py)."""
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 
     cap = case.get("device_capability")
     # The config is built (and validated) at start-up, before any worker reports.
-    vllm_config = build_vllm_config(case)
+    vllm_config = decision_config(case)
     with device_capability(cap):
         # Each worker reports layout names (worker_base.get_supported_kv_cache_layouts).
         supported = [
