@@ -16,6 +16,7 @@ from engine.cli.common import (
     HelpFormatter,
     add_format_flag,
     add_rules_flag,
+    add_vllm_version_flag,
     load_ruleset,
     print_json,
     rules_root,
@@ -28,7 +29,8 @@ __all__ = ["register", "render_run", "run"]
 
 _EPILOG = """\
 examples:
-  kvpolicy test                                   # rules/tests/*.yaml against the shipped rules
+  kvpolicy test                                   # rules/<profile>/tests/*.yaml against the shipped rules
+  kvpolicy test --vllm-version 0.28.0             # the shipped rules and tests of another release
   kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against my-rules/
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
 
@@ -63,6 +65,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("paths", nargs="*", metavar="PATH",
                    help="case files or directories of them (default: <rules dir>/tests/)")
     add_rules_flag(p)
+    add_vllm_version_flag(p)
     p.add_argument("--require-coverage", action="store_true",
                    help="fail (exit 1) when some rule is matched by no case")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing cases too")
@@ -106,9 +109,9 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
 def run(args: argparse.Namespace) -> int:
     from engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
 
-    ruleset = load_ruleset(args.rules)
-    paths = args.paths or [rules_root(args.rules)[0] / "tests"]
-    result = run_policy_tests(ruleset, paths)
+    ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version)
+    paths = args.paths or [rules_root(args.rules, args.vllm_version)[0] / "tests"]
+    result = run_policy_tests(ruleset, paths, vllm_version=args.vllm_version)
     if args.format == "json":
         print_json(result.to_dict())
     else:

@@ -182,11 +182,12 @@ def _located(exc: PolicyError, lc: LoadedCase) -> PolicyError:
     return type(exc)(exc.message, diags)
 
 
-def run_case(ruleset: RuleSet, lc: LoadedCase) -> CaseResult:
-    """Decide one case with the full trace and compare it with its expectation."""
+def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | None = None) -> CaseResult:
+    """Decide one case with the full trace and compare it with its expectation; the case's
+    inputs are read in profile ``vllm_version`` unless the case names its own."""
     expect = lc.case.expect
     try:
-        ctx = context_for(lc.case.input, lc.base_dir)
+        ctx = context_for(lc.case.input, lc.base_dir, vllm_version)
     except PolicyError as exc:
         exc = _located(exc, lc)
         return CaseResult(lc, tuple(_check(expect, None, exc, [], {}, set())), frozenset(), None, exc)
@@ -221,12 +222,14 @@ def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult]) -> Coverage:
     return Coverage(len(rules), frozenset(covered), tuple(r for r in rules if r.id not in covered))
 
 
-def run_policy_tests(ruleset: RuleSet, paths: Iterable[str | os.PathLike[str]]) -> TestRun:
-    """Load the cases under ``paths`` and run them against ``ruleset``.
+def run_policy_tests(ruleset: RuleSet, paths: Iterable[str | os.PathLike[str]],
+                     vllm_version: str | None = None) -> TestRun:
+    """Load the cases under ``paths`` and run them against ``ruleset``, reading the inputs in
+    release profile ``vllm_version`` (default: the default profile) unless a case names one.
 
     Raises `PolicyTestError` (every problem, located) when a file does not
     load; a case that fails is a result, not an exception.
     """
     cases = load_cases(paths, ruleset)
-    results = tuple(run_case(ruleset, lc) for lc in cases)
+    results = tuple(run_case(ruleset, lc, vllm_version) for lc in cases)
     return TestRun(ruleset, results, coverage_of(ruleset, results))
