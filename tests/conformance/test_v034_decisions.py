@@ -29,19 +29,23 @@ vLLM decides the KV cache layout once, in the engine core, with
   requiring nothing, conflicting, nested, and holding an invalid member);
 * ``enable_extensible_kv_cache``: off, on (2).
 
-Three planes of that space are enumerated in full (73,020 cases in all):
+Four planes of that space are enumerated in full (67,896 cases in all), leaving out what
+vLLM cannot build (a spec whose kv_cache_dtype some backend lacks: vLLM selects no backend;
+kvpolicy refuses those inputs, which is checked too; an MLA spec with a non-MLA backend):
 
-* A, the candidates: 44 worker sets x their capabilities (151) x 9 spec sets x 9 x
-  {no connector, OffloadingConnector} x 2 = 48,924;
+* A, the candidates: 44 worker sets x their capabilities (154 pairs) x 9 spec sets x 9
+  VLLM_KV_CACHE_LAYOUT values x {no connector, OffloadingConnector} x 2 = 44,424 (the
+  fp8_per_token_head set only on TRITON_ATTN);
 * B, the connectors: 7 (worker set, capability) pairs x 4 spec sets (one spec, mixed
-  heads, DCP, attention + Mamba) x 9 x 27 x 2 = 13,608;
+  heads, DCP, attention + Mamba) x 9 x 27 connector configurations x 2 = 13,608;
 * C, MLA: 4 worker sets x 2 capabilities x 2 MLA spec sets x 9 x 27 x 2 = 7,776;
-* plus 2,712 hybrid cases: B's (workers, capability) pairs x the 5 other spec sets x 9
-  x {no connector, NixlConnector, MultiConnector Nixl + Offloading, HiSparse +
-  Offloading} ... (see `_plane_d`) x 2.
+* D, B's 7 pairs x the other 5 spec sets x 9 x {none, NixlConnector, MultiConnector
+  Nixl + Offloading, MultiConnector HiSparse + Offloading} x 2 = 2,088.
 
 One oracle subprocess answers every case (``oracles/v034.py``, which calls vLLM's own
-functions); kvpolicy decides each with the shipped rules (``LayoutEngine.default``).
+functions), with the facts of the release and the inputs of the shipped policy tests
+(``rules/vllm-0.34/tests``); kvpolicy decides each with the shipped rules
+(``LayoutEngine.default``). The test takes about 80 s, most of it the oracle.
 They must agree on every case: the same layout, or both refusing. vLLM's refusals are
 mapped to what kvpolicy must say (`_VLLM_ERRORS`): a `NoLayoutError` naming the rule
 that stands for vLLM's check, or an `InputError` with the same meaning. vLLM's warning
@@ -55,6 +59,7 @@ import json
 import re
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -406,12 +411,103 @@ def _check_facts(facts: dict[str, Any]) -> list[str]:
     return problems
 
 
-def test_decisions_equal_vllm_034(vllm_sites: Any) -> None:
+# ---------------------------------------------------------------------------------------------
+# The shipped policy tests (rules/vllm-0.34/tests/*.yaml), as vLLM inputs
+
+POLICY_TESTS = Path(__file__).resolve().parents[2] / "rules" / PROFILE / "tests"
+# Refusals that happen outside resolve_kv_cache_layout and VllmConfig (vLLM's backend selection).
+_OUTSIDE_THE_ORACLE = {"unsupported-kv-cache-dtype"}
+
+
+def _policy_cases() -> list[Any]:
+    from engine.policy_tests import load_cases
+
+    return [lc for lc in load_cases([POLICY_TESTS]) if lc.case.expect.error not in _OUTSIDE_THE_ORACLE]
+
+
+def _oracle_spec(data: dict[str, Any], inp: Any) -> dict[str, Any]:
+    spec = dict(data.get("spec", data))
+    if spec.get("kind") == "mamba":
+        return {"kind": "mamba", "block_size": spec["block_size"], "state_elements": 2 * spec["block_size"]
+                * spec["num_kv_heads"] * spec["head_size"]}
+    if inp.kv_cache_dtype is not None:
+        spec["kv_cache_dtype"] = inp.kv_cache_dtype
+    if inp.block_size is not None:
+        spec["block_size"] = inp.block_size
+    spec.pop("num_layers", None)
+    spec.setdefault("block_size", get_profile(PROFILE).default_block_size)
+    if "dcp_sharded" in data:
+        spec["dcp_sharded"] = data["dcp_sharded"]
+    return spec
+
+
+def _ktc(name: str | None, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    if name is None or name == "none":
+        return None
+    extra = dict(extra or {})
+    if "connectors" in extra:
+        extra["connectors"] = [_ktc(m["kv_connector"], m.get("kv_connector_extra_config")) for m in extra["connectors"]]
+    return _k(name, **extra)
+
+
+def policy_oracle_case(inp: Any) -> dict[str, Any]:
+    """A policy test's input (`CaseInput`) as the oracle's decision case."""
+    groups = inp.groups if inp.groups is not None else [{"spec": inp.spec}]
+    specs = [_oracle_spec(g if isinstance(g, dict) else g.model_dump(), inp) for g in groups]
+    workers = inp.worker_attention_backends or [[inp.attention_backend or inp.backend or "TRITON_ATTN"]]
+    return {
+        "workers": workers,
+        "device_capability": None if inp.device_capability is None else [inp.device_capability, 0],
+        "specs": specs,
+        "use_mla": any(s.get("kind") == "mla" for s in specs),
+        "VLLM_KV_CACHE_LAYOUT": inp.vllm_kv_cache_layout,
+        "kv_transfer_config": _ktc(inp.connector, inp.connector_config),
+        "enable_extensible_kv_cache": inp.enable_extensible_kv_cache,
+        "hisparse": inp.hisparse,
+    }
+
+
+@pytest.fixture(scope="module")
+def oracle(vllm_sites: Any) -> dict[str, Any]:
+    """One oracle subprocess for the module: the facts, the input space, the policy tests' inputs."""
     start = time.perf_counter()
     cases = input_space()
+    policy = _policy_cases()
+    asked = [{"facts": True}] + [oracle_case(c) for c in cases] + [policy_oracle_case(lc.case.input) for lc in policy]
+    facts, *answers = run_oracle("0.34.0", "v034", asked)
+    return {"facts": facts, "cases": cases, "answers": answers[:len(cases)], "policy": policy,
+            "policy_answers": answers[len(cases):], "seconds": time.perf_counter() - start}
+
+
+def test_shipped_policy_tests_agree_with_vllm_034(oracle: dict[str, Any]) -> None:
+    """Every case of rules/vllm-0.34/tests/ that vLLM's resolver can answer: kvpolicy's decision
+    (what the case expects, `kvpolicy test` checks that) is vLLM's."""
+    from engine.policy_tests import run_case
+
+    ruleset = LayoutEngine.default(vllm_version=PROFILE).ruleset
+    diffs = []
+    for lc, vllm in zip(oracle["policy"], oracle["policy_answers"]):
+        result = run_case(ruleset, lc, PROFILE)
+        assert result.passed, (lc.location, result.failures)
+        ours = ({"layout": str(result.layout)} if result.error is None else
+                {"error": type(result.error).__name__, "blamed": _blamed(result.error)})
+        if "error" in vllm:
+            kind = _vllm_error_kind(vllm["error"])
+            ok = kind is not None and ours.get("error") == kind[1].__name__ and any(
+                kind[2] in b for b in ours["blamed"])
+        else:
+            ok = ours.get("layout") == vllm["layout"]
+        if not ok:
+            diffs.append(f"{lc.location} {lc.case.name}: vLLM {_vllm_shown(vllm)}, kvpolicy {_ours_shown(ours)}")
+    assert len(oracle["policy"]) >= 40
+    assert not diffs, "\n".join(diffs)
+
+
+def test_decisions_equal_vllm_034(oracle: dict[str, Any]) -> None:
+    start = time.perf_counter()
+    cases, answers, facts = oracle["cases"], oracle["answers"], oracle["facts"]
     assert len(cases) == EXPECTED_CASES, f"the docstring states {EXPECTED_CASES} cases; the space has {len(cases)}"
-    facts, *answers = run_oracle("0.34.0", "v034", [{"facts": True}] + [oracle_case(c) for c in cases])
-    oracle_s = time.perf_counter() - start
+    oracle_s = oracle["seconds"]
     assert not (bad := _check_facts(facts)), bad
 
     engine = LayoutEngine.default(vllm_version=PROFILE)
@@ -420,7 +516,7 @@ def test_decisions_equal_vllm_034(vllm_sites: Any) -> None:
         refused = _kvpolicy(engine, _case(workers, None, specs, None, "none", False))
         assert refused.get("blamed") == ["unsupported-kv-cache-dtype"], (workers, specs, refused)
     diffs = [(c, v, o, why) for c, v, o in zip(cases, answers, ours) if (why := compare(c, v, o)) is not None]
-    total_s = time.perf_counter() - start
+    total_s = time.perf_counter() - start + oracle_s
 
     outcomes = Counter(a.get("layout") or (_vllm_error_kind(a["error"]) or ("unmapped",))[-1] for a in answers)
     print(f"\nvLLM 0.34.0 resolve_kv_cache_layout vs kvpolicy `{PROFILE}`: {len(cases) - len(diffs)} of "
