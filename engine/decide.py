@@ -102,9 +102,15 @@ def scopes_for(ruleset: RuleSet, ctx: Context) -> tuple[Scope, Scope | None]:
 def release_ref(ctx: Context) -> RuleRef:
     """The built-in candidate filter, shown like a rule: the release's layouts the backends support."""
     names = ", ".join(str(x) for x in ctx.candidates) or "none"
+    workers = ctx.worker_backends
+    if workers is None or workers == ((ctx.backend.name,),):
+        what = f"attention backend `{ctx.backend.name}` supports"
+    else:
+        shown = "; ".join("[" + ", ".join(w) + "]" for w in workers)
+        what = (f"the attention backends of every worker support ({shown}), merged as vLLM merges the "
+                "workers' supported_kv_cache_layouts()")
     return RuleRef(RELEASE_CANDIDATES, Source(f"policy/releases/{ctx.profile}.yaml", 1), "require",
-                   f"the layouts `{ctx.profile}` has that attention backend `{ctx.backend.name}` supports, most "
-                   f"preferred first: {names}")
+                   f"the layouts `{ctx.profile}` has that {what}, most preferred first: {names}")
 
 
 def rule_ref(rule: CompiledRule) -> RuleRef:

@@ -93,6 +93,28 @@ class Decision:
         return tuple(e for e in self.events if isinstance(e, PreferenceApplied))
 
     @property
+    def warnings(self) -> tuple[str, ...]:
+        """Preferences that came to nothing: every layout a matched ``prefer`` rule asked for was
+        removed, so the ranking fell back to the candidates' order. (vLLM 0.34 warns the same way
+        when a connector's required layout is not a candidate, and uses its first candidate.)"""
+        surviving = {layout for layout, _ in self.ranking}
+        eliminated = self.eliminated
+        asked: dict[tuple[str, str], tuple[Any, list[Layout]]] = {}
+        for p in self.preferences:
+            asked.setdefault((p.rule.id, p.scope), (p.rule, []))[1].append(p.layout)
+        out = []
+        for (_rule_id, scope), (rule, layouts) in asked.items():
+            if any(x in surviving for x in layouts):
+                continue
+            removers = sorted({r.id for x in layouts for r, _ in eliminated.get(x, [])})
+            wanted = ", ".join(str(x) for x in layouts)
+            out.append(f"{rule.id} ({scope}) prefers {wanted}, which "
+                       + (f"{'was' if len(layouts) == 1 else 'were'} removed by {', '.join(removers)}"
+                          if removers else "did not survive")
+                       + f"; the preference is dropped and {self.layout} is used instead")
+        return tuple(out)
+
+    @property
     def matched_rules(self) -> dict[str, bool]:
         """Every rule id in the set -> whether it matched in any active scope."""
         out = {r.id: False for r in self.ruleset.rules}
@@ -124,6 +146,7 @@ class Decision:
             ],
             "preferences": [{"layout": str(p.layout), "rule": p.rule.id, "source": str(p.rule.source),
                              "scope": p.scope, "weight": p.weight} for p in self.preferences],
+            "warnings": list(self.warnings),
             "counterfactual": [
                 {"layout": str(cf.layout), "text": describe(cf),
                  "changes": None if cf.changes is None else [

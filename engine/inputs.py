@@ -1,8 +1,12 @@
 """Turn the keyword inputs of `LayoutEngine.decide` (and the CLI's flags) into a `Context`.
 
-The same names as ``kvpolicy dry-run``'s flags: ``model`` or ``spec``,
-``kv_cache_dtype``, ``block_size``, ``backend``, ``connector``,
-``connector_config``; the pydantic models themselves are accepted too.
+The same names as ``kvpolicy dry-run``'s flags (and the policy tests' ``input``
+keys), named as vLLM names them: ``model`` or ``spec`` / ``groups``,
+``kv_cache_dtype``, ``block_size``, ``attention_backend`` (alias ``backend``),
+``worker_attention_backends``, ``connector``, ``connector_config``,
+``vllm_kv_cache_layout``, ``enable_extensible_kv_cache``, ``hisparse``,
+``device_capability``, ``vllm_version``; the pydantic models themselves are
+accepted too.
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from policy.backends import BackendProfile, ScaleViews
 from policy.connectors import ConnectorConfig
 from policy.context import Context, VllmOptions
-from policy.errors import input_error
+from policy.errors import InputError, input_error
 from policy.layouts import Layout
 from policy.quant import ModelDtype, parse_kv_cache_dtype
 from policy.releases import ReleaseProfile, Resolver, get_profile
@@ -83,6 +88,7 @@ def build_context(
     hisparse: bool = False,
     device_capability: int | None = None,
     use_v2_model_runner: bool = False,
+    worker_attention_backends: Sequence[Sequence[str]] | None = None,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -90,17 +96,35 @@ def build_context(
     backend's enum name, ``vllm_kv_cache_layout`` is ``VLLM_KV_CACHE_LAYOUT``,
     ``device_capability`` the CUDA capability's major number (FlashInfer's
     layouts depend on it), ``hisparse`` whether ``attention_config.hisparse_config``
-    is set. ``vllm_version`` selects the release profile (default: the installed
-    vLLM's, else the newest).
+    is set (vLLM also sets it when a HiSparse connector is configured, and refuses
+    it without one). ``worker_attention_backends`` lists each worker's attention
+    backends (vLLM's ``get_current_attn_backends`` on every worker; pipeline stages
+    hold different layers, so their lists may differ): their merged
+    ``supported_kv_cache_layouts()`` are the candidates, and ``attention_backend``
+    defaults to the first of them. ``vllm_version`` selects the release profile
+    (default: the installed vLLM's, else the newest).
     """
     release = get_profile(vllm_version)
     if attention_backend is not None and backend is not None and attention_backend != backend:
         raise input_error("backend", "give `attention_backend` or its alias `backend`, not both")
     backend = attention_backend if attention_backend is not None else backend
+    workers = _workers(release, worker_attention_backends)
+    if workers is not None:
+        listed = [b for w in workers for b in w]
+        if backend is None:
+            if not listed:
+                raise input_error("worker_attention_backends", "no worker names an attention backend",
+                                  "name each worker's backends, e.g. [[\"FLASHINFER\"], [\"FLASH_ATTN\"]]")
+            backend = listed[0]
+        elif isinstance(backend, str) and _canonical(release, backend) not in listed:
+            raise input_error("attention_backend", f"attention backend `{backend}` is on no worker",
+                              "name one of `worker_attention_backends`, or leave `attention_backend` out "
+                              "(it defaults to the first worker's first backend)", code="backend-mismatch")
     if backend is None:
         backend = "TRITON_ATTN"
+    connector_config_model = _connector(connector, connector_config)
     options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability,
-                       use_v2_model_runner)
+                       connector_config_model, use_v2_model_runner)
     if model is not None and spec is not None:
         raise input_error("model", "give `model` or `spec`, not both")
     if groups is not None and not isinstance(groups, KVCacheGroups):
@@ -142,30 +166,88 @@ def build_context(
         except ValueError:
             raise input_error("scale_views", f"unknown scale-view strategy `{scale_views}`",
                               "valid: " + ", ".join(s.value for s in ScaleViews)) from None
+    mla_names = ", ".join(n for n, b in release.backends.items() if b.mla)
     if profile.mla != (kv.kind is AttentionKind.mla):
-        mla_names = ", ".join(n for n, b in release.backends.items() if b.mla)
         want = f"an MLA backend ({mla_names})" if not profile.mla else "an MLA spec (kind mla)"
         raise input_error("backend", f"backend `{profile.name}` does not fit a `{kv.kind.value}` KV spec",
                           f"use {want}", code="backend-mismatch")
+    for i, worker in enumerate(workers or ()):
+        for name in worker:
+            if release.backends[name].mla != profile.mla:
+                want = f"MLA backends ({mla_names})" if profile.mla else "non-MLA backends"
+                raise input_error(f"worker_attention_backends[{i}]", f"backend `{name}` of worker {i} does not "
+                                  f"fit a `{kv.kind.value}` KV spec", f"a model's workers all use {want}",
+                                  code="backend-mismatch")
     if kv.kv_cache_dtype not in release.kv_cache_dtypes:
         raise input_error("kv_cache_dtype", f"vLLM profile `{release.name}` has no kv_cache_dtype "
                           f"`{kv.kv_cache_dtype}`", "valid: " + ", ".join(release.kv_cache_dtypes),
                           code="unknown-kv-cache-dtype")
-    facts = release.backends.get(profile.name)
-    if (kv.kind.is_attention and facts is not None and facts.kv_cache_dtypes is not None
-            and kv.kv_cache_dtype not in facts.kv_cache_dtypes):
-        # vLLM refuses the backend at selection: validate_configuration's "kv_cache_dtype not supported"
-        raise input_error("kv_cache_dtype", f"attention backend `{profile.name}` of `{release.name}` does not "
-                          f"support kv_cache_dtype `{kv.kv_cache_dtype}`",
-                          "its supported_kv_cache_dtypes: " + ", ".join(facts.kv_cache_dtypes),
-                          code="unsupported-kv-cache-dtype")
-    candidates = _candidates(release, profile, options)
-    return Context(kv=kv, groups=groups, backend=profile, connector=_connector(connector, connector_config),
-                   profile=release.name, candidates=candidates, options=options)
+    _check_dtypes(release, groups, [profile.name] + [b for w in workers or () for b in w])
+    candidates = _candidates(release, profile, options, workers)
+    return Context(kv=kv, groups=groups, backend=profile, connector=connector_config_model,
+                   profile=release.name, candidates=candidates, options=options,
+                   worker_backends=None if workers is None else tuple(tuple(w) for w in workers))
+
+
+def _canonical(release: ReleaseProfile, name: str) -> str:
+    """The profile's spelling of backend ``name`` (an `InputError` naming the known ones)."""
+    release.backend(name)
+    return name if name in release.backends else name.upper()
+
+
+def _workers(release: ReleaseProfile, workers: Any) -> list[list[str]] | None:
+    """``worker_attention_backends`` checked: a list (one entry per worker) of lists of backend names."""
+    if workers is None:
+        return None
+    hint = 'one list of backend names per worker, e.g. [["FLASHINFER"], ["FLASH_ATTN", "TRITON_ATTN"]]'
+    if isinstance(workers, (str, bytes)) or not isinstance(workers, (list, tuple)) or not workers:
+        raise input_error("worker_attention_backends", "`worker_attention_backends` must be a non-empty list "
+                          "of workers", hint)
+    out = []
+    for i, worker in enumerate(workers):
+        if isinstance(worker, (str, bytes)) or not isinstance(worker, (list, tuple)):
+            raise input_error(f"worker_attention_backends[{i}]", f"worker {i} must be a list of backend names",
+                              hint)
+        names = []
+        for name in worker:
+            if not isinstance(name, str):
+                raise input_error(f"worker_attention_backends[{i}]", f"worker {i}: a backend name must be a "
+                                  f"string, got {type(name).__name__}", hint)
+            try:
+                names.append(_canonical(release, name))
+            except InputError as exc:
+                d = exc.diagnostics[0]
+                raise input_error(f"worker_attention_backends[{i}]", d.message, d.help, code=d.code) from None
+        out.append(names)
+    return out
+
+
+def _check_dtypes(release: ReleaseProfile, groups: KVCacheGroups, backends: list[str]) -> None:
+    """Every backend supports every attention group's ``kv_cache_dtype`` (vLLM's
+    ``supported_kv_cache_dtypes``: it selects no backend for a dtype the backend lacks)."""
+    dtypes = sorted({g.spec.kv_cache_dtype for g in groups.groups if g.spec.kind.is_attention})
+    for name in dict.fromkeys(backends):
+        facts = release.backends.get(name)
+        if facts is None or facts.kv_cache_dtypes is None:
+            continue
+        for dtype in dtypes:
+            if dtype not in facts.kv_cache_dtypes:
+                able = [n for n, b in release.backends.items() if b.kv_cache_dtypes and dtype in b.kv_cache_dtypes]
+                raise input_error("kv_cache_dtype", f"attention backend `{name}` does not support kv_cache_dtype "
+                                  f"`{dtype}` in vLLM profile `{release.name}`",
+                                  f"`{name}` supports: {', '.join(facts.kv_cache_dtypes)}; backends with "
+                                  f"`{dtype}`: {', '.join(able) or 'none'}", code="unsupported-kv-cache-dtype")
+
+
+def _has_connector(conn: ConnectorConfig | None, names: Sequence[str]) -> bool:
+    """vLLM's ``KVTransferConfig.has_connector``: the connector or one of its members is named so."""
+    if conn is None:
+        return False
+    return conn.name in names or any(_has_connector(m, names) for m in conn.connectors)
 
 
 def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hisparse: Any,
-             capability: Any, v2_runner: Any = False) -> VllmOptions:
+             capability: Any, connector: ConnectorConfig | None = None, v2_runner: Any = False) -> VllmOptions:
     if layout is not None and layout != "":
         if not isinstance(layout, str):
             raise input_error("vllm_kv_cache_layout", "`vllm_kv_cache_layout` must be a layout name")
@@ -183,13 +265,27 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
                                    or not 0 < capability < 100):
         raise input_error("device_capability", f"`device_capability` must be a CUDA capability major number "
                           f"such as 9 or 10, got `{capability!r}`")
+    if release.hisparse_connectors:
+        # vLLM's VllmConfig turns HiSparse on for a HiSparse connector, and refuses it without one.
+        with_connector = _has_connector(connector, release.hisparse_connectors)
+        if hisparse and not with_connector:
+            names = " or ".join(f"`{n}`" for n in release.hisparse_connectors)
+            raise input_error("hisparse", f"vLLM profile `{release.name}` refuses a HiSparse config without "
+                              f"{names} in the KV transfer config",
+                              f"configure {names} (with another connector, nest both in MultiConnector)",
+                              code="hisparse-needs-connector")
+        hisparse = hisparse or with_connector
     return VllmOptions(kv_cache_layout=layout or None, enable_extensible_kv_cache=extensible, hisparse=hisparse,
                        device_capability=capability, use_v2_model_runner=v2_runner)
 
 
-def _candidates(release: ReleaseProfile, backend: BackendProfile, options: VllmOptions) -> tuple[Layout, ...]:
-    """The release's layouts this backend declares and has a geometry for, most preferred first."""
-    if backend.name in release.backends:
+def _candidates(release: ReleaseProfile, backend: BackendProfile, options: VllmOptions,
+                workers: list[list[str]] | None = None) -> tuple[Layout, ...]:
+    """The release's layouts every worker's backends declare and the planned backend has a geometry
+    for, most preferred first (vLLM's merge of the workers' ``supported_kv_cache_layouts()``)."""
+    if workers is not None:
+        declared = release.declared_layouts(workers, options.device_capability)
+    elif backend.name in release.backends:
         declared = release.declared_layouts([[backend.name]], options.device_capability)
     else:  # a BackendProfile the release does not know: its own declaration, else the release's default
         declared = backend.supported_layouts or release.default_layout_preference

@@ -34,6 +34,8 @@ class Explainable(Protocol):
     @property
     def preferences(self) -> tuple[PreferenceApplied, ...]: ...
     @property
+    def warnings(self) -> tuple[str, ...]: ...
+    @property
     def counterfactuals(self) -> tuple[Counterfactual, ...]: ...
     @property
     def fingerprint(self) -> Any: ...
@@ -50,10 +52,16 @@ def render_inputs(decision: Explainable) -> list[str]:
         f"page {kv.page_size_bytes} B" + (f" ({kv.scale_bytes_per_page} B inline scales)"
                                           if kv.per_token_head else ""),
         f"  groups:    {ctx.groups.count} KV cache group(s), {ctx.groups.attention_groups} attention group(s)"
-        + (", Mamba present" if ctx.groups.has_mamba else ""),
+        + (", Mamba present" if ctx.groups.has_mamba else "")
+        + (", DCP-replicated: " + ", ".join(str(i) for i, g in enumerate(ctx.groups.groups) if not g.dcp_sharded)
+           if any(not g.dcp_sharded for g in ctx.groups.groups) else ""),
         f"  backend:   {b.name} (scale views {b.scale_views.value}; indexes KV by block stride: "
         f"{'yes' if b.indexes_kv_by_block_stride else 'no'})",
     ]
+    workers = ctx.worker_backends
+    if workers is not None and workers != ((b.name,),):
+        lines.append("  workers:   " + "; ".join(f"[{', '.join(w)}]" for w in workers)
+                     + f" (candidates: {', '.join(str(x) for x in ctx.candidates) or 'none'})")
     if c is None:
         lines.append("  connector: none")
     else:
@@ -94,6 +102,13 @@ def render_text(decision: Explainable, mode: str = "full") -> str:
                                                 if score == decision.score else "")
         out.append(f"  {rank}. {layout!s:<16} score {score}{note}")
     out.append("")
+
+    warnings = decision.warnings
+    if warnings:
+        out.append("warnings:")
+        for text in warnings:
+            out += _wrap(text, "  ")
+        out.append("")
 
     eliminated = decision.eliminated
     if eliminated:

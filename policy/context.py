@@ -181,8 +181,10 @@ class Context(Frozen):
 
     ``groups`` defaults to one group holding ``kv``. ``connector`` None means no
     KV connector is configured. ``candidates`` are the layouts the release has
-    and every backend supports, most preferred first (the tie-break order);
-    ``profile`` names the release profile they come from.
+    and every backend of every worker supports, most preferred first (the
+    tie-break order); ``profile`` names the release profile they come from.
+    ``backend`` is the backend whose geometry is planned (the first worker's
+    first); ``worker_backends`` every worker's backends when there are several.
     """
 
     kv: KVCacheSpec
@@ -192,6 +194,9 @@ class Context(Frozen):
     profile: str = "issue-48412"
     candidates: tuple[Layout, ...] = (Layout.LBNHC, Layout.LBHNC, Layout.BLNHC, Layout.BHLNC)
     options: VllmOptions = VllmOptions()
+    worker_backends: tuple[tuple[str, ...], ...] | None = Field(
+        default=None, description="each worker's attention backends (pipeline stages may differ), whose "
+        "merged `supported_kv_cache_layouts()` are the candidates; None: one worker with `backend`")
 
     @model_validator(mode="after")
     def _default_groups(self) -> Context:

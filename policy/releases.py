@@ -144,6 +144,10 @@ class ReleaseProfile(Frozen):
     kv_cache_dtypes: tuple[str, ...]
     backends: dict[str, BackendFacts]
     connectors: dict[str, str] = Field(description="registered KV connector names -> the class each loads")
+    hisparse_connectors: tuple[str, ...] = Field(
+        default=(), description="connectors whose presence in the KV transfer config turns HiSparse "
+        "(`attention_config.hisparse_config`) on, and without one of which a HiSparse config is refused "
+        "(vLLM 0.34's `VllmConfig.__post_init__`)")
     rules: str = Field(description="the shipped rules' directory, relative to the rules root")
 
     def __hash__(self) -> int:

@@ -186,15 +186,17 @@ class KVCacheGroups(Frozen):
 
     @property
     def mixed_hnc_shapes(self) -> bool:
-        """The attention specs differ in (heads, tokens per block, page bytes) (vLLM's HNC-shape check)."""
-        return len({(g.spec.num_kv_heads, g.spec.block_size, g.spec.page_size_bytes)
-                    for g in self.groups if g.spec.kind.is_attention}) > 1
+        """The groups' pages differ in (heads, stored states, page bytes): vLLM's HNC-shape check
+        (``resolve_kv_cache_layout``) over every spec with per-layer views. An attention page holds
+        ``num_kv_heads`` heads of ``block_size`` states; a Mamba state is one head of one state."""
+        return len({_hnc_shape(g.spec) for g in self.groups}) > 1
 
     @property
     def dcp_mixed_page_sizes(self) -> bool:
-        """Sharded and replicated attention specs whose page sizes differ (vLLM's DCP check)."""
-        attn = [g for g in self.groups if g.spec.kind.is_attention]
-        return len({g.dcp_sharded for g in attn}) > 1 and len({g.spec.page_size_bytes for g in attn}) > 1
+        """DCP-sharded and replicated attention groups, with page sizes differing among all groups
+        (vLLM's DCP check: Mamba states count for the page sizes, not for the sharding)."""
+        sharding = {g.dcp_sharded for g in self.groups if g.spec.kind.is_attention}
+        return len(sharding) > 1 and len({g.spec.page_size_bytes for g in self.groups}) > 1
 
     @property
     def primary(self) -> KVCacheSpec | None:
@@ -207,6 +209,13 @@ class KVCacheGroups(Frozen):
     @classmethod
     def single(cls, spec: KVCacheSpec) -> KVCacheGroups:
         return cls(groups=(KVCacheGroup(spec=spec),))
+
+
+def _hnc_shape(spec: KVCacheSpec) -> tuple[int, int, int]:
+    """vLLM's ``(num_heads, num_states, page_size_bytes)`` of a spec's page."""
+    if spec.kind is AttentionKind.mamba:
+        return (1, 1, spec.page_size_bytes)
+    return (spec.num_kv_heads, spec.block_size, spec.page_size_bytes)
 
 
 def make_model(cls: type[Frozen], where: str, data: dict[str, Any]) -> Any:

@@ -57,6 +57,9 @@ examples:
       --connector-config '{"enable_cross_layers_blocks": "true"}' --num-blocks 1024
   kvpolicy dry-run --connector MultiConnector --connector-config \\
       '{"connectors": [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]}'
+  kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \
+      --worker-attention-backends FLASHINFER --worker-attention-backends FLASH_ATTN,TRITON_ATTN
+      two pipeline stages with different backends: the layouts both support
   kvpolicy dry-run --explain fails          # only what removed candidates and why the rest lost
   kvpolicy dry-run --format json | jq .layout
 
@@ -67,6 +70,7 @@ spec file (--spec, YAML or JSON): KVCacheSpec fields, or several KV cache groups
   head_size: 64
   kv_cache_dtype: fp8_per_token_head     # optional; --kv-cache-dtype overrides
   # or: groups: [{spec: {...}, num_attention_groups: 1}, {spec: {kind: mamba, ...}}]
+  #     (a group's `dcp_sharded: false`: a replicated draft model's cache under DCP)
 
 exit codes: 0 a layout was chosen, 1 no layout survives the rules (or they do not load),
             2 usage error (a bad flag value, an unreadable or invalid --spec / --model)
@@ -108,6 +112,11 @@ def register(verbs: argparse._SubParsersAction) -> None:
     dep.add_argument("--attention-backend", "--backend", dest="backend", metavar="NAME",
                      help="attention backend, vLLM's enum name: " + ", ".join(_backend_names())
                           + " (default TRITON_ATTN; the release profile lists its own)")
+    dep.add_argument("--worker-attention-backends", type=_worker_backends, action="append", metavar="NAME[,NAME...]",
+                     help="one worker's attention backends, comma-separated; repeat once per worker (pipeline "
+                          "stages may use different backends): the candidates are the layouts all of them "
+                          "support, merged as vLLM merges the workers' lists. --attention-backend defaults to "
+                          "the first")
     dep.add_argument("--scale-views", choices=[s.value for s in ScaleViews],
                      help="how the backend builds inline-scale views (default: the backend's own)")
     dep.add_argument("--connector", metavar="NAME",
@@ -157,6 +166,16 @@ def _capability(text: str) -> int:
     if not major.isdigit() or not (minor == "" or minor.isdigit()) or not 0 < int(major) < 100:
         raise argparse.ArgumentTypeError(f"`{text}` is not a CUDA compute capability such as 9.0 or 10.0")
     return int(major)
+
+
+def _worker_backends(text: str) -> list[str]:
+    """``FLASHINFER,FLASH_ATTN``: one worker's backends (an empty value: a worker with none)."""
+    names = [n.strip() for n in text.split(",")]
+    if names == [""]:
+        return []
+    if any(not n for n in names):
+        raise argparse.ArgumentTypeError(f"`{text}` is not a comma-separated list of backend names")
+    return names
 
 
 def _layout(text: str) -> Layout:
@@ -245,6 +264,7 @@ _FLAG_OF = {
     "hisparse": "--hisparse",
     "use_v2_model_runner": "--use-v2-model-runner",
     "device_capability": "--device-capability",
+    "worker_attention_backends": "--worker-attention-backends",
     "kv_cache_dtype": "--kv-cache-dtype",
     "scale_views": "--scale-views",
     "connector": "--connector",
@@ -283,7 +303,9 @@ def context_from_args(args: argparse.Namespace) -> Context:
     kwargs: dict[str, Any] = {
         "kv_cache_dtype": args.kv_cache_dtype,
         "block_size": args.block_size,
-        "backend": args.backend or (DEFAULT_EXAMPLE["backend"] if example else "TRITON_ATTN"),
+        "backend": args.backend or (None if args.worker_attention_backends is not None else
+                                    DEFAULT_EXAMPLE["backend"] if example else "TRITON_ATTN"),
+        "worker_attention_backends": args.worker_attention_backends,
         "scale_views": args.scale_views,
         "connector": args.connector if args.connector is not None else (
             DEFAULT_EXAMPLE["connector"] if example else None),
@@ -326,7 +348,9 @@ def context_from_args(args: argparse.Namespace) -> Context:
 def example_banner(args: argparse.Namespace) -> str:
     ex = DEFAULT_EXAMPLE
     mine = [f for f, v in (("--kv-cache-dtype", args.kv_cache_dtype), ("--block-size", args.block_size),
-                           ("--attention-backend", args.backend), ("--scale-views", args.scale_views),
+                           ("--attention-backend", args.backend),
+                           ("--worker-attention-backends", args.worker_attention_backends),
+                           ("--scale-views", args.scale_views),
                            ("--connector", args.connector), ("--connector-config", args.connector_config),
                            ("--vllm-kv-cache-layout", args.vllm_kv_cache_layout),
                            ("--enable-extensible-kv-cache", args.enable_extensible_kv_cache),

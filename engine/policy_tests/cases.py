@@ -64,10 +64,12 @@ class PolicyTestError(PolicyError):
 
 
 class GroupInput(Frozen):
-    """One KV cache group of a hybrid model: a spec and its attention-group count."""
+    """One KV cache group of a hybrid model: a spec, its attention-group count, its DCP sharding."""
 
     spec: dict[str, Any] = Field(description="KVCacheSpec fields (num_layers, block_size, num_kv_heads, ...)")
     num_attention_groups: int = Field(default=1, ge=1, description="attention backends in this group")
+    dcp_sharded: bool = Field(default=True, description="vLLM's `dcp_sharded`: decode context parallelism shards "
+                              "this cache's tokens; false for a replicated draft model's cache")
 
 
 class CaseInput(Frozen):
@@ -82,14 +84,39 @@ class CaseInput(Frozen):
     groups: list[GroupInput] | None = Field(default=None, min_length=1, description="several KV cache groups")
     kv_cache_dtype: str | None = Field(default=None, description="vLLM's --kv-cache-dtype; overrides the spec's")
     block_size: int | None = Field(default=None, gt=0, description="tokens per block; overrides the spec's")
-    backend: str = Field(default="TRITON_ATTN", description="attention backend name")
+    attention_backend: str | None = Field(
+        default=None, description="vLLM's attention backend enum name (default: the first of "
+        "`worker_attention_backends`, else TRITON_ATTN)")
+    backend: str | None = Field(default=None, description="alias of `attention_backend`")
+    worker_attention_backends: list[list[str]] | None = Field(
+        default=None, description="each worker's attention backends (pipeline stages may differ); the candidates "
+        "are the layouts all of them support, merged as vLLM merges the workers' lists")
     scale_views: ScaleViews | None = Field(default=None, description="override the backend's scale-view strategy")
     connector: str | None = Field(default=None, description="KV connector class name; absent: no connector")
     connector_config: dict[str, Any] | None = Field(default=None, description="vLLM's kv_connector_extra_config")
     tensor_parallel_size: int = Field(default=1, ge=1, description="with `model` only")
-    vllm_kv_cache_layout: str | None = Field(default=None, description="the VLLM_KV_CACHE_LAYOUT environment "
-                                             "variable (NHD/HND, or a layout name from vLLM 0.29 on)")
-    use_v2_model_runner: bool = Field(default=False, description="vLLM's `VllmConfig.use_v2_model_runner`")
+    vllm_version: str | None = Field(
+        default=None, description="the vLLM release profile (`vllm-0.34`, `0.34.0`); default: the rule set's")
+    vllm_kv_cache_layout: str | None = Field(
+        default=None, description="vLLM's `VLLM_KV_CACHE_LAYOUT`: one of the six layouts, or NHD / HND")
+    enable_extensible_kv_cache: bool = Field(default=False, description="vLLM's `enable_extensible_kv_cache`")
+    hisparse: bool = Field(default=False, description="`attention_config.hisparse_config` is set")
+    device_capability: int | None = Field(
+        default=None, description="the CUDA compute capability's major number (10 for 10.0); `9.0` is accepted")
+
+    @field_validator("device_capability", mode="before", json_schema_input_type=int | float | str | None)
+    @classmethod
+    def _capability_major(cls, value: Any) -> Any:
+        if isinstance(value, float) and value > 0:
+            return int(value)
+        if isinstance(value, str):
+            major, _, minor = value.partition(".")
+            if major.isdigit() and (minor == "" or minor.isdigit()):
+                return int(major)
+            raise ValueError(f"`{value}` is not a CUDA compute capability such as 9.0 or 10.0")
+        return value
+    use_v2_model_runner: bool = Field(default=False, description="vLLM's `VllmConfig.use_v2_model_runner` "
+                                      "(0.28: the V2 runner never allocates cross-layer)")
 
     @model_validator(mode="after")
     def _one_source(self) -> CaseInput:
@@ -97,6 +124,8 @@ class CaseInput(Frozen):
         if len(given) != 1:
             found = ", ".join(f"`{k}`" for k in given) or "none"
             raise ValueError(f"an input needs exactly one of `model`, `spec`, `groups`; found {found}")
+        if self.backend is not None and self.attention_backend is not None and self.backend != self.attention_backend:
+            raise ValueError("give `attention_backend` or its alias `backend`, not both")
         return self
 
 
@@ -288,8 +317,12 @@ def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic]]:
     return [LoadedCase(c, src, i) for i, c in enumerate(model.cases)], diags
 
 
+# What the engine itself names in removals, beside the rules: the release's candidate filter.
+BUILTIN_RULE_IDS = (RELEASE_CANDIDATES,)
+
+
 def _check_rule_ids(cases: list[LoadedCase], ruleset: RuleSet) -> list[Diagnostic]:
-    known = sorted([r.id for r in ruleset.rules] + [RELEASE_CANDIDATES])  # the built-in filter counts as a rule
+    known = sorted(r.id for r in ruleset.rules) + list(BUILTIN_RULE_IDS)
     diags = []
     for lc in cases:
         for path, rule_id in lc.case.expect.rule_ids:
@@ -339,21 +372,25 @@ def groups_from_data(
             if block_size is not None:
                 data["block_size"] = block_size
         spec = make_model(KVCacheSpec, f"groups[{i}].spec", data)
-        out.append(KVCacheGroup(spec=spec, num_attention_groups=g.num_attention_groups))
+        out.append(KVCacheGroup(spec=spec, num_attention_groups=g.num_attention_groups, dcp_sharded=g.dcp_sharded))
     return KVCacheGroups(groups=tuple(out))
 
 
-def context_for(inp: CaseInput, base_dir: Path = Path("."),
-                vllm_version: str | ReleaseProfile | None = None) -> Context:
-    """The decision `Context` for a case input in ``vllm_version``'s release profile (default: the
-    default profile); raises `InputError` / `ModelConfigError`."""
+def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | ReleaseProfile | None = None
+                ) -> Context:
+    """The decision `Context` for a case input (in profile ``vllm_version`` unless the case names
+    one); raises `InputError` / `ModelConfigError`."""
     common: dict[str, Any] = {
-        "vllm_version": vllm_version,
-        "backend": inp.backend,
+        "attention_backend": inp.attention_backend or inp.backend,
+        "worker_attention_backends": inp.worker_attention_backends,
         "scale_views": inp.scale_views.value if inp.scale_views else None,
         "connector": inp.connector,
         "connector_config": inp.connector_config,
+        "vllm_version": inp.vllm_version or vllm_version,
         "vllm_kv_cache_layout": inp.vllm_kv_cache_layout,
+        "enable_extensible_kv_cache": inp.enable_extensible_kv_cache,
+        "hisparse": inp.hisparse,
+        "device_capability": inp.device_capability,
         "use_v2_model_runner": inp.use_v2_model_runner,
     }
     if inp.groups is not None:

@@ -21,6 +21,10 @@ only because this runs on a CPU without the CUDA stack:
     import fails; none of it is called by supported_kv_cache_layouts/customize_spec.
   * model_config: a real ModelConfig built from a tiny local config.json (llama,
     or deepseek_v2 for use_mla), with no weights and no tokenizer.
+  * VllmConfig._resolve_extensible_kv_cache: runs with current_platform.is_cuda_alike()
+    answering True, as it does on the CUDA platform; the CPU platform refuses an
+    explicitly requested enable_extensible_kv_cache ("only supported on CUDA and
+    ROCm"). Every other check of that method runs unchanged.
   * the attention layer's model dtype for kv_cache_dtype "auto": kv_cache_dtype_str_to_dtype
     gets an object with only .dtype (the case's dtype), which is all it reads.
   * geometry's K/V split: the backend impl methods that split a cache
@@ -149,6 +153,32 @@ def model_config(use_mla, hisparse=False):
     return _MODEL_CONFIGS[key]
 
 
+@contextlib.contextmanager
+def cuda_alike_extensible_kv_cache():
+    """STAND-IN: VllmConfig settles enable_extensible_kv_cache as on a CUDA platform."""
+    from vllm.config import VllmConfig
+    from vllm.platforms import current_platform
+
+    original = VllmConfig._resolve_extensible_kv_cache
+
+    def resolve(self):
+        saved = current_platform.__dict__.get("is_cuda_alike")
+        current_platform.is_cuda_alike = lambda: True
+        try:
+            return original(self)
+        finally:
+            if saved is None:
+                del current_platform.is_cuda_alike
+            else:
+                current_platform.is_cuda_alike = saved
+
+    VllmConfig._resolve_extensible_kv_cache = resolve
+    try:
+        yield
+    finally:
+        VllmConfig._resolve_extensible_kv_cache = original
+
+
 def build_vllm_config(case, layout=None, num_blocks=None):
     from vllm.config import AttentionConfig, CacheConfig, KVTransferConfig, VllmConfig
     from vllm.config.attention import HiSparseConfig
@@ -168,7 +198,7 @@ def build_vllm_config(case, layout=None, num_blocks=None):
         # HiSparse needs a DSA model (hf_config.index_topk); HiSparseConnector turns it on.
         dsa = bool(case.get("hisparse")) or "HiSparseConnector" in json.dumps(kv_transfer or {})
         kwargs["model_config"] = model_config(bool(case.get("use_mla", False)), dsa)
-    with gpu_platform_config():
+    with gpu_platform_config(), cuda_alike_extensible_kv_cache():
         vllm_config = VllmConfig(**kwargs)
     if layout is not None:
         # How a worker adopts the layout the engine core resolved.
@@ -187,12 +217,22 @@ def build_spec(s, backend):
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
         get_kv_quant_mode,
     )
     from vllm.v1.worker.utils import customize_attention_spec
 
+    kind = s.get("kind", "full")
+    if kind == "mamba":
+        # A Mamba layer's state: one tensor of `state_elements` values (vLLM's MambaSpec;
+        # Mamba layers have their own backends and no attention customization).
+        return MambaSpec(
+            block_size=s.get("block_size", 16),
+            shapes=((s["state_elements"],),),
+            dtypes=(TORCH_DTYPES[s.get("dtype", "bfloat16")],),
+        )
     kv_cache_dtype = s.get("kv_cache_dtype", "auto")
     model_dtype = types.SimpleNamespace(dtype=TORCH_DTYPES[s.get("dtype", "bfloat16")])
     common = dict(
@@ -204,7 +244,6 @@ def build_spec(s, backend):
         dcp_sharded=s.get("dcp_sharded", True),
         page_size_padded=s.get("page_size_padded"),
     )
-    kind = s.get("kind", "full")
     if kind == "full":
         spec = FullAttentionSpec(**common)
     elif kind == "mla":
@@ -233,11 +272,37 @@ def spec_facts(spec):
 # ---------------------------------------------------------------------------
 
 
+_DECISION_CONFIGS: dict[str, object] = {}
+
+
+def decision_config(case):
+    """The case's VllmConfig, built (and validated) once per distinct configuration.
+
+    resolve_kv_cache_layout reads the config and writes only its answer, to
+    cache_config.kv_cache_layout, which a freshly built config has unset: it is
+    cleared before each reuse. A config vLLM refuses is refused again for every case.
+    """
+    keys = ("kv_transfer_config", "enable_extensible_kv_cache", "hisparse", "use_mla", "model_config")
+    key = json.dumps([case.get(k) for k in keys], sort_keys=True)
+    if key not in _DECISION_CONFIGS:
+        try:
+            _DECISION_CONFIGS[key] = build_vllm_config(case)
+        except Exception as exc:
+            _DECISION_CONFIGS[key] = exc
+    config = _DECISION_CONFIGS[key]
+    if isinstance(config, Exception):
+        raise config
+    config.cache_config.kv_cache_layout = None
+    return config
+
+
 def decision(case):
     """resolve_kv_cache_layout as the engine core calls it (v1/engine/core.py)."""
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 
     cap = case.get("device_capability")
+    # The config is built (and validated) at start-up, before any worker reports.
+    vllm_config = decision_config(case)
     with device_capability(cap):
         # Each worker reports layout names (worker_base.get_supported_kv_cache_layouts).
         supported = [
@@ -249,10 +314,18 @@ def decision(case):
             build_spec(s, backend_class(s["backend"]) if s.get("backend") else first_backend)
             for s in case.get("specs", [])
         ]
-        vllm_config = build_vllm_config(case)
         with vllm_env(case.get("VLLM_KV_CACHE_LAYOUT")), captured_warnings() as warnings:
             layout = resolve_kv_cache_layout(vllm_config, supported, specs)
-    return {"layout": layout.name, "warnings": warnings, "supported": supported}
+    return {
+        "layout": layout.name,
+        "warnings": warnings,
+        "supported": supported,
+        # what resolve_kv_cache_layout reads of each spec (its HNC shape and DCP sharding)
+        "specs": [
+            [spec.num_heads, spec.num_states, spec.page_size_bytes, getattr(spec, "dcp_sharded", None)]
+            for spec in specs
+        ],
+    }
 
 
 def facts(case):

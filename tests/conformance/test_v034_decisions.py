@@ -1,0 +1,539 @@
+"""kvpolicy's decisions under `vllm-0.34` equal vLLM 0.34.0's `resolve_kv_cache_layout`, case by case.
+
+vLLM decides the KV cache layout once, in the engine core, with
+``resolve_kv_cache_layout(vllm_config, supported_layouts, kv_cache_specs)``
+(``vllm/v1/attention/backends/utils.py``). What it reads, and the values enumerated here:
+
+* each worker's backends (``get_supported_kv_cache_layouts`` merges one worker's
+  ``supported_kv_cache_layouts()``; the core merges the workers' lists): 44 worker sets of
+  TRITON_ATTN, FLASH_ATTN, FLASHINFER, FLEX_ATTENTION, CPU_ATTN (each alone, every pair
+  and two triples in one worker, every ordered pair of workers, six sets of three
+  workers/pipeline stages, a stage without attention) and 4 of FLASHMLA / TRITON_MLA;
+* the device capability (only FLASHINFER's declaration reads it; the facts case checks
+  the profile's declarations for every backend under every capability): None, 8.0, 9.0,
+  10.0, 12.0 for worker sets with FLASHINFER, None and 9.0 for the others;
+* the KV cache specs (the HNC shape, page size and DCP sharding of each): 9 sets of
+  attention/Mamba specs (one spec; two equal groups; mixed heads; mixed heads and block
+  size with equal pages; bf16 beside fp8_per_token_head; DCP-sharded target beside a
+  replicated draft with a different page and with the same page; attention beside a
+  Mamba state; sharded + replicated attention beside a Mamba state) and 2 MLA sets (one
+  spec; a sharded target beside a replicated draft);
+* ``VLLM_KV_CACHE_LAYOUT``: unset, each of the six layouts, NHD, HND (9);
+* the KV transfer config, through ``get_kv_connector_cache_layout`` (the connector's
+  ``get_required_kvcache_layout``) and the checks ``VllmConfig`` makes on it: 27
+  configurations (none; NixlConnector with transfer_mode unset, pull, push, and an
+  invalid one; NixlPull/PushConnector; OffloadingConnector with and without HiSparse;
+  HiSparse without a connector; MooncakeConnector; MooncakeStoreConnector;
+  LMCacheConnectorV1; HiSparseConnector with and without the hisparse flag;
+  ExampleHiddenStatesConnector; 11 MultiConnector member combinations, agreeing,
+  requiring nothing, conflicting, nested, and holding an invalid member);
+* ``enable_extensible_kv_cache``: off, on (2).
+
+Four planes of that space are enumerated in full (67,896 cases in all), leaving out what
+vLLM cannot build (a spec whose kv_cache_dtype some backend lacks: vLLM selects no backend;
+kvpolicy refuses those inputs, which is checked too; an MLA spec with a non-MLA backend):
+
+* A, the candidates: 44 worker sets x their capabilities (154 pairs) x 9 spec sets x 9
+  VLLM_KV_CACHE_LAYOUT values x {no connector, OffloadingConnector} x 2 = 44,424 (the
+  fp8_per_token_head set only on TRITON_ATTN);
+* B, the connectors: 7 (worker set, capability) pairs x 4 spec sets (one spec, mixed
+  heads, DCP, attention + Mamba) x 9 x 27 connector configurations x 2 = 13,608;
+* C, MLA: 4 worker sets x 2 capabilities x 2 MLA spec sets x 9 x 27 x 2 = 7,776;
+* D, B's 7 pairs x the other 5 spec sets x 9 x {none, NixlConnector, MultiConnector
+  Nixl + Offloading, MultiConnector HiSparse + Offloading} x 2 = 2,088.
+
+One oracle subprocess answers every case (``oracles/v034.py``, which calls vLLM's own
+functions), with the facts of the release and the inputs of the shipped policy tests
+(``rules/vllm-0.34/tests``); kvpolicy decides each with the shipped rules
+(``LayoutEngine.default``). The test takes about 80 s, most of it the oracle.
+They must agree on every case: the same layout, or both refusing. vLLM's refusals are
+mapped to what kvpolicy must say (`_VLLM_ERRORS`): a `NoLayoutError` naming the rule
+that stands for vLLM's check, or an `InputError` with the same meaning. vLLM's warning
+that the connector's layout is not a candidate must show in `Decision.warnings`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_release import run_oracle
+
+from engine import LayoutEngine
+from policy.errors import InputError, NoLayoutError, PolicyError
+from policy.releases import get_profile
+from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+
+PROFILE = "vllm-0.34"
+EXPECTED_CASES = 67_896
+
+# ---------------------------------------------------------------------------------------------
+# The input space
+
+NON_MLA = ("TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION", "CPU_ATTN")
+MLA = ("FLASHMLA", "TRITON_MLA")
+CAPABILITIES = (None, (8, 0), (9, 0), (10, 0), (12, 0))
+
+Workers = tuple[tuple[str, ...], ...]
+
+
+def _non_mla_workers() -> list[Workers]:
+    singles = [((b,),) for b in NON_MLA]
+    one_worker = [(pair,) for pair in itertools.combinations(NON_MLA, 2)]
+    one_worker += [(("TRITON_ATTN", "FLASH_ATTN", "FLASHINFER"),), (("FLASHINFER", "FLEX_ATTENTION", "TRITON_ATTN"),)]
+    two_workers = [((a,), (b,)) for a, b in itertools.permutations(NON_MLA, 2)]
+    three_workers = [
+        (("FLASHINFER",), ("FLASHINFER",), ("CPU_ATTN",)),
+        (("FLASHINFER",), ("CPU_ATTN",), ("CPU_ATTN",)),
+        (("FLASH_ATTN",), ("FLASHINFER",), ("CPU_ATTN",)),
+        (("TRITON_ATTN",), ("FLASH_ATTN",), ("FLASHINFER",)),
+        (("FLASHINFER", "FLASH_ATTN"), ("FLASHINFER",), ("TRITON_ATTN",)),
+        (("FLEX_ATTENTION",), ("FLASHINFER",), ("FLASHINFER",)),
+    ]
+    no_attention_stage = [(("FLASHINFER",), ())]
+    return singles + one_worker + two_workers + three_workers + no_attention_stage
+
+
+MLA_WORKERS: list[Workers] = [(("FLASHMLA",),), (("TRITON_MLA",),), (("FLASHMLA", "TRITON_MLA"),),
+                              (("FLASHMLA",), ("TRITON_MLA",))]
+
+
+def _capabilities(workers: Workers) -> tuple[tuple[int, int] | None, ...]:
+    if any("FLASHINFER" in w for w in workers):
+        return CAPABILITIES
+    return (None, (9, 0))
+
+
+def _full(heads: int = 8, head: int = 128, block: int = 16, **kw: Any) -> dict[str, Any]:
+    return {"kind": "full", "num_kv_heads": heads, "head_size": head, "block_size": block, **kw}
+
+
+_MAMBA = {"kind": "mamba", "block_size": 16, "num_kv_heads": 1, "head_size": 256}  # a 16 KiB bf16 state
+
+SPEC_SETS: dict[str, list[dict[str, Any]]] = {
+    "one": [_full()],
+    "two-equal": [_full(), _full()],
+    "mixed-heads": [_full(), {**_full(heads=4), "kind": "sliding_window", "sliding_window": 128}],
+    "mixed-shape-same-page": [_full(8, 128, 16), _full(4, 128, 32)],
+    "mixed-dtype": [_full(), _full(kv_cache_dtype="fp8_per_token_head")],
+    "dcp-draft": [_full(), _full(head=64, dcp_sharded=False)],
+    "dcp-draft-same-page": [_full(), _full(dcp_sharded=False)],
+    "hybrid-mamba": [_full(), _MAMBA],
+    "dcp-mamba": [_full(), _full(dcp_sharded=False), _MAMBA],
+}
+MLA_SPEC_SETS: dict[str, list[dict[str, Any]]] = {
+    "mla": [{"kind": "mla", "num_kv_heads": 1, "head_size": 576, "block_size": 16}],
+    "mla-dcp-draft": [{"kind": "mla", "num_kv_heads": 1, "head_size": 576, "block_size": 16},
+                      {"kind": "mla", "num_kv_heads": 1, "head_size": 512, "block_size": 16, "dcp_sharded": False}],
+}
+
+ENV_LAYOUTS = (None, "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "NHD", "HND")
+
+
+def _k(name: str, **extra: Any) -> dict[str, Any]:
+    """One KV transfer config as vLLM takes it (``--kv-transfer-config``)."""
+    return {"kv_connector": name, "kv_role": "kv_both", **({"kv_connector_extra_config": extra} if extra else {})}
+
+
+def _multi(*members: dict[str, Any]) -> dict[str, Any]:
+    return _k("MultiConnector", connectors=list(members))
+
+
+_HISPARSE = _k("HiSparseConnector", host_pool_gib=4)
+
+# label -> (kv_transfer_config or None, hisparse flag)
+CONNECTORS: dict[str, tuple[dict[str, Any] | None, bool]] = {
+    "none": (None, False),
+    "none+hisparse": (None, True),
+    "Nixl": (_k("NixlConnector"), False),
+    "Nixl(pull)": (_k("NixlConnector", transfer_mode="pull"), False),
+    "Nixl(push)": (_k("NixlConnector", transfer_mode="push"), False),
+    "Nixl(bogus)": (_k("NixlConnector", transfer_mode="bogus"), False),
+    "NixlPull": (_k("NixlPullConnector"), False),
+    "NixlPush": (_k("NixlPushConnector"), False),
+    "Offloading": (_k("OffloadingConnector"), False),
+    "Offloading+hisparse": (_k("OffloadingConnector"), True),
+    "Mooncake": (_k("MooncakeConnector"), False),
+    "MooncakeStore": (_k("MooncakeStoreConnector"), False),
+    "LMCache": (_k("LMCacheConnectorV1"), False),
+    "HiSparse": (_HISPARSE, False),
+    "HiSparse+hisparse": (_HISPARSE, True),
+    "ExampleHiddenStates": (_k("ExampleHiddenStatesConnector"), False),
+    "Multi[Nixl,Offloading]": (_multi(_k("NixlConnector"), _k("OffloadingConnector")), False),
+    "Multi[Nixl(push),Mooncake]": (_multi(_k("NixlConnector", transfer_mode="push"), _k("MooncakeConnector")), False),
+    "Multi[Offloading,LMCache]": (_multi(_k("OffloadingConnector"), _k("LMCacheConnectorV1")), False),
+    "Multi[MooncakeStore,LMCache]": (_multi(_k("MooncakeStoreConnector"), _k("LMCacheConnectorV1")), False),
+    "Multi[HiSparse,Offloading]": (_multi(_HISPARSE, _k("OffloadingConnector")), False),
+    "Multi[HiSparse,Offloading]+hisparse": (_multi(_HISPARSE, _k("OffloadingConnector")), True),
+    "Multi[HiSparse,Nixl]": (_multi(_HISPARSE, _k("NixlConnector")), False),
+    "Multi[ExampleHiddenStates,Nixl]": (_multi(_k("ExampleHiddenStatesConnector"), _k("NixlConnector")), False),
+    "Multi[Nixl,Offloading,HiSparse]": (_multi(_k("NixlConnector"), _k("OffloadingConnector"), _HISPARSE), False),
+    "Multi[Multi[Nixl,Offloading],LMCache]": (
+        _multi(_multi(_k("NixlConnector"), _k("OffloadingConnector")), _k("LMCacheConnectorV1")), False),
+    "Multi[Nixl(bogus),Offloading]": (_multi(_k("NixlConnector", transfer_mode="bogus"), _k("OffloadingConnector")),
+                                      False),
+}
+
+# Plane B's (workers, capability) pairs: one per distinct candidate list that matters to a connector.
+CONNECTOR_WORKERS: list[tuple[Workers, tuple[int, int] | None]] = [
+    ((("TRITON_ATTN",),), None),
+    ((("FLASHINFER",),), (9, 0)),
+    ((("FLASHINFER",),), (10, 0)),
+    ((("FLEX_ATTENTION",),), None),
+    ((("CPU_ATTN",),), None),
+    ((("FLASH_ATTN",), ("FLASHINFER",)), (10, 0)),
+    ((("FLASHINFER",), ("CPU_ATTN",)), (9, 0)),
+]
+CONNECTOR_SPEC_SETS = ("one", "mixed-heads", "dcp-draft", "hybrid-mamba")
+PLANE_D_CONNECTORS = ("none", "Nixl", "Multi[Nixl,Offloading]", "Multi[HiSparse,Offloading]")
+
+
+def _case(workers: Workers, cap: Any, specs: str, env: str | None, conn: str, ext: bool) -> dict[str, Any]:
+    return {"workers": workers, "cap": cap, "specs": specs, "env": env, "conn": conn, "ext": ext}
+
+
+def _plane_d() -> list[dict[str, Any]]:
+    """The spec sets plane B leaves out, for B's worker sets and a few connectors."""
+    others = [s for s in SPEC_SETS if s not in CONNECTOR_SPEC_SETS]
+    return [_case(w, c, s, e, k, x) for (w, c), s, e, k, x in itertools.product(
+        CONNECTOR_WORKERS, others, ENV_LAYOUTS, PLANE_D_CONNECTORS, (False, True))]
+
+
+def buildable(workers: Workers, specs: str) -> bool:
+    """vLLM selects a backend only for a kv_cache_dtype it supports (`supported_kv_cache_dtypes`,
+    checked against the profile by the facts case)."""
+    dtypes = {s.get("kv_cache_dtype", "auto") for s in (SPEC_SETS | MLA_SPEC_SETS)[specs] if s["kind"] != "mamba"}
+    backends = get_profile(PROFILE).backends
+    return all(dtypes <= set(backends[b].kv_cache_dtypes or ()) for w in workers for b in w)
+
+
+def input_space() -> list[dict[str, Any]]:
+    cases = []
+    for workers in _non_mla_workers():  # plane A
+        for cap, specs, env, conn, ext in itertools.product(
+                _capabilities(workers), SPEC_SETS, ENV_LAYOUTS, ("none", "Offloading"), (False, True)):
+            cases.append(_case(workers, cap, specs, env, conn, ext))
+    for (workers, cap), specs, env, conn, ext in itertools.product(  # plane B
+            CONNECTOR_WORKERS, CONNECTOR_SPEC_SETS, ENV_LAYOUTS, CONNECTORS, (False, True)):
+        cases.append(_case(workers, cap, specs, env, conn, ext))
+    for workers, cap, specs, env, conn, ext in itertools.product(  # plane C
+            MLA_WORKERS, (None, (9, 0)), MLA_SPEC_SETS, ENV_LAYOUTS, CONNECTORS, (False, True)):
+        cases.append(_case(workers, cap, specs, env, conn, ext))
+    return [c for c in cases + _plane_d() if buildable(c["workers"], c["specs"])]
+
+
+def unbuildable() -> list[tuple[Workers, str]]:
+    """The (worker set, spec set) pairs the space leaves out: vLLM has no backend for them."""
+    return [(w, s) for w in _non_mla_workers() for s in SPEC_SETS if not buildable(w, s)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The two sides
+
+
+def _specs(case: dict[str, Any]) -> list[dict[str, Any]]:
+    return (SPEC_SETS | MLA_SPEC_SETS)[case["specs"]]
+
+
+def oracle_case(case: dict[str, Any]) -> dict[str, Any]:
+    specs = []
+    for s in _specs(case):
+        if s["kind"] == "mamba":
+            # vLLM's MambaSpec: one bf16 state of 2*N*D values (kvpolicy's page of one "head")
+            specs.append({"kind": "mamba", "block_size": s["block_size"],
+                          "state_elements": 2 * s["block_size"] * s["head_size"]})
+        else:
+            specs.append(dict(s))
+    ktc, hisparse = CONNECTORS[case["conn"]]
+    return {
+        "workers": [list(w) for w in case["workers"]],
+        "device_capability": None if case["cap"] is None else list(case["cap"]),
+        "specs": specs,
+        "use_mla": case["specs"] in MLA_SPEC_SETS,
+        "VLLM_KV_CACHE_LAYOUT": case["env"],
+        "kv_transfer_config": ktc,
+        "enable_extensible_kv_cache": case["ext"],
+        "hisparse": hisparse,
+    }
+
+
+def _groups(case: dict[str, Any]) -> KVCacheGroups:
+    groups = []
+    for s in _specs(case):
+        spec = KVCacheSpec(kind=AttentionKind(s["kind"]), num_layers=2, block_size=s["block_size"],
+                           num_kv_heads=s["num_kv_heads"], head_size=s["head_size"],
+                           kv_cache_dtype=s.get("kv_cache_dtype", "auto"), sliding_window=s.get("sliding_window"))
+        groups.append(KVCacheGroup(spec=spec, dcp_sharded=s.get("dcp_sharded", True)))
+    return KVCacheGroups(groups=tuple(groups))
+
+
+def _connector(ktc: dict[str, Any] | None) -> tuple[str | None, dict[str, Any] | None]:
+    if ktc is None:
+        return None, None
+    return ktc["kv_connector"], ktc.get("kv_connector_extra_config")
+
+
+def kvpolicy_inputs(case: dict[str, Any]) -> dict[str, Any]:
+    ktc, hisparse = CONNECTORS[case["conn"]]
+    name, extra = _connector(ktc)
+    return {
+        "groups": _groups(case),
+        "worker_attention_backends": [list(w) for w in case["workers"]],
+        "device_capability": None if case["cap"] is None else case["cap"][0],
+        "vllm_kv_cache_layout": case["env"],
+        "connector": name,
+        "connector_config": extra,
+        "enable_extensible_kv_cache": case["ext"],
+        "hisparse": hisparse,
+        "vllm_version": PROFILE,
+    }
+
+
+# vLLM's refusals -> what kvpolicy must answer: (error class, the rule id its NoLayoutError must
+# name, or the InputError's diagnostic code).
+_VLLM_ERRORS: list[tuple[str, type[PolicyError], str]] = [
+    ("ValueError: No KV cache layout satisfies every supported set", NoLayoutError, "release-candidates"),
+    ("ValueError: Specs with mixed HNC shapes need a block-compact layout", NoLayoutError,
+     "mixed-hnc-shapes-need-block-compact"),
+    ("ValueError: DCP with a replicated draft and mixed KV page sizes", NoLayoutError,
+     "dcp-mixed-page-sizes-need-block-outermost"),
+    ("ValueError: KV connectors with the extensible KV cache need a block-compact", NoLayoutError,
+     "extensible-kv-cache-with-connector-needs-block-compact"),
+    ("ValueError: VLLM_KV_CACHE_LAYOUT=", NoLayoutError, "env-layout-"),
+    ("ValueError: KV cache layout mismatch", NoLayoutError, ":members-agree"),
+    ("Value error, HiSparse requires a KV transfer config with HiSparseConnector", InputError,
+     "hisparse-needs-connector"),
+    ("Value error, Invalid NixlConnector transfer_mode", NoLayoutError, "nixl-transfer-mode-is-pull-or-push"),
+]
+
+
+def _vllm_error_kind(error: str) -> tuple[str, type[PolicyError], str] | None:
+    for entry in _VLLM_ERRORS:
+        if entry[0] in error:
+            return entry
+    return None
+
+
+_RULE = re.compile(r"rule `([^`]+)`")
+
+
+def _blamed(exc: PolicyError) -> list[str]:
+    if isinstance(exc, NoLayoutError):
+        return [m.group(1) for d in exc.diagnostics for m in [_RULE.search(d.message)] if m]
+    return [d.code for d in exc.diagnostics]
+
+
+def _kvpolicy(engine: LayoutEngine, case: dict[str, Any]) -> dict[str, Any]:
+    try:
+        decision = engine.decide(explain=False, **kvpolicy_inputs(case))
+    except PolicyError as exc:
+        return {"error": type(exc).__name__, "blamed": _blamed(exc)}
+    out: dict[str, Any] = {"layout": str(decision.layout)}
+    if decision.context.connector is not None:
+        out["warnings"] = list(decision.warnings)
+    out["pages"] = [g.spec.page_size_bytes for g in decision.context.groups.groups]
+    return out
+
+
+def compare(case: dict[str, Any], vllm: dict[str, Any], ours: dict[str, Any]) -> str | None:
+    """None when kvpolicy agrees with vLLM on this case; else what differs."""
+    if "error" in vllm:
+        kind = _vllm_error_kind(vllm["error"])
+        if kind is None:
+            return f"vLLM refused the case in a way the test does not map: {vllm['error'][:200]}"
+        _, cls, marker = kind
+        if "error" not in ours:
+            return f"vLLM refuses ({marker}), kvpolicy chose {ours['layout']}"
+        if ours["error"] != cls.__name__:
+            return f"vLLM refuses ({marker}): expected {cls.__name__}, got {ours['error']} {ours['blamed']}"
+        if not any(marker in b for b in ours["blamed"]):
+            return f"vLLM refuses ({marker}); kvpolicy's {ours['error']} names {ours['blamed']}"
+        return None
+    if "error" in ours:
+        return f"vLLM chose {vllm['layout']}, kvpolicy refused: {ours['error']} {ours['blamed']}"
+    if ours["layout"] != vllm["layout"]:
+        return f"layout: vLLM {vllm['layout']}, kvpolicy {ours['layout']}"
+    if [s[2] for s in vllm["specs"]] != ours["pages"]:
+        return f"page sizes: vLLM {[s[2] for s in vllm['specs']]}, kvpolicy {ours['pages']}"
+    warned = any("KV connector cache layout" in w for w in vllm["warnings"])
+    if warned != bool(ours.get("warnings")):
+        return f"vLLM warned: {warned} ({vllm['warnings']}); kvpolicy warnings: {ours.get('warnings')}"
+    return None
+
+
+def _shown(case: dict[str, Any]) -> str:
+    workers = "|".join(",".join(w) or "-" for w in case["workers"])
+    cap = "-" if case["cap"] is None else f"{case['cap'][0]}.{case['cap'][1]}"
+    return (f"workers={workers} cap={cap} specs={case['specs']} env={case['env'] or '-'} conn={case['conn']} "
+            f"ext={int(case['ext'])}")
+
+
+def _vllm_shown(answer: dict[str, Any]) -> str:
+    if "error" in answer:
+        return answer["error"].splitlines()[0][:110] + ("" if "\n" not in answer["error"] else
+                                                         " / " + answer["error"].splitlines()[1].strip()[:90])
+    return answer["layout"] + (" (warned)" if answer["warnings"] else "")
+
+
+def _ours_shown(answer: dict[str, Any]) -> str:
+    if "error" in answer:
+        return f"{answer['error']} {answer['blamed']}"
+    return answer["layout"] + (" (warned)" if answer.get("warnings") else "")
+
+
+def _check_facts(facts: dict[str, Any]) -> list[str]:
+    """The profile's declarations are vLLM's: what plane A's capability pruning rests on."""
+    profile = get_profile(PROFILE)
+    problems = []
+    if [str(x) for x in profile.default_layout_preference] != facts["default_layout_preference"]:
+        problems.append(f"default preference {facts['default_layout_preference']}")
+    for name in NON_MLA + MLA:
+        entry = facts["backends"][name]
+        if "error" in entry:
+            problems.append(f"{name}: {entry['error']}")
+            continue
+        if entry["is_mla"] != profile.backends[name].mla:
+            problems.append(f"{name}: is_mla {entry['is_mla']}")
+        if entry["supported_kv_cache_dtypes"] != list(profile.backends[name].kv_cache_dtypes or ()):
+            problems.append(f"{name}: supported_kv_cache_dtypes {entry['supported_kv_cache_dtypes']}")
+        for cap, layouts in entry["supported_kv_cache_layouts"].items():
+            major = None if cap == "none" else int(cap.split(".")[0])
+            declared = profile.backends[name].declared_layouts(major)
+            mine = None if declared is None else [str(x) for x in declared]
+            if mine != layouts:
+                problems.append(f"{name} at capability {cap}: vLLM {layouts}, profile {mine}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped policy tests (rules/vllm-0.34/tests/*.yaml), as vLLM inputs
+
+POLICY_TESTS = Path(__file__).resolve().parents[2] / "rules" / PROFILE / "tests"
+# Refusals that happen outside resolve_kv_cache_layout and VllmConfig (vLLM's backend selection).
+_OUTSIDE_THE_ORACLE = {"unsupported-kv-cache-dtype"}
+
+
+def _policy_cases() -> list[Any]:
+    from engine.policy_tests import load_cases
+
+    return [lc for lc in load_cases([POLICY_TESTS]) if lc.case.expect.error not in _OUTSIDE_THE_ORACLE]
+
+
+def _oracle_spec(data: dict[str, Any], inp: Any) -> dict[str, Any]:
+    spec = dict(data.get("spec", data))
+    if spec.get("kind") == "mamba":
+        return {"kind": "mamba", "block_size": spec["block_size"], "state_elements": 2 * spec["block_size"]
+                * spec["num_kv_heads"] * spec["head_size"]}
+    if inp.kv_cache_dtype is not None:
+        spec["kv_cache_dtype"] = inp.kv_cache_dtype
+    if inp.block_size is not None:
+        spec["block_size"] = inp.block_size
+    spec.pop("num_layers", None)
+    spec.setdefault("block_size", get_profile(PROFILE).default_block_size)
+    if "dcp_sharded" in data:
+        spec["dcp_sharded"] = data["dcp_sharded"]
+    return spec
+
+
+def _ktc(name: str | None, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    if name is None or name == "none":
+        return None
+    extra = dict(extra or {})
+    if "connectors" in extra:
+        extra["connectors"] = [_ktc(m["kv_connector"], m.get("kv_connector_extra_config")) for m in extra["connectors"]]
+    return _k(name, **extra)
+
+
+def policy_oracle_case(inp: Any) -> dict[str, Any]:
+    """A policy test's input (`CaseInput`) as the oracle's decision case."""
+    groups = inp.groups if inp.groups is not None else [{"spec": inp.spec}]
+    specs = [_oracle_spec(g if isinstance(g, dict) else g.model_dump(), inp) for g in groups]
+    workers = inp.worker_attention_backends or [[inp.attention_backend or inp.backend or "TRITON_ATTN"]]
+    return {
+        "workers": workers,
+        "device_capability": None if inp.device_capability is None else [inp.device_capability, 0],
+        "specs": specs,
+        "use_mla": any(s.get("kind") == "mla" for s in specs),
+        "VLLM_KV_CACHE_LAYOUT": inp.vllm_kv_cache_layout,
+        "kv_transfer_config": _ktc(inp.connector, inp.connector_config),
+        "enable_extensible_kv_cache": inp.enable_extensible_kv_cache,
+        "hisparse": inp.hisparse,
+    }
+
+
+@pytest.fixture(scope="module")
+def oracle(vllm_sites: Any) -> dict[str, Any]:
+    """One oracle subprocess for the module: the facts, the input space, the policy tests' inputs."""
+    start = time.perf_counter()
+    cases = input_space()
+    policy = _policy_cases()
+    asked = [{"facts": True}] + [oracle_case(c) for c in cases] + [policy_oracle_case(lc.case.input) for lc in policy]
+    facts, *answers = run_oracle("0.34.0", "v034", asked)
+    return {"facts": facts, "cases": cases, "answers": answers[:len(cases)], "policy": policy,
+            "policy_answers": answers[len(cases):], "seconds": time.perf_counter() - start}
+
+
+def test_shipped_policy_tests_agree_with_vllm_034(oracle: dict[str, Any]) -> None:
+    """Every case of rules/vllm-0.34/tests/ that vLLM's resolver can answer: kvpolicy's decision
+    (what the case expects, `kvpolicy test` checks that) is vLLM's."""
+    from engine.policy_tests import run_case
+
+    ruleset = LayoutEngine.default(vllm_version=PROFILE).ruleset
+    diffs = []
+    for lc, vllm in zip(oracle["policy"], oracle["policy_answers"]):
+        result = run_case(ruleset, lc, PROFILE)
+        assert result.passed, (lc.location, result.failures)
+        ours = ({"layout": str(result.layout)} if result.error is None else
+                {"error": type(result.error).__name__, "blamed": _blamed(result.error)})
+        if "error" in vllm:
+            kind = _vllm_error_kind(vllm["error"])
+            ok = kind is not None and ours.get("error") == kind[1].__name__ and any(
+                kind[2] in b for b in ours["blamed"])
+        else:
+            ok = ours.get("layout") == vllm["layout"]
+        if not ok:
+            diffs.append(f"{lc.location} {lc.case.name}: vLLM {_vllm_shown(vllm)}, kvpolicy {_ours_shown(ours)}")
+    assert len(oracle["policy"]) >= 40
+    assert not diffs, "\n".join(diffs)
+
+
+def test_decisions_equal_vllm_034(oracle: dict[str, Any]) -> None:
+    start = time.perf_counter()
+    cases, answers, facts = oracle["cases"], oracle["answers"], oracle["facts"]
+    assert len(cases) == EXPECTED_CASES, f"the docstring states {EXPECTED_CASES} cases; the space has {len(cases)}"
+    oracle_s = oracle["seconds"]
+    assert not (bad := _check_facts(facts)), bad
+
+    engine = LayoutEngine.default(vllm_version=PROFILE)
+    ours = [_kvpolicy(engine, c) for c in cases]
+    for workers, specs in unbuildable():  # what vLLM cannot build, kvpolicy refuses as an input error
+        refused = _kvpolicy(engine, _case(workers, None, specs, None, "none", False))
+        assert refused.get("blamed") == ["unsupported-kv-cache-dtype"], (workers, specs, refused)
+    diffs = [(c, v, o, why) for c, v, o in zip(cases, answers, ours) if (why := compare(c, v, o)) is not None]
+    total_s = time.perf_counter() - start + oracle_s
+
+    outcomes = Counter(a.get("layout") or (_vllm_error_kind(a["error"]) or ("unmapped",))[-1] for a in answers)
+    print(f"\nvLLM 0.34.0 resolve_kv_cache_layout vs kvpolicy `{PROFILE}`: {len(cases) - len(diffs)} of "
+          f"{len(cases)} cases agree ({len(diffs)} differ); oracle {oracle_s:.1f} s, total {total_s:.1f} s")
+    print(f"  space: {len(_non_mla_workers())} + {len(MLA_WORKERS)} worker sets, capabilities "
+          f"{[None if c is None else f'{c[0]}.{c[1]}' for c in CAPABILITIES]}, "
+          f"{len(SPEC_SETS)} + {len(MLA_SPEC_SETS)} spec sets, {len(ENV_LAYOUTS)} VLLM_KV_CACHE_LAYOUT values, "
+          f"{len(CONNECTORS)} connector configurations, enable_extensible_kv_cache on/off")
+    print("  vLLM's outcomes: " + ", ".join(f"{k} {n}" for k, n in outcomes.most_common()))
+    warned = sum(1 for a in answers if any("KV connector cache layout" in w for w in a.get("warnings", ())))
+    print(f"  vLLM warned that the connector's layout is not a candidate in {warned} cases")
+    if diffs:
+        lines = [f"{len(diffs)} of {len(cases)} cases differ; the first 25:",
+                 f"{'inputs':<118} | {'vLLM':<40} | kvpolicy"]
+        for case, v, o, why in diffs[:25]:
+            lines.append(f"{_shown(case):<118} | {_vllm_shown(v):<40} | {_ours_shown(o)}")
+            lines.append(f"{'':<118}   -> {why}")
+        kinds = Counter(why.split(":")[0] for *_, why in diffs)
+        lines.append("by kind: " + json.dumps(dict(kinds.most_common(10))))
+        pytest.fail("\n".join(lines), pytrace=False)
