@@ -306,6 +306,11 @@ class Space:
                 "stands_for": self.stands_for, "left_out": self.left_out}
 
 
+def _names_any(conn: ConnectorConfig | None, names: Sequence[str]) -> bool:
+    """The connector or one of its members (recursively) is named one of ``names``."""
+    return conn is not None and (conn.name in names or any(_names_any(m, names) for m in conn.connectors))
+
+
 def _spec(kind: AttentionKind, dtype: str) -> KVCacheSpec:
     sizes = MLA_SIZES if kind is AttentionKind.mla else SIZES
     return KVCacheSpec(kind=kind, kv_cache_dtype=dtype,
@@ -447,6 +452,20 @@ def build_space(
     dims: dict[str, list[str]] = {"backend": [], "kv_cache_dtype": [], "kind": [], "groups": []}
     refused: dict[str, list[str]] = {}
 
+    # A release that derives HiSparse from its connector (0.34: VllmConfig turns it on for a HiSparse
+    # connector and refuses it without one) pairs each connector with the one value it allows.
+    derived = profile.hisparse_connectors
+    told_apart = len(option_dims["hisparse"]) > 1
+    with_hisparse = [c for c in conns if derived and _names_any(c.config, derived)]
+    without = [c for c in conns if c not in with_hisparse]
+
+    def conns_by_hisparse(wanted: bool) -> list[tuple[bool, list[_Conn]]]:
+        if not derived:
+            return [(wanted, conns)]
+        if told_apart:
+            return [(wanted, with_hisparse if wanted else without)]
+        return [(False, without), (True, with_hisparse)]
+
     def seen(dim: str, value: str) -> None:
         if value not in dims[dim]:
             dims[dim].append(value)
@@ -477,22 +496,24 @@ def build_space(
                         labels.append(("device_capability", str(cap)))
                     labels += [("scale_views", views), ("kind", kind.value), ("groups", shape)]
                     for i, combo in enumerate(combos):
-                        if (i, cap) not in option_env:
-                            options = VllmOptions(kv_cache_layout=combo[0], enable_extensible_kv_cache=combo[1],
-                                                  hisparse=combo[2], device_capability=cap)
-                            probe = _probe(spec, options=options)
-                            option_env[(i, cap)] = options, {k: v for k, v in probe.items()
+                        for hisparse, members in conns_by_hisparse(combo[2]):
+                            key = (i, cap, hisparse)
+                            if key not in option_env:
+                                options = VllmOptions(kv_cache_layout=combo[0], enable_extensible_kv_cache=combo[1],
+                                                      hisparse=hisparse, device_capability=cap)
+                                probe = _probe(spec, options=options)
+                                option_env[key] = options, {k: v for k, v in probe.items()
                                                             if k.startswith(_OPTION_PREFIXES)}
-                        options, opt_env = option_env[(i, cap)]
-                        full = Context.model_construct(kv=ctx.kv, groups=ctx.groups, backend=ctx.backend,
-                                                       connector=None, profile=ctx.profile,
-                                                       candidates=ctx.candidates, options=options)
-                        tail = ((("VLLM_KV_CACHE_LAYOUT", combo[0]),) if combo[0] is not None else ()) + \
-                            ((("enable_extensible_kv_cache", "true"),) if combo[1] else ()) + \
-                            ((("hisparse", "true"),) if combo[2] else ())
-                        core = _Core(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
-                                     (dtype, kind.value, name, views))
-                        inputs += [AnalysisInput(core, c) for c in conns]
+                            options, opt_env = option_env[key]
+                            full = Context.model_construct(kv=ctx.kv, groups=ctx.groups, backend=ctx.backend,
+                                                           connector=None, profile=ctx.profile,
+                                                           candidates=ctx.candidates, options=options)
+                            tail = ((("VLLM_KV_CACHE_LAYOUT", combo[0]),) if combo[0] is not None else ()) + \
+                                ((("enable_extensible_kv_cache", "true"),) if combo[1] else ()) + \
+                                ((("hisparse", "true"),) if hisparse else ())
+                            core = _Core(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
+                                         (dtype, kind.value, name, views))
+                            inputs += [AnalysisInput(core, c) for c in members]
                     seen("kv_cache_dtype", dtype)
                     seen("kind", kind.value)
                     seen("groups", shape)
