@@ -22,7 +22,7 @@ from policy.connectors import ConnectorConfig
 from policy.context import Context, VllmOptions
 from policy.errors import InputError, input_error
 from policy.layouts import Layout
-from policy.quant import ModelDtype, parse_kv_cache_dtype
+from policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
 from policy.releases import ReleaseProfile, Resolver, get_profile
 from policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
@@ -122,6 +122,9 @@ def build_context(
                               "(it defaults to the first worker's first backend)", code="backend-mismatch")
     if backend is None:
         backend = "TRITON_ATTN"
+    for given in (kv_cache_dtype, spec.get("kv_cache_dtype") if isinstance(spec, dict) else None):
+        if given is not None:
+            _check_kv_cache_dtype(release, given)
     connector_config_model = _connector(connector, connector_config)
     options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability,
                        connector_config_model, use_v2_model_runner)
@@ -187,6 +190,25 @@ def build_context(
     return Context(kv=kv, groups=groups, backend=profile, connector=connector_config_model,
                    profile=release.name, candidates=candidates, options=options,
                    worker_backends=None if workers is None else tuple(tuple(w) for w in workers))
+
+
+def _check_kv_cache_dtype(release: ReleaseProfile, value: Any) -> None:
+    """``kv_cache_dtype`` against the release: a string it does not accept, or one it accepts whose
+    cells kvpolicy does not model (it can then neither decide nor plan), each with its own error."""
+    if not isinstance(value, str):
+        raise input_error("kv_cache_dtype", f"`kv_cache_dtype` must be a string, got {type(value).__name__}")
+    modelled = [d for d in release.kv_cache_dtypes if d in KV_CACHE_DTYPES]
+    if value not in release.kv_cache_dtypes:
+        close = difflib.get_close_matches(value, release.kv_cache_dtypes, n=1)
+        raise input_error("kv_cache_dtype", f"vLLM profile `{release.name}` has no kv_cache_dtype `{value}`",
+                          (f"did you mean `{close[0]}`? " if close else "") + "the release accepts: "
+                          + ", ".join(release.kv_cache_dtypes), code="unknown-kv-cache-dtype")
+    if value not in KV_CACHE_DTYPES:
+        version = ", ".join(release.vllm_versions) or release.name
+        raise input_error("kv_cache_dtype", f"vLLM {version} accepts kv_cache_dtype `{value}`, but kvpolicy does "
+                          "not model its cells yet, so it can neither decide nor plan a layout for it",
+                          "kvpolicy models, of this release's: " + ", ".join(modelled),
+                          code="unmodelled-kv-cache-dtype")
 
 
 def _canonical(release: ReleaseProfile, name: str) -> str:

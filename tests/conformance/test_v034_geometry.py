@@ -97,8 +97,8 @@ CAPABILITIES = [None, [8, 0], [9, 0], [10, 0], [12, 0]]
 
 # What kvpolicy cannot plan of what vLLM accepts: (backend, kv_cache_dtype) -> the error's code.
 EXPECTED_UNPLANNABLE = {
-    ("FLASHINFER", "nvfp4"): "unknown-kv-cache-dtype",
-    ("FLASHINFER", "nvfp4_4over6"): "unknown-kv-cache-dtype",
+    ("FLASHINFER", "nvfp4"): "unmodelled-kv-cache-dtype",
+    ("FLASHINFER", "nvfp4_4over6"): "unmodelled-kv-cache-dtype",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LayoutEngine
+from engine.inputs import build_context
 from policy import InputError, PolicyError
 
 ENGINE = LayoutEngine.default()
@@ -21,7 +22,7 @@ SPEC = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
     ({"spec": {**SPEC, "head_sise": 1}}, "spec.head_sise", "unknown field `spec.head_sise`"),
     ({"spec": [1]}, "spec", "`spec` must be a KVCacheSpec or a mapping, got list"),
     ({"spec": SPEC, "connector": 3}, "connector", "`connector` must be a name, got int"),
-    ({"spec": SPEC, "kv_cache_dtype": "fp9"}, "kv_cache_dtype", "unknown kv_cache_dtype `fp9`"),
+    ({"spec": SPEC, "kv_cache_dtype": "fp9"}, "kv_cache_dtype", "has no kv_cache_dtype `fp9`"),
     ({"spec": SPEC, "backend": "TRITON"}, "attention_backend", "unknown attention backend `TRITON`"),
     ({"spec": {**SPEC, "kind": "mla", "num_kv_heads": 1}}, "backend", "does not fit a `mla` KV spec"),
 ])
@@ -50,3 +51,19 @@ def test_build_reports_an_impossible_allocation() -> None:
 def test_build_and_plan_refuse_bad_block_counts(num_blocks: object) -> None:
     with pytest.raises(PolicyError):
         ENGINE.plan(num_blocks=num_blocks, spec=SPEC)
+
+
+@pytest.mark.parametrize(("dtype", "code", "says"), [
+    ("nvfp4", "unmodelled-kv-cache-dtype", "vLLM 0.34.0 accepts kv_cache_dtype `nvfp4`, but kvpolicy does not model"),
+    ("turboquant_k8v4", "unmodelled-kv-cache-dtype", "can neither decide nor plan"),
+    ("fp8_per_tokn_head", "unknown-kv-cache-dtype", "did you mean `fp8_per_token_head`?"),
+])
+def test_kv_cache_dtype_the_release_accepts_but_kvpolicy_does_not_model(dtype: str, code: str, says: str) -> None:
+    for where in ({"kv_cache_dtype": dtype}, {"spec": {"num_layers": 2, "num_kv_heads": 2, "head_size": 64,
+                                                       "kv_cache_dtype": dtype}}):
+        kw = {"spec": {"num_layers": 2, "num_kv_heads": 2, "head_size": 64}, **where}
+        with pytest.raises(InputError) as exc:
+            build_context(vllm_version="vllm-0.34", attention_backend="FLASHINFER", **kw)
+        (diag,) = exc.value.diagnostics
+        assert diag.code == code and diag.file == "kv_cache_dtype"
+        assert says in diag.message + " " + (diag.help or "")
