@@ -57,7 +57,7 @@ SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 16}
 MLA_SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 1, "head_size": 32}
 GROUP_SHAPES = ("1x1", "1x2", "2x1", "mamba-hybrid", "mixed-hnc", "dcp-mixed")
 UNKNOWN_CONNECTOR = "ThirdPartyConnector"
-_OPTION_PREFIXES = ("env.", "cache.", "attention.", "platform.")
+_OPTION_PREFIXES = ("env.", "cache.", "attention.", "platform.", "worker.")
 _CONNECTOR_PREFIX = "connector."
 _ENV_LAYOUTS: tuple[str | None, ...] = (None, *(x.value for x in Layout), "NHD", "HND")
 
@@ -270,6 +270,8 @@ def connectors(rulesets: RuleSet | Sequence[RuleSet]) -> list[ConnectorConfig | 
     for a, b in itertools.combinations(members, 2):
         if a.name != b.name:
             out.append(ConnectorConfig(name="MultiConnector", connectors=(a, b)))
+    if any("MultiConnector" in rs.connectors for rs in sets):
+        out.append(ConnectorConfig(name="MultiConnector"))  # configured without members
     return out
 
 
@@ -387,22 +389,24 @@ def _probe(spec: KVCacheSpec, groups: KVCacheGroups | None = None,
     return ctx.env()
 
 
-_Combo = tuple[str | None, bool, bool]
+_Combo = tuple[str | None, bool, bool, bool]
 
 
 def _option_values(leaves: _Leaves) -> tuple[list[_Combo], dict[str, list[str]], dict[str, dict[str, list[str]]]]:
-    """The (VLLM_KV_CACHE_LAYOUT, enable_extensible_kv_cache, hisparse) combinations the rules can tell
-    apart, each dimension's values, and what the kept layout values stand for."""
+    """The (VLLM_KV_CACHE_LAYOUT, enable_extensible_kv_cache, hisparse, use_v2_model_runner) combinations
+    the rules can tell apart, each dimension's values, and what the kept layout values stand for."""
     def sig(path: str) -> Callable[[Any], Any]:
         return lambda v: leaves.signature({path: MISSING if v is None else v})
 
     layouts = _distinct(_ENV_LAYOUTS, sig("env.VLLM_KV_CACHE_LAYOUT"))
     extensible = _distinct((False, True), sig("cache.enable_extensible_kv_cache"))
     hisparse = _distinct((False, True), sig("attention.hisparse"))
-    combos = list(itertools.product(layouts, extensible, hisparse))
+    v2_runner = _distinct((False, True), sig("worker.use_v2_model_runner"))
+    combos = list(itertools.product(layouts, extensible, hisparse, v2_runner))
     dims = {"VLLM_KV_CACHE_LAYOUT": [x or "unset" for x in layouts],
             "enable_extensible_kv_cache": [str(x).lower() for x in extensible],
-            "hisparse": [str(x).lower() for x in hisparse]}
+            "hisparse": [str(x).lower() for x in hisparse],
+            "use_v2_model_runner": [str(x).lower() for x in v2_runner]}
     stands = {"VLLM_KV_CACHE_LAYOUT": {k or "unset": [x or "unset" for x in v] for k, v in layouts.items()}}
     return combos, dims, stands
 
@@ -500,7 +504,8 @@ def build_space(
                             key = (i, cap, hisparse)
                             if key not in option_env:
                                 options = VllmOptions(kv_cache_layout=combo[0], enable_extensible_kv_cache=combo[1],
-                                                      hisparse=hisparse, device_capability=cap)
+                                                      hisparse=hisparse, device_capability=cap,
+                                                      use_v2_model_runner=combo[3])
                                 probe = _probe(spec, options=options)
                                 option_env[key] = options, {k: v for k, v in probe.items()
                                                             if k.startswith(_OPTION_PREFIXES)}
@@ -510,7 +515,8 @@ def build_space(
                                                            candidates=ctx.candidates, options=options)
                             tail = ((("VLLM_KV_CACHE_LAYOUT", combo[0]),) if combo[0] is not None else ()) + \
                                 ((("enable_extensible_kv_cache", "true"),) if combo[1] else ()) + \
-                                ((("hisparse", "true"),) if hisparse else ())
+                                ((("hisparse", "true"),) if hisparse else ()) + \
+                                ((("use_v2_model_runner", "true"),) if combo[3] else ())
                             core = _Core(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
                                          (dtype, kind.value, name, views))
                             inputs += [AnalysisInput(core, c) for c in members]

@@ -253,3 +253,15 @@ def test_diff_between_two_rule_dirs_under_a_chosen_profile(shipped_034) -> None:
         assert any(b.startswith(f"{rule} (rules/vllm-0.34/global.yaml:") for b in c.old_because)
         assert c.new == "no layout" or not Layout(c.new).is_block_compact
     assert diff_rulesets(shipped_034, edited, vllm_version=ISSUE).profile == ISSUE
+
+
+def test_vllm_028_guard_and_runner_are_decision_load_bearing_never_safety() -> None:
+    """0.28's gate keeps per-token-head caches and the V2 runner per layer: both rules reproduce
+    decisions, and neither protects a byte (its backends build stride-aware scale views)."""
+    report = lint(LayoutEngine.default("0.28.0").ruleset, vllm_version="0.28.0")
+    assert not report.errors
+    found = kinds(report)
+    assert found["per-token-head-forbids-cross-layer"] == "decision"
+    assert found["v2-model-runner-keeps-per-layer"] == "decision"  # the space sets use_v2_model_runner
+    assert "safety" not in found.values()
+    assert "use_v2_model_runner" in report.space.dimensions
