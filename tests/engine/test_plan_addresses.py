@@ -103,12 +103,15 @@ def test_cpu_attn_writes_land_where_vllm_reads() -> None:
 # ---- the addresses are the allocated views' -----------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["TRITON_ATTN", "FLASHINFER", "CPU_ATTN", "FLASHMLA"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_per_token_head"])
+def _with_dtypes(names: list[str]) -> list[tuple[str, str]]:
+    """Each backend with `auto`, and with `fp8_per_token_head` unless it is MLA (no per-token-head mode)."""
+    return [(n, d) for n in names for d in ("auto", "fp8_per_token_head") if d == "auto" or not V034.backend(n).mla]
+
+
+@pytest.mark.parametrize(("name", "kv_cache_dtype"),
+                         _with_dtypes(["TRITON_ATTN", "FLASHINFER", "CPU_ATTN", "FLASHMLA"]))
 def test_cell_offset_is_the_allocated_views_element(name: str, kv_cache_dtype: str) -> None:
     backend = V034.backend(name)
-    if backend.mla and kv_cache_dtype != "auto":
-        pytest.skip("MLA has no per-token-head mode")
     s = mla_spec() if backend.mla else spec(kv_cache_dtype=kv_cache_dtype)
     for layout in backend.layouts:
         plan = plan_layout(layout, s, backend, 3)
@@ -207,16 +210,13 @@ def test_the_48412_geometry_reports_its_own_dims() -> None:
 # ---- the runtime, verifier, map and fingerprint on every vllm-0.34 geometry ---------------------
 
 
-@pytest.mark.parametrize("name", list(V034.backend_names()))
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_per_token_head"])
+@pytest.mark.parametrize(("name", "kv_cache_dtype"), _with_dtypes(list(V034.backend_names())))
 def test_every_vllm_0_34_geometry_allocates_round_trips_and_verifies(name: str, kv_cache_dtype: str) -> None:
     from engine.fingerprint import fingerprint_of
     from engine.memory_map import block_map
     from engine.verify import verify_plan
 
     backend = V034.backend(name)
-    if backend.mla and kv_cache_dtype != "auto":
-        pytest.skip("MLA has no per-token-head mode")
     s = mla_spec(page_size_padded=4 * 8 * 2 + 32) if backend.mla else spec(kv_cache_dtype=kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
     for layout in backend.layouts:
