@@ -450,9 +450,14 @@ def check_head_order(decision: Decision, vllm_head_order: str) -> None:
     allocated = facts.allocated_layout(order, cross)
     if allocated is None or allocated is decision.layout:
         return
-    prefs = [p for p in decision.preferences if p.layout is decision.layout]
-    diags = [Diagnostic(p.rule.source.file, p.rule.source.line, p.rule.source.col, "head-order-fixed",
-                        f"rule `{p.rule.id}` ({p.scope}) prefers {decision.layout}") for p in prefs]
+    # the rules that removed what vLLM allocates, else those that ranked the decided layout above it
+    removed = decision.eliminated.get(allocated, [])
+    diags = [Diagnostic(r.source.file, r.source.line, r.source.col, "head-order-fixed",
+                        f"rule `{r.id}` ({r.effect}, {scope}) removed {allocated}") for r, scope in removed]
+    if not removed:
+        diags += [Diagnostic(p.rule.source.file, p.rule.source.line, p.rule.source.col, "head-order-fixed",
+                             f"rule `{p.rule.id}` ({p.scope}) prefers {decision.layout}")
+                  for p in decision.preferences if p.layout is decision.layout]
     wanted = decision.layout.head_order.value
     diags.append(Diagnostic("<vllm>", 0, 0, "head-order-fixed",
                             f"vLLM {ctx.profile} fixed the head order {order.value} before the KV cache is "
