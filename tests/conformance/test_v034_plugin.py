@@ -50,7 +50,7 @@ from test_v034_decisions import (
 )
 
 from engine import LayoutEngine
-from policy.errors import InputError, NoLayoutError, PolicyError
+from policy.errors import NoLayoutError, PolicyError
 
 VERSION = "0.34.0"
 ENTRY_POINT = "engine.integrations.vllm_plugin:register"
@@ -372,25 +372,3 @@ def test_unset_again_vllm_decides(run: dict[str, Any]) -> None:
     for answer in run["by"]["off-decide"]:
         assert answer["plugin"] == answer["vllm"]
 
-
-def test_what_kvpolicy_cannot_describe_is_refused_not_guessed() -> None:
-    """An input kvpolicy has no model for stops start-up (InputError inside StartupError), never a silent
-    fallback: checked here without vLLM, the same code the plugin runs."""
-    from types import SimpleNamespace
-
-    from engine.integrations.vllm import StartupError
-    from engine.integrations.vllm_resolver import resolve
-
-    class FullAttentionSpec(SimpleNamespace):
-        pass
-
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="torch.uint8",
-                             kv_quant_mode=SimpleNamespace(name="NVFP4"), num_heads=8, num_states=16,
-                             page_size_bytes=18432)
-    config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None, cache_dtype="nvfp4",
-                                                          enable_extensible_kv_cache=False),
-                             kv_transfer_config=None, attention_config=None, parallel_config=None, model_config=None)
-    with pytest.raises(StartupError, match="cannot describe") as exc:
-        resolve(LayoutEngine.default(PROFILE), config, [["LBNHC", "LBHNC"]], [spec])
-    assert isinstance(exc.value, ValueError) and not isinstance(exc.value, InputError)
-    assert exc.value.diagnostics[0].code == "unknown-quant-mode"
