@@ -476,6 +476,8 @@ def _gate_decision(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, en
         decision = decide(attn_groups, transfer_group, engine=engine, cache_dtype=cache_dtype,
                           vllm_kv_cache_layout=vllm_kv_cache_layout)
     except InputError as exc:
+        if any(d.code == "no-gate" for d in exc.diagnostics):
+            raise  # an engine for a release without the gate: a configuration error, not an input to guard
         logger.warning("kvpolicy: cannot describe vLLM's KV cache, keeping per-layer buffers\n%s", exc.render())
         return None
     if (decision.layout.placement is Placement.cross_layer and transfer_group is not None

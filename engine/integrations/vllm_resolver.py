@@ -180,12 +180,18 @@ def kv_cache_groups(specs: Iterable[Any], *, workers_per_stage: int = 1, kv_cach
     if not distinct:
         return None
     dtype = model_dtype if model_dtype in _MODEL_DTYPES else ModelDtype.bfloat16.value
+    # vLLM's DCP check looks at the sharding of attention specs that take a slot mapping; a spec that
+    # addresses its own pages (uses_slot_mapping false) gets a sharding already present, so it adds none.
+    sharding = [s.dcp_sharded for s, _ in distinct if getattr(s, "uses_slot_mapping", True) is not False
+                and isinstance(getattr(s, "dcp_sharded", None), bool)]
     groups = []
     for i, (spec, count) in enumerate(distinct):
         layers = count // workers_per_stage if workers_per_stage > 1 and count % workers_per_stage == 0 else count
         converted = _convert(spec, max(1, layers), kv_cache_dtype, ModelDtype(dtype), f"kv_cache_specs[{i}]")
         sharded = getattr(spec, "dcp_sharded", True)
-        groups.append(KVCacheGroup(spec=converted, dcp_sharded=sharded if isinstance(sharded, bool) else True))
+        if getattr(spec, "uses_slot_mapping", True) is False or not isinstance(sharded, bool):
+            sharded = sharding[0] if sharding else True
+        groups.append(KVCacheGroup(spec=converted, dcp_sharded=sharded))
     return KVCacheGroups(groups=tuple(groups))
 
 

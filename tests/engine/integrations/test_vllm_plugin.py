@@ -140,6 +140,15 @@ def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypa
     assert out.stdout.strip() == "False"
 
 
+def test_an_engine_of_a_release_without_the_gate_is_a_configuration_error() -> None:
+    from engine.integrations.vllm import use_uniform_kv_cache
+
+    group = SimpleNamespace(kv_cache_spec=FullAttentionSpec(), backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"),
+                            layer_names=["l0"])
+    with pytest.raises(InputError, match="has no use_uniform_kv_cache gate"):
+        use_uniform_kv_cache([[group]], None, engine=ENGINE)
+
+
 def test_the_entry_point_is_declared() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["vllm.general_plugins"] == {"kvpolicy": "engine.integrations.vllm_plugin:register"}
@@ -183,6 +192,18 @@ def test_specs_become_one_group_per_distinct_spec() -> None:
     spec = kv_cache_groups([pth]).groups[0].spec
     assert (spec.kv_cache_dtype, spec.page_size_bytes) == ("fp8_per_token_head", pth.page_size_bytes)
     assert kv_cache_groups([FullAttentionSpec(dcp_sharded=False)]).groups[0].dcp_sharded is False
+
+
+def test_a_spec_without_slot_mapping_takes_no_part_in_the_dcp_check() -> None:
+    @dataclass(frozen=True)
+    class CircularBufferSpec(FullAttentionSpec):  # addresses its own pages, as vLLM's ring buffers do
+        uses_slot_mapping: bool = False
+
+    ring = CircularBufferSpec(head_size=64, dcp_sharded=False)
+    groups = kv_cache_groups([FullAttentionSpec(), ring])
+    assert [g.dcp_sharded for g in groups.groups] == [True, True] and not groups.dcp_mixed_page_sizes
+    assert kv_cache_groups([FullAttentionSpec(), FullAttentionSpec(head_size=64, dcp_sharded=False)]
+                           ).dcp_mixed_page_sizes
 
 
 def test_a_spec_kvpolicy_models_differently_is_refused() -> None:
