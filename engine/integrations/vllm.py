@@ -1,10 +1,14 @@
-"""A drop-in replacement for vLLM's ``use_uniform_kv_cache`` gate, answered by the rules.
+"""A drop-in replacement for vLLM 0.24-0.28's ``use_uniform_kv_cache`` gate, answered by the rules.
 
 vLLM's model runner asks ``use_uniform_kv_cache(attn_groups)`` whether to
 allocate one cross-layer ("uniform") KV cache. `use_uniform_kv_cache` here
 answers the same question, with the connector passed in, from a kvpolicy
 `Decision`: True exactly when the decided placement is ``cross_layer``. The
-patch that makes vLLM call it is in docs/vllm.md.
+decision is taken under a release profile whose resolver is that gate
+(``vllm-0.28``; ``issue-48412`` for the historical state): its backends, its
+candidates and its registered connector names. `engine.integrations.vllm_plugin`
+installs the gate in vLLM; vLLM 0.29+ has no gate (see
+`engine.integrations.vllm_resolver`).
 
 Nothing is imported from vLLM. Its objects are read by attribute name:
 
@@ -15,23 +19,26 @@ Nothing is imported from vLLM. Its objects are read by attribute name:
   ``indexes_kv_by_block_stride``; its class name tells attention, MLA,
   sliding window or Mamba), ``backend`` (``get_name()``, maybe
   ``indexes_kv_by_block_stride``) and ``layer_names``;
-- the connector (vLLM's ``get_kv_transfer_group()``, None without one): its
-  class name, ``prefer_cross_layer_blocks`` (property or method), its
-  ``kv_connector_extra_config`` (or ``_kv_transfer_config``'s) and, for
-  MultiConnector, its member connectors ``_connectors``.
+- the connector (vLLM's ``get_kv_transfer_group()``, None without one): the
+  name vLLM registers it under (its ``_kv_transfer_config.kv_connector``, so
+  0.28's ``NixlConnector``, an alias of the class ``NixlPullConnector``, is
+  ``NixlConnector`` to the rules; else its class name), ``prefer_cross_layer_blocks``
+  (property or method), its ``kv_connector_extra_config`` (or
+  ``_kv_transfer_config``'s, where OffloadingConnector's ``canonical_layout``
+  lives) and, for MultiConnector, its member connectors ``_connectors``.
 
 Where vLLM's objects say more than the rules know, the adapter stays
 conservative or defers to the object:
 
-- a connector the rule set has no file for (and that has no members) keeps
-  its own ``prefer_cross_layer_blocks``: a synthetic ``prefer`` rule in its
-  scope stands for it, so every global ``forbid`` still applies and the trace
-  names it;
-- an attention backend that is not in `policy.backends.BACKENDS` is assumed
-  to build scale views for per-layer contiguous buffers (so per-token-head
-  quantization never goes cross-layer), and indexes KV by block stride only
-  if the spec or backend says so; for a known backend, an explicit
-  ``indexes_kv_by_block_stride`` from vLLM overrides the shipped profile;
+- a connector the rule set has no file for (nor for the class the release
+  registers its name to), and that has no members, keeps its own
+  ``prefer_cross_layer_blocks``: a synthetic ``prefer`` rule in its scope
+  stands for it, so every global ``forbid`` still applies and the trace names it;
+- an attention backend the release profile does not know is assumed to build
+  scale views for per-layer contiguous buffers (so per-token-head quantization
+  never goes cross-layer), and indexes KV by block stride only if the spec or
+  backend says so; for a known backend, an explicit ``indexes_kv_by_block_stride``
+  from vLLM overrides the shipped profile;
 - a KV cache vLLM describes in a way kvpolicy cannot (an unknown spec class,
   quant mode such as ``nvfp4``, or ``kv_cache_dtype``) gets per-layer buffers:
   the gate logs a warning and answers False.
@@ -46,21 +53,27 @@ from typing import Any
 
 from engine.agreement import agree
 from engine.decision import Decision
+from engine.inputs import build_context
 from engine.layout_engine import LayoutEngine
-from policy.backends import BACKENDS, BackendProfile, Dim
+from policy.backends import BackendProfile, Dim
 from policy.connectors import COMPOSITE_CONNECTORS, ConnectorConfig
 from policy.context import Context
-from policy.errors import InputError, input_error
+from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
 from policy.layouts import HeadOrder, LayoutPattern, Placement
 from policy.quant import KV_CACHE_DTYPES, ModelDtype, QuantMode, parse_kv_cache_dtype
+from policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
 from policy.rule_model import Rule
 from policy.ruleset import RuleSet, Source
 from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = [
     "OWN_PREFERENCE_WEIGHT",
+    "StartupError",
+    "check_head_order",
     "connector_config",
+    "connector_name",
     "decide",
+    "has_rules",
     "make_gate",
     "use_uniform_kv_cache",
     "vllm_context",
@@ -78,13 +91,29 @@ _MODEL_DTYPES = {m.value for m in ModelDtype}
 _default_engine: LayoutEngine | None = None
 
 
+def _gate_profile() -> ReleaseProfile:
+    """The default profile when it has the gate, else the newest release that has it (``vllm-0.28``)."""
+    default = get_profile()
+    if default.resolver is Resolver.uniform_gate:
+        return default
+    return next(p for p in iter_profiles() if p.resolver is Resolver.uniform_gate and not p.historical)
+
+
 def _engine(engine: LayoutEngine | None) -> LayoutEngine:
     global _default_engine
     if engine is not None:
         return engine
     if _default_engine is None:
-        _default_engine = LayoutEngine.default()
+        _default_engine = LayoutEngine.default(_gate_profile())
     return _default_engine
+
+
+class StartupError(PolicyError, ValueError):
+    """vLLM must not start: the rules leave no layout, or one vLLM cannot allocate as decided.
+
+    A `ValueError` as well, the type vLLM's own layout resolution raises, so
+    vLLM's start-up reports it the same way; its text is located diagnostics.
+    """
 
 
 # ---------------------------------------------------------------- KV cache specs
@@ -224,12 +253,12 @@ def _unknown_backend(name: str, mla: bool, block_stride: bool) -> BackendProfile
     )  # scale_views keeps its default, assume_per_layer_contiguous: the conservative answer
 
 
-def _profile(backend: Any, spec_obj: Any, kind: AttentionKind) -> BackendProfile:
+def _profile(backend: Any, spec_obj: Any, kind: AttentionKind, release: ReleaseProfile) -> BackendProfile:
     name = _backend_name(backend)
     reported = _reported_block_stride(spec_obj, backend)
-    known = BACKENDS.get(name)
-    if known is None:
+    if name not in release.backends:
         return _unknown_backend(name, kind is AttentionKind.mla, bool(reported))
+    known = release.backend(name)
     if reported is None or reported == known.indexes_kv_by_block_stride:
         return known
     # vLLM's runtime says otherwise than the shipped profile: its word decides, as in vLLM's own gate.
@@ -253,6 +282,16 @@ def _members(connector: Any) -> list[Any] | None:
     return list(members) if isinstance(members, Sequence) and not isinstance(members, str) else None
 
 
+def connector_name(connector: Any) -> str:
+    """The name vLLM registers ``connector`` under: the ``kv_connector`` its config names (vLLM 0.28's
+    ``NixlConnector`` loads the class ``NixlPullConnector``; the rules see ``NixlConnector``), else its
+    class name (a stand-in, or a connector loaded from ``kv_connector_module_path``)."""
+    configured = getattr(getattr(connector, "_kv_transfer_config", None), "kv_connector", None)
+    if isinstance(configured, str) and configured:
+        return configured
+    return type(connector).__name__
+
+
 def _own_preference(connector: Any) -> bool:
     """The connector's ``prefer_cross_layer_blocks`` (a property, or a method in some versions)."""
     try:
@@ -270,7 +309,7 @@ def connector_config(connector: Any) -> ConnectorConfig | None:
     """vLLM's connector object as a `ConnectorConfig` (None for None); MultiConnector keeps its members."""
     if connector is None:
         return None
-    name = type(connector).__name__
+    name = connector_name(connector)
     extra = _extra_config(connector)
     if name not in COMPOSITE_CONNECTORS:  # only a composite's `connectors` key lists members
         return ConnectorConfig(name=name, extra=extra)
@@ -288,12 +327,12 @@ def _own_preferences(connector: Any, out: dict[str, bool] | None = None) -> dict
     if connector is None:
         return out
     members = _members(connector)
-    name = type(connector).__name__
+    name = connector_name(connector)
     if name in COMPOSITE_CONNECTORS:
         for m in members or ():
             _own_preferences(m, out)
         return out
-    # INVARIANT: two objects of one class share one rule scope; both must prefer (conservative).
+    # INVARIANT: two objects of one name share one rule scope; both must prefer (conservative).
     out[name] = out.get(name, True) and _own_preference(connector)
     return out
 
@@ -302,9 +341,15 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "connector"
 
 
-def _with_own_preferences(ruleset: RuleSet, preferences: dict[str, bool]) -> RuleSet:
+def has_rules(ruleset: RuleSet, release: ReleaseProfile, name: str) -> bool:
+    """Whether ``ruleset`` has a connector file for ``name``, or for the class the release registers it to."""
+    loads = release.connectors.get(name)
+    return name in ruleset.connectors or (loads is not None and loads in ruleset.connectors)
+
+
+def _with_own_preferences(ruleset: RuleSet, release: ReleaseProfile, preferences: dict[str, bool]) -> RuleSet:
     """``ruleset`` plus one synthetic prefer rule per connector it has no rules for that prefers cross-layer."""
-    unknown = sorted(n for n, prefers in preferences.items() if prefers and n not in ruleset.connectors)
+    unknown = sorted(n for n, prefers in preferences.items() if prefers and not has_rules(ruleset, release, n))
     if not unknown:
         return ruleset
     entries = [(r.rule, r.source, r.scope) for r in ruleset.rules]
@@ -325,12 +370,23 @@ def _with_own_preferences(ruleset: RuleSet, preferences: dict[str, bool]) -> Rul
 
 
 def vllm_context(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
-                 cache_dtype: str | None = None) -> Context:
+                 cache_dtype: str | None = None, vllm_kv_cache_layout: str | None = None,
+                 vllm_version: str | ReleaseProfile | None = None) -> Context:
     """The decision `Context` for vLLM's attention groups and connector; raises `InputError`.
 
     ``cache_dtype`` is vLLM's ``cache_config.cache_dtype``, which older vLLM
     passes to the gate; newer vLLM carries ``kv_quant_mode`` on the spec.
+    ``vllm_kv_cache_layout`` is the head order vLLM was told to use
+    (``VLLM_KV_CACHE_LAYOUT``, or the override a backend set), the rules'
+    ``env.VLLM_KV_CACHE_LAYOUT``. ``vllm_version`` picks the release profile
+    (default: the default profile if it has the gate, else ``vllm-0.28``).
     """
+    release = get_profile(vllm_version) if vllm_version is not None else _gate_profile()
+    if release.resolver is not Resolver.uniform_gate:
+        raise input_error("vllm_version", f"vLLM profile `{release.name}` has no use_uniform_kv_cache gate",
+                          "vLLM 0.29 and later resolve one KVCacheLayout in the engine core: use "
+                          "engine.integrations.vllm_resolver (the kvpolicy vLLM plugin installs it)",
+                          code="no-gate")
     if not attn_groups:
         raise input_error("attn_groups", "no KV cache groups", code="no-kv-cache")
     built: list[tuple[KVCacheGroup, Any, Any]] = []
@@ -345,44 +401,95 @@ def vllm_context(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
     groups = KVCacheGroups(groups=tuple(g for g, _, _ in built))
     primary = next((b for b in built if b[0].spec.kind.is_attention), built[0])
     group, backend, spec_obj = primary
-    return Context(kv=group.spec, groups=groups, backend=_profile(backend, spec_obj, group.spec.kind),
-                   connector=connector_config(transfer_group))
+    return build_context(groups=groups, attention_backend=_profile(backend, spec_obj, group.spec.kind, release),
+                         connector=connector_config(transfer_group), vllm_kv_cache_layout=vllm_kv_cache_layout,
+                         vllm_version=release)
 
 
 def decide(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *, engine: LayoutEngine | None = None,
-           cache_dtype: str | None = None, explain: bool = False) -> Decision:
-    """The kvpolicy `Decision` for vLLM's KV cache: `vllm_context` decided by ``engine`` (default: shipped rules).
+           cache_dtype: str | None = None, vllm_kv_cache_layout: str | None = None,
+           explain: bool = False) -> Decision:
+    """The kvpolicy `Decision` for vLLM's KV cache: `vllm_context` decided by ``engine`` (default: the
+    shipped rules of the gate's release profile), under that engine's profile.
 
     Connectors without rules contribute their own ``prefer_cross_layer_blocks``
     as a synthetic rule, so the decision (and its fingerprint, for `agree`) is
     the layout the gate answers for. Raises `InputError` or `NoLayoutError`.
     """
     eng = _engine(engine)
-    ctx = vllm_context(attn_groups, transfer_group, cache_dtype=cache_dtype)
+    ctx = vllm_context(attn_groups, transfer_group, cache_dtype=cache_dtype,
+                       vllm_kv_cache_layout=vllm_kv_cache_layout, vllm_version=eng.profile)
     ruleset = eng.ruleset
-    augmented = _with_own_preferences(ruleset, _own_preferences(transfer_group))
+    augmented = _with_own_preferences(ruleset, eng.profile, _own_preferences(transfer_group))
     if augmented is not ruleset:
-        eng = LayoutEngine(augmented)
+        eng = LayoutEngine(augmented, vllm_version=eng.profile)
     return eng.decide(ctx, explain=explain)
 
 
+def check_head_order(decision: Decision, vllm_head_order: str) -> None:
+    """Raise `StartupError` unless vLLM, with its head order already fixed, allocates ``decision.layout``.
+
+    Before vLLM 0.29 the head order (``get_kv_cache_layout()``: NHD or HND) is
+    settled before the gate runs: connectors record it when they are created
+    and attention metadata builders are built with it, so the gate cannot
+    change it. The layout vLLM allocates is the backend's stride order under
+    that head order, per layer or (gate true) cross-layer; a decision it does
+    not give stops start-up, naming the rules that chose it. Skipped where the
+    release profile has no stride orders for the backend, and for a model
+    without attention (nothing has a head order).
+    """
+    ctx = decision.context
+    facts = get_profile(ctx.profile).backends.get(ctx.backend.name)
+    if facts is None or facts.stride_orders is None or not ctx.kv.kind.is_attention:
+        return
+    try:
+        order = HeadOrder(vllm_head_order)
+    except ValueError:
+        return
+    cross = decision.layout.placement is Placement.cross_layer
+    allocated = facts.allocated_layout(order, cross)
+    if allocated is None or allocated is decision.layout:
+        return
+    # the rules that removed what vLLM allocates, else those that ranked the decided layout above it
+    removed = decision.eliminated.get(allocated, [])
+    diags = [Diagnostic(r.source.file, r.source.line, r.source.col, "head-order-fixed",
+                        f"rule `{r.id}` ({r.effect}, {scope}) removed {allocated}") for r, scope in removed]
+    if not removed:
+        diags += [Diagnostic(p.rule.source.file, p.rule.source.line, p.rule.source.col, "head-order-fixed",
+                             f"rule `{p.rule.id}` ({p.scope}) prefers {decision.layout}")
+                  for p in decision.preferences if p.layout is decision.layout]
+    wanted = decision.layout.head_order.value
+    diags.append(Diagnostic("<vllm>", 0, 0, "head-order-fixed",
+                            f"vLLM {ctx.profile} fixed the head order {order.value} before the KV cache is "
+                            f"allocated, so it would allocate {allocated}, not {decision.layout} "
+                            f"({decision.layout.placement.value}, {wanted})",
+                            f"set VLLM_KV_CACHE_LAYOUT={wanted} so that every vLLM component uses it, or change "
+                            "the rules to decide the head order vLLM uses"))
+    raise StartupError(f"kvpolicy: the rules decided {decision.layout} (fingerprint "
+                       f"{decision.fingerprint.digest}), which vLLM cannot allocate:", diags)
+
+
 def _gate_decision(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, engine: LayoutEngine | None,
-                   cache_dtype: str | None) -> Decision | None:
+                   cache_dtype: str | None, vllm_kv_cache_layout: str | None = None) -> Decision | None:
     """`decide`, or None (and a warning) when kvpolicy cannot describe the KV cache."""
     try:
-        decision = decide(attn_groups, transfer_group, engine=engine, cache_dtype=cache_dtype)
+        decision = decide(attn_groups, transfer_group, engine=engine, cache_dtype=cache_dtype,
+                          vllm_kv_cache_layout=vllm_kv_cache_layout)
     except InputError as exc:
+        if any(d.code == "no-gate" for d in exc.diagnostics):
+            raise  # an engine for a release without the gate: a configuration error, not an input to guard
         logger.warning("kvpolicy: cannot describe vLLM's KV cache, keeping per-layer buffers\n%s", exc.render())
         return None
     if (decision.layout.placement is Placement.cross_layer and transfer_group is not None
             and not _own_preference(transfer_group)):
         logger.warning("kvpolicy: the rules choose %s although %s.prefer_cross_layer_blocks is false; "
-                       "the rules decide", decision.layout, type(transfer_group).__name__)
+                       "the rules decide", decision.layout, connector_name(transfer_group))
     return decision
 
 
 def use_uniform_kv_cache(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
-                         engine: LayoutEngine | None = None, cache_dtype: str | None = None) -> bool:
+                         engine: LayoutEngine | None = None, cache_dtype: str | None = None,
+                         vllm_kv_cache_layout: str | None = None) -> bool:
     """vLLM's ``use_uniform_kv_cache(attn_groups)``: allocate one cross-layer KV cache?
 
     ``transfer_group`` is vLLM's connector (``get_kv_transfer_group()``), or
@@ -391,13 +498,15 @@ def use_uniform_kv_cache(attn_groups: Sequence[Sequence[Any]], transfer_group: A
     False (per-layer buffers) and a warning; rules that leave no layout raise
     `NoLayoutError`, since the operator's policy forbids every layout.
     """
-    decision = _gate_decision(attn_groups, transfer_group, engine, cache_dtype)
+    decision = _gate_decision(attn_groups, transfer_group, engine, cache_dtype, vllm_kv_cache_layout)
     return decision is not None and decision.layout.placement is Placement.cross_layer
 
 
 def make_gate(has_transfer_group: Callable[[], bool], get_transfer_group: Callable[[], Any], *,
               engine: LayoutEngine | None = None, agreement_group: Callable[[], Any] | None = None,
-              timeout_s: float = 60.0) -> Callable[..., bool]:
+              timeout_s: float = 60.0, vllm_kv_cache_layout: Callable[[], str | None] | None = None,
+              head_order: Callable[[], str | None] | None = None,
+              on_decision: Callable[[Decision], None] | None = None) -> Callable[..., bool]:
     """A function with the signature of vLLM's gate, ``(attn_groups, cache_dtype=None) -> bool``.
 
     Pass vLLM's ``has_kv_transfer_group`` and ``get_kv_transfer_group``; the
@@ -407,13 +516,29 @@ def make_gate(has_transfer_group: Callable[[], bool], get_transfer_group: Callab
     `engine.agreement.agree` on the decision, so ranks that would lay out
     their caches differently fail at start-up instead of exchanging garbage.
     It is a collective: every rank of that group must reach the gate.
+    ``vllm_kv_cache_layout`` returns the head order vLLM was told
+    (``VLLM_KV_CACHE_LAYOUT`` or a backend's override) for the rules;
+    ``head_order`` returns the head order vLLM uses (``get_kv_cache_layout()``),
+    checked by `check_head_order`; ``on_decision`` sees every decision (the
+    plugin logs it). Rules that leave no layout raise `StartupError`.
     """
 
     def gate(attn_groups: Sequence[Sequence[Any]], cache_dtype: str | None = None) -> bool:
         connector = get_transfer_group() if has_transfer_group() else None
-        decision = _gate_decision(attn_groups, connector, engine, cache_dtype)
+        told = vllm_kv_cache_layout() if vllm_kv_cache_layout is not None else None
+        try:
+            decision = _gate_decision(attn_groups, connector, engine, cache_dtype, told)
+        except NoLayoutError as exc:
+            raise StartupError("kvpolicy: no KV cache layout survives the rules; vLLM must not start "
+                               "(relax one of these rules, or change the deployment):", exc.diagnostics) from None
         if decision is None:
             return False
+        if on_decision is not None:
+            on_decision(decision)
+        if head_order is not None:
+            used = head_order()
+            if used is not None:
+                check_head_order(decision, used)
         if agreement_group is not None:
             agree(decision, group=agreement_group(), timeout_s=timeout_s)
         return decision.layout.placement is Placement.cross_layer

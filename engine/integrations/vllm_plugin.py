@@ -1,0 +1,307 @@
+"""kvpolicy as a vLLM general plugin: vLLM's KV cache layout decided by your rules, with one setting.
+
+Installing kvpolicy registers `register` under vLLM's ``vllm.general_plugins``
+entry point group (name ``kvpolicy``, see pyproject.toml). vLLM calls it in
+every process it starts (API server, engine core, workers), possibly several
+times. It changes nothing unless ``KVPOLICY_RULES`` is set:
+
+- ``KVPOLICY_RULES=shipped``: the shipped rules of the running vLLM's profile
+  (they reproduce vLLM's own decision, and add the log line and the checks);
+- ``KVPOLICY_RULES=/etc/kvpolicy``: an operator's rule directory, loaded
+  fail-closed (a rule set with any error stops start-up, every problem located);
+- unset, empty, ``off`` or ``0``: vLLM decides as if kvpolicy were not installed.
+
+``KVPOLICY_EXPLAIN=1`` logs each decision's full explanation;
+``KVPOLICY_VLLM_PROFILE=vllm-0.34`` forces a profile for a vLLM version
+kvpolicy has none for. vLLM's ``VLLM_PLUGINS`` allow-list applies as usual.
+
+What it replaces, by the running vLLM's release profile:
+
+- ``vllm-0.34`` (vLLM 0.34.0; 0.29+ when forced): ``resolve_kv_cache_layout``
+  (``vllm/v1/attention/backends/utils.py``, bound by name in
+  ``vllm/v1/engine/core.py``), with `engine.integrations.vllm_resolver`;
+- ``vllm-0.28`` (vLLM 0.28.0; 0.24-0.28 when forced):
+  ``KVConnectorModelRunnerMixin.use_uniform_kv_cache`` with
+  `engine.integrations.vllm.make_gate`, which also checks that the head order
+  vLLM already fixed (``get_kv_cache_layout()``) is the one the rules decided.
+
+vLLM is imported only inside `register` (which vLLM calls), never when
+kvpolicy is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.decide import RELEASE_CANDIDATES
+from engine.decision import Decision
+from engine.layout_engine import LayoutEngine, shipped_rules_dir
+from policy.errors import PolicyError, RuleLoadError
+from policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
+
+__all__ = [
+    "ENV_EXPLAIN",
+    "ENV_PROFILE",
+    "ENV_RULES",
+    "SHIPPED",
+    "PluginError",
+    "Settings",
+    "decided_by",
+    "pick_profile",
+    "register",
+    "status",
+    "unregister",
+]
+
+ENV_RULES = "KVPOLICY_RULES"
+ENV_EXPLAIN = "KVPOLICY_EXPLAIN"
+ENV_PROFILE = "KVPOLICY_VLLM_PROFILE"
+SHIPPED = "shipped"
+_OFF = {"", "0", "off", "false", "no", "none", "disabled"}
+_TRUE = {"1", "true", "yes", "on"}
+
+# Under vLLM's logger tree, so the lines appear in vLLM's log with its format and level.
+log = logging.getLogger("vllm.kvpolicy")
+
+
+class PluginError(PolicyError, RuntimeError):
+    """The plugin's configuration is wrong (a profile that does not fit the running vLLM); start-up stops."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The plugin's settings, from the environment of each vLLM process."""
+
+    rules: str | None  # None: not configured, the plugin changes nothing
+    explain: bool = False
+    profile: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        rules = env.get(ENV_RULES, "").strip()
+        return cls(rules=None if rules.lower() in _OFF else rules,
+                   explain=env.get(ENV_EXPLAIN, "").strip().lower() in _TRUE,
+                   profile=env.get(ENV_PROFILE, "").strip() or None)
+
+
+# What this process has installed: the settings, the engine, and each (owner, attribute, vLLM's value).
+_state: dict[str, Any] = {"key": None, "engine": None, "patches": [], "hook": None, "logged": set()}
+
+
+def pick_profile(version: str, forced: str | None = None) -> ReleaseProfile | None:
+    """The release profile for the running vLLM ``version``: the forced one, else the profile that lists
+    that version (a local suffix such as ``+cu129`` ignored), else None (no profile answers for it)."""
+    if forced:
+        return get_profile(forced)
+    base = version.split("+")[0]
+    for profile in iter_profiles():
+        if not profile.historical and base in profile.vllm_versions:
+            return profile
+    return None
+
+
+def _engine(settings: Settings, profile: ReleaseProfile) -> LayoutEngine:
+    assert settings.rules is not None
+    if settings.rules.lower() == SHIPPED:
+        return LayoutEngine.default(profile)
+    path = Path(settings.rules).expanduser()
+    return LayoutEngine.from_path(path, vllm_version=profile)
+
+
+def decided_by(decision: Decision) -> str:
+    """Which rules decided ``decision``, located: the prefer rules that ranked its layout first, else the
+    candidates' order after the rules that removed layouts."""
+    prefs = sorted((p for p in decision.preferences if p.layout is decision.layout), key=lambda p: -p.weight)
+    if prefs:
+        return "; ".join(f"prefer `{p.rule.id}` ({p.scope}) at {p.rule.source}" for p in prefs)
+    removers: dict[str, str] = {}
+    for hits in decision.eliminated.values():
+        for rule, _ in hits:
+            if rule.id != RELEASE_CANDIDATES:
+                removers.setdefault(rule.id, f"`{rule.id}` at {rule.source}")
+    text = "the first candidate in the workers' preference order"
+    return text + (" left by " + ", ".join(removers.values()) if removers else "")
+
+
+def _log_decision(decision: Decision, explain: bool) -> None:
+    """Log a decision once per process: INFO with the deciding rules and fingerprint, its warnings, and
+    with ``KVPOLICY_EXPLAIN`` the full explanation."""
+    if not log.isEnabledFor(logging.WARNING):
+        return
+    key = (decision.layout, decision.fingerprint.digest, decision.ruleset.digest, decision.context)
+    if key in _state["logged"]:
+        return
+    _state["logged"].add(key)
+    ctx = decision.context
+    log.info("kvpolicy: KV cache layout %s (%s, %s) decided by %s; candidates %s; fingerprint %s "
+             "(profile %s, rules %s)", decision.layout, decision.layout.placement.value,
+             decision.layout.head_order.value, decided_by(decision), ", ".join(str(x) for x in ctx.candidates),
+             decision.fingerprint.digest, ctx.profile, decision.ruleset.root or "<texts>")
+    for warning in decision.warnings:
+        log.warning("kvpolicy: %s", warning)
+    if explain:
+        log.info("kvpolicy: explanation\n%s", decision.explain())
+
+
+def _patch(owner: Any, attr: str, value: Any) -> None:
+    _state["patches"].append((owner, attr, owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)))
+    setattr(owner, attr, value)
+
+
+def unregister() -> None:
+    """Put back every vLLM attribute this process replaced (also where vLLM's engine core bound the
+    resolver by name after the patch)."""
+    for owner, attr, original in reversed(_state["patches"]):
+        setattr(owner, attr, original)
+    core = sys.modules.get("vllm.v1.engine.core")
+    current = getattr(core, "resolve_kv_cache_layout", None) if core is not None else None
+    if current is not None and getattr(current, "__kvpolicy__", False):
+        core.resolve_kv_cache_layout = current.__wrapped__  # type: ignore[union-attr]
+    _state.update(key=None, engine=None, patches=[], hook=None)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
+    """vLLM 0.29+: replace ``resolve_kv_cache_layout`` where it is defined and where the engine core bound it."""
+    try:
+        from vllm.v1.attention.backends import utils as backend_utils
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError as exc:
+        raise PluginError(f"kvpolicy: profile `{engine.profile.name}` answers vLLM's resolve_kv_cache_layout, "
+                          f"which this vLLM does not have ({exc}); force a fitting profile with {ENV_PROFILE} "
+                          "or unset it") from None
+    import vllm.envs as envs
+
+    original = getattr(backend_utils, "resolve_kv_cache_layout", None)
+    if original is None:
+        raise PluginError(f"kvpolicy: this vLLM has no resolve_kv_cache_layout; profile `{engine.profile.name}` "
+                          f"does not fit it (set {ENV_PROFILE} to a profile of this release, or unset it)")
+    original = getattr(original, "__wrapped__", original) if getattr(original, "__kvpolicy__", False) else original
+
+    def capability() -> int | None:
+        try:
+            from vllm.platforms import current_platform
+
+            cap = current_platform.get_device_capability()
+        except Exception:  # no device here (the API server): FlashInfer-style rules see it absent
+            return None
+        major = getattr(cap, "major", None)
+        return major if isinstance(major, int) else None
+
+    def connector_layout(vllm_config: Any) -> str | None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+        return get_kv_connector_cache_layout(vllm_config)
+
+    from engine.integrations.vllm_resolver import make_resolver
+
+    resolver = make_resolver(original, engine, layout_type=KVCacheLayout,
+                             vllm_kv_cache_layout=lambda: getattr(envs, "VLLM_KV_CACHE_LAYOUT", None),
+                             device_capability=capability, connector_layout=connector_layout,
+                             explain=settings.explain, on_decision=lambda d: _log_decision(d, settings.explain))
+    _patch(backend_utils, "resolve_kv_cache_layout", resolver)
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None and hasattr(core, "resolve_kv_cache_layout"):
+        _patch(core, "resolve_kv_cache_layout", resolver)
+    return "resolve_kv_cache_layout"
+
+
+def _install_gate(engine: LayoutEngine, settings: Settings) -> str:
+    """vLLM 0.24-0.28: replace ``KVConnectorModelRunnerMixin.use_uniform_kv_cache``."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        from vllm.v1.attention.backends import utils as backend_utils
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+    except ImportError as exc:
+        raise PluginError(f"kvpolicy: profile `{engine.profile.name}` answers vLLM's use_uniform_kv_cache gate, "
+                          f"which this vLLM does not have ({exc}); force a fitting profile with {ENV_PROFILE} "
+                          "or unset it") from None
+    if "use_uniform_kv_cache" not in KVConnectorModelRunnerMixin.__dict__:
+        raise PluginError(f"kvpolicy: this vLLM has no KVConnectorModelRunnerMixin.use_uniform_kv_cache; profile "
+                          f"`{engine.profile.name}` does not fit it")
+    import vllm.envs as envs
+
+    from engine.integrations.vllm import make_gate
+
+    def told() -> str | None:
+        # A backend's required layout (set_kv_cache_layout, e.g. FlashInfer on Blackwell) wins over the variable.
+        override = getattr(backend_utils, "_KV_CACHE_LAYOUT_OVERRIDE", None)
+        return override if override is not None else getattr(envs, "VLLM_KV_CACHE_LAYOUT", None)
+
+    gate = make_gate(has_kv_transfer_group, get_kv_transfer_group, engine=engine, vllm_kv_cache_layout=told,
+                     head_order=backend_utils.get_kv_cache_layout,
+                     on_decision=lambda d: _log_decision(d, settings.explain))
+    gate.__kvpolicy__ = True  # type: ignore[attr-defined]
+    _patch(KVConnectorModelRunnerMixin, "use_uniform_kv_cache", staticmethod(gate))
+    return "KVConnectorModelRunnerMixin.use_uniform_kv_cache"
+
+
+def register() -> None:
+    """vLLM's general plugin entry point (``vllm.general_plugins``: ``kvpolicy``).
+
+    Reads the settings; not configured, it puts back anything it replaced and
+    returns. Otherwise it picks the running vLLM's profile, loads the rules
+    (fail-closed: an error stops start-up, every problem located) and installs
+    the matching hook. Called again with the same settings it does nothing.
+    """
+    settings = Settings.from_env()
+    if settings.rules is None:
+        if _state["key"] is not None:
+            unregister()
+        log.debug("kvpolicy: %s is not set; vLLM decides the KV cache layout", ENV_RULES)
+        return
+    version = _vllm_version()
+    try:
+        profile = pick_profile(version, settings.profile)
+    except PolicyError as exc:
+        unregister()
+        log.error("kvpolicy: %s=%s names no profile\n%s", ENV_PROFILE, settings.profile, exc.render())
+        raise
+    if profile is None:
+        if _state["key"] is not None:
+            unregister()
+        known = "; ".join(f"{p.name} ({', '.join(p.vllm_versions)})" for p in iter_profiles() if not p.historical)
+        log.warning("kvpolicy: no profile answers for vLLM %s (profiles: %s); vLLM decides the KV cache layout. "
+                    "Force one with %s=<profile> if its rules fit this release", version, known, ENV_PROFILE)
+        return
+    key = (settings, profile.name, version)
+    if _state["key"] == key:
+        return
+    try:
+        engine = _engine(settings, profile)
+    except RuleLoadError as exc:
+        unregister()  # fail closed: nothing of an earlier configuration stays installed
+        log.error("kvpolicy: the rules in %s=%s do not load; vLLM must not start\n%s", ENV_RULES, settings.rules,
+                  exc.render())
+        raise
+    unregister()
+    if profile.resolver is Resolver.kv_cache_layout:
+        hook = _install_resolver(engine, settings)
+    else:
+        hook = _install_gate(engine, settings)
+    _state.update(key=key, engine=engine, hook=hook)
+    rules = "shipped " + str(shipped_rules_dir(profile)) if settings.rules.lower() == SHIPPED else settings.rules
+    log.info("kvpolicy: active for vLLM %s: profile %s, rules %s (%s), answering %s", version, profile.name,
+             rules, engine.ruleset.digest, hook)
+
+
+def status() -> dict[str, Any]:
+    """What the plugin has installed in this process: ``active``, ``profile``, ``rules`` (the rule set's
+    root and digest) and ``hook`` (the vLLM function it answers); ``active`` False when not."""
+    engine: LayoutEngine | None = _state["engine"]
+    if engine is None:
+        return {"active": False}
+    return {"active": True, "profile": engine.profile.name, "rules": engine.ruleset.root,
+            "digest": engine.ruleset.digest, "hook": _state["hook"]}

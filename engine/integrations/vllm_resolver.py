@@ -1,0 +1,352 @@
+"""kvpolicy as vLLM 0.29+'s KV cache layout resolution, answered by the rules.
+
+vLLM's engine core resolves one ``KVCacheLayout`` for the whole model, once,
+before memory profiling (``vllm/v1/engine/core.py``)::
+
+    layout = resolve_kv_cache_layout(vllm_config, model_executor.get_supported_kv_cache_layouts(), specs)
+
+and distributes it to every worker (``set_kv_cache_layout``, then
+``KVCacheConfig.kv_cache_layout``), so every rank allocates the same layout.
+`make_resolver` returns a function with that signature that decides with a
+`LayoutEngine` from the same inputs vLLM's resolver reads:
+
+- ``supported_layouts``: each worker's layout names, most preferred first; merged
+  as vLLM merges them (workers that report vLLM's default preference do not
+  vote), they are the candidates, so the answer is always a layout every worker
+  can run;
+- ``kv_cache_specs``: the layers' specs, one kvpolicy group per distinct spec
+  with per-layer views (``has_layer_views``), each checked to have vLLM's own
+  ``(num_heads, num_states, page_size_bytes)``;
+- ``vllm_config``: ``kv_transfer_config`` (the connector as configured, by the
+  name vLLM registers it under, MultiConnector members from its extra config),
+  ``cache_config.enable_extensible_kv_cache``, ``attention_config.hisparse_config``;
+- ``VLLM_KV_CACHE_LAYOUT`` and the device capability, which the plugin reads
+  from vLLM and passes in.
+
+Nothing here imports vLLM; the plugin (`engine.integrations.vllm_plugin`) hands
+in vLLM's ``KVCacheLayout`` enum and the readers that need vLLM. A rule set
+that leaves no layout, or a KV cache kvpolicy cannot describe, raises
+`StartupError` (a ``ValueError``, as vLLM's own resolution raises), with every
+rule that removed a candidate located (file:line): vLLM does not start, and
+never falls back silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from enum import Enum
+from typing import Any
+
+from engine.decision import Decision
+from engine.inputs import build_context
+from engine.integrations.vllm import StartupError, _int_attr, _kind, _kv_cache_dtype, _slug, has_rules
+from engine.layout_engine import LayoutEngine
+from policy.backends import BackendProfile, packed_backend
+from policy.connectors import ConnectorConfig
+from policy.context import Context
+from policy.errors import InputError, NoLayoutError, PolicyError, input_error
+from policy.layouts import Layout
+from policy.quant import ModelDtype, parse_kv_cache_dtype
+from policy.releases import ReleaseProfile, _merge
+from policy.rule_model import Rule
+from policy.ruleset import RuleSet, Source
+from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
+
+__all__ = [
+    "OWN_LAYOUT_WEIGHT",
+    "kv_cache_groups",
+    "make_resolver",
+    "resolve",
+    "resolver_context",
+    "worker_candidates",
+]
+
+# The weight of the synthetic prefer rule standing for the required layout of a connector the
+# rules do not know: the shipped connector files prefer their required layout with 10.
+OWN_LAYOUT_WEIGHT = 10
+
+_MODEL_DTYPES = {m.value for m in ModelDtype}
+
+
+# ---------------------------------------------------------------- candidates
+
+
+def worker_candidates(release: ReleaseProfile, supported_layouts: Sequence[Sequence[str]]) -> tuple[Layout, ...]:
+    """The workers' reported layouts merged as vLLM's engine core merges them: workers reporting
+    the default preference (no backend declared a set) do not vote; the rest are intersected and
+    ranked by how many put each first (vLLM's ``_merge_supported_layouts``). Empty: no layout fits
+    every worker. An empty or unknown report is an `InputError`."""
+    if not supported_layouts:
+        raise input_error("supported_layouts", "no worker reported supported KV cache layouts",
+                          code="no-supported-layouts")
+    reports = []
+    for i, names in enumerate(supported_layouts):
+        if not names:
+            raise input_error(f"supported_layouts[{i}]", f"worker {i} reported no supported KV cache layouts",
+                              code="no-supported-layouts")
+        try:
+            reports.append(tuple(Layout(str(getattr(n, "name", n))) for n in names))
+        except ValueError:
+            raise input_error(f"supported_layouts[{i}]", f"worker {i} reported layouts {list(names)}, not all of "
+                              f"which vLLM profile `{release.name}` has",
+                              "valid: " + ", ".join(x.value for x in release.layouts),
+                              code="unknown-layout") from None
+    voting = [r for r in reports if r != release.default_layout_preference] or reports
+    return tuple(x for x in _merge(voting) if x in release.layouts)
+
+
+# ---------------------------------------------------------------- specs
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _spec_kv_cache_dtype(spec: Any, configured: str | None, model_dtype: ModelDtype) -> str:
+    """The spec's ``kv_cache_dtype``: the configured ``cache_config.cache_dtype`` when it means the
+    spec's format (``fp8_e4m3`` stays ``fp8_e4m3``), else the one its quant mode and dtype give."""
+    derived = _kv_cache_dtype(spec, None)
+    if configured and configured != derived:
+        try:
+            if parse_kv_cache_dtype(configured, model_dtype) == parse_kv_cache_dtype(derived, model_dtype):
+                return configured
+        except (PolicyError, ValueError):
+            pass
+    return derived
+
+
+def _hnc(spec: KVCacheSpec) -> tuple[int, int, int]:
+    if spec.kind is AttentionKind.mamba:
+        return (1, 1, spec.page_size_bytes)
+    return (spec.num_kv_heads, spec.block_size, spec.page_size_bytes)
+
+
+def _vllm_hnc(spec: Any) -> tuple[int, int, int] | None:
+    try:
+        return (int(spec.num_heads), int(spec.num_states), int(spec.page_size_bytes))
+    except Exception:  # a spec class without the properties: nothing to compare
+        return None
+
+
+def _convert(spec: Any, num_layers: int, configured: str | None, model_dtype: ModelDtype, where: str
+             ) -> KVCacheSpec:
+    kind = _kind(spec)
+    theirs = _vllm_hnc(spec)
+    if kind is AttentionKind.mamba:
+        # A recurrent state: one "head" of one state, the page vLLM gives it.
+        page = theirs[2] if theirs is not None else None
+        if page is None:
+            raise input_error(where, f"`{type(spec).__name__}` has no page_size_bytes", code="unknown-spec")
+        data: dict[str, Any] = {"kind": kind, "num_layers": num_layers, "block_size": 1, "num_kv_heads": 1,
+                                "head_size": 1, "page_size_padded": page}
+    else:
+        dtype = _dtype_name(getattr(spec, "dtype", None))
+        data = {
+            "kind": kind,
+            "num_layers": num_layers,
+            "block_size": getattr(spec, "block_size", None),
+            "num_kv_heads": getattr(spec, "num_kv_heads", None),
+            "head_size": getattr(spec, "head_size", None),
+            "dtype": dtype if dtype in _MODEL_DTYPES else model_dtype.value,
+            "kv_cache_dtype": _spec_kv_cache_dtype(spec, configured, model_dtype),
+            "sliding_window": _int_attr(spec, "sliding_window"),
+            "page_size_padded": _int_attr(spec, "page_size_padded"),
+        }
+    ours = make_model(KVCacheSpec, where, data)
+    if theirs is not None and _hnc(ours) != theirs:
+        raise input_error(where, f"vLLM's `{type(spec).__name__}` has (heads, states, page bytes) {theirs}, "
+                          f"kvpolicy's model of it {_hnc(ours)}",
+                          "kvpolicy cannot describe this KV cache; unset KVPOLICY_RULES to let vLLM decide",
+                          code="spec-not-modelled")
+    return ours
+
+
+def kv_cache_groups(specs: Iterable[Any], *, workers_per_stage: int = 1, kv_cache_dtype: str | None = None,
+                    model_dtype: str | None = None) -> KVCacheGroups | None:
+    """vLLM's KV cache specs (every worker's layers, flattened, as the engine core passes them) as
+    kvpolicy groups: one per distinct spec with per-layer views, in order of first appearance, its
+    ``num_layers`` the layers reporting it over ``workers_per_stage`` (tensor-parallel ranks report
+    the same layers). None when no spec has per-layer views (an attention-free model)."""
+    distinct: list[tuple[Any, int]] = []
+    for spec in specs:
+        if getattr(spec, "has_layer_views", True) is False:
+            continue  # vLLM's resolver ignores specs that lay out their own raw tensor
+        for i, (seen, count) in enumerate(distinct):
+            if seen is spec or seen == spec:
+                distinct[i] = (seen, count + 1)
+                break
+        else:
+            distinct.append((spec, 1))
+    if not distinct:
+        return None
+    dtype = model_dtype if model_dtype in _MODEL_DTYPES else ModelDtype.bfloat16.value
+    # vLLM's DCP check looks at the sharding of attention specs that take a slot mapping; a spec that
+    # addresses its own pages (uses_slot_mapping false) gets a sharding already present, so it adds none.
+    sharding = [s.dcp_sharded for s, _ in distinct if getattr(s, "uses_slot_mapping", True) is not False
+                and isinstance(getattr(s, "dcp_sharded", None), bool)]
+    groups = []
+    for i, (spec, count) in enumerate(distinct):
+        layers = count // workers_per_stage if workers_per_stage > 1 and count % workers_per_stage == 0 else count
+        converted = _convert(spec, max(1, layers), kv_cache_dtype, ModelDtype(dtype), f"kv_cache_specs[{i}]")
+        sharded = getattr(spec, "dcp_sharded", True)
+        if getattr(spec, "uses_slot_mapping", True) is False or not isinstance(sharded, bool):
+            sharded = sharding[0] if sharding else True
+        groups.append(KVCacheGroup(spec=converted, dcp_sharded=sharded))
+    return KVCacheGroups(groups=tuple(groups))
+
+
+# ---------------------------------------------------------------- context
+
+
+def _enum_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(value.name if isinstance(value, Enum) else value)
+
+
+def _connector(vllm_config: Any) -> ConnectorConfig | None:
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    name = getattr(ktc, "kv_connector", None)
+    if ktc is None or not isinstance(name, str) or not name:
+        return None
+    extra = getattr(ktc, "kv_connector_extra_config", None)
+    return ConnectorConfig.from_vllm(name, dict(extra) if isinstance(extra, dict) else None,
+                                     where="kv_transfer_config.kv_connector_extra_config")
+
+
+def _backend(release: ReleaseProfile, vllm_config: Any, mla: bool, candidates: tuple[Layout, ...]) -> BackendProfile:
+    """The configured ``--attention-backend`` when the release knows it and it can view every candidate;
+    else ``auto``, a packed backend (the engine core does not know which backends the workers chose)."""
+    name = _enum_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
+    if name in release.backends:
+        known = release.backend(name)
+        if known.mla == mla and all(x in known.orders for x in candidates):
+            return known
+    return packed_backend("auto", mla=mla, layouts=release.layouts, layer_buffers=release.layer_buffers)
+
+
+def resolver_context(vllm_config: Any, supported_layouts: Sequence[Sequence[str]], kv_cache_specs: Iterable[Any],
+                     *, release: ReleaseProfile, vllm_kv_cache_layout: str | None = None,
+                     device_capability: int | None = None) -> Context | None:
+    """The decision `Context` for vLLM's resolver inputs; None for a model without per-layer KV views
+    (nothing to lay out). Raises `InputError` for what kvpolicy cannot describe."""
+    candidates = worker_candidates(release, supported_layouts)
+    cache_config = getattr(vllm_config, "cache_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    stages = getattr(parallel, "pipeline_parallel_size", 1)
+    stages = stages if isinstance(stages, int) and stages > 0 else 1
+    workers_per_stage = len(supported_layouts) // stages if len(supported_layouts) % stages == 0 else 1
+    configured = getattr(cache_config, "cache_dtype", None)
+    model_dtype = _dtype_name(getattr(getattr(vllm_config, "model_config", None), "dtype", None))
+    groups = kv_cache_groups(kv_cache_specs, workers_per_stage=max(1, workers_per_stage),
+                             kv_cache_dtype=configured if isinstance(configured, str) else None,
+                             model_dtype=model_dtype)
+    if groups is None:
+        return None
+    primary = groups.primary
+    assert primary is not None
+    backend = _backend(release, vllm_config, primary.kind is AttentionKind.mla, candidates)
+    hisparse = getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None
+    extensible = getattr(cache_config, "enable_extensible_kv_cache", False) is True
+    ctx = build_context(groups=groups, attention_backend=backend, connector=_connector(vllm_config),
+                        vllm_kv_cache_layout=vllm_kv_cache_layout, enable_extensible_kv_cache=extensible,
+                        hisparse=hisparse, device_capability=device_capability, vllm_version=release)
+    return ctx.model_copy(update={"candidates": tuple(x for x in candidates if x in backend.orders)})
+
+
+# ---------------------------------------------------------------- deciding
+
+
+def _with_connector_layout(ruleset: RuleSet, release: ReleaseProfile, conn: ConnectorConfig | None,
+                           layout: str | None) -> RuleSet:
+    """``ruleset`` plus a prefer rule for the layout a connector the rules do not know requires
+    (vLLM's ``get_required_kvcache_layout``), used as vLLM uses it: when VLLM_KV_CACHE_LAYOUT is unset."""
+    if conn is None or conn.is_composite or layout is None or has_rules(ruleset, release, conn.name):
+        return ruleset
+    try:
+        wanted = Layout(layout)
+    except ValueError:
+        return ruleset
+    rule = Rule.model_validate({
+        "id": f"vllm-own-layout.{_slug(conn.name)}"[:100],
+        "description": (f"`{conn.name}` has no rules in this rule set; vLLM's get_required_kvcache_layout "
+                        f"asks for {wanted}, so kvpolicy prefers it as vLLM would"),
+        "when": {"field": "env.VLLM_KV_CACHE_LAYOUT", "exists": False},
+        "prefer": {"layout": wanted.value},
+        "weight": OWN_LAYOUT_WEIGHT,
+    })
+    entries = [(r.rule, r.source, r.scope) for r in ruleset.rules]
+    entries.append((rule, Source(f"<vllm:{conn.name}.get_required_kvcache_layout>", 1), conn.name))
+    return RuleSet.build(entries, ruleset.layout_order, ruleset.member_preferences, ruleset.root,
+                         order_declared=ruleset.order_declared)
+
+
+def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[Sequence[str]],
+            kv_cache_specs: Iterable[Any] | None, *, vllm_kv_cache_layout: str | None = None,
+            device_capability: int | None = None, connector_layout: Callable[[], str | None] | None = None,
+            explain: bool = False) -> Decision | None:
+    """The rules' `Decision` for vLLM's resolver inputs, under ``engine``'s release profile; None when
+    the model has no KV cache views to lay out. ``connector_layout`` returns vLLM's
+    ``get_kv_connector_cache_layout(vllm_config)``, consulted only for a connector the rules do not know.
+    Raises `StartupError`: no layout survives, or kvpolicy cannot describe the inputs."""
+    try:
+        ctx = resolver_context(vllm_config, supported_layouts, list(kv_cache_specs or ()),
+                               release=engine.profile, vllm_kv_cache_layout=vllm_kv_cache_layout,
+                               device_capability=device_capability)
+        if ctx is None:
+            return None
+        eng = engine
+        if connector_layout is not None and ctx.connector is not None and not ctx.connector.is_composite \
+                and not has_rules(engine.ruleset, engine.profile, ctx.connector.name):
+            augmented = _with_connector_layout(engine.ruleset, engine.profile, ctx.connector, connector_layout())
+            if augmented is not engine.ruleset:
+                eng = LayoutEngine(augmented, vllm_version=engine.profile)
+        decision = eng.decide(ctx, explain=explain)
+    except NoLayoutError as exc:
+        raise StartupError("kvpolicy: no KV cache layout survives the rules; vLLM must not start (relax one of "
+                           "these rules, or change the deployment):", exc.diagnostics) from None
+    except InputError as exc:
+        raise StartupError("kvpolicy: cannot describe vLLM's KV cache layout inputs; vLLM must not start "
+                           "(unset KVPOLICY_RULES to let vLLM decide):", exc.diagnostics) from None
+    if decision.layout not in ctx.candidates:  # pragma: no cover - the release filter makes this impossible
+        raise StartupError(f"kvpolicy: the rules chose {decision.layout}, which not every worker supports "
+                           f"({', '.join(str(x) for x in ctx.candidates)})")
+    return decision
+
+
+def make_resolver(original: Callable[..., Any], engine: LayoutEngine, *, layout_type: Any,
+                  vllm_kv_cache_layout: Callable[[], str | None], device_capability: Callable[[], int | None],
+                  connector_layout: Callable[[Any], str | None] | None = None, explain: bool = False,
+                  on_decision: Callable[[Decision], None] | None = None) -> Callable[..., Any]:
+    """A function with the signature of vLLM's ``resolve_kv_cache_layout(vllm_config, supported_layouts,
+    kv_cache_specs=None) -> KVCacheLayout``, answered by ``engine``.
+
+    ``original`` is vLLM's own function: it still answers where vLLM's answer is
+    not a decision (a layout already recorded on ``cache_config``, which vLLM
+    honours as-is; a model without per-layer KV views). ``layout_type`` is vLLM's
+    ``KVCacheLayout`` enum. The answer is recorded on ``cache_config.kv_cache_layout``
+    as vLLM records its own, from where vLLM distributes it to the workers.
+    """
+
+    def resolve_kv_cache_layout(vllm_config: Any, supported_layouts: list[list[str]],
+                                kv_cache_specs: Iterable[Any] | None = None) -> Any:
+        cache_config = vllm_config.cache_config
+        if getattr(cache_config, "kv_cache_layout", None) is not None:
+            return original(vllm_config, supported_layouts, kv_cache_specs)
+        specs = list(kv_cache_specs or ())
+        decision = resolve(
+            engine, vllm_config, supported_layouts, specs, vllm_kv_cache_layout=vllm_kv_cache_layout(),
+            device_capability=device_capability(),
+            connector_layout=None if connector_layout is None else (lambda: connector_layout(vllm_config)),
+            explain=explain)
+        if decision is None:
+            return original(vllm_config, supported_layouts, specs)
+        if on_decision is not None:
+            on_decision(decision)
+        layout = layout_type[decision.layout.value]
+        cache_config.kv_cache_layout = layout.name
+        return layout
+
+    resolve_kv_cache_layout.__kvpolicy__ = True  # type: ignore[attr-defined]
+    resolve_kv_cache_layout.__wrapped__ = original  # type: ignore[attr-defined]
+    return resolve_kv_cache_layout

@@ -1,0 +1,63 @@
+"""kvpolicy installed the way vLLM finds plugins, for the plugin's conformance oracles.
+
+vLLM discovers general plugins with ``importlib.metadata.entry_points(group="vllm.general_plugins")``,
+which reads the ``entry_points.txt`` of installed distributions. To load kvpolicy exactly as
+an operator's installation does, `kvpolicy_site` builds a wheel of this checkout (``pip wheel
+--no-deps --no-build-isolation``, as tests/test_packaging.py does) and unpacks it into a
+temporary site: the packages, the shipped rules (``kvpolicy_rules``) and
+``kvpolicy-<version>.dist-info`` with the entry point pyproject.toml declares. The oracle
+runs with ``PYTHONPATH=<that site>:<vLLM's site>``, so this distribution is the first
+``kvpolicy`` on the path (``entry_points`` keeps the first of a name) and its modules are the
+ones imported; the oracles check both.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from vllm_release import HERE, ORACLES, OracleError, install_vllm, oracle_env
+
+ROOT = HERE.parents[1]
+
+
+@functools.cache
+def kvpolicy_site() -> Path:
+    """A site holding this checkout's wheel, unpacked (built once per test process)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvpolicy-plugin-site-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(tmp / "wheel"), str(ROOT)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise OracleError(f"building kvpolicy's wheel failed:\n{proc.stderr[-3000:]}")
+    wheel = next((tmp / "wheel").glob("kvpolicy-*.whl"))
+    zipfile.ZipFile(wheel).extractall(tmp / "site")
+    return tmp / "site"
+
+
+def run_plugin_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 900) -> list[dict]:
+    """`vllm_release.run_oracle`, with kvpolicy's installed site in front of vLLM's and no
+    ``KVPOLICY_*`` variable of this process (each case sets the ones it tests)."""
+    site = install_vllm.site_for(version)
+    env = {k: v for k, v in oracle_env(site).items() if not k.startswith("KVPOLICY_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(kvpolicy_site()), str(site)])
+    proc = subprocess.run([sys.executable, str(ORACLES / f"{oracle}.py")], input=json.dumps(cases),
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=str(HERE))
+    tail = proc.stderr[-6000:]
+    if proc.returncode != 0:
+        raise OracleError(f"oracle {oracle} under vLLM {version} exited {proc.returncode}:\n{tail}")
+    try:
+        results = json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        raise OracleError(f"oracle {oracle} under vLLM {version} printed no JSON ({exc}):\n{tail}") from exc
+    if not isinstance(results, list) or len(results) != len(cases):
+        raise OracleError(f"oracle {oracle} answered {len(results)} results for {len(cases)} cases")
+    return results

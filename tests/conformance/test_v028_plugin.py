@@ -1,0 +1,284 @@
+"""kvpolicy's vLLM plugin inside vLLM 0.28.0: loaded by vLLM's own plugin loader, answering the model
+runner's ``use_uniform_kv_cache`` gate.
+
+One oracle subprocess (``oracles/v028_plugin.py``) runs under the release with kvpolicy installed
+from a wheel of this checkout (``plugin_site.py``). In order, it:
+
+1. loads plugins with ``KVPOLICY_RULES`` unset: ``GPUModelRunner.use_uniform_kv_cache`` stays vLLM's;
+2. loads them with ``KVPOLICY_RULES=shipped``, twice: the gate is kvpolicy's, installed once;
+3. asks it, and vLLM's own gate, on every deployment of test_v028_decisions' space (18,720: real
+   VllmConfig, layer specs, attention groups and the connector vLLM's factory loads, including
+   ``NixlConnector``, which 0.28 registers as an alias of ``NixlPullConnector``, and
+   OffloadingConnector's ``canonical_layout``): the same answer and the same head order, with the
+   plugin's check that the head order vLLM fixed is the rules' passing everywhere; and vLLM's
+   ``GPUModelRunner.initialize_kv_cache_tensors`` on a sample takes the allocation the plugin answers;
+4. with operator rule directories: OffloadingConnector kept per layer, NixlConnector (by the name
+   vLLM registers, not its class) kept per layer, each the rules' own answer; a rule requiring NHD
+   where vLLM has already fixed HND stops start-up naming the rule and the variable that fixes it;
+5. an impossible rule set stops start-up with the located error, and unset again vLLM's gate is back.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from plugin_site import ROOT, kvpolicy_site, run_plugin_oracle
+from v028_space import VERSION, Deployment, vllm_layout
+
+from engine import LayoutEngine
+from policy.errors import NoLayoutError
+from policy.releases import get_profile
+
+PROFILE = get_profile(VERSION)
+ENTRY_POINT = "engine.integrations.vllm_plugin:register"
+EXPECTED = 18_720
+RUNNER_EVERY = 37
+
+SITE_OFFLOADING = """
+  - id: site-offloading-per-layer
+    description: this site's offload store reads one layer at a time
+    forbid: {placement: cross_layer}
+"""
+SITE_NIXL = """
+  - id: site-nixl-per-layer
+    description: this site's NIXL peers register one region per layer
+    when: {field: connector.name, eq: NixlConnector}
+    forbid: {placement: cross_layer}
+"""
+SITE_NHD = """
+  - id: site-requires-nhd
+    description: this site's tools read token-major blocks
+    require: {head_order: NHD}
+"""
+SITE_IMPOSSIBLE = """
+  - id: site-no-per-layer
+    description: this site wants one region per block
+    forbid: {placement: per_layer}
+  - id: site-no-cross-layer
+    description: and one buffer per layer
+    forbid: {placement: cross_layer}
+"""
+
+
+def _space() -> list[Deployment]:
+    from v028_space import deployments
+
+    facts_like = {"backends": {b: {"supported_kv_cache_dtypes": list(f.kv_cache_dtypes or ())}
+                               for b, f in PROFILE.backends.items()}}
+    return deployments(facts_like)
+
+
+def _rule_dir(tmp: Path, name: str, file: str, extra: str) -> Path:
+    root = tmp / name
+    shutil.copytree(ROOT / "rules" / PROFILE.rules, root)
+    with open(root / file, "a", encoding="utf-8") as f:
+        f.write(extra)
+    return root
+
+
+def _plugin(env: dict[str, str], log_level: str = "ERROR") -> dict[str, Any]:
+    return {"plugin": {"env": env, "log_level": log_level}}
+
+
+@pytest.fixture(scope="module")
+def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("site-rules-028")
+    dirs = {
+        "offloading": _rule_dir(tmp, "offloading", "connectors/OffloadingConnector.yaml", SITE_OFFLOADING),
+        "nixl": _rule_dir(tmp, "nixl", "global.yaml", SITE_NIXL),
+        "nhd": _rule_dir(tmp, "nhd", "global.yaml", SITE_NHD),
+        "impossible": _rule_dir(tmp, "impossible", "global.yaml", SITE_IMPOSSIBLE),
+    }
+    space = _space()
+    offloading = [d for d in space if "Offloading" in str((d.connector, d.extra))]
+    nixl = [d for d in space if "Nixl" in str((d.connector, d.extra))]
+    nhd = space[::3]
+    shipped = {"KVPOLICY_RULES": "shipped"}
+    plan: list[tuple[str, Any]] = [
+        ("facts", {"facts": True}),
+        ("off", _plugin({})),
+        ("shipped", _plugin(shipped, log_level="INFO")),
+        ("shipped-again", _plugin(shipped)),
+        *(("gate", {"gate": d.oracle_case(), "baseline": True}) for d in space),
+        ("runner", {"runner": space[0].oracle_case()}),
+        *(("runner", {"runner": d.oracle_case()}) for d in space[1::RUNNER_EVERY]),
+        ("offloading", _plugin({"KVPOLICY_RULES": str(dirs["offloading"])})),
+        *(("site-offloading", {"gate": d.oracle_case()}) for d in offloading),
+        ("nixl", _plugin({"KVPOLICY_RULES": str(dirs["nixl"])})),
+        *(("site-nixl", {"gate": d.oracle_case()}) for d in nixl),
+        ("nhd", _plugin({"KVPOLICY_RULES": str(dirs["nhd"])})),
+        *(("site-nhd", {"gate": d.oracle_case()}) for d in nhd),
+        ("impossible", _plugin({"KVPOLICY_RULES": str(dirs["impossible"])})),
+        *(("site-impossible", {"gate": d.oracle_case()}) for d in space[::2_000]),
+        ("off-again", _plugin({})),
+        *(("off-gate", {"gate": d.oracle_case(), "baseline": True}) for d in space[::2_000]),
+    ]
+    start = time.perf_counter()
+    answers = run_plugin_oracle(VERSION, "v028_plugin", [case for _, case in plan])
+    seconds = time.perf_counter() - start
+    by: dict[str, list[Any]] = {}
+    for (label, _), answer in zip(plan, answers):
+        assert not answer.get("oracle"), (label, answer)
+        by.setdefault(label, []).append(answer)
+    runner_sample = [space[0], *space[1::RUNNER_EVERY]]
+    return {"by": by, "dirs": dirs, "space": space, "offloading": offloading, "nixl": nixl, "nhd": nhd,
+            "runner_sample": runner_sample, "seconds": seconds, "facts": by["facts"][0]}
+
+
+def _layout(facts: dict[str, Any], d: Deployment, answer: dict[str, Any]) -> str:
+    return vllm_layout(facts["backends"][d.backend], answer["head_order"], answer["uniform"])
+
+
+def test_vllm_finds_kvpolicy_and_unset_changes_nothing(run: dict[str, Any]) -> None:
+    off = run["by"]["off"][0]
+    assert off["error"] is None and off["gate_is_vllms"] and off["status"] == {"active": False}
+    ours = [ep for ep in off["entry_points"] if ep["name"] == "kvpolicy"]
+    assert len(ours) == 1 and ours[0]["value"] == ENTRY_POINT and ours[0]["dist"].startswith(str(kvpolicy_site()))
+    assert off["module_file"].startswith(str(kvpolicy_site()))
+
+
+def test_shipped_rules_install_the_gate_once(run: dict[str, Any]) -> None:
+    first, again = run["by"]["shipped"][0], run["by"]["shipped-again"][0]
+    for answer in (first, again):
+        assert answer["error"] is None and not answer["gate_is_vllms"]
+        assert answer["status"]["profile"] == "vllm-0.28"
+        assert answer["status"]["hook"] == "KVConnectorModelRunnerMixin.use_uniform_kv_cache"
+    assert again["gate_id"] == first["gate_id"] and again["patches"] == first["patches"] == 1
+    assert any("kvpolicy: active for vLLM 0.28.0: profile vllm-0.28" in line for line in first["log"])
+
+
+def test_through_vllm_the_shipped_rules_answer_what_vllms_gate_answers(run: dict[str, Any], capsys: Any) -> None:
+    space, answers, facts = run["space"], run["by"]["gate"], run["facts"]
+    assert len(space) == len(answers) == EXPECTED
+    diffs, seen = [], Counter()
+    for d, a in zip(space, answers):
+        vllm, plugin = a["vllm"], a["plugin"]
+        if "error" in vllm:
+            if vllm.get("before"):
+                seen["refused before the gate"] += 1
+                ok = plugin == vllm
+            else:  # MultiConnector members requiring different head orders: vLLM refuses after the gate
+                seen["refused"] += 1
+                ok = ("KV cache layout mismatch" in vllm["error"] and "error" in plugin
+                      and plugin["error"].startswith("StartupError: kvpolicy: no KV cache layout survives")
+                      and "rule `connector:MultiConnector:members-agree`" in plugin["error"])
+            if not ok:
+                diffs.append(f"{d.label()}: vLLM {vllm['error'][:80]}, plugin {plugin}")
+            continue
+        seen[_layout(facts, d, vllm)] += 1
+        if plugin != vllm:
+            diffs.append(f"{d.label()}: vLLM {vllm}, plugin {plugin}")
+    with capsys.disabled():
+        print(f"\nvLLM {VERSION} with the kvpolicy plugin (KVPOLICY_RULES=shipped), through "
+              f"GPUModelRunner.use_uniform_kv_cache: {len(space) - len(diffs)} of {len(space)} deployments answer "
+              f"what vLLM's gate answers, with the same head order ({len(diffs)} differ); oracle "
+              f"{run['seconds']:.0f} s for every phase\n  vLLM's layouts: {dict(sorted(seen.items()))}")
+    assert not diffs, "\n".join(diffs[:25])
+
+
+def test_the_runner_allocates_what_the_plugin_answers(run: dict[str, Any]) -> None:
+    index = {id(d): i for i, d in enumerate(run["space"])}
+    checked = Counter()
+    for d, answer in zip(run["runner_sample"], run["by"]["runner"]):
+        plugin = run["by"]["gate"][index[id(d)]]["plugin"]
+        if "error" in plugin:
+            continue
+        assert answer == {"allocation": "cross_layer" if plugin["uniform"] else "per_layer"}, (d.label(), answer)
+        checked[answer["allocation"]] += 1
+    assert checked["cross_layer"] >= 5 and checked["per_layer"] >= 100, checked
+
+
+def _expected(engine: LayoutEngine, d: Deployment) -> dict[str, Any]:
+    try:
+        return {"layout": engine.decide(explain=False, **d.decide_inputs()).layout}
+    except NoLayoutError as exc:
+        return {"blamed": re.findall(r"rule `([^`]+)`", exc.render())}
+
+
+def _site_phase(run: dict[str, Any], name: str, deployments: list[Deployment]) -> tuple[list[str], Counter]:
+    """Each answer is the site rules' decision as vLLM allocates it: the gate answers its placement, and
+    the head order vLLM fixed is its head order, or start-up stops naming why."""
+    engine = LayoutEngine.from_path(run["dirs"][name], vllm_version=VERSION)
+    baseline = {id(d): a["vllm"] for d, a in zip(run["space"], run["by"]["gate"])}
+    diffs, seen = [], Counter()
+    for d, answer in zip(deployments, run["by"][f"site-{name}"]):
+        plugin, vllm, expected = answer["plugin"], baseline[id(d)], _expected(engine, d)
+        if plugin.get("before"):
+            continue
+        if d.shape == "mamba_only":  # no attention: the gate decides for the Mamba group's own backend
+            assert "error" in plugin or plugin["uniform"] is False, (d.label(), plugin)
+            continue
+        if "blamed" in expected:
+            ok = "error" in plugin and set(re.findall(r"rule `([^`]+)`", plugin["error"])) == set(expected["blamed"])
+            seen["no layout"] += 1
+        elif "error" in vllm:
+            ok = False
+        else:
+            layout = expected["layout"]
+            cross = layout.placement.value == "cross_layer"
+            allocated = vllm_layout(run["facts"]["backends"][d.backend], vllm["head_order"], cross)
+            if allocated == layout.value:
+                ok = plugin == {"uniform": cross, "head_order": vllm["head_order"]}
+                seen["changed" if plugin.get("uniform") != vllm["uniform"] else "same"] += 1
+            else:  # the head order vLLM fixed is not the rules': start-up stops
+                ok = "error" in plugin and "error[head-order-fixed]" in plugin["error"]
+                seen["head order fixed"] += 1
+        if not ok:
+            diffs.append(f"{d.label()}: rules {expected}, plugin {plugin}, vLLM {vllm}")
+    return diffs, seen
+
+
+def test_site_rules_keep_offloading_and_nixl_per_layer(run: dict[str, Any], capsys: Any) -> None:
+    for name, rule, top in (("offloading", "site-offloading-per-layer", "OffloadingConnector"),
+                            ("nixl", "site-nixl-per-layer", "NixlConnector")):
+        diffs, seen = _site_phase(run, name, run[name])
+        with capsys.disabled():
+            print(f"\nsite rule `{rule}`: {sum(seen.values()) - len(diffs)} of {sum(seen.values())} deployments "
+                  f"are the rules' answer through vLLM's gate: {dict(seen)}")
+        assert not diffs, "\n".join(diffs[:25])
+        assert seen["changed"] > 20  # vLLM's gate says cross-layer there; the site rule keeps per layer
+        # the site rule holds wherever that connector is configured by that name
+        assert not [d.label() for d, a in zip(run[name], run["by"][f"site-{name}"])
+                    if d.connector == top and a["plugin"].get("uniform")]
+
+
+def test_a_head_order_vllm_already_fixed_stops_start_up_located(run: dict[str, Any], capsys: Any) -> None:
+    diffs, seen = _site_phase(run, "nhd", run["nhd"])
+    assert not diffs, "\n".join(diffs[:25])
+    rule_file = str(run["dirs"]["nhd"] / "global.yaml")
+    fixed = [a["plugin"]["error"] for a in run["by"]["site-nhd"] if "head-order-fixed" in a["plugin"].get("error", "")]
+    assert seen["head order fixed"] == len(fixed) > 100
+    example = fixed[0]
+    assert example.startswith("StartupError: kvpolicy: the rules decided ")
+    assert re.search(rf"{re.escape(rule_file)}:\d+:\d+: error\[head-order-fixed\]: rule `site-requires-nhd` "
+                     r"\(require, global\) removed", example), example
+    assert "help: set VLLM_KV_CACHE_LAYOUT=NHD" in example
+    with capsys.disabled():
+        print(f"\nsite rule `site-requires-nhd`: {dict(seen)}; where vLLM fixed HND:\n  {example}")
+
+
+def test_an_impossible_rule_set_stops_start_up_located(run: dict[str, Any]) -> None:
+    assert run["by"]["impossible"][0]["error"] is None
+    rule_file = str(run["dirs"]["impossible"] / "global.yaml")
+    answers = [a["plugin"] for a in run["by"]["site-impossible"] if not a["plugin"].get("before")]
+    assert len(answers) >= 5
+    named = Counter()
+    for plugin in answers:
+        assert plugin["error"].startswith("StartupError: kvpolicy: no KV cache layout survives the rules")
+        for rule in ("site-no-per-layer", "site-no-cross-layer"):  # each, where it removed a candidate
+            named[rule] += bool(re.search(rf"{re.escape(rule_file)}:\d+:\d+: error\[removed-candidates\]: "
+                                          rf"rule `{rule}` \(forbid, global\)", plugin["error"]))
+    assert named["site-no-per-layer"] == len(answers) and named["site-no-cross-layer"] >= 3, named
+
+
+def test_unset_again_vllms_gate_is_back(run: dict[str, Any]) -> None:
+    off = run["by"]["off-again"][0]
+    assert off["gate_is_vllms"] and off["status"] == {"active": False}
+    for answer in run["by"]["off-gate"]:
+        assert answer["plugin"] == answer["vllm"]

@@ -1,0 +1,374 @@
+"""kvpolicy's vLLM plugin inside vLLM 0.34.0: loaded by vLLM's own plugin loader, answering vLLM's own
+layout resolution.
+
+One oracle subprocess (``oracles/v034_plugin.py``) runs under the release with kvpolicy installed
+from a wheel of this checkout (``plugin_site.py``: the entry point comes from the dist-info pip
+writes from pyproject.toml). In order, it:
+
+1. loads plugins with ``KVPOLICY_RULES`` unset, and with ``VLLM_PLUGINS`` naming another plugin:
+   vLLM's ``resolve_kv_cache_layout`` stays vLLM's own;
+2. loads them with ``KVPOLICY_RULES=shipped``, twice: the engine core's ``resolve_kv_cache_layout``
+   (``vllm.v1.engine.core``, the name ``EngineCore._initialize_kv_caches`` calls) is kvpolicy's,
+   wrapping vLLM's, and the second load changes nothing;
+3. calls it, and vLLM's own function, on every case of test_v034_decisions' input space
+   (67,896 cases: real ``VllmConfig``, workers' reported layouts and customized specs): the
+   same layout, or both refusing (the plugin's refusal names the rule standing for vLLM's check,
+   file:line); and vLLM's ``EngineCore._initialize_kv_caches`` on a sample, whose
+   ``set_kv_cache_layout`` RPC carries the plugin's layout to the workers;
+4. logs: one INFO line naming the deciding rule and the fingerprint; the explanation with
+   ``KVPOLICY_EXPLAIN=1``;
+5. with operator rule directories (the shipped rules plus one site rule): OffloadingConnector
+   never gets a block-outermost layout (planes B-D of the space, 23,472 cases), every deployment
+   gets LBHNC (a sample of 9,700), each the rules' answer as kvpolicy decides it, and a
+   deployment whose workers cannot run LBHNC stops with the located rule;
+6. an impossible rule set stops start-up with the located error; a rule set that does not load
+   stops the plugin's registration with every problem located; an unknown vLLM version leaves
+   vLLM's resolver in place unless a profile is forced; a profile of the wrong resolver is refused;
+7. unset again: vLLM's own resolver is back.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from plugin_site import ROOT, kvpolicy_site, run_plugin_oracle
+from test_v034_decisions import (
+    EXPECTED_CASES,
+    PROFILE,
+    _blamed,
+    _shown,
+    _vllm_error_kind,
+    input_space,
+    kvpolicy_inputs,
+    oracle_case,
+)
+
+from engine import LayoutEngine
+from policy.errors import NoLayoutError, PolicyError
+
+VERSION = "0.34.0"
+ENTRY_POINT = "engine.integrations.vllm_plugin:register"
+ENGINE_CORE_EVERY = 97  # one case in 97 also goes through EngineCore._initialize_kv_caches
+LBHNC_EVERY = 7  # one case in 7 under the require-LBHNC site rules
+
+SITE_OFFLOADING = """
+  - id: site-offloading-never-block-outermost
+    description: this site's offload store reads one layer at a time; no block-outermost layout with it
+    forbid: {block_outermost: true}
+"""
+SITE_LBHNC = """
+  - id: site-requires-lbhnc
+    description: this site's transfer engine speaks LBHNC only
+    require: {layout: LBHNC}
+"""
+SITE_IMPOSSIBLE = """
+  - id: site-needs-block-outermost
+    description: this site wants one region per block
+    require: {block_outermost: true}
+  - id: site-needs-lhbnc
+    description: and heads outside blocks
+    require: {layout: LHBNC}
+"""
+SITE_BROKEN = """
+  - id: site-typo
+    description: a layout that does not exist
+    forbid: {layout: LBXNC}
+"""
+
+
+def _rule_dir(tmp: Path, name: str, file: str, extra: str) -> Path:
+    """The shipped vllm-0.34 rules with ``extra`` appended to ``file``: how an operator adds a site rule."""
+    root = tmp / name
+    shutil.copytree(ROOT / "rules" / PROFILE, root)
+    with open(root / file, "a", encoding="utf-8") as f:
+        f.write(extra)
+    return root
+
+
+def _plugin(env: dict[str, str], log_level: str = "ERROR", version: str | None = None) -> dict[str, Any]:
+    case: dict[str, Any] = {"plugin": {"env": env, "log_level": log_level}}
+    if version is not None:
+        case["plugin"]["version"] = version
+    return case
+
+
+_RULE = re.compile(r"rule `([^`]+)`")
+
+
+def _plugin_blamed(error: str) -> list[str]:
+    return _RULE.findall(error)
+
+
+def _same_as_vllm(vllm: dict[str, Any], plugin: dict[str, Any]) -> str | None:
+    """None when the plugin answered what vLLM answers without it."""
+    if "error" in vllm:
+        if "error" not in plugin:
+            return f"vLLM refuses, the plugin chose {plugin['layout']}"
+        if vllm.get("before"):
+            same = plugin.get("before") and plugin["error"] == vllm["error"]
+            return None if same else "the refusal before resolution differs"
+        kind = _vllm_error_kind(vllm["error"])
+        if kind is None:
+            return f"unmapped vLLM refusal {vllm['error'][:120]}"
+        if not plugin["error"].startswith("StartupError: kvpolicy: no KV cache layout survives"):
+            return f"vLLM refuses ({kind[2]}); the plugin: {plugin['error'][:160]}"
+        if not any(kind[2] in b for b in _plugin_blamed(plugin["error"])):
+            return f"vLLM refuses ({kind[2]}); the plugin blames {_plugin_blamed(plugin['error'])}"
+        return None
+    if "error" in plugin:
+        return f"vLLM chose {vllm['layout']}, the plugin refused: {plugin['error'][:200]}"
+    if plugin["layout"] != vllm["layout"] or plugin["recorded"] != plugin["layout"]:
+        return f"vLLM {vllm['layout']}, the plugin {plugin['layout']} (recorded {plugin['recorded']})"
+    return None
+
+
+def _expected(engine: LayoutEngine, case: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return {"layout": str(engine.decide(explain=False, **kvpolicy_inputs(case)).layout)}
+    except PolicyError as exc:
+        return {"error": type(exc).__name__, "blamed": _blamed(exc)}
+
+
+def _as_rules_say(expected: dict[str, Any], plugin: dict[str, Any]) -> str | None:
+    """None when the plugin's answer through vLLM is the rule set's own decision for the case."""
+    if "layout" in expected:
+        if plugin.get("layout") != expected["layout"]:
+            return f"rules {expected['layout']}, plugin {plugin.get('layout') or plugin['error'][:160]}"
+        return None
+    if "error" not in plugin:
+        return f"rules refuse ({expected['blamed']}), plugin {plugin['layout']}"
+    if plugin.get("before"):  # refused before resolution (VllmConfig, a worker); the rules refuse it too
+        kind = _vllm_error_kind(plugin["error"])
+        ok = kind is not None and any(kind[2] in b for b in expected["blamed"])
+        return None if ok else f"refused before resolution: {plugin['error'][:100]}; rules blame {expected['blamed']}"
+    if expected["error"] == NoLayoutError.__name__:
+        if set(_plugin_blamed(plugin["error"])) != set(expected["blamed"]):
+            return f"rules blame {expected['blamed']}, plugin {_plugin_blamed(plugin['error'])}"
+        return None
+    return f"rules: {expected}, plugin: {plugin['error'][:160]}"
+
+
+@pytest.fixture(scope="module")
+def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("site-rules")
+    dirs = {
+        "offloading": _rule_dir(tmp, "offloading", "connectors/OffloadingConnector.yaml", SITE_OFFLOADING),
+        "lbhnc": _rule_dir(tmp, "lbhnc", "global.yaml", SITE_LBHNC),
+        "impossible": _rule_dir(tmp, "impossible", "global.yaml", SITE_IMPOSSIBLE),
+        "broken": _rule_dir(tmp, "broken", "global.yaml", SITE_BROKEN),
+    }
+    space = input_space()
+    connector_planes = space[-23_472:]  # planes B, C, D: input_space lists plane A first
+    assert all(c["conn"] in ("none", "Offloading") for c in space[:-23_472])
+    lbhnc_sample = space[::LBHNC_EVERY]
+    core_sample = space[::ENGINE_CORE_EVERY]
+    shipped = {"KVPOLICY_RULES": "shipped"}
+    plan: list[tuple[str, Any]] = [
+        ("off", _plugin({})),
+        ("allow-list", _plugin({**shipped, "VLLM_PLUGINS": "some_other_plugin"})),
+        ("shipped", _plugin(shipped)),
+        ("shipped-again", _plugin(shipped)),
+        *(("decide", {"decide": oracle_case(c), "baseline": True}) for c in space),
+        ("shipped-logged", _plugin({**shipped, "KVPOLICY_EXPLAIN": "1"}, log_level="INFO")),
+        ("logged", {"decide": oracle_case(space[0]), "log": True}),
+        ("logged-again", {"decide": oracle_case(space[0]), "log": True}),
+        ("shipped", _plugin(shipped)),
+        *(("engine-core", {"engine_core": oracle_case(c)}) for c in core_sample),
+        ("offloading", _plugin({"KVPOLICY_RULES": str(dirs["offloading"])})),
+        *(("site-offloading", {"decide": oracle_case(c)}) for c in connector_planes),
+        ("lbhnc", _plugin({"KVPOLICY_RULES": str(dirs["lbhnc"])}, log_level="INFO")),
+        *(("site-lbhnc", {"decide": oracle_case(c), "log": True}) for c in lbhnc_sample),
+        ("impossible", _plugin({"KVPOLICY_RULES": str(dirs["impossible"])})),
+        *(("site-impossible", {"decide": oracle_case(c)}) for c in space[::4_000]),
+        ("impossible-core", {"engine_core": oracle_case(space[0])}),
+        ("broken", _plugin({"KVPOLICY_RULES": str(dirs["broken"])})),
+        ("unknown-version", _plugin(shipped, log_level="INFO", version="0.33.1")),
+        ("forced", _plugin({**shipped, "KVPOLICY_VLLM_PROFILE": "vllm-0.34"}, version="0.33.1")),
+        ("wrong-profile", _plugin({**shipped, "KVPOLICY_VLLM_PROFILE": "vllm-0.28"}, version=VERSION)),
+        ("off-again", _plugin({})),
+        *(("off-decide", {"decide": oracle_case(c), "baseline": True}) for c in space[::4_000]),
+    ]
+    start = time.perf_counter()
+    answers = run_plugin_oracle(VERSION, "v034_plugin", [case for _, case in plan])
+    seconds = time.perf_counter() - start
+    by: dict[str, list[Any]] = {}
+    for (label, _), answer in zip(plan, answers):
+        assert not answer.get("oracle"), (label, answer)
+        by.setdefault(label, []).append(answer)
+    return {"by": by, "dirs": dirs, "space": space, "connector_planes": connector_planes,
+            "lbhnc_sample": lbhnc_sample, "core_sample": core_sample, "seconds": seconds}
+
+
+def test_vllm_finds_kvpolicy_by_its_entry_point_and_unset_changes_nothing(run: dict[str, Any]) -> None:
+    site = str(kvpolicy_site())
+    off = run["by"]["off"][0]
+    assert off["error"] is None
+    ours = [ep for ep in off["entry_points"] if ep["name"] == "kvpolicy"]
+    assert ours == [{"name": "kvpolicy", "value": ENTRY_POINT, "dist": ours[0]["dist"]}]
+    assert ours[0]["dist"].startswith(site) and ours[0]["dist"].endswith(".dist-info")
+    assert off["module_file"].startswith(site)  # vLLM imported the installed kvpolicy, not the source tree
+    assert off["core_is_vllms"] and off["status"] == {"active": False}
+    allow = run["by"]["allow-list"][0]
+    assert allow["error"] is None and allow["core_is_vllms"] and allow["status"] == {"active": False}
+
+
+def test_shipped_rules_replace_the_engine_cores_resolver_once(run: dict[str, Any]) -> None:
+    first, again = run["by"]["shipped"][0], run["by"]["shipped-again"][0]
+    for answer in (first, again):
+        assert answer["error"] is None
+        assert not answer["core_is_vllms"] and answer["utils_is_core"] and answer["wraps_vllms"]
+        assert answer["status"]["active"] and answer["status"]["profile"] == PROFILE
+        assert answer["status"]["hook"] == "resolve_kv_cache_layout"
+    assert again["resolver_id"] == first["resolver_id"] and again["patches"] == first["patches"] == 2
+
+
+def test_through_vllm_the_shipped_rules_answer_what_vllm_answers(run: dict[str, Any], capsys: Any) -> None:
+    space, answers = run["space"], run["by"]["decide"]
+    assert len(space) == len(answers) == EXPECTED_CASES
+    diffs = [(c, a, why) for c, a in zip(space, answers) if (why := _same_as_vllm(a["vllm"], a["plugin"]))]
+    outcomes = Counter(a["vllm"].get("layout") or ("refused before" if a["vllm"].get("before") else "refused")
+                       for a in answers)
+    with capsys.disabled():
+        print(f"\nvLLM {VERSION} with the kvpolicy plugin (KVPOLICY_RULES=shipped), through "
+              f"vllm.v1.engine.core.resolve_kv_cache_layout: {len(space) - len(diffs)} of {len(space)} cases "
+              f"answer what vLLM answers without it ({len(diffs)} differ); oracle {run['seconds']:.0f} s for "
+              f"every phase\n  vLLM's outcomes: " + ", ".join(f"{k} {n}" for k, n in outcomes.most_common()))
+    assert not diffs, "\n".join(f"{_shown(c)}: {why}" for c, _, why in diffs[:25])
+
+
+def test_the_engine_core_distributes_the_plugins_layout(run: dict[str, Any]) -> None:
+    sample = run["core_sample"]
+    index = {id(c): i for i, c in enumerate(run["space"])}
+    direct = run["by"]["decide"]
+    checked = 0
+    for case, answer in zip(sample, run["by"]["engine-core"]):
+        plugin = direct[index[id(case)]]["plugin"]
+        if "layout" in plugin:
+            assert answer["resolved"] == plugin["layout"], (_shown(case), answer)
+            if answer["distributed"] is not None:  # later start-up steps may refuse some spec sets
+                assert answer["distributed"] == plugin["layout"]
+                checked += 1
+        elif plugin.get("before"):
+            assert answer.get("before"), (_shown(case), answer)
+        else:
+            assert answer["resolved"] is None and answer["error"] == plugin["error"], (_shown(case), answer)
+    # about half the space is refused; a few resolved cases are refused by a later start-up step (HiSparse
+    # without sparse-MLA specs, specs of no unified type), which the layout does not change
+    assert len(sample) == 700 and checked >= 250
+
+
+def test_the_decision_is_logged_once_with_its_rule_and_fingerprint(run: dict[str, Any]) -> None:
+    loaded = run["by"]["shipped-logged"][0]
+    assert any(line.startswith("INFO kvpolicy: active for vLLM 0.34.0: profile vllm-0.34, rules shipped")
+               and "answering resolve_kv_cache_layout" in line for line in loaded["log"]), loaded["log"]
+    first, again = run["by"]["logged"][0], run["by"]["logged-again"][0]
+    info = [line for line in first["log"] if line.startswith("INFO kvpolicy: KV cache layout")]
+    assert len(info) == 1, first["log"]
+    assert re.search(r"decided by .+ at rules/vllm-0\.34/\S+\.yaml:\d+|decided by the first candidate", info[0])
+    assert re.search(r"fingerprint sha256:[0-9a-f]{64}", info[0])
+    assert any(line.startswith("INFO kvpolicy: explanation\nlayout: ") for line in first["log"])
+    assert not [line for line in again["log"] if "KV cache layout" in line]  # once per process
+
+
+def test_a_site_rule_forbidding_block_outermost_for_offloading(run: dict[str, Any], capsys: Any) -> None:
+    engine = LayoutEngine.from_path(run["dirs"]["offloading"], vllm_version=PROFILE)
+    cases, answers = run["connector_planes"], run["by"]["site-offloading"]
+    baseline = {id(c): a["vllm"] for c, a in zip(run["space"], run["by"]["decide"])}
+    assert len(cases) == len(answers) == 23_472
+    diffs, changed, stopped = [], 0, 0
+    for case, answer in zip(cases, answers):
+        plugin = answer["plugin"]
+        if (why := _as_rules_say(_expected(engine, case), plugin)) is not None:
+            diffs.append(f"{_shown(case)}: {why}")
+        if "Offloading" in case["conn"] and "layout" in plugin:
+            assert plugin["layout"][0] != "B", (_shown(case), plugin)  # the site rule holds
+        changed += plugin.get("layout") != baseline[id(case)].get("layout")
+        stopped += "site-offloading-never-block-outermost" in plugin.get("error", "")
+    with capsys.disabled():
+        print(f"\nsite rule `site-offloading-never-block-outermost`: {len(cases) - len(diffs)} of {len(cases)} "
+              f"cases are the rules' answer through vLLM; {changed} differ from vLLM's own, {stopped} stop start-up "
+              "naming the rule")
+    assert not diffs, "\n".join(diffs[:25])
+    assert changed > 1000 and stopped > 100
+
+
+def test_a_site_rule_requiring_lbhnc(run: dict[str, Any], capsys: Any) -> None:
+    engine = LayoutEngine.from_path(run["dirs"]["lbhnc"], vllm_version=PROFILE)
+    cases, answers = run["lbhnc_sample"], run["by"]["site-lbhnc"]
+    diffs, layouts, refusals = [], Counter(), Counter()
+    rule_file = str(run["dirs"]["lbhnc"] / "global.yaml")
+    for case, answer in zip(cases, answers):
+        plugin = answer["plugin"]
+        if (why := _as_rules_say(_expected(engine, case), plugin)) is not None:
+            diffs.append(f"{_shown(case)}: {why}")
+        if "layout" in plugin:
+            layouts[plugin["layout"]] += 1
+        elif not plugin.get("before"):
+            assert f"{rule_file}:" in plugin["error"] or "site-requires-lbhnc" not in plugin["error"]
+            refusals["site-requires-lbhnc" in _plugin_blamed(plugin["error"])] += 1
+    with capsys.disabled():
+        print(f"\nsite rule `site-requires-lbhnc`: {len(cases) - len(diffs)} of {len(cases)} sampled cases are the "
+              f"rules' answer through vLLM: {dict(layouts)}; {refusals[True]} stop start-up naming it")
+    assert not diffs, "\n".join(diffs[:25])
+    assert set(layouts) == {"LBHNC"} and refusals[True] > 100
+    # workers that cannot run LBHNC (FLEX_ATTENTION declares LBNHC only): the located refusal
+    flex = next(a["plugin"]["error"] for c, a in zip(cases, answers)
+                if c["workers"] == (("FLEX_ATTENTION",),) and c["env"] is None and "error" in a["plugin"]
+                and not a["plugin"].get("before"))
+    assert re.search(rf"{re.escape(rule_file)}:\d+:\d+: error\[removed-candidates\]: rule `site-requires-lbhnc` "
+                     r"\(require, global\) removed `LBNHC`", flex), flex
+    assert "error[removed-candidates]: rule `release-candidates`" in flex
+    logged = [line for a in answers for line in a.get("log", ()) if line.startswith("INFO kvpolicy: KV cache")]
+    assert any(f"`site-requires-lbhnc` at {rule_file}:" in line for line in logged), logged[:3]
+
+
+def test_an_impossible_rule_set_stops_start_up_located(run: dict[str, Any], capsys: Any) -> None:
+    rule_file = str(run["dirs"]["impossible"] / "global.yaml")
+    answers = run["by"]["site-impossible"]
+    errors = [a["plugin"].get("error", a["plugin"].get("layout")) for a in answers if not a["plugin"].get("before")]
+    assert len(errors) >= 10
+    for error in errors:
+        assert error.startswith("StartupError: kvpolicy: no KV cache layout survives the rules; vLLM must not start")
+        assert re.search(rf"{re.escape(rule_file)}:\d+:\d+: error\[removed-candidates\]: rule "
+                         r"`site-needs-block-outermost` \(require, global\)", error), error
+        assert re.search(rf"{re.escape(rule_file)}:\d+:\d+: error\[removed-candidates\]: rule `site-needs-lhbnc`",
+                         error), error
+    core = run["by"]["impossible-core"][0]
+    assert core["resolved"] is None and core["distributed"] is None and core["error"] == errors[0]
+    with capsys.disabled():
+        print("\nan impossible site rule set, through EngineCore._initialize_kv_caches:\n  " + errors[0])
+
+
+def test_rules_that_do_not_load_stop_the_plugin_located(run: dict[str, Any]) -> None:
+    broken = run["by"]["broken"][0]
+    rule_file = str(run["dirs"]["broken"] / "global.yaml")
+    assert broken["error"].startswith("RuleLoadError: ")
+    assert re.search(rf"{re.escape(rule_file)}:\d+:\d+: error\[", broken["error"]), broken["error"]
+    assert "LBXNC" in broken["error"]
+    assert broken["core_is_vllms"] and broken["status"] == {"active": False}  # nothing half-installed
+
+
+def test_versions_and_profiles(run: dict[str, Any]) -> None:
+    unknown = run["by"]["unknown-version"][0]
+    assert unknown["error"] is None and unknown["core_is_vllms"] and unknown["status"] == {"active": False}
+    assert any("no profile answers for vLLM 0.33.1" in line and "KVPOLICY_VLLM_PROFILE" in line
+               for line in unknown["log"])
+    forced = run["by"]["forced"][0]
+    assert forced["error"] is None and not forced["core_is_vllms"] and forced["status"]["profile"] == PROFILE
+    wrong = run["by"]["wrong-profile"][0]
+    assert wrong["error"].startswith("PluginError: kvpolicy: ") and "use_uniform_kv_cache" in wrong["error"]
+    assert wrong["core_is_vllms"]
+
+
+def test_unset_again_vllm_decides(run: dict[str, Any]) -> None:
+    off = run["by"]["off-again"][0]
+    assert off["core_is_vllms"] and off["status"] == {"active": False}
+    for answer in run["by"]["off-decide"]:
+        assert answer["plugin"] == answer["vllm"]
+

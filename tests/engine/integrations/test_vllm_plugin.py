@@ -1,0 +1,307 @@
+"""The vLLM plugin and the 0.29+ resolver without vLLM: settings, profile choice, the entry point,
+no vLLM import, and the resolver on stand-ins named and shaped like vLLM 0.34's objects.
+
+The conformance tests (tests/conformance/test_v034_plugin.py, test_v028_plugin.py) load the
+plugin through vLLM's own loader and call vLLM's own resolution paths.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engine import LayoutEngine
+from engine.integrations import vllm_plugin
+from engine.integrations.vllm import StartupError
+from engine.integrations.vllm_plugin import Settings, decided_by, pick_profile
+from engine.integrations.vllm_resolver import kv_cache_groups, make_resolver, resolve, worker_candidates
+from policy import Layout
+from policy.errors import InputError
+from policy.releases import get_profile
+
+ROOT = Path(__file__).resolve().parents[3]
+PROFILE = "vllm-0.34"
+
+
+class KVQuantMode(enum.IntEnum):  # vLLM's names
+    NONE = 0
+    FP8_PER_TENSOR = 1
+    INT8_PER_TOKEN_HEAD = 2
+    FP8_PER_TOKEN_HEAD = 3
+    NVFP4 = 5
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """vLLM 0.34's spec as the engine core receives it (customized by the backend)."""
+
+    block_size: int = 16
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "torch.bfloat16"
+    kv_quant_mode: KVQuantMode = KVQuantMode.NONE
+    page_size_padded: int | None = None
+    dcp_sharded: bool = True
+    scale_bytes: int = 0
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads
+
+    @property
+    def num_states(self) -> int:
+        return self.block_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        elem = 1 if "int8" in self.dtype or "uint8" in self.dtype or "float8" in self.dtype else 2
+        return self.page_size_padded or self.num_kv_heads * self.block_size * 2 * (self.head_size * elem
+                                                                                   + self.scale_bytes)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    sliding_window: int = 128
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    block_size: int = 16
+    page_size_bytes: int = 16384
+    num_heads: int = 1
+    num_states: int = 1
+    dcp_sharded: bool = False
+
+
+@dataclass(frozen=True)
+class HiSparseHotSpec:
+    block_size: int = 16
+    has_layer_views: bool = False
+
+
+def config(connector: str | None = None, extra: dict[str, Any] | None = None, *, extensible: bool = False,
+           pp: int = 1) -> SimpleNamespace:
+    """vLLM's VllmConfig, as far as the resolver reads it."""
+    ktc = None if connector is None else SimpleNamespace(kv_connector=connector, kv_connector_extra_config=extra or {})
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_layout=None, cache_dtype="auto", enable_extensible_kv_cache=extensible),
+        kv_transfer_config=ktc, attention_config=SimpleNamespace(backend=None, hisparse_config=None),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+        model_config=SimpleNamespace(dtype="torch.bfloat16"))
+
+
+FLASHINFER = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC"]
+DEFAULT = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]  # vLLM's _DEFAULT_LAYOUT_PREFERENCE
+ENGINE = LayoutEngine.default(PROFILE)
+
+
+# ---------------------------------------------------------------- settings and profiles
+
+
+@pytest.mark.parametrize("value, rules", [(None, None), ("", None), ("0", None), ("off", None), ("OFF", None),
+                                          ("shipped", "shipped"), (" /etc/kvpolicy ", "/etc/kvpolicy")])
+def test_settings_from_the_environment(value: str | None, rules: str | None) -> None:
+    env = {} if value is None else {"KVPOLICY_RULES": value}
+    assert Settings.from_env(env).rules == rules
+    assert Settings.from_env({**env, "KVPOLICY_EXPLAIN": "1"}).explain
+    assert not Settings.from_env({**env, "KVPOLICY_EXPLAIN": "0"}).explain
+    assert Settings.from_env({**env, "KVPOLICY_VLLM_PROFILE": "vllm-0.34"}).profile == "vllm-0.34"
+
+
+def test_the_running_version_picks_the_profile() -> None:
+    assert pick_profile("0.34.0").name == "vllm-0.34"
+    assert pick_profile("0.34.0+cu129").name == "vllm-0.34"
+    assert pick_profile("0.28.0").name == "vllm-0.28"
+    assert pick_profile("0.33.1") is None and pick_profile("0.35.0") is None and pick_profile("0.22.0") is None
+    assert pick_profile("0.33.1", "vllm-0.34").name == "vllm-0.34"  # the operator forces one
+    with pytest.raises(InputError, match="no profile for vLLM version"):
+        pick_profile("0.33.1", "vllm-9")
+
+
+def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPOLICY_RULES", raising=False)
+    vllm_plugin.register()
+    vllm_plugin.register()
+    assert vllm_plugin.status() == {"active": False}
+    code = ("import sys, engine, engine.integrations.vllm_plugin as p, engine.integrations.vllm_resolver\n"
+            "p.register()\nprint(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVPOLICY_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_an_engine_of_a_release_without_the_gate_is_a_configuration_error() -> None:
+    from engine.integrations.vllm import use_uniform_kv_cache
+
+    group = SimpleNamespace(kv_cache_spec=FullAttentionSpec(), backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"),
+                            layer_names=["l0"])
+    with pytest.raises(InputError, match="has no use_uniform_kv_cache gate"):
+        use_uniform_kv_cache([[group]], None, engine=ENGINE)
+
+
+def test_the_entry_point_is_declared() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"kvpolicy": "engine.integrations.vllm_plugin:register"}
+    assert callable(vllm_plugin.register)
+
+
+def test_no_module_imports_vllm_at_module_level() -> None:
+    for name in ("vllm.py", "vllm_resolver.py", "vllm_plugin.py"):
+        source = (ROOT / "engine" / "integrations" / name).read_text()
+        top = [line for line in source.splitlines() if line.startswith(("import vllm", "from vllm"))]
+        assert not top, (name, top)
+
+
+# ---------------------------------------------------------------- the resolver's inputs
+
+
+def test_workers_reports_merge_as_vllm_merges_them() -> None:
+    release = get_profile(PROFILE)
+    assert worker_candidates(release, [FLASHINFER]) == tuple(Layout(x) for x in FLASHINFER)
+    # a worker whose backends declared nothing reports the default preference and does not vote
+    assert worker_candidates(release, [DEFAULT, ["LBHNC"]]) == (Layout.LBHNC,)
+    assert worker_candidates(release, [["LBNHC"], ["LBHNC"]]) == ()
+    assert worker_candidates(release, [["LBHNC", "BLHNC"], ["BLHNC", "LBHNC"]]) == (Layout.LBHNC, Layout.BLHNC)
+    with pytest.raises(InputError, match="reported no supported"):
+        worker_candidates(release, [[]])
+    with pytest.raises(InputError, match="not all of which"):
+        worker_candidates(release, [["LBHNC", "XYZ"]])
+
+
+def test_specs_become_one_group_per_distinct_spec() -> None:
+    a, b = FullAttentionSpec(), SlidingWindowSpec(num_kv_heads=4)
+    # two tensor-parallel workers of one stage report the same 3 layers of `a` and one of `b`
+    groups = kv_cache_groups([a, a, a, b, a, a, a, b, HiSparseHotSpec()], workers_per_stage=2)
+    assert groups is not None and [(g.spec.kind.value, g.spec.num_layers) for g in groups.groups] == [
+        ("full", 3), ("sliding_window", 1)]
+    assert groups.mixed_hnc_shapes
+    assert kv_cache_groups([HiSparseHotSpec()]) is None  # nothing with per-layer views
+    mamba = kv_cache_groups([a, MambaSpec()])
+    assert mamba is not None and mamba.groups[1].spec.page_size_bytes == 16384 and mamba.has_mamba
+    pth = FullAttentionSpec(dtype="torch.uint8", kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD, scale_bytes=4)
+    spec = kv_cache_groups([pth]).groups[0].spec
+    assert (spec.kv_cache_dtype, spec.page_size_bytes) == ("fp8_per_token_head", pth.page_size_bytes)
+    assert kv_cache_groups([FullAttentionSpec(dcp_sharded=False)]).groups[0].dcp_sharded is False
+
+
+def test_a_spec_without_slot_mapping_takes_no_part_in_the_dcp_check() -> None:
+    @dataclass(frozen=True)
+    class CircularBufferSpec(FullAttentionSpec):  # addresses its own pages, as vLLM's ring buffers do
+        uses_slot_mapping: bool = False
+
+    ring = CircularBufferSpec(head_size=64, dcp_sharded=False)
+    groups = kv_cache_groups([FullAttentionSpec(), ring])
+    assert [g.dcp_sharded for g in groups.groups] == [True, True] and not groups.dcp_mixed_page_sizes
+    assert kv_cache_groups([FullAttentionSpec(), FullAttentionSpec(head_size=64, dcp_sharded=False)]
+                           ).dcp_mixed_page_sizes
+
+
+def test_a_spec_kvpolicy_models_differently_is_refused() -> None:
+    wrong = FullAttentionSpec(dtype="torch.uint8", kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)  # no scale bytes
+    with pytest.raises(InputError, match="kvpolicy's model of it") as exc:
+        kv_cache_groups([wrong])
+    assert exc.value.diagnostics[0].code == "spec-not-modelled"
+
+
+# ---------------------------------------------------------------- deciding
+
+
+def test_resolve_decides_from_vllms_inputs() -> None:
+    d = resolve(ENGINE, config("OffloadingConnector"), [FLASHINFER], [FullAttentionSpec()])
+    assert d is not None and d.layout is Layout.LBHNC and d.context.connector.name == "OffloadingConnector"
+    assert "offloading-requires-lbhnc" in decided_by(d) and "OffloadingConnector.yaml:" in decided_by(d)
+    plain = resolve(ENGINE, config(), [FLASHINFER], [FullAttentionSpec()])
+    assert plain.layout is Layout.LBNHC and decided_by(plain).startswith("the first candidate")
+    env = resolve(ENGINE, config("OffloadingConnector"), [FLASHINFER], [FullAttentionSpec()],
+                  vllm_kv_cache_layout="BLNHC")
+    assert env.layout is Layout.BLNHC
+    mixed = resolve(ENGINE, config(), [DEFAULT], [FullAttentionSpec(), SlidingWindowSpec(num_kv_heads=4)])
+    assert mixed.layout is Layout.LBNHC and "mixed-hnc-shapes-need-block-compact" in decided_by(mixed)
+    assert resolve(ENGINE, config(), [DEFAULT], [HiSparseHotSpec()]) is None
+
+
+def test_no_layout_stops_start_up_with_the_rules_located() -> None:
+    with pytest.raises(StartupError) as exc:
+        resolve(ENGINE, config(), [FLASHINFER], [FullAttentionSpec()], vllm_kv_cache_layout="LHBNC")
+    text = str(exc.value)
+    assert isinstance(exc.value, ValueError)  # what vLLM's own resolution raises
+    assert text.startswith("kvpolicy: no KV cache layout survives the rules; vLLM must not start")
+    assert "rules/vllm-0.34/global.yaml:" in text and "rule `env-layout-lhbnc`" in text
+    assert "rule `release-candidates`" in text
+
+
+def test_what_kvpolicy_cannot_describe_stops_start_up() -> None:
+    nvfp4 = FullAttentionSpec(dtype="torch.uint8", kv_quant_mode=KVQuantMode.NVFP4, page_size_padded=18432)
+    with pytest.raises(StartupError, match="cannot describe vLLM's KV cache layout inputs") as exc:
+        resolve(ENGINE, config(), [DEFAULT], [nvfp4])
+    assert exc.value.diagnostics[0].code == "unknown-quant-mode"
+
+
+def test_a_connector_without_rules_keeps_its_required_layout() -> None:
+    asked: list[Any] = []
+
+    def required(vllm_config: Any = None) -> str:
+        asked.append(vllm_config)
+        return "BLHNC"
+
+    d = resolve(ENGINE, config("MyStoreConnector"), [DEFAULT], [FullAttentionSpec()], connector_layout=required)
+    assert d.layout is Layout.BLHNC and "vllm-own-layout.mystoreconnector" in decided_by(d)
+    assert "<vllm:MyStoreConnector.get_required_kvcache_layout>" in decided_by(d)
+    # VLLM_KV_CACHE_LAYOUT wins over it, as in vLLM
+    assert resolve(ENGINE, config("MyStoreConnector"), [DEFAULT], [FullAttentionSpec()], connector_layout=required,
+                   vllm_kv_cache_layout="LBHNC").layout is Layout.LBHNC
+    # a connector the rules know is decided by its rules; vLLM's answer is not asked for
+    asked.clear()
+    resolve(ENGINE, config("OffloadingConnector"), [DEFAULT], [FullAttentionSpec()], connector_layout=required)
+    assert asked == []
+
+
+class _Enum:
+    """vLLM's KVCacheLayout: members by name."""
+
+    def __getitem__(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name)
+
+
+def test_make_resolver_has_vllms_signature_and_records_the_layout() -> None:
+    calls: list[Any] = []
+
+    def original(vllm_config: Any, supported: Any, specs: Any = None) -> Any:
+        calls.append(vllm_config.cache_config.kv_cache_layout)
+        return SimpleNamespace(name=vllm_config.cache_config.kv_cache_layout or "LBNHC")
+
+    seen: list[Any] = []
+    resolver = make_resolver(original, ENGINE, layout_type=_Enum(), vllm_kv_cache_layout=lambda: None,
+                             device_capability=lambda: 10, on_decision=seen.append)
+    cfg = config("NixlConnector")
+    assert resolver(cfg, [FLASHINFER], [FullAttentionSpec()]).name == "LBHNC"
+    assert cfg.cache_config.kv_cache_layout == "LBHNC" and len(seen) == 1 and calls == []
+    assert seen[0].context.options.device_capability == 10
+    # a layout already recorded is vLLM's to honour, as its own resolver does
+    assert resolver(cfg, [FLASHINFER], [FullAttentionSpec()]).name == "LBHNC" and calls == ["LBHNC"]
+    # nothing with per-layer views: vLLM's own answer
+    fresh = config()
+    assert resolver(fresh, [DEFAULT], [HiSparseHotSpec()]).name == "LBNHC" and calls[-1] is None
+    assert resolver.__wrapped__ is original and resolver.__kvpolicy__
+
+
+def test_the_decision_log_line_is_written_once(caplog: pytest.LogCaptureFixture) -> None:
+    d = resolve(ENGINE, config("OffloadingConnector"), [FLASHINFER], [FullAttentionSpec()])
+    with caplog.at_level(logging.INFO, logger="vllm.kvpolicy"):
+        vllm_plugin._log_decision(d, explain=True)
+        vllm_plugin._log_decision(d, explain=True)
+    lines = [r.getMessage() for r in caplog.records if "KV cache layout" in r.getMessage()]
+    assert len(lines) == 1
+    assert "KV cache layout LBHNC (per_layer, HND) decided by prefer `offloading-requires-lbhnc`" in lines[0]
+    assert f"fingerprint {d.fingerprint.digest}" in lines[0]
+    assert any(r.getMessage().startswith("kvpolicy: explanation\nlayout: LBHNC") for r in caplog.records)
