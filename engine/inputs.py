@@ -26,7 +26,7 @@ from policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
 from policy.releases import ReleaseProfile, Resolver, get_profile
 from policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
-__all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs"]
+__all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs", "parse_device_capability"]
 
 # `kvpolicy dry-run` with no arguments: Qwen2.5-0.5B geometry, TRITON_ATTN,
 # OffloadingConnector, fp8_per_token_head -- the combination of vLLM #48412 --
@@ -37,6 +37,14 @@ DEFAULT_EXAMPLE: dict[str, Any] = {
     "backend": "TRITON_ATTN",
     "connector": "OffloadingConnector",
 }
+
+
+def parse_device_capability(text: str) -> int | None:
+    """``"9"``, ``"9.0"``, ``"10.0"`` -> the major number (what vLLM's backends read); None when ``text``
+    is not a CUDA compute capability (ASCII digits only, major 1..99)."""
+    major, _, minor = text.partition(".")
+    digits = major.isascii() and major.isdigit() and (minor == "" or (minor.isascii() and minor.isdigit()))
+    return int(major) if digits and 0 < int(major) < 100 else None
 
 
 def _spec(spec: KVCacheSpec | dict[str, Any], kv_cache_dtype: str | None, block_size: int | None) -> KVCacheSpec:

@@ -32,7 +32,7 @@ from engine.cli.common import (
 )
 from engine.cli.plan_view import plan_summary, render_plan
 from engine.decision import Decision
-from engine.inputs import DEFAULT_EXAMPLE, build_context
+from engine.inputs import DEFAULT_EXAMPLE, build_context, parse_device_capability
 from policy.backends import ScaleViews
 from policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from policy.context import Context
@@ -162,10 +162,10 @@ def _backend_names() -> list[str]:
 
 def _capability(text: str) -> int:
     """``9``, ``9.0`` or ``10.0``: the major number is what vLLM's backends read."""
-    major, _, minor = text.partition(".")
-    if not major.isdigit() or not (minor == "" or minor.isdigit()) or not 0 < int(major) < 100:
+    major = parse_device_capability(text)
+    if major is None:
         raise argparse.ArgumentTypeError(f"`{text}` is not a CUDA compute capability such as 9.0 or 10.0")
-    return int(major)
+    return major
 
 
 def _worker_backends(text: str) -> list[str]:

@@ -18,16 +18,17 @@ validates every file, collecting every problem located at file:line:col.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from engine.decide import RELEASE_CANDIDATES
-from engine.inputs import build_context
+from engine.inputs import build_context, parse_device_capability
 from policy.backends import ScaleViews
 from policy.context import Context
 from policy.errors import Diagnostic, PolicyError
@@ -67,8 +68,8 @@ class GroupInput(Frozen):
     """One KV cache group of a hybrid model: a spec, its attention-group count, its DCP sharding."""
 
     spec: dict[str, Any] = Field(description="KVCacheSpec fields (num_layers, block_size, num_kv_heads, ...)")
-    num_attention_groups: int = Field(default=1, ge=1, description="attention backends in this group")
-    dcp_sharded: bool = Field(default=True, description="vLLM's `dcp_sharded`: decode context parallelism shards "
+    num_attention_groups: StrictInt = Field(default=1, ge=1, description="attention backends in this group")
+    dcp_sharded: StrictBool = Field(default=True, description="vLLM's `dcp_sharded`: decode context parallelism shards "
                               "this cache's tokens; false for a replicated draft model's cache")
 
 
@@ -83,7 +84,7 @@ class CaseInput(Frozen):
     spec: dict[str, Any] | None = Field(default=None, description="KVCacheSpec fields of the single group")
     groups: list[GroupInput] | None = Field(default=None, min_length=1, description="several KV cache groups")
     kv_cache_dtype: str | None = Field(default=None, description="vLLM's --kv-cache-dtype; overrides the spec's")
-    block_size: int | None = Field(default=None, gt=0, description="tokens per block; overrides the spec's")
+    block_size: StrictInt | None = Field(default=None, gt=0, description="tokens per block; overrides the spec's")
     attention_backend: str | None = Field(
         default=None, description="vLLM's attention backend enum name (default: the first of "
         "`worker_attention_backends`, else TRITON_ATTN)")
@@ -94,28 +95,41 @@ class CaseInput(Frozen):
     scale_views: ScaleViews | None = Field(default=None, description="override the backend's scale-view strategy")
     connector: str | None = Field(default=None, description="KV connector class name; absent: no connector")
     connector_config: dict[str, Any] | None = Field(default=None, description="vLLM's kv_connector_extra_config")
-    tensor_parallel_size: int = Field(default=1, ge=1, description="with `model` only")
+    tensor_parallel_size: StrictInt = Field(default=1, ge=1, description="with `model` only")
     vllm_version: str | None = Field(
-        default=None, description="the vLLM release profile (`vllm-0.34`, `0.34.0`); default: the rule set's")
+        default=None, min_length=1,
+        description="the vLLM release profile (`vllm-0.34`, `0.34.0`); default: the rule set's")
     vllm_kv_cache_layout: str | None = Field(
         default=None, description="vLLM's `VLLM_KV_CACHE_LAYOUT`: one of the six layouts, or NHD / HND")
-    enable_extensible_kv_cache: bool = Field(default=False, description="vLLM's `enable_extensible_kv_cache`")
-    hisparse: bool = Field(default=False, description="`attention_config.hisparse_config` is set")
-    device_capability: int | None = Field(
+    enable_extensible_kv_cache: StrictBool = Field(default=False, description="vLLM's `enable_extensible_kv_cache`")
+    hisparse: StrictBool = Field(default=False, description="`attention_config.hisparse_config` is set")
+    device_capability: StrictInt | None = Field(
         default=None, description="the CUDA compute capability's major number (10 for 10.0); `9.0` is accepted")
 
     @field_validator("device_capability", mode="before", json_schema_input_type=int | float | str | None)
     @classmethod
     def _capability_major(cls, value: Any) -> Any:
-        if isinstance(value, float) and value > 0:
+        """``10``, ``10.0`` or ``"10.0"`` -> 10; anything else (a boolean, ``.inf``, ``0.5``) is an error."""
+        if isinstance(value, float):
+            if not math.isfinite(value) or value < 1:
+                raise ValueError(f"`{value}` is not a CUDA compute capability such as 9.0 or 10.0")
             return int(value)
         if isinstance(value, str):
-            major, _, minor = value.partition(".")
-            if major.isdigit() and (minor == "" or minor.isdigit()):
-                return int(major)
-            raise ValueError(f"`{value}` is not a CUDA compute capability such as 9.0 or 10.0")
+            major = parse_device_capability(value)
+            if major is None:
+                raise ValueError(f"`{value}` is not a CUDA compute capability such as 9.0 or 10.0")
+            return major
         return value
-    use_v2_model_runner: bool = Field(default=False, description="vLLM's `VllmConfig.use_v2_model_runner` "
+
+    @field_validator("vllm_version", mode="before")
+    @classmethod
+    def _version_is_text(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError(f"write the vLLM version as a string (`\"{value}\"`): YAML reads `{value}` as a number, "
+                             "and `0.30` would become 0.3")
+        return value
+
+    use_v2_model_runner: StrictBool = Field(default=False, description="vLLM's `VllmConfig.use_v2_model_runner` "
                                       "(0.28: the V2 runner never allocates cross-layer)")
 
     @model_validator(mode="after")
@@ -386,18 +400,21 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
         "scale_views": inp.scale_views.value if inp.scale_views else None,
         "connector": inp.connector,
         "connector_config": inp.connector_config,
-        "vllm_version": inp.vllm_version or vllm_version,
+        "vllm_version": inp.vllm_version if inp.vllm_version is not None else vllm_version,
         "vllm_kv_cache_layout": inp.vllm_kv_cache_layout,
         "enable_extensible_kv_cache": inp.enable_extensible_kv_cache,
         "hisparse": inp.hisparse,
         "device_capability": inp.device_capability,
         "use_v2_model_runner": inp.use_v2_model_runner,
     }
+    # `tensor_parallel_size` goes to build_context with every source: with `spec` or `groups` it is
+    # refused there (a spec already gives one rank's KV heads), never silently dropped.
+    common["tensor_parallel_size"] = inp.tensor_parallel_size
     if inp.groups is not None:
         groups = groups_from_data(inp.groups, kv_cache_dtype=inp.kv_cache_dtype, block_size=inp.block_size)
         return build_context(groups=groups, **common)
     sizing = {"kv_cache_dtype": inp.kv_cache_dtype, "block_size": inp.block_size}
     if inp.model is not None:
         model = Path(inp.model) if Path(inp.model).is_absolute() else base_dir / inp.model
-        return build_context(model=model, tensor_parallel_size=inp.tensor_parallel_size, **sizing, **common)
+        return build_context(model=model, **sizing, **common)
     return build_context(spec=inp.spec, **sizing, **common)
