@@ -11,14 +11,18 @@ candidates, the geometry and the shipped rules together.
 The profile is chosen by ``vllm_version=`` / ``--vllm-version``; by default,
 the version of an installed ``vllm`` distribution (read from its package
 metadata, never by importing vLLM) when a profile answers for it, else the
-newest shipped profile. ``issue-48412`` is the development state in which
+profile of its ``X.Y`` series, else the newest shipped profile (logged once
+when the installed version has no profile of its own); ``KVPOLICY_VLLM_VERSION``
+overrides that default. ``issue-48412`` is the development state in which
 vLLM issue #48412 was found; no default ever selects it.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from enum import Enum
@@ -29,7 +33,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from policy.backends import DEV_48412_BACKENDS, BackendProfile, KVSplit, ScaleViews, packed_backend
-from policy.errors import input_error
+from policy.errors import InputError, input_error
 from policy.layouts import HeadOrder, Layout
 from policy.spec import Frozen
 
@@ -46,6 +50,7 @@ __all__ = [
 ]
 
 RELEASES_DIR = Path(__file__).with_name("releases")
+ENV_VAR = "KVPOLICY_VLLM_VERSION"  # overrides the default profile (not an explicit `vllm_version`)
 
 
 class Resolver(str, Enum):
@@ -265,11 +270,31 @@ def _version_key(version: str) -> tuple[int, ...]:
 
 
 def installed_vllm_version() -> str | None:
-    """The version of an installed ``vllm`` distribution, from its metadata (vLLM is not imported)."""
+    """The version of an installed ``vllm`` distribution, from its metadata (vLLM is not imported).
+
+    None when there is none, or when its metadata cannot be read or names no version (a broken
+    install must not stop a decision: the default then falls back to the newest profile).
+    """
     try:
-        return metadata.version("vllm")
+        version = metadata.version("vllm")
     except metadata.PackageNotFoundError:
         return None
+    except Exception as exc:  # unreadable or undecodable METADATA, a dist-info that is not a directory, ...
+        _log_once(f"kvpolicy: the installed vllm distribution's metadata cannot be read ({type(exc).__name__}: "
+                  f"{exc}); deciding with the newest release profile")
+        return None
+    return version if isinstance(version, str) and version.strip() else None
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logging.getLogger("kvpolicy").warning(message)
+
+
+def _series(version: str) -> tuple[int, int] | None:
+    """``0.28.1``, ``0.28.0.post1+cu121``, ``0.28.1rc2`` -> (0, 28); None when not ``X.Y...``."""
+    match = re.match(r"v?(\d+)\.(\d+)(?![\d])", version.strip())
+    return (int(match[1]), int(match[2])) if match else None
 
 
 def _for_version(version: str) -> ReleaseProfile | None:
@@ -283,17 +308,36 @@ def _for_version(version: str) -> ReleaseProfile | None:
 
 
 def default_profile_name() -> str:
-    """``KVPOLICY_VLLM_VERSION`` when set; else the installed vLLM's profile when one answers for it,
+    """``KVPOLICY_VLLM_VERSION`` when set (an unknown one is an `InputError` located at the variable);
+    else the installed vLLM's profile when one answers for it, else its ``X.Y`` series' profile,
     else the newest shipped release."""
-    chosen = os.environ.get("KVPOLICY_VLLM_VERSION")
+    chosen = os.environ.get(ENV_VAR)
     if chosen:
-        return get_profile(chosen).name
+        try:
+            return get_profile(chosen).name
+        except InputError as exc:  # name the variable, not a flag the user never typed
+            d = exc.diagnostics[0]
+            raise input_error(ENV_VAR, f"the environment variable {ENV_VAR} names no release profile: "
+                              f"`{chosen}`", f"unset {ENV_VAR} or set it to a known one; {d.help}",
+                              code=d.code) from None
     installed = installed_vllm_version()
-    if installed is not None:
-        profile = _for_version(installed)
-        if profile is not None:
-            return profile.name
-    return profile_names()[0]
+    newest = profile_names()[0]
+    if installed is None:
+        return newest
+    profile = _for_version(installed)
+    if profile is not None:
+        return profile.name
+    # A release without a profile of its own (a patch or pre-release, a local build): the profile of
+    # its X.Y series when one is shipped (0.28.1 decides as vllm-0.28, not as the newest release),
+    # else the newest; said once, since the decision then reproduces another release.
+    series = _series(installed)
+    same = [p for p in _profiles().values() if not p.historical and series is not None
+            and any(_series(v) == series for v in p.vllm_versions)]
+    chosen = same[0].name if same else newest
+    why = "its series" if same else "the newest shipped release"
+    _log_once(f"kvpolicy: no release profile answers for the installed vLLM {installed}; deciding with "
+              f"`{chosen}` ({why}). Pass --vllm-version / vllm_version= (or set {ENV_VAR}) to choose")
+    return chosen
 
 
 def get_profile(name: str | None = None) -> ReleaseProfile:

@@ -100,8 +100,8 @@ def check_vllm_version(vllm_version: str | None) -> None:
     try:
         get_profile(vllm_version)
     except InputError as exc:
-        raise UsageError("", [Diagnostic("--vllm-version", 0, 0, d.code, d.message, d.help)
-                              for d in exc.diagnostics]) from None
+        raise UsageError("", [Diagnostic("--vllm-version" if d.file == "vllm_version" else d.file, 0, 0, d.code,
+                                         d.message, d.help) for d in exc.diagnostics]) from None
 
 
 def load_ruleset(rules: str | None, flag: str = "--rules", vllm_version: str | None = None) -> RuleSet:

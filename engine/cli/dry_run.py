@@ -472,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
         _warn_unknown_connector(ctx, ruleset)
         from engine.layout_engine import LayoutEngine
 
-        decision = LayoutEngine(ruleset).decide(ctx)
+        decision = LayoutEngine(ruleset, vllm_version=ctx.profile).decide(ctx)
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
         report, checked, drawn = _geometry(decision, args, plan)
     except PolicyError as exc:

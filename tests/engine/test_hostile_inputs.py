@@ -107,3 +107,79 @@ def test_device_capability_refuses_the_same_in_cases_and_flags(text: str) -> Non
         _capability(text)
     with pytest.raises(ValidationError):
         CaseInput(spec={}, device_capability=text)
+
+
+# -- the default profile: KVPOLICY_VLLM_VERSION and the installed vllm distribution --------------------
+
+
+def _fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metadata_bytes: bytes) -> None:
+    """A `vllm` distribution whose METADATA is ``metadata_bytes``, and a `vllm` package that must never load."""
+    import sys
+
+    dist = tmp_path / "vllm-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_bytes(metadata_bytes)
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("raise RuntimeError('kvpolicy imported vllm')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("KVPOLICY_VLLM_VERSION", raising=False)
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+
+
+@pytest.mark.parametrize(("version", "profile"), [
+    ("0.34.0", "vllm-0.34"), ("0.34.0+cu121", "vllm-0.34"), ("0.28.0", "vllm-0.28"),
+    # no profile of its own: its X.Y series when shipped, else the newest; never the historical one
+    ("0.28.1", "vllm-0.28"), ("0.28.0.post1", "vllm-0.28"), ("0.28.1rc2", "vllm-0.28"), ("0.34.1", "vllm-0.34"),
+    ("0.99.0", "vllm-0.34"), ("0.280.0", "vllm-0.34"), ("1.0", "vllm-0.34"), ("garbage!", "vllm-0.34"),
+    ("", "vllm-0.34"), ("issue-48412", "vllm-0.34"),
+])
+def test_default_profile_follows_an_installed_vllm_without_importing_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str, profile: str) -> None:
+    import sys
+
+    from engine import LayoutEngine
+    from policy.releases import default_profile_name
+
+    _fake_vllm(tmp_path, monkeypatch, f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n".encode())
+    assert default_profile_name() == profile
+    decision = LayoutEngine.default().decide(spec={"num_layers": 2, "num_kv_heads": 2, "head_size": 64})
+    assert decision.context.profile == profile
+    assert "vllm" not in sys.modules
+
+
+@pytest.mark.parametrize("metadata_bytes", [
+    b"Metadata-Version: 2.1\nName: vllm\n",                      # no Version
+    b"Metadata-Version: 2.1\nName: vllm\nVersion: \xff\xfe\n",   # not UTF-8: was a UnicodeDecodeError
+])
+def test_a_broken_vllm_install_falls_back_to_the_newest_profile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metadata_bytes: bytes) -> None:
+    from policy.releases import default_profile_name, installed_vllm_version, profile_names
+
+    _fake_vllm(tmp_path, monkeypatch, metadata_bytes)
+    assert installed_vllm_version() is None
+    assert default_profile_name() == profile_names()[0] == "vllm-0.34"
+
+
+def test_a_bad_env_version_is_located_at_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from policy import InputError
+    from policy.releases import get_profile
+
+    monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "garbage")
+    with pytest.raises(InputError) as info:
+        get_profile()
+    [d] = info.value.diagnostics
+    assert d.file == "KVPOLICY_VLLM_VERSION" and d.code == "unknown-vllm-version" and "`garbage`" in d.message
+    assert get_profile("0.34.0").name == "vllm-0.34"  # an explicit version does not read the variable
+
+
+@pytest.mark.parametrize("verb", [["dry-run"], ["validate"], ["test"], ["lint", "--max-inputs", "1"]])
+def test_cli_bad_env_version(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                             verb: list[str]) -> None:
+    from engine.cli.main import main
+
+    monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "garbage")
+    assert main(verb) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("KVPOLICY_VLLM_VERSION: error[unknown-vllm-version]") and "Traceback" not in err
+    # an explicit --vllm-version wins over the variable (dry-run's engine read it regardless)
+    assert main([*verb, "--vllm-version", "issue-48412"]) == 0, capsys.readouterr().err
