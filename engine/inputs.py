@@ -23,7 +23,7 @@ from policy.context import Context, VllmOptions
 from policy.errors import InputError, input_error
 from policy.layouts import Layout
 from policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
-from policy.releases import ReleaseProfile, Resolver, get_profile
+from policy.releases import ReleaseProfile, get_profile, iter_profiles
 from policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs", "parse_device_capability"]
@@ -282,8 +282,7 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
         if not isinstance(layout, str):
             raise input_error("vllm_kv_cache_layout", "`vllm_kv_cache_layout` must be a layout name")
         # 0.29+ takes a KVCacheLayout name or the NHD/HND aliases; the uniform-gate releases NHD or HND only.
-        names = [] if release.resolver is Resolver.uniform_gate else [x.value for x in Layout]
-        valid = [*names, "NHD", "HND"]
+        valid = release.kv_cache_layout_values()
         if layout not in valid:
             raise input_error("vllm_kv_cache_layout", f"unknown VLLM_KV_CACHE_LAYOUT `{layout}`",
                               "valid: " + ", ".join(valid), code="unknown-layout")
@@ -291,6 +290,13 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
                         ("use_v2_model_runner", v2_runner)):
         if not isinstance(value, bool):
             raise input_error(name, f"`{name}` must be true or false, got `{value!r}`")
+    for name, value in (("enable_extensible_kv_cache", extensible), ("hisparse", hisparse)):
+        if value and name not in release.options:  # a setting this release does not have: vLLM would refuse it
+            have = [p.name for p in iter_profiles() if name in p.options]
+            raise input_error(name, f"{release.version_label} has no `{name}` setting (profile `{release.name}`)",
+                              "leave it unset for this release"
+                              + (f", or decide for one that has it ({', '.join(have)})" if have else ""),
+                              code="unsupported-option")
     if capability is not None and (isinstance(capability, bool) or not isinstance(capability, int)
                                    or not 0 < capability < 100):
         raise input_error("device_capability", f"`device_capability` must be a CUDA capability major number "

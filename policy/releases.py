@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from enum import Enum
 from importlib import metadata
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, ValidationError
@@ -153,10 +154,24 @@ class ReleaseProfile(Frozen):
         default=(), description="connectors whose presence in the KV transfer config turns HiSparse "
         "(`attention_config.hisparse_config`) on, and without one of which a HiSparse config is refused "
         "(vLLM 0.34's `VllmConfig.__post_init__`)")
+    options: tuple[Literal["enable_extensible_kv_cache", "hisparse"], ...] = Field(
+        default=(), description="the vLLM settings of the layout decision this release has beyond "
+        "`VLLM_KV_CACHE_LAYOUT` and the device capability (`build_context` refuses the others when set)")
     rules: str = Field(description="the shipped rules' directory, relative to the rules root")
 
     def __hash__(self) -> int:
         return hash(self.name)
+
+    @property
+    def version_label(self) -> str:
+        """``vLLM 0.34.0``, or the profile's name for a development state that is no release."""
+        return f"vLLM {', '.join(self.vllm_versions)}" if self.vllm_versions else f"the `{self.name}` state"
+
+    def kv_cache_layout_values(self) -> tuple[str, ...]:
+        """What ``VLLM_KV_CACHE_LAYOUT`` may be set to: a layout name or the NHD/HND aliases (0.29 on);
+        NHD or HND only where the uniform gate decides (0.28's ``get_kv_cache_layout``)."""
+        names = () if self.resolver is Resolver.uniform_gate else tuple(x.value for x in Layout)
+        return (*names, "NHD", "HND")
 
     def backend_names(self) -> tuple[str, ...]:
         return tuple(self.backends)

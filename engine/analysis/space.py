@@ -59,7 +59,6 @@ GROUP_SHAPES = ("1x1", "1x2", "2x1", "mamba-hybrid", "mixed-hnc", "dcp-mixed")
 UNKNOWN_CONNECTOR = "ThirdPartyConnector"
 _OPTION_PREFIXES = ("env.", "cache.", "attention.", "platform.", "worker.")
 _CONNECTOR_PREFIX = "connector."
-_ENV_LAYOUTS: tuple[str | None, ...] = (None, *(x.value for x in Layout), "NHD", "HND")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,15 +391,20 @@ def _probe(spec: KVCacheSpec, groups: KVCacheGroups | None = None,
 _Combo = tuple[str | None, bool, bool, bool]
 
 
-def _option_values(leaves: _Leaves) -> tuple[list[_Combo], dict[str, list[str]], dict[str, dict[str, list[str]]]]:
+def _option_values(profile: ReleaseProfile, leaves: _Leaves
+                   ) -> tuple[list[_Combo], dict[str, list[str]], dict[str, dict[str, list[str]]]]:
     """The (VLLM_KV_CACHE_LAYOUT, enable_extensible_kv_cache, hisparse, use_v2_model_runner) combinations
-    the rules can tell apart, each dimension's values, and what the kept layout values stand for."""
+    of the profile (only the values and settings its release takes) the rules can tell apart, each
+    dimension's values, and what the kept layout values stand for."""
     def sig(path: str) -> Callable[[Any], Any]:
         return lambda v: leaves.signature({path: MISSING if v is None else v})
 
-    layouts = _distinct(_ENV_LAYOUTS, sig("env.VLLM_KV_CACHE_LAYOUT"))
-    extensible = _distinct((False, True), sig("cache.enable_extensible_kv_cache"))
-    hisparse = _distinct((False, True), sig("attention.hisparse"))
+    def flags(name: str) -> tuple[bool, ...]:
+        return (False, True) if name in profile.options else (False,)
+
+    layouts = _distinct((None, *profile.kv_cache_layout_values()), sig("env.VLLM_KV_CACHE_LAYOUT"))
+    extensible = _distinct(flags("enable_extensible_kv_cache"), sig("cache.enable_extensible_kv_cache"))
+    hisparse = _distinct(flags("hisparse"), sig("attention.hisparse"))
     v2_runner = _distinct((False, True), sig("worker.use_v2_model_runner"))
     combos = list(itertools.product(layouts, extensible, hisparse, v2_runner))
     dims = {"VLLM_KV_CACHE_LAYOUT": [x or "unset" for x in layouts],
@@ -445,7 +449,7 @@ def build_space(
     pairs, dtype_for, kind_for = _kv_choices(profile, leaves, no_geometry)
     if kv_cache_dtypes is not None:
         pairs = {m: [(k, d) for k, d in p if d in kv_cache_dtypes] for m, p in pairs.items()}
-    combos, option_dims, option_stands = _option_values(leaves)
+    combos, option_dims, option_stands = _option_values(profile, leaves)
     conns = [_Conn.of(c) for c in connectors(sets)]
     no_connector = _connector_env(None)
     names = [n for n in profile.backend_names() if backends is None or n in backends]

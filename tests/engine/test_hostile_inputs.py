@@ -183,3 +183,61 @@ def test_cli_bad_env_version(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     assert err.startswith("KVPOLICY_VLLM_VERSION: error[unknown-vllm-version]") and "Traceback" not in err
     # an explicit --vllm-version wins over the variable (dry-run's engine read it regardless)
     assert main([*verb, "--vllm-version", "issue-48412"]) == 0, capsys.readouterr().err
+
+
+# -- settings a release does not have, and the lint space -------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "issue-48412"])
+@pytest.mark.parametrize("setting", ["hisparse", "enable_extensible_kv_cache"])
+def test_a_setting_the_release_lacks_is_refused(version: str, setting: str) -> None:
+    from engine.inputs import build_context
+    from policy import InputError
+
+    with pytest.raises(InputError) as info:
+        build_context(spec={"num_layers": 2, "num_kv_heads": 2, "head_size": 64}, vllm_version=version,
+                      connector="OffloadingConnector", **{setting: True})
+    [d] = info.value.diagnostics
+    assert d.file == setting and d.code == "unsupported-option" and "vllm-0.34" in d.help, d.render()
+    # unset (false) is what the release has: fine
+    build_context(spec={"num_layers": 2, "num_kv_heads": 2, "head_size": 64}, vllm_version=version,
+                  **{setting: False})
+
+
+def test_cli_setting_the_release_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli.main import main
+
+    assert main(["dry-run", "--vllm-version", "0.28.0", "--enable-extensible-kv-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("--enable-extensible-kv-cache: error[unsupported-option]: vLLM 0.28.0 has no"), err
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.28.0", "issue-48412"])
+def test_every_lint_input_is_one_the_release_can_have(version: str) -> None:
+    """The space of a rule set that reads every option: each input rebuilds through build_context (vLLM 0.28
+    takes only NHD/HND for VLLM_KV_CACHE_LAYOUT and has no HiSparse or extensible KV cache)."""
+    import random
+
+    from engine.analysis.space import build_space
+    from engine.inputs import build_context
+    from policy import load_rules_from_texts
+    from policy.releases import get_profile
+
+    reads_all = load_rules_from_texts({"global.yaml": "version: 1\nrules:\n" + "".join(
+        f"  - id: r{i}\n    description: d\n    when: {{field: env.VLLM_KV_CACHE_LAYOUT, eq: {v}}}\n"
+        f"    prefer: {{layout: LBNHC}}\n" for i, v in enumerate(["LBHNC", "BLNHC", "NHD", "HND"]))
+        + "  - id: h\n    description: d\n    when: {field: attention.hisparse, eq: true}\n"
+        "    prefer: {layout: LBHNC}\n"
+        "  - id: e\n    description: d\n    when: {field: cache.enable_extensible_kv_cache, eq: true}\n"
+        "    prefer: {layout: LBHNC}\n"})
+    profile = get_profile(version)
+    space = build_space(reads_all, vllm_version=version, backends=["TRITON_ATTN"])
+    layouts = {i.context.options.kv_cache_layout for i in space.inputs} - {None}
+    assert layouts == set(profile.kv_cache_layout_values()) & {"LBHNC", "BLNHC", "NHD", "HND"}
+    for inp in random.Random(0).sample(space.inputs, min(300, len(space.inputs))):
+        ctx = inp.context
+        again = build_context(groups=ctx.groups, attention_backend=ctx.backend.name, vllm_version=version,
+                              connector=ctx.connector, device_capability=ctx.options.device_capability,
+                              vllm_kv_cache_layout=ctx.options.kv_cache_layout, hisparse=ctx.options.hisparse,
+                              enable_extensible_kv_cache=ctx.options.enable_extensible_kv_cache)
+        assert again == ctx
