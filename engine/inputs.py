@@ -278,11 +278,16 @@ def _has_connector(conn: ConnectorConfig | None, names: Sequence[str]) -> bool:
 
 def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hisparse: Any,
              capability: Any, connector: ConnectorConfig | None = None, v2_runner: Any = False) -> VllmOptions:
-    if layout is not None and layout != "":
+    if layout is not None:
         if not isinstance(layout, str):
             raise input_error("vllm_kv_cache_layout", "`vllm_kv_cache_layout` must be a layout name")
         # 0.29+ takes a KVCacheLayout name or the NHD/HND aliases; the uniform-gate releases NHD or HND only.
+        # An empty value is not "unset": vLLM's env_with_choices refuses VLLM_KV_CACHE_LAYOUT="" at start-up.
         valid = release.kv_cache_layout_values()
+        if layout == "":
+            raise input_error("vllm_kv_cache_layout", "VLLM_KV_CACHE_LAYOUT is set but empty, which vLLM refuses",
+                              "unset it (leave `vllm_kv_cache_layout` out), or give one of: " + ", ".join(valid),
+                              code="unknown-layout")
         if layout not in valid:
             raise input_error("vllm_kv_cache_layout", f"unknown VLLM_KV_CACHE_LAYOUT `{layout}`",
                               "valid: " + ", ".join(valid), code="unknown-layout")
@@ -311,7 +316,7 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
                               f"configure {names} (with another connector, nest both in MultiConnector)",
                               code="hisparse-needs-connector")
         hisparse = hisparse or with_connector
-    return VllmOptions(kv_cache_layout=layout or None, enable_extensible_kv_cache=extensible, hisparse=hisparse,
+    return VllmOptions(kv_cache_layout=layout, enable_extensible_kv_cache=extensible, hisparse=hisparse,
                        device_capability=capability, use_v2_model_runner=v2_runner)
 
 

@@ -303,8 +303,10 @@ def context_from_args(args: argparse.Namespace) -> Context:
     kwargs: dict[str, Any] = {
         "kv_cache_dtype": args.kv_cache_dtype,
         "block_size": args.block_size,
-        "backend": args.backend or (None if args.worker_attention_backends is not None else
-                                    DEFAULT_EXAMPLE["backend"] if example else "TRITON_ATTN"),
+        # `is not None`: an empty value is the user's (and an error), not "use the default"
+        "backend": args.backend if args.backend is not None else (
+            None if args.worker_attention_backends is not None else
+            DEFAULT_EXAMPLE["backend"] if example else "TRITON_ATTN"),
         "worker_attention_backends": args.worker_attention_backends,
         "scale_views": args.scale_views,
         "connector": args.connector if args.connector is not None else (
@@ -335,7 +337,8 @@ def context_from_args(args: argparse.Namespace) -> Context:
             kwargs["spec"] = source["spec"]
     else:
         kwargs["spec"] = DEFAULT_EXAMPLE["spec"]
-        kwargs["kv_cache_dtype"] = args.kv_cache_dtype or DEFAULT_EXAMPLE["kv_cache_dtype"]
+        kwargs["kv_cache_dtype"] = (args.kv_cache_dtype if args.kv_cache_dtype is not None
+                                    else DEFAULT_EXAMPLE["kv_cache_dtype"])
     try:
         return build_context(**kwargs)
     except ModuleNotFoundError as exc:  # policy.hf_config not in this install

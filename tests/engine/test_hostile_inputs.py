@@ -241,3 +241,33 @@ def test_every_lint_input_is_one_the_release_can_have(version: str) -> None:
                               vllm_kv_cache_layout=ctx.options.kv_cache_layout, hisparse=ctx.options.hisparse,
                               enable_extensible_kv_cache=ctx.options.enable_extensible_kv_cache)
         assert again == ctx
+
+
+# -- empty values are values, not "unset" -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flags", "where", "code"), [
+    (["--backend", ""], "--attention-backend", "unknown-backend"),             # was: TRITON_ATTN, silently
+    (["--kv-cache-dtype", ""], "--kv-cache-dtype", "unknown-kv-cache-dtype"),  # was: the example's dtype
+    (["--vllm-kv-cache-layout", ""], "--vllm-kv-cache-layout", "unknown-layout"),  # was: unset
+    (["--vllm-kv-cache-layout", "", "--vllm-version", "0.28.0"], "--vllm-kv-cache-layout", "unknown-layout"),
+])
+def test_cli_empty_values_are_errors(capsys: pytest.CaptureFixture[str], flags: list[str], where: str,
+                                     code: str) -> None:
+    from engine.cli.main import main
+
+    args = ["dry-run", *flags] if "--vllm-version" in flags else ["dry-run", "--vllm-version", "0.34.0", *flags]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{where}: error[{code}]"), err
+
+
+def test_an_empty_vllm_kv_cache_layout_is_refused_as_vllm_does() -> None:
+    from engine.inputs import build_context
+    from policy import InputError
+
+    for version in ("0.34.0", "0.28.0", "issue-48412"):
+        with pytest.raises(InputError) as info:
+            build_context(spec={"num_layers": 2, "num_kv_heads": 2, "head_size": 64}, vllm_version=version,
+                          vllm_kv_cache_layout="")
+        assert info.value.diagnostics[0].message == "VLLM_KV_CACHE_LAYOUT is set but empty, which vLLM refuses"
