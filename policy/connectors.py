@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -86,6 +87,11 @@ class ConnectorConfig(Frozen):
                                       f"member {i}'s `kv_connector_extra_config` must be a mapping, "
                                       f"got {type(member_extra).__name__}")
                 subs.append(cls.from_vllm(m["kv_connector"], member_extra, where=at))
+        for key, value in flatten_extra(extra).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                # a rule cannot compare NaN, and the JSON output would not be JSON
+                raise input_error(f"{where}.{key}", f"`{key}` is `{value}`, not a number a rule can compare",
+                                  "give a finite number, or a string")
         return cls(name=name, extra=extra, connectors=tuple(subs))
 
 

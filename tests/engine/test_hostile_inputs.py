@@ -271,3 +271,21 @@ def test_an_empty_vllm_kv_cache_layout_is_refused_as_vllm_does() -> None:
             build_context(spec={"num_layers": 2, "num_kv_heads": 2, "head_size": 64}, vllm_version=version,
                           vllm_kv_cache_layout="")
         assert info.value.diagnostics[0].message == "VLLM_KV_CACHE_LAYOUT is set but empty, which vLLM refuses"
+
+
+@pytest.mark.parametrize("config", ['{"a": NaN}', '{"a": 1e400}', '{"a": -Infinity}', '{"a": {"b": NaN}}',
+                                    '{"connectors": [{"kv_connector": "NixlConnector", '
+                                    '"kv_connector_extra_config": {"x": NaN}}]}'])
+def test_non_finite_connector_config_is_refused_so_the_json_stays_json(
+        capsys: pytest.CaptureFixture[str], config: str) -> None:
+    import json
+
+    from engine.cli.main import main
+
+    connector = "MultiConnector" if "connectors" in config else "NixlConnector"
+    assert main(["dry-run", "--vllm-version", "0.34.0", "--format", "json", "--connector", connector,
+                 "--connector-config", config]) == 2
+    out, err = capsys.readouterr()
+    data = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    [d] = data["error"]["diagnostics"]
+    assert d["file"].startswith("--connector-config") and "not a number a rule can compare" in d["message"], err
