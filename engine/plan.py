@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -246,10 +247,11 @@ class LayoutPlan:
         real view (its storage offset and strides), so it is right under every layout,
         cross-layer included; the conformance tests hold it to vLLM's own views. The
         cell holds the stored values and, for per-token-head modes, the inline scale
-        after them (`scale_offset`). Out-of-range indices are an `InputError` naming the
-        argument and its valid range.
+        after them (`scale_offset`). Indices are any integers (numpy's and torch's too);
+        an out-of-range one is an `InputError` (``out-of-range``) naming the argument and its
+        valid range, a non-integer (a bool, a float, a string) one (``invalid-index``).
         """
-        view = self._cell_view(layer, kv, block, token, head)
+        view, (kv, block, token, head) = self._cell_view(layer, kv, block, token, head)
         index = (view.storage_offset + kv * view.stride_of(Dim.kv) + block * view.stride_of(Dim.block)
                  + token * view.stride_of(Dim.token) + head * view.stride_of(Dim.head))
         return view.buffer, index * self.element_size
@@ -276,17 +278,18 @@ class LayoutPlan:
         """This plan's bytes as vLLM allocates and views them (see `VllmAllocation`)."""
         return _vllm_allocation(self)
 
-    def _cell_view(self, layer: int, kv: int, block: int, token: int, head: int) -> TensorView:
+    def _cell_view(self, layer: int, kv: int, block: int, token: int, head: int
+                   ) -> tuple[TensorView, tuple[int, int, int, int]]:
+        """The layer's view and (kv, block, token, head) as checked ints (numpy-like integers accepted)."""
         spec = self.spec
-        _check_layer(self, layer)
+        layer = _check_layer(self, layer)
         if spec.kv_factor == 1:
-            _check_index("kv", kv, 1, "MLA stores one latent per token: use 0")
+            kv = _check_index("kv", kv, 1, "MLA stores one latent per token: use 0")
         else:
-            _check_index("kv", kv, 2, "use 0 for K, 1 for V")
-        _check_index("block", block, self.num_blocks)
-        _check_index("token", token, spec.block_size)
-        _check_index("head", head, spec.num_kv_heads)
-        return self.layers[layer].view
+            kv = _check_index("kv", kv, 2, "use 0 for K, 1 for V")
+        indices = (kv, _check_index("block", block, self.num_blocks), _check_index("token", token, spec.block_size),
+                   _check_index("head", head, spec.num_kv_heads))
+        return self.layers[layer].view, indices
 
 
 def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_blocks: int) -> LayoutPlan:
@@ -362,7 +365,7 @@ def naive_scale_view(plan: LayoutPlan, layer: int, role: str) -> ByteView:
     spec = plan.spec
     if not spec.per_token_head:
         raise input_error("plan", f"quant mode `{spec.quant_mode.value}` stores no inline scales")
-    _check_layer(plan, layer)
+    layer = _check_layer(plan, layer)
     kv_index = _check_role(spec, role)
     cell, n, h = spec.cell_bytes, spec.block_size, spec.num_kv_heads
     if spec.kv_factor == 1:
@@ -539,16 +542,27 @@ def _row_position(plan: LayoutPlan, layer: int, view: TensorView) -> int:
     return addr
 
 
-def _check_layer(plan: LayoutPlan, layer: int) -> None:
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < plan.num_layers:
-        raise input_error("layer", f"layer `{layer!r}` is out of range", f"use 0..{plan.num_layers - 1}")
+def _check_layer(plan: LayoutPlan, layer: Any) -> int:
+    return _check_index("layer", layer, plan.num_layers)
 
 
-def _check_index(name: str, value: int, size: int, why: str | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
-        valid = "0" if size == 1 else f"0..{size - 1}"
-        raise input_error(name, f"{name} `{value!r}` is out of range ({valid})", why or f"use {valid}",
+def _check_index(name: str, value: Any, size: int, why: str | None = None) -> int:
+    """``value`` as an int in ``0..size-1``: any integer type (numpy's and torch's too, via ``__index__``).
+    A boolean, float, string or None is an `InputError` saying it is no integer, not "out of range"."""
+    valid = "0" if size == 1 else f"0..{size - 1}"
+    index = None
+    if not isinstance(value, bool):
+        try:
+            index = operator.index(value)
+        except TypeError:
+            pass
+    if index is None:
+        raise input_error(name, f"{name} must be an integer in {valid}, got {type(value).__name__} `{value!r}`",
+                          why or f"use {valid}", code="invalid-index")
+    if not 0 <= index < size:
+        raise input_error(name, f"{name} `{index!r}` is out of range ({valid})", why or f"use {valid}",
                           code="out-of-range")
+    return index
 
 
 def _vllm_allocation(plan: LayoutPlan) -> VllmAllocation:

@@ -289,3 +289,85 @@ def test_non_finite_connector_config_is_refused_so_the_json_stays_json(
     data = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     [d] = data["error"]["diagnostics"]
     assert d["file"].startswith("--connector-config") and "not a number a rule can compare" in d["message"], err
+
+
+# -- byte addresses at the edges ---------------------------------------------------------------------
+
+
+class _NumpyLikeInt:
+    """What numpy.int64 / a 0-d torch tensor offer: ``__index__``, not an ``int`` subclass."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def _plan(version: str = "0.34.0", **inputs):
+    from engine import LayoutEngine
+
+    inputs.setdefault("spec", {"num_layers": 3, "num_kv_heads": 2, "head_size": 64, "block_size": 4})
+    return LayoutEngine.default(version).plan(num_blocks=5, **inputs)
+
+
+def test_numpy_like_indices_address_the_same_cell() -> None:
+    plan = _plan(kv_cache_dtype="fp8_per_token_head")
+    args = (2, 1, 4, 3, 1)  # the last cell
+    wrapped = tuple(_NumpyLikeInt(a) for a in args)
+    assert plan.cell_offset(*wrapped) == plan.cell_offset(*args)
+    assert plan.scale_offset(*wrapped) == plan.scale_offset(*args)
+
+
+@pytest.mark.parametrize("bad", [True, False, 0.0, 1.5, "0", None, [0]])
+@pytest.mark.parametrize("position", range(5))
+def test_a_non_integer_index_says_so(bad: object, position: int) -> None:
+    from policy import InputError
+
+    plan = _plan()
+    args: list[object] = [0, 0, 0, 0, 0]
+    args[position] = bad
+    name = ("layer", "kv", "block", "token", "head")[position]
+    with pytest.raises(InputError) as info:
+        plan.cell_offset(*args)
+    [d] = info.value.diagnostics
+    assert (d.file, d.code) == (name, "invalid-index") and "must be an integer" in d.message, d.render()
+
+
+def test_out_of_range_indices_share_one_code() -> None:
+    from policy import InputError
+
+    plan = _plan()
+    for args in ((3, 0, 0, 0, 0), (-1, 0, 0, 0, 0), (0, 2, 0, 0, 0), (0, 0, 5, 0, 0), (0, 0, 0, 4, 0),
+                 (0, 0, 0, 0, 2), (0, 0, -1, 0, 0), (0, 0, 10**30, 0, 0)):
+        with pytest.raises(InputError) as info:
+            plan.cell_offset(*args)
+        assert info.value.diagnostics[0].code == "out-of-range", args
+
+
+def test_any_integer_index_addresses_a_cell_inside_its_buffer_or_is_out_of_range() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from policy import InputError
+
+    plans = [_plan(v, kv_cache_dtype=d, attention_backend=b) for v, b, d in (
+        ("0.34.0", "TRITON_ATTN", "fp8_per_token_head"), ("0.34.0", "CPU_ATTN", "fp8"),
+        ("0.28.0", "TRITON_ATTN", "int4_per_token_head"), ("issue-48412", "TRITON_ATTN", "int8_per_token_head"))]
+    plans += [_plan("0.34.0", spec={"kind": "mla", "num_layers": 3, "num_kv_heads": 1, "head_size": 64,
+                                    "block_size": 4}, attention_backend="FLASHMLA")]
+    small = st.integers(min_value=-3, max_value=7) | st.integers()
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.sampled_from(plans), small, small, small, small, small)
+    def check(plan, layer, kv, block, token, head) -> None:
+        try:
+            buf, off = plan.cell_offset(layer, kv, block, token, head)
+        except InputError as exc:
+            assert exc.diagnostics[0].code == "out-of-range"
+            return
+        assert 0 <= off and off + plan.spec.cell_bytes <= plan.buffers[buf].nbytes
+        if plan.spec.per_token_head:
+            assert plan.scale_offset(layer, kv, block, token, head) == (buf, off + plan.spec.data_bytes_per_head)
+
+    check()
