@@ -22,7 +22,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from policy.spec import Frozen
 
@@ -149,11 +149,12 @@ class LayoutPattern(Frozen):
     layout: tuple[Layout, ...] | None = Field(default=None, description="one layout name or a list of them")
     placement: Placement | None = Field(default=None, description="`per_layer` or `cross_layer` (block outermost)")
     head_order: HeadOrder | None = Field(default=None, description="`NHD` or `HND` inside a block")
-    layer_compact: bool | None = Field(default=None, description="vLLM's `is_layer_compact`: layer dim outermost")
-    block_outermost: bool | None = Field(default=None, description="vLLM's `is_block_outermost`: block dim outermost")
-    block_compact: bool | None = Field(default=None,
+    layer_compact: StrictBool | None = Field(default=None, description="vLLM's `is_layer_compact`: layer dim outermost")
+    block_outermost: StrictBool | None = Field(default=None,
+                                               description="vLLM's `is_block_outermost`: block dim outermost")
+    block_compact: StrictBool | None = Field(default=None,
                                        description="vLLM's `is_block_compact`: L and B are the outer two dims")
-    block_contiguous: bool | None = Field(default=None,
+    block_contiguous: StrictBool | None = Field(default=None,
                                           description="vLLM's `is_block_contiguous`: [H, N, C] innermost")
 
     @field_validator("layout", mode="before",

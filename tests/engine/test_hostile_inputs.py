@@ -371,3 +371,18 @@ def test_any_integer_index_addresses_a_cell_inside_its_buffer_or_is_out_of_range
             assert plan.scale_offset(layer, kv, block, token, head) == (buf, off + plan.spec.data_bytes_per_head)
 
     check()
+
+
+# -- rule files ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["'yes'", "1", "'true'", "0", "'no'"])
+def test_pattern_properties_take_booleans_only(value: str) -> None:
+    """A condition on a boolean field refuses `1` (type-mismatch); a pattern property took it, and `'no'`."""
+    from policy import RuleLoadError, load_rules_from_texts
+
+    text = f"version: 1\nrules:\n  - id: a\n    description: d\n    forbid: {{block_outermost: {value}}}\n"
+    with pytest.raises(RuleLoadError) as info:
+        load_rules_from_texts({"global.yaml": text})
+    [d] = info.value.diagnostics
+    assert (d.line, d.col) == (5, 31) and "expected a valid boolean" in d.message, d.render()
