@@ -19,6 +19,7 @@ from policy.backends import BackendProfile, ScaleViews
 from policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
 from policy.layouts import Layout
 from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode
+from policy.releases import profile_names
 from policy.spec import AttentionKind, Frozen, KVCacheGroups, KVCacheSpec
 
 __all__ = ["EXTRA_PREFIX", "FIELDS", "MISSING", "Context", "FieldSpec", "VllmOptions", "field_spec"]
@@ -120,7 +121,7 @@ _FIELD_LIST: tuple[FieldSpec, ...] = (
     FieldSpec("backend.supports_hnd", "bool", "the backend has an HND (head-major) geometry",
               lambda ctx, _c: ctx.backend.supports_hnd),
     FieldSpec("vllm.profile", "str", "the vLLM release profile deciding (e.g. `vllm-0.34`)",
-              lambda ctx, _c: ctx.profile),
+              lambda ctx, _c: ctx.profile, profile_names()),
     FieldSpec("env.VLLM_KV_CACHE_LAYOUT", "str",
               "vLLM's `VLLM_KV_CACHE_LAYOUT` override (a layout name, or the aliases NHD/HND); absent when unset",
               lambda ctx, _c: ctx.options.kv_cache_layout if ctx.options.kv_cache_layout is not None else MISSING,

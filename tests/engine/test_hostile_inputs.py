@@ -386,3 +386,14 @@ def test_pattern_properties_take_booleans_only(value: str) -> None:
         load_rules_from_texts({"global.yaml": text})
     [d] = info.value.diagnostics
     assert (d.line, d.col) == (5, 31) and "expected a valid boolean" in d.message, d.render()
+
+
+def test_a_misspelt_profile_in_a_condition_is_an_error_not_a_dead_rule() -> None:
+    from policy import RuleLoadError, load_rules_from_texts
+
+    text = ("version: 1\nrules:\n  - id: a\n    description: d\n    when: {field: vllm.profile, eq: vllm-0.3}\n"
+            "    forbid: {layout: LBHNC}\n")
+    with pytest.raises(RuleLoadError) as info:
+        load_rules_from_texts({"global.yaml": text})
+    [d] = info.value.diagnostics
+    assert d.code == "unknown-value" and d.help.startswith("did you mean `vllm-0.34`?"), d.render()
