@@ -64,6 +64,9 @@ def _spec(spec: KVCacheSpec | dict[str, Any], kv_cache_dtype: str | None, block_
 
 def _connector(connector: str | ConnectorConfig | None, config: dict[str, Any] | None) -> ConnectorConfig | None:
     if connector is None or connector == "" or connector == "none":
+        if config is not None and not isinstance(config, dict):
+            raise input_error("connector_config", "`connector_config` must be a mapping (JSON object), got "
+                              f"{type(config).__name__}")
         if config:
             raise input_error("connector_config", "`connector_config` given without a connector",
                               "name the connector with `connector` (--connector)")
@@ -113,9 +116,11 @@ def build_context(
     (default: the installed vLLM's, else the newest).
     """
     release = get_profile(vllm_version)
-    if attention_backend is not None and backend is not None and attention_backend != backend:
+    if attention_backend is not None and backend is not None and not _same_backend(release, attention_backend,
+                                                                                   backend):
         raise input_error("backend", "give `attention_backend` or its alias `backend`, not both")
     backend = attention_backend if attention_backend is not None else backend
+    backend_from = "backend"  # where a mismatch of the planned backend is reported
     workers = _workers(release, worker_attention_backends)
     if workers is not None:
         listed = [b for w in workers for b in w]
@@ -124,6 +129,7 @@ def build_context(
                 raise input_error("worker_attention_backends", "no worker names an attention backend",
                                   "name each worker's backends, e.g. [[\"FLASHINFER\"], [\"FLASH_ATTN\"]]")
             backend = listed[0]
+            backend_from = f"worker_attention_backends[{next(i for i, w in enumerate(workers) if w)}]"
         elif isinstance(backend, str) and _canonical(release, backend) not in listed:
             raise input_error("attention_backend", f"attention backend `{backend}` is on no worker",
                               "name one of `worker_attention_backends`, or leave `attention_backend` out "
@@ -138,6 +144,9 @@ def build_context(
                        connector_config_model, use_v2_model_runner)
     if model is not None and spec is not None:
         raise input_error("model", "give `model` or `spec`, not both")
+    if model is not None and not isinstance(model, (str, os.PathLike, dict)):
+        raise input_error("model", f"`model` must be a path to config.json (or its directory) or a parsed dict, "
+                          f"got {type(model).__name__}")
     if groups is not None and not isinstance(groups, KVCacheGroups):
         raise input_error("groups", f"`groups` must be a KVCacheGroups, got {type(groups).__name__}",
                           "build one with KVCacheGroups(groups=(KVCacheGroup(spec=...), ...))")
@@ -180,7 +189,7 @@ def build_context(
     mla_names = ", ".join(n for n, b in release.backends.items() if b.mla)
     if profile.mla != (kv.kind is AttentionKind.mla):
         want = f"an MLA backend ({mla_names})" if not profile.mla else "an MLA spec (kind mla)"
-        raise input_error("backend", f"backend `{profile.name}` does not fit a `{kv.kind.value}` KV spec",
+        raise input_error(backend_from, f"backend `{profile.name}` does not fit a `{kv.kind.value}` KV spec",
                           f"use {want}", code="backend-mismatch")
     for i, worker in enumerate(workers or ()):
         for name in worker:
@@ -217,6 +226,13 @@ def _check_kv_cache_dtype(release: ReleaseProfile, value: Any) -> None:
                           "not model its cells yet, so it can neither decide nor plan a layout for it",
                           "kvpolicy models, of this release's: " + ", ".join(modelled),
                           code="unmodelled-kv-cache-dtype")
+
+
+def _same_backend(release: ReleaseProfile, a: Any, b: Any) -> bool:
+    """``attention_backend`` and its alias ``backend`` name the same backend (``flashinfer`` is ``FLASHINFER``)."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a == b or a.upper() == b.upper()
+    return a == b
 
 
 def _canonical(release: ReleaseProfile, name: str) -> str:

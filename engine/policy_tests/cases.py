@@ -138,7 +138,8 @@ class CaseInput(Frozen):
         if len(given) != 1:
             found = ", ".join(f"`{k}`" for k in given) or "none"
             raise ValueError(f"an input needs exactly one of `model`, `spec`, `groups`; found {found}")
-        if self.backend is not None and self.attention_backend is not None and self.backend != self.attention_backend:
+        if (self.backend is not None and self.attention_backend is not None
+                and self.backend.upper() != self.attention_backend.upper()):
             raise ValueError("give `attention_backend` or its alias `backend`, not both")
         return self
 

@@ -397,3 +397,40 @@ def test_a_misspelt_profile_in_a_condition_is_an_error_not_a_dead_rule() -> None
         load_rules_from_texts({"global.yaml": text})
     [d] = info.value.diagnostics
     assert d.code == "unknown-value" and d.help.startswith("did you mean `vllm-0.34`?"), d.render()
+
+
+# -- decide() keywords: wrong types and conflicts are located at the keyword the user gave -----------------
+
+
+_SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_size": 64}
+
+
+@pytest.mark.parametrize(("inputs", "where", "message"), [
+    ({"model": 5}, "model", "`model` must be a path"),                  # was located at `config`
+    ({"model": ["config.json"]}, "model", "`model` must be a path"),
+    ({"spec": _SPEC, "connector_config": []}, "connector_config", "must be a mapping"),  # were silently ignored
+    ({"spec": _SPEC, "connector_config": ""}, "connector_config", "must be a mapping"),
+    ({"spec": _SPEC, "connector_config": 0}, "connector_config", "must be a mapping"),
+    ({"spec": _SPEC, "worker_attention_backends": [["FLASHMLA"], ["FLASHINFER"]]},  # was located at `backend`
+     "worker_attention_backends[0]", "does not fit a `full` KV spec"),
+    ({"spec": _SPEC, "worker_attention_backends": [[], ["TRITON_MLA"]]},
+     "worker_attention_backends[1]", "does not fit a `full` KV spec"),
+])
+def test_keyword_mistakes_are_located_at_the_keyword(inputs: dict, where: str, message: str) -> None:
+    from engine import LayoutEngine
+    from policy import InputError
+
+    with pytest.raises(InputError) as info:
+        LayoutEngine.default("0.34.0").decide(**inputs)
+    [d] = info.value.diagnostics
+    assert d.file == where and message in d.message, d.render()
+
+
+def test_the_backend_alias_may_repeat_the_name_in_another_case() -> None:
+    from engine import LayoutEngine
+    from engine.policy_tests import CaseInput
+
+    engine = LayoutEngine.default("0.34.0")
+    same = engine.decide(spec=_SPEC, attention_backend="FLASHINFER", backend="flashinfer")
+    assert same.context.backend.name == "FLASHINFER"
+    assert CaseInput(spec=_SPEC, attention_backend="FLASHINFER", backend="flashinfer").backend == "flashinfer"
