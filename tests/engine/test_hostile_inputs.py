@@ -434,3 +434,72 @@ def test_the_backend_alias_may_repeat_the_name_in_another_case() -> None:
     same = engine.decide(spec=_SPEC, attention_backend="FLASHINFER", backend="flashinfer")
     assert same.context.backend.name == "FLASHINFER"
     assert CaseInput(spec=_SPEC, attention_backend="FLASHINFER", backend="flashinfer").backend == "flashinfer"
+
+
+# -- property: any value for any decide() keyword decides or raises a PolicyError ---------------------------
+
+
+def _hostile_values():  # noqa: ANN202 - a hypothesis strategy
+    from hypothesis import strategies as st
+
+    from policy.layouts import Layout
+    from policy.releases import iter_profiles
+
+    known = sorted({b for p in iter_profiles() for b in p.backends} | {d for p in iter_profiles()
+                                                                          for d in p.kv_cache_dtypes}
+                   | {c for p in iter_profiles() for c in p.connectors} | {x.value for x in Layout}
+                   | {"NHD", "HND", "none", "stride_aware", "assume_per_layer_contiguous", "0.34.0", "0.28.0",
+                      "issue-48412", "vllm-0.34"})
+    scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2, 130) | st.floats(allow_nan=True)
+               | st.text(max_size=12) | st.sampled_from(known))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=6) | st.sampled_from(["connectors", "kv_connector"]),
+                                          inner, max_size=3), max_leaves=6)
+
+
+_KEYWORDS = ("spec", "kv_cache_dtype", "block_size", "attention_backend", "backend", "worker_attention_backends",
+             "scale_views", "connector", "connector_config", "vllm_kv_cache_layout", "enable_extensible_kv_cache",
+             "hisparse", "device_capability", "use_v2_model_runner", "tensor_parallel_size", "vllm_version", "model")
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.28.0", "issue-48412"])
+def test_any_value_for_any_keyword_decides_or_is_a_policy_error(version: str) -> None:
+    import json
+    import os
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from engine import LayoutEngine
+    from engine.inputs import INPUT_NAMES
+    from policy import PolicyError
+
+    assert set(_KEYWORDS) | {"groups"} == set(INPUT_NAMES)
+    engine = LayoutEngine.default(version)
+    base = {"spec": {"num_layers": 2, "num_kv_heads": 2, "head_size": 64}}
+
+    examples = int(os.environ.get("KVPOLICY_FUZZ_EXAMPLES", "300"))
+
+    spec_fields = st.dictionaries(st.sampled_from(["kind", "num_layers", "block_size", "num_kv_heads", "head_size",
+                                                   "dtype", "kv_cache_dtype", "sliding_window", "page_size_padded"]),
+                                  _hostile_values() | st.sampled_from(["mla", "mamba", "sliding_window", "float16"]),
+                                  max_size=3)
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.dictionaries(st.sampled_from(_KEYWORDS), _hostile_values(), min_size=1, max_size=3), spec_fields)
+    def check(changes: dict, spec_changes: dict) -> None:
+        inputs = {**base, **changes}
+        if spec_changes and "spec" not in changes:
+            inputs["spec"] = {**base["spec"], **spec_changes}
+        if "model" in changes:
+            inputs.pop("spec", None)
+        try:
+            first = engine.decide(explain=False, **inputs)
+        except PolicyError as exc:
+            assert exc.diagnostics and all(d.file and d.message for d in exc.diagnostics), exc.render()
+            return
+        again = engine.decide(**inputs)  # deterministic, with or without the trace
+        assert (again.layout, again.ranking, again.warnings) == (first.layout, first.ranking, first.warnings)
+        json.dumps(first.to_dict(), allow_nan=False)  # the dry-run JSON stays JSON
+
+    check()
