@@ -439,7 +439,7 @@ def test_the_backend_alias_may_repeat_the_name_in_another_case() -> None:
 # -- property: any value for any decide() keyword decides or raises a PolicyError ---------------------------
 
 
-def _hostile_values():  # noqa: ANN202 - a hypothesis strategy
+def _hostile_values():
     from hypothesis import strategies as st
 
     from policy.layouts import Layout
