@@ -503,3 +503,65 @@ def test_any_value_for_any_keyword_decides_or_is_a_policy_error(version: str) ->
         json.dumps(first.to_dict(), allow_nan=False)  # the dry-run JSON stays JSON
 
     check()
+
+
+# -- concurrency ---------------------------------------------------------------------------------------------
+
+
+def test_threads_deciding_while_another_reloads_agree_with_one_thread() -> None:
+    """decide() with keyword inputs of the 0.34 profile (workers, capability, HiSparse, extensible, layouts)
+    from many threads on one engine while another thread reloads it: every answer equals the one-thread one."""
+    import itertools
+    import random
+    import threading
+
+    from engine import LayoutEngine
+    from engine.layout_engine import shipped_rules_dir
+    from policy import PolicyError
+
+    engine = LayoutEngine.default("0.34.0")
+    inputs = [dict(spec=_SPEC, attention_backend=b, connector=c, vllm_kv_cache_layout=lay,
+                   enable_extensible_kv_cache=ext, device_capability=cap)
+              for b, c, lay, ext, cap in itertools.product(
+                  ["TRITON_ATTN", "FLASHINFER", "CPU_ATTN"], [None, "OffloadingConnector", "HiSparseConnector"],
+                  [None, "LBHNC", "BLNHC", "HND"], [False, True], [None, 10])]
+    inputs += [dict(spec=_SPEC, worker_attention_backends=[["FLASHINFER"], ["FLASH_ATTN", "TRITON_ATTN"]],
+                    device_capability=cap, connector="NixlConnector") for cap in (None, 9, 10)]
+
+    def answer(kw: dict) -> tuple:
+        try:
+            d = engine.decide(explain=False, **kw)
+            return d.layout, d.ranking, d.warnings, d.fingerprint
+        except PolicyError as exc:
+            return type(exc).__name__, exc.render()
+
+    expected = [answer(kw) for kw in inputs]
+    stop, problems = threading.Event(), []
+
+    def reloader() -> None:
+        while not stop.is_set():
+            if engine.reload(shipped_rules_dir("0.34.0")) is not None:
+                problems.append("reload failed")
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(150):
+            i = rng.randrange(len(inputs))
+            try:
+                got = answer(inputs[i])
+            except BaseException as exc:  # anything but a PolicyError is a bug
+                problems.append(repr(exc))
+                continue
+            if got != expected[i]:
+                problems.append((i, got, expected[i]))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    reload_thread = threading.Thread(target=reloader)
+    reload_thread.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    stop.set()
+    reload_thread.join(timeout=30)
+    assert not problems, problems[:3]
