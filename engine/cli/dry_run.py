@@ -38,6 +38,7 @@ from policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from policy.context import Context
 from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
 from policy.layouts import Layout
+from policy.releases import get_profile
 from policy.ruleset import RuleSet
 from policy.spec import KVCacheSpec
 from policy.yaml_source import parse_yaml
@@ -240,7 +241,7 @@ def read_spec_file(path: str) -> dict[str, Any]:
         spec = g.get("spec") if isinstance(g, dict) else None
         if isinstance(spec, dict):
             try:
-                KVCacheSpec.model_validate(spec)
+                KVCacheSpec.model_validate({"block_size": 16, **spec})  # absent: the release's default
             except ValidationError as exc:
                 diags += _located_spec_errors(src, ("groups", i, "spec"), spec, exc)
                 ok = False
@@ -329,7 +330,8 @@ def context_from_args(args: argparse.Namespace) -> Context:
 
             try:
                 groups = groups_from_data(source["groups"], kv_cache_dtype=args.kv_cache_dtype,
-                                          block_size=args.block_size)
+                                          block_size=args.block_size,
+                                          default_block_size=get_profile(args.vllm_version).default_block_size)
             except InputError as exc:
                 raise _name_flags(exc, args.spec) from None
             kwargs.update(groups=groups, kv_cache_dtype=None, block_size=None)

@@ -34,7 +34,7 @@ from policy.context import Context
 from policy.errors import Diagnostic, PolicyError
 from policy.layouts import Layout, LayoutName, LayoutPattern
 from policy.load import RULE_FILE_SUFFIXES
-from policy.releases import ReleaseProfile
+from policy.releases import ReleaseProfile, get_profile
 from policy.ruleset import RuleSet
 from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 from policy.validate import located_validation_errors
@@ -374,13 +374,18 @@ def load_cases(paths: Iterable[str | os.PathLike[str]], ruleset: RuleSet | None 
 
 
 def groups_from_data(
-    groups: Sequence[GroupInput], *, kv_cache_dtype: str | None = None, block_size: int | None = None
+    groups: Sequence[GroupInput], *, kv_cache_dtype: str | None = None, block_size: int | None = None,
+    default_block_size: int | None = None,
 ) -> KVCacheGroups:
     """`KVCacheGroups` from plain group data; ``kv_cache_dtype``/``block_size`` override every
-    attention group's spec, as vLLM's flags do. Raises `InputError` naming ``groups[i].spec``."""
+    attention group's spec, as vLLM's flags do, and a spec without ``block_size`` gets
+    ``default_block_size`` (the release's, as a single ``spec`` does). Raises `InputError` naming
+    ``groups[i].spec``."""
     out = []
     for i, g in enumerate(groups):
         data = dict(g.spec)
+        if default_block_size is not None:
+            data.setdefault("block_size", default_block_size)
         if data.get("kind", "full") != AttentionKind.mamba.value:
             if kv_cache_dtype is not None:
                 data["kv_cache_dtype"] = kv_cache_dtype
@@ -412,7 +417,10 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
     # refused there (a spec already gives one rank's KV heads), never silently dropped.
     common["tensor_parallel_size"] = inp.tensor_parallel_size
     if inp.groups is not None:
-        groups = groups_from_data(inp.groups, kv_cache_dtype=inp.kv_cache_dtype, block_size=inp.block_size)
+        version = common["vllm_version"]
+        default = get_profile(version).default_block_size  # an unknown version: build_context names it below
+        groups = groups_from_data(inp.groups, kv_cache_dtype=inp.kv_cache_dtype, block_size=inp.block_size,
+                                  default_block_size=default)
         return build_context(groups=groups, **common)
     sizing = {"kv_cache_dtype": inp.kv_cache_dtype, "block_size": inp.block_size}
     if inp.model is not None:

@@ -565,3 +565,25 @@ def test_threads_deciding_while_another_reloads_agree_with_one_thread() -> None:
     stop.set()
     reload_thread.join(timeout=30)
     assert not problems, problems[:3]
+
+
+# -- groups get the release's default block size, as a single spec does -------------------------------------
+
+
+@pytest.mark.parametrize(("version", "block"), [("0.34.0", 64), ("0.28.0", 16)])
+def test_group_specs_without_block_size_get_the_release_default(tmp_path: Path, version: str, block: int) -> None:
+    """It was `groups[0].spec.block_size: field required`, while a `spec` without it gets the default."""
+    from engine.cli.dry_run import context_from_args
+    from engine.cli.main import build_parser
+
+    groups = ("groups: [{spec: {num_layers: 4, num_kv_heads: 2, head_size: 64}}, "
+              "{spec: {kind: sliding_window, sliding_window: 128, num_layers: 4, num_kv_heads: 2, head_size: 64}}]")
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(groups + "\n")
+    args = build_parser().parse_args(["dry-run", "--spec", str(spec_file), "--vllm-version", version])
+    ctx = context_from_args(args)
+    assert [g.spec.block_size for g in ctx.groups.groups] == [block, block]
+    path = _case_file(tmp_path, groups + f"\nvllm_version: '{version}'", "{layout: LBNHC}")
+    run = run_policy_tests(_shipped(version), [path], vllm_version=version)
+    [result] = run.results
+    assert result.error is None and result.decision.context.kv.block_size == block
