@@ -69,6 +69,10 @@ class ConnectorConfig(Frozen):
         ``extra["connectors"]`` as ``{"kv_connector": NAME, "kv_connector_extra_config": {...}}``;
         for any other connector that key is ordinary extra config, as vLLM reads it.
         """
+        if _depth(extra) > MAX_CONFIG_DEPTH:  # a RecursionError in flattening, or a member chain, otherwise
+            raise input_error(where, f"`kv_connector_extra_config` is nested deeper than {MAX_CONFIG_DEPTH} levels",
+                              "flatten the configuration; vLLM's connectors read a few levels at most",
+                              code="too-deep")
         extra = dict(extra or {})
         subs: list[ConnectorConfig] = []
         if name in COMPOSITE_CONNECTORS and "connectors" in extra:
@@ -93,6 +97,26 @@ class ConnectorConfig(Frozen):
                 raise input_error(f"{where}.{key}", f"`{key}` is `{value}`, not a number a rule can compare",
                                   "give a finite number, or a string")
         return cls(name=name, extra=extra, connectors=tuple(subs))
+
+
+MAX_CONFIG_DEPTH = 64  # as rule files' `Limits.max_depth`
+
+
+def _depth(value: Any) -> int:
+    """How deeply mappings and lists nest in ``value`` (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            children = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            children = list(item)
+        else:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_CONFIG_DEPTH:
+            stack += [(c, level + 1) for c in children]
+    return deepest
 
 
 def flatten_extra(extra: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:

@@ -85,6 +85,9 @@ def _json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(
             f"invalid JSON ({exc.msg} at column {exc.colno}); expected an object such as "
             "'{\"enable_cross_layers_blocks\": \"true\"}'") from None
+    except RecursionError:  # Python's JSON decoder recurses once per level
+        raise argparse.ArgumentTypeError("the JSON is nested too deeply to read; "
+                                         "vLLM's connectors read a few levels at most") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
     return value

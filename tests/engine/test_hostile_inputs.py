@@ -587,3 +587,37 @@ def test_group_specs_without_block_size_get_the_release_default(tmp_path: Path, 
     run = run_policy_tests(_shipped(version), [path], vllm_version=version)
     [result] = run.results
     assert result.error is None and result.decision.context.kv.block_size == block
+
+
+# -- deeply nested connector configs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [70, 3000])
+def test_cli_deep_connector_config_is_an_error_not_a_recursion_error(capsys: pytest.CaptureFixture[str],
+                                                                     depth: int) -> None:
+    from engine.cli.main import main
+
+    text = '{"a": ' * depth + "1" + "}" * depth
+    assert main(["dry-run", "--vllm-version", "0.34.0", "--connector", "NixlConnector",
+                 "--connector-config", text]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and ("too-deep" in err or "nested too deeply" in err), err[-300:]
+
+
+def test_api_deep_or_cyclic_connector_config_is_an_error() -> None:
+    from engine import LayoutEngine
+    from policy import InputError
+
+    deep: object = 1
+    for _ in range(5000):
+        deep = {"a": deep}
+    cyclic: dict = {}
+    cyclic["self"] = cyclic
+    members: dict = {"connectors": [{"kv_connector": "NixlConnector"}]}
+    for _ in range(30):
+        members = {"connectors": [{"kv_connector": "MultiConnector", "kv_connector_extra_config": members}]}
+    engine = LayoutEngine.default("0.34.0")
+    for name, config in (("NixlConnector", deep), ("NixlConnector", cyclic), ("MultiConnector", members)):
+        with pytest.raises(InputError) as info:
+            engine.decide(spec=_SPEC, connector=name, connector_config=config)
+        assert info.value.diagnostics[0].code == "too-deep"
