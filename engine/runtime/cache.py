@@ -56,6 +56,11 @@ class KVCache:
         spec = plan.spec
         self._mode = spec.quant_mode
         self._cache_dtype = torch_dtype(spec.cache_dtype.value)
+        # The fp8 format of fp8_per_tensor codes: TRITON_ATTN (vLLM 0.28 and 0.34) writes and reads every
+        # fp8 cache through a view as current_platform.fp8_dtype(), float8_e4m3fn, fp8_e5m2 included.
+        self._code_dtype = self._cache_dtype
+        if self._mode is QuantMode.fp8_per_tensor and plan.backend.name == "TRITON_ATTN":
+            self._code_dtype = torch.float8_e4m3fn
         self._model_dtype = torch_dtype(spec.dtype.value)
         self._k_scales = [1.0] * spec.num_layers
         self._v_scales = [1.0] * spec.num_layers
@@ -160,7 +165,7 @@ class KVCache:
             blocks = rows.whole_blocks(slots)  # a prefill of whole blocks: scatter a block at a time
             index = None if blocks is not None else rows.index(first, end, slots)  # (layers, kv, T, H)
             n = self.plan.spec.block_size
-            chunks = encode_chunks(parts, self._mode, self._cache_dtype, self._tensor_scales(first, end),
+            chunks = encode_chunks(parts, self._mode, self._code_dtype, self._tensor_scales(first, end),
                                    self._scratch, keep, align=n if blocks is not None else 1)
             # INVARIANT: the scatters below are the only writes to the cache.
             for a, t, cells in chunks:
@@ -189,7 +194,7 @@ class KVCache:
             cells = rows.index_select(0, index.view(-1)).view(torch.uint8)
             cells = cells.view(spec.kv_factor, slots.numel(), spec.num_kv_heads, spec.cell_bytes)
             scale = self._tensor_scales(layer, layer + 1)
-            out = decode_cells(cells, self._mode, spec.head_size, self._cache_dtype, dtype or self._model_dtype,
+            out = decode_cells(cells, self._mode, spec.head_size, self._code_dtype, dtype or self._model_dtype,
                                None if scale is None else scale.view(-1, 1, 1, 1))
         return (out[0], out[1]) if spec.kv_factor == 2 else (out[0], None)
 
