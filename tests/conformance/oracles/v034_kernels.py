@@ -7,22 +7,22 @@ cases on stdin, writes one JSON result per case on stdout. Byte strings travel a
   {"facts": true}
       versions, and which interpreter conversions the stand-ins below replace.
   {"write": {kv_cache_dtype, dtype, num_kv_heads, head_size, block_size, num_blocks,
-             key, value, slots, k_scale, v_scale}}
+             key, value, slots, k_scale, v_scale}, "read_slots": [...]}
       ``TritonAttentionImpl.do_kv_cache_update`` (vLLM's own, on an impl built with
       ``__new__`` plus the attributes it reads, as in v034.py) writes ``key`` and ``value``
       ((T, H, D) of ``dtype``, raw bytes) at ``slots`` into a zeroed per-layer cache of the
-      logical shape the backend splits, (num_blocks, H, block_size, 2 * C) bytes, C the
-      cell: for a per-token-head dtype ``_pth_key_value_caches`` / ``_ensure_scale_caches``
-      split it and ``triton_reshape_and_cache_flash_per_token_head_quant`` (int8, fp8) or
-      ``reshape_and_cache_int4`` (int4: ``single_rht``, then ``_reshape_cache_int4_kernel``)
-      write it; otherwise ``triton_reshape_and_cache_flash``. Answers the cache's bytes.
-  {"read": {kv_cache_dtype, dtype, num_kv_heads, head_size, cells, k_scale, v_scale}}
-      vLLM's own dequantization of each cell in ``cells`` ((n, H, C) bytes): the output of
-      ``unified_attention`` (the backend's attention entry point; int4 goes on to
-      ``unified_attention_int4``, whose inverse transform is part of it) for n one-token
-      sequences, sequence i holding cell i as its V at slot 0 of block i, a K of zero
-      bytes (every score 0, so the softmax weight is exactly 1), a zero query of ``dtype``
-      and one query head per KV head. Answers the (n, H, D) output bytes in ``dtype``.
+      logical shape the backend splits, (num_blocks, H, block_size, 2 * C) of vLLM's cache
+      dtype, C the cell: for a per-token-head dtype ``_pth_key_value_caches`` /
+      ``_ensure_scale_caches`` split it and ``triton_reshape_and_cache_flash_per_token_head_quant``
+      (int8, fp8) or ``reshape_and_cache_int4`` (int4: ``single_rht``, then
+      ``_reshape_cache_int4_kernel``) write it; otherwise ``triton_reshape_and_cache_flash``.
+      Answers the cache's bytes ("cache") and, for the cells of ``read_slots`` (K cells, then
+      V cells), vLLM's own dequantization of each ("read", (2R, H, D) of ``dtype``): the
+      output of ``unified_attention`` (the backend's attention entry point; int4 goes on to
+      ``unified_attention_int4``, whose inverse transform is part of it) for 2R one-token
+      sequences, sequence i holding cell i as its V at slot 0 of block i, a K of zero bytes
+      (every score 0, so the softmax weight is exactly 1), a zero query of ``dtype`` and one
+      query head per KV head.
 
 STAND-INs, each needed only because this runs on a CPU:
 
@@ -328,33 +328,42 @@ def write(case):
     AttentionLayerBase.bind_kv_cache(layer, view)
     with cuda_capability():
         impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slots)
-    return {"cache": _b64(cache), "shape": list(cache.shape)}
+    return cache
 
 
-def read(case):
+def read(case, written):
+    """vLLM's dequantization of the cells ``written`` holds at ``case["read_slots"]`` (module docstring):
+    the K cells (with the K scale, for per-tensor fp8), then the V cells."""
+    n, cell = case["block_size"], written.shape[-1] // 2
+    slots = torch.tensor(case["read_slots"], dtype=torch.int64)
+    per_slot = written[slots // n, :, slots % n]  # (R, H, 2 * C): K cell then V cell
+    return torch.cat([dequantize(case, per_slot[..., :cell], float(case.get("k_scale", 1.0))),
+                      dequantize(case, per_slot[..., cell:], float(case.get("v_scale", 1.0)))])
+
+
+def dequantize(case, cells, tensor_scale):
+    """``unified_attention`` over one one-token sequence per cell of ``cells`` (R, H, C), the cell as its V."""
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     dtype = _DTYPES[case["dtype"]]
-    h, d = case["num_kv_heads"], case["head_size"]
+    h, d, n = case["num_kv_heads"], case["head_size"], case["block_size"]
     impl, mode = _impl(case["kv_cache_dtype"], d, h)
     cache_dtype = _cache_dtype(case["kv_cache_dtype"], dtype)
-    cell = _cell_bytes(mode, d, cache_dtype.itemsize)
-    cells = _tensor(case["cells"], torch.uint8, (-1, h, cell))
+    cell = cells.shape[-1]
     count = cells.shape[0]
-    block_size = 16
-    cache = torch.zeros(count, h, block_size, 2 * cell, dtype=torch.uint8)
-    cache[:, :, 0, cell:] = cells  # V of slot 0 of block i; K stays zero bytes
+    cache = torch.zeros(count, h, n, 2 * cell, dtype=torch.uint8)
+    cache[:, :, 0, cell:] = cells  # the V of slot 0 of block i; K stays zero bytes
     view = cache.view(cache_dtype)
     if mode.is_per_token_head:
         key_cache, value_cache = impl._pth_key_value_caches(view)
         k_scales, v_scales, k_descale, v_descale = impl._k_scale_cache, impl._v_scale_cache, None, None
     else:
         key_cache, value_cache = view.transpose(1, 2).split(d, dim=-1)
-        if case["kv_cache_dtype"].startswith("fp8"):
+        if key_cache.dtype != impl.fp8_dtype and case["kv_cache_dtype"].startswith("fp8"):
             key_cache, value_cache = key_cache.view(impl.fp8_dtype), value_cache.view(impl.fp8_dtype)
         k_scales = v_scales = None
-        k_descale = torch.tensor(float(case.get("k_scale", 1.0))).expand(count, h)
-        v_descale = torch.tensor(float(case.get("v_scale", 1.0))).expand(count, h)
+        # as TritonAttentionImpl.forward: layer._k_scale / _v_scale expanded to (seqs, kv heads)
+        k_descale = v_descale = torch.tensor(tensor_scale, dtype=torch.float32).expand(count, h)
     query = torch.zeros(count, h, d, dtype=dtype)
     out = torch.empty(count, h, d, dtype=dtype)
     with cuda_capability():
@@ -367,7 +376,7 @@ def read(case):
             q_descale=None, k_descale=k_descale, v_descale=v_descale,
             kv_quant_mode=mode, k_scale_cache=k_scales, v_scale_cache=v_scales,
         )
-    return {"out": _b64(out)}
+    return out
 
 
 def facts(case):
@@ -385,9 +394,11 @@ def handle(case):
     if case.get("facts"):
         return facts(case)
     if "write" in case:
-        return write(case["write"])
-    if "read" in case:
-        return read(case["read"])
+        written = write(case["write"])
+        answer = {"cache": _b64(written), "shape": list(written.shape)}
+        if case.get("read_slots"):
+            answer["read"] = _b64(read({**case["write"], "read_slots": case["read_slots"]}, written))
+        return answer
     raise ValueError(f"unknown case kind: {sorted(case)}")
 
 
