@@ -72,6 +72,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from engine.runtime.scratch import Scratch
+from engine.runtime.words import on_device
 from policy.quant import QuantMode
 
 __all__ = ["CHUNK_VALUES", "QMAX", "QMIN", "SCALE_FLOOR", "cell_bytes", "decode_cells", "encode_cells",
@@ -117,15 +118,20 @@ _SIGNS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 def rht_signs(block: int, device: torch.device) -> torch.Tensor:
     """vLLM's +-1.0 fp32 sign vector of int4's transform for ``block`` values (``_get_rht_signs``):
-    ``2 * bernoulli(0.5) - 1`` from a CPU generator seeded 0x9E3779B9, made on the CPU."""
-    key = (block, device)
+    ``2 * bernoulli(0.5) - 1`` from a CPU generator seeded 0x9E3779B9, made on the CPU, then copied."""
+    key = (block, torch.device(device))
     signs = _SIGNS.get(key)
     if signs is None:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(_RHT_SEED)
-        cpu = 2.0 * torch.bernoulli(torch.full((block,), 0.5, device="cpu"), generator=gen) - 1.0
-        signs = _SIGNS[key] = cpu.to(device)
+        cpu = _SIGNS.get((block, _CPU))
+        if cpu is None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(_RHT_SEED)
+            cpu = _SIGNS[(block, _CPU)] = 2.0 * torch.bernoulli(torch.full((block,), 0.5), generator=gen) - 1.0
+        signs = _SIGNS[key] = cpu if key[1] == _CPU else torch.empty(block, device=device).copy_(cpu)
     return signs
+
+
+_CPU = torch.device("cpu")
 
 
 def encode_cells(
@@ -359,7 +365,7 @@ def _constant(value: float, device: torch.device) -> torch.Tensor:
     key = (value, device)
     t = _CONSTANTS.get(key)
     if t is None:
-        t = _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+        t = _CONSTANTS[key] = on_device(value, torch.float32, device)
     return t
 
 
