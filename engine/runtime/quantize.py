@@ -105,7 +105,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 CHUNK_VALUES = 1 << 20
 """Values encoded per pass (measured: 2**17 is 1.6x slower on the prefill bench, per-chunk operation
-overhead; 2**21 is 1.2x slower, the working set leaves the cache). Scratch: about 9 bytes a value."""
+overhead; 2**21 is 1.2x slower, the working set leaves the cache). Scratch: about 9 bytes a value
+(int4: about 11)."""
 
 
 def rht_block(head_size: int) -> int:
