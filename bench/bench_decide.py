@@ -1,15 +1,28 @@
 """Decision latency, as ratios measured in one run.
 
+Every ratio is timed interleaved: each round times the reference, then the
+measured call, on the same inputs, and the figure is the median of the
+per-round ratios (a noisy neighbour slows both sides of a round alike).
+
 - ``decide_vs_handwritten``: `LayoutEngine.decide(ctx, explain=False)` with the
-  shipped rules against a hand-written Python ``if`` chain of vLLM's gate that
-  reads the same pydantic context and returns the same layout.
-- ``decide_explain_vs_handwritten``: the same with the full trace recorded.
-- ``decide_cold_vs_handwritten``: a fresh (equal, not identical) context each
-  call, so nothing derived from the context is cached: the first decision.
+  shipped rules of the ``issue-48412`` profile against a hand-written Python ``if``
+  chain of vLLM's gate there that reads the same pydantic context and returns the same layout, each call on a
+  fresh (equal, not identical) context, so nothing derived from the context is
+  cached: the first decision for a context, as a serving engine makes it once
+  per start-up. The hand-written chain gets the same fresh contexts.
+- ``decide_warm_vs_handwritten`` (context): the same with each context reused
+  call after call, where the engine's per-context scope cache answers.
+- ``decide_explain_vs_handwritten``: the full trace recorded, fresh contexts;
+  ``decide_explain_warm_vs_handwritten`` (context) with reused ones.
 - ``decide_1000_vs_shipped``: 1,000 generated rules over 20 connectors against
-  the shipped rules, same inputs.
+  the shipped rules, same inputs (fresh contexts); ``decide_1000_warm_vs_shipped``
+  (context) with reused ones.
 - ``load_1000_vs_safe_load``: loading and validating those 1,000 rules against
-  ``yaml.safe_load`` of the same files.
+  parsing the same files with the same YAML parser kvpolicy composes with:
+  libyaml's ``yaml.CSafeLoader`` when PyYAML has it (``yaml.load(text,
+  Loader=yaml.CSafeLoader)``), else the pure-Python ``yaml.safe_load``
+  (``yaml_c_loader`` says which: 1 or 0). ``load_1000_vs_py_safe_load``
+  (context): against the pure-Python ``yaml.safe_load``.
 
     python bench/bench_decide.py [--quick]
 """
@@ -33,6 +46,9 @@ from engine import LayoutEngine  # noqa: E402
 from policy import ConnectorConfig, Context, Layout, load_rules_from_texts  # noqa: E402
 from policy.backends import BACKENDS  # noqa: E402
 
+# The hand-written chain is vLLM's use_uniform_kv_cache gate as of vLLM issue #48412: the decisions are
+# made under that profile (the default profile, vllm-0.34, refuses some of these contexts' inputs).
+PROFILE = "issue-48412"
 NIXL_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"})
 PER_LAYER_NHD = Layout.parse("per_layer/NHD")
 PER_LAYER_HND = Layout.parse("per_layer/HND")
@@ -98,14 +114,39 @@ def contexts(engine: LayoutEngine) -> list[Context]:
     return out
 
 
-def _time_per_call(fn: Callable[[], object], number: int, repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - t0) / number)
-    return statistics.median(samples)
+def _time_once(fn: Callable[[], object], number: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number
+
+
+def _interleaved(ours: Callable[[], object], base: Callable[[], object], number: int, rounds: int
+                 ) -> tuple[float, float, float]:
+    """(median time of ``ours``, of ``base``, median per-round ``ours / base``), base then ours each round."""
+    ours()
+    base()
+    t_ours, t_base, ratios = [], [], []
+    for _ in range(rounds):
+        b = _time_once(base, number)
+        a = _time_once(ours, number)
+        t_ours.append(a)
+        t_base.append(b)
+        ratios.append(a / b)
+    return statistics.median(t_ours), statistics.median(t_base), statistics.median(ratios)
+
+
+class _Fresh:
+    """Equal, not identical, copies of ``ctxs``: ``next()`` gives a new list every call, made beforehand."""
+
+    def __init__(self, ctxs: list[Context], count: int) -> None:
+        self._lists = [[c.model_copy() for c in ctxs] for _ in range(count)]
+        self._i = 0
+
+    def next(self) -> list[Context]:
+        out = self._lists[self._i]
+        self._i += 1
+        return out
 
 
 def _over(ctxs: list[Context], fn: Callable[[Context], object]) -> Callable[[], None]:
@@ -116,11 +157,19 @@ def _over(ctxs: list[Context], fn: Callable[[Context], object]) -> Callable[[], 
     return run
 
 
+def _cold(fresh: _Fresh, fn: Callable[[Context], object]) -> Callable[[], None]:
+    def run() -> None:
+        for c in fresh.next():
+            fn(c)
+
+    return run
+
+
 def generated_rules(n_rules: int = 1000, n_connectors: int = 20) -> dict[str, str]:
     """A large, realistic rule set: the shipped rules plus generated connector files."""
     from engine.layout_engine import shipped_rules_dir
 
-    root = shipped_rules_dir()
+    root = shipped_rules_dir(PROFILE)
     texts = {str(p.relative_to(root)): p.read_text() for p in [*root.glob("*.yaml"), *root.glob("connectors/*.yaml")]}
     names = sorted({"DecodeBenchConnector", "ExampleConnector", "LMCacheMPConnector", "MooncakeConnector",
                     "P2pNcclConnector", "SharedStorageConnector"})
@@ -152,36 +201,55 @@ def generated_rules(n_rules: int = 1000, n_connectors: int = 20) -> dict[str, st
 
 
 def run(quick: bool = False) -> dict[str, float]:
-    engine = LayoutEngine.default()
+    engine = LayoutEngine.default(PROFILE)
     ctxs = contexts(engine)
     for c in ctxs:  # the engine must agree with the reference it is measured against
         assert engine.decide(c, explain=False).layout == handwritten(c), c
-    number, repeat = (200, 5) if quick else (1000, 9)
+    number, rounds = (100, 5) if quick else (300, 15)
+    calls = 2 * (rounds * number + 1)  # fresh lists a cold comparison consumes (both sides, warm-up)
 
-    t_hand = _time_per_call(_over(ctxs, handwritten), number, repeat)
-    t_fast = _time_per_call(_over(ctxs, lambda c: engine.decide(c, explain=False)), number, repeat)
-    t_explain = _time_per_call(_over(ctxs, lambda c: engine.decide(c, explain=True)), number // 10, repeat)
-    fresh = [[c.model_copy() for c in ctxs] for _ in range(number // 10 * repeat + 1)]
-    it = iter(fresh)
-    t_cold = _time_per_call(lambda: [engine.decide(c, explain=False) for c in next(it)], number // 10, repeat)
+    def decide(c: Context) -> object:
+        return engine.decide(c, explain=False)
+
+    def explain(c: Context) -> object:
+        return engine.decide(c, explain=True)
+
+    fresh = _Fresh(ctxs, calls)
+    t_fast, t_hand, cold = _interleaved(_cold(fresh, decide), _cold(fresh, handwritten), number, rounds)
+    _, _, warm = _interleaved(_over(ctxs, decide), _over(ctxs, handwritten), number, rounds)
+    fresh = _Fresh(ctxs, 2 * (rounds * (number // 10) + 1))
+    _, _, explain_cold = _interleaved(_cold(fresh, explain), _cold(fresh, handwritten), number // 10, rounds)
+    _, _, explain_warm = _interleaved(_over(ctxs, explain), _over(ctxs, handwritten), number // 10, rounds)
 
     texts = generated_rules()
-    big = LayoutEngine(load_rules_from_texts(texts))
+    big = LayoutEngine(load_rules_from_texts(texts), vllm_version=PROFILE)
     big_ctxs = [c.model_copy(update={"connector": ConnectorConfig(name="P2pNcclConnector")}) for c in ctxs]
-    t_big = _time_per_call(_over(big_ctxs, lambda c: big.decide(c, explain=False)), number, repeat)
-    t_small = _time_per_call(_over(big_ctxs, lambda c: engine.decide(c, explain=False)), number, repeat)
-    t_load = _time_per_call(lambda: load_rules_from_texts(texts), 1, 3 if quick else 5)
-    t_safe = _time_per_call(lambda: [yaml.safe_load(t) for t in texts.values()], 1, 3 if quick else 5)
+    fresh = _Fresh(big_ctxs, 2 * (rounds * number + 1))
+    _, _, big_ratio = _interleaved(_cold(fresh, lambda c: big.decide(c, explain=False)), _cold(fresh, decide),
+                                   number, rounds)
+    _, _, big_warm = _interleaved(_over(big_ctxs, lambda c: big.decide(c, explain=False)), _over(big_ctxs, decide),
+                                  number, rounds)
+    c_loader = getattr(yaml, "CSafeLoader", None)
+    loader = c_loader or yaml.SafeLoader
+    load_rounds = 3 if quick else 7
+    _, _, load = _interleaved(lambda: load_rules_from_texts(texts),
+                              lambda: [yaml.load(t, Loader=loader) for t in texts.values()], 1, load_rounds)
+    _, _, load_py = _interleaved(lambda: load_rules_from_texts(texts),
+                                 lambda: [yaml.safe_load(t) for t in texts.values()], 1, load_rounds)
 
     n = len(ctxs)
     return {
         "decide_us": t_fast / n * 1e6,
         "handwritten_us": t_hand / n * 1e6,
-        "decide_vs_handwritten": t_fast / t_hand,
-        "decide_explain_vs_handwritten": t_explain / t_hand,
-        "decide_cold_vs_handwritten": t_cold / t_hand,
-        "decide_1000_vs_shipped": t_big / t_small,
-        "load_1000_vs_safe_load": t_load / t_safe,
+        "decide_vs_handwritten": cold,
+        "decide_warm_vs_handwritten": warm,
+        "decide_explain_vs_handwritten": explain_cold,
+        "decide_explain_warm_vs_handwritten": explain_warm,
+        "decide_1000_vs_shipped": big_ratio,
+        "decide_1000_warm_vs_shipped": big_warm,
+        "load_1000_vs_safe_load": load,
+        "load_1000_vs_py_safe_load": load_py,
+        "yaml_c_loader": float(c_loader is not None),
         "rules_generated": float(len(big.ruleset.rules)),
         "backends": float(len(BACKENDS)),
     }

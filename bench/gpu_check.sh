@@ -6,11 +6,13 @@
 # Needs no network. (1) environment: GPU, Python, torch (must already be installed:
 # it cannot be installed here); (2) the device tests, tests/engine/runtime -k "cuda or devices"
 # (CPU and CUDA caches must hold the same bytes); (3) the runtime benchmarks with
-# --device cuda. Bounded: 240 s of tests, 180 s of benchmarks, well under 8 minutes.
+# --device cuda; (4) bench/gpu_arith.py: how often compiled Triton's fp32 division and
+# multiply-add round differently from kvpolicy's (and the interpreted kernels') operations.
+# Bounded: 240 s of tests, 180 s of benchmarks, 60 s of arithmetic, well under 9 minutes.
 #
 # Writes to $OUT (default /tmp/kvpolicy-gpu-check): gpu_check.log (everything), gpu_env.txt,
 # gpu_tests.log, gpu_tests.xml, gpu_bench.log, gpu_bench.json (every figure of the GPU run),
-# gpu_check_status.txt. Exit status: 0 tests passed and benchmarks ran; 1 tests failed or the
+# gpu_arith.json, gpu_check_status.txt. Exit status: 0 tests passed and benchmarks ran; 1 tests failed or the
 # benchmark failed; 2 torch missing; 3 torch sees no GPU; 4 pydantic or PyYAML missing.
 #
 # Environment: PYTHON (default python3); GPU_CHECK_FULL=1 for the full benchmark instead of
@@ -150,6 +152,10 @@ for k in ("write_int8_vs_membw", "write_fp8_vs_membw", "write_int4_vs_membw", "w
         print(f"headline: {k} = {r[k]:.3f}x")
 PYEOF
 fi
+
+echo "== compiled Triton arithmetic vs correctly rounded (timeout 60 s, not fatal)"
+timeout 60 "$PY" bench/gpu_arith.py 2>&1 | tee "$OUT/gpu_arith.json"
+echo "gpu_arith exit status: ${PIPESTATUS[0]}"
 
 if [ "$status" = 0 ]; then
     finish 0 "tests passed, benchmarks ran"

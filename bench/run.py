@@ -29,10 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # key -> (what, goal as text, predicate on the ratio)
 GOALS: dict[str, tuple[str, str, object]] = {
-    "decide_vs_handwritten": ("decide(), explain=False, vs hand-written if chain", "<= 10x", lambda r: r <= 10),
-    "decide_explain_vs_handwritten": ("decide(), full trace, vs hand-written", "<= 50x", lambda r: r <= 50),
+    "decide_vs_handwritten": ("decide(), explain=False, fresh context, vs hand-written if chain", "<= 10x",
+                              lambda r: r <= 10),
+    "decide_explain_vs_handwritten": ("decide(), full trace, fresh context, vs hand-written", "<= 50x",
+                                      lambda r: r <= 50),
     "decide_1000_vs_shipped": ("decide() with 1,000 rules vs shipped rules", "<= 20x", lambda r: r <= 20),
-    "load_1000_vs_safe_load": ("load+validate 1,000 rules vs yaml.safe_load", "<= 5x", lambda r: r <= 5),
+    "load_1000_vs_safe_load": ("load+validate 1,000 rules vs parsing them with the same (libyaml) loader", "<= 5x",
+                               lambda r: r <= 5),
     "dry_run_vs_import_torch": ("`kvpolicy dry-run` vs `python -c 'import torch'`", "<= 0.2x", lambda r: r <= 0.2),
     "write_int8_vs_copy": ("int8 per-token-head write vs copy_ (input bytes/s)", ">= 0.3x", lambda r: r >= 0.3),
     "write_fp8_vs_copy": ("fp8 per-token-head write vs copy_", ">= 0.3x", lambda r: r >= 0.3),

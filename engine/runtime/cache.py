@@ -19,11 +19,12 @@ import torch
 
 from engine.plan import LayoutPlan, transfer_format
 from engine.runtime.cells import CellRows
-from engine.runtime.checks import check_device, check_layer, check_slots, check_values
+from engine.runtime.checks import check_device, check_layer, check_slots, check_slots_on_device, check_values
 from engine.runtime.quantize import decode_cells, encode_chunks, torch_dtype
 from engine.runtime.scratch import Scratch
 from engine.runtime.transfer import offload as offload_blocks
 from engine.runtime.transfer import restore as restore_blocks
+from engine.runtime.words import on_device
 from policy.errors import Diagnostic, GeometryError, input_error
 from policy.quant import QuantMode
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = ["KVCache"]
+
+_SMALL = 64  # decode-sized writes: up to this many slots (as engine.runtime.checks and cells)
 
 
 class KVCache:
@@ -56,10 +59,20 @@ class KVCache:
         spec = plan.spec
         self._mode = spec.quant_mode
         self._cache_dtype = torch_dtype(spec.cache_dtype.value)
+        # The fp8 format of fp8_per_tensor codes: TRITON_ATTN (vLLM 0.28 and 0.34) writes and reads every
+        # fp8 cache through a view as current_platform.fp8_dtype(), float8_e4m3fn, fp8_e5m2 included.
+        self._code_dtype = self._cache_dtype
+        if self._mode is QuantMode.fp8_per_tensor and plan.backend.name == "TRITON_ATTN":
+            self._code_dtype = torch.float8_e4m3fn
         self._model_dtype = torch_dtype(spec.dtype.value)
         self._k_scales = [1.0] * spec.num_layers
         self._v_scales = [1.0] * spec.num_layers
+        self._scale_tensor: torch.Tensor | None = None  # the scales above on the device, made when first used
         self._scratch = Scratch(self.device)
+        # Decode-sized writes (up to _SMALL slots) on a GPU never wait for it: their slots are checked on
+        # the device and skipped tokens handled there (`_store_on_device`). The CPU has no device to wait
+        # for, and reads its few slots on the host, which is faster there.
+        self.sync_free_decode = self.device.type != "cpu"
 
     def __repr__(self) -> str:
         return (f"KVCache({self.plan.layout}, backend={self.plan.backend.name}, blocks={self.plan.num_blocks}, "
@@ -99,6 +112,7 @@ class KVCache:
                 raise input_error(name, f"`{name}` must be a positive finite number, got `{value!r}`")
         self._k_scales[layer] = float(k_scale)
         self._v_scales[layer] = float(v_scale)
+        self._scale_tensor = None
 
     # writes and reads --------------------------------------------------------------------------
 
@@ -112,9 +126,8 @@ class KVCache:
         check_layer(layer, self.plan.num_layers)
         key = check_values("key", key, (_len(key), spec.num_kv_heads, spec.head_size), self.device)
         value = self._check_value(value, key)
-        slots, skips = check_slots(slot_mapping, key.shape[0], self.num_slots, self.device, allow_negative=True)
-        self._store(layer, layer + 1, [key.unsqueeze(0)] if value is None else [key.unsqueeze(0), value.unsqueeze(0)],
-                    slots, skips)
+        parts = [key.unsqueeze(0)] if value is None else [key.unsqueeze(0), value.unsqueeze(0)]
+        self._check_and_store(layer, layer + 1, parts, slot_mapping, key.shape[0])
 
     def write_layers(self, keys: torch.Tensor, values: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
         """Store K and V of every layer, (L, T, H, D), at ``slot_mapping``: one call per decode step.
@@ -128,8 +141,17 @@ class KVCache:
         shape = (self.plan.num_layers, _len(keys, 1), spec.num_kv_heads, spec.head_size)
         keys = check_values("keys", keys, shape, self.device, dims="(layers, tokens, heads, head_size)")
         values = self._check_value(values, keys, "values")
-        slots, skips = check_slots(slot_mapping, keys.shape[1], self.num_slots, self.device, allow_negative=True)
-        self._store(0, self.plan.num_layers, [keys] if values is None else [keys, values], slots, skips)
+        self._check_and_store(0, self.plan.num_layers, [keys] if values is None else [keys, values], slot_mapping,
+                              keys.shape[1])
+
+    def _check_and_store(self, first: int, end: int, parts: list[torch.Tensor], slot_mapping: object,
+                         tokens: int) -> None:
+        if self.sync_free_decode and 0 < tokens <= _SMALL:
+            slots = check_slots_on_device(slot_mapping, tokens, self.num_slots, self.device)
+            self._store_on_device(first, end, parts, slots)
+        else:
+            slots, skips = check_slots(slot_mapping, tokens, self.num_slots, self.device, allow_negative=True)
+            self._store(first, end, parts, slots, skips)
 
     def _check_value(self, value: object, key: torch.Tensor, name: str = "value") -> torch.Tensor | None:
         if self.plan.spec.kv_factor == 1:
@@ -160,7 +182,7 @@ class KVCache:
             blocks = rows.whole_blocks(slots)  # a prefill of whole blocks: scatter a block at a time
             index = None if blocks is not None else rows.index(first, end, slots)  # (layers, kv, T, H)
             n = self.plan.spec.block_size
-            chunks = encode_chunks(parts, self._mode, self._cache_dtype, self._tensor_scales(first, end),
+            chunks = encode_chunks(parts, self._mode, self._code_dtype, self._tensor_scales(first, end),
                                    self._scratch, keep, align=n if blocks is not None else 1)
             # INVARIANT: the scatters below are the only writes to the cache.
             for a, t, cells in chunks:
@@ -170,6 +192,34 @@ class KVCache:
                     assert index is not None
                     whole = t.stop - t.start == slots.numel()
                     rows.scatter(first + a.start, index[a] if whole else index[a, :, t], cells)
+
+    def _store_on_device(self, first: int, end: int, parts: list[torch.Tensor], slots: torch.Tensor) -> None:
+        """`_store` for a decode-sized write without reading anything on the host.
+
+        Every token is encoded. A skipped token (negative slot) is written too, so that no
+        host decision depends on the slots: to the rows of the first kept token with that
+        token's own cells (index_copy_ writes the same bytes twice), or, when no token is
+        kept, to slot 0's rows with the bytes already there (gathered first).
+        """
+        with torch.no_grad():
+            t = slots.numel()
+            kept = slots >= 0
+            any_kept = kept.any()
+            first_kept = kept.to(torch.int32).argmax().view(1)  # 0 when none is kept
+            fallback = torch.where(any_kept, slots.index_select(0, first_kept), 0)
+            target = torch.where(kept, slots, fallback)
+            source = torch.where(kept, torch.arange(t, device=self.device), first_kept)
+            rows = self.cells
+            index = rows.index(first, end, target, host=False)  # (layers, kv, T, H or 1)
+            # align=t: chunks split layers, never tokens, so `source` always points inside the chunk
+            chunks = encode_chunks(parts, self._mode, self._code_dtype, self._tensor_scales(first, end),
+                                   self._scratch, align=t)
+            # INVARIANT: the scatters below are the only writes to the cache.
+            for a, _, cells in chunks:
+                layer_index = index[a]
+                substituted = cells.index_select(2, source)
+                data = torch.where(any_kept, substituted, rows.gather(first + a.start, layer_index, substituted))
+                rows.scatter(first + a.start, layer_index, data)
 
     def read(self, layer: int, slot_mapping: torch.Tensor, dtype: torch.dtype | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -189,7 +239,7 @@ class KVCache:
             cells = rows.index_select(0, index.view(-1)).view(torch.uint8)
             cells = cells.view(spec.kv_factor, slots.numel(), spec.num_kv_heads, spec.cell_bytes)
             scale = self._tensor_scales(layer, layer + 1)
-            out = decode_cells(cells, self._mode, spec.head_size, self._cache_dtype, dtype or self._model_dtype,
+            out = decode_cells(cells, self._mode, spec.head_size, self._code_dtype, dtype or self._model_dtype,
                                None if scale is None else scale.view(-1, 1, 1, 1))
         return (out[0], out[1]) if spec.kv_factor == 2 else (out[0], None)
 
@@ -197,9 +247,11 @@ class KVCache:
         """``fp8_per_tensor``: the K and V scales of layers first..end-1 as (layers, kv_factor, 1, 1, 1)."""
         if self._mode is not QuantMode.fp8_per_tensor:
             return None
-        kv = self.plan.spec.kv_factor
-        scales = [[self._k_scales[i], self._v_scales[i]][:kv] for i in range(first, end)]
-        return torch.tensor(scales, dtype=torch.float32, device=self.device).view(end - first, kv, 1, 1, 1)
+        if self._scale_tensor is None:  # one host-to-device copy per change of the scales, not per write
+            kv = self.plan.spec.kv_factor
+            scales = [[k, v][:kv] for k, v in zip(self._k_scales, self._v_scales, strict=True)]
+            self._scale_tensor = on_device(scales, torch.float32, self.device).view(-1, kv, 1, 1, 1)
+        return self._scale_tensor[first:end]
 
     # transfers ---------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.plan import LayoutPlan
-from engine.runtime.words import SCATTER_WIDTHS, as_words, row_view, widest_word
+from engine.runtime.words import SCATTER_WIDTHS, as_words, on_device, row_view, widest_word
 from policy.backends import Dim
 
 __all__ = ["CellRows"]
@@ -135,28 +135,42 @@ class CellRows:
         words = as_words(cells, runs.word).view(n, -1, runs.unit_words)
         _scatter(runs.rows, runs.layer_rows, self.groups(first, first + n), first, index.view(n, -1), words)
 
-    def index(self, first: int, end: int, slots: torch.Tensor) -> torch.Tensor:
+    def index(self, first: int, end: int, slots: torch.Tensor, host: bool = True) -> torch.Tensor:
         """Row indices (layers, kv_factor, T, H or 1) of the cells of valid ``slots`` (int64, all >= 0).
 
         Layers ``first..end-1``; each index is a row of its layer's buffer: one cell, or a
-        token's H cells where they are one run (``heads_per_row``).
+        token's H cells where they are one run (``heads_per_row``). ``host``: decode-sized
+        ``slots`` are read on the host (cheaper on the CPU); ``False`` keeps every step on the
+        slots' device, which a GPU's decode step must not wait for.
         """
         cell_rows = self._cell_rows(slots.device)
         if first != 0 or end != len(self._layers):
             cell_rows = cell_rows[first:end]
         if not self._uniform:
-            token_rows = torch.stack([self._token_rows(lr, slots) for lr in self._layers[first:end]])
+            token_rows = torch.stack([self._token_rows(lr, slots, host) for lr in self._layers[first:end]])
             return cell_rows + token_rows.view(end - first, 1, -1, 1)
         lr, n = self._layers[first], self._block_size
-        if slots.numel() == 1:  # one decode token: its row is a Python int, one tensor op in all
+        if host and slots.numel() == 1:  # one decode token: its row is a Python int, one tensor op in all
             s = int(slots[0])
             return cell_rows + ((s // n) * lr.block + (s % n) * lr.token)
-        return cell_rows + self._token_rows(lr, slots).view(1, 1, -1, 1)
+        return cell_rows + self._token_rows(lr, slots, host).view(1, 1, -1, 1)
 
-    def _token_rows(self, lr: _LayerRows, slots: torch.Tensor) -> torch.Tensor:
+    def gather(self, first: int, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The bytes at rows ``index`` (n, ...) of layers ``first..first+n-1``, shaped as ``like`` (the
+        cells a `scatter` of that index would write): one ``index_select`` per buffer."""
+        n = index.shape[0]
+        flat = index.reshape(n, -1)
+        groups = self.groups(first, first + n)
+        if len(groups) == 1:
+            words = self.rows[groups[0][0]].index_select(0, flat.reshape(-1))
+        else:
+            words = torch.cat([self.rows[b].index_select(0, flat[lo:hi].reshape(-1)) for b, lo, hi in groups])
+        return words.view(torch.uint8).view(like.shape)
+
+    def _token_rows(self, lr: _LayerRows, slots: torch.Tensor, host: bool = True) -> torch.Tensor:
         """(T,): the row of (kv 0, head 0) of each slot's token, relative to the layer's base."""
         n = self._block_size
-        if slots.numel() <= _SMALL:  # decode-sized: the token rows in Python, one tensor op after
+        if host and slots.numel() <= _SMALL:  # decode-sized: the token rows in Python, one tensor op after
             tokens = [(s // n) * lr.block + (s % n) * lr.token for s in slots.tolist()]
             return torch.tensor(tokens, dtype=torch.int64).to(slots.device, non_blocking=True)
         block = torch.div(slots, n, rounding_mode="floor")
@@ -170,7 +184,7 @@ class CellRows:
             head = torch.arange(self._head_rows, device=device).view(1, 1, 1, -1)
 
             def col(field: str) -> torch.Tensor:
-                return torch.tensor([getattr(lr, field) for lr in self._layers], device=device).view(-1, 1, 1, 1)
+                return on_device([getattr(lr, field) for lr in self._layers], torch.int64, device).view(-1, 1, 1, 1)
 
             rows = self._offsets[device] = col("base") + kv * col("kv") + head * col("head")
         return rows
@@ -235,7 +249,7 @@ class _BlockRuns:
         """(L, kv_factor, 1): the row of each (layer, kv) run of block 0."""
         t = self._cache.get(("base", device))
         if t is None:
-            t = torch.tensor(self._bases, dtype=torch.int64, device=device).unsqueeze(-1)
+            t = on_device(self._bases, torch.int64, device).unsqueeze(-1)
             self._cache[("base", device)] = t
         return t
 

@@ -12,7 +12,7 @@ import torch
 
 from policy.errors import input_error
 
-__all__ = ["check_block_ids", "check_device", "check_layer", "check_slots", "check_values"]
+__all__ = ["check_block_ids", "check_device", "check_layer", "check_slots", "check_slots_on_device", "check_values"]
 
 VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -51,13 +51,8 @@ def check_values(
     return t
 
 
-def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, device: torch.device,
-                allow_negative: bool) -> tuple[torch.Tensor, bool]:
-    """A 1-D int32/int64 tensor of slots ``block * block_size + offset``; negative means skip when allowed.
-
-    Returns the slots as int64 and whether any is negative. Valid slots must
-    be distinct: two tokens in one cell would leave which one wins unspecified.
-    """
+def _slot_tensor(slot_mapping: object, num_tokens: int | None, device: torch.device) -> torch.Tensor:
+    """The checks that need no data: a 1-D int32/int64 tensor of ``num_tokens`` slots on ``device``."""
     if not isinstance(slot_mapping, torch.Tensor):
         raise input_error("slot_mapping", f"`slot_mapping` must be a torch.Tensor, got `{type(slot_mapping).__name__}`")
     if slot_mapping.dtype not in _INDEX_DTYPES or slot_mapping.dim() != 1:
@@ -69,7 +64,18 @@ def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, de
     if slot_mapping.device != device:
         raise input_error("slot_mapping", f"`slot_mapping` is on `{slot_mapping.device}` but the cache is on "
                           f"`{device}`", "move it to the cache's device first")
-    slots = slot_mapping.long()
+    return slot_mapping.long()
+
+
+def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, device: torch.device,
+                allow_negative: bool) -> tuple[torch.Tensor, bool]:
+    """A 1-D int32/int64 tensor of slots ``block * block_size + offset``; negative means skip when allowed.
+
+    Returns the slots as int64 and whether any is negative. Valid slots must
+    be distinct: two tokens in one cell would leave which one wins unspecified.
+    The values are read on the host: on a GPU that waits for the device.
+    """
+    slots = _slot_tensor(slot_mapping, num_tokens, device)
     if slots.numel() == 0:
         return slots, False
     if slots.numel() <= _SMALL:  # decode-sized: one host copy, then plain Python (no sort, no unique)
@@ -90,6 +96,27 @@ def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, de
         raise input_error("slot_mapping", "`slot_mapping` names the same slot twice",
                           "write each slot at most once per call")
     return slots, lo < 0
+
+
+def check_slots_on_device(slot_mapping: object, num_tokens: int | None, num_slots: int,
+                          device: torch.device) -> torch.Tensor:
+    """`check_slots` (negative slots skip their token) without reading a value on the host.
+
+    The argument's type, dtype, shape and device are checked here, with the usual
+    errors; its values by ``torch._assert_async`` on the device, queued before any
+    write: a slot out of range or named twice fails there (on CUDA a device-side
+    assert, which also stops every later kernel, the cache's writes included).
+    """
+    slots = _slot_tensor(slot_mapping, num_tokens, device)
+    n = slots.numel()
+    if n == 0:
+        return slots
+    torch._assert_async((slots < num_slots).all(), "slot_mapping: a slot is out of range")
+    if n > 1:
+        # negatives made distinct (-1, -2, ...), then no two sorted neighbours equal
+        keys = torch.where(slots >= 0, slots, -1 - torch.arange(n, device=device)).sort().values
+        torch._assert_async((keys[1:] != keys[:-1]).all(), "slot_mapping names the same slot twice")
+    return slots
 
 
 def check_block_ids(block_ids: object, num_blocks: int, device: torch.device, unique: bool) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GATHER_WIDTHS", "SCATTER_WIDTHS", "as_words", "row_view", "widest_word", "word_dtype"]
+__all__ = ["GATHER_WIDTHS", "SCATTER_WIDTHS", "as_words", "on_device", "row_view", "widest_word", "word_dtype"]
 
 SCATTER_WIDTHS = (16, 8, 4, 2, 1)
 GATHER_WIDTHS = (8, 4, 2, 1)
@@ -47,3 +47,10 @@ def row_view(raw: torch.Tensor, unit: int, gap: int, word: int) -> torch.Tensor:
     Rows overlap when ``gap < unit``; callers index only rows that are real runs.
     """
     return raw.view(_DTYPES[word]).as_strided(((raw.numel() - unit) // gap + 1, unit // word), (gap // word, 1))
+
+
+def on_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(data, dtype)`` on ``device``: made on the host and copied into a device tensor (one
+    host-to-device copy; the form that also works under ``FakeTensorMode``, where the tests fake a GPU)."""
+    host = torch.tensor(data, dtype=dtype)
+    return torch.empty(host.shape, dtype=dtype, device=device).copy_(host)

@@ -1,6 +1,6 @@
 """Install released vLLM wheels, next to the project's CPU torch, for the conformance tests.
 
-    python3 tests/conformance/install_vllm.py 0.34.0 0.28.0
+    python3 tests/conformance/install_vllm.py 0.34.0 0.28.0 triton
 
 Each release goes to ``$KVPOLICY_VLLM_CACHE`` (default ``~/.cache/kvpolicy/vllm``)
 ``/<version>/site`` and is reused while ``<version>/COMPLETE`` exists; COMPLETE is
@@ -8,6 +8,12 @@ written last and holds the pinned dependency list. vLLM itself is installed with
 ``--no-deps``: pip never resolves its requirements (they pull a CUDA torch). The
 oracles run with the running interpreter's torch and only the small packages that the
 vLLM modules they import need, pinned per release below. Stdlib only.
+
+Triton (``TRITON_VERSION``) goes to its own ``triton-<version>/site`` in the same
+cache, shared by the releases: the kernel oracles (``oracles/v034_kernels.py``) put
+it after the release's site and run vLLM's Triton kernels on the CPU with
+``TRITON_INTERPRET=1``. It is kept out of the release sites so that the decision
+and geometry oracles keep running without Triton, as they always have.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from pathlib import Path
 # that each release's own requirements accept (fastapi < 0.137, transformers < 5.23
 # for 0.34). Not installed, on purpose: flashinfer (CUDA JIT package; the oracle
 # gives the FLASHINFER backend module a stand-in), nixl, mooncake, lmcache (their
-# connectors import them lazily or inside try/except), triton (vLLM's
-# triton_utils has a CPU placeholder).
+# connectors import them lazily or inside try/except). triton is not in the release
+# sites (vLLM's triton_utils has a CPU placeholder there); the kernel oracle adds
+# the separate Triton site below.
 _COMMON = [
     "aiohappyeyeballs==2.7.1",
     "aiohttp==3.14.5",
@@ -88,6 +95,12 @@ PINNED: dict[str, list[str]] = {
         "sniffio==1.3.1",
     ],
 }
+
+
+# The Triton whose interpreter runs vLLM 0.34.0's kernels: the newest release, which is
+# the one torch 2.14.0 (vLLM 0.34.0's pin) is built against. Only its interpreter and
+# `triton.language` are used; a ~290 MB wheel, downloaded once into the cache.
+TRITON_VERSION = "3.9.0"
 
 
 class InstallError(RuntimeError):
@@ -175,22 +188,62 @@ def ensure(version: str) -> Path:
         return _install(version)
 
 
-def ensure_verbose(version: str) -> tuple[Path, str]:
+def triton_site() -> Path:
+    """The installed Triton site; raises InstallError if it is not installed."""
+    root = cache_root() / f"triton-{TRITON_VERSION}"
+    if not (root / "COMPLETE").is_file() or not (root / "site" / "triton").is_dir():
+        raise InstallError(
+            f"triton {TRITON_VERSION} is not installed under {cache_root()}; run "
+            f"`python3 tests/conformance/install_vllm.py triton`"
+        )
+    return root / "site"
+
+
+def _install_triton() -> Path:
+    root = cache_root() / f"triton-{TRITON_VERSION}"
+    root.mkdir(parents=True, exist_ok=True)
+    log: list[str] = []
+    with tempfile.TemporaryDirectory(prefix=".install-", dir=root) as tmp:
+        site = Path(tmp) / "site"
+        _pip("install", "--no-deps", "--no-compile", "--only-binary=:all:", "--target", str(site),
+             f"triton=={TRITON_VERSION}", log=log)
+        if not (site / "triton").is_dir() or (site / "torch").exists():
+            raise InstallError(f"{site}: expected triton alone, got {sorted(p.name for p in site.iterdir())}")
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j0", str(site)], capture_output=True)
+        final = root / "site"
+        if final.exists():
+            shutil.rmtree(final)
+        site.rename(final)
+    (root / "COMPLETE").write_text(f"triton=={TRITON_VERSION}\npython {sys.version.split()[0]}\n")
+    return root / "site"
+
+
+def ensure_triton() -> Path:
+    """The installed Triton site, installing it first if needed."""
     try:
-        return site_for(version), "cached"
+        return triton_site()
+    except InstallError:
+        return _install_triton()
+
+
+def ensure_verbose(version: str) -> tuple[Path, str]:
+    installed, install = (triton_site, _install_triton) if version == "triton" else (
+        lambda: site_for(version), lambda: _install(version))
+    try:
+        return installed(), "cached"
     except InstallError:
         start = time.monotonic()
-        site = _install(version)
+        site = install()
         return site, f"installed in {time.monotonic() - start:.0f} s"
 
 
 def main(argv: list[str]) -> int:
-    versions = argv or sorted(PINNED)
+    versions = argv or [*sorted(PINNED), "triton"]
     for version in versions:
         try:
             site, how = ensure_verbose(version)
         except InstallError as exc:
-            print(f"install_vllm: vLLM {version}: {exc}", file=sys.stderr)
+            print(f"install_vllm: {version}: {exc}", file=sys.stderr)
             return 1
         print(f"{version} {site} ({how})", flush=True)
     return 0

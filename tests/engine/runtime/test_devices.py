@@ -103,6 +103,8 @@ def test_allocate_matches_the_plan_on_the_device(device: str, dtype: str, layout
         assert (tuple(view.shape), view.stride(), view.storage_offset()) == (
             lp.view.shape, lp.view.strides, lp.view.storage_offset)
     cache.verify(geometry=False)  # tensors vs plan; the plan's own geometry does not depend on the device
+    # decode-sized writes off the CPU never wait for the device (test_sync_free.py proves the path)
+    assert cache.sync_free_decode == (device != "cpu")
     if device != "meta":
         assert sum(r.untyped_storage().nbytes() for r in cache.raw) == plan.total_bytes
         assert all(int(r.count_nonzero()) == 0 for r in cache.raw), "a fresh cache is zeroed"

@@ -41,5 +41,5 @@ def test_encode_cells_reusing_scratch_across_shapes_and_modes_is_exact() -> None
         for mode in QMAX:
             x = (torch.randn(rows, 8, generator=gen) * 5).to(torch.bfloat16)
             cells = encode_cells(x, QuantMode(mode), torch.uint8, scratch=scratch)
-            want = [encode_ref(v, mode, "uint8") for v in x.float().tolist()]
+            want = [encode_ref(v, mode, "uint8", in_dtype="bfloat16") for v in x.float().tolist()]
             assert [bytes(c) for c in cells.tolist()] == want
