@@ -13,6 +13,7 @@ scatters whole cells (data and inline scale together) with ``index_copy_``.
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +70,10 @@ class KVCache:
         self._v_scales = [1.0] * spec.num_layers
         self._scale_tensor: torch.Tensor | None = None  # the scales above on the device, made when first used
         self._scratch = Scratch(self.device)
+        # Writes encode into the shared `_scratch`: two threads writing at once (different layers of
+        # one cache, say) would overwrite each other's cells before they are scattered. The lock makes
+        # each write's encode and scatter one step; checks run outside it.
+        self._write_lock = threading.Lock()
         # Decode-sized writes (up to _SMALL slots) on a GPU never wait for it: their slots are checked on
         # the device and skipped tokens handled there (`_store_on_device`). The CPU has no device to wait
         # for, and reads its few slots on the host, which is faster there.
@@ -110,9 +115,10 @@ class KVCache:
                 math.isfinite(value) and value > 0
             ):
                 raise input_error(name, f"`{name}` must be a positive finite number, got `{value!r}`")
-        self._k_scales[layer] = float(k_scale)
-        self._v_scales[layer] = float(v_scale)
-        self._scale_tensor = None
+        with self._write_lock:  # a write in another thread sees the old scales or the new, never a mix
+            self._k_scales[layer] = float(k_scale)
+            self._v_scales[layer] = float(v_scale)
+            self._scale_tensor = None
 
     # writes and reads --------------------------------------------------------------------------
 
@@ -148,10 +154,12 @@ class KVCache:
                          tokens: int) -> None:
         if self.sync_free_decode and 0 < tokens <= _SMALL:
             slots = check_slots_on_device(slot_mapping, tokens, self.num_slots, self.device)
-            self._store_on_device(first, end, parts, slots)
+            with self._write_lock:
+                self._store_on_device(first, end, parts, slots)
         else:
             slots, skips = check_slots(slot_mapping, tokens, self.num_slots, self.device, allow_negative=True)
-            self._store(first, end, parts, slots, skips)
+            with self._write_lock:
+                self._store(first, end, parts, slots, skips)
 
     def _check_value(self, value: object, key: torch.Tensor, name: str = "value") -> torch.Tensor | None:
         if self.plan.spec.kv_factor == 1:
@@ -247,11 +255,12 @@ class KVCache:
         """``fp8_per_tensor``: the K and V scales of layers first..end-1 as (layers, kv_factor, 1, 1, 1)."""
         if self._mode is not QuantMode.fp8_per_tensor:
             return None
-        if self._scale_tensor is None:  # one host-to-device copy per change of the scales, not per write
+        scales = self._scale_tensor  # one read: set_tensor_scales may reset it from another thread
+        if scales is None:  # one host-to-device copy per change of the scales, not per write
             kv = self.plan.spec.kv_factor
-            scales = [[k, v][:kv] for k, v in zip(self._k_scales, self._v_scales, strict=True)]
-            self._scale_tensor = on_device(scales, torch.float32, self.device).view(-1, kv, 1, 1, 1)
-        return self._scale_tensor[first:end]
+            values = [[k, v][:kv] for k, v in zip(self._k_scales, self._v_scales, strict=True)]
+            scales = self._scale_tensor = on_device(values, torch.float32, self.device).view(-1, kv, 1, 1, 1)
+        return scales[first:end]
 
     # transfers ---------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ _MAX_VIEWS = 64  # more distinct shapes than this (varying prefill lengths): sta
 class Scratch:
     """Flat tensors by name, and views and memos derived from them, on ``device``.
 
-    Not thread-safe: a `KVCache` takes one write at a time, as its buffers do anyway.
+    Not thread-safe: a `KVCache` holds a lock around each write that uses its scratch.
     """
 
     def __init__(self, device: torch.device) -> None:

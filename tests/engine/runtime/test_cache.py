@@ -545,3 +545,34 @@ def test_whole_blocks_with_skipped_tokens_and_small_chunks(monkeypatch: pytest.M
     check_write_read(cache, slots)
     assert_write_layers_equals_single_writes(
         lambda: allocate(make_plan(layout="LBNHC", kv_cache_dtype="fp8_per_token_head", num_blocks=20)), slots)
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "int4_per_token_head", "fp8", "auto"])
+def test_threads_writing_different_layers_write_the_bytes_of_serial_writes(dtype: str) -> None:
+    """The cache's scratch is shared: unguarded, one thread's encode overwrote another's cells before
+    their scatter (every mode, bytes silently wrong). Writes from several threads are serialized."""
+    import threading
+
+    plan = make_plan(layout="LBNHC", kv_cache_dtype=dtype, num_blocks=16, num_layers=4, num_kv_heads=4,
+                     head_size=64, block_size=16)
+    serial, threaded = allocate(plan), allocate(plan)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [(torch.randn(100, 4, 64, generator=gen).to(torch.bfloat16),
+               torch.randn(100, 4, 64, generator=gen).to(torch.bfloat16),
+               torch.randperm(256, generator=gen)[:100]) for _ in range(4)]
+    for layer, (k, v, s) in enumerate(inputs):
+        serial.write(layer, k, v, s)
+    start = threading.Barrier(4)
+
+    def run(layer: int) -> None:
+        start.wait()
+        for _ in range(10):
+            threaded.write(layer, *inputs[layer])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b in zip(serial.raw, threaded.raw, strict=True):
+        assert torch.equal(a, b)
