@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["KVCache"]
 
+_F32_TINY = torch.finfo(torch.float32).tiny
+_F32_MAX = torch.finfo(torch.float32).max
 _SMALL = 64  # decode-sized writes: up to this many slots (as engine.runtime.checks and cells)
 
 
@@ -108,13 +110,17 @@ class KVCache:
         return tuple(self._v_scales)
 
     def set_tensor_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
-        """Set layer ``layer``'s per-tensor K and V scales (positive, finite)."""
+        """Set layer ``layer``'s per-tensor K and V scales (positive, finite as fp32: the cache divides
+        and multiplies by them in fp32, as vLLM's kernels do)."""
         check_layer(layer, self.plan.num_layers)
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
                 math.isfinite(value) and value > 0
             ):
                 raise input_error(name, f"`{name}` must be a positive finite number, got `{value!r}`")
+            if not _F32_TINY <= value <= _F32_MAX:  # would be 0, subnormal or infinite in fp32
+                raise input_error(name, f"`{name}` `{value!r}` is outside fp32's normal range, where the cache "
+                                  "computes with it", f"use a scale in [{_F32_TINY:.3e}, {_F32_MAX:.3e}]")
         with self._write_lock:  # a write in another thread sees the old scales or the new, never a mix
             self._k_scales[layer] = float(k_scale)
             self._v_scales[layer] = float(v_scale)

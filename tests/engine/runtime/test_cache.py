@@ -142,6 +142,12 @@ def test_per_tensor_fp8_scales_are_per_layer_and_settable() -> None:
         cache.set_tensor_scales(0, 0.0, 1.0)
     with pytest.raises(InputError, match="v_scale"):
         cache.set_tensor_scales(0, 1.0, float("nan"))
+    # finite as Python floats, but 0 or infinite in the fp32 the cache computes with: every code would be
+    # +-448 or 0 (they were accepted and silently stored garbage)
+    for bad in (1e-300, 1e300, 1e-40):
+        with pytest.raises(InputError, match=r"k_scale.*fp32"):
+            cache.set_tensor_scales(0, bad, 1.0)
+    assert cache.k_scales[0] == 1.0
 
 
 @pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"])
