@@ -246,7 +246,8 @@ class KVCache:
         check_layer(layer, self.plan.num_layers)
         if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise input_error("dtype", f"cannot read into `{dtype}`", "use bfloat16, float16 or float32")
-        slots, _ = check_slots(slot_mapping, None, self.num_slots, self.device, allow_negative=False)
+        slots, _ = check_slots(slot_mapping, None, self.num_slots, self.device, allow_negative=False,
+                               distinct=False)
         with torch.no_grad():
             index = self.cells.index(layer, layer + 1, slots)
             rows = self.cells.rows[self.cells.buffer_of(layer)]

@@ -68,11 +68,12 @@ def _slot_tensor(slot_mapping: object, num_tokens: int | None, device: torch.dev
 
 
 def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, device: torch.device,
-                allow_negative: bool) -> tuple[torch.Tensor, bool]:
+                allow_negative: bool, distinct: bool = True) -> tuple[torch.Tensor, bool]:
     """A 1-D int32/int64 tensor of slots ``block * block_size + offset``; negative means skip when allowed.
 
-    Returns the slots as int64 and whether any is negative. Valid slots must
-    be distinct: two tokens in one cell would leave which one wins unspecified.
+    Returns the slots as int64 and whether any is negative. With ``distinct``
+    (writes), valid slots must be distinct: two tokens in one cell would leave
+    which one wins unspecified. Reads may name a slot twice (shared prefixes).
     The values are read on the host: on a GPU that waits for the device.
     """
     slots = _slot_tensor(slot_mapping, num_tokens, device)
@@ -82,11 +83,11 @@ def check_slots(slot_mapping: object, num_tokens: int | None, num_slots: int, de
         values = slots.tolist()
         lo, hi = min(values), max(values)
         valid = [v for v in values if v >= 0] if lo < 0 else values
-        repeated = len(set(valid)) != len(valid)
+        repeated = distinct and len(set(valid)) != len(valid)
     else:
         lo, hi = (int(v) for v in torch.aminmax(slots))
         valid_t = slots[slots >= 0] if lo < 0 else slots
-        repeated = valid_t.numel() > 1 and torch.unique(valid_t).numel() != valid_t.numel()
+        repeated = distinct and valid_t.numel() > 1 and torch.unique(valid_t).numel() != valid_t.numel()
     if hi >= num_slots or (lo < 0 and not allow_negative):
         bad = hi if hi >= num_slots else lo
         low = "a negative slot skips its token" if allow_negative else "slots must be >= 0"

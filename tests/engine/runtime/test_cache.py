@@ -283,6 +283,18 @@ def test_bad_reads_are_refused() -> None:
         cache.read(0, torch.tensor([1]), dtype=torch.int8)
 
 
+@pytest.mark.parametrize("tokens", [3, 100])
+def test_a_read_may_name_a_slot_twice(tokens: int) -> None:
+    """Two sequences sharing a prefix read the same slots; reads were refused as "the same slot twice"."""
+    cache = allocate(make_plan(kv_cache_dtype="int8_per_token_head", num_blocks=40))
+    key, value, slots = make_inputs(cache, list(range(tokens)))
+    cache.write(0, key, value, slots)
+    twice = torch.cat([slots, slots.flip(0)])
+    k, v = cache.read(0, twice)
+    once_k, once_v = cache.read(0, slots)
+    assert torch.equal(k, torch.cat([once_k, once_k.flip(0)])) and torch.equal(v, torch.cat([once_v, once_v.flip(0)]))
+
+
 def test_a_meta_cache_has_geometry_but_no_data() -> None:
     cache = allocate(make_plan(), "meta")
     key = torch.zeros(1, 2, 8, device="meta")
