@@ -94,6 +94,14 @@ class KVCacheSpec(Frozen):
     def _consistent(self) -> KVCacheSpec:
         if self.quant_mode is QuantMode.int4_per_token_head and self.head_size % 2:
             raise ValueError(f"int4_per_token_head packs two values a byte: head_size {self.head_size} must be even")
+        if self.quant_mode.is_per_token_head and self.quant_mode.packed_head_size(self.head_size) % 4:
+            # vLLM reads each inline scale through a float32 view of the cache (TRITON_ATTN's
+            # _ensure_scale_caches asserts it): the head's code bytes must be a multiple of 4
+            multiple = 8 if self.quant_mode is QuantMode.int4_per_token_head else 4
+            raise ValueError(
+                f"{self.kv_cache_dtype} keeps a 4-byte fp32 scale after each head's codes, which vLLM reads "
+                f"through a float32 view: head_size {self.head_size} must be a multiple of {multiple}"
+            )
         if self.kind is AttentionKind.mla and self.num_kv_heads != 1:
             raise ValueError("an MLA spec stores one latent head: num_kv_heads must be 1")
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:

@@ -65,9 +65,11 @@ COMBO_IDS = [f"{b}-{lay.replace('/', '-')}-{d}" for b, lay, d in COMBOS]
 
 # geometries off the easy path: odd cells (2- and 1-byte word fallbacks) and padded pages
 ODD = [
-    dict(head_size=6, kv_cache_dtype="int8_per_token_head"),  # cell 10 B: 2-byte words
+    # (per-token-head cells are multiples of 4 bytes: vLLM views their scales as float32)
+    dict(head_size=5, kv_cache_dtype="auto"),  # bf16 cell 10 B: 2-byte words
     dict(head_size=5, kv_cache_dtype="fp8"),  # cell 5 B: bytes
-    dict(head_size=6, kv_cache_dtype="int4_per_token_head"),  # cell 7 B
+    dict(head_size=3, kv_cache_dtype="fp8_e5m2"),  # cell 3 B
+    dict(kv_cache_dtype="int4_per_token_head", pad=1),  # 8-byte cells, odd page
     dict(kv_cache_dtype="auto", pad=6),  # bf16 page + 6 B
     dict(kv_cache_dtype="int8_per_token_head", pad=3),
     dict(kv_cache_dtype="int4_per_token_head", pad=64),

@@ -516,7 +516,7 @@ def test_whole_block_prefills_take_the_block_path_and_stay_exact(layout: str, dt
         lambda: allocate(make_plan(layout=layout, kv_cache_dtype=dtype, num_blocks=20)), WHOLE)
 
 
-BLOCK_ODD = [*(g for g in ODD if "pad" in g), dict(head_size=6, kv_cache_dtype="int4_per_token_head")]
+BLOCK_ODD = [*(g for g in ODD if "pad" in g), dict(head_size=5, kv_cache_dtype="fp8")]
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
@@ -594,3 +594,16 @@ def test_threads_writing_different_layers_write_the_bytes_of_serial_writes(dtype
         t.join()
     for a, b in zip(serial.raw, threaded.raw, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("dtype", "head_size"), [("int8_per_token_head", 6), ("fp8_per_token_head", 2),
+                                                  ("int4_per_token_head", 6), ("int4_per_token_head", 12)])
+def test_per_token_head_sizes_vllm_cannot_view_are_refused(dtype: str, head_size: int) -> None:
+    """vLLM reads each inline scale through a float32 view (TRITON_ATTN asserts 4-byte offsets): head_size 6
+    under int8, or 12 under int4, built a cache vLLM cannot use. Refused when the spec is made."""
+    from engine import LayoutEngine
+
+    with pytest.raises(InputError, match=f"head_size {head_size} must be a multiple of"):
+        LayoutEngine.default("vllm-0.34").build(
+            num_blocks=2, spec=dict(num_layers=1, block_size=16, num_kv_heads=1, head_size=head_size),
+            kv_cache_dtype=dtype, attention_backend="TRITON_ATTN")
