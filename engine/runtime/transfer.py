@@ -59,6 +59,9 @@ def offload(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], out: tor
               and out.device.type == "cpu" and out.is_contiguous()):
         got = f"`{out.dtype}` {tuple(out.shape)} on `{out.device}`" if isinstance(out, torch.Tensor) else "not a tensor"
         raise input_error("out", f"`out` is {got}; expected a contiguous CPU uint8 tensor of shape {shape}")
+    elif _shares_memory(out, cache):
+        raise input_error("out", "`out` is a view of this cache's own memory: the offload would overwrite the blocks "
+                          "it copies", "offload into a separate tensor (allocated by `offload` when `out` is None)")
     if n == 0:
         return out
     # On CUDA, gather into one contiguous device tensor, then one device-to-host copy into
@@ -108,6 +111,8 @@ def restore(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], data: to
         return
     with torch.no_grad():
         src = data.to(cache.device).contiguous()  # blocking: `data` may be reused
+        if _shares_memory(src, cache):  # blocks offloaded into the cache's own memory: copy them out first
+            src = src.clone()
         if src.storage_offset() % SCATTER_WIDTHS[0]:  # an odd slice of a larger tensor: realign, so the
             # widest words apply (narrower ones would make index_copy_ several times slower)
             src = src.clone()
@@ -118,6 +123,14 @@ def restore(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], data: to
             width = math.prod(tv.shape[1:])
             rows.index_copy_(0, ids, src[:, col : col + width].view(word).view(n, *rows.shape[1:]))
             col += width
+
+
+def _shares_memory(t: torch.Tensor, cache: BlockStore) -> bool:
+    """Whether ``t`` is a view of one of the cache's buffers (the same storage)."""
+    if t.device != cache.device:
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    return any(ptr == r.untyped_storage().data_ptr() for r in cache.raw)
 
 
 def _check_transferable(plan: LayoutPlan) -> None:

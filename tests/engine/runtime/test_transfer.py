@@ -132,3 +132,20 @@ def test_offload_fills_a_preallocated_buffer_and_checks_it() -> None:
         cache.offload([4], out=out)
     with pytest.raises(InputError, match="`out`"):
         cache.offload([4, 1], out=out.transpose(0, 1).contiguous().transpose(0, 1))
+
+
+def test_transfers_through_the_caches_own_memory() -> None:
+    """`out` (offload) or `data` (restore) viewing the cache's own bytes: torch's index ops raised a bare
+    RuntimeError ("some elements of the input tensor and the written-to tensor refer to a single memory
+    location"). Offloading into the cache is refused by name; restoring from it copies the data first."""
+    cache = allocate(make_plan(layout="LBNHC", kv_cache_dtype="int8_per_token_head", num_blocks=NUM_BLOCKS))
+    fill_random(cache, seed=4)
+    shape = (1, cache.plan.num_layers, cache.plan.page_size_bytes)
+    inside = cache.raw[0][: shape[1] * shape[2]].view(shape)
+    before = [r.clone() for r in cache.raw]
+    with pytest.raises(InputError, match="`out` is a view of this cache"):
+        cache.offload([2], out=inside)
+    assert all(torch.equal(r, b) for r, b in zip(cache.raw, before, strict=True))
+    want = inside.clone()
+    cache.restore([3], inside)
+    assert torch.equal(cache.offload([3]), want)
