@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -18,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fake_vllm import fake_vllm
 
 from engine import LayoutEngine
 from engine.integrations import vllm_plugin
@@ -25,7 +27,7 @@ from engine.integrations.vllm import StartupError
 from engine.integrations.vllm_plugin import Settings, decided_by, pick_profile
 from engine.integrations.vllm_resolver import kv_cache_groups, make_resolver, resolve, worker_candidates
 from policy import Layout
-from policy.errors import InputError
+from policy.errors import InputError, RuleLoadError
 from policy.releases import get_profile
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -123,8 +125,64 @@ def test_the_running_version_picks_the_profile() -> None:
     assert pick_profile("0.28.0").name == "vllm-0.28"
     assert pick_profile("0.33.1") is None and pick_profile("0.35.0") is None and pick_profile("0.22.0") is None
     assert pick_profile("0.33.1", "vllm-0.34").name == "vllm-0.34"  # the operator forces one
-    with pytest.raises(InputError, match="no profile for vLLM version"):
+    with pytest.raises(vllm_plugin.PluginError, match="names no kvpolicy release profile") as exc:
         pick_profile("0.33.1", "vllm-9")
+    # located at the variable the operator set, with the profiles to choose from
+    assert exc.value.diagnostics[0].file == "KVPOLICY_VLLM_PROFILE"
+    assert "vllm-0.34 (0.34.0)" in exc.value.render() and "vllm-0.28 (0.28.0)" in exc.value.render()
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enable", "ja"])
+def test_an_explain_setting_that_is_no_boolean_stops_start_up_named(value: str) -> None:
+    with pytest.raises(vllm_plugin.PluginError) as exc:
+        Settings.from_env({"KVPOLICY_RULES": "shipped", "KVPOLICY_EXPLAIN": value})
+    text = exc.value.render()
+    assert text.startswith(f"kvpolicy: KVPOLICY_EXPLAIN={value!r} is not a valid setting")
+    assert "KVPOLICY_EXPLAIN: error[invalid-setting]" in text and "help: set it to 1" in text
+    # unconfigured, the plugin reads nothing else and changes nothing
+    assert Settings.from_env({"KVPOLICY_EXPLAIN": value}).rules is None
+    for ok in ("1", "true", "YES", "on", "0", "false", "no", "off", " "):
+        Settings.from_env({"KVPOLICY_RULES": "shipped", "KVPOLICY_EXPLAIN": ok})
+
+
+def test_setting_errors_name_their_variable_and_leave_nothing_installed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with fake_vllm(tmp_path / "site") as vllm:
+        from vllm.v1.attention.backends import utils
+        from vllm.v1.engine import core
+
+        original = utils.resolve_kv_cache_layout
+        monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+        vllm_plugin.register()
+        assert vllm_plugin.status()["active"] and core.resolve_kv_cache_layout is not original
+        for variable, value, where in [("KVPOLICY_EXPLAIN", "maybe", "KVPOLICY_EXPLAIN: error[invalid-setting]"),
+                                       ("KVPOLICY_VLLM_PROFILE", "vllm-9", "KVPOLICY_VLLM_PROFILE: error[invalid")]:
+            monkeypatch.setenv(variable, value)
+            with caplog.at_level(logging.ERROR, logger="vllm.kvpolicy"), pytest.raises(vllm_plugin.PluginError) as exc:
+                vllm_plugin.register()
+            assert where in exc.value.render() and where in caplog.text
+            assert vllm_plugin.status() == {"active": False}
+            assert core.resolve_kv_cache_layout is original and utils.resolve_kv_cache_layout is original
+            monkeypatch.delenv(variable)
+            vllm_plugin.register()
+            assert vllm_plugin.status()["active"]
+        assert vllm.__version__ == "0.34.0"
+
+
+def test_a_rule_directory_that_does_not_load_names_the_variable_and_the_directory_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with fake_vllm(tmp_path / "site"):
+        monkeypatch.setenv("KVPOLICY_RULES", "site-rules")  # relative: this process's working directory
+        with pytest.raises(RuleLoadError) as exc:
+            vllm_plugin.register()
+        text = exc.value.render()
+        assert text.startswith(f"kvpolicy: the rules in KVPOLICY_RULES=site-rules (read as {tmp_path}/site-rules) "
+                               "do not load; vLLM must not start")
+        assert f"{tmp_path}/site-rules: error[no-rules-dir]: not a directory" in text
+        shutil.copytree(ROOT / "rules" / PROFILE, tmp_path / "site-rules")
+        vllm_plugin.register()
+        assert vllm_plugin.status()["rules"] == str(tmp_path / "site-rules")
 
 
 def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
