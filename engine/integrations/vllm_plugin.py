@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,9 @@ class Settings:
 
 # What this process has installed: the settings, the engine, and each (owner, attribute, vLLM's value).
 _state: dict[str, Any] = {"key": None, "engine": None, "patches": [], "hook": None, "logged": set()}
+# register/unregister read and replace vLLM's attributes and _state together: one thread at a time, or two
+# threads' installs interleave and a replaced attribute is never recorded (nor put back).
+_lock = threading.RLock()
 
 
 def pick_profile(version: str, forced: str | None = None) -> ReleaseProfile | None:
@@ -185,6 +189,11 @@ def _patch(owner: Any, attr: str, value: Any) -> None:
 def unregister() -> None:
     """Put back every vLLM attribute this process replaced (also where vLLM's engine core bound the
     resolver by name after the patch)."""
+    with _lock:
+        _unregister()
+
+
+def _unregister() -> None:
     for owner, attr, original in reversed(_state["patches"]):
         setattr(owner, attr, original)
     core = sys.modules.get("vllm.v1.engine.core")
@@ -282,7 +291,13 @@ def register() -> None:
     returns. Otherwise it picks the running vLLM's profile, loads the rules
     (fail-closed: an error stops start-up, every problem located) and installs
     the matching hook. Called again with the same settings it does nothing.
+    Thread-safe: concurrent calls run one after the other.
     """
+    with _lock:
+        _register()
+
+
+def _register() -> None:
     try:
         settings = Settings.from_env()
     except PluginError as exc:

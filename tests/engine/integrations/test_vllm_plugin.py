@@ -363,3 +363,63 @@ def test_the_decision_log_line_is_written_once(caplog: pytest.LogCaptureFixture)
     assert "KV cache layout LBHNC (per_layer, HND) decided by prefer `offloading-requires-lbhnc`" in lines[0]
     assert f"fingerprint {d.fingerprint.digest}" in lines[0]
     assert any(r.getMessage().startswith("kvpolicy: explanation\nlayout: LBHNC") for r in caplog.records)
+
+
+def test_register_from_many_threads_toggling_the_setting_restores_vllm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM calls register once per process and thread, but nothing stops a program from calling it
+    from several threads: every (owner, attribute) it replaces must be put back exactly."""
+    import os
+    import threading
+
+    with fake_vllm(tmp_path / "site"):
+        from vllm.v1.attention.backends import utils
+        from vllm.v1.engine import core
+
+        original = utils.resolve_kv_cache_layout
+        import builtins
+        import time
+
+        def slow_setattr(owner: Any, name: str, value: Any) -> None:
+            time.sleep(0.0005)  # widen the window between recording an attribute and replacing it
+            builtins.setattr(owner, name, value)
+
+        monkeypatch.setattr(vllm_plugin, "setattr", slow_setattr, raising=False)  # shadows the builtin there
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(8)
+        env_lock = threading.Lock()  # os.environ.pop is not atomic
+
+        def toggle(i: int) -> None:
+            barrier.wait()
+            for j in range(30):
+                try:
+                    with env_lock:
+                        if (i + j) % 3:
+                            os.environ["KVPOLICY_RULES"] = "shipped"
+                        else:
+                            os.environ.pop("KVPOLICY_RULES", None)
+                    vllm_plugin.register()
+                except BaseException as exc:  # pragma: no cover - what the test looks for
+                    errors.append(exc)
+
+        monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+        try:
+            threads = [threading.Thread(target=toggle, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            sys.setswitchinterval(previous)
+        assert not errors
+        os.environ["KVPOLICY_RULES"] = "shipped"
+        vllm_plugin.register()
+        assert len(vllm_plugin._state["patches"]) == 2
+        assert core.resolve_kv_cache_layout is utils.resolve_kv_cache_layout
+        assert core.resolve_kv_cache_layout.__wrapped__ is original
+        del os.environ["KVPOLICY_RULES"]
+        vllm_plugin.register()
+        assert core.resolve_kv_cache_layout is original and utils.resolve_kv_cache_layout is original
+        assert vllm_plugin._state["patches"] == []
