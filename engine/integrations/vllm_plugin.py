@@ -236,16 +236,30 @@ def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
         major = getattr(cap, "major", None)
         return major if isinstance(major, int) else None
 
-    def connector_layout(vllm_config: Any) -> str | None:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+    def connector_layouts(vllm_config: Any) -> list[tuple[str, Any]]:
+        """(``kv_connector``, ``get_required_kvcache_layout``) of every configured connector, a
+        MultiConnector's members (recursively) instead of the MultiConnector, each with the config
+        vLLM's MultiConnector gives it: what vLLM's get_kv_connector_cache_layout asks."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        return get_kv_connector_cache_layout(vllm_config)
+        out: list[tuple[str, Any]] = []
+        stack = [vllm_config]
+        while stack:
+            config = stack.pop()
+            ktc = config.kv_transfer_config
+            cls = KVConnectorFactory.get_connector_class(ktc)
+            members = getattr(cls, "_get_connector_classes_and_configs", None)
+            if members is not None and ktc.kv_connector_extra_config.get("connectors"):
+                stack.extend(reversed([sub for _, sub in members(config)]))
+            else:
+                out.append((ktc.kv_connector, cls.get_required_kvcache_layout(config)))
+        return out
 
     from engine.integrations.vllm_resolver import make_resolver
 
     resolver = make_resolver(original, engine, layout_type=KVCacheLayout,
                              vllm_kv_cache_layout=lambda: getattr(envs, "VLLM_KV_CACHE_LAYOUT", None),
-                             device_capability=capability, connector_layout=connector_layout,
+                             device_capability=capability, connector_layouts=connector_layouts,
                              explain=settings.explain, on_decision=lambda d: _log_decision(d, settings.explain))
     _patch(backend_utils, "resolve_kv_cache_layout", resolver)
     core = sys.modules.get("vllm.v1.engine.core")

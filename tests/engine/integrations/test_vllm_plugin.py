@@ -324,6 +324,81 @@ def test_a_connector_without_rules_keeps_its_required_layout() -> None:
     assert asked == []
 
 
+def test_a_connector_may_require_a_legacy_head_order_name() -> None:
+    """vLLM 0.34 still reads NHD/HND as LBNHC/LBHNC (its get_required_kvcache_layout docstring still says
+    "e.g. HND, or NHD"): a third-party connector asking for HND gets LBHNC, as without kvpolicy."""
+    d = resolve(ENGINE, config("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layout=lambda: "HND")
+    assert d.layout is Layout.LBHNC and "vllm-own-layout.mystoreconnector" in decided_by(d)
+    assert resolve(ENGINE, config("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                   connector_layout=lambda: "NHD").layout is Layout.LBNHC
+
+
+def test_a_connector_requiring_a_layout_vllm_does_not_know_stops_start_up_located() -> None:
+    with pytest.raises(StartupError) as exc:  # vLLM: ValueError("Unknown KV cache layout 'XYZ'")
+        resolve(ENGINE, config("MyStoreConnector"), [DEFAULT], [FullAttentionSpec()], connector_layout=lambda: "XYZ")
+    assert exc.value.diagnostics[0].location == "<vllm:MyStoreConnector.get_required_kvcache_layout>"
+    assert exc.value.diagnostics[0].code == "unknown-layout" and "returned `XYZ`" in str(exc.value)
+    # asked only while VLLM_KV_CACHE_LAYOUT is unset, as vLLM asks
+    assert resolve(ENGINE, config("MyStoreConnector"), [DEFAULT], [FullAttentionSpec()], connector_layout=lambda: "XYZ",
+                   vllm_kv_cache_layout="LBHNC").layout is Layout.LBHNC
+
+
+def _multi(*names: str) -> SimpleNamespace:
+    return config("MultiConnector", {"connectors": [{"kv_connector": n} for n in names]})
+
+
+def test_multiconnector_members_without_rules_keep_their_required_layouts() -> None:
+    """vLLM's MultiConnector.get_required_kvcache_layout asks every member; a member the rules have no
+    file for keeps its answer (in its own scope), as a plain connector without rules does."""
+    asked: list[int] = []
+
+    def members(answers: dict[str, str | None]):
+        def reported() -> list[tuple[str, Any]]:
+            asked.append(1)
+            return list(answers.items())
+        return reported
+
+    d = resolve(ENGINE, _multi("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layouts=members({"MyStoreConnector": "BLHNC"}))
+    assert d.layout is Layout.BLHNC and "<vllm:MyStoreConnector.get_required_kvcache_layout>" in decided_by(d)
+    # with a member the rules know (OffloadingConnector prefers LBHNC): both ask for it
+    d = resolve(ENGINE, _multi("OffloadingConnector", "MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layouts=members({"OffloadingConnector": "LBHNC", "MyStoreConnector": "LBHNC"}))
+    assert d.layout is Layout.LBHNC
+    d = resolve(ENGINE, _multi("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layouts=members({"MyStoreConnector": "HND"}))
+    assert d.layout is Layout.LBHNC
+    # members that disagree, even only in how they write it: vLLM's "KV cache layout mismatch"
+    for other in ("BLHNC", "HND"):
+        with pytest.raises(StartupError, match="require different KV cache layouts") as exc:
+            resolve(ENGINE, _multi("OffloadingConnector", "MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                    connector_layouts=members({"OffloadingConnector": "LBHNC", "MyStoreConnector": other}))
+        assert [d.location for d in exc.value.diagnostics] == [
+            "<vllm:MyStoreConnector.get_required_kvcache_layout>",
+            "<vllm:OffloadingConnector.get_required_kvcache_layout>"]
+        assert {d.code for d in exc.value.diagnostics} == {"layout-mismatch"}
+    # a member without a requirement, VLLM_KV_CACHE_LAYOUT set, or every member known: nothing asked
+    asked.clear()
+    assert resolve(ENGINE, _multi("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                   connector_layouts=members({"MyStoreConnector": None})).layout is Layout.LBNHC
+    assert len(asked) == 1
+    resolve(ENGINE, _multi("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()], vllm_kv_cache_layout="LBHNC",
+            connector_layouts=members({"MyStoreConnector": "BLHNC"}))
+    resolve(ENGINE, _multi("OffloadingConnector"), [FLASHINFER], [FullAttentionSpec()],
+            connector_layouts=members({"OffloadingConnector": "BLHNC"}))
+    assert len(asked) == 1
+    # two members of one name that require different layouts (vLLM: mismatch)
+    with pytest.raises(StartupError, match="require different KV cache layouts"):
+        resolve(ENGINE, _multi("MyStoreConnector", "MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layouts=lambda: [("MyStoreConnector", "LBHNC"), ("MyStoreConnector", "BLHNC")])
+
+
+def test_workers_may_report_legacy_head_order_names() -> None:
+    release = get_profile(PROFILE)
+    assert worker_candidates(release, [["NHD", "HND"]]) == (Layout.LBNHC, Layout.LBHNC)
+
+
 class _Enum:
     """vLLM's KVCacheLayout: members by name."""
 
