@@ -55,6 +55,7 @@ from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec,
 __all__ = [
     "OWN_LAYOUT_WEIGHT",
     "VLLM_LAYOUT_ALIASES",
+    "check_vllm_requirements",
     "kv_cache_groups",
     "make_resolver",
     "resolve",
@@ -335,6 +336,48 @@ def _with_connector_layouts(ruleset: RuleSet, wanted: dict[str, Layout]) -> Rule
                          order_declared=ruleset.order_declared)
 
 
+# vLLM's own narrowing of the candidates in resolve_kv_cache_layout (vllm/v1/attention/backends/utils.py):
+# not a preference but what its allocation needs. The shipped rules carry each as a rule of the same id;
+# a rule set written without one would otherwise hand vLLM a layout it never resolves to itself.
+# (fields that must all hold, the layout property vLLM then requires, the shipped rule, why)
+_VLLM_REQUIREMENTS: tuple[tuple[tuple[str, ...], str, str, str], ...] = (
+    (("groups.mixed_hnc_shapes",), "is_block_compact", "mixed-hnc-shapes-need-block-compact",
+     "specs with mixed (heads, tokens per block, page bytes) shapes alias one block's bytes, which needs a "
+     "block-compact layout"),
+    (("groups.dcp_mixed_page_sizes",), "is_block_outermost", "dcp-mixed-page-sizes-need-block-outermost",
+     "a DCP-sharded target beside a replicated draft with another page size needs a block-outermost layout"),
+    (("cache.enable_extensible_kv_cache", "connector.present"), "is_block_compact",
+     "extensible-kv-cache-with-connector-needs-block-compact",
+     "an extensible KV cache with a KV connector needs a block-compact layout"),
+)
+
+
+def check_vllm_requirements(decision: Decision) -> None:
+    """Raise `StartupError` when ``decision.layout`` breaks one of vLLM's own requirements on the layout
+    (`_VLLM_REQUIREMENTS`): the answer is then none of the candidates vLLM itself would choose from, and
+    the rule set lacks the rule standing for that requirement. Never raises for the shipped rules."""
+    env = decision.context.env()
+    layout = decision.layout
+    broken = [(prop, rule_id, why) for fields, prop, rule_id, why in _VLLM_REQUIREMENTS
+              if all(env.get(f) is True for f in fields) and not getattr(layout, prop)]
+    if not broken:
+        return
+    diags = [Diagnostic(p.rule.source.file, p.rule.source.line, p.rule.source.col, "vllm-requirement",
+                        f"rule `{p.rule.id}` ({p.scope}) prefers {layout}")
+             for p in decision.preferences if p.layout is layout]
+    if not diags:
+        diags.append(Diagnostic("<vllm:resolve_kv_cache_layout>", 0, 0, "vllm-requirement",
+                                f"{layout} is the first of the workers' candidates, and no rule removed it"))
+    for prop, rule_id, why in broken:
+        diags.append(Diagnostic("<vllm:resolve_kv_cache_layout>", 0, 0, "vllm-requirement",
+                                f"{why}; {layout} is not {prop.removeprefix('is_').replace('_', '-')}",
+                                f"this rule set has no rule for it: add the shipped rule `{rule_id}` "
+                                f"(rules/{decision.context.profile}/global.yaml), or start from a copy of the "
+                                "shipped rules"))
+    raise StartupError(f"kvpolicy: the rules chose {layout}, which vLLM (profile {decision.context.profile}) cannot "
+                       "use for this model; vLLM must not start:", diags)
+
+
 def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[Sequence[str]],
             kv_cache_specs: Iterable[Any] | None, *, vllm_kv_cache_layout: str | None = None,
             device_capability: int | None = None, connector_layout: Callable[[], str | None] | None = None,
@@ -377,6 +420,7 @@ def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[
     if decision.layout not in ctx.candidates:  # pragma: no cover - the release filter makes this impossible
         raise StartupError(f"kvpolicy: the rules chose {decision.layout}, which not every worker supports "
                            f"({', '.join(str(x) for x in ctx.candidates)})")
+    check_vllm_requirements(decision)
     return decision
 
 

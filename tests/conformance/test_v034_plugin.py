@@ -50,6 +50,7 @@ from test_v034_decisions import (
 )
 
 from engine import LayoutEngine
+from policy import Layout
 from policy.errors import NoLayoutError, PolicyError
 
 VERSION = "0.34.0"
@@ -115,6 +116,15 @@ SITE_IMPOSSIBLE = """
   - id: site-needs-lhbnc
     description: and heads outside blocks
     require: {layout: LHBNC}
+"""
+# A rule set written from scratch, not from a copy of the shipped rules: it has none of the rules standing
+# for vLLM's own narrowing of the candidates.
+SCRATCH = """version: 1
+rules:
+  - id: site-prefers-lhbnc
+    description: this site's transfer engine likes heads outside blocks
+    prefer: {layout: LHBNC}
+    weight: 50
 """
 SITE_BROKEN = """
   - id: site-typo
@@ -203,13 +213,18 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         "lbhnc": _rule_dir(tmp, "lbhnc", "global.yaml", SITE_LBHNC),
         "impossible": _rule_dir(tmp, "impossible", "global.yaml", SITE_IMPOSSIBLE),
         "broken": _rule_dir(tmp, "broken", "global.yaml", SITE_BROKEN),
+        "scratch": tmp / "scratch",
     }
+    dirs["scratch"].mkdir()
+    (dirs["scratch"] / "global.yaml").write_text(SCRATCH)
     space = input_space()
     third_party = third_party_space()
     connector_planes = space[-23_472:]  # planes B, C, D: input_space lists plane A first
     assert all(c["conn"] in ("none", "Offloading") for c in space[:-23_472])
     lbhnc_sample = space[::LBHNC_EVERY]
     core_sample = space[::ENGINE_CORE_EVERY]
+    scratch_sample = [c for c in space if c["specs"] in SCRATCH_SPECS and c["conn"] in ("none", "Offloading")
+                      and c["env"] is None]
     shipped = {"KVPOLICY_RULES": "shipped"}
     plan: list[tuple[str, Any]] = [
         ("off", _plugin({})),
@@ -231,6 +246,9 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         ("impossible", _plugin({"KVPOLICY_RULES": str(dirs["impossible"])})),
         *(("site-impossible", {"decide": oracle_case(c)}) for c in space[::4_000]),
         ("impossible-core", {"engine_core": oracle_case(space[0])}),
+        ("scratch", _plugin({"KVPOLICY_RULES": str(dirs["scratch"])})),
+        *(("site-scratch", {"decide": oracle_case(c), "baseline": True}) for c in scratch_sample),
+        ("scratch-core", {"engine_core": oracle_case(next(c for c in scratch_sample if c["specs"] == "mixed-heads"))}),
         ("broken", _plugin({"KVPOLICY_RULES": str(dirs["broken"])})),
         ("unknown-version", _plugin(shipped, log_level="INFO", version="0.33.1")),
         ("forced", _plugin({**shipped, "KVPOLICY_VLLM_PROFILE": "vllm-0.34"}, version="0.33.1")),
@@ -246,7 +264,7 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         assert not answer.get("oracle"), (label, answer)
         by.setdefault(label, []).append(answer)
     return {"by": by, "dirs": dirs, "space": space, "connector_planes": connector_planes, "third_party": third_party,
-
+            "scratch_sample": scratch_sample,
             "lbhnc_sample": lbhnc_sample, "core_sample": core_sample, "seconds": seconds}
 
 
@@ -418,6 +436,59 @@ def test_an_impossible_rule_set_stops_start_up_located(run: dict[str, Any], caps
     assert core["resolved"] is None and core["distributed"] is None and core["error"] == errors[0]
     with capsys.disabled():
         print("\nan impossible site rule set, through EngineCore._initialize_kv_caches:\n  " + errors[0])
+
+
+# spec set -> (the shipped rule standing for vLLM's narrowing, the layout property it requires)
+SCRATCH_SPECS = {"one": None, "mixed-heads": ("mixed-hnc-shapes-need-block-compact", "block_compact"),
+                 "mixed-shape-same-page": ("mixed-hnc-shapes-need-block-compact", "block_compact"),
+                 "dcp-draft": ("dcp-mixed-page-sizes-need-block-outermost", "block_outermost")}
+
+
+def _is(layout: str, prop: str) -> bool:
+    return getattr(Layout(layout), f"is_{prop}")
+
+
+def test_rules_without_vllms_own_checks_never_answer_outside_vllms_candidates(run: dict[str, Any],
+                                                                               capsys: Any) -> None:
+    """An operator rule set written from scratch prefers LHBNC and has no rule for vLLM's own narrowing
+    (mixed HNC shapes: block-compact; DCP with a replicated draft: block-outermost; the extensible KV
+    cache with a connector: block-compact). Where vLLM narrows, the plugin answers one of vLLM's
+    candidates or stops start-up naming the missing requirement; elsewhere the site's preference holds."""
+    rule_file = str(run["dirs"]["scratch"] / "global.yaml")
+    cases, answers = run["scratch_sample"], run["by"]["site-scratch"]
+    assert len(cases) == len(answers) > 500
+    stopped, preferred, diffs = 0, 0, []
+    for case, answer in zip(cases, answers):
+        plugin, vllm = answer["plugin"], answer["vllm"]
+        if plugin.get("before"):
+            continue
+        needs = [] if SCRATCH_SPECS[case["specs"]] is None else [SCRATCH_SPECS[case["specs"]]]
+        if case["ext"] and case["conn"] != "none":
+            needs.append(("extensible-kv-cache-with-connector-needs-block-compact", "block_compact"))
+        if "layout" in plugin:
+            broken = [rule for rule, prop in needs if not _is(plugin["layout"], prop)]
+            if broken:
+                diffs.append(f"{_shown(case)}: {plugin['layout']} breaks vLLM's {broken}")
+            preferred += plugin["layout"] == "LHBNC"
+        elif "error[vllm-requirement]" in plugin["error"]:
+            stopped += 1
+            if not any(f"`{rule}`" in plugin["error"] for rule, _ in needs):
+                diffs.append(f"{_shown(case)}: {plugin['error'][:300]}")
+            site = f"{rule_file}:3:5: error[vllm-requirement]: rule `site-prefers-lhbnc` (global) prefers LHBNC"
+            others = ("is the first of the workers' candidates, and no rule removed it",
+                      "error[vllm-requirement]: rule `vllm-own-layout.offloadingconnector`")
+            if site not in plugin["error"] and not any(o in plugin["error"] for o in others):
+                diffs.append(f"{_shown(case)}: the refusal does not say what chose it: {plugin['error'][:300]}")
+        elif "error" not in vllm:
+            diffs.append(f"{_shown(case)}: vLLM {vllm['layout']}, plugin {plugin['error'][:300]}")
+    with capsys.disabled():
+        print(f"\na rule set written from scratch (prefer LHBNC, none of vLLM's checks): {len(cases)} cases, "
+              f"{preferred} get LHBNC where vLLM allows it, {stopped} stop start-up naming vLLM's requirement")
+    assert not diffs, "\n".join(diffs[:25])
+    assert preferred > 20 and stopped > 500
+    core = run["by"]["scratch-core"][0]
+    assert core["resolved"] is None and core["distributed"] is None
+    assert "`mixed-hnc-shapes-need-block-compact`" in core["error"] and core["error"].startswith("StartupError: ")
 
 
 def test_rules_that_do_not_load_stop_the_plugin_located(run: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from engine.integrations import vllm_plugin
 from engine.integrations.vllm import StartupError
 from engine.integrations.vllm_plugin import Settings, decided_by, pick_profile
 from engine.integrations.vllm_resolver import kv_cache_groups, make_resolver, resolve, worker_candidates
-from policy import Layout
+from policy import Layout, load_rules_from_texts
 from policy.errors import InputError, RuleLoadError
 from policy.releases import get_profile
 
@@ -397,6 +397,43 @@ def test_multiconnector_members_without_rules_keep_their_required_layouts() -> N
 def test_workers_may_report_legacy_head_order_names() -> None:
     release = get_profile(PROFILE)
     assert worker_candidates(release, [["NHD", "HND"]]) == (Layout.LBNHC, Layout.LBHNC)
+
+
+def _site(rules: str) -> LayoutEngine:
+    """An operator's rule set written from scratch (without the shipped rules' copies of vLLM's checks)."""
+    return LayoutEngine(load_rules_from_texts({"global.yaml": "version: 1\nrules:\n" + rules}), vllm_version=PROFILE)
+
+
+PREFER_LHBNC = """
+  - id: site-prefers-lhbnc
+    description: this site's transfer engine likes heads outside blocks
+    prefer: {layout: LHBNC}
+    weight: 50
+"""
+
+
+@pytest.mark.parametrize("cfg, specs, requirement", [
+    (config(), [FullAttentionSpec(), SlidingWindowSpec(num_kv_heads=4)], "mixed-hnc-shapes-need-block-compact"),
+    (config(), [FullAttentionSpec(), FullAttentionSpec(head_size=64, dcp_sharded=False)],
+     "dcp-mixed-page-sizes-need-block-outermost"),
+    (config("OffloadingConnector", extensible=True), [FullAttentionSpec()],
+     "extensible-kv-cache-with-connector-needs-block-compact"),
+])
+def test_rules_without_vllms_own_checks_cannot_hand_vllm_a_layout_it_cannot_use(
+        cfg: SimpleNamespace, specs: list[Any], requirement: str) -> None:
+    """vLLM narrows its candidates (mixed HNC shapes, DCP with a replicated draft, extensible cache with a
+    connector); a rule set without the rules standing for that must not answer outside them."""
+    engine = _site(PREFER_LHBNC)
+    assert resolve(engine, config(), [DEFAULT], [FullAttentionSpec()]).layout is Layout.LHBNC  # nothing to narrow
+    with pytest.raises(StartupError) as exc:
+        resolve(engine, cfg, [DEFAULT], specs)
+    text = str(exc.value)
+    assert text.startswith("kvpolicy: the rules chose LHBNC, which vLLM (profile vllm-0.34) cannot use for this "
+                           "model; vLLM must not start:")
+    assert "global.yaml:4:5: error[vllm-requirement]: rule `site-prefers-lhbnc` (global) prefers LHBNC" in text
+    assert "<vllm:resolve_kv_cache_layout>: error[vllm-requirement]:" in text and f"`{requirement}`" in text
+    # the shipped rules carry the requirement: the same inputs get one of vLLM's own candidates
+    assert resolve(ENGINE, cfg, [DEFAULT], specs).layout is not Layout.LHBNC
 
 
 class _Enum:
