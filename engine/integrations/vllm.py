@@ -69,6 +69,7 @@ from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec,
 __all__ = [
     "OWN_PREFERENCE_WEIGHT",
     "StartupError",
+    "check_cross_layer",
     "check_head_order",
     "connector_config",
     "connector_name",
@@ -469,9 +470,54 @@ def check_head_order(decision: Decision, vllm_head_order: str) -> None:
                        f"{decision.fingerprint.digest}), which vLLM cannot allocate:", diags)
 
 
+# What vLLM's cross-layer allocation (KVConnectorModelRunnerMixin.allocate_uniform_kv_caches, 0.24-0.28)
+# needs, whatever the rules prefer: it lays out attn_groups[0][0] alone (asserting one kernel block size and
+# an AttentionSpec), and a backend that does not index KV by the block stride gives no block-outermost
+# buffer. (condition on the decision's context, the shipped rule standing for it, what goes wrong)
+_CROSS_LAYER_NEEDS: tuple[tuple[Callable[[dict[str, Any]], bool], str, str], ...] = (
+    (lambda env: env["groups.count"] != 1, "cross-layer-needs-one-kv-cache-group",
+     "more than one KV cache group: vLLM's cross-layer allocation asserts one (AssertionError at start-up)"),
+    (lambda env: env["groups.attention_groups"] != 1, "cross-layer-needs-one-attention-group",
+     "more than one attention group: vLLM's cross-layer allocation shapes every layer for the first group's "
+     "backend"),
+    (lambda env: env["kv.kind"] == "mamba" or env.get("groups.has_mamba") is True,
+     "cross-layer-needs-attention-spec",
+     "a Mamba state: vLLM's cross-layer allocation asserts an attention spec (AssertionError at start-up)"),
+    (lambda env: env["backend.indexes_kv_by_block_stride"] is False, "cross-layer-needs-block-stride-indexing",
+     "the backend does not index KV by the block stride: vLLM's cross-layer buffer would keep layers "
+     "outermost, not the decided layout"),
+    (lambda env: env["kv.per_token_head"] is True and env["backend.scale_views"] == "assume_per_layer_contiguous",
+     "per-token-head-forbids-cross-layer",
+     "per-token-head scales on a backend whose scale views assume per-layer buffers: every layer's scales on "
+     "the same bytes (vLLM issue #48412)"),
+)
+
+
+def check_cross_layer(decision: Decision) -> None:
+    """Raise `StartupError` when ``decision`` is cross-layer where vLLM cannot allocate it (`_CROSS_LAYER_NEEDS`):
+    a rule set without the shipped rules standing for vLLM's gate would otherwise make vLLM crash at
+    start-up or allocate another layout than the decided one. Never raises for the shipped rules."""
+    if decision.layout.placement is not Placement.cross_layer:
+        return
+    env = decision.context.env()
+    broken = [(rule_id, why) for test, rule_id, why in _CROSS_LAYER_NEEDS if test(env)]
+    if not broken:
+        return
+    diags = [Diagnostic(p.rule.source.file, p.rule.source.line, p.rule.source.col, "vllm-requirement",
+                        f"rule `{p.rule.id}` ({p.scope}) prefers {decision.layout}")
+             for p in decision.preferences if p.layout is decision.layout]
+    diags += [Diagnostic("<vllm:allocate_uniform_kv_caches>", 0, 0, "vllm-requirement", why,
+                         f"this rule set has no rule for it: add the shipped rule `{rule_id}` "
+                         f"(rules/{decision.context.profile}/global.yaml), or start from a copy of the shipped rules")
+              for rule_id, why in broken]
+    raise StartupError(f"kvpolicy: the rules chose the cross-layer {decision.layout}, which vLLM (profile "
+                       f"{decision.context.profile}) cannot allocate for this model; vLLM must not start:", diags)
+
+
 def _gate_decision(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, engine: LayoutEngine | None,
                    cache_dtype: str | None, vllm_kv_cache_layout: str | None = None) -> Decision | None:
-    """`decide`, or None (and a warning) when kvpolicy cannot describe the KV cache."""
+    """`decide`, or None (and a warning) when kvpolicy cannot describe the KV cache; `StartupError` for a
+    cross-layer decision vLLM cannot allocate (`check_cross_layer`)."""
     try:
         decision = decide(attn_groups, transfer_group, engine=engine, cache_dtype=cache_dtype,
                           vllm_kv_cache_layout=vllm_kv_cache_layout)
@@ -480,6 +526,7 @@ def _gate_decision(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, en
             raise  # an engine for a release without the gate: a configuration error, not an input to guard
         logger.warning("kvpolicy: cannot describe vLLM's KV cache, keeping per-layer buffers\n%s", exc.render())
         return None
+    check_cross_layer(decision)
     if (decision.layout.placement is Placement.cross_layer and transfer_group is not None
             and not _own_preference(transfer_group)):
         logger.warning("kvpolicy: the rules choose %s although %s.prefer_cross_layer_blocks is false; "

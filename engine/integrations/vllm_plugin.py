@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,7 @@ from typing import Any
 from engine.decide import RELEASE_CANDIDATES
 from engine.decision import Decision
 from engine.layout_engine import LayoutEngine, shipped_rules_dir
-from policy.errors import PolicyError, RuleLoadError
+from policy.errors import Diagnostic, PolicyError, RuleLoadError
 from policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
 
 __all__ = [
@@ -65,6 +66,7 @@ ENV_PROFILE = "KVPOLICY_VLLM_PROFILE"
 SHIPPED = "shipped"
 _OFF = {"", "0", "off", "false", "no", "none", "disabled"}
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
 
 # Under vLLM's logger tree, so the lines appear in vLLM's log with its format and level.
 log = logging.getLogger("vllm.kvpolicy")
@@ -72,6 +74,12 @@ log = logging.getLogger("vllm.kvpolicy")
 
 class PluginError(PolicyError, RuntimeError):
     """The plugin's configuration is wrong (a profile that does not fit the running vLLM); start-up stops."""
+
+
+def _setting_error(variable: str, value: str, message: str, help: str) -> PluginError:
+    """A `PluginError` located at the environment variable that holds the wrong setting."""
+    return PluginError(f"kvpolicy: {variable}={value!r} is not a valid setting; vLLM must not start:",
+                       [Diagnostic(variable, 0, 0, "invalid-setting", message, help)])
 
 
 @dataclass(frozen=True)
@@ -84,22 +92,40 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """The settings in ``env`` (default: the process environment). Raises `PluginError`, located at
+        the variable, for a ``KVPOLICY_EXPLAIN`` that is not a boolean while ``KVPOLICY_RULES`` is set
+        (unconfigured, the plugin reads nothing else and changes nothing)."""
         env = os.environ if env is None else env
         rules = env.get(ENV_RULES, "").strip()
-        return cls(rules=None if rules.lower() in _OFF else rules,
-                   explain=env.get(ENV_EXPLAIN, "").strip().lower() in _TRUE,
+        explain = env.get(ENV_EXPLAIN, "").strip().lower()
+        configured = rules.lower() not in _OFF
+        if configured and explain not in _TRUE | _FALSE:
+            raise _setting_error(ENV_EXPLAIN, env.get(ENV_EXPLAIN, ""), "not a boolean",
+                                 f"set it to 1 to log each decision's explanation, or to 0 (or unset it); "
+                                 f"accepted: {', '.join(sorted(_TRUE | (_FALSE - {''})))}")
+        return cls(rules=rules if configured else None, explain=explain in _TRUE,
                    profile=env.get(ENV_PROFILE, "").strip() or None)
 
 
 # What this process has installed: the settings, the engine, and each (owner, attribute, vLLM's value).
 _state: dict[str, Any] = {"key": None, "engine": None, "patches": [], "hook": None, "logged": set()}
+# register/unregister read and replace vLLM's attributes and _state together: one thread at a time, or two
+# threads' installs interleave and a replaced attribute is never recorded (nor put back).
+_lock = threading.RLock()
 
 
 def pick_profile(version: str, forced: str | None = None) -> ReleaseProfile | None:
     """The release profile for the running vLLM ``version``: the forced one, else the profile that lists
-    that version (a local suffix such as ``+cu129`` ignored), else None (no profile answers for it)."""
+    that version (a local suffix such as ``+cu129`` ignored), else None (no profile answers for it).
+    A forced name that is no profile raises `PluginError` located at ``KVPOLICY_VLLM_PROFILE``."""
     if forced:
-        return get_profile(forced)
+        try:
+            return get_profile(forced)
+        except PolicyError:
+            known = "; ".join(f"{p.name} ({', '.join(p.vllm_versions) or 'historical'})" for p in iter_profiles())
+            raise _setting_error(ENV_PROFILE, forced, f"`{forced}` names no kvpolicy release profile",
+                                 f"profiles: {known}; or unset {ENV_PROFILE} to pick the running vLLM's "
+                                 "profile") from None
     base = version.split("+")[0]
     for profile in iter_profiles():
         if not profile.historical and base in profile.vllm_versions:
@@ -107,12 +133,17 @@ def pick_profile(version: str, forced: str | None = None) -> ReleaseProfile | No
     return None
 
 
+def _rules_path(rules: str) -> Path:
+    """``KVPOLICY_RULES`` as an absolute path: a relative one is resolved against this process's working
+    directory, so every message (and every vLLM process's log) names the directory actually read."""
+    return Path(rules).expanduser().absolute()
+
+
 def _engine(settings: Settings, profile: ReleaseProfile) -> LayoutEngine:
     assert settings.rules is not None
     if settings.rules.lower() == SHIPPED:
         return LayoutEngine.default(profile)
-    path = Path(settings.rules).expanduser()
-    return LayoutEngine.from_path(path, vllm_version=profile)
+    return LayoutEngine.from_path(_rules_path(settings.rules), vllm_version=profile)
 
 
 def decided_by(decision: Decision) -> str:
@@ -158,6 +189,11 @@ def _patch(owner: Any, attr: str, value: Any) -> None:
 def unregister() -> None:
     """Put back every vLLM attribute this process replaced (also where vLLM's engine core bound the
     resolver by name after the patch)."""
+    with _lock:
+        _unregister()
+
+
+def _unregister() -> None:
     for owner, attr, original in reversed(_state["patches"]):
         setattr(owner, attr, original)
     core = sys.modules.get("vllm.v1.engine.core")
@@ -200,16 +236,30 @@ def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
         major = getattr(cap, "major", None)
         return major if isinstance(major, int) else None
 
-    def connector_layout(vllm_config: Any) -> str | None:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+    def connector_layouts(vllm_config: Any) -> list[tuple[str, Any]]:
+        """(``kv_connector``, ``get_required_kvcache_layout``) of every configured connector, a
+        MultiConnector's members (recursively) instead of the MultiConnector, each with the config
+        vLLM's MultiConnector gives it: what vLLM's get_kv_connector_cache_layout asks."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        return get_kv_connector_cache_layout(vllm_config)
+        out: list[tuple[str, Any]] = []
+        stack = [vllm_config]
+        while stack:
+            config = stack.pop()
+            ktc = config.kv_transfer_config
+            cls = KVConnectorFactory.get_connector_class(ktc)
+            members = getattr(cls, "_get_connector_classes_and_configs", None)
+            if members is not None and ktc.kv_connector_extra_config.get("connectors"):
+                stack.extend(reversed([sub for _, sub in members(config)]))
+            else:
+                out.append((ktc.kv_connector, cls.get_required_kvcache_layout(config)))
+        return out
 
     from engine.integrations.vllm_resolver import make_resolver
 
     resolver = make_resolver(original, engine, layout_type=KVCacheLayout,
                              vllm_kv_cache_layout=lambda: getattr(envs, "VLLM_KV_CACHE_LAYOUT", None),
-                             device_capability=capability, connector_layout=connector_layout,
+                             device_capability=capability, connector_layouts=connector_layouts,
                              explain=settings.explain, on_decision=lambda d: _log_decision(d, settings.explain))
     _patch(backend_utils, "resolve_kv_cache_layout", resolver)
     core = sys.modules.get("vllm.v1.engine.core")
@@ -255,8 +305,19 @@ def register() -> None:
     returns. Otherwise it picks the running vLLM's profile, loads the rules
     (fail-closed: an error stops start-up, every problem located) and installs
     the matching hook. Called again with the same settings it does nothing.
+    Thread-safe: concurrent calls run one after the other.
     """
-    settings = Settings.from_env()
+    with _lock:
+        _register()
+
+
+def _register() -> None:
+    try:
+        settings = Settings.from_env()
+    except PluginError as exc:
+        unregister()  # fail closed, as for rules that do not load
+        log.error("%s", exc.render())
+        raise
     if settings.rules is None:
         if _state["key"] is not None:
             unregister()
@@ -267,7 +328,7 @@ def register() -> None:
         profile = pick_profile(version, settings.profile)
     except PolicyError as exc:
         unregister()
-        log.error("kvpolicy: %s=%s names no profile\n%s", ENV_PROFILE, settings.profile, exc.render())
+        log.error("%s", exc.render())
         raise
     if profile is None:
         if _state["key"] is not None:
@@ -283,16 +344,19 @@ def register() -> None:
         engine = _engine(settings, profile)
     except RuleLoadError as exc:
         unregister()  # fail closed: nothing of an earlier configuration stays installed
-        log.error("kvpolicy: the rules in %s=%s do not load; vLLM must not start\n%s", ENV_RULES, settings.rules,
-                  exc.render())
-        raise
+        where = "" if settings.rules.lower() == SHIPPED else f" (read as {_rules_path(settings.rules)})"
+        error = RuleLoadError(f"kvpolicy: the rules in {ENV_RULES}={settings.rules}{where} do not load; vLLM must "
+                              "not start" + (f": {exc.message}" if exc.message else ""), exc.diagnostics)
+        log.error("%s", error.render())
+        raise error from None
     unregister()
     if profile.resolver is Resolver.kv_cache_layout:
         hook = _install_resolver(engine, settings)
     else:
         hook = _install_gate(engine, settings)
     _state.update(key=key, engine=engine, hook=hook)
-    rules = "shipped " + str(shipped_rules_dir(profile)) if settings.rules.lower() == SHIPPED else settings.rules
+    rules = ("shipped " + str(shipped_rules_dir(profile)) if settings.rules.lower() == SHIPPED
+             else str(_rules_path(settings.rules)))
     log.info("kvpolicy: active for vLLM %s: profile %s, rules %s (%s), answering %s", version, profile.name,
              rules, engine.ruleset.digest, hook)
 

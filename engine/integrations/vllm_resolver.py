@@ -44,7 +44,7 @@ from engine.layout_engine import LayoutEngine
 from policy.backends import BackendProfile, packed_backend
 from policy.connectors import ConnectorConfig
 from policy.context import Context
-from policy.errors import InputError, NoLayoutError, PolicyError, input_error
+from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
 from policy.layouts import Layout
 from policy.quant import ModelDtype, parse_kv_cache_dtype
 from policy.releases import ReleaseProfile, _merge
@@ -54,10 +54,13 @@ from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec,
 
 __all__ = [
     "OWN_LAYOUT_WEIGHT",
+    "VLLM_LAYOUT_ALIASES",
+    "check_vllm_requirements",
     "kv_cache_groups",
     "make_resolver",
     "resolve",
     "resolver_context",
+    "vllm_layout",
     "worker_candidates",
 ]
 
@@ -66,6 +69,19 @@ __all__ = [
 OWN_LAYOUT_WEIGHT = 10
 
 _MODEL_DTYPES = {m.value for m in ModelDtype}
+
+# vLLM 0.29+ still reads the head-order names of earlier releases as layouts (vllm/config/cache.py
+# _LAYOUT_COMPAT_ALIASES), wherever it parses a layout name: workers' reports, VLLM_KV_CACHE_LAYOUT and a
+# connector's get_required_kvcache_layout, whose docstring still says "e.g. HND, or NHD".
+VLLM_LAYOUT_ALIASES = {"NHD": Layout.LBNHC, "HND": Layout.LBHNC}
+
+
+def vllm_layout(name: Any) -> Layout:
+    """A layout name as vLLM 0.29+ parses it (``_layout_from_name``): a ``KVCacheLayout`` member or
+    its name, or a legacy head-order alias. Raises ValueError for anything else."""
+    text = str(getattr(name, "name", name))
+    alias = VLLM_LAYOUT_ALIASES.get(text)
+    return alias if alias is not None else Layout(text)
 
 
 # ---------------------------------------------------------------- candidates
@@ -85,7 +101,7 @@ def worker_candidates(release: ReleaseProfile, supported_layouts: Sequence[Seque
             raise input_error(f"supported_layouts[{i}]", f"worker {i} reported no supported KV cache layouts",
                               code="no-supported-layouts")
         try:
-            reports.append(tuple(Layout(str(getattr(n, "name", n))) for n in names))
+            reports.append(tuple(vllm_layout(n) for n in names))
         except ValueError:
             raise input_error(f"supported_layouts[{i}]", f"worker {i} reported layouts {list(names)}, not all of "
                               f"which vLLM profile `{release.name}` has",
@@ -257,37 +273,124 @@ def resolver_context(vllm_config: Any, supported_layouts: Sequence[Sequence[str]
 # ---------------------------------------------------------------- deciding
 
 
-def _with_connector_layout(ruleset: RuleSet, release: ReleaseProfile, conn: ConnectorConfig | None,
-                           layout: str | None) -> RuleSet:
-    """``ruleset`` plus a prefer rule for the layout a connector the rules do not know requires
-    (vLLM's ``get_required_kvcache_layout``), used as vLLM uses it: when VLLM_KV_CACHE_LAYOUT is unset."""
-    if conn is None or conn.is_composite or layout is None or has_rules(ruleset, release, conn.name):
+def _own_layouts(release: ReleaseProfile, ruleset: RuleSet, conn: ConnectorConfig | None,
+                 reported: Iterable[tuple[str, Any]]) -> dict[str, Layout]:
+    """The layouts vLLM's ``get_required_kvcache_layout`` gives for the connectors in ``conn``'s tree
+    that the rules have no file for: ``reported`` is (``kv_connector`` name, answer) for each connector
+    vLLM configured (a MultiConnector's members, not the MultiConnector). None answers do not count.
+    Raises `StartupError` where vLLM refuses: an answer it cannot parse, or members whose answers
+    differ (vLLM's MultiConnector compares them as written, so HND and LBHNC differ too)."""
+    wanted: dict[str, Layout] = {}
+    if conn is None:
+        return wanted
+    answers = [(name, answer) for name, answer in reported if answer is not None]
+    if len({str(answer) for _, answer in answers}) > 1:
+        raise StartupError("kvpolicy: the KV connectors require different KV cache layouts; vLLM must not start:",
+                           [Diagnostic(f"<vllm:{name}.get_required_kvcache_layout>", 0, 0, "layout-mismatch",
+                                       f"returned `{answer}`", "vLLM's MultiConnector needs every member that "
+                                       "requires a layout to name the same one, as written")
+                            for name, answer in answers])
+    ruleless = {c.name for c in _tree(conn) if not c.is_composite and not has_rules(ruleset, release, c.name)}
+    for name, answer in answers:
+        if name not in ruleless:
+            continue
+        try:
+            wanted[name] = vllm_layout(answer)
+        except ValueError:
+            raise StartupError(f"kvpolicy: the KV connector `{name}` requires a KV cache layout vLLM does not "
+                               "know; vLLM must not start:",
+                               [Diagnostic(f"<vllm:{name}.get_required_kvcache_layout>", 0, 0, "unknown-layout",
+                                           f"returned `{answer}`",
+                                           "valid: " + ", ".join(x.value for x in release.layouts)
+                                           + ", or the legacy NHD, HND")]) from None
+    return wanted
+
+
+def _tree(conn: ConnectorConfig) -> list[ConnectorConfig]:
+    out, stack = [], [conn]
+    while stack:
+        c = stack.pop()
+        out.append(c)
+        stack.extend(c.connectors)
+    return out
+
+
+def _with_connector_layouts(ruleset: RuleSet, wanted: dict[str, Layout]) -> RuleSet:
+    """``ruleset`` plus, for each connector the rules do not know, a prefer rule in its scope for the
+    layout vLLM's ``get_required_kvcache_layout`` gives it (``wanted``), used as vLLM uses it: when
+    VLLM_KV_CACHE_LAYOUT is unset (as a MultiConnector member too, where vLLM asks every member)."""
+    if not wanted:
         return ruleset
-    try:
-        wanted = Layout(layout)
-    except ValueError:
-        return ruleset
-    rule = Rule.model_validate({
-        "id": f"vllm-own-layout.{_slug(conn.name)}"[:100],
-        "description": (f"`{conn.name}` has no rules in this rule set; vLLM's get_required_kvcache_layout "
-                        f"asks for {wanted}, so kvpolicy prefers it as vLLM would"),
-        "when": {"field": "env.VLLM_KV_CACHE_LAYOUT", "exists": False},
-        "prefer": {"layout": wanted.value},
-        "weight": OWN_LAYOUT_WEIGHT,
-    })
     entries = [(r.rule, r.source, r.scope) for r in ruleset.rules]
-    entries.append((rule, Source(f"<vllm:{conn.name}.get_required_kvcache_layout>", 1), conn.name))
+    for name, layout in sorted(wanted.items()):
+        rule = Rule.model_validate({
+            "id": f"vllm-own-layout.{_slug(name)}"[:100],
+            "description": (f"`{name}` has no rules in this rule set; vLLM's get_required_kvcache_layout "
+                            f"asks for {layout}, so kvpolicy prefers it as vLLM would"),
+            "when": {"field": "env.VLLM_KV_CACHE_LAYOUT", "exists": False},
+            "prefer": {"layout": layout.value},
+            "weight": OWN_LAYOUT_WEIGHT,
+        })
+        entries.append((rule, Source(f"<vllm:{name}.get_required_kvcache_layout>", 1), name))
     return RuleSet.build(entries, ruleset.layout_order, ruleset.member_preferences, ruleset.root,
                          order_declared=ruleset.order_declared)
+
+
+# vLLM's own narrowing of the candidates in resolve_kv_cache_layout (vllm/v1/attention/backends/utils.py):
+# not a preference but what its allocation needs. The shipped rules carry each as a rule of the same id;
+# a rule set written without one would otherwise hand vLLM a layout it never resolves to itself.
+# (fields that must all hold, the layout property vLLM then requires, the shipped rule, why)
+_VLLM_REQUIREMENTS: tuple[tuple[tuple[str, ...], str, str, str], ...] = (
+    (("groups.mixed_hnc_shapes",), "is_block_compact", "mixed-hnc-shapes-need-block-compact",
+     "specs with mixed (heads, tokens per block, page bytes) shapes alias one block's bytes, which needs a "
+     "block-compact layout"),
+    (("groups.dcp_mixed_page_sizes",), "is_block_outermost", "dcp-mixed-page-sizes-need-block-outermost",
+     "a DCP-sharded target beside a replicated draft with another page size needs a block-outermost layout"),
+    (("cache.enable_extensible_kv_cache", "connector.present"), "is_block_compact",
+     "extensible-kv-cache-with-connector-needs-block-compact",
+     "an extensible KV cache with a KV connector needs a block-compact layout"),
+)
+
+
+def check_vllm_requirements(decision: Decision) -> None:
+    """Raise `StartupError` when ``decision.layout`` breaks one of vLLM's own requirements on the layout
+    (`_VLLM_REQUIREMENTS`): the answer is then none of the candidates vLLM itself would choose from, and
+    the rule set lacks the rule standing for that requirement. Never raises for the shipped rules."""
+    env = decision.context.env()
+    layout = decision.layout
+    broken = [(prop, rule_id, why) for fields, prop, rule_id, why in _VLLM_REQUIREMENTS
+              if all(env.get(f) is True for f in fields) and not getattr(layout, prop)]
+    if not broken:
+        return
+    diags = [Diagnostic(p.rule.source.file, p.rule.source.line, p.rule.source.col, "vllm-requirement",
+                        f"rule `{p.rule.id}` ({p.scope}) prefers {layout}")
+             for p in decision.preferences if p.layout is layout]
+    if not diags:
+        diags.append(Diagnostic("<vllm:resolve_kv_cache_layout>", 0, 0, "vllm-requirement",
+                                f"{layout} is the first of the workers' candidates, and no rule removed it"))
+    for prop, rule_id, why in broken:
+        diags.append(Diagnostic("<vllm:resolve_kv_cache_layout>", 0, 0, "vllm-requirement",
+                                f"{why}; {layout} is not {prop.removeprefix('is_').replace('_', '-')}",
+                                f"this rule set has no rule for it: add the shipped rule `{rule_id}` "
+                                f"(rules/{decision.context.profile}/global.yaml), or start from a copy of the "
+                                "shipped rules"))
+    raise StartupError(f"kvpolicy: the rules chose {layout}, which vLLM (profile {decision.context.profile}) cannot "
+                       "use for this model; vLLM must not start:", diags)
 
 
 def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[Sequence[str]],
             kv_cache_specs: Iterable[Any] | None, *, vllm_kv_cache_layout: str | None = None,
             device_capability: int | None = None, connector_layout: Callable[[], str | None] | None = None,
+            connector_layouts: Callable[[], Iterable[tuple[str, Any]]] | None = None,
             explain: bool = False) -> Decision | None:
     """The rules' `Decision` for vLLM's resolver inputs, under ``engine``'s release profile; None when
-    the model has no KV cache views to lay out. ``connector_layout`` returns vLLM's
-    ``get_kv_connector_cache_layout(vllm_config)``, consulted only for a connector the rules do not know.
+    the model has no KV cache views to lay out.
+
+    For the connectors the rules do not know, vLLM's own ``get_required_kvcache_layout`` stands in
+    (asked only while VLLM_KV_CACHE_LAYOUT is unset, as vLLM asks): ``connector_layouts`` returns
+    (``kv_connector`` name, answer) for every connector configured, a MultiConnector's members
+    included; ``connector_layout`` returns vLLM's ``get_kv_connector_cache_layout(vllm_config)``, the
+    configured connector's alone (used when ``connector_layouts`` is not given).
     Raises `StartupError`: no layout survives, or kvpolicy cannot describe the inputs."""
     try:
         ctx = resolver_context(vllm_config, supported_layouts, list(kv_cache_specs or ()),
@@ -296,11 +399,17 @@ def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[
         if ctx is None:
             return None
         eng = engine
-        if connector_layout is not None and ctx.connector is not None and not ctx.connector.is_composite \
-                and not has_rules(engine.ruleset, engine.profile, ctx.connector.name):
-            augmented = _with_connector_layout(engine.ruleset, engine.profile, ctx.connector, connector_layout())
-            if augmented is not engine.ruleset:
-                eng = LayoutEngine(augmented, vllm_version=engine.profile)
+        conn = ctx.connector
+        asks = vllm_kv_cache_layout is None and conn is not None and any(
+            not c.is_composite and not has_rules(engine.ruleset, engine.profile, c.name) for c in _tree(conn))
+        reported: list[tuple[str, Any]] = []
+        if asks and connector_layouts is not None:
+            reported = list(connector_layouts())
+        elif asks and connector_layout is not None and conn is not None and not conn.is_composite:
+            reported = [(conn.name, connector_layout())]
+        wanted = _own_layouts(engine.profile, engine.ruleset, conn, reported)
+        if wanted:
+            eng = LayoutEngine(_with_connector_layouts(engine.ruleset, wanted), vllm_version=engine.profile)
         decision = eng.decide(ctx, explain=explain)
     except NoLayoutError as exc:
         raise StartupError("kvpolicy: no KV cache layout survives the rules; vLLM must not start (relax one of "
@@ -311,12 +420,15 @@ def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[
     if decision.layout not in ctx.candidates:  # pragma: no cover - the release filter makes this impossible
         raise StartupError(f"kvpolicy: the rules chose {decision.layout}, which not every worker supports "
                            f"({', '.join(str(x) for x in ctx.candidates)})")
+    check_vllm_requirements(decision)
     return decision
 
 
 def make_resolver(original: Callable[..., Any], engine: LayoutEngine, *, layout_type: Any,
                   vllm_kv_cache_layout: Callable[[], str | None], device_capability: Callable[[], int | None],
-                  connector_layout: Callable[[Any], str | None] | None = None, explain: bool = False,
+                  connector_layout: Callable[[Any], str | None] | None = None,
+                  connector_layouts: Callable[[Any], Iterable[tuple[str, Any]]] | None = None,
+                  explain: bool = False,
                   on_decision: Callable[[Decision], None] | None = None) -> Callable[..., Any]:
     """A function with the signature of vLLM's ``resolve_kv_cache_layout(vllm_config, supported_layouts,
     kv_cache_specs=None) -> KVCacheLayout``, answered by ``engine``.
@@ -325,7 +437,8 @@ def make_resolver(original: Callable[..., Any], engine: LayoutEngine, *, layout_
     not a decision (a layout already recorded on ``cache_config``, which vLLM
     honours as-is; a model without per-layer KV views). ``layout_type`` is vLLM's
     ``KVCacheLayout`` enum. The answer is recorded on ``cache_config.kv_cache_layout``
-    as vLLM records its own, from where vLLM distributes it to the workers.
+    as vLLM records its own, from where vLLM distributes it to the workers. ``connector_layout`` and
+    ``connector_layouts`` take ``vllm_config`` and are `resolve`'s.
     """
 
     def resolve_kv_cache_layout(vllm_config: Any, supported_layouts: list[list[str]],
@@ -338,6 +451,7 @@ def make_resolver(original: Callable[..., Any], engine: LayoutEngine, *, layout_
             engine, vllm_config, supported_layouts, specs, vllm_kv_cache_layout=vllm_kv_cache_layout(),
             device_capability=device_capability(),
             connector_layout=None if connector_layout is None else (lambda: connector_layout(vllm_config)),
+            connector_layouts=None if connector_layouts is None else (lambda: connector_layouts(vllm_config)),
             explain=explain)
         if decision is None:
             return original(vllm_config, supported_layouts, specs)

@@ -50,12 +50,54 @@ from test_v034_decisions import (
 )
 
 from engine import LayoutEngine
+from policy import Layout
 from policy.errors import NoLayoutError, PolicyError
 
 VERSION = "0.34.0"
 ENTRY_POINT = "engine.integrations.vllm_plugin:register"
 ENGINE_CORE_EVERY = 97  # one case in 97 also goes through EngineCore._initialize_kv_caches
 LBHNC_EVERY = 7  # one case in 7 under the require-LBHNC site rules
+
+def _third(name: str) -> dict[str, Any]:
+    """An out-of-tree connector (oracles/thirdparty_connectors.py), configured as an operator does."""
+    return {"kv_connector": name, "kv_role": "kv_both", "kv_connector_module_path": "thirdparty_connectors"}
+
+
+def _multi(*members: dict[str, Any]) -> dict[str, Any]:
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "connectors": list(members)}}
+
+
+_OFFLOADING = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+_NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+THIRD_PARTY_CONNECTORS = {
+    **{n: _third(n) for n in ("RequiresHND", "RequiresNHD", "RequiresLBHNC", "RequiresBLHNC", "RequiresLHBNC",
+                              "RequiresNothing", "RequiresUnknown")},
+    "Multi[RequiresBLHNC]": _multi(_third("RequiresBLHNC")),
+    "Multi[RequiresHND]": _multi(_third("RequiresHND")),
+    "Multi[Offloading,RequiresHND]": _multi(_OFFLOADING, _third("RequiresHND")),
+    "Multi[Offloading,RequiresBLHNC]": _multi(_OFFLOADING, _third("RequiresBLHNC")),
+    "Multi[Nixl,RequiresNothing]": _multi(_NIXL, _third("RequiresNothing")),
+    "Multi[RequiresHND,RequiresNHD]": _multi(_third("RequiresHND"), _third("RequiresNHD")),
+    "Multi[Multi[RequiresBLHNC]]": _multi(_multi(_third("RequiresBLHNC"))),
+    "Multi[RequiresUnknown]": _multi(_third("RequiresUnknown")),
+}
+_FULL = {"kind": "full", "num_kv_heads": 8, "head_size": 128, "block_size": 16}
+THIRD_PARTY_SPECS = {"one": [_FULL], "mixed-heads": [_FULL, {**_FULL, "num_kv_heads": 4, "kind": "sliding_window",
+                                                              "sliding_window": 128}]}
+THIRD_PARTY_WORKERS = [([["FLASH_ATTN"]], None), ([["FLASHINFER"]], [9, 0]), ([["FLEX_ATTENTION"]], None),
+                       ([["TRITON_ATTN"], ["FLASH_ATTN"]], None)]
+
+
+def third_party_space() -> list[dict[str, Any]]:
+    """Out-of-tree connectors (alone, as MultiConnector members) x worker sets x spec sets x
+    VLLM_KV_CACHE_LAYOUT: oracle decision cases."""
+    return [{"label": f"{conn} {workers} {specs} env={env}", "workers": workers, "device_capability": cap,
+             "specs": THIRD_PARTY_SPECS[specs], "use_mla": False, "VLLM_KV_CACHE_LAYOUT": env,
+             "kv_transfer_config": ktc, "enable_extensible_kv_cache": False, "hisparse": False}
+            for conn, ktc in THIRD_PARTY_CONNECTORS.items() for workers, cap in THIRD_PARTY_WORKERS
+            for specs in THIRD_PARTY_SPECS for env in (None, "LBNHC", "HND", "BLHNC")]
+
 
 SITE_OFFLOADING = """
   - id: site-offloading-never-block-outermost
@@ -74,6 +116,15 @@ SITE_IMPOSSIBLE = """
   - id: site-needs-lhbnc
     description: and heads outside blocks
     require: {layout: LHBNC}
+"""
+# A rule set written from scratch, not from a copy of the shipped rules: it has none of the rules standing
+# for vLLM's own narrowing of the candidates.
+SCRATCH = """version: 1
+rules:
+  - id: site-prefers-lhbnc
+    description: this site's transfer engine likes heads outside blocks
+    prefer: {layout: LHBNC}
+    weight: 50
 """
 SITE_BROKEN = """
   - id: site-typo
@@ -162,12 +213,18 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         "lbhnc": _rule_dir(tmp, "lbhnc", "global.yaml", SITE_LBHNC),
         "impossible": _rule_dir(tmp, "impossible", "global.yaml", SITE_IMPOSSIBLE),
         "broken": _rule_dir(tmp, "broken", "global.yaml", SITE_BROKEN),
+        "scratch": tmp / "scratch",
     }
+    dirs["scratch"].mkdir()
+    (dirs["scratch"] / "global.yaml").write_text(SCRATCH)
     space = input_space()
+    third_party = third_party_space()
     connector_planes = space[-23_472:]  # planes B, C, D: input_space lists plane A first
     assert all(c["conn"] in ("none", "Offloading") for c in space[:-23_472])
     lbhnc_sample = space[::LBHNC_EVERY]
     core_sample = space[::ENGINE_CORE_EVERY]
+    scratch_sample = [c for c in space if c["specs"] in SCRATCH_SPECS and c["conn"] in ("none", "Offloading")
+                      and c["env"] is None]
     shipped = {"KVPOLICY_RULES": "shipped"}
     plan: list[tuple[str, Any]] = [
         ("off", _plugin({})),
@@ -175,6 +232,8 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         ("shipped", _plugin(shipped)),
         ("shipped-again", _plugin(shipped)),
         *(("decide", {"decide": oracle_case(c), "baseline": True}) for c in space),
+        *(("third-party", {"decide": {k: v for k, v in c.items() if k != "label"}, "baseline": True})
+          for c in third_party),
         ("shipped-logged", _plugin({**shipped, "KVPOLICY_EXPLAIN": "1"}, log_level="INFO")),
         ("logged", {"decide": oracle_case(space[0]), "log": True}),
         ("logged-again", {"decide": oracle_case(space[0]), "log": True}),
@@ -187,6 +246,9 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         ("impossible", _plugin({"KVPOLICY_RULES": str(dirs["impossible"])})),
         *(("site-impossible", {"decide": oracle_case(c)}) for c in space[::4_000]),
         ("impossible-core", {"engine_core": oracle_case(space[0])}),
+        ("scratch", _plugin({"KVPOLICY_RULES": str(dirs["scratch"])})),
+        *(("site-scratch", {"decide": oracle_case(c), "baseline": True}) for c in scratch_sample),
+        ("scratch-core", {"engine_core": oracle_case(next(c for c in scratch_sample if c["specs"] == "mixed-heads"))}),
         ("broken", _plugin({"KVPOLICY_RULES": str(dirs["broken"])})),
         ("unknown-version", _plugin(shipped, log_level="INFO", version="0.33.1")),
         ("forced", _plugin({**shipped, "KVPOLICY_VLLM_PROFILE": "vllm-0.34"}, version="0.33.1")),
@@ -201,7 +263,8 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     for (label, _), answer in zip(plan, answers):
         assert not answer.get("oracle"), (label, answer)
         by.setdefault(label, []).append(answer)
-    return {"by": by, "dirs": dirs, "space": space, "connector_planes": connector_planes,
+    return {"by": by, "dirs": dirs, "space": space, "connector_planes": connector_planes, "third_party": third_party,
+            "scratch_sample": scratch_sample,
             "lbhnc_sample": lbhnc_sample, "core_sample": core_sample, "seconds": seconds}
 
 
@@ -240,6 +303,36 @@ def test_through_vllm_the_shipped_rules_answer_what_vllm_answers(run: dict[str, 
               f"answer what vLLM answers without it ({len(diffs)} differ); oracle {run['seconds']:.0f} s for "
               f"every phase\n  vLLM's outcomes: " + ", ".join(f"{k} {n}" for k, n in outcomes.most_common()))
     assert not diffs, "\n".join(f"{_shown(c)}: {why}" for c, _, why in diffs[:25])
+
+
+def test_out_of_tree_connectors_keep_the_layout_vllm_gives_them(run: dict[str, Any], capsys: Any) -> None:
+    """A connector the shipped rules have no file for, alone or as a MultiConnector member, keeps what its
+    get_required_kvcache_layout asks for (a legacy NHD/HND included): the plugin answers vLLM's layout,
+    or both refuse (an unknown layout name, members that disagree, a requested layout no worker has)."""
+    cases, answers = run["third_party"], run["by"]["third-party"]
+    assert len(cases) == len(answers) == len(THIRD_PARTY_CONNECTORS) * 4 * 2 * 4
+    diffs, same, refused = [], 0, 0
+    for case, answer in zip(cases, answers):
+        vllm, plugin = answer["vllm"], answer["plugin"]
+        if "error" in vllm or "error" in plugin:
+            if not ("error" in vllm and "error" in plugin):
+                diffs.append(f"{case['label']}: vLLM {vllm.get('layout') or vllm['error'][:120]}, "
+                             f"plugin {plugin.get('layout') or plugin['error'][:200]}")
+            refused += 1
+        elif vllm["layout"] != plugin["layout"] or plugin["recorded"] != plugin["layout"]:
+            diffs.append(f"{case['label']}: vLLM {vllm['layout']}, plugin {plugin['layout']}")
+        else:
+            same += 1
+    with capsys.disabled():
+        print(f"\nout-of-tree connectors through the plugin (KVPOLICY_RULES=shipped): {same} cases answer vLLM's "
+              f"layout, {refused} refused by both, {len(diffs)} differ")
+    assert not diffs, "\n".join(diffs[:25])
+    by_label = {c["label"]: a["plugin"] for c, a in zip(cases, answers)}
+    assert by_label["RequiresHND [['FLASH_ATTN']] one env=None"]["layout"] == "LBHNC"
+    assert by_label["Multi[RequiresBLHNC] [['FLASH_ATTN']] one env=None"]["layout"] == "BLHNC"
+    unknown = by_label["RequiresUnknown [['FLASH_ATTN']] one env=None"]["error"]
+    assert "<vllm:RequiresUnknown.get_required_kvcache_layout>: error[unknown-layout]: returned `XYZ`" in unknown
+    assert same > 200 and refused > 50
 
 
 def test_the_engine_core_distributes_the_plugins_layout(run: dict[str, Any]) -> None:
@@ -343,6 +436,59 @@ def test_an_impossible_rule_set_stops_start_up_located(run: dict[str, Any], caps
     assert core["resolved"] is None and core["distributed"] is None and core["error"] == errors[0]
     with capsys.disabled():
         print("\nan impossible site rule set, through EngineCore._initialize_kv_caches:\n  " + errors[0])
+
+
+# spec set -> (the shipped rule standing for vLLM's narrowing, the layout property it requires)
+SCRATCH_SPECS = {"one": None, "mixed-heads": ("mixed-hnc-shapes-need-block-compact", "block_compact"),
+                 "mixed-shape-same-page": ("mixed-hnc-shapes-need-block-compact", "block_compact"),
+                 "dcp-draft": ("dcp-mixed-page-sizes-need-block-outermost", "block_outermost")}
+
+
+def _is(layout: str, prop: str) -> bool:
+    return getattr(Layout(layout), f"is_{prop}")
+
+
+def test_rules_without_vllms_own_checks_never_answer_outside_vllms_candidates(run: dict[str, Any],
+                                                                               capsys: Any) -> None:
+    """An operator rule set written from scratch prefers LHBNC and has no rule for vLLM's own narrowing
+    (mixed HNC shapes: block-compact; DCP with a replicated draft: block-outermost; the extensible KV
+    cache with a connector: block-compact). Where vLLM narrows, the plugin answers one of vLLM's
+    candidates or stops start-up naming the missing requirement; elsewhere the site's preference holds."""
+    rule_file = str(run["dirs"]["scratch"] / "global.yaml")
+    cases, answers = run["scratch_sample"], run["by"]["site-scratch"]
+    assert len(cases) == len(answers) > 500
+    stopped, preferred, diffs = 0, 0, []
+    for case, answer in zip(cases, answers):
+        plugin, vllm = answer["plugin"], answer["vllm"]
+        if plugin.get("before"):
+            continue
+        needs = [] if SCRATCH_SPECS[case["specs"]] is None else [SCRATCH_SPECS[case["specs"]]]
+        if case["ext"] and case["conn"] != "none":
+            needs.append(("extensible-kv-cache-with-connector-needs-block-compact", "block_compact"))
+        if "layout" in plugin:
+            broken = [rule for rule, prop in needs if not _is(plugin["layout"], prop)]
+            if broken:
+                diffs.append(f"{_shown(case)}: {plugin['layout']} breaks vLLM's {broken}")
+            preferred += plugin["layout"] == "LHBNC"
+        elif "error[vllm-requirement]" in plugin["error"]:
+            stopped += 1
+            if not any(f"`{rule}`" in plugin["error"] for rule, _ in needs):
+                diffs.append(f"{_shown(case)}: {plugin['error'][:300]}")
+            site = f"{rule_file}:3:5: error[vllm-requirement]: rule `site-prefers-lhbnc` (global) prefers LHBNC"
+            others = ("is the first of the workers' candidates, and no rule removed it",
+                      "error[vllm-requirement]: rule `vllm-own-layout.offloadingconnector`")
+            if site not in plugin["error"] and not any(o in plugin["error"] for o in others):
+                diffs.append(f"{_shown(case)}: the refusal does not say what chose it: {plugin['error'][:300]}")
+        elif "error" not in vllm:
+            diffs.append(f"{_shown(case)}: vLLM {vllm['layout']}, plugin {plugin['error'][:300]}")
+    with capsys.disabled():
+        print(f"\na rule set written from scratch (prefer LHBNC, none of vLLM's checks): {len(cases)} cases, "
+              f"{preferred} get LHBNC where vLLM allows it, {stopped} stop start-up naming vLLM's requirement")
+    assert not diffs, "\n".join(diffs[:25])
+    assert preferred > 20 and stopped > 500
+    core = run["by"]["scratch-core"][0]
+    assert core["resolved"] is None and core["distributed"] is None
+    assert "`mixed-hnc-shapes-need-block-compact`" in core["error"] and core["error"].startswith("StartupError: ")
 
 
 def test_rules_that_do_not_load_stop_the_plugin_located(run: dict[str, Any]) -> None:

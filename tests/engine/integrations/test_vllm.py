@@ -21,7 +21,7 @@ from engine import LayoutEngine
 from engine.agreement import AgreementError
 from engine.fingerprint import fingerprint
 from engine.integrations import vllm as adapter
-from engine.integrations.vllm import decide, make_gate, use_uniform_kv_cache, vllm_context
+from engine.integrations.vllm import StartupError, decide, make_gate, use_uniform_kv_cache, vllm_context
 from policy import (
     BACKENDS,
     AttentionKind,
@@ -411,6 +411,45 @@ def test_a_custom_engine_decides() -> None:
     with pytest.raises(NoLayoutError):
         use_uniform_kv_cache(one(), OffloadingConnector(), engine=LayoutEngine(load_rules_from_texts(
             {"global.yaml": nothing})))
+
+
+PREFER_CROSS_LAYER = ("version: 1\nrules:\n  - id: site-prefers-cross-layer\n    description: this site's store "
+                      "reads whole blocks\n    prefer: {placement: cross_layer}\n    weight: 50\n")
+
+
+@pytest.mark.parametrize("attn_groups, requirement", [
+    ([[group()], [group(SlidingWindowSpec())]], "cross-layer-needs-one-kv-cache-group"),
+    ([[group(), group(be=backend("TRITON_ATTN"))]], "cross-layer-needs-one-attention-group"),
+    ([[group(MambaSpec(), backend("MAMBA2"))]], "cross-layer-needs-attention-spec"),
+    (one(FullAttentionSpec(indexes_kv_by_block_stride=False)), "cross-layer-needs-block-stride-indexing"),
+    (one(FullAttentionSpec(kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD, dtype="torch.uint8"), backend("TRITON_ATTN")),
+     "per-token-head-forbids-cross-layer"),  # issue-48412's Triton scale views: every layer's scales collide
+], ids=["two KV cache groups", "two attention groups", "mamba", "not by block stride", "per-token-head, #48412"])
+def test_rules_without_vllms_gate_conditions_cannot_make_vllm_allocate_cross_layer(attn_groups: list,
+                                                                                   requirement: str) -> None:
+    """A rule set written from scratch that prefers cross-layer: where vLLM's allocate_uniform_kv_caches
+    cannot lay out the model (it asserts, shapes other backends' layers wrongly, or gives another layout),
+    start-up stops naming the site rule and the missing requirement, instead of a bare AssertionError or
+    a cache that is not the decided layout."""
+    engine = LayoutEngine(load_rules_from_texts({"global.yaml": PREFER_CROSS_LAYER}))
+    assert use_uniform_kv_cache(one(), OffloadingConnector(), engine=engine) is True  # vLLM can: the site decides
+    gate = make_gate(lambda: True, OffloadingConnector, engine=engine)
+    with pytest.raises(StartupError) as exc:
+        gate(attn_groups)
+    text = str(exc.value)
+    assert "which vLLM (profile issue-48412) cannot allocate for this model; vLLM must not start" in text
+    assert "global.yaml:3:5: error[vllm-requirement]: rule `site-prefers-cross-layer` (global) prefers" in text
+    assert "<vllm:allocate_uniform_kv_caches>: error[vllm-requirement]: " in text and f"`{requirement}`" in text
+    assert use_uniform_kv_cache(attn_groups, OffloadingConnector()) is False  # the shipped rules: per layer
+
+
+def test_per_token_head_cross_layer_is_the_rules_choice_where_scale_views_are_stride_aware() -> None:
+    """vLLM 0.28's backends build stride-aware scale views: its gate keeps per-token-head caches per layer
+    by choice, not for safety, so a site rule may choose otherwise there."""
+    engine = LayoutEngine(load_rules_from_texts({"global.yaml": PREFER_CROSS_LAYER}), vllm_version="vllm-0.28")
+    pth = one(FullAttentionSpec(kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD, dtype="torch.uint8"),
+              backend("TRITON_ATTN"))
+    assert use_uniform_kv_cache(pth, OffloadingConnector(), engine=engine) is True
 
 
 def test_rules_that_overrule_a_known_connector_are_logged(caplog: pytest.LogCaptureFixture) -> None:

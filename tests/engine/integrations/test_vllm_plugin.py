@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -18,14 +19,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fake_vllm import fake_vllm
 
 from engine import LayoutEngine
 from engine.integrations import vllm_plugin
 from engine.integrations.vllm import StartupError
 from engine.integrations.vllm_plugin import Settings, decided_by, pick_profile
 from engine.integrations.vllm_resolver import kv_cache_groups, make_resolver, resolve, worker_candidates
-from policy import Layout
-from policy.errors import InputError
+from policy import Layout, load_rules_from_texts
+from policy.errors import InputError, RuleLoadError
 from policy.releases import get_profile
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -123,8 +125,64 @@ def test_the_running_version_picks_the_profile() -> None:
     assert pick_profile("0.28.0").name == "vllm-0.28"
     assert pick_profile("0.33.1") is None and pick_profile("0.35.0") is None and pick_profile("0.22.0") is None
     assert pick_profile("0.33.1", "vllm-0.34").name == "vllm-0.34"  # the operator forces one
-    with pytest.raises(InputError, match="no profile for vLLM version"):
+    with pytest.raises(vllm_plugin.PluginError, match="names no kvpolicy release profile") as exc:
         pick_profile("0.33.1", "vllm-9")
+    # located at the variable the operator set, with the profiles to choose from
+    assert exc.value.diagnostics[0].file == "KVPOLICY_VLLM_PROFILE"
+    assert "vllm-0.34 (0.34.0)" in exc.value.render() and "vllm-0.28 (0.28.0)" in exc.value.render()
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enable", "ja"])
+def test_an_explain_setting_that_is_no_boolean_stops_start_up_named(value: str) -> None:
+    with pytest.raises(vllm_plugin.PluginError) as exc:
+        Settings.from_env({"KVPOLICY_RULES": "shipped", "KVPOLICY_EXPLAIN": value})
+    text = exc.value.render()
+    assert text.startswith(f"kvpolicy: KVPOLICY_EXPLAIN={value!r} is not a valid setting")
+    assert "KVPOLICY_EXPLAIN: error[invalid-setting]" in text and "help: set it to 1" in text
+    # unconfigured, the plugin reads nothing else and changes nothing
+    assert Settings.from_env({"KVPOLICY_EXPLAIN": value}).rules is None
+    for ok in ("1", "true", "YES", "on", "0", "false", "no", "off", " "):
+        Settings.from_env({"KVPOLICY_RULES": "shipped", "KVPOLICY_EXPLAIN": ok})
+
+
+def test_setting_errors_name_their_variable_and_leave_nothing_installed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with fake_vllm(tmp_path / "site") as vllm:
+        from vllm.v1.attention.backends import utils
+        from vllm.v1.engine import core
+
+        original = utils.resolve_kv_cache_layout
+        monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+        vllm_plugin.register()
+        assert vllm_plugin.status()["active"] and core.resolve_kv_cache_layout is not original
+        for variable, value, where in [("KVPOLICY_EXPLAIN", "maybe", "KVPOLICY_EXPLAIN: error[invalid-setting]"),
+                                       ("KVPOLICY_VLLM_PROFILE", "vllm-9", "KVPOLICY_VLLM_PROFILE: error[invalid")]:
+            monkeypatch.setenv(variable, value)
+            with caplog.at_level(logging.ERROR, logger="vllm.kvpolicy"), pytest.raises(vllm_plugin.PluginError) as exc:
+                vllm_plugin.register()
+            assert where in exc.value.render() and where in caplog.text
+            assert vllm_plugin.status() == {"active": False}
+            assert core.resolve_kv_cache_layout is original and utils.resolve_kv_cache_layout is original
+            monkeypatch.delenv(variable)
+            vllm_plugin.register()
+            assert vllm_plugin.status()["active"]
+        assert vllm.__version__ == "0.34.0"
+
+
+def test_a_rule_directory_that_does_not_load_names_the_variable_and_the_directory_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with fake_vllm(tmp_path / "site"):
+        monkeypatch.setenv("KVPOLICY_RULES", "site-rules")  # relative: this process's working directory
+        with pytest.raises(RuleLoadError) as exc:
+            vllm_plugin.register()
+        text = exc.value.render()
+        assert text.startswith(f"kvpolicy: the rules in KVPOLICY_RULES=site-rules (read as {tmp_path}/site-rules) "
+                               "do not load; vLLM must not start")
+        assert f"{tmp_path}/site-rules: error[no-rules-dir]: not a directory" in text
+        shutil.copytree(ROOT / "rules" / PROFILE, tmp_path / "site-rules")
+        vllm_plugin.register()
+        assert vllm_plugin.status()["rules"] == str(tmp_path / "site-rules")
 
 
 def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,6 +324,118 @@ def test_a_connector_without_rules_keeps_its_required_layout() -> None:
     assert asked == []
 
 
+def test_a_connector_may_require_a_legacy_head_order_name() -> None:
+    """vLLM 0.34 still reads NHD/HND as LBNHC/LBHNC (its get_required_kvcache_layout docstring still says
+    "e.g. HND, or NHD"): a third-party connector asking for HND gets LBHNC, as without kvpolicy."""
+    d = resolve(ENGINE, config("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layout=lambda: "HND")
+    assert d.layout is Layout.LBHNC and "vllm-own-layout.mystoreconnector" in decided_by(d)
+    assert resolve(ENGINE, config("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                   connector_layout=lambda: "NHD").layout is Layout.LBNHC
+
+
+def test_a_connector_requiring_a_layout_vllm_does_not_know_stops_start_up_located() -> None:
+    with pytest.raises(StartupError) as exc:  # vLLM: ValueError("Unknown KV cache layout 'XYZ'")
+        resolve(ENGINE, config("MyStoreConnector"), [DEFAULT], [FullAttentionSpec()], connector_layout=lambda: "XYZ")
+    assert exc.value.diagnostics[0].location == "<vllm:MyStoreConnector.get_required_kvcache_layout>"
+    assert exc.value.diagnostics[0].code == "unknown-layout" and "returned `XYZ`" in str(exc.value)
+    # asked only while VLLM_KV_CACHE_LAYOUT is unset, as vLLM asks
+    assert resolve(ENGINE, config("MyStoreConnector"), [DEFAULT], [FullAttentionSpec()], connector_layout=lambda: "XYZ",
+                   vllm_kv_cache_layout="LBHNC").layout is Layout.LBHNC
+
+
+def _multi(*names: str) -> SimpleNamespace:
+    return config("MultiConnector", {"connectors": [{"kv_connector": n} for n in names]})
+
+
+def test_multiconnector_members_without_rules_keep_their_required_layouts() -> None:
+    """vLLM's MultiConnector.get_required_kvcache_layout asks every member; a member the rules have no
+    file for keeps its answer (in its own scope), as a plain connector without rules does."""
+    asked: list[int] = []
+
+    def members(answers: dict[str, str | None]):
+        def reported() -> list[tuple[str, Any]]:
+            asked.append(1)
+            return list(answers.items())
+        return reported
+
+    d = resolve(ENGINE, _multi("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layouts=members({"MyStoreConnector": "BLHNC"}))
+    assert d.layout is Layout.BLHNC and "<vllm:MyStoreConnector.get_required_kvcache_layout>" in decided_by(d)
+    # with a member the rules know (OffloadingConnector prefers LBHNC): both ask for it
+    d = resolve(ENGINE, _multi("OffloadingConnector", "MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layouts=members({"OffloadingConnector": "LBHNC", "MyStoreConnector": "LBHNC"}))
+    assert d.layout is Layout.LBHNC
+    d = resolve(ENGINE, _multi("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layouts=members({"MyStoreConnector": "HND"}))
+    assert d.layout is Layout.LBHNC
+    # members that disagree, even only in how they write it: vLLM's "KV cache layout mismatch"
+    for other in ("BLHNC", "HND"):
+        with pytest.raises(StartupError, match="require different KV cache layouts") as exc:
+            resolve(ENGINE, _multi("OffloadingConnector", "MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                    connector_layouts=members({"OffloadingConnector": "LBHNC", "MyStoreConnector": other}))
+        assert [d.location for d in exc.value.diagnostics] == [
+            "<vllm:MyStoreConnector.get_required_kvcache_layout>",
+            "<vllm:OffloadingConnector.get_required_kvcache_layout>"]
+        assert {d.code for d in exc.value.diagnostics} == {"layout-mismatch"}
+    # a member without a requirement, VLLM_KV_CACHE_LAYOUT set, or every member known: nothing asked
+    asked.clear()
+    assert resolve(ENGINE, _multi("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                   connector_layouts=members({"MyStoreConnector": None})).layout is Layout.LBNHC
+    assert len(asked) == 1
+    resolve(ENGINE, _multi("MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()], vllm_kv_cache_layout="LBHNC",
+            connector_layouts=members({"MyStoreConnector": "BLHNC"}))
+    resolve(ENGINE, _multi("OffloadingConnector"), [FLASHINFER], [FullAttentionSpec()],
+            connector_layouts=members({"OffloadingConnector": "BLHNC"}))
+    assert len(asked) == 1
+    # two members of one name that require different layouts (vLLM: mismatch)
+    with pytest.raises(StartupError, match="require different KV cache layouts"):
+        resolve(ENGINE, _multi("MyStoreConnector", "MyStoreConnector"), [FLASHINFER], [FullAttentionSpec()],
+                connector_layouts=lambda: [("MyStoreConnector", "LBHNC"), ("MyStoreConnector", "BLHNC")])
+
+
+def test_workers_may_report_legacy_head_order_names() -> None:
+    release = get_profile(PROFILE)
+    assert worker_candidates(release, [["NHD", "HND"]]) == (Layout.LBNHC, Layout.LBHNC)
+
+
+def _site(rules: str) -> LayoutEngine:
+    """An operator's rule set written from scratch (without the shipped rules' copies of vLLM's checks)."""
+    return LayoutEngine(load_rules_from_texts({"global.yaml": "version: 1\nrules:\n" + rules}), vllm_version=PROFILE)
+
+
+PREFER_LHBNC = """
+  - id: site-prefers-lhbnc
+    description: this site's transfer engine likes heads outside blocks
+    prefer: {layout: LHBNC}
+    weight: 50
+"""
+
+
+@pytest.mark.parametrize("cfg, specs, requirement", [
+    (config(), [FullAttentionSpec(), SlidingWindowSpec(num_kv_heads=4)], "mixed-hnc-shapes-need-block-compact"),
+    (config(), [FullAttentionSpec(), FullAttentionSpec(head_size=64, dcp_sharded=False)],
+     "dcp-mixed-page-sizes-need-block-outermost"),
+    (config("OffloadingConnector", extensible=True), [FullAttentionSpec()],
+     "extensible-kv-cache-with-connector-needs-block-compact"),
+])
+def test_rules_without_vllms_own_checks_cannot_hand_vllm_a_layout_it_cannot_use(
+        cfg: SimpleNamespace, specs: list[Any], requirement: str) -> None:
+    """vLLM narrows its candidates (mixed HNC shapes, DCP with a replicated draft, extensible cache with a
+    connector); a rule set without the rules standing for that must not answer outside them."""
+    engine = _site(PREFER_LHBNC)
+    assert resolve(engine, config(), [DEFAULT], [FullAttentionSpec()]).layout is Layout.LHBNC  # nothing to narrow
+    with pytest.raises(StartupError) as exc:
+        resolve(engine, cfg, [DEFAULT], specs)
+    text = str(exc.value)
+    assert text.startswith("kvpolicy: the rules chose LHBNC, which vLLM (profile vllm-0.34) cannot use for this "
+                           "model; vLLM must not start:")
+    assert "global.yaml:4:5: error[vllm-requirement]: rule `site-prefers-lhbnc` (global) prefers LHBNC" in text
+    assert "<vllm:resolve_kv_cache_layout>: error[vllm-requirement]:" in text and f"`{requirement}`" in text
+    # the shipped rules carry the requirement: the same inputs get one of vLLM's own candidates
+    assert resolve(ENGINE, cfg, [DEFAULT], specs).layout is not Layout.LHBNC
+
+
 class _Enum:
     """vLLM's KVCacheLayout: members by name."""
 
@@ -305,3 +475,63 @@ def test_the_decision_log_line_is_written_once(caplog: pytest.LogCaptureFixture)
     assert "KV cache layout LBHNC (per_layer, HND) decided by prefer `offloading-requires-lbhnc`" in lines[0]
     assert f"fingerprint {d.fingerprint.digest}" in lines[0]
     assert any(r.getMessage().startswith("kvpolicy: explanation\nlayout: LBHNC") for r in caplog.records)
+
+
+def test_register_from_many_threads_toggling_the_setting_restores_vllm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM calls register once per process and thread, but nothing stops a program from calling it
+    from several threads: every (owner, attribute) it replaces must be put back exactly."""
+    import os
+    import threading
+
+    with fake_vllm(tmp_path / "site"):
+        from vllm.v1.attention.backends import utils
+        from vllm.v1.engine import core
+
+        original = utils.resolve_kv_cache_layout
+        import builtins
+        import time
+
+        def slow_setattr(owner: Any, name: str, value: Any) -> None:
+            time.sleep(0.0005)  # widen the window between recording an attribute and replacing it
+            builtins.setattr(owner, name, value)
+
+        monkeypatch.setattr(vllm_plugin, "setattr", slow_setattr, raising=False)  # shadows the builtin there
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(8)
+        env_lock = threading.Lock()  # os.environ.pop is not atomic
+
+        def toggle(i: int) -> None:
+            barrier.wait()
+            for j in range(30):
+                try:
+                    with env_lock:
+                        if (i + j) % 3:
+                            os.environ["KVPOLICY_RULES"] = "shipped"
+                        else:
+                            os.environ.pop("KVPOLICY_RULES", None)
+                    vllm_plugin.register()
+                except BaseException as exc:  # pragma: no cover - what the test looks for
+                    errors.append(exc)
+
+        monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+        try:
+            threads = [threading.Thread(target=toggle, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            sys.setswitchinterval(previous)
+        assert not errors
+        os.environ["KVPOLICY_RULES"] = "shipped"
+        vllm_plugin.register()
+        assert len(vllm_plugin._state["patches"]) == 2
+        assert core.resolve_kv_cache_layout is utils.resolve_kv_cache_layout
+        assert core.resolve_kv_cache_layout.__wrapped__ is original
+        del os.environ["KVPOLICY_RULES"]
+        vllm_plugin.register()
+        assert core.resolve_kv_cache_layout is original and utils.resolve_kv_cache_layout is original
+        assert vllm_plugin._state["patches"] == []
