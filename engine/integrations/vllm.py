@@ -62,11 +62,12 @@ from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, in
 from policy.layouts import HeadOrder, LayoutPattern, Placement
 from policy.quant import KV_CACHE_DTYPES, ModelDtype, QuantMode, parse_kv_cache_dtype
 from policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
-from policy.rule_model import Rule
+from policy.rule_model import MemberPreferences, Rule
 from policy.ruleset import RuleSet, Source
 from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = [
+    "OWN_HEAD_ORDER_WEIGHT",
     "OWN_PREFERENCE_WEIGHT",
     "StartupError",
     "check_cross_layer",
@@ -85,6 +86,9 @@ logger = logging.getLogger("kvpolicy")
 # The weight of the synthetic prefer rule standing for an unknown connector's own
 # prefer_cross_layer_blocks: the shipped connector files prefer cross-layer with 10.
 OWN_PREFERENCE_WEIGHT = 10
+# The weight of the synthetic prefer rule standing for an unknown connector's get_required_kvcache_layout
+# (a head order): the shipped connector files prefer their required head order with 100.
+OWN_HEAD_ORDER_WEIGHT = 100
 
 _PER_TOKEN_HEAD = {m.value for m in QuantMode if m.is_per_token_head}
 _MODEL_DTYPES = {m.value for m in ModelDtype}
@@ -348,21 +352,100 @@ def has_rules(ruleset: RuleSet, release: ReleaseProfile, name: str) -> bool:
     return name in ruleset.connectors or (loads is not None and loads in ruleset.connectors)
 
 
-def _with_own_preferences(ruleset: RuleSet, release: ReleaseProfile, preferences: dict[str, bool]) -> RuleSet:
-    """``ruleset`` plus one synthetic prefer rule per connector it has no rules for that prefers cross-layer."""
-    unknown = sorted(n for n, prefers in preferences.items() if prefers and not has_rules(ruleset, release, n))
+def _own_head_orders(connector: Any, names: set[str], out: dict[str, set[str]] | None = None
+                     ) -> dict[str, set[str]]:
+    """Name -> the head orders vLLM's ``get_required_kvcache_layout`` gives each non-composite connector
+    object named in ``names`` in the tree, asked as vLLM asks it (the class, with the config the object
+    was built with: its ``_vllm_config``, a MultiConnector member's own). Objects without that config are
+    not asked."""
+    out = {} if out is None else out
+    if connector is None:
+        return out
+    name = connector_name(connector)
+    if name in COMPOSITE_CONNECTORS:
+        for m in _members(connector) or ():
+            _own_head_orders(m, names, out)
+        return out
+    if name not in names:
+        return out
+    ask = getattr(type(connector), "get_required_kvcache_layout", None)
+    config = getattr(connector, "_vllm_config", None)
+    if callable(ask) and config is not None:
+        try:
+            answer = ask(config)
+        except Exception:
+            logger.warning("kvpolicy: %s.get_required_kvcache_layout failed; taking no head order",
+                           type(connector).__name__, exc_info=True)
+            answer = None
+        if answer in ("NHD", "HND"):  # what 0.24-0.28's get_kv_cache_layout() uses; vLLM refuses the rest
+            out.setdefault(name, set()).add(answer)
+    return out
+
+
+def _agreeing_members(ruleset: RuleSet, conn: ConnectorConfig | None) -> set[str]:
+    """The names of connectors that are members of a composite whose members must agree on their
+    preferences (``member_preferences: agree``, vLLM 0.28's MultiConnector: its members' required head
+    orders)."""
+    out: set[str] = set()
+    stack = [] if conn is None else [conn]
+    while stack:
+        c = stack.pop()
+        if c.is_composite and ruleset.combine_mode(c.name) is MemberPreferences.agree:
+            out.update(m.name for m in c.connectors)
+        stack.extend(c.connectors)
+    return out
+
+
+def _with_own_preferences(ruleset: RuleSet, release: ReleaseProfile, preferences: dict[str, bool],
+                          head_orders: dict[str, set[str]] | None = None,
+                          agreeing: set[str] | None = None) -> RuleSet:
+    """``ruleset`` plus, for each connector it has no rules for: a synthetic prefer of the cross-layer
+    placement when its own ``prefer_cross_layer_blocks`` is true, else a forbid (vLLM's gate needs every
+    connector, every MultiConnector member included, to prefer it); and a prefer of the head order its
+    ``get_required_kvcache_layout`` gives (``head_orders``), while VLLM_KV_CACHE_LAYOUT is unset, as
+    vLLM's ``get_kv_cache_layout()`` uses it.
+
+    A member of a composite whose members must ``agree`` (``agreeing``) gets no cross-layer prefer: that
+    mode compares the members' best layouts, which are their required head orders; a rule set written so
+    prefers the cross-layer placement globally and lets connectors forbid it, as the vllm-0.28 rules do."""
+    unknown = sorted(n for n in preferences if not has_rules(ruleset, release, n))
     if not unknown:
         return ruleset
     entries = [(r.rule, r.source, r.scope) for r in ruleset.rules]
     for name in unknown:
-        rule = Rule(
-            id=f"vllm-own-preference.{_slug(name)}",
-            description=(f"`{name}` has no rules in this rule set; its own prefer_cross_layer_blocks is true, "
-                         "so kvpolicy prefers the cross-layer placement for it as vLLM would"),
-            prefer=LayoutPattern(placement=Placement.cross_layer),
-            weight=OWN_PREFERENCE_WEIGHT,
-        )
-        entries.append((rule, Source(f"<vllm:{name}.prefer_cross_layer_blocks>", 1), name))
+        source = Source(f"<vllm:{name}.prefer_cross_layer_blocks>", 1)
+        rule: Rule | None = None
+        if preferences[name] and name in (agreeing or set()):
+            pass  # see above: the rule set's global cross-layer preference stands for it
+        elif preferences[name]:
+            rule = Rule(
+                id=f"vllm-own-preference.{_slug(name)}",
+                description=(f"`{name}` has no rules in this rule set; its own prefer_cross_layer_blocks is true, "
+                             "so kvpolicy prefers the cross-layer placement for it as vLLM would"),
+                prefer=LayoutPattern(placement=Placement.cross_layer),
+                weight=OWN_PREFERENCE_WEIGHT,
+            )
+        else:
+            rule = Rule(
+                id=f"vllm-own-preference.{_slug(name)}",
+                description=(f"`{name}` has no rules in this rule set; its own prefer_cross_layer_blocks is false, "
+                             "so vLLM's gate keeps per-layer buffers for it, and so does kvpolicy"),
+                forbid=LayoutPattern(placement=Placement.cross_layer),
+            )
+        if rule is not None:
+            entries.append((rule, source, name))
+        orders = (head_orders or {}).get(name, set())
+        if len(orders) == 1:  # two objects of one name asking for different ones: vLLM refuses before the gate
+            order = HeadOrder(next(iter(orders)))
+            entries.append((Rule.model_validate({
+                "id": f"vllm-own-layout.{_slug(name)}",
+                "description": (f"`{name}` has no rules in this rule set; its get_required_kvcache_layout asks for "
+                                f"{order.value}, which vLLM's get_kv_cache_layout() uses when VLLM_KV_CACHE_LAYOUT "
+                                "is unset, and so does kvpolicy"),
+                "when": {"field": "env.VLLM_KV_CACHE_LAYOUT", "exists": False},
+                "prefer": {"head_order": order.value},
+                "weight": OWN_HEAD_ORDER_WEIGHT,
+            }), Source(f"<vllm:{name}.get_required_kvcache_layout>", 1), name))
     return RuleSet.build(entries, ruleset.layout_order, ruleset.member_preferences, ruleset.root,
                          order_declared=ruleset.order_declared)
 
@@ -413,15 +496,19 @@ def decide(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *, engine:
     """The kvpolicy `Decision` for vLLM's KV cache: `vllm_context` decided by ``engine`` (default: the
     shipped rules of the gate's release profile), under that engine's profile.
 
-    Connectors without rules contribute their own ``prefer_cross_layer_blocks``
-    as a synthetic rule, so the decision (and its fingerprint, for `agree`) is
+    Connectors without rules (a MultiConnector's members included) contribute
+    their own ``prefer_cross_layer_blocks`` and ``get_required_kvcache_layout``
+    as synthetic rules, so the decision (and its fingerprint, for `agree`) is
     the layout the gate answers for. Raises `InputError` or `NoLayoutError`.
     """
     eng = _engine(engine)
     ctx = vllm_context(attn_groups, transfer_group, cache_dtype=cache_dtype,
                        vllm_kv_cache_layout=vllm_kv_cache_layout, vllm_version=eng.profile)
     ruleset = eng.ruleset
-    augmented = _with_own_preferences(ruleset, eng.profile, _own_preferences(transfer_group))
+    preferences = _own_preferences(transfer_group)
+    unknown = {n for n in preferences if not has_rules(ruleset, eng.profile, n)}
+    augmented = _with_own_preferences(ruleset, eng.profile, preferences, _own_head_orders(transfer_group, unknown),
+                                      _agreeing_members(ruleset, ctx.connector))
     if augmented is not ruleset:
         eng = LayoutEngine(augmented, vllm_version=eng.profile)
     return eng.decide(ctx, explain=explain)

@@ -66,6 +66,56 @@ SITE_IMPOSSIBLE = """
 """
 
 
+# A rule set written from scratch (not from a copy of the shipped rules): none of the rules standing for
+# vLLM's gate conditions.
+SCRATCH = """version: 1
+rules:
+  - id: site-prefers-cross-layer
+    description: this site's store reads whole blocks
+    prefer: {placement: cross_layer}
+    weight: 50
+"""
+
+
+def _third(name: str) -> dict[str, Any]:
+    """An out-of-tree connector (oracles/thirdparty_connectors.py), configured as an operator does."""
+    return {"kv_connector": name, "kv_role": "kv_both", "kv_connector_module_path": "thirdparty_connectors"}
+
+
+def _multi(*members: dict[str, Any]) -> dict[str, Any]:
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": list(members)}}
+
+
+_OFFLOADING = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+_NIXL_ON = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"enable_cross_layers_blocks": "true"}}
+THIRD_PARTY_CONNECTORS = {
+    **{n: _third(n) for n in ("RequiresHND", "RequiresNHD", "RequiresNothing", "PrefersCrossLayer",
+                              "PrefersCrossLayerHND")},
+    "Multi[RequiresHND]": _multi(_third("RequiresHND")),
+    "Multi[Offloading,RequiresHND]": _multi(_OFFLOADING, _third("RequiresHND")),
+    "Multi[Offloading,RequiresNothing]": _multi(_OFFLOADING, _third("RequiresNothing")),
+    "Multi[Offloading,PrefersCrossLayer]": _multi(_OFFLOADING, _third("PrefersCrossLayer")),
+    "Multi[Offloading,PrefersCrossLayerHND]": _multi(_OFFLOADING, _third("PrefersCrossLayerHND")),
+    "Multi[Nixl(on),PrefersCrossLayer]": _multi(_NIXL_ON, _third("PrefersCrossLayer")),
+    "Multi[Nixl(on),RequiresHND]": _multi(_NIXL_ON, _third("RequiresHND")),
+    "Multi[RequiresHND,RequiresNHD]": _multi(_third("RequiresHND"), _third("RequiresNHD")),
+}
+THIRD_PARTY_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "CPU_ATTN")
+
+
+def third_party_space() -> list[tuple[str, dict[str, Any]]]:
+    """(label, v028 gate case): out-of-tree connectors (alone, as MultiConnector members) x backends x
+    VLLM_KV_CACHE_LAYOUT, on one full-attention group."""
+    return [(f"{conn} {backend} VLLM_KV_CACHE_LAYOUT={env}",
+             {"gate": True, "kv_cache_dtype": "auto", "use_mla": False, "VLLM_KV_CACHE_LAYOUT": env,
+              "specs": [{"kind": "full", "num_layers": 2, "num_kv_heads": 2, "head_size": 64, "block_size": 16,
+                         "backends": [backend]}], "kv_transfer_config": ktc})
+            for conn, ktc in THIRD_PARTY_CONNECTORS.items() for backend in THIRD_PARTY_BACKENDS
+            for env in (None, "NHD", "HND")]
+
+
 def _space() -> list[Deployment]:
     from v028_space import deployments
 
@@ -94,11 +144,16 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         "nixl": _rule_dir(tmp, "nixl", "global.yaml", SITE_NIXL),
         "nhd": _rule_dir(tmp, "nhd", "global.yaml", SITE_NHD),
         "impossible": _rule_dir(tmp, "impossible", "global.yaml", SITE_IMPOSSIBLE),
+        "scratch": tmp / "scratch",
     }
+    dirs["scratch"].mkdir()
+    (dirs["scratch"] / "global.yaml").write_text(SCRATCH)
+    third_party = third_party_space()
     space = _space()
     offloading = [d for d in space if "Offloading" in str((d.connector, d.extra))]
     nixl = [d for d in space if "Nixl" in str((d.connector, d.extra))]
     nhd = space[::3]
+    scratch = space[::5]
     shipped = {"KVPOLICY_RULES": "shipped"}
     plan: list[tuple[str, Any]] = [
         ("facts", {"facts": True}),
@@ -106,6 +161,7 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         ("shipped", _plugin(shipped, log_level="INFO")),
         ("shipped-again", _plugin(shipped)),
         *(("gate", {"gate": d.oracle_case(), "baseline": True}) for d in space),
+        *(("third-party", {"gate": case, "baseline": True}) for _, case in third_party),
         ("runner", {"runner": space[0].oracle_case()}),
         *(("runner", {"runner": d.oracle_case()}) for d in space[1::RUNNER_EVERY]),
         ("offloading", _plugin({"KVPOLICY_RULES": str(dirs["offloading"])})),
@@ -114,6 +170,8 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         *(("site-nixl", {"gate": d.oracle_case()}) for d in nixl),
         ("nhd", _plugin({"KVPOLICY_RULES": str(dirs["nhd"])})),
         *(("site-nhd", {"gate": d.oracle_case()}) for d in nhd),
+        ("scratch", _plugin({"KVPOLICY_RULES": str(dirs["scratch"])})),
+        *(("site-scratch", {"gate": d.oracle_case()}) for d in scratch),
         ("impossible", _plugin({"KVPOLICY_RULES": str(dirs["impossible"])})),
         *(("site-impossible", {"gate": d.oracle_case()}) for d in space[::2_000]),
         ("off-again", _plugin({})),
@@ -128,6 +186,7 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         by.setdefault(label, []).append(answer)
     runner_sample = [space[0], *space[1::RUNNER_EVERY]]
     return {"by": by, "dirs": dirs, "space": space, "offloading": offloading, "nixl": nixl, "nhd": nhd,
+            "third_party": third_party, "scratch": scratch,
             "runner_sample": runner_sample, "seconds": seconds, "facts": by["facts"][0]}
 
 
@@ -180,6 +239,79 @@ def test_through_vllm_the_shipped_rules_answer_what_vllms_gate_answers(run: dict
               f"what vLLM's gate answers, with the same head order ({len(diffs)} differ); oracle "
               f"{run['seconds']:.0f} s for every phase\n  vLLM's layouts: {dict(sorted(seen.items()))}")
     assert not diffs, "\n".join(diffs[:25])
+
+
+def test_out_of_tree_connectors_get_what_vllms_gate_gives_them(run: dict[str, Any], capsys: Any) -> None:
+    """A connector the shipped rules have no file for, alone or as a MultiConnector member, keeps its own
+    prefer_cross_layer_blocks and the head order its get_required_kvcache_layout asks for: the plugin
+    answers vLLM's gate and head order, or both refuse."""
+    cases, answers = run["third_party"], run["by"]["third-party"]
+    assert len(cases) == len(answers) == len(THIRD_PARTY_CONNECTORS) * len(THIRD_PARTY_BACKENDS) * 3
+    diffs, seen = [], Counter()
+    for (label, _), answer in zip(cases, answers):
+        vllm, plugin = answer["vllm"], answer["plugin"]
+        if label.startswith("PrefersCrossLayer"):
+            # Not vLLM's answer, by the shipped rules' choice: `cross-layer-needs-a-connector-that-prefers-it`
+            # keeps a connector it has no file for per layer, whatever the object says (as a MultiConnector
+            # member, below, the object's own preference counts). The same head order either way.
+            if vllm.get("uniform") is True and plugin == {**vllm, "uniform": False}:
+                seen["per layer by the shipped rules"] += 1
+                continue
+        if "error" in vllm or "error" in plugin:
+            seen["refused by both"] += "error" in vllm and "error" in plugin
+            if not ("error" in vllm and "error" in plugin):
+                diffs.append(f"{label}: vLLM {vllm}, plugin {str(plugin)[:300]}")
+            continue
+        seen[f"uniform={vllm['uniform']} {vllm['head_order']}"] += 1
+        if plugin != vllm:
+            diffs.append(f"{label}: vLLM {vllm}, plugin {str(plugin)[:300]}")
+    with capsys.disabled():
+        print(f"\nout-of-tree connectors through the plugin (KVPOLICY_RULES=shipped): {len(cases) - len(diffs)} of "
+              f"{len(cases)} answer vLLM's gate and head order, or refuse with it, or keep the shipped rules' "
+              f"per-layer choice: {dict(sorted(seen.items()))}")
+    assert not diffs, "\n".join(diffs[:25])
+    assert seen["uniform=True HND"] >= 6 and seen["uniform=False HND"] >= 20
+
+
+def _is_block_stride(facts: dict[str, Any], backend: str) -> bool:
+    return facts["backends"][backend]["by_layout"]["NHD"]["indexes_kv_by_block_stride"] is True
+
+
+def test_rules_without_vllms_gate_conditions_never_make_vllm_allocate_cross_layer_where_it_cannot(
+        run: dict[str, Any], capsys: Any) -> None:
+    """A rule set written from scratch prefers cross-layer and has no rule for vLLM's gate conditions.
+    The plugin answers cross-layer only where vLLM's allocate_uniform_kv_caches can lay the model out
+    (one KV cache group of one attention group, an attention spec, a backend indexing KV by the block
+    stride), with the head order vLLM fixed (a connector without rules keeps the one it requires), and
+    stops start-up naming the missing requirement elsewhere, instead of vLLM's AssertionError."""
+    rule_file = str(run["dirs"]["scratch"] / "global.yaml")
+    baseline = {id(d): a["vllm"] for d, a in zip(run["space"], run["by"]["gate"])}
+    diffs, seen = [], Counter()
+    for d, answer in zip(run["scratch"], run["by"]["site-scratch"]):
+        plugin = answer["plugin"]
+        if plugin.get("before") or "error" in baseline[id(d)]:  # vLLM refuses these itself
+            continue
+        fits = (len(d.groups) == 1 and d.groups[0][1] == 1 and d.groups[0][0] != "mamba"
+                and _is_block_stride(run["facts"], d.backend))
+        if "error" in plugin:
+            if "error[vllm-requirement]" in plugin["error"]:
+                seen["stopped: vLLM cannot allocate it"] += 1
+                if fits or f"{rule_file}:3:5: error[vllm-requirement]: rule `site-prefers-cross-layer`" \
+                        not in plugin["error"]:
+                    diffs.append(f"{d.label()}: {plugin['error'][:300]}")
+            else:
+                seen["stopped: other"] += 1
+                if "head-order-fixed" not in plugin["error"] and "no KV cache layout survives" not in plugin["error"]:
+                    diffs.append(f"{d.label()}: {plugin['error'][:300]}")
+        else:
+            seen[f"uniform={plugin['uniform']}"] += 1
+            if plugin["uniform"] and not fits:
+                diffs.append(f"{d.label()}: cross-layer where vLLM cannot allocate it")
+    with capsys.disabled():
+        print(f"\na rule set written from scratch (prefer cross-layer, none of vLLM's gate conditions): "
+              f"{dict(sorted(seen.items()))}")
+    assert not diffs, "\n".join(diffs[:25])
+    assert seen["stopped: vLLM cannot allocate it"] > 500 and seen["uniform=True"] > 100
 
 
 def test_the_runner_allocates_what_the_plugin_answers(run: dict[str, Any]) -> None:

@@ -452,6 +452,59 @@ def test_per_token_head_cross_layer_is_the_rules_choice_where_scale_views_are_st
     assert use_uniform_kv_cache(pth, OffloadingConnector(), engine=engine) is True
 
 
+class RequiresHead(KVConnectorBase_V1):
+    """An out-of-tree connector as vLLM builds it: its config kept by the base __init__ (``_vllm_config``),
+    a class method that asks for a head order, the base class's prefer_cross_layer_blocks (False)."""
+
+    def __init__(self, head_order: str | None, prefers: bool = False) -> None:
+        super().__init__()
+        self._vllm_config = SimpleNamespace(head_order=head_order)
+        self._prefers = prefers
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return vllm_config.head_order
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        return self._prefers
+
+
+@pytest.mark.parametrize("connector", [RequiresHead("HND"), MultiConnector(RequiresHead("HND")),
+                                       MultiConnector(NixlConnector(), RequiresHead("HND"))],
+                         ids=["alone", "a MultiConnector member", "beside NIXL"])
+def test_a_connector_without_rules_keeps_the_head_order_it_requires(connector: Any) -> None:
+    """vLLM 0.28 fixes get_kv_cache_layout() from a connector's get_required_kvcache_layout (HND) before
+    the gate: the rules must decide that head order too, or the gate stops a start-up vLLM allows."""
+    engine = LayoutEngine.default("vllm-0.28")
+    gate = make_gate(lambda: True, lambda: connector, engine=engine, head_order=lambda: "HND")
+    assert gate(one()) is False
+    d = decide(one(), connector, engine=engine)
+    assert d.layout.head_order.value == "HND"
+    assert any(p.rule.id == "vllm-own-layout.requireshead" and p.rule.source.file ==
+               "<vllm:RequiresHead.get_required_kvcache_layout>" for p in d.preferences)
+    # VLLM_KV_CACHE_LAYOUT wins over it, as in vLLM
+    told = make_gate(lambda: True, lambda: connector, engine=engine, vllm_kv_cache_layout=lambda: "NHD",
+                     head_order=lambda: "NHD")
+    assert told(one()) is False
+
+
+def test_a_multiconnector_member_without_rules_that_does_not_prefer_keeps_per_layer() -> None:
+    """vLLM's MultiConnector prefers cross-layer only if every member does; a member the rules do not know
+    keeps its own prefer_cross_layer_blocks, false here, however the known members prefer."""
+    engine = LayoutEngine.default("vllm-0.28")
+    assert use_uniform_kv_cache(one(), MultiConnector(OffloadingConnector()), engine=engine) is True
+    assert use_uniform_kv_cache(one(), MultiConnector(OffloadingConnector(), RequiresHead(None)),
+                                engine=engine) is False
+    assert use_uniform_kv_cache(one(), MultiConnector(OffloadingConnector(), RequiresHead(None, prefers=True)),
+                                engine=engine) is True
+    assert use_uniform_kv_cache(one(), MultiConnector(RequiresHead(None)), engine=engine) is False
+    # one that prefers, beside OffloadingConnector (whose rules prefer HND): vLLM allocates cross-layer HND; the
+    # members' `agree` compares required head orders, not the cross-layer preference (a refusal before)
+    d = decide(one(), MultiConnector(OffloadingConnector(), ThirdPartyConnector(True)), engine=engine)
+    assert (d.layout.placement.value, d.layout.head_order.value) == ("cross_layer", "HND")
+
+
 def test_rules_that_overrule_a_known_connector_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     class OffloadingConnector(KVConnectorBase_V1):  # a build whose offloading does not want cross-layer
         pass
