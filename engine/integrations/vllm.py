@@ -197,20 +197,26 @@ def _spec(spec: Any, num_layers: int, cache_dtype: str | None) -> KVCacheSpec:
         data: dict[str, Any] = {"kind": kind, "num_layers": num_layers, "block_size": _int_attr(spec, "block_size")
                                 or 1, "num_kv_heads": 1, "head_size": 1}
     else:
-        dtype = _dtype_name(getattr(spec, "dtype", None))
-        data = {
-            "kind": kind,
-            "num_layers": num_layers,
-            "block_size": getattr(spec, "block_size", None),
-            "num_kv_heads": getattr(spec, "num_kv_heads", None),
-            "head_size": getattr(spec, "head_size", None),
-            # for a quantized cache vLLM's dtype is the cache's; the model's then changes no byte
-            "dtype": dtype if dtype in _MODEL_DTYPES else ModelDtype.bfloat16.value,
-            "kv_cache_dtype": _kv_cache_dtype(spec, cache_dtype),
-            "sliding_window": _int_attr(spec, "sliding_window"),
-            "page_size_padded": _int_attr(spec, "page_size_padded"),
-        }
+        data = attention_fields(spec, kind, num_layers, _kv_cache_dtype(spec, cache_dtype), ModelDtype.bfloat16)
     return make_model(KVCacheSpec, "kv_cache_spec", data)
+
+
+def attention_fields(spec: Any, kind: AttentionKind, num_layers: int, kv_cache_dtype: str,
+                     model_dtype: ModelDtype) -> dict[str, Any]:
+    """`KVCacheSpec` fields of a vLLM attention spec, read by attribute name. For a quantized cache
+    vLLM's ``dtype`` is the cache's; ``model_dtype`` stands in for the model's, which changes no byte."""
+    dtype = _dtype_name(getattr(spec, "dtype", None))
+    return {
+        "kind": kind,
+        "num_layers": num_layers,
+        "block_size": getattr(spec, "block_size", None),
+        "num_kv_heads": getattr(spec, "num_kv_heads", None),
+        "head_size": getattr(spec, "head_size", None),
+        "dtype": dtype if dtype in _MODEL_DTYPES else model_dtype.value,
+        "kv_cache_dtype": kv_cache_dtype,
+        "sliding_window": _int_attr(spec, "sliding_window"),
+        "page_size_padded": _int_attr(spec, "page_size_padded"),
+    }
 
 
 # ---------------------------------------------------------------- backends

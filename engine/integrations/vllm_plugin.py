@@ -209,15 +209,19 @@ def _vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+def _missing_hook(engine: LayoutEngine, hook: str, exc: ImportError) -> PluginError:
+    """The error for a profile whose hook the running vLLM lacks (a forced profile of another release)."""
+    return PluginError(f"kvpolicy: profile `{engine.profile.name}` answers vLLM's {hook}, which this vLLM does "
+                       f"not have ({exc}); force a fitting profile with {ENV_PROFILE} or unset it")
+
+
 def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
     """vLLM 0.29+: replace ``resolve_kv_cache_layout`` where it is defined and where the engine core bound it."""
     try:
         from vllm.v1.attention.backends import utils as backend_utils
         from vllm.v1.kv_cache_layout import KVCacheLayout
     except ImportError as exc:
-        raise PluginError(f"kvpolicy: profile `{engine.profile.name}` answers vLLM's resolve_kv_cache_layout, "
-                          f"which this vLLM does not have ({exc}); force a fitting profile with {ENV_PROFILE} "
-                          "or unset it") from None
+        raise _missing_hook(engine, "resolve_kv_cache_layout", exc) from None
     import vllm.envs as envs
 
     original = getattr(backend_utils, "resolve_kv_cache_layout", None)
@@ -275,9 +279,7 @@ def _install_gate(engine: LayoutEngine, settings: Settings) -> str:
         from vllm.v1.attention.backends import utils as backend_utils
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
     except ImportError as exc:
-        raise PluginError(f"kvpolicy: profile `{engine.profile.name}` answers vLLM's use_uniform_kv_cache gate, "
-                          f"which this vLLM does not have ({exc}); force a fitting profile with {ENV_PROFILE} "
-                          "or unset it") from None
+        raise _missing_hook(engine, "use_uniform_kv_cache gate", exc) from None
     if "use_uniform_kv_cache" not in KVConnectorModelRunnerMixin.__dict__:
         raise PluginError(f"kvpolicy: this vLLM has no KVConnectorModelRunnerMixin.use_uniform_kv_cache; profile "
                           f"`{engine.profile.name}` does not fit it")

@@ -39,7 +39,16 @@ from typing import Any
 
 from engine.decision import Decision
 from engine.inputs import build_context
-from engine.integrations.vllm import StartupError, _int_attr, _kind, _kv_cache_dtype, _slug, has_rules
+from engine.integrations.vllm import (
+    _MODEL_DTYPES,
+    StartupError,
+    _dtype_name,
+    _kind,
+    _kv_cache_dtype,
+    _slug,
+    attention_fields,
+    has_rules,
+)
 from engine.layout_engine import LayoutEngine
 from policy.backends import BackendProfile, packed_backend
 from policy.connectors import ConnectorConfig
@@ -67,8 +76,6 @@ __all__ = [
 # The weight of the synthetic prefer rule standing for the required layout of a connector the
 # rules do not know: the shipped connector files prefer their required layout with 10.
 OWN_LAYOUT_WEIGHT = 10
-
-_MODEL_DTYPES = {m.value for m in ModelDtype}
 
 # vLLM 0.29+ still reads the head-order names of earlier releases as layouts (vllm/config/cache.py
 # _LAYOUT_COMPAT_ALIASES), wherever it parses a layout name: workers' reports, VLLM_KV_CACHE_LAYOUT and a
@@ -114,10 +121,6 @@ def worker_candidates(release: ReleaseProfile, supported_layouts: Sequence[Seque
 # ---------------------------------------------------------------- specs
 
 
-def _dtype_name(dtype: Any) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
 def _spec_kv_cache_dtype(spec: Any, configured: str | None, model_dtype: ModelDtype) -> str:
     """The spec's ``kv_cache_dtype``: the configured ``cache_config.cache_dtype`` when it means the
     spec's format (``fp8_e4m3`` stays ``fp8_e4m3``), else the one its quant mode and dtype give."""
@@ -156,18 +159,8 @@ def _convert(spec: Any, num_layers: int, configured: str | None, model_dtype: Mo
         data: dict[str, Any] = {"kind": kind, "num_layers": num_layers, "block_size": 1, "num_kv_heads": 1,
                                 "head_size": 1, "page_size_padded": page}
     else:
-        dtype = _dtype_name(getattr(spec, "dtype", None))
-        data = {
-            "kind": kind,
-            "num_layers": num_layers,
-            "block_size": getattr(spec, "block_size", None),
-            "num_kv_heads": getattr(spec, "num_kv_heads", None),
-            "head_size": getattr(spec, "head_size", None),
-            "dtype": dtype if dtype in _MODEL_DTYPES else model_dtype.value,
-            "kv_cache_dtype": _spec_kv_cache_dtype(spec, configured, model_dtype),
-            "sliding_window": _int_attr(spec, "sliding_window"),
-            "page_size_padded": _int_attr(spec, "page_size_padded"),
-        }
+        data = attention_fields(spec, kind, num_layers, _spec_kv_cache_dtype(spec, configured, model_dtype),
+                                model_dtype)
     ours = make_model(KVCacheSpec, where, data)
     if theirs is not None and _hnc(ours) != theirs:
         raise input_error(where, f"vLLM's `{type(spec).__name__}` has (heads, states, page bytes) {theirs}, "
