@@ -146,3 +146,18 @@ def gpu_platform_config():
                 delattr(current_platform, name)
             else:
                 setattr(current_platform, name, fn)
+
+
+def answer_cases(handle, stream, error=lambda exc: {"error": f"{type(exc).__name__}: {exc}"}):
+    """Read the JSON list of cases on stdin, answer each with ``handle`` (an exception becomes
+    ``error(exc)``, so one case never sinks the others) and write the JSON list to ``stream``."""
+    import json
+
+    results = []
+    for case in json.load(sys.stdin):
+        try:
+            results.append(handle(case))
+        except Exception as exc:
+            results.append(error(exc))
+    stream.write(json.dumps(results) + "\n")
+    stream.flush()

@@ -31,7 +31,6 @@ real ones allocate the whole cache).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -40,6 +39,7 @@ from importlib.metadata import entry_points
 import v028
 import vllm
 import vllm.plugins
+from _common import answer_cases
 from v028 import (
     KVConnectorFactory,
     _build_model,
@@ -198,16 +198,7 @@ def handle(case: dict) -> dict:
 
 
 def main() -> None:
-    cases = json.load(sys.stdin)
-    results = []
-    for case in cases:
-        try:
-            results.append(handle(case))
-        except Exception as exc:
-            results.append({"error": _err(exc), "oracle": True})
-    v028._STDOUT.write(json.dumps(results))
-    v028._STDOUT.write("\n")
-    v028._STDOUT.flush()
+    answer_cases(handle, v028._STDOUT, lambda exc: {"error": _err(exc), "oracle": True})
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ sys.stdout = sys.stderr
 import torch  # noqa: E402
 from _common import (  # noqa: E402
     STUBBED,
+    answer_cases,
     backend_class,
     captured_warnings,
     device_capability,
@@ -763,16 +764,7 @@ def handle(case):
 
 
 def main():
-    cases = json.load(sys.stdin)
-    results = []
-    for case in cases:
-        try:
-            results.append(handle(case))
-        except Exception as exc:
-            results.append({"error": f"{type(exc).__name__}: {exc}"})
-    json.dump(results, _ANSWER)
-    _ANSWER.write("\n")
-    _ANSWER.flush()
+    answer_cases(handle, _ANSWER)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ made with ``__new__`` (its ``__init__`` starts the executor and the scheduler).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -46,6 +45,7 @@ import v034
 import vllm
 import vllm.envs as envs
 import vllm.plugins
+from _common import answer_cases
 from v034 import backend_class, build_spec, decision_config, device_capability, vllm_env
 from vllm.v1.attention.backends import utils as backend_utils
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
@@ -216,16 +216,7 @@ def handle(case: dict) -> dict:
 
 
 def main() -> None:
-    cases = json.load(sys.stdin)
-    results = []
-    for case in cases:
-        try:
-            results.append(handle(case))
-        except Exception as exc:
-            results.append({"error": _err(exc), "oracle": True})
-    json.dump(results, v034._ANSWER)
-    v034._ANSWER.write("\n")
-    v034._ANSWER.flush()
+    answer_cases(handle, v034._ANSWER, lambda exc: {"error": _err(exc), "oracle": True})
 
 
 if __name__ == "__main__":
