@@ -1,6 +1,6 @@
 """`kvpolicy dry-run` start-up, as a ratio measured in one run.
 
-- ``dry_run_vs_import_torch``: the wall time of ``python -m engine.cli.main
+- ``dry_run_vs_import_torch``: the wall time of ``python -m kvpolicy.engine.cli.main
   dry-run`` (the built-in example, full explanation, counterfactuals included)
   against ``python -c "import torch"``, both as fresh subprocesses. Below 1 means
   deciding and explaining a layout costs less than merely importing torch,
@@ -43,7 +43,7 @@ def _median_wall(argv: list[str], runs: int) -> float:
 
 def run(quick: bool = False) -> dict[str, float]:
     """Median timings (seconds) and their ratios to ``import torch``."""
-    cli = [sys.executable, "-m", "engine.cli.main"]
+    cli = [sys.executable, "-m", "kvpolicy.engine.cli.main"]
     for package in ("policy", "engine"):  # what pip does at install time (see the module docstring)
         compileall.compile_dir(ROOT / package, quiet=1)
     n_cli, n_torch = (5, 3) if quick else (10, 5)

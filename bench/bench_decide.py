@@ -42,9 +42,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import LayoutEngine  # noqa: E402
-from policy import ConnectorConfig, Context, Layout, load_rules_from_texts  # noqa: E402
-from policy.backends import BACKENDS  # noqa: E402
+from kvpolicy.engine import LayoutEngine  # noqa: E402
+from kvpolicy.policy import ConnectorConfig, Context, Layout, load_rules_from_texts  # noqa: E402
+from kvpolicy.policy.backends import BACKENDS  # noqa: E402
 
 # The hand-written chain is vLLM's use_uniform_kv_cache gate as of vLLM issue #48412: the decisions are
 # made under that profile (the default profile, vllm-0.34, refuses some of these contexts' inputs).
@@ -167,7 +167,7 @@ def _cold(fresh: _Fresh, fn: Callable[[Context], object]) -> Callable[[], None]:
 
 def generated_rules(n_rules: int = 1000, n_connectors: int = 20) -> dict[str, str]:
     """A large, realistic rule set: the shipped rules plus generated connector files."""
-    from engine.layout_engine import shipped_rules_dir
+    from kvpolicy.engine.layout_engine import shipped_rules_dir
 
     root = shipped_rules_dir(PROFILE)
     texts = {str(p.relative_to(root)): p.read_text() for p in [*root.glob("*.yaml"), *root.glob("connectors/*.yaml")]}

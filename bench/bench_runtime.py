@@ -72,11 +72,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.plan import LayoutPlan, plan_layout  # noqa: E402
-from engine.runtime import KVCache, allocate  # noqa: E402
-from policy.backends import BACKENDS  # noqa: E402
-from policy.layouts import Layout  # noqa: E402
-from policy.spec import KVCacheSpec  # noqa: E402
+from kvpolicy.engine.plan import LayoutPlan, plan_layout  # noqa: E402
+from kvpolicy.engine.runtime import KVCache, allocate  # noqa: E402
+from kvpolicy.policy.backends import BACKENDS  # noqa: E402
+from kvpolicy.policy.layouts import Layout  # noqa: E402
+from kvpolicy.policy.spec import KVCacheSpec  # noqa: E402
 
 LAYERS, BLOCK, HEADS, HEAD = 32, 16, 8, 128  # Llama-3-8B per rank
 TOKENS = 2048

@@ -1,15 +1,15 @@
 """kvpolicy's engine: decide a KV cache layout, explain it, and drive memory.
 
 The decision path (this package's import, `LayoutEngine.decide`) never
-imports torch; the runtime (`LayoutEngine.build`, `engine.runtime`) does, lazily.
+imports torch; the runtime (`LayoutEngine.build`, `kvpolicy.engine.runtime`) does, lazily.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from engine.decision import Decision
-from engine.fingerprint import LayoutFingerprint, fingerprint_of
-from engine.layout_engine import LayoutEngine, shipped_rules_dir
-from engine.trace import (
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
+from kvpolicy.engine.layout_engine import LayoutEngine, shipped_rules_dir
+from kvpolicy.engine.trace import (
     CandidateRemoved,
     Counterfactual,
     FieldChange,
@@ -20,7 +20,7 @@ from engine.trace import (
 )
 
 if TYPE_CHECKING:
-    from engine.agreement import (
+    from kvpolicy.engine.agreement import (
         AgreementError,
         CompatibilityResult,
         LayoutMismatchError,
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     )
 
 # Rank and peer agreement is not on the decision path (the CLI never needs it): loaded on first use.
-_LAZY = {name: "engine.agreement" for name in ("AgreementError", "CompatibilityResult", "LayoutMismatchError",
+_LAZY = {name: "kvpolicy.engine.agreement" for name in ("AgreementError", "CompatibilityResult", "LayoutMismatchError",
                                                "agree", "check_compatible", "require_compatible")}
 
 

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.decision import Decision
-from engine.fingerprint import FORMAT_VERSION, LayoutFingerprint, fingerprint
-from policy.errors import Diagnostic, PolicyError, input_error
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.fingerprint import FORMAT_VERSION, LayoutFingerprint, fingerprint
+from kvpolicy.policy.errors import Diagnostic, PolicyError, input_error
 
 __all__ = [
     "AgreementError",

@@ -12,11 +12,11 @@ from __future__ import annotations
 from itertools import combinations, product
 from typing import Any
 
-from engine.decide import Scope, evaluate
-from engine.trace import Counterfactual, FieldChange
-from policy.conditions import leaves_of, same_value
-from policy.context import MISSING, field_spec
-from policy.ruleset import RuleSet
+from kvpolicy.engine.decide import Scope, evaluate
+from kvpolicy.engine.trace import Counterfactual, FieldChange
+from kvpolicy.policy.conditions import leaves_of, same_value
+from kvpolicy.policy.context import MISSING, field_spec
+from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["counterfactuals"]
 

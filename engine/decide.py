@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from engine.trace import (
+from kvpolicy.engine.trace import (
     CandidateRemoved,
     Event,
     LayoutChosen,
@@ -28,14 +28,14 @@ from engine.trace import (
     RuleEvaluated,
     RuleRef,
 )
-from policy.conditions import LeafResult
-from policy.connectors import ConnectorConfig
-from policy.context import Context
-from policy.errors import Diagnostic, NoLayoutError
-from policy.layouts import Layout
-from policy.releases import get_profile, profile_names
-from policy.rule_model import MemberPreferences
-from policy.ruleset import FORBID, PREFER, REQUIRE, CompiledRule, RuleSet, Source
+from kvpolicy.policy.conditions import LeafResult
+from kvpolicy.policy.connectors import ConnectorConfig
+from kvpolicy.policy.context import Context
+from kvpolicy.policy.errors import Diagnostic, NoLayoutError
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.releases import get_profile, profile_names
+from kvpolicy.policy.rule_model import MemberPreferences
+from kvpolicy.policy.ruleset import FORBID, PREFER, REQUIRE, CompiledRule, RuleSet, Source
 
 __all__ = ["RELEASE_CANDIDATES", "Outcome", "Scope", "connector_rules_for", "evaluate", "rule_ref", "scopes_for"]
 

@@ -12,11 +12,11 @@ import json
 from functools import cached_property
 from typing import Any
 
-from engine.counterfactual import counterfactuals, describe
-from engine.decide import Outcome, evaluate, scopes_for
-from engine.fingerprint import LayoutFingerprint, fingerprint
-from engine.render import render_text
-from engine.trace import (
+from kvpolicy.engine.counterfactual import counterfactuals, describe
+from kvpolicy.engine.decide import Outcome, evaluate, scopes_for
+from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint
+from kvpolicy.engine.render import render_text
+from kvpolicy.engine.trace import (
     CandidateRemoved,
     Counterfactual,
     Event,
@@ -25,9 +25,9 @@ from engine.trace import (
     RuleEvaluated,
     RuleRef,
 )
-from policy.context import MISSING, Context
-from policy.layouts import Layout
-from policy.ruleset import RuleSet
+from kvpolicy.policy.context import MISSING, Context
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["JSON_FORMAT_VERSION", "Decision"]
 
@@ -163,7 +163,7 @@ class Decision:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     def explain(self, mode: str = "full") -> str:
-        """The decision rendered as text for people (see `engine.render`)."""
+        """The decision rendered as text for people (see `kvpolicy.engine.render`)."""
         return render_text(self, mode=mode)
 
 

@@ -32,10 +32,10 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from policy.backends import BackendProfile, Dim
-from policy.errors import input_error
-from policy.layouts import Layout
-from policy.spec import KVCacheGroups, KVCacheSpec
+from kvpolicy.policy.backends import BackendProfile, Dim
+from kvpolicy.policy.errors import input_error
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.spec import KVCacheGroups, KVCacheSpec
 
 __all__ = [
     "FORMAT_VERSION",

@@ -17,14 +17,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from policy.backends import BackendProfile, ScaleViews
-from policy.connectors import ConnectorConfig
-from policy.context import Context, VllmOptions
-from policy.errors import InputError, input_error
-from policy.layouts import Layout
-from policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
-from policy.releases import ReleaseProfile, get_profile, iter_profiles
-from policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
+from kvpolicy.policy.backends import BackendProfile, ScaleViews
+from kvpolicy.policy.connectors import ConnectorConfig
+from kvpolicy.policy.context import Context, VllmOptions
+from kvpolicy.policy.errors import InputError, input_error
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
+from kvpolicy.policy.releases import ReleaseProfile, get_profile, iter_profiles
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs", "parse_device_capability"]
 
@@ -154,7 +154,7 @@ def build_context(
         raise input_error("tensor_parallel_size", "`tensor_parallel_size` applies to `model` only",
                           "a `spec` already gives the KV heads of one rank (`num_kv_heads`)")
     if model is not None:
-        from policy.hf_config import kv_groups_from_hf_config
+        from kvpolicy.policy.hf_config import kv_groups_from_hf_config
 
         groups = kv_groups_from_hf_config(
             model, kv_cache_dtype=kv_cache_dtype or "auto",

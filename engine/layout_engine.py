@@ -1,6 +1,6 @@
 """`LayoutEngine`: the library's entry point for a serving engine at start-up.
 
-    from engine import LayoutEngine
+    from kvpolicy.engine import LayoutEngine
     engine = LayoutEngine.default()
     decision = engine.decide(model="config.json", kv_cache_dtype="fp8_per_token_head",
                              backend="TRITON_ATTN", connector="OffloadingConnector")
@@ -18,19 +18,19 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from engine.decide import evaluate, no_layout_error, scopes_for
-from engine.decision import Decision
-from engine.inputs import context_from_inputs
-from engine.plan import LayoutPlan, plan_layout
-from engine.verify import check_plan
+from kvpolicy.engine.decide import evaluate, no_layout_error, scopes_for
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.inputs import context_from_inputs
+from kvpolicy.engine.plan import LayoutPlan, plan_layout
+from kvpolicy.engine.verify import check_plan
 
 if TYPE_CHECKING:
-    from engine.runtime import KVCache
-from policy.context import Context
-from policy.errors import Diagnostic, RuleLoadError, input_error
-from policy.load import Limits, load_rules, load_rules_from_texts
-from policy.releases import ReleaseProfile, get_profile
-from policy.ruleset import RuleSet
+    from kvpolicy.engine.runtime import KVCache
+from kvpolicy.policy.context import Context
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError, input_error
+from kvpolicy.policy.load import Limits, load_rules, load_rules_from_texts
+from kvpolicy.policy.releases import ReleaseProfile, get_profile
+from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["LayoutEngine", "fallback_ruleset", "shipped_rules_dir"]
 
@@ -44,8 +44,8 @@ def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
     here = Path(__file__).resolve().parent.parent / "rules"
     if (here / sub / "global.yaml").is_file():
         return here / sub
-    # installed from a wheel: package data `kvpolicy_rules`, a namespace package (no __init__.py)
-    spec = importlib.util.find_spec("kvpolicy_rules")
+    # installed from a wheel: package data `kvpolicy.rules`, a namespace package (no __init__.py)
+    spec = importlib.util.find_spec("kvpolicy.rules")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations))) / sub
     return here / sub  # not found: the loader reports the missing directory
@@ -220,7 +220,7 @@ class LayoutEngine:
         decision = self.decide(context, explain=False, **inputs)
         plan = plan_layout(decision.layout, decision.context.kv, decision.context.backend, num_blocks)
         check_plan(plan)
-        from engine.runtime import allocate  # torch, lazily
+        from kvpolicy.engine.runtime import allocate  # torch, lazily
 
         try:
             cache = allocate(plan, device)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from engine.plan import LayoutPlan
-from engine.verify import Writer, verify_plan, writers
-from policy.backends import ScaleViews
+from kvpolicy.engine.plan import LayoutPlan
+from kvpolicy.engine.verify import Writer, verify_plan, writers
+from kvpolicy.policy.backends import ScaleViews
 
 __all__ = ["Segment", "block_map", "render_svg", "render_text"]
 

@@ -5,8 +5,8 @@ into a `LayoutPlan`: every buffer's physical shape and strides, every layer's
 logical view (shape, element strides, storage offset), the inline-scale views of
 per-token-head modes and the views a block transfer copies. Nothing is
 allocated, so a 100 GB cache plans in microseconds and ``kvpolicy dry-run``
-never imports torch. `engine.runtime.allocate` builds tensors that match the
-plan exactly, and `engine.verify` checks plans for overlapping views.
+never imports torch. `kvpolicy.engine.runtime.allocate` builds tensors that match the
+plan exactly, and `kvpolicy.engine.verify` checks plans for overlapping views.
 
 Geometry, as vLLM computes it: the backend's physical dim order for the head
 order (with ``layer`` inserted for cross_layer) is allocated contiguously, and
@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from policy.backends import BackendProfile, Dim, packed_order
-from policy.errors import GeometryError, input_error
-from policy.layouts import Layout
-from policy.spec import KVCacheSpec
+from kvpolicy.policy.backends import BackendProfile, Dim, packed_order
+from kvpolicy.policy.errors import GeometryError, input_error
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.spec import KVCacheSpec
 
 __all__ = [
     "BufferPlan",
@@ -187,7 +187,7 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class LayoutPlan:
-    """The full geometry of one KV cache: what `engine.runtime.allocate` builds."""
+    """The full geometry of one KV cache: what `kvpolicy.engine.runtime.allocate` builds."""
 
     layout: Layout
     spec: KVCacheSpec
@@ -359,7 +359,7 @@ def naive_scale_view(plan: LayoutPlan, layer: int, role: str) -> ByteView:
     It ignores the layer's real view: base offset 0 in the layer's buffer, a
     block stride of one layer page, and NHD-contiguous cells inside the page.
     That is right for a per-layer NHD buffer; under cross_layer every layer's
-    view lands on the same bytes (vLLM issue #48412). `engine.verify` models
+    view lands on the same bytes (vLLM issue #48412). `kvpolicy.engine.verify` models
     the ``assume_per_layer_contiguous`` strategy with it.
     """
     spec = plan.spec
@@ -570,7 +570,7 @@ def _vllm_allocation(plan: LayoutPlan) -> VllmAllocation:
 
     Packed geometry: the layout's permutation of ``[L, B, H, N, C]`` (``C`` = K and V
     cells, or MLA's latent) with the planner's padding rule, independent of where the
-    backend finds K and V inside ``C`` (`policy.backends.KVSplit`); the layer dim is
+    backend finds K and V inside ``C`` (`kvpolicy.policy.backends.KVSplit`); the layer dim is
     dropped when each layer has a buffer of its own.
     """
     spec, elem = plan.spec, plan.element_size

@@ -9,10 +9,10 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Protocol
 
-from engine.counterfactual import describe
-from engine.trace import Counterfactual, Event, PreferenceApplied, RuleEvaluated, explain_filter
-from policy.context import Context
-from policy.layouts import Layout
+from kvpolicy.engine.counterfactual import describe
+from kvpolicy.engine.trace import Counterfactual, Event, PreferenceApplied, RuleEvaluated, explain_filter
+from kvpolicy.policy.context import Context
+from kvpolicy.policy.layouts import Layout
 
 __all__ = ["Explainable", "render_inputs", "render_text"]
 

@@ -1,7 +1,7 @@
 """The decision trace: a flat list of typed events, and pure filters over it.
 
 After OPA's ``topdown/trace.go``: events record what happened, in order;
-``explain`` modes are filters; rendering lives in `engine.render`. Every event
+``explain`` modes are filters; rendering lives in `kvpolicy.engine.render`. Every event
 names a rule by its own id and file:line, never a generated name.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from policy.conditions import LeafResult
-from policy.layouts import Layout
-from policy.ruleset import Source
+from kvpolicy.policy.conditions import LeafResult
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.ruleset import Source
 
 __all__ = [
     "CandidateRemoved",

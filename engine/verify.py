@@ -21,9 +21,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.plan import ByteView, LayoutPlan, TensorView, naive_scale_view
-from policy.backends import Dim, ScaleViews
-from policy.errors import Diagnostic, GeometryError
+from kvpolicy.engine.plan import ByteView, LayoutPlan, TensorView, naive_scale_view
+from kvpolicy.policy.backends import Dim, ScaleViews
+from kvpolicy.policy.errors import Diagnostic, GeometryError
 
 __all__ = ["Collision", "GeometryReport", "Writer", "check_plan", "refusal", "verify_plan", "writers"]
 

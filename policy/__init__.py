@@ -3,10 +3,10 @@
 `policy` never imports `engine` or torch.
 """
 
-from policy.backends import BACKENDS, BackendProfile, Dim, ScaleViews, get_backend
-from policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
-from policy.context import FIELDS, MISSING, Context, FieldSpec
-from policy.errors import (
+from kvpolicy.policy.backends import BACKENDS, BackendProfile, Dim, ScaleViews, get_backend
+from kvpolicy.policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
+from kvpolicy.policy.context import FIELDS, MISSING, Context, FieldSpec
+from kvpolicy.policy.errors import (
     Diagnostic,
     GeometryError,
     InputError,
@@ -15,12 +15,12 @@ from policy.errors import (
     PolicyError,
     RuleLoadError,
 )
-from policy.layouts import ALL_LAYOUTS, HeadOrder, Layout, LayoutPattern, Placement
-from policy.load import Limits, load_rules, load_rules_from_texts
-from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
-from policy.rule_model import Rule, RuleFile
-from policy.ruleset import CompiledRule, RuleSet, Source
-from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+from kvpolicy.policy.layouts import ALL_LAYOUTS, HeadOrder, Layout, LayoutPattern, Placement
+from kvpolicy.policy.load import Limits, load_rules, load_rules_from_texts
+from kvpolicy.policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
+from kvpolicy.policy.rule_model import Rule, RuleFile
+from kvpolicy.policy.ruleset import CompiledRule, RuleSet, Source
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 __all__ = [
     "ALL_LAYOUTS",

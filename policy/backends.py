@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from policy.errors import input_error
-from policy.layouts import LEGACY_NAMES, HeadOrder, Layout
-from policy.spec import Frozen
+from kvpolicy.policy.errors import input_error
+from kvpolicy.policy.layouts import LEGACY_NAMES, HeadOrder, Layout
+from kvpolicy.policy.spec import Frozen
 
 __all__ = [
     "BACKENDS",

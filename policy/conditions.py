@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from policy.context import MISSING
-from policy.rule_model import AllOf, AnyOf, Condition, Leaf, NotOf
+from kvpolicy.policy.context import MISSING
+from kvpolicy.policy.rule_model import AllOf, AnyOf, Condition, Leaf, NotOf
 
 __all__ = ["CompiledCondition", "LeafResult", "compile_condition", "leaves_of", "same_value"]
 

@@ -14,13 +14,13 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from policy.errors import input_error
-from policy.spec import Frozen
+from kvpolicy.policy.errors import input_error
+from kvpolicy.policy.spec import Frozen
 
 __all__ = ["COMPOSITE_CONNECTORS", "KNOWN_CONNECTORS", "ConnectorConfig", "flatten_extra", "suggest_connector"]
 
 def _registered() -> frozenset[str]:
-    from policy.releases import iter_profiles
+    from kvpolicy.policy.releases import iter_profiles
 
     return frozenset(name for profile in iter_profiles() for name in profile.connectors)
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from policy.backends import BackendProfile, ScaleViews
-from policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
-from policy.layouts import Layout
-from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode
-from policy.releases import profile_names
-from policy.spec import AttentionKind, Frozen, KVCacheGroups, KVCacheSpec
+from kvpolicy.policy.backends import BackendProfile, ScaleViews
+from kvpolicy.policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode
+from kvpolicy.policy.releases import profile_names
+from kvpolicy.policy.spec import AttentionKind, Frozen, KVCacheGroups, KVCacheSpec
 
 __all__ = ["EXTRA_PREFIX", "FIELDS", "MISSING", "Context", "FieldSpec", "VllmOptions", "field_spec"]
 

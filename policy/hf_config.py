@@ -27,9 +27,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from policy.errors import Diagnostic, ModelConfigError, input_error
-from policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
-from policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+from kvpolicy.policy.errors import Diagnostic, ModelConfigError, input_error
+from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
+from kvpolicy.policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 __all__ = ["kv_groups_from_hf_config"]
 

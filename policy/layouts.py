@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, field_validator
 
-from policy.spec import Frozen
+from kvpolicy.policy.spec import Frozen
 
 __all__ = ["ALL_LAYOUTS", "LEGACY_NAMES", "HeadOrder", "Layout", "LayoutPattern", "Placement"]
 

@@ -16,12 +16,12 @@ import difflib
 import os
 from pathlib import Path
 
-from policy.errors import Diagnostic, RuleLoadError
-from policy.layouts import ALL_LAYOUTS, Layout
-from policy.rule_model import MemberPreferences, Rule, RuleFile
-from policy.ruleset import RuleSet, Source
-from policy.validate import validate_file
-from policy.yaml_source import Limits, Located, parse_yaml
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.layouts import ALL_LAYOUTS, Layout
+from kvpolicy.policy.rule_model import MemberPreferences, Rule, RuleFile
+from kvpolicy.policy.ruleset import RuleSet, Source
+from kvpolicy.policy.validate import validate_file
+from kvpolicy.policy.yaml_source import Limits, Located, parse_yaml
 
 __all__ = ["Limits", "load_rules", "load_rules_from_texts", "rule_files"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from enum import Enum
 
-from policy.errors import input_error
+from kvpolicy.policy.errors import input_error
 
 __all__ = ["KV_CACHE_DTYPES", "CacheDtype", "ModelDtype", "QuantMode", "parse_kv_cache_dtype"]
 

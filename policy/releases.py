@@ -33,10 +33,10 @@ from typing import Literal
 import yaml
 from pydantic import Field, ValidationError
 
-from policy.backends import DEV_48412_BACKENDS, BackendProfile, KVSplit, ScaleViews, packed_backend
-from policy.errors import InputError, input_error
-from policy.layouts import HeadOrder, Layout
-from policy.spec import Frozen
+from kvpolicy.policy.backends import DEV_48412_BACKENDS, BackendProfile, KVSplit, ScaleViews, packed_backend
+from kvpolicy.policy.errors import InputError, input_error
+from kvpolicy.policy.layouts import HeadOrder, Layout
+from kvpolicy.policy.spec import Frozen
 
 __all__ = [
     "BackendFacts",

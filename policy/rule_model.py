@@ -28,8 +28,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, model_validator
 
-from policy.layouts import LayoutPattern
-from policy.spec import Frozen
+from kvpolicy.policy.layouts import LayoutPattern
+from kvpolicy.policy.spec import Frozen
 
 __all__ = [
     "OPERATORS",

@@ -1,6 +1,6 @@
 """A loaded, validated and compiled rule set: what the engine evaluates.
 
-Immutable. Built only by `policy.load`, which never hands out a partially
+Immutable. Built only by `kvpolicy.policy.load`, which never hands out a partially
 valid set.
 """
 
@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from policy.conditions import CompiledCondition, compile_condition
-from policy.layouts import ALL_LAYOUTS, Layout, LayoutPattern
-from policy.rule_model import Effect, MemberPreferences, Rule
+from kvpolicy.policy.conditions import CompiledCondition, compile_condition
+from kvpolicy.policy.layouts import ALL_LAYOUTS, Layout, LayoutPattern
+from kvpolicy.policy.rule_model import Effect, MemberPreferences, Rule
 
 __all__ = ["EFFECT_CODES", "FORBID", "PREFER", "REQUIRE", "CompiledRule", "RuleSet", "Source"]
 

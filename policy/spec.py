@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from policy.errors import Diagnostic, InputError
-from policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
+from kvpolicy.policy.errors import Diagnostic, InputError
+from kvpolicy.policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
 
 __all__ = ["AttentionKind", "Frozen", "KVCacheGroup", "KVCacheGroups", "KVCacheSpec", "make_model"]
 

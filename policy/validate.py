@@ -12,12 +12,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from policy.connectors import KNOWN_CONNECTORS, suggest_connector
-from policy.context import EXTRA_PREFIX, FIELDS, FieldSpec, field_spec
-from policy.errors import Diagnostic
-from policy.layouts import Layout, LayoutPattern
-from policy.rule_model import OPERATORS, AllOf, AnyOf, Condition, Defaults, Leaf, NotOf, Rule, RuleFile
-from policy.yaml_source import Located, Path
+from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
+from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec, field_spec
+from kvpolicy.policy.errors import Diagnostic
+from kvpolicy.policy.layouts import Layout, LayoutPattern
+from kvpolicy.policy.rule_model import OPERATORS, AllOf, AnyOf, Condition, Defaults, Leaf, NotOf, Rule, RuleFile
+from kvpolicy.policy.yaml_source import Located, Path
 
 __all__ = ["located_validation_errors", "validate_file", "walk_loc"]
 

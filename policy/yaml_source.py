@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from policy.errors import Diagnostic
+from kvpolicy.policy.errors import Diagnostic
 
 __all__ = ["Limits", "Located", "parse_yaml"]
 

@@ -6,16 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import engine
-import policy
-from policy.reference import render_reference
+import kvpolicy.engine as engine
+import kvpolicy.policy as policy
+from kvpolicy.policy.reference import render_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_rule_language_reference_is_current() -> None:
     committed = (ROOT / "docs" / "rule-language.md").read_text()
-    assert committed == render_reference(), "regenerate: python -m policy.reference > docs/rule-language.md"
+    assert committed == render_reference(), "regenerate: python -m kvpolicy.policy.reference > docs/rule-language.md"
 
 
 def test_reference_lists_every_field_and_operator() -> None:
@@ -37,26 +37,26 @@ def test_public_api() -> None:
 
 
 def test_policy_never_imports_engine() -> None:
-    code = ("import sys, policy, policy.load, policy.reference\n"
-            "print([m for m in sys.modules if m.startswith('engine')])")
+    code = ("import sys, kvpolicy.policy, kvpolicy.policy.load, kvpolicy.policy.reference\n"
+            "print([m for m in sys.modules if m.startswith('kvpolicy.engine')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
     for path in (ROOT / "policy").glob("*.py"):
         text = path.read_text()
-        assert "from engine" not in text and "import engine" not in text, path
+        assert "from kvpolicy.engine" not in text and "import kvpolicy.engine" not in text, path
 
 
 def test_ruff_clean() -> None:
     # `python -m ruff`: the test extras install it beside this interpreter, on PATH or not
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--quiet", "policy", "engine", "tests", "bench"],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--quiet", "kvpolicy", "policy", "engine", "tests",
+                          "bench"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_worked_example_is_the_default_dry_run() -> None:
     """docs/rule-language.md's worked example: its rules exist as quoted, and the decision is the one it states."""
-    from engine import LayoutEngine
-    from engine.inputs import DEFAULT_EXAMPLE
+    from kvpolicy.engine import LayoutEngine
+    from kvpolicy.engine.inputs import DEFAULT_EXAMPLE
 
     engine = LayoutEngine.default("vllm-0.34")
     rules = {r.id: r for r in engine.ruleset.rules}

@@ -28,13 +28,13 @@ def test_wheel_ships_every_rule_file(wheel: Path) -> None:
                *ROOT.glob("rules/*/tests/*.yaml")]
     assert len(shipped) >= 17
     for path in shipped:
-        assert "kvpolicy_rules/" + str(path.relative_to(ROOT / "rules")) in names, path
+        assert "kvpolicy/rules/" + str(path.relative_to(ROOT / "rules")) in names, path
 
 
 def test_wheel_ships_every_python_package(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for init in [*ROOT.glob("policy/**/__init__.py"), *ROOT.glob("engine/**/__init__.py")]:
-        package = init.parent.relative_to(ROOT)
+        package = Path("kvpolicy") / init.parent.relative_to(ROOT)
         for module in init.parent.glob("*.py"):
             assert str(package / module.name) in names, f"{package / module.name} is missing from the wheel"
 
@@ -43,16 +43,16 @@ def test_installed_package_validates_and_tests_its_rules(wheel: Path, tmp_path: 
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
     env = {**os.environ, "PYTHONPATH": str(target)}
-    run = [sys.executable, "-m", "engine.cli.main"]
+    run = [sys.executable, "-m", "kvpolicy.engine.cli.main"]
     for argv, expect in ((["validate"], "ok: 11 rules in 6 files"), (["test"], "0 failed"),
                          (["dry-run", "--explain", "notes"], "layout: LBNHC"),
                          (["lint"], "0 error(s)")):
         proc = subprocess.run(run + argv, capture_output=True, text=True, cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr
         assert expect in proc.stdout
-    where = subprocess.run([sys.executable, "-c", "import engine; print(engine.shipped_rules_dir())"],
+    where = subprocess.run([sys.executable, "-c", "import kvpolicy; print(kvpolicy.shipped_rules_dir())"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, check=True).stdout.strip()
-    assert where == str(target / "kvpolicy_rules" / "issue-48412")  # the profile tests/conftest.py selects
+    assert where == str(target / "kvpolicy" / "rules" / "issue-48412")  # the profile tests/conftest.py selects
     default = {k: v for k, v in env.items() if k != "KVPOLICY_VLLM_VERSION"}
     proc = subprocess.run([*run, "dry-run", "--explain", "notes"], capture_output=True, text=True, cwd=tmp_path,
                           env=default)

@@ -1,8 +1,8 @@
 """Policy analysis over a release profile's whole input space: lint, diff."""
 
-from engine.analysis.diff import DecisionChange, DiffReport, diff_rulesets
-from engine.analysis.lint import Finding, LintReport, LoadBearing, lint, shipped_ruleset
-from engine.analysis.space import AnalysisInput, Space, build_space, enumerate_inputs
+from kvpolicy.engine.analysis.diff import DecisionChange, DiffReport, diff_rulesets
+from kvpolicy.engine.analysis.lint import Finding, LintReport, LoadBearing, lint, shipped_ruleset
+from kvpolicy.engine.analysis.space import AnalysisInput, Space, build_space, enumerate_inputs
 
 __all__ = [
     "AnalysisInput",

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.analysis.space import AnalysisInput
-from engine.decide import Outcome, Scope, evaluate, release_ref
-from engine.trace import Event
-from policy.conditions import leaves_of
-from policy.context import MISSING
-from policy.ruleset import FORBID, PREFER, CompiledRule, RuleSet
+from kvpolicy.engine.analysis.space import AnalysisInput
+from kvpolicy.engine.decide import Outcome, Scope, evaluate, release_ref
+from kvpolicy.engine.trace import Event
+from kvpolicy.policy.conditions import leaves_of
+from kvpolicy.policy.context import MISSING
+from kvpolicy.policy.ruleset import FORBID, PREFER, CompiledRule, RuleSet
 
 __all__ = ["Decided", "Decider"]
 
@@ -52,7 +52,7 @@ def _prefer_only(scope: Scope) -> Scope:
 
 
 def _pick(alive: int, scores: tuple[int, ...], ranks: tuple[int, ...]) -> int | None:
-    """`engine.decide`'s choice: the highest score, ties to the lowest rank."""
+    """`kvpolicy.engine.decide`'s choice: the highest score, ties to the lowest rank."""
     best = None
     for i in range(len(scores)):
         if alive >> i & 1 and (best is None or (-scores[i], ranks[i]) < (-scores[best], ranks[best])):

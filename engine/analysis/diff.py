@@ -1,7 +1,7 @@
 """`kvpolicy diff OLD NEW`: every input whose decision a rule change alters, and why.
 
 Both rule sets decide every input of one release profile's space (the
-inputs either set reads: `engine.analysis.space`). For each changed input the
+inputs either set reads: `kvpolicy.engine.analysis.space`). For each changed input the
 report names, on each side, the rules responsible: those that removed the
 other side's layout, or else the preferences that ranked this side's layout
 first.
@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.analysis.decider import Decider
-from engine.analysis.space import AnalysisInput, Space, build_space
-from engine.trace import CandidateRemoved, PreferenceApplied
-from policy.backends import ScaleViews
-from policy.releases import ReleaseProfile, get_profile
-from policy.ruleset import RuleSet
+from kvpolicy.engine.analysis.decider import Decider
+from kvpolicy.engine.analysis.space import AnalysisInput, Space, build_space
+from kvpolicy.engine.trace import CandidateRemoved, PreferenceApplied
+from kvpolicy.policy.backends import ScaleViews
+from kvpolicy.policy.releases import ReleaseProfile, get_profile
+from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["DecisionChange", "DiffReport", "diff_rulesets"]
 

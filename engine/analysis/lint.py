@@ -29,18 +29,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.analysis.decider import Decider
-from engine.analysis.space import AnalysisInput, Space, build_space
-from engine.decide import release_ref, rule_ref
-from engine.plan import plan_layout
-from engine.trace import CandidateRemoved, RuleRef
-from engine.verify import verify_plan
-from policy.backends import ScaleViews
-from policy.errors import PolicyError
-from policy.layouts import Layout
-from policy.releases import ReleaseProfile, get_profile
-from policy.rule_model import Effect
-from policy.ruleset import RuleSet
+from kvpolicy.engine.analysis.decider import Decider
+from kvpolicy.engine.analysis.space import AnalysisInput, Space, build_space
+from kvpolicy.engine.decide import release_ref, rule_ref
+from kvpolicy.engine.plan import plan_layout
+from kvpolicy.engine.trace import CandidateRemoved, RuleRef
+from kvpolicy.engine.verify import verify_plan
+from kvpolicy.policy.backends import ScaleViews
+from kvpolicy.policy.errors import PolicyError
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.releases import ReleaseProfile, get_profile
+from kvpolicy.policy.rule_model import Effect
+from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["Finding", "LintReport", "LoadBearing", "lint", "shipped_ruleset"]
 
@@ -180,7 +180,7 @@ def _labels(inputs: list[AnalysisInput], limit: int | None = None) -> tuple[str,
 
 def shipped_ruleset(vllm_version: str | ReleaseProfile | None = None) -> RuleSet | None:
     """The profile's shipped rules (None when they do not load: lint then has no baseline)."""
-    from engine.layout_engine import LayoutEngine
+    from kvpolicy.engine.layout_engine import LayoutEngine
 
     try:
         return LayoutEngine.default(vllm_version).ruleset
@@ -196,7 +196,7 @@ def lint(
     scale_views: list[ScaleViews] | None = None,
     baseline: RuleSet | bool | None = True,
 ) -> LintReport:
-    """Lint ``ruleset`` over ``inputs`` (default: the profile's space; see `engine.analysis.space`).
+    """Lint ``ruleset`` over ``inputs`` (default: the profile's space; see `kvpolicy.engine.analysis.space`).
 
     ``baseline``: the rule set whose conflicts are the release's own refusals
     (True: the profile's shipped rules; None/False: none, every conflict is an

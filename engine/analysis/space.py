@@ -1,6 +1,6 @@
 """The finite input space a rule set is analysed over, for one vLLM release profile.
 
-Every input is built as an operator's would be (`engine.inputs.build_context`
+Every input is built as an operator's would be (`kvpolicy.engine.inputs.build_context`
 with the profile's ``vllm_version``), so lint never decides an input the
 release cannot have: the profile's backends with their geometry and
 candidates, its ``kv_cache_dtype`` strings, and vLLM's options. Dimensions:
@@ -38,18 +38,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.decide import Scope
-from engine.inputs import build_context
-from policy.backends import BackendProfile, ScaleViews, packed_backend
-from policy.conditions import leaf_predicate, leaves_of
-from policy.connectors import ConnectorConfig
-from policy.context import EXTRA_PREFIX, FIELDS, MISSING, Context, VllmOptions
-from policy.errors import PolicyError
-from policy.layouts import Layout
-from policy.quant import KV_CACHE_DTYPES
-from policy.releases import ReleaseProfile, Resolver, get_profile
-from policy.ruleset import RuleSet
-from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+from kvpolicy.engine.decide import Scope
+from kvpolicy.engine.inputs import build_context
+from kvpolicy.policy.backends import BackendProfile, ScaleViews, packed_backend
+from kvpolicy.policy.conditions import leaf_predicate, leaves_of
+from kvpolicy.policy.connectors import ConnectorConfig
+from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, MISSING, Context, VllmOptions
+from kvpolicy.policy.errors import PolicyError
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.quant import KV_CACHE_DTYPES
+from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile
+from kvpolicy.policy.ruleset import RuleSet
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 __all__ = ["AnalysisInput", "Space", "build_space", "enumerate_inputs"]
 
@@ -139,7 +139,7 @@ class AnalysisInput:
         return {**self.core.env, **self.conn.env}
 
     def scopes(self, ruleset: RuleSet) -> tuple[Scope, Scope | None]:
-        """`engine.decide.scopes_for` from the shared environments (no trace: ``release`` unset)."""
+        """`kvpolicy.engine.decide.scopes_for` from the shared environments (no trace: ``release`` unset)."""
         env = self.env
         glob = Scope("global", ruleset.global_rules, env, candidates=self.candidates)
         if self.conn.config is None:

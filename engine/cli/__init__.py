@@ -1,6 +1,6 @@
 """The ``kvpolicy`` command line: dry-run, validate, test, schema (docs/cli.md).
 
-``main`` is imported lazily so that ``python -m engine.cli.main`` does not
+``main`` is imported lazily so that ``python -m kvpolicy.engine.cli.main`` does not
 find the module already imported by its package.
 """
 
@@ -13,6 +13,6 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvpolicy`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
-    from engine.cli.main import main as _main
+    from kvpolicy.engine.cli.main import main as _main
 
     return _main(argv)

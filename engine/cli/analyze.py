@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine.cli.common import (
+from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -18,8 +18,8 @@ from engine.cli.common import (
     print_error,
     print_json,
 )
-from policy.backends import ScaleViews
-from policy.errors import RuleLoadError
+from kvpolicy.policy.backends import ScaleViews
+from kvpolicy.policy.errors import RuleLoadError
 
 __all__ = ["register"]
 
@@ -98,8 +98,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 
 def run_lint(args: argparse.Namespace) -> int:
-    from engine.analysis import lint
-    from policy.releases import get_profile
+    from kvpolicy.engine.analysis import lint
+    from kvpolicy.policy.releases import get_profile
 
     ruleset = load_ruleset(args.dir, "DIR", vllm_version=args.vllm_version)
     profile = get_profile(args.vllm_version)
@@ -127,8 +127,8 @@ def run_lint(args: argparse.Namespace) -> int:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    from engine.analysis import diff_rulesets
-    from policy.releases import get_profile
+    from kvpolicy.engine.analysis import diff_rulesets
+    from kvpolicy.policy.releases import get_profile
 
     check_vllm_version(args.vllm_version)
     try:  # exit 1 means "decisions change": a rule set that does not load is a usage error (2)

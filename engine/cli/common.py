@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from policy.errors import Diagnostic, InputError, ModelConfigError, PolicyError
-from policy.load import load_rules
-from policy.ruleset import RuleSet
+from kvpolicy.policy.errors import Diagnostic, InputError, ModelConfigError, PolicyError
+from kvpolicy.policy.load import load_rules
+from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = [
     "EXIT_FAILED",
@@ -86,8 +86,8 @@ def rules_root(rules: str | None, vllm_version: str | None = None) -> tuple[Path
     shows as ``rules/<profile>``, its path in the source tree."""
     if rules is not None:
         return Path(rules), rules
-    from engine.layout_engine import shipped_rules_dir
-    from policy.releases import get_profile
+    from kvpolicy.engine.layout_engine import shipped_rules_dir
+    from kvpolicy.policy.releases import get_profile
 
     sub = get_profile(vllm_version).rules
     return shipped_rules_dir(vllm_version), f"rules/{sub}"
@@ -95,7 +95,7 @@ def rules_root(rules: str | None, vllm_version: str | None = None) -> tuple[Path
 
 def check_vllm_version(vllm_version: str | None) -> None:
     """An unknown ``--vllm-version`` is a usage error under that flag, listing the known profiles."""
-    from policy.releases import get_profile
+    from kvpolicy.policy.releases import get_profile
 
     try:
         get_profile(vllm_version)

@@ -3,7 +3,7 @@
 The flags mirror vLLM's (``--kv-cache-dtype``, ``--block-size``,
 ``--tensor-parallel-size``, ``kv_connector`` / ``kv_connector_extra_config``).
 Without ``--model`` or ``--spec`` the built-in example is decided
-(`engine.inputs.DEFAULT_EXAMPLE`), and the output says so first.
+(`kvpolicy.engine.inputs.DEFAULT_EXAMPLE`), and the output says so first.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from engine.cli.common import (
+from kvpolicy.engine.cli.common import (
     EXIT_OK,
     HelpFormatter,
     add_format_flag,
@@ -30,21 +30,21 @@ from engine.cli.common import (
     print_json,
     usage_error,
 )
-from engine.cli.plan_view import plan_summary, render_plan
-from engine.decision import Decision
-from engine.inputs import DEFAULT_EXAMPLE, build_context, parse_device_capability
-from policy.backends import ScaleViews
-from policy.connectors import KNOWN_CONNECTORS, suggest_connector
-from policy.context import Context
-from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
-from policy.layouts import Layout
-from policy.releases import get_profile
-from policy.ruleset import RuleSet
-from policy.spec import KVCacheSpec
-from policy.yaml_source import parse_yaml
+from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.inputs import DEFAULT_EXAMPLE, build_context, parse_device_capability
+from kvpolicy.policy.backends import ScaleViews
+from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
+from kvpolicy.policy.context import Context
+from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.ruleset import RuleSet
+from kvpolicy.policy.spec import KVCacheSpec
+from kvpolicy.policy.yaml_source import parse_yaml
 
 if TYPE_CHECKING:
-    from engine.plan import LayoutPlan
+    from kvpolicy.engine.plan import LayoutPlan
 
 __all__ = ["allocation_summary", "context_from_args", "plan_for", "read_spec_file", "register", "release_of", "run"]
 
@@ -156,7 +156,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 
 def _backend_names() -> list[str]:
-    from policy.releases import iter_profiles
+    from kvpolicy.policy.releases import iter_profiles
 
     names: list[str] = []
     for profile in iter_profiles():
@@ -194,8 +194,8 @@ def _layout(text: str) -> Layout:
 
 
 def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: ValidationError) -> list[Diagnostic]:
-    from engine.policy_tests import GroupInput
-    from policy.validate import located_validation_errors
+    from kvpolicy.engine.policy_tests import GroupInput
+    from kvpolicy.policy.validate import located_validation_errors
 
     def keys(path: tuple[Any, ...]) -> tuple[str, ...]:
         return tuple(GroupInput.model_fields if path and isinstance(path[-1], int) else KVCacheSpec.model_fields)
@@ -223,7 +223,7 @@ def read_spec_file(path: str) -> dict[str, Any]:
         except ValidationError as exc:
             raise InputError("invalid --spec file", _located_spec_errors(src, (), data, exc)) from None
         return {"spec": data}
-    from engine.policy_tests import GroupInput
+    from kvpolicy.engine.policy_tests import GroupInput
 
     extra = [k for k in data if k != "groups"]
     if extra:
@@ -329,7 +329,7 @@ def context_from_args(args: argparse.Namespace) -> Context:
     elif args.spec is not None:
         source = read_spec_file(args.spec)
         if "groups" in source:
-            from engine.policy_tests import groups_from_data
+            from kvpolicy.engine.policy_tests import groups_from_data
 
             try:
                 groups = groups_from_data(source["groups"], kv_cache_dtype=args.kv_cache_dtype,
@@ -389,7 +389,7 @@ def _warn_unknown_connector(ctx: Context, ruleset: RuleSet) -> None:
 def release_of(decision: Decision) -> dict[str, Any]:
     """``vllm_version`` (the release the profile reproduces, e.g. ``0.34.0``; null for a
     development state such as ``issue-48412``) and ``profile`` (its name)."""
-    from policy.releases import get_profile
+    from kvpolicy.policy.releases import get_profile
 
     profile = get_profile(decision.context.profile)
     return {"vllm_version": profile.vllm_versions[0] if profile.vllm_versions else None, "profile": profile.name}
@@ -422,9 +422,9 @@ def allocation_summary(plan: LayoutPlan) -> dict[str, Any]:
 
 
 def plan_for(decision: Decision, num_blocks: int, spec_file: str | None = None) -> LayoutPlan:
-    """The chosen layout's plan for ``num_blocks`` (pure arithmetic, `engine.plan`), of the first
+    """The chosen layout's plan for ``num_blocks`` (pure arithmetic, `kvpolicy.engine.plan`), of the first
     attention group's spec."""
-    from engine.plan import plan_layout
+    from kvpolicy.engine.plan import plan_layout
 
     ctx = decision.context
     try:
@@ -450,8 +450,8 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
     A spec with no paged KV layout (a Mamba-only model) has no geometry to check: (None, None, None).
     A --map-layout the backend cannot lay out is a warning; the exit code follows the chosen layout.
     """
-    from engine.plan import plan_layout
-    from engine.verify import verify_plan
+    from kvpolicy.engine.plan import plan_layout
+    from kvpolicy.engine.verify import verify_plan
 
     ctx = decision.context
     if not ctx.kv.kind.is_attention:
@@ -478,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version)
         ctx = context_from_args(args)
         _warn_unknown_connector(ctx, ruleset)
-        from engine.layout_engine import LayoutEngine
+        from kvpolicy.engine.layout_engine import LayoutEngine
 
         decision = LayoutEngine(ruleset, vllm_version=ctx.profile).decide(ctx)
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
@@ -490,11 +490,11 @@ def run(args: argparse.Namespace) -> int:
             print(example_banner(args), file=sys.stderr)
         print_error(exc)
         return exit_code_for(exc)
-    from engine.verify import refusal
+    from kvpolicy.engine.verify import refusal
 
     refused = None if report is None or report.ok else refusal(checked, report)
     if args.svg and drawn is not None:
-        from engine.memory_map import render_svg
+        from kvpolicy.engine.memory_map import render_svg
 
         try:
             Path(args.svg).write_text(render_svg(drawn))
@@ -511,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
         if plan is not None:
             data["plan"] = plan_summary(plan)
         if drawn is not None:
-            from engine.memory_map import block_map
+            from kvpolicy.engine.memory_map import block_map
 
             data["map"] = [{"buffer": s.buffer, "start": s.start, "end": s.end, "owners": [list(o) for o in s.owners],
                             "overlap": s.overlap} for s in block_map(drawn)]
@@ -528,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     if plan is not None:
         parts.append("\n" + render_plan(plan, groups=decision.context.groups.count))
     if drawn is not None and (args.map or args.map_layout):
-        from engine.memory_map import render_text
+        from kvpolicy.engine.memory_map import render_text
 
         parts.append("\n" + render_text(drawn))
     print("\n".join(parts))

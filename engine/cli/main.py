@@ -12,9 +12,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from engine.cli import analyze, dry_run, schema, testing, validate
-from engine.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, exit_code_for, print_error
-from policy.errors import PolicyError
+from kvpolicy.engine.cli import analyze, dry_run, schema, testing, validate
+from kvpolicy.engine.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, exit_code_for, print_error
+from kvpolicy.policy.errors import PolicyError
 
 __all__ = ["build_parser", "main"]
 

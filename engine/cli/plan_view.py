@@ -1,6 +1,6 @@
-"""``dry-run --num-blocks``: the chosen layout's `engine.plan.LayoutPlan`, as text and as JSON.
+"""``dry-run --num-blocks``: the chosen layout's `kvpolicy.engine.plan.LayoutPlan`, as text and as JSON.
 
-Pure presentation over the plan; the arithmetic lives in `engine.plan`.
+Pure presentation over the plan; the arithmetic lives in `kvpolicy.engine.plan`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.plan import LayoutPlan
+    from kvpolicy.engine.plan import LayoutPlan
 
 __all__ = ["plan_summary", "render_plan"]
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from engine.cli.common import EXIT_OK, HelpFormatter
+from kvpolicy.engine.cli.common import EXIT_OK, HelpFormatter
 
 __all__ = ["case_file_schema", "register", "rule_file_schema", "run"]
 
@@ -28,16 +28,16 @@ editors: start a rule file with
 
 
 def rule_file_schema() -> dict[str, Any]:
-    """JSON Schema (2020-12) of a rule file, from `policy.rule_model.RuleFile`."""
-    from policy.rule_model import RuleFile
+    """JSON Schema (2020-12) of a rule file, from `kvpolicy.policy.rule_model.RuleFile`."""
+    from kvpolicy.policy.rule_model import RuleFile
 
     body = RuleFile.model_json_schema(by_alias=True)
     return {"$schema": _DRAFT, "$id": "urn:kvpolicy:rule-file:1", **body, "title": "kvpolicy rule file"}
 
 
 def case_file_schema() -> dict[str, Any]:
-    """JSON Schema (2020-12) of a policy test file, from `engine.policy_tests.CaseFile`."""
-    from engine.policy_tests import CaseFile
+    """JSON Schema (2020-12) of a policy test file, from `kvpolicy.engine.policy_tests.CaseFile`."""
+    from kvpolicy.engine.policy_tests import CaseFile
 
     body = CaseFile.model_json_schema(by_alias=True)
     return {"$schema": _DRAFT, "$id": "urn:kvpolicy:policy-test-file:1", **body,

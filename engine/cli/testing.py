@@ -1,6 +1,6 @@
 """``kvpolicy test [PATHS...]``: run policy tests (YAML cases) against a rule set.
 
-A thin printer over `engine.policy_tests.run_policy_tests` (imported when the
+A thin printer over `kvpolicy.engine.policy_tests.run_policy_tests` (imported when the
 verb runs, so other verbs do not build its models); the case format is
 documented in docs/cli.md.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from engine.cli.common import (
+from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     HelpFormatter,
@@ -23,7 +23,7 @@ from engine.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from engine.policy_tests import CaseResult, TestRun
+    from kvpolicy.engine.policy_tests import CaseResult, TestRun
 
 __all__ = ["register", "render_run", "run"]
 
@@ -108,7 +108,7 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
+    from kvpolicy.engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
 
     ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version)
     paths = args.paths or [rules_root(args.rules, args.vllm_version)[0] / "tests"]

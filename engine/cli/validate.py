@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli.common import (
+from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     HelpFormatter,
@@ -16,8 +16,8 @@ from engine.cli.common import (
     print_json,
     rules_root,
 )
-from policy.errors import RuleLoadError
-from policy.load import load_rules, rule_files
+from kvpolicy.policy.errors import RuleLoadError
+from kvpolicy.policy.load import load_rules, rule_files
 
 __all__ = ["register", "run"]
 

@@ -2,5 +2,5 @@
 
 Each adapter reads the engine's objects by attribute name (duck typing) and
 imports nothing from the engine itself, so kvpolicy installs and tests
-without it. `engine.integrations.vllm` replaces vLLM's ``use_uniform_kv_cache``.
+without it. `kvpolicy.engine.integrations.vllm` replaces vLLM's ``use_uniform_kv_cache``.
 """

@@ -6,9 +6,9 @@ answers the same question, with the connector passed in, from a kvpolicy
 `Decision`: True exactly when the decided placement is ``cross_layer``. The
 decision is taken under a release profile whose resolver is that gate
 (``vllm-0.28``; ``issue-48412`` for the historical state): its backends, its
-candidates and its registered connector names. `engine.integrations.vllm_plugin`
+candidates and its registered connector names. `kvpolicy.engine.integrations.vllm_plugin`
 installs the gate in vLLM; vLLM 0.29+ has no gate (see
-`engine.integrations.vllm_resolver`).
+`kvpolicy.engine.integrations.vllm_resolver`).
 
 Nothing is imported from vLLM. Its objects are read by attribute name:
 
@@ -51,20 +51,20 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.agreement import agree
-from engine.decision import Decision
-from engine.inputs import build_context
-from engine.layout_engine import LayoutEngine
-from policy.backends import BackendProfile, Dim
-from policy.connectors import COMPOSITE_CONNECTORS, ConnectorConfig
-from policy.context import Context
-from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
-from policy.layouts import HeadOrder, LayoutPattern, Placement
-from policy.quant import KV_CACHE_DTYPES, ModelDtype, QuantMode, parse_kv_cache_dtype
-from policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
-from policy.rule_model import MemberPreferences, Rule
-from policy.ruleset import RuleSet, Source
-from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
+from kvpolicy.engine.agreement import agree
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.inputs import build_context
+from kvpolicy.engine.layout_engine import LayoutEngine
+from kvpolicy.policy.backends import BackendProfile, Dim
+from kvpolicy.policy.connectors import COMPOSITE_CONNECTORS, ConnectorConfig
+from kvpolicy.policy.context import Context
+from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
+from kvpolicy.policy.layouts import HeadOrder, LayoutPattern, Placement
+from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, QuantMode, parse_kv_cache_dtype
+from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
+from kvpolicy.policy.rule_model import MemberPreferences, Rule
+from kvpolicy.policy.ruleset import RuleSet, Source
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = [
     "OWN_HEAD_ORDER_WEIGHT",
@@ -475,7 +475,7 @@ def vllm_context(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
     if release.resolver is not Resolver.uniform_gate:
         raise input_error("vllm_version", f"vLLM profile `{release.name}` has no use_uniform_kv_cache gate",
                           "vLLM 0.29 and later resolve one KVCacheLayout in the engine core: use "
-                          "engine.integrations.vllm_resolver (the kvpolicy vLLM plugin installs it)",
+                          "kvpolicy.engine.integrations.vllm_resolver (the kvpolicy vLLM plugin installs it)",
                           code="no-gate")
     if not attn_groups:
         raise input_error("attn_groups", "no KV cache groups", code="no-kv-cache")
@@ -653,7 +653,7 @@ def make_gate(has_transfer_group: Callable[[], bool], get_transfer_group: Callab
     result replaces ``KVConnectorModelRunnerMixin.use_uniform_kv_cache``
     (docs/vllm.md). With ``agreement_group`` (a callable returning a process
     group, e.g. ``lambda: get_world_group().cpu_group``) every call also runs
-    `engine.agreement.agree` on the decision, so ranks that would lay out
+    `kvpolicy.engine.agreement.agree` on the decision, so ranks that would lay out
     their caches differently fail at start-up instead of exchanging garbage.
     It is a collective: every rank of that group must reach the gate.
     ``vllm_kv_cache_layout`` returns the head order vLLM was told

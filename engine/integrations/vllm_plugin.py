@@ -19,10 +19,10 @@ What it replaces, by the running vLLM's release profile:
 
 - ``vllm-0.34`` (vLLM 0.34.0; 0.29+ when forced): ``resolve_kv_cache_layout``
   (``vllm/v1/attention/backends/utils.py``, bound by name in
-  ``vllm/v1/engine/core.py``), with `engine.integrations.vllm_resolver`;
+  ``vllm/v1/engine/core.py``), with `kvpolicy.engine.integrations.vllm_resolver`;
 - ``vllm-0.28`` (vLLM 0.28.0; 0.24-0.28 when forced):
   ``KVConnectorModelRunnerMixin.use_uniform_kv_cache`` with
-  `engine.integrations.vllm.make_gate`, which also checks that the head order
+  `kvpolicy.engine.integrations.vllm.make_gate`, which also checks that the head order
   vLLM already fixed (``get_kv_cache_layout()``) is the one the rules decided.
 
 vLLM is imported only inside `register` (which vLLM calls), never when
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.decide import RELEASE_CANDIDATES
-from engine.decision import Decision
-from engine.layout_engine import LayoutEngine, shipped_rules_dir
-from policy.errors import Diagnostic, PolicyError, RuleLoadError
-from policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
+from kvpolicy.engine.decide import RELEASE_CANDIDATES
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.layout_engine import LayoutEngine, shipped_rules_dir
+from kvpolicy.policy.errors import Diagnostic, PolicyError, RuleLoadError
+from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
 
 __all__ = [
     "ENV_EXPLAIN",
@@ -259,7 +259,7 @@ def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
                 out.append((ktc.kv_connector, cls.get_required_kvcache_layout(config)))
         return out
 
-    from engine.integrations.vllm_resolver import make_resolver
+    from kvpolicy.engine.integrations.vllm_resolver import make_resolver
 
     resolver = make_resolver(original, engine, layout_type=KVCacheLayout,
                              vllm_kv_cache_layout=lambda: getattr(envs, "VLLM_KV_CACHE_LAYOUT", None),
@@ -285,7 +285,7 @@ def _install_gate(engine: LayoutEngine, settings: Settings) -> str:
                           f"`{engine.profile.name}` does not fit it")
     import vllm.envs as envs
 
-    from engine.integrations.vllm import make_gate
+    from kvpolicy.engine.integrations.vllm import make_gate
 
     def told() -> str | None:
         # A backend's required layout (set_kv_cache_layout, e.g. FlashInfer on Blackwell) wins over the variable.

@@ -23,7 +23,7 @@ and distributes it to every worker (``set_kv_cache_layout``, then
 - ``VLLM_KV_CACHE_LAYOUT`` and the device capability, which the plugin reads
   from vLLM and passes in.
 
-Nothing here imports vLLM; the plugin (`engine.integrations.vllm_plugin`) hands
+Nothing here imports vLLM; the plugin (`kvpolicy.engine.integrations.vllm_plugin`) hands
 in vLLM's ``KVCacheLayout`` enum and the readers that need vLLM. A rule set
 that leaves no layout, or a KV cache kvpolicy cannot describe, raises
 `StartupError` (a ``ValueError``, as vLLM's own resolution raises), with every
@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from typing import Any
 
-from engine.decision import Decision
-from engine.inputs import build_context
-from engine.integrations.vllm import (
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.inputs import build_context
+from kvpolicy.engine.integrations.vllm import (
     _MODEL_DTYPES,
     StartupError,
     _dtype_name,
@@ -49,17 +49,17 @@ from engine.integrations.vllm import (
     attention_fields,
     has_rules,
 )
-from engine.layout_engine import LayoutEngine
-from policy.backends import BackendProfile, packed_backend
-from policy.connectors import ConnectorConfig
-from policy.context import Context
-from policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
-from policy.layouts import Layout
-from policy.quant import ModelDtype, parse_kv_cache_dtype
-from policy.releases import ReleaseProfile, _merge
-from policy.rule_model import Rule
-from policy.ruleset import RuleSet, Source
-from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
+from kvpolicy.engine.layout_engine import LayoutEngine
+from kvpolicy.policy.backends import BackendProfile, packed_backend
+from kvpolicy.policy.connectors import ConnectorConfig
+from kvpolicy.policy.context import Context
+from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.quant import ModelDtype, parse_kv_cache_dtype
+from kvpolicy.policy.releases import ReleaseProfile, _merge
+from kvpolicy.policy.rule_model import Rule
+from kvpolicy.policy.ruleset import RuleSet, Source
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = [
     "OWN_LAYOUT_WEIGHT",

@@ -5,7 +5,7 @@ file:line:col); `runner` decides each case and reports failures and rule
 coverage. `kvpolicy test` is a thin printer over `run_policy_tests`.
 """
 
-from engine.policy_tests.cases import (
+from kvpolicy.engine.policy_tests.cases import (
     CaseFile,
     CaseInput,
     Expect,
@@ -18,7 +18,7 @@ from engine.policy_tests.cases import (
     groups_from_data,
     load_cases,
 )
-from engine.policy_tests.runner import (
+from kvpolicy.engine.policy_tests.runner import (
     CaseResult,
     Coverage,
     TestRun,

@@ -11,7 +11,7 @@ A case file (``rules/tests/*.yaml``; the format is documented in docs/cli.md)::
           layout: per_layer/NHD
           removed: {cross_layer/NHD: [per-token-head-forbids-cross-layer]}
 
-`load_cases` parses with positions (`policy.yaml_source.parse_yaml`) and
+`load_cases` parses with positions (`kvpolicy.policy.yaml_source.parse_yaml`) and
 validates every file, collecting every problem located at file:line:col.
 """
 
@@ -27,18 +27,18 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
-from engine.decide import RELEASE_CANDIDATES
-from engine.inputs import build_context, parse_device_capability
-from policy.backends import ScaleViews
-from policy.context import Context
-from policy.errors import Diagnostic, PolicyError
-from policy.layouts import Layout, LayoutName, LayoutPattern
-from policy.load import RULE_FILE_SUFFIXES
-from policy.releases import ReleaseProfile, get_profile
-from policy.ruleset import RuleSet
-from policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
-from policy.validate import located_validation_errors
-from policy.yaml_source import Located, parse_yaml
+from kvpolicy.engine.decide import RELEASE_CANDIDATES
+from kvpolicy.engine.inputs import build_context, parse_device_capability
+from kvpolicy.policy.backends import ScaleViews
+from kvpolicy.policy.context import Context
+from kvpolicy.policy.errors import Diagnostic, PolicyError
+from kvpolicy.policy.layouts import Layout, LayoutName, LayoutPattern
+from kvpolicy.policy.load import RULE_FILE_SUFFIXES
+from kvpolicy.policy.releases import ReleaseProfile, get_profile
+from kvpolicy.policy.ruleset import RuleSet
+from kvpolicy.policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
+from kvpolicy.policy.validate import located_validation_errors
+from kvpolicy.policy.yaml_source import Located, parse_yaml
 
 __all__ = [
     "CaseFile",
@@ -74,7 +74,7 @@ class GroupInput(Frozen):
 
 
 class CaseInput(Frozen):
-    """The deployment a case decides for: the keywords of `engine.inputs.build_context`.
+    """The deployment a case decides for: the keywords of `kvpolicy.engine.inputs.build_context`.
 
     Exactly one of ``model`` (a config.json, relative to the case file),
     ``spec`` (one group) or ``groups`` (several) describes the KV cache.

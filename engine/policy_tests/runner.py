@@ -13,14 +13,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.decide import evaluate, no_layout_error, scopes_for
-from engine.decision import Decision
-from engine.policy_tests.cases import Expect, LoadedCase, context_for, load_cases
-from engine.trace import CandidateRemoved, RuleEvaluated
-from policy.errors import GeometryError, InputError, ModelConfigError, NoLayoutError, PolicyError
-from policy.layouts import Layout, LayoutPattern
-from policy.releases import ReleaseProfile
-from policy.ruleset import CompiledRule, RuleSet
+from kvpolicy.engine.decide import evaluate, no_layout_error, scopes_for
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.policy_tests.cases import Expect, LoadedCase, context_for, load_cases
+from kvpolicy.engine.trace import CandidateRemoved, RuleEvaluated
+from kvpolicy.policy.errors import GeometryError, InputError, ModelConfigError, NoLayoutError, PolicyError
+from kvpolicy.policy.layouts import Layout, LayoutPattern
+from kvpolicy.policy.releases import ReleaseProfile
+from kvpolicy.policy.ruleset import CompiledRule, RuleSet
 
 __all__ = ["CaseResult", "Coverage", "TestRun", "coverage_of", "error_codes", "run_case", "run_policy_tests"]
 

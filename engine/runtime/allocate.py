@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.plan import LayoutPlan
-from engine.runtime.cache import KVCache
-from engine.runtime.quantize import torch_dtype
-from policy.errors import input_error
+from kvpolicy.engine.plan import LayoutPlan
+from kvpolicy.engine.runtime.cache import KVCache
+from kvpolicy.engine.runtime.quantize import torch_dtype
+from kvpolicy.policy.errors import input_error
 
 __all__ = ["allocate"]
 

@@ -4,7 +4,7 @@
 one slot per token (``block * block_size + offset``; negative skips the
 token). ``write_layers`` takes every layer's K and V at once, (L, T, H, D), for
 a decode step: one check, one encode and one scatter per buffer instead of L
-of each. The quantization arithmetic is in `engine.runtime.quantize`. A write
+of each. The quantization arithmetic is in `kvpolicy.engine.runtime.quantize`. A write
 validates every argument before it touches the cache, so a rejected write
 changes no byte; then it encodes a chunk at a time into reused scratch and
 scatters whole cells (data and inline scale together) with ``index_copy_``.
@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.plan import LayoutPlan, transfer_format
-from engine.runtime.cells import CellRows
-from engine.runtime.checks import check_device, check_layer, check_slots, check_slots_on_device, check_values
-from engine.runtime.quantize import decode_cells, encode_chunks, torch_dtype
-from engine.runtime.scratch import Scratch
-from engine.runtime.transfer import offload as offload_blocks
-from engine.runtime.transfer import restore as restore_blocks
-from engine.runtime.words import on_device
-from policy.errors import Diagnostic, GeometryError, input_error
-from policy.quant import QuantMode
+from kvpolicy.engine.plan import LayoutPlan, transfer_format
+from kvpolicy.engine.runtime.cells import CellRows
+from kvpolicy.engine.runtime.checks import check_device, check_layer, check_slots, check_slots_on_device, check_values
+from kvpolicy.engine.runtime.quantize import decode_cells, encode_chunks, torch_dtype
+from kvpolicy.engine.runtime.scratch import Scratch
+from kvpolicy.engine.runtime.transfer import offload as offload_blocks
+from kvpolicy.engine.runtime.transfer import restore as restore_blocks
+from kvpolicy.engine.runtime.words import on_device
+from kvpolicy.policy.errors import Diagnostic, GeometryError, input_error
+from kvpolicy.policy.quant import QuantMode
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -40,7 +40,7 @@ _SMALL = 64  # decode-sized writes: up to this many slots (as engine.runtime.che
 
 
 class KVCache:
-    """A KV cache laid out exactly as its plan says; built by `engine.runtime.allocate`.
+    """A KV cache laid out exactly as its plan says; built by `kvpolicy.engine.runtime.allocate`.
 
     ``raw`` holds the allocations (flat uint8, ``plan.buffers[i].nbytes`` each);
     ``buffers`` are the same bytes as physical-order tensors of the cache dtype;
@@ -293,7 +293,7 @@ class KVCache:
     def verify(self, *, geometry: bool = True) -> None:
         """Raise `GeometryError` unless every tensor still has the plan's bytes, shape, strides and
         offset, and (``geometry``) no two of the plan's views write the same byte under the
-        backend's scale-view strategy (`engine.verify`)."""
+        backend's scale-view strategy (`kvpolicy.engine.verify`)."""
         problems: list[str] = []
         for bp, raw, buf in zip(self.plan.buffers, self.raw, self.buffers, strict=True):
             where = f"buffer[{bp.index}]"
@@ -310,7 +310,7 @@ class KVCache:
             raise GeometryError("the KV cache no longer matches its plan",
                                 [Diagnostic(p.split(":")[0], 0, 0, "plan-mismatch", p) for p in problems])
         if geometry:
-            from engine.verify import check_plan
+            from kvpolicy.engine.verify import check_plan
 
             check_plan(self.plan)
 

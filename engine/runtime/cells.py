@@ -9,7 +9,7 @@ divisor ``G`` makes the rows one strided view, ``rows[r] = buffer[r*G : r*G +
 unit]``, so a write is one ``index_copy_`` per buffer (for every layer at once
 under cross_layer, whose layers share one buffer) and a read one
 ``index_select``, each in the widest word the addresses allow
-(`engine.runtime.words`). With padded pages ``G`` may be smaller than a row,
+(`kvpolicy.engine.runtime.words`). With padded pages ``G`` may be smaller than a row,
 so rows overlap; only rows that are real runs are ever indexed. The row of a
 run is ``cell_rows[layer, kv, head] + token_row(slot)``, the first
 precomputed for every layer; decode-sized writes (a few tokens) spend their
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.plan import LayoutPlan
-from engine.runtime.words import SCATTER_WIDTHS, as_words, on_device, row_view, widest_word
-from policy.backends import Dim
+from kvpolicy.engine.plan import LayoutPlan
+from kvpolicy.engine.runtime.words import SCATTER_WIDTHS, as_words, on_device, row_view, widest_word
+from kvpolicy.policy.backends import Dim
 
 __all__ = ["CellRows"]
 

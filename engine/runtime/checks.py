@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from policy.errors import input_error
+from kvpolicy.policy.errors import input_error
 
 __all__ = ["check_block_ids", "check_device", "check_layer", "check_slots", "check_slots_on_device", "check_values"]
 

@@ -71,9 +71,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from engine.runtime.scratch import Scratch
-from engine.runtime.words import on_device
-from policy.quant import QuantMode
+from kvpolicy.engine.runtime.scratch import Scratch
+from kvpolicy.engine.runtime.words import on_device
+from kvpolicy.policy.quant import QuantMode
 
 __all__ = ["CHUNK_VALUES", "QMAX", "QMIN", "SCALE_FLOOR", "cell_bytes", "decode_cells", "encode_cells",
            "encode_chunks", "rht_block", "rht_signs", "torch_dtype"]

@@ -21,16 +21,16 @@ from typing import Protocol
 
 import torch
 
-from engine.plan import ByteView, LayoutPlan
-from engine.runtime.checks import check_block_ids, check_device
-from engine.runtime.words import GATHER_WIDTHS, SCATTER_WIDTHS, widest_word, word_dtype
-from policy.errors import input_error
+from kvpolicy.engine.plan import ByteView, LayoutPlan
+from kvpolicy.engine.runtime.checks import check_block_ids, check_device
+from kvpolicy.engine.runtime.words import GATHER_WIDTHS, SCATTER_WIDTHS, widest_word, word_dtype
+from kvpolicy.policy.errors import input_error
 
 __all__ = ["BlockStore", "offload", "restore"]
 
 
 class BlockStore(Protocol):
-    """What a transfer reads of an `engine.runtime.KVCache`: its plan, device, raw buffers and
+    """What a transfer reads of an `kvpolicy.engine.runtime.KVCache`: its plan, device, raw buffers and
     transfer format (typed structurally: the cache depends on this module, not the reverse)."""
 
     plan: LayoutPlan

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli.main import main
+from kvpolicy.engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "rules" / "issue-48412"
@@ -140,7 +140,7 @@ def test_unknown_vllm_version_is_a_usage_error_on_every_verb(capsys) -> None:
 
 
 def test_validate_and_test_select_the_profile_shipped_rules(capsys, monkeypatch) -> None:
-    from engine import LayoutEngine
+    from kvpolicy.engine import LayoutEngine
 
     monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "vllm-0.34")
     n = len(LayoutEngine.default("vllm-0.34").ruleset.rules)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli.main import main
+from kvpolicy.engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "rules" / "issue-48412"
@@ -373,7 +373,7 @@ def test_every_json_key_is_documented(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_every_flag_is_documented() -> None:
-    from engine.cli.main import build_parser
+    from kvpolicy.engine.cli.main import build_parser
 
     doc = (ROOT / "docs" / "cli.md").read_text()
     sub = next(a for a in build_parser()._actions if a.dest == "verb")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli.main import main
+from kvpolicy.engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

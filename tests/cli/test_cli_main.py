@@ -12,20 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli.main import build_parser, main
+from kvpolicy.engine.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 VERBS = ("dry-run", "validate", "test", "schema", "lint", "diff")
 
 
 def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "engine.cli.main", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvpolicy.engine.cli.main", *argv], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=60)
 
 
 def test_entry_point_is_declared() -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["kvpolicy"] == "engine.cli.main:main"
+    assert scripts["kvpolicy"] == "kvpolicy.engine.cli.main:main"
 
 
 def test_dry_run_subprocess_and_no_torch() -> None:

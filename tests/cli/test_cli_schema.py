@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.cli.main import main
-from engine.cli.schema import schema_text
+from kvpolicy.engine.cli.main import main
+from kvpolicy.engine.cli.schema import schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_committed_schema_is_current(capsys: pytest.CaptureFixture[str]) -> None
     code, out, _ = cli(capsys, "schema")
     assert code == 0
     committed = (ROOT / "docs" / "rule-file.schema.json").read_text()
-    assert committed == out, "regenerate: python -m engine.cli.main schema > docs/rule-file.schema.json"
+    assert committed == out, "regenerate: python -m kvpolicy.engine.cli.main schema > docs/rule-file.schema.json"
 
 
 def test_schema_header(capsys: pytest.CaptureFixture[str]) -> None:

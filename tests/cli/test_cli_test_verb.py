@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LayoutEngine
-from engine.cli.main import main
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = "{num_layers: 24, block_size: 16, num_kv_heads: 2, head_size: 64}"

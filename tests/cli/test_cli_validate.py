@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LayoutEngine
-from engine.cli.main import main
-from policy.load import rule_files
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.cli.main import main
+from kvpolicy.policy.load import rule_files
 
 ROOT = Path(__file__).resolve().parents[2]
 N_RULES = len(LayoutEngine.default().ruleset.rules)  # 11 when written

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
-from engine import LayoutEngine
-from engine.cli.main import main
-from engine.plan import plan_layout
-from policy.layouts import Layout
-from policy.releases import get_profile
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.cli.main import main
+from kvpolicy.engine.plan import plan_layout
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.releases import get_profile
 
 
 def test_shipped_v028_policy_tests_pass_with_full_coverage(capsys) -> None:

@@ -4,7 +4,7 @@ vLLM discovers general plugins with ``importlib.metadata.entry_points(group="vll
 which reads the ``entry_points.txt`` of installed distributions. To load kvpolicy exactly as
 an operator's installation does, `kvpolicy_site` builds a wheel of this checkout (``pip wheel
 --no-deps --no-build-isolation``, as tests/test_packaging.py does) and unpacks it into a
-temporary site: the packages, the shipped rules (``kvpolicy_rules``) and
+temporary site: the packages, the shipped rules (``kvpolicy.rules``) and
 ``kvpolicy-<version>.dist-info`` with the entry point pyproject.toml declares. The oracle
 runs with ``PYTHONPATH=<that site>:<vLLM's site>``, so this distribution is the first
 ``kvpolicy`` on the path (``entry_points`` keeps the first of a name) and its modules are the

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_default_dry_run_is_vllm_034s_layout(vllm_sites):
     env = {k: v for k, v in os.environ.items() if k != "KVPOLICY_VLLM_VERSION"}  # the default profile
-    proc = subprocess.run([sys.executable, "-m", "engine.cli.main", "dry-run", "--format", "json"],
+    proc = subprocess.run([sys.executable, "-m", "kvpolicy.engine.cli.main", "dry-run", "--format", "json"],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     ours = json.loads(proc.stdout)

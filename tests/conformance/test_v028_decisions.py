@@ -26,10 +26,10 @@ from v028_space import (
 )
 from vllm_release import run_oracle
 
-from engine import LayoutEngine
-from policy.errors import InputError, NoLayoutError
-from policy.layouts import HeadOrder
-from policy.releases import get_profile
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.policy.errors import InputError, NoLayoutError
+from kvpolicy.policy.layouts import HeadOrder
+from kvpolicy.policy.releases import get_profile
 
 PROFILE = get_profile(VERSION)
 

@@ -6,7 +6,7 @@ code on CPU (per layer: attn_utils._allocate_kv_cache + _reshape_kv_cache; cross
 allocate_uniform_kv_caches) and reports every layer's view and where K, V and the
 inline scales sit in its packed last dim. The byte address of every K, V and scale
 cell of every layer, block, token and head, and the page size, must equal kvpolicy's
-(`engine.plan.plan_layout`). One oracle call for the module.
+(`kvpolicy.engine.plan.plan_layout`). One oracle call for the module.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import pytest
 from v028_space import MLA_BACKENDS, UNMODELLED_DTYPES, VERSION
 from vllm_release import run_oracle
 
-from engine.plan import LayoutPlan, plan_layout
-from policy.layouts import HeadOrder, Layout
-from policy.releases import get_profile
-from policy.spec import KVCacheSpec
+from kvpolicy.engine.plan import LayoutPlan, plan_layout
+from kvpolicy.policy.layouts import HeadOrder, Layout
+from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.spec import KVCacheSpec
 
 PROFILE = get_profile(VERSION)
 LAYERS, BLOCKS = 3, 4

@@ -31,12 +31,12 @@ import pytest
 from plugin_site import ROOT, kvpolicy_site, run_plugin_oracle
 from v028_space import VERSION, Deployment, vllm_layout
 
-from engine import LayoutEngine
-from policy.errors import NoLayoutError
-from policy.releases import get_profile
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.policy.errors import NoLayoutError
+from kvpolicy.policy.releases import get_profile
 
 PROFILE = get_profile(VERSION)
-ENTRY_POINT = "engine.integrations.vllm_plugin:register"
+ENTRY_POINT = "kvpolicy.engine.integrations.vllm_plugin:register"
 EXPECTED = 18_720
 RUNNER_EVERY = 37
 

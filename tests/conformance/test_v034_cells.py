@@ -31,12 +31,12 @@ import pytest
 import torch
 from vllm_release import run_oracle
 
-from engine.plan import plan_layout
-from engine.runtime import KVCache, allocate
-from engine.runtime.quantize import hadamard, rht_block, rht_signs
-from policy.backends import BACKENDS
-from policy.layouts import Layout
-from policy.spec import KVCacheSpec
+from kvpolicy.engine.plan import plan_layout
+from kvpolicy.engine.runtime import KVCache, allocate
+from kvpolicy.engine.runtime.quantize import hadamard, rht_block, rht_signs
+from kvpolicy.policy.backends import BACKENDS
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.spec import KVCacheSpec
 
 PER_TOKEN_HEAD = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]
 PER_TENSOR = ["fp8", "fp8_e4m3", "fp8_e5m2"]

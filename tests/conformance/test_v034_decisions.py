@@ -65,10 +65,10 @@ from typing import Any
 import pytest
 from vllm_release import run_oracle
 
-from engine import LayoutEngine
-from policy.errors import InputError, NoLayoutError, PolicyError
-from policy.releases import get_profile
-from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.policy.errors import InputError, NoLayoutError, PolicyError
+from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 PROFILE = "vllm-0.34"
 EXPECTED_CASES = 67_896
@@ -420,7 +420,7 @@ _OUTSIDE_THE_ORACLE = {"unsupported-kv-cache-dtype"}
 
 
 def _policy_cases() -> list[Any]:
-    from engine.policy_tests import load_cases
+    from kvpolicy.engine.policy_tests import load_cases
 
     return [lc for lc in load_cases([POLICY_TESTS]) if lc.case.expect.error not in _OUTSIDE_THE_ORACLE]
 
@@ -482,7 +482,7 @@ def oracle(vllm_sites: Any) -> dict[str, Any]:
 def test_shipped_policy_tests_agree_with_vllm_034(oracle: dict[str, Any]) -> None:
     """Every case of rules/vllm-0.34/tests/ that vLLM's resolver can answer: kvpolicy's decision
     (what the case expects, `kvpolicy test` checks that) is vLLM's."""
-    from engine.policy_tests import run_case
+    from kvpolicy.engine.policy_tests import run_case
 
     ruleset = LayoutEngine.default(vllm_version=PROFILE).ruleset
     diffs = []

@@ -9,7 +9,7 @@ bfloat16 and once with a float16 model, sizes taken in turn from `MHA_CONFIGS` /
 `MLA_CONFIGS` (1..3 layers, 2..5 blocks, 1..4 KV heads, head size 64/128 (MLA also 576),
 block size 16/64, some with padded pages). For each the backend's own ``do_kv_cache_update`` runs with its
 write kernel recorded, so vLLM says which bytes it hands the kernel as K, V and the
-per-token-head scales. `engine.plan.plan_layout` for the same inputs must then agree on:
+per-token-head scales. `kvpolicy.engine.plan.plan_layout` for the same inputs must then agree on:
 
 - the page size, the total bytes, the number and size of the buffers and vLLM's
   ``KVCacheTensor`` layer and block strides;
@@ -44,12 +44,12 @@ from collections import Counter, defaultdict
 import pytest
 from vllm_release import run_oracle
 
-from engine.inputs import build_context
-from engine.plan import LayoutPlan, plan_layout
-from policy.errors import InputError
-from policy.layouts import Layout
-from policy.releases import get_profile
-from policy.spec import AttentionKind
+from kvpolicy.engine.inputs import build_context
+from kvpolicy.engine.plan import LayoutPlan, plan_layout
+from kvpolicy.policy.errors import InputError
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.spec import AttentionKind
 
 VERSION = "0.34.0"
 PROFILE = get_profile("vllm-0.34")

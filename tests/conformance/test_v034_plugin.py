@@ -49,12 +49,12 @@ from test_v034_decisions import (
     oracle_case,
 )
 
-from engine import LayoutEngine
-from policy import Layout
-from policy.errors import NoLayoutError, PolicyError
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.policy import Layout
+from kvpolicy.policy.errors import NoLayoutError, PolicyError
 
 VERSION = "0.34.0"
-ENTRY_POINT = "engine.integrations.vllm_plugin:register"
+ENTRY_POINT = "kvpolicy.engine.integrations.vllm_plugin:register"
 ENGINE_CORE_EVERY = 97  # one case in 97 also goes through EngineCore._initialize_kv_caches
 LBHNC_EVERY = 7  # one case in 7 under the require-LBHNC site rules
 

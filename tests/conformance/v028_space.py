@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from policy.spec import KVCacheGroup, KVCacheGroups, KVCacheSpec
+from kvpolicy.policy.spec import KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 VERSION = "0.28.0"
 

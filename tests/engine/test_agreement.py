@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from engine import LayoutEngine, shipped_rules_dir
-from engine.agreement import (
+from kvpolicy.engine import LayoutEngine, shipped_rules_dir
+from kvpolicy.engine.agreement import (
     AgreementError,
     CompatibilityResult,
     LayoutMismatchError,
@@ -24,8 +24,8 @@ from engine.agreement import (
     compare_ranks,
     require_compatible,
 )
-from engine.fingerprint import LayoutFingerprint, fingerprint
-from policy import InputError, PolicyError
+from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint
+from kvpolicy.policy import InputError, PolicyError
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = LayoutEngine.default()
@@ -157,8 +157,8 @@ work = Path(sys.argv[3])
 scenarios = json.loads((work / "scenarios.json").read_text())
 
 import torch.distributed as dist
-from engine import LayoutEngine
-from engine.agreement import AgreementError, agree
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.agreement import AgreementError, agree
 
 dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=world,
                         timeout=datetime.timedelta(seconds=30))

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from engine import CandidateRemoved, LayoutEngine, RuleEvaluated
-from policy import (
+from kvpolicy.engine import CandidateRemoved, LayoutEngine, RuleEvaluated
+from kvpolicy.policy import (
     ConnectorConfig,
     Layout,
     NoLayoutError,
@@ -141,7 +141,7 @@ def test_same_decision_whatever_the_file_order() -> None:
     e0 = LayoutEngine.default()
     names = [("global.yaml", e0.ruleset.global_rules)]
     # rebuild the shipped rules from texts under shuffled names: same digest, same decisions
-    from engine.layout_engine import shipped_rules_dir
+    from kvpolicy.engine.layout_engine import shipped_rules_dir
     root = shipped_rules_dir()
     texts = {str(p.relative_to(root)): p.read_text() for p in [*root.glob("*.yaml"), *root.glob("connectors/*.yaml")]}
     rnd = random.Random(7)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LayoutEngine, shipped_rules_dir
-from engine.fingerprint import (
+from kvpolicy.engine import LayoutEngine, shipped_rules_dir
+from kvpolicy.engine.fingerprint import (
     FORMAT_VERSION,
     LayoutFingerprint,
     canonical_kv_cache_dtype,
@@ -22,8 +22,8 @@ from engine.fingerprint import (
     fingerprint,
     fingerprint_of,
 )
-from engine.plan import plan_layout
-from policy import (
+from kvpolicy.engine.plan import plan_layout
+from kvpolicy.policy import (
     BACKENDS,
     AttentionKind,
     InputError,
@@ -53,7 +53,7 @@ def fp(layout: Layout = CROSS_HND, backend: str = "TRITON_ATTN", **spec: object)
 
 # INVARIANT: this digest pins fingerprint format 1. If this test fails, the canonical
 # form changed: every deployed peer would now disagree with this version. Either undo
-# the change, or bump engine.fingerprint.FORMAT_VERSION, document the change in
+# the change, or bump kvpolicy.engine.fingerprint.FORMAT_VERSION, document the change in
 # docs/fingerprint.md, and pin the new digest here.
 GOLDEN_QWEN_TRITON_CROSS_HND = "sha256:9d04ba148ca6193a2e2a5bf77025316f2ff45d292bc20cc86a07b3f1abac3e6f"
 
@@ -230,9 +230,9 @@ def test_rule_set_digest_is_beside_not_inside(tmp_path: Path) -> None:
 
 _CHILD = """
 import json
-from engine import LayoutEngine
-from engine.fingerprint import fingerprint
-from policy import load_rules
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.fingerprint import fingerprint
+from kvpolicy.policy import load_rules
 engine = LayoutEngine(load_rules({rules!r}))
 print(json.dumps([fingerprint(engine.decide(**c)).digest for c in {contexts!r}]))
 """
@@ -250,7 +250,7 @@ def test_identical_in_fresh_processes_with_any_hash_seed() -> None:
 
 
 def test_fingerprint_and_agreement_do_not_import_torch() -> None:
-    code = ("import sys, engine.fingerprint, engine.agreement, engine.integrations.vllm\n"
+    code = ("import sys, kvpolicy.engine.fingerprint, kvpolicy.engine.agreement, kvpolicy.engine.integrations.vllm\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
                          check=True)

@@ -11,8 +11,8 @@ import itertools
 
 import pytest
 
-from engine import LayoutEngine
-from policy import (
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.policy import (
     BACKENDS,
     KV_CACHE_DTYPES,
     AttentionKind,

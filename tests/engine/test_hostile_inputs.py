@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.policy_tests import PolicyTestError, load_cases, run_policy_tests
+from kvpolicy.engine.policy_tests import PolicyTestError, load_cases, run_policy_tests
 
 SPEC = "{num_layers: 4, num_kv_heads: 2, head_size: 64}"
 GROUP_SPEC = "{num_layers: 4, num_kv_heads: 2, head_size: 64, block_size: 16}"
@@ -76,16 +76,16 @@ def test_case_tensor_parallel_size_with_a_spec_is_refused_not_dropped(tmp_path: 
 
 
 def _shipped(version: str):
-    from engine import LayoutEngine
+    from kvpolicy.engine import LayoutEngine
 
     return LayoutEngine.default(version).ruleset
 
 
 @pytest.mark.parametrize("text", ["9", "9.0", "10.0", "12.1"])
 def test_device_capability_parses_the_same_in_cases_and_flags(text: str) -> None:
-    from engine.cli.dry_run import _capability
-    from engine.inputs import parse_device_capability
-    from engine.policy_tests import CaseInput
+    from kvpolicy.engine.cli.dry_run import _capability
+    from kvpolicy.engine.inputs import parse_device_capability
+    from kvpolicy.engine.policy_tests import CaseInput
 
     major = int(text.split(".")[0])
     assert parse_device_capability(text) == _capability(text) == major
@@ -98,9 +98,9 @@ def test_device_capability_refuses_the_same_in_cases_and_flags(text: str) -> Non
 
     from pydantic import ValidationError
 
-    from engine.cli.dry_run import _capability
-    from engine.inputs import parse_device_capability
-    from engine.policy_tests import CaseInput
+    from kvpolicy.engine.cli.dry_run import _capability
+    from kvpolicy.engine.inputs import parse_device_capability
+    from kvpolicy.engine.policy_tests import CaseInput
 
     assert parse_device_capability(text) is None
     with pytest.raises(argparse.ArgumentTypeError):
@@ -137,8 +137,8 @@ def test_default_profile_follows_an_installed_vllm_without_importing_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str, profile: str) -> None:
     import sys
 
-    from engine import LayoutEngine
-    from policy.releases import default_profile_name
+    from kvpolicy.engine import LayoutEngine
+    from kvpolicy.policy.releases import default_profile_name
 
     _fake_vllm(tmp_path, monkeypatch, f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n".encode())
     assert default_profile_name() == profile
@@ -153,7 +153,7 @@ def test_default_profile_follows_an_installed_vllm_without_importing_it(
 ])
 def test_a_broken_vllm_install_falls_back_to_the_newest_profile(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metadata_bytes: bytes) -> None:
-    from policy.releases import default_profile_name, installed_vllm_version, profile_names
+    from kvpolicy.policy.releases import default_profile_name, installed_vllm_version, profile_names
 
     _fake_vllm(tmp_path, monkeypatch, metadata_bytes)
     assert installed_vllm_version() is None
@@ -161,8 +161,8 @@ def test_a_broken_vllm_install_falls_back_to_the_newest_profile(
 
 
 def test_a_bad_env_version_is_located_at_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from policy import InputError
-    from policy.releases import get_profile
+    from kvpolicy.policy import InputError
+    from kvpolicy.policy.releases import get_profile
 
     monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "garbage")
     with pytest.raises(InputError) as info:
@@ -175,7 +175,7 @@ def test_a_bad_env_version_is_located_at_the_variable(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("verb", [["dry-run"], ["validate"], ["test"], ["lint", "--max-inputs", "1"]])
 def test_cli_bad_env_version(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                              verb: list[str]) -> None:
-    from engine.cli.main import main
+    from kvpolicy.engine.cli.main import main
 
     monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "garbage")
     assert main(verb) == 2
@@ -191,8 +191,8 @@ def test_cli_bad_env_version(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 @pytest.mark.parametrize("version", ["0.28.0", "issue-48412"])
 @pytest.mark.parametrize("setting", ["hisparse", "enable_extensible_kv_cache"])
 def test_a_setting_the_release_lacks_is_refused(version: str, setting: str) -> None:
-    from engine.inputs import build_context
-    from policy import InputError
+    from kvpolicy.engine.inputs import build_context
+    from kvpolicy.policy import InputError
 
     with pytest.raises(InputError) as info:
         build_context(spec={"num_layers": 2, "num_kv_heads": 2, "head_size": 64}, vllm_version=version,
@@ -205,7 +205,7 @@ def test_a_setting_the_release_lacks_is_refused(version: str, setting: str) -> N
 
 
 def test_cli_setting_the_release_lacks(capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.cli.main import main
+    from kvpolicy.engine.cli.main import main
 
     assert main(["dry-run", "--vllm-version", "0.28.0", "--enable-extensible-kv-cache"]) == 2
     err = capsys.readouterr().err
@@ -218,10 +218,10 @@ def test_every_lint_input_is_one_the_release_can_have(version: str) -> None:
     takes only NHD/HND for VLLM_KV_CACHE_LAYOUT and has no HiSparse or extensible KV cache)."""
     import random
 
-    from engine.analysis.space import build_space
-    from engine.inputs import build_context
-    from policy import load_rules_from_texts
-    from policy.releases import get_profile
+    from kvpolicy.engine.analysis.space import build_space
+    from kvpolicy.engine.inputs import build_context
+    from kvpolicy.policy import load_rules_from_texts
+    from kvpolicy.policy.releases import get_profile
 
     reads_all = load_rules_from_texts({"global.yaml": "version: 1\nrules:\n" + "".join(
         f"  - id: r{i}\n    description: d\n    when: {{field: env.VLLM_KV_CACHE_LAYOUT, eq: {v}}}\n"
@@ -254,7 +254,7 @@ def test_every_lint_input_is_one_the_release_can_have(version: str) -> None:
 ])
 def test_cli_empty_values_are_errors(capsys: pytest.CaptureFixture[str], flags: list[str], where: str,
                                      code: str) -> None:
-    from engine.cli.main import main
+    from kvpolicy.engine.cli.main import main
 
     args = ["dry-run", *flags] if "--vllm-version" in flags else ["dry-run", "--vllm-version", "0.34.0", *flags]
     assert main(args) == 2
@@ -263,8 +263,8 @@ def test_cli_empty_values_are_errors(capsys: pytest.CaptureFixture[str], flags: 
 
 
 def test_an_empty_vllm_kv_cache_layout_is_refused_as_vllm_does() -> None:
-    from engine.inputs import build_context
-    from policy import InputError
+    from kvpolicy.engine.inputs import build_context
+    from kvpolicy.policy import InputError
 
     for version in ("0.34.0", "0.28.0", "issue-48412"):
         with pytest.raises(InputError) as info:
@@ -280,7 +280,7 @@ def test_non_finite_connector_config_is_refused_so_the_json_stays_json(
         capsys: pytest.CaptureFixture[str], config: str) -> None:
     import json
 
-    from engine.cli.main import main
+    from kvpolicy.engine.cli.main import main
 
     connector = "MultiConnector" if "connectors" in config else "NixlConnector"
     assert main(["dry-run", "--vllm-version", "0.34.0", "--format", "json", "--connector", connector,
@@ -305,7 +305,7 @@ class _NumpyLikeInt:
 
 
 def _plan(version: str = "0.34.0", **inputs):
-    from engine import LayoutEngine
+    from kvpolicy.engine import LayoutEngine
 
     inputs.setdefault("spec", {"num_layers": 3, "num_kv_heads": 2, "head_size": 64, "block_size": 4})
     return LayoutEngine.default(version).plan(num_blocks=5, **inputs)
@@ -322,7 +322,7 @@ def test_numpy_like_indices_address_the_same_cell() -> None:
 @pytest.mark.parametrize("bad", [True, False, 0.0, 1.5, "0", None, [0]])
 @pytest.mark.parametrize("position", range(5))
 def test_a_non_integer_index_says_so(bad: object, position: int) -> None:
-    from policy import InputError
+    from kvpolicy.policy import InputError
 
     plan = _plan()
     args: list[object] = [0, 0, 0, 0, 0]
@@ -335,7 +335,7 @@ def test_a_non_integer_index_says_so(bad: object, position: int) -> None:
 
 
 def test_out_of_range_indices_share_one_code() -> None:
-    from policy import InputError
+    from kvpolicy.policy import InputError
 
     plan = _plan()
     for args in ((3, 0, 0, 0, 0), (-1, 0, 0, 0, 0), (0, 2, 0, 0, 0), (0, 0, 5, 0, 0), (0, 0, 0, 4, 0),
@@ -349,7 +349,7 @@ def test_any_integer_index_addresses_a_cell_inside_its_buffer_or_is_out_of_range
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from policy import InputError
+    from kvpolicy.policy import InputError
 
     plans = [_plan(v, kv_cache_dtype=d, attention_backend=b) for v, b, d in (
         ("0.34.0", "TRITON_ATTN", "fp8_per_token_head"), ("0.34.0", "CPU_ATTN", "fp8"),
@@ -379,7 +379,7 @@ def test_any_integer_index_addresses_a_cell_inside_its_buffer_or_is_out_of_range
 @pytest.mark.parametrize("value", ["'yes'", "1", "'true'", "0", "'no'"])
 def test_pattern_properties_take_booleans_only(value: str) -> None:
     """A condition on a boolean field refuses `1` (type-mismatch); a pattern property took it, and `'no'`."""
-    from policy import RuleLoadError, load_rules_from_texts
+    from kvpolicy.policy import RuleLoadError, load_rules_from_texts
 
     text = f"version: 1\nrules:\n  - id: a\n    description: d\n    forbid: {{block_outermost: {value}}}\n"
     with pytest.raises(RuleLoadError) as info:
@@ -389,7 +389,7 @@ def test_pattern_properties_take_booleans_only(value: str) -> None:
 
 
 def test_a_misspelt_profile_in_a_condition_is_an_error_not_a_dead_rule() -> None:
-    from policy import RuleLoadError, load_rules_from_texts
+    from kvpolicy.policy import RuleLoadError, load_rules_from_texts
 
     text = ("version: 1\nrules:\n  - id: a\n    description: d\n    when: {field: vllm.profile, eq: vllm-0.3}\n"
             "    forbid: {layout: LBHNC}\n")
@@ -417,8 +417,8 @@ _SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_size": 64}
      "worker_attention_backends[1]", "does not fit a `full` KV spec"),
 ])
 def test_keyword_mistakes_are_located_at_the_keyword(inputs: dict, where: str, message: str) -> None:
-    from engine import LayoutEngine
-    from policy import InputError
+    from kvpolicy.engine import LayoutEngine
+    from kvpolicy.policy import InputError
 
     with pytest.raises(InputError) as info:
         LayoutEngine.default("0.34.0").decide(**inputs)
@@ -427,8 +427,8 @@ def test_keyword_mistakes_are_located_at_the_keyword(inputs: dict, where: str, m
 
 
 def test_the_backend_alias_may_repeat_the_name_in_another_case() -> None:
-    from engine import LayoutEngine
-    from engine.policy_tests import CaseInput
+    from kvpolicy.engine import LayoutEngine
+    from kvpolicy.engine.policy_tests import CaseInput
 
     engine = LayoutEngine.default("0.34.0")
     same = engine.decide(spec=_SPEC, attention_backend="FLASHINFER", backend="flashinfer")
@@ -442,8 +442,8 @@ def test_the_backend_alias_may_repeat_the_name_in_another_case() -> None:
 def _hostile_values():
     from hypothesis import strategies as st
 
-    from policy.layouts import Layout
-    from policy.releases import iter_profiles
+    from kvpolicy.policy.layouts import Layout
+    from kvpolicy.policy.releases import iter_profiles
 
     known = sorted({b for p in iter_profiles() for b in p.backends} | {d for p in iter_profiles()
                                                                           for d in p.kv_cache_dtypes}
@@ -470,9 +470,9 @@ def test_any_value_for_any_keyword_decides_or_is_a_policy_error(version: str) ->
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from engine import LayoutEngine
-    from engine.inputs import INPUT_NAMES
-    from policy import PolicyError
+    from kvpolicy.engine import LayoutEngine
+    from kvpolicy.engine.inputs import INPUT_NAMES
+    from kvpolicy.policy import PolicyError
 
     assert set(_KEYWORDS) | {"groups"} == set(INPUT_NAMES)
     engine = LayoutEngine.default(version)
@@ -515,9 +515,9 @@ def test_threads_deciding_while_another_reloads_agree_with_one_thread() -> None:
     import random
     import threading
 
-    from engine import LayoutEngine
-    from engine.layout_engine import shipped_rules_dir
-    from policy import PolicyError
+    from kvpolicy.engine import LayoutEngine
+    from kvpolicy.engine.layout_engine import shipped_rules_dir
+    from kvpolicy.policy import PolicyError
 
     engine = LayoutEngine.default("0.34.0")
     inputs = [dict(spec=_SPEC, attention_backend=b, connector=c, vllm_kv_cache_layout=lay,
@@ -573,8 +573,8 @@ def test_threads_deciding_while_another_reloads_agree_with_one_thread() -> None:
 @pytest.mark.parametrize(("version", "block"), [("0.34.0", 64), ("0.28.0", 16)])
 def test_group_specs_without_block_size_get_the_release_default(tmp_path: Path, version: str, block: int) -> None:
     """It was `groups[0].spec.block_size: field required`, while a `spec` without it gets the default."""
-    from engine.cli.dry_run import context_from_args
-    from engine.cli.main import build_parser
+    from kvpolicy.engine.cli.dry_run import context_from_args
+    from kvpolicy.engine.cli.main import build_parser
 
     groups = ("groups: [{spec: {num_layers: 4, num_kv_heads: 2, head_size: 64}}, "
               "{spec: {kind: sliding_window, sliding_window: 128, num_layers: 4, num_kv_heads: 2, head_size: 64}}]")
@@ -595,7 +595,7 @@ def test_group_specs_without_block_size_get_the_release_default(tmp_path: Path, 
 @pytest.mark.parametrize("depth", [70, 3000])
 def test_cli_deep_connector_config_is_an_error_not_a_recursion_error(capsys: pytest.CaptureFixture[str],
                                                                      depth: int) -> None:
-    from engine.cli.main import main
+    from kvpolicy.engine.cli.main import main
 
     text = '{"a": ' * depth + "1" + "}" * depth
     assert main(["dry-run", "--vllm-version", "0.34.0", "--connector", "NixlConnector",
@@ -605,8 +605,8 @@ def test_cli_deep_connector_config_is_an_error_not_a_recursion_error(capsys: pyt
 
 
 def test_api_deep_or_cyclic_connector_config_is_an_error() -> None:
-    from engine import LayoutEngine
-    from policy import InputError
+    from kvpolicy.engine import LayoutEngine
+    from kvpolicy.policy import InputError
 
     deep: object = 1
     for _ in range(5000):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LayoutEngine
-from engine.inputs import build_context
-from policy import InputError, PolicyError
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.inputs import build_context
+from kvpolicy.policy import InputError, PolicyError
 
 ENGINE = LayoutEngine.default()
 SPEC = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64}

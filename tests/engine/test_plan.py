@@ -1,4 +1,4 @@
-"""engine.plan: the geometry a layout implies, computed without torch."""
+"""kvpolicy.engine.plan: the geometry a layout implies, computed without torch."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from engine.plan import LayoutPlan, naive_scale_view, plan_layout, transfer_format
-from policy.backends import BACKENDS, BackendProfile
-from policy.errors import InputError
-from policy.layouts import HeadOrder, Layout, Placement
-from policy.spec import AttentionKind, KVCacheSpec
+from kvpolicy.engine.plan import LayoutPlan, naive_scale_view, plan_layout, transfer_format
+from kvpolicy.policy.backends import BACKENDS, BackendProfile
+from kvpolicy.policy.errors import InputError
+from kvpolicy.policy.layouts import HeadOrder, Layout, Placement
+from kvpolicy.policy.spec import AttentionKind, KVCacheSpec
 
 TRITON = BACKENDS["TRITON_ATTN"]
 MLA = BACKENDS["FLASHMLA"]
@@ -71,14 +71,14 @@ def test_llama_70b_triton_hnd_cross_layer_matches_vllm() -> None:
 
 def test_a_100_gb_plan_allocates_nothing_and_imports_no_torch() -> None:
     code = (
-        "import sys, engine, engine.plan\n"
+        "import sys, kvpolicy.engine, kvpolicy.engine.plan\n"
         "from policy.backends import BACKENDS\n"
         "from policy.layouts import Layout\n"
         "from policy.spec import KVCacheSpec\n"
         "spec = KVCacheSpec(num_layers=80, block_size=16, num_kv_heads=8, head_size=128)\n"
-        "p = engine.plan.plan_layout(Layout.parse('BHLNC'), spec, BACKENDS['TRITON_ATTN'], 300_000)\n"
+        "p = kvpolicy.engine.plan.plan_layout(Layout.parse('BHLNC'), spec, BACKENDS['TRITON_ATTN'], 300_000)\n"
         "assert p.total_bytes > 100e9, p.total_bytes\n"
-        "assert 'torch' not in sys.modules, 'engine.plan imported torch'\n"
+        "assert 'torch' not in sys.modules, 'kvpolicy.engine.plan imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

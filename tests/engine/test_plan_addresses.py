@@ -1,7 +1,7 @@
-"""engine.plan's byte addresses: cell_offset, scale_offset and vllm_allocation on the vllm-0.34 geometry.
+"""kvpolicy.engine.plan's byte addresses: cell_offset, scale_offset and vllm_allocation on the vllm-0.34 geometry.
 
 tests/conformance/test_v034_geometry.py holds every number here to vLLM 0.34.0 itself; these
-pin a few by hand and tie the addresses to the tensors `engine.runtime.allocate` builds.
+pin a few by hand and tie the addresses to the tensors `kvpolicy.engine.runtime.allocate` builds.
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.plan import plan_layout
-from engine.runtime.allocate import allocate
-from policy.backends import BACKENDS, Dim, KVSplit
-from policy.errors import InputError
-from policy.layouts import Layout
-from policy.releases import get_profile
-from policy.spec import AttentionKind, KVCacheSpec
+from kvpolicy.engine.plan import plan_layout
+from kvpolicy.engine.runtime.allocate import allocate
+from kvpolicy.policy.backends import BACKENDS, Dim, KVSplit
+from kvpolicy.policy.errors import InputError
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.spec import AttentionKind, KVCacheSpec
 
 V034 = get_profile("vllm-0.34")
 QWEN = {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
@@ -212,9 +212,9 @@ def test_the_48412_geometry_reports_its_own_dims() -> None:
 
 @pytest.mark.parametrize(("name", "kv_cache_dtype"), _with_dtypes(list(V034.backend_names())))
 def test_every_vllm_0_34_geometry_allocates_round_trips_and_verifies(name: str, kv_cache_dtype: str) -> None:
-    from engine.fingerprint import fingerprint_of
-    from engine.memory_map import block_map
-    from engine.verify import verify_plan
+    from kvpolicy.engine.fingerprint import fingerprint_of
+    from kvpolicy.engine.memory_map import block_map
+    from kvpolicy.engine.verify import verify_plan
 
     backend = V034.backend(name)
     s = mla_spec(page_size_padded=4 * 8 * 2 + 32) if backend.mla else spec(kv_cache_dtype=kv_cache_dtype)

@@ -1,4 +1,4 @@
-"""`engine.policy_tests`: loading cases with positions, running them, coverage."""
+"""`kvpolicy.engine.policy_tests`: loading cases with positions, running them, coverage."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LayoutEngine
-from engine.policy_tests import (
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.policy_tests import (
     CaseInput,
     GroupInput,
     PolicyTestError,
@@ -17,8 +17,8 @@ from engine.policy_tests import (
     load_cases,
     run_policy_tests,
 )
-from policy import InputError, load_rules_from_texts
-from policy.layouts import Layout
+from kvpolicy.policy import InputError, load_rules_from_texts
+from kvpolicy.policy.layouts import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = LayoutEngine.default().ruleset

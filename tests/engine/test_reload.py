@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import LayoutEngine
-from engine.layout_engine import shipped_rules_dir
-from policy import Placement, RuleLoadError
-from policy.layouts import Layout
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.layout_engine import shipped_rules_dir
+from kvpolicy.policy import Placement, RuleLoadError
+from kvpolicy.policy.layouts import Layout
 
 SPEC = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
 OFFLOAD = {"spec": SPEC, "connector": "OffloadingConnector"}

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from engine import LayoutEngine
-from engine.cli.main import main
-from engine.inputs import INPUT_NAMES
-from engine.policy_tests import CaseInput
-from policy import InputError, NoLayoutError
-from policy.layouts import Layout
-from policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.cli.main import main
+from kvpolicy.engine.inputs import INPUT_NAMES
+from kvpolicy.engine.policy_tests import CaseInput
+from kvpolicy.policy import InputError, NoLayoutError
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 PROFILE = "vllm-0.34"
 ENGINE = LayoutEngine.default(vllm_version=PROFILE)
@@ -154,7 +154,7 @@ def test_dcp_page_sizes_count_mamba_states_but_not_their_sharding() -> None:
 
 
 def _dry_run_dests() -> dict[str, str]:
-    from engine.cli import dry_run
+    from kvpolicy.engine.cli import dry_run
 
     parser = argparse.ArgumentParser()
     dry_run.register(parser.add_subparsers())
@@ -177,7 +177,7 @@ def test_case_inputs_reach_the_decision(tmp_path: Any) -> None:
                                     "worker_attention_backends": [["FLASHINFER"]], "device_capability": "10.0",
                                     "vllm_kv_cache_layout": "BLHNC", "enable_extensible_kv_cache": True,
                                     "vllm_version": PROFILE, "connector": "NixlConnector"})
-    from engine.policy_tests.cases import context_for
+    from kvpolicy.engine.policy_tests.cases import context_for
 
     ctx = context_for(inp)
     assert inp.device_capability == 10

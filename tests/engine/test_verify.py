@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
-from engine import LayoutEngine
-from engine.plan import naive_scale_view, plan_layout
-from engine.runtime import allocate
-from engine.verify import Writer, verify_plan, writers
-from policy import (
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.plan import naive_scale_view, plan_layout
+from kvpolicy.engine.runtime import allocate
+from kvpolicy.engine.verify import Writer, verify_plan, writers
+from kvpolicy.policy import (
     BACKENDS,
     KV_CACHE_DTYPES,
     AttentionKind,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy.conditions import compile_condition, leaf_predicate
-from policy.context import MISSING
-from policy.rule_model import Leaf, Rule
+from kvpolicy.policy.conditions import compile_condition, leaf_predicate
+from kvpolicy.policy.context import MISSING
+from kvpolicy.policy.rule_model import Leaf, Rule
 
 scalars = st.one_of(st.booleans(), st.integers(-3, 3), st.sampled_from(["a", "b", "true", "1", ""]), st.none())
 values = st.one_of(scalars, st.just(MISSING), st.floats(-3, 3, allow_nan=False))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from policy import ConnectorConfig, InputError
-from policy.connectors import flatten_extra
+from kvpolicy.policy import ConnectorConfig, InputError
+from kvpolicy.policy.connectors import flatten_extra
 
 
 def test_only_multiconnector_takes_members() -> None:

@@ -1,4 +1,4 @@
-"""Tests for policy.hf_config: Hugging Face config.json -> KVCacheGroups."""
+"""Tests for kvpolicy.policy.hf_config: Hugging Face config.json -> KVCacheGroups."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import policy.hf_config
-from policy.errors import Diagnostic, InputError, ModelConfigError
-from policy.hf_config import kv_groups_from_hf_config
-from policy.quant import KV_CACHE_DTYPES, ModelDtype
-from policy.spec import AttentionKind, KVCacheGroups
+import kvpolicy.policy.hf_config
+from kvpolicy.policy.errors import Diagnostic, InputError, ModelConfigError
+from kvpolicy.policy.hf_config import kv_groups_from_hf_config
+from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 FULL, SLIDING, MLA, MAMBA = (AttentionKind.full, AttentionKind.sliding_window, AttentionKind.mla,
@@ -600,10 +600,10 @@ def test_any_config_loads_or_raises_model_config_error(
 
 
 def test_public_api() -> None:
-    assert policy.hf_config.__all__ == ["kv_groups_from_hf_config"]
+    assert kvpolicy.policy.hf_config.__all__ == ["kv_groups_from_hf_config"]
 
 
 def test_module_never_imports_torch() -> None:
-    code = "import sys, policy.hf_config; sys.exit('torch' in sys.modules)"
+    code = "import sys, kvpolicy.policy.hf_config; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policy import Limits, PolicyError, RuleLoadError, load_rules, load_rules_from_texts
+from kvpolicy.policy import Limits, PolicyError, RuleLoadError, load_rules, load_rules_from_texts
 
 # KVPOLICY_FUZZ_EXAMPLES=20000 pytest tests/policy/test_hostile.py -k fuzz  for a long run
 FUZZ_EXAMPLES = int(os.environ.get("KVPOLICY_FUZZ_EXAMPLES", "300"))

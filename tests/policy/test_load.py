@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from policy import RuleLoadError, load_rules, load_rules_from_texts
-from policy.errors import Diagnostic
+from kvpolicy.policy import RuleLoadError, load_rules, load_rules_from_texts
+from kvpolicy.policy.errors import Diagnostic
 
 HEADER = "version: 1\nrules:\n"
 

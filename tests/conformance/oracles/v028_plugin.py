@@ -92,7 +92,7 @@ def load_plugins(case: dict) -> dict:
         vllm.plugins.load_general_plugins()
     except Exception as exc:
         error = _err(exc)
-    module = sys.modules.get("engine.integrations.vllm_plugin")
+    module = sys.modules.get("kvpolicy.engine.integrations.vllm_plugin")
     gate = GPUModelRunner.use_uniform_kv_cache
     return {
         "error": error,

@@ -77,7 +77,7 @@ def _err(exc: BaseException) -> str:
 
 
 def _plugin_module():
-    return sys.modules.get("engine.integrations.vllm_plugin")
+    return sys.modules.get("kvpolicy.engine.integrations.vllm_plugin")
 
 
 def load_plugins(case: dict) -> dict:

@@ -10,14 +10,14 @@ import random
 
 import pytest
 
-from engine import LayoutEngine
-from engine.analysis import build_space, diff_rulesets, enumerate_inputs, lint
-from engine.inputs import build_context
-from engine.layout_engine import shipped_rules_dir
-from engine.plan import plan_layout
-from engine.verify import verify_plan
-from policy import ScaleViews, load_rules_from_texts
-from policy.layouts import Layout, Placement
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.analysis import build_space, diff_rulesets, enumerate_inputs, lint
+from kvpolicy.engine.inputs import build_context
+from kvpolicy.engine.layout_engine import shipped_rules_dir
+from kvpolicy.engine.plan import plan_layout
+from kvpolicy.engine.verify import verify_plan
+from kvpolicy.policy import ScaleViews, load_rules_from_texts
+from kvpolicy.policy.layouts import Layout, Placement
 
 PTH = {"fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"}
 ISSUE, V034 = "issue-48412", "vllm-0.34"

@@ -1,5 +1,5 @@
 """A stand-in ``vllm`` package with the few modules and names the plugin touches, for unit tests of
-`engine.integrations.vllm_plugin.register` without vLLM installed.
+`kvpolicy.engine.integrations.vllm_plugin.register` without vLLM installed.
 
 `fake_vllm` writes it under a temporary directory, puts that first on ``sys.path`` and, on exit,
 unregisters the plugin and forgets every ``vllm`` module, so no test sees another's. The real
@@ -108,7 +108,7 @@ def _forget_vllm() -> None:
 def fake_vllm(root: Path, version: str = "0.34.0", flavor: str = "0.34") -> Iterator[ModuleType]:
     """A stand-in vLLM ``version`` whose hooks are those of ``flavor`` (``0.34``: the resolver;
     ``0.28``: the gate), importable while the block runs; yields its ``vllm`` module."""
-    from engine.integrations import vllm_plugin
+    from kvpolicy.engine.integrations import vllm_plugin
 
     files = {**_COMMON, **(_V034 if flavor == "0.34" else _V028),
              "vllm/__init__.py": f"__version__ = {version!r}\n"}

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from engine import LayoutEngine
-from engine.agreement import AgreementError
-from engine.fingerprint import fingerprint
-from engine.integrations import vllm as adapter
-from engine.integrations.vllm import StartupError, decide, make_gate, use_uniform_kv_cache, vllm_context
-from policy import (
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.agreement import AgreementError
+from kvpolicy.engine.fingerprint import fingerprint
+from kvpolicy.engine.integrations import vllm as adapter
+from kvpolicy.engine.integrations.vllm import StartupError, decide, make_gate, use_uniform_kv_cache, vllm_context
+from kvpolicy.policy import (
     BACKENDS,
     AttentionKind,
     Layout,
@@ -538,4 +538,4 @@ def test_make_gate_can_agree_across_ranks() -> None:
 def test_the_adapter_imports_nothing_from_vllm() -> None:
     source = (ROOT / "engine" / "integrations" / "vllm.py").read_text()
     assert "import vllm" not in source and "from vllm" not in source
-    assert adapter.__name__ == "engine.integrations.vllm"
+    assert adapter.__name__ == "kvpolicy.engine.integrations.vllm"

@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 from fake_vllm import fake_vllm
 
-from engine import LayoutEngine
-from engine.integrations import vllm_plugin
-from engine.integrations.vllm import StartupError
-from engine.integrations.vllm_plugin import Settings, decided_by, pick_profile
-from engine.integrations.vllm_resolver import kv_cache_groups, make_resolver, resolve, worker_candidates
-from policy import Layout, load_rules_from_texts
-from policy.errors import InputError, RuleLoadError
-from policy.releases import get_profile
+from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.integrations import vllm_plugin
+from kvpolicy.engine.integrations.vllm import StartupError
+from kvpolicy.engine.integrations.vllm_plugin import Settings, decided_by, pick_profile
+from kvpolicy.engine.integrations.vllm_resolver import kv_cache_groups, make_resolver, resolve, worker_candidates
+from kvpolicy.policy import Layout, load_rules_from_texts
+from kvpolicy.policy.errors import InputError, RuleLoadError
+from kvpolicy.policy.releases import get_profile
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = "vllm-0.34"
@@ -190,7 +190,8 @@ def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypa
     vllm_plugin.register()
     vllm_plugin.register()
     assert vllm_plugin.status() == {"active": False}
-    code = ("import sys, engine, engine.integrations.vllm_plugin as p, engine.integrations.vllm_resolver\n"
+    code = ("import sys, kvpolicy.engine, kvpolicy.engine.integrations.vllm_plugin as p\n"
+            "import kvpolicy.engine.integrations.vllm_resolver\n"
             "p.register()\nprint(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVPOLICY_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
@@ -199,7 +200,7 @@ def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypa
 
 
 def test_an_engine_of_a_release_without_the_gate_is_a_configuration_error() -> None:
-    from engine.integrations.vllm import use_uniform_kv_cache
+    from kvpolicy.engine.integrations.vllm import use_uniform_kv_cache
 
     group = SimpleNamespace(kv_cache_spec=FullAttentionSpec(), backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"),
                             layer_names=["l0"])
@@ -209,7 +210,8 @@ def test_an_engine_of_a_release_without_the_gate_is_a_configuration_error() -> N
 
 def test_the_entry_point_is_declared() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["vllm.general_plugins"] == {"kvpolicy": "engine.integrations.vllm_plugin:register"}
+    assert project["entry-points"]["vllm.general_plugins"] == {
+        "kvpolicy": "kvpolicy.engine.integrations.vllm_plugin:register"}
     assert callable(vllm_plugin.register)
 
 

@@ -1,4 +1,4 @@
-"""engine.runtime.allocate: tensors that are exactly the plan.
+"""kvpolicy.engine.runtime.allocate: tensors that are exactly the plan.
 
 Also home of the runtime tests' factories (`make_spec`, `make_plan`, `COMBOS`,
 `fill_random`, `cell_addresses`), imported by the sibling test modules.
@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.plan import LayoutPlan, plan_layout
-from engine.runtime import KVCache, allocate
-from policy.backends import BACKENDS
-from policy.errors import GeometryError, InputError
-from policy.layouts import Layout, Placement
-from policy.quant import KV_CACHE_DTYPES
-from policy.spec import AttentionKind, KVCacheSpec
+from kvpolicy.engine.plan import LayoutPlan, plan_layout
+from kvpolicy.engine.runtime import KVCache, allocate
+from kvpolicy.policy.backends import BACKENDS
+from kvpolicy.policy.errors import GeometryError, InputError
+from kvpolicy.policy.layouts import Layout, Placement
+from kvpolicy.policy.quant import KV_CACHE_DTYPES
+from kvpolicy.policy.spec import AttentionKind, KVCacheSpec
 
 NUM_BLOCKS = 5
 
@@ -184,8 +184,8 @@ def test_cuda_without_a_gpu_is_a_clear_error() -> None:
 
 
 def test_the_public_surface_is_explicit() -> None:
-    import engine.plan
-    import engine.runtime
+    import kvpolicy.engine.plan
+    import kvpolicy.engine.runtime
 
-    assert sorted(engine.runtime.__all__) == ["KVCache", "allocate", "decode_cells", "encode_cells"]
-    assert {"LayoutPlan", "plan_layout", "naive_scale_view", "transfer_format"} <= set(engine.plan.__all__)
+    assert sorted(kvpolicy.engine.runtime.__all__) == ["KVCache", "allocate", "decode_cells", "encode_cells"]
+    assert {"LayoutPlan", "plan_layout", "naive_scale_view", "transfer_format"} <= set(kvpolicy.engine.plan.__all__)

@@ -1,4 +1,4 @@
-"""engine.runtime.cache: quantized writes and reads, bit-exact against the float64 reference."""
+"""kvpolicy.engine.runtime.cache: quantized writes and reads, bit-exact against the float64 reference."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from test_allocate import COMBO_IDS, COMBOS, ODD, ODD_LAYOUTS, cell_addresses, fill_random, make_plan
 from test_reference import decode_ref, encode_ref
 
-from engine.runtime import KVCache, allocate, quantize
-from policy.errors import InputError
+from kvpolicy.engine.runtime import KVCache, allocate, quantize
+from kvpolicy.policy.errors import InputError
 
 # written to layer 1: one skipped token (-1), slots spread over blocks and offsets
 SLOTS = [0, 7, -1, 19, 10, 5]
@@ -601,7 +601,7 @@ def test_threads_writing_different_layers_write_the_bytes_of_serial_writes(dtype
 def test_per_token_head_sizes_vllm_cannot_view_are_refused(dtype: str, head_size: int) -> None:
     """vLLM reads each inline scale through a float32 view (TRITON_ATTN asserts 4-byte offsets): head_size 6
     under int8, or 12 under int4, built a cache vLLM cannot use. Refused when the spec is made."""
-    from engine import LayoutEngine
+    from kvpolicy.engine import LayoutEngine
 
     with pytest.raises(InputError, match=f"head_size {head_size} must be a multiple of"):
         LayoutEngine.default("vllm-0.34").build(

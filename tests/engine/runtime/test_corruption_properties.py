@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_allocate import COMBO_IDS, COMBOS, fill_random, make_plan
 
-from engine.runtime import allocate
-from policy.errors import PolicyError
+from kvpolicy.engine.runtime import allocate
+from kvpolicy.policy.errors import PolicyError
 
 BLOCKS = 6
 

@@ -1,4 +1,4 @@
-"""engine.runtime on every device torch can see: the same plan, the same bytes.
+"""kvpolicy.engine.runtime on every device torch can see: the same plan, the same bytes.
 
 Every test takes ``device``: ``cpu`` always, ``cuda`` where torch sees a GPU
 (skipped otherwise). The CPU is the reference: a cache on ``device`` and one on
@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_allocate import fill_random, make_plan
 
-from engine.runtime import KVCache, allocate
-from policy.errors import InputError
+from kvpolicy.engine.runtime import KVCache, allocate
+from kvpolicy.policy.errors import InputError
 
 DEVICES = [
     "cpu",

@@ -1,7 +1,7 @@
 """A slow float64 reference for the cache cell encoding, and the fast path checked against it bit for bit.
 
 The reference works on Python floats (IEEE float64), one value at a time, and
-follows vLLM 0.34's kernels as `engine.runtime.quantize`'s docstring states
+follows vLLM 0.34's kernels as `kvpolicy.engine.runtime.quantize`'s docstring states
 them, written out from that statement, not from the fast path: an fp32
 operation is done in float64 and rounded once to fp32 (for +, -, *, / that
 double rounding is innocuous, 53 >= 2 * 24 + 2, so it equals the fp32
@@ -22,8 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.runtime.quantize import decode_cells, encode_cells, rht_signs
-from policy.quant import QuantMode
+from kvpolicy.engine.runtime.quantize import decode_cells, encode_cells, rht_signs
+from kvpolicy.policy.quant import QuantMode
 
 QMAX = {"fp8_per_token_head": 448.0, "int8_per_token_head": 127.0, "int4_per_token_head": 15.0}
 QMIN = {"fp8_per_token_head": -448.0, "int8_per_token_head": -128.0}

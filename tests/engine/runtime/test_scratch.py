@@ -1,13 +1,13 @@
-"""engine.runtime.scratch: reused tensors, views and memos, never stale after a buffer grows."""
+"""kvpolicy.engine.runtime.scratch: reused tensors, views and memos, never stale after a buffer grows."""
 
 from __future__ import annotations
 
 import torch
 from test_reference import QMAX, encode_ref
 
-from engine.runtime import encode_cells
-from engine.runtime.scratch import Scratch
-from policy.quant import QuantMode
+from kvpolicy.engine.runtime import encode_cells
+from kvpolicy.engine.runtime.scratch import Scratch
+from kvpolicy.policy.quant import QuantMode
 
 
 def test_the_same_shape_gets_the_same_view_and_names_do_not_share_memory() -> None:

@@ -18,7 +18,7 @@ import torch
 from test_allocate import fill_random, make_plan
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-from engine.runtime import KVCache, allocate, quantize
+from kvpolicy.engine.runtime import KVCache, allocate, quantize
 
 DTYPES = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "fp8", "auto"]
 LAYOUTS = ["cross_layer/NHD", "per_layer/NHD", "per_layer/HND", "BHLNC"]

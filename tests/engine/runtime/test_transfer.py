@@ -1,4 +1,4 @@
-"""engine.runtime.transfer: offload and restore whole blocks, byte for byte."""
+"""kvpolicy.engine.runtime.transfer: offload and restore whole blocks, byte for byte."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_allocate import COMBO_IDS, COMBOS, NUM_BLOCKS, ODD, ODD_LAYOUTS, fill_random, make_plan
 
-from engine.plan import LayoutPlan
-from engine.runtime import KVCache, allocate
-from policy.errors import InputError
+from kvpolicy.engine.plan import LayoutPlan
+from kvpolicy.engine.runtime import KVCache, allocate
+from kvpolicy.policy.errors import InputError
 
 
 def expected_rows(cache: KVCache, block: int) -> torch.Tensor:

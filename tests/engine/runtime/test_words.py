@@ -1,4 +1,4 @@
-"""engine.runtime.words: runs moved as 16-byte complex128 words keep every bit pattern."""
+"""kvpolicy.engine.runtime.words: runs moved as 16-byte complex128 words keep every bit pattern."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_allocate import make_plan
 
-from engine.runtime import allocate
-from engine.runtime.words import GATHER_WIDTHS, SCATTER_WIDTHS, as_words, row_view, widest_word
+from kvpolicy.engine.runtime import allocate
+from kvpolicy.engine.runtime.words import GATHER_WIDTHS, SCATTER_WIDTHS, as_words, row_view, widest_word
 
 # 8-byte patterns a float64 unit could alter if a copy ever went through arithmetic: signalling
 # and quiet NaNs with payloads, both infinities, negative zero, the smallest subnormal.
@@ -89,7 +89,7 @@ def test_nhd_tokens_are_one_row_of_wide_words(layout: str, head_size: int, heads
 def test_transfers_move_whole_words(layout: str) -> None:
     """Offload gathers 8-byte words and restore scatters 16-byte ones: byte-wide elements made
     restore 9x slower than a copy (the contiguous last dim's stride of 1 once capped the word)."""
-    from engine.runtime.transfer import _rows
+    from kvpolicy.engine.runtime.transfer import _rows
 
     cache = allocate(make_plan(layout=layout, kv_cache_dtype="auto", head_size=16))
     col = 0
