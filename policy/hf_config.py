@@ -35,6 +35,9 @@ __all__ = ["kv_groups_from_hf_config"]
 
 _DICT_SOURCE = "<config>"
 _CONFIG_NAME = "config.json"
+# The largest config.json read. Real ones are a few KiB (multimodal ones under 100 KiB); the cap is
+# checked before reading, so a wrong path (a weights file, /dev/zero) fails at once, not after gigabytes.
+MAX_CONFIG_BYTES = 4 << 20
 
 _DTYPE_ALIASES: dict[str, ModelDtype] = {
     "bfloat16": ModelDtype.bfloat16,
@@ -150,16 +153,28 @@ def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[s
             "config",
             f"expected a path to config.json, a directory holding one, or a dict; got `{type(config).__name__}`",
         )
-    path = Path(os.fspath(config))
-    if path.is_dir():
-        path = path / _CONFIG_NAME
+    raw_path = os.fspath(config)
+    if isinstance(raw_path, bytes) or "\0" in raw_path:
+        raise input_error("model", f"`{raw_path!r}` is not a usable path (a NUL byte, or bytes)",
+                          "pass the path of a config.json, or the directory holding one, as a string")
+    path = Path(raw_path)
+    try:
+        if path.is_dir():
+            path = path / _CONFIG_NAME
+    except OSError:  # a name too long, say: reading it below says why
+        pass
     where = str(path)
 
     def fail(code: str, message: str, help: str, line: int = 0, col: int = 0) -> ModelConfigError:
         return ModelConfigError("invalid model config", [Diagnostic(where, line, col, code, message, help)])
 
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            data_bytes = f.read(MAX_CONFIG_BYTES + 1)  # bounded even where stat() lies (pipes, /dev/zero)
+        if len(data_bytes) > MAX_CONFIG_BYTES:
+            raise fail("too-large", f"the model config is larger than {MAX_CONFIG_BYTES >> 20} MiB, so it is no "
+                       "config.json", "pass a model's config.json, or the directory holding one")
+        text = data_bytes.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise fail("unreadable", f"cannot read the model config: {reason}",
