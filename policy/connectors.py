@@ -88,7 +88,8 @@ class ConnectorConfig(Frozen):
                 if not isinstance(m, dict) or not isinstance(m.get("kv_connector"), str) or not m["kv_connector"]:
                     raise input_error(at, f"member {i} of `connectors` needs a `kv_connector` name",
                                       'e.g. {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}')
-                member_extra = m.get("kv_connector_extra_config") or {}
+                member_extra = m.get("kv_connector_extra_config")
+                member_extra = {} if member_extra is None else member_extra  # `[]` or `""` is no mapping
                 if not isinstance(member_extra, dict):
                     raise input_error(f"{at}.kv_connector_extra_config",
                                       f"member {i}'s `kv_connector_extra_config` must be a mapping, "
