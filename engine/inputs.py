@@ -27,7 +27,15 @@ from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dt
 from kvpolicy.policy.releases import ReleaseProfile, get_profile, iter_profiles
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
-__all__ = ["ASSUMED_CAPABILITY", "DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "default_backend", "context_from_inputs", "parse_device_capability"]
+__all__ = [
+    "ASSUMED_CAPABILITY",
+    "DEFAULT_EXAMPLE",
+    "INPUT_NAMES",
+    "build_context",
+    "context_from_inputs",
+    "default_backend",
+    "parse_device_capability",
+]
 
 # `kvpolicy dry-run` with no arguments: Qwen2.5-0.5B geometry, TRITON_ATTN,
 # OffloadingConnector, fp8_per_token_head -- the combination of vLLM #48412 --

@@ -351,7 +351,7 @@ def test_invalid_spec_values_name_the_file(capsys: pytest.CaptureFixture[str], t
 
 def test_plan_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     spec = write_spec(tmp_path, "{kind: mla, num_layers: 4, block_size: 64, num_kv_heads: 1, head_size: 576}")
-    code, _, err = cli(capsys, "dry-run", "--spec", spec, "--num-blocks", "4")  # MLA spec on TRITON_ATTN
+    code, _, err = cli(capsys, "dry-run", "--spec", spec, "--backend", "TRITON_ATTN", "--num-blocks", "4")
     assert code == 2
     assert "--attention-backend: error[backend-mismatch]" in err
 
