@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
-from kvpolicy.engine.decide import RELEASE_CANDIDATES
+from kvpolicy.engine.decide import BACKEND_GEOMETRY, RELEASE_CANDIDATES
 from kvpolicy.engine.inputs import build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
@@ -335,7 +335,7 @@ def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic]]:
 
 
 # What the engine itself names in removals, beside the rules: the release's candidate filter.
-BUILTIN_RULE_IDS = (RELEASE_CANDIDATES,)
+BUILTIN_RULE_IDS = (RELEASE_CANDIDATES, BACKEND_GEOMETRY)
 
 
 def _check_rule_ids(cases: list[LoadedCase], ruleset: RuleSet) -> list[Diagnostic]:
