@@ -96,3 +96,11 @@ def test_a_huge_model_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as info:
         LayoutEngine.default("0.34.0").decide(model=big)
     assert info.value.diagnostics[0].code == "too-large"
+
+
+def test_a_context_of_another_release_is_refused() -> None:
+    ctx = LayoutEngine.default("0.28.0").context(spec=SPEC)
+    with pytest.raises(PolicyError) as info:
+        LayoutEngine.default("0.34.0").decide(ctx)
+    assert info.value.diagnostics[0].code == "profile-mismatch"
+    assert LayoutEngine.default("0.28.0").decide(ctx).context is ctx
