@@ -127,10 +127,17 @@ def check_block_ids(block_ids: object, num_blocks: int, device: torch.device, un
             raise input_error("block_ids", f"`block_ids` must be a 1-D int32 or int64 tensor, got "
                               f"`{block_ids.dtype}` with shape `{tuple(block_ids.shape)}`")
         ids = block_ids.to(device=device, dtype=torch.int64)
-    elif isinstance(block_ids, Sequence) and all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
+    elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in block_ids
+    ):
+        # the range first, in Python: an id past int64 (2**70) would make torch.tensor raise its own error
+        out_of_range = next((b for b in block_ids if not 0 <= b < num_blocks), None)
+        if out_of_range is not None:
+            raise input_error("block_ids", f"block `{out_of_range}` is out of range", f"use 0..{num_blocks - 1}")
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=device)
     else:
-        raise input_error("block_ids", "`block_ids` must be a tensor or a sequence of ints")
+        raise input_error("block_ids", "`block_ids` must be a tensor or a sequence of ints",
+                          f"pass block ids in 0..{num_blocks - 1}, e.g. `[0, 3]` or an int64 tensor")
     if ids.numel() == 0:
         return ids
     lo, hi = (int(v) for v in torch.aminmax(ids))
