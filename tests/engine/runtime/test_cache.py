@@ -607,3 +607,25 @@ def test_per_token_head_sizes_vllm_cannot_view_are_refused(dtype: str, head_size
         LayoutEngine.default("vllm-0.34").build(
             num_blocks=2, spec=dict(num_layers=1, block_size=16, num_kv_heads=1, head_size=head_size),
             kv_cache_dtype=dtype, attention_backend="TRITON_ATTN")
+
+
+@settings(max_examples=40, deadline=None)
+@given(start=st.integers(0, 11), blocks=st.integers(17, 24), extra=st.sampled_from([0, 0, 1, 3]),
+       layout=st.sampled_from(["LBNHC", "BLNHC"]), dtype=st.sampled_from(["int8_per_token_head", "auto"]))
+def test_a_run_of_slots_lands_where_slot_by_slot_writes_put_it(start: int, blocks: int, extra: int, layout: str,
+                                                               dtype: str) -> None:
+    """Consecutive slots from any start, prefill-sized (past the 64-slot decode path): block-aligned
+    runs of whole blocks take the block-wise scatter, unaligned ones (slot 2 onwards, spanning
+    blocks) the cell path; either way every cell ends where one-token writes put it."""
+    n = 4  # make_plan's block size
+    slots = list(range(start, start + blocks * n + extra))
+    plan = make_plan(layout=layout, kv_cache_dtype=dtype, num_blocks=30)
+    bulk, single = allocate(plan), allocate(plan)
+    fill_random(bulk)
+    fill_random(single)
+    key, value, slot_t = make_inputs(bulk, slots)
+    bulk.write(LAYER, key, value, slot_t)
+    for i, s in enumerate(slots):
+        single.write(LAYER, key[i : i + 1], value[i : i + 1], torch.tensor([s]))
+    for a, b in zip(bulk.raw, single.raw, strict=True):
+        assert torch.equal(a, b), f"slots {start}..{slots[-1]}: the bulk write differs from slot-by-slot writes"
