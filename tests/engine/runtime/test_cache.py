@@ -629,3 +629,41 @@ def test_a_run_of_slots_lands_where_slot_by_slot_writes_put_it(start: int, block
         single.write(LAYER, key[i : i + 1], value[i : i + 1], torch.tensor([s]))
     for a, b in zip(bulk.raw, single.raw, strict=True):
         assert torch.equal(a, b), f"slots {start}..{slots[-1]}: the bulk write differs from slot-by-slot writes"
+
+
+@settings(max_examples=60, deadline=None)
+@given(head_size=st.integers(1, 160), mla=st.booleans(),
+       dtype=st.sampled_from(["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]),
+       slots=st.lists(st.integers(0, 19), min_size=1, max_size=6, unique=True))
+def test_every_per_token_head_size_is_refused_when_made_or_reads_back_what_it_wrote(
+        head_size: int, mla: bool, dtype: str, slots: list[int]) -> None:
+    """Per-token-head, MLA latents included: a head size whose code bytes are not a multiple of 4
+    (vLLM 0.34's ``_ensure_scale_caches`` asserts it; it has no MLA backend for these modes) is
+    refused when the spec is made; every other size writes, then reads any one slot or several
+    back as the reference decodes the reference's cells (a read of one slot raised a torch
+    RuntimeError where the scale's offset was not a multiple of 4)."""
+    packed = head_size // 2 if dtype == "int4_per_token_head" else head_size
+    backend = "FLASHMLA" if mla else "TRITON_ATTN"
+    if packed % 4 or (dtype == "int4_per_token_head" and head_size % 2):
+        with pytest.raises(ValueError, match=f"head_size {head_size} must be"):  # the spec model's validation
+            make_plan(backend, "LBNHC", head_size=head_size, kv_cache_dtype=dtype)
+        if not mla:  # and through the public API, a located InputError
+            from kvpolicy.engine import LayoutEngine
+
+            with pytest.raises(InputError, match=f"head_size {head_size} must be"):
+                LayoutEngine.default().build(num_blocks=2, kv_cache_dtype=dtype, backend="TRITON_ATTN",
+                                             spec=dict(num_layers=1, block_size=4, num_kv_heads=1, head_size=head_size))
+        return
+    cache = allocate(make_plan(backend, "LBNHC", num_blocks=5, head_size=head_size, kv_cache_dtype=dtype))
+    spec = cache.plan.spec
+    key, value, slot_t = make_inputs(cache, slots)
+    cache.write(LAYER, key, value, slot_t)
+    parts = [key] if value is None else [key, value]
+    for read in ([slots[-1]], slots):
+        got = cache.read(LAYER, torch.tensor(read), dtype=torch.float32)
+        for kv, part in enumerate(parts):
+            for t, s in enumerate(read):
+                for h in range(spec.num_kv_heads):
+                    cell = encode_ref(part[slots.index(s), h].float().tolist(), dtype, "uint8", in_dtype="bfloat16")
+                    want = decode_ref(cell, dtype, "uint8", head_size, out_dtype="float32")
+                    assert got[kv][t, h].tolist() == want, (read, kv, t, h)
