@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -667,3 +669,33 @@ def test_every_per_token_head_size_is_refused_when_made_or_reads_back_what_it_wr
                     cell = encode_ref(part[slots.index(s), h].float().tolist(), dtype, "uint8", in_dtype="bfloat16")
                     want = decode_ref(cell, dtype, "uint8", head_size, out_dtype="float32")
                     assert got[kv][t, h].tolist() == want, (read, kv, t, h)
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"])
+def test_nan_and_infinities_read_back_as_vllm_reads_them(dtype: str) -> None:
+    """The edge semantics README.md's "Quantized cells" documents, through a cache (the bytes are
+    vLLM 0.34's, tests/conformance/test_v034_cells.py): int8/fp8 store a NaN as the lowest code, so
+    it reads back as a finite negative value of the head's magnitude, the rest intact; an infinity of
+    either sign makes the scale infinite, so it reads -inf and every other value of its head NaN.
+    int4 rotates first: a NaN reads the whole head as zeros, an infinity as NaN."""
+    cache = allocate(make_plan(layout="LBNHC", kv_cache_dtype=dtype, num_blocks=5, head_size=8, num_kv_heads=1))
+    base = [1.0, -2.0, 0.5, 3.0, -0.25, 0.0, 1.5, -1.0]
+    edits = [{1: math.nan}, {1: math.inf}, {1: -math.inf}, {1: math.nan, 3: math.inf}]  # nan, +inf, -inf, both
+    rows = [[at.get(i, v) for i, v in enumerate(base)] for at in edits]
+    k = torch.tensor(rows).view(len(rows), 1, 8).to(torch.bfloat16)
+    cache.write(0, k, k, torch.arange(len(rows)))
+    got, _ = cache.read(0, torch.arange(len(rows)), torch.float32)
+    got = got.view(len(rows), 8)
+    nan, inf, others = got[0], got[1:3], [i for i in range(8) if i != 1]
+    if dtype == "int4_per_token_head":
+        assert (nan == 0).all() and (got[3] == 0).all()  # NaN anywhere wins over the infinity: scale 1e-6, codes 0
+        assert inf.isnan().all()
+        return
+    scale = 3.0 / (127.0 if dtype == "int8_per_token_head" else 448.0)
+    lowest = -128.0 if dtype == "int8_per_token_head" else -448.0
+    assert float(nan[1]) == pytest.approx(lowest * scale, rel=1e-6)  # NaN -> the lowest code: finite, negative
+    assert torch.allclose(nan[others], torch.tensor(base)[others], rtol=0.07, atol=scale)  # fp8: 3 mantissa bits
+    for row, infinite in ((inf[0], [1]), (inf[1], [1]), (got[3], [1, 3])):
+        finite = [i for i in range(8) if i not in infinite]
+        assert (row[infinite] == -math.inf).all()  # +inf's sign is lost, and NaN's: the lowest code times inf
+        assert row[finite].isnan().all()  # 0 * inf: every other value of the head is NaN
