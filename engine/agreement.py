@@ -213,6 +213,8 @@ def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
     """
     if not ranks:
         raise input_error("ranks", "no rank fingerprints to compare")
+    for r in ranks:  # a rank's fingerprint is a peer's data: bounded before it is printed or compared
+        check_peer_value(r.fingerprint, r.name)
     ordered = sorted(ranks, key=lambda r: r.group_rank)
     classes: dict[str, list[RankFingerprint]] = {}
     for r in ordered:

@@ -375,3 +375,5 @@ def test_a_deep_or_cyclic_dict_is_refused_without_recursion() -> None:
                    {"format_version": 10**5000}):
         with pytest.raises(InputError, match="peer-data"):
             check_compatible(fp_for(), remote)
+        with pytest.raises(InputError, match="peer-data"):
+            compare_ranks([RankFingerprint(0, 0, fp_for().to_dict()), RankFingerprint(1, 1, remote)])
