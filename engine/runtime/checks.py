@@ -126,6 +126,9 @@ def check_block_ids(block_ids: object, num_blocks: int, device: torch.device, un
         if block_ids.dtype not in _INDEX_DTYPES or block_ids.dim() != 1:
             raise input_error("block_ids", f"`block_ids` must be a 1-D int32 or int64 tensor, got "
                               f"`{block_ids.dtype}` with shape `{tuple(block_ids.shape)}`")
+        if block_ids.device.type == "meta":
+            raise input_error("block_ids", "`block_ids` is on `meta`: it holds no values",
+                              f"pass ids on the CPU or on `{device}`")
         ids = block_ids.to(device=device, dtype=torch.int64)
     elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)) and all(
         isinstance(b, int) and not isinstance(b, bool) for b in block_ids

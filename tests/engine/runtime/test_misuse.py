@@ -52,6 +52,7 @@ CASES: list[tuple[str, Call, str]] = [
     ("block ids a bool tensor", lambda c: c.offload(torch.tensor([True])), "block_ids"),
     ("block ids 2-D", lambda c: c.offload(torch.tensor([[1]])), "block_ids"),
     ("block id 2**62 in a tensor", lambda c: c.offload(torch.tensor([2**62])), "block_ids"),
+    ("block ids on meta", lambda c: c.offload(torch.tensor([0], device="meta")), "block_ids"),
     ("restore a block twice", lambda c: c.restore([1, 1], data(2)), "block_ids"),
     # transfer data
     ("restore data of another page size", lambda c: c.restore([0], torch.zeros(1, 3, PAGE + 1, dtype=torch.uint8)),
