@@ -7,9 +7,9 @@ that and far below what could exhaust the stack or the memory of the process
 that parses it:
 
 - at most `MAX_PEER_BYTES` bytes of text (checked before parsing);
-- at most `MAX_PEER_DEPTH` nested lists and objects, and `MAX_PEER_ITEMS`
-  values in all (checked iteratively, without recursion, on parsed JSON and on
-  dicts a caller passes alike);
+- at most `MAX_PEER_DEPTH` nested lists and objects, `MAX_PEER_ITEMS` values
+  and `MAX_PEER_BYTES` characters of strings in all (checked iteratively,
+  without recursion, on parsed JSON and on dicts a caller passes alike);
 - strict JSON: ``NaN`` and ``Infinity`` are refused, and so are integers of
   more than 4,096 bits (a fingerprint's largest is a byte count), which could
   not even be printed in an error message past Python's 4,300-digit limit.
@@ -60,10 +60,16 @@ def check_peer_value(value: Any, what: str) -> None:
     """Raise `InputError` unless ``value`` nests at most `MAX_PEER_DEPTH` deep with at most `MAX_PEER_ITEMS`
     values; walks with an explicit stack, so a deep (or cyclic) structure costs no recursion."""
     stack: list[tuple[Any, int]] = [(value, 0)]
-    items = 0
+    items = chars = 0
     while stack:
         node, depth = stack.pop()
         items += 1
+        if isinstance(node, str):
+            chars += len(node)
+            if chars > MAX_PEER_BYTES:
+                raise input_error(what, f"the {what} data holds more than {MAX_PEER_BYTES} characters of text",
+                                  _HELP, code="peer-data")
+            continue
         if items > MAX_PEER_ITEMS:
             raise input_error(what, f"the {what} data holds more than {MAX_PEER_ITEMS} values", _HELP,
                               code="peer-data")
@@ -71,7 +77,7 @@ def check_peer_value(value: Any, what: str) -> None:
             raise input_error(what, f"the {what} data holds an integer of {node.bit_length()} bits", _HELP,
                               code="peer-data")
         if isinstance(node, dict):
-            children = list(node.values())
+            children = [*node.keys(), *node.values()]
         elif isinstance(node, (list, tuple)):
             children = list(node)
         else:

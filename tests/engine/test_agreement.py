@@ -372,7 +372,7 @@ def test_a_deep_or_cyclic_dict_is_refused_without_recursion() -> None:
     cyclic: list[Any] = []
     cyclic.append(cyclic)
     for remote in ({"format_version": deep}, {**fp_for().to_dict(), "groups": cyclic},
-                   {"format_version": 10**5000}):
+                   {"format_version": 10**5000}, {**fp_for().to_dict(), "backend": "x" * (2 << 20)}):
         with pytest.raises(InputError, match="peer-data"):
             check_compatible(fp_for(), remote)
         with pytest.raises(InputError, match="peer-data"):
