@@ -78,8 +78,10 @@ def _input() -> dict[str, Any]:
         "vllm_kv_cache_layout": _or_null(string),
         "enable_extensible_kv_cache": {"type": "boolean"},
         "hisparse": {"type": "boolean"},
-        "device_capability": _or_null({"anyOf": [{"type": "integer"}, {"type": "number", "minimum": 1, "maximum": sys.float_info.max},
-                                                 {"type": "string", "pattern": _CAPABILITY}]}),
+        "device_capability": _or_null({"anyOf": [
+            {"type": "integer"},
+            {"type": "number", "minimum": 1, "maximum": sys.float_info.max},  # finite, >= 1: its major
+            {"type": "string", "pattern": _CAPABILITY}]}),
         "use_v2_model_runner": {"type": "boolean"},
     }
     sources = ("model", "spec", "groups")
