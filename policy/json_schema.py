@@ -86,7 +86,9 @@ def layout_pattern_schema() -> dict[str, Any]:
     """`LayoutPattern` as the models accept it (no emptiness or satisfiability check: rules add those)."""
     name = {"enum": layout_names()}
     props = {
-        "layout": _or_null({"anyOf": [name, {"type": "array", "minItems": 1, "items": name}]}),
+        # one name or a non-empty list of names (if/then: a misspelt name is reported as "not one of [...]")
+        "layout": {"type": ["string", "array", "null"], "if": {"type": "string"}, "then": name,
+                   "minItems": 1, "items": name},
         "placement": _or_null({"enum": [p.value for p in Placement]}),
         "head_order": _or_null({"enum": [h.value for h in HeadOrder]}),
         **{key: _or_null({"type": "boolean"}) for key in _PATTERN_BOOLS},
@@ -119,13 +121,13 @@ def _rule_pattern() -> dict[str, Any]:
 
 
 def _field_path() -> dict[str, Any]:
+    # if/then/else rather than anyOf: a misspelt path is then reported as "not one of [...]"
     return {
         "description": "a field path (docs/rule-language.md lists them), or `connector.extra.<key>`",
-        "anyOf": [
-            {"enum": list(FIELDS)},
-            {"type": "string", "pattern": "^" + EXTRA_PREFIX.replace(".", r"\.") + r"[\s\S]",
-             "description": "a key of vLLM's `kv_connector_extra_config`"},
-        ],
+        "type": "string",
+        "if": {"pattern": "^" + EXTRA_PREFIX.replace(".", r"\.")},
+        "then": {"minLength": len(EXTRA_PREFIX) + 1, "description": "a key of vLLM's `kv_connector_extra_config`"},
+        "else": {"enum": list(FIELDS)},
     }
 
 

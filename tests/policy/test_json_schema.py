@@ -314,3 +314,16 @@ def test_generated_documents_with_one_mistake_fail_both(named: tuple[str, dict[s
     text = yaml.safe_dump(broken, allow_unicode=True, sort_keys=False)
     assert _rules_load(name, text), how
     assert _schema_errors(RULES, yaml.safe_load(text)), how
+
+
+@pytest.mark.parametrize(("stem", "path", "says"), [
+    ("misspelt-field-path", ["rules", 0, "when", "field"], "is not one of"),
+    ("extra-prefix-without-key", ["rules", 0, "when", "field"], "is too short"),
+    ("layout-name-lower-case", ["rules", 0, "forbid", "layout", 0], "is not one of"),
+    ("int-field-string", ["rules", 0, "when", "eq"], "is not of type 'integer'"),
+    ("numeric-op-on-bool-field", ["rules", 0, "when"], "False schema does not allow 1"),
+])
+def test_editors_are_pointed_at_the_mistake(stem: str, path: list[Any], says: str) -> None:
+    data = yaml.safe_load((CORPUS / "global" / f"{stem}.yaml").read_text())
+    best = jsonschema.exceptions.best_match(RULES.iter_errors(data))
+    assert list(best.absolute_path) == path and says in best.message
