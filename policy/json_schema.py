@@ -42,6 +42,10 @@ _NUMERIC_OPS = ("lt", "le", "gt", "ge")
 _LIST_OPS = ("in", "not_in")
 # The loader refuses .inf and -.inf (no value ever compares with them); a bound refuses them here too.
 _FINITE = {"minimum": -sys.float_info.max, "maximum": sys.float_info.max}
+# What vLLM's connector factory can name: a Python class name (`kv_connector`, or a third-party
+# class loaded by `kv_connector_module_path`).
+CONNECTOR_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+CONNECTOR_NAME_MAX = 128
 _PATTERN_BOOLS = ("layer_compact", "block_outermost", "block_compact", "block_contiguous")
 
 
@@ -133,6 +137,10 @@ def _field_path() -> dict[str, Any]:
 
 def _value_schema(spec: FieldSpec) -> dict[str, Any]:
     """What `eq`/`ne` and every item of `in`/`not_in` may hold for a field (validate.py's `_check_value`)."""
+    if spec.path == "connector.name":
+        # Open, as connector files are (#15): any class name, so rules can test third-party
+        # connectors; a near miss of a known name is the loader's "did you mean".
+        return _ref("ConnectorName")
     if spec.type == "bool":
         return {"type": "boolean"}
     if spec.type == "int":
@@ -236,9 +244,9 @@ def rule_file_schema() -> dict[str, Any]:
     """The JSON Schema of one rule file (``$id`` `RULE_FILE_ID`)."""
     props = {
         "version": {"const": 1},
-        # Any non-empty name: whether vLLM knows the connector is the loader's "did you mean" over
+        # Any class name: whether vLLM knows the connector is the loader's "did you mean" over
         # the release profiles, not a closed list that would refuse a third-party connector.
-        "connector": _or_null({"type": "string", "minLength": 1}),
+        "connector": _or_null(_ref("ConnectorName")),
         "member_preferences": _or_null({"enum": [m.value for m in MemberPreferences]}),
         "defaults": _or_null(_ref("Defaults")),
         "rules": {"type": ["array", "null"], "items": _ref("Rule")},
@@ -271,6 +279,8 @@ def rule_file_schema() -> dict[str, Any]:
             "NotOf": _combinator("not", "true when the condition is false", _ref("Condition")),
             "Leaf": _leaf(),
             "FieldPath": _field_path(),
+            "ConnectorName": {"type": "string", "pattern": CONNECTOR_NAME_PATTERN, "maxLength": CONNECTOR_NAME_MAX,
+                              "description": "a KV connector's class name, as vLLM's `kv_connector` names it"},
             "Scalar": {"anyOf": [{"type": ["string", "boolean"]}, {"type": "number", **_FINITE}]},
             "LayoutPattern": layout_pattern_schema(),
             "RulePattern": _rule_pattern(),

@@ -45,6 +45,8 @@ LOADER_ONLY = {
     "loader-only-no-connector-in-connectors-dir": "where the file lies (`connectors/` or not) is not in the data",
     "loader-only-unknown-connector": "whether vLLM knows a connector is a \"did you mean\" over the release "
                                      "profiles; the schema accepts any name so third-party connectors validate",
+    "loader-only-connector-name-near-miss": "`connector.name` takes any class name (third-party connectors); a "
+                                            "near miss of a known one (edit distance) is the loader's to judge",
     "loader-only-duplicate-case-name": "uniqueness of one key across list items (`uniqueItems` compares whole items)",
     "loader-only-backend-alias-differs": "comparing two values (`backend` vs `attention_backend`, case-insensitive)",
 }
