@@ -16,17 +16,17 @@ import difflib
 import errno
 import os
 import re
-import stat
 from pathlib import Path
 
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layouts import ALL_LAYOUTS, Layout
 from kvpolicy.policy.rule_model import MemberPreferences, Rule, RuleFile
 from kvpolicy.policy.ruleset import RuleSet, Source
 from kvpolicy.policy.validate import validate_file
 from kvpolicy.policy.yaml_source import Limits, Located, parse_yaml
 
-__all__ = ["Limits", "load_rules", "load_rules_from_texts", "read_capped", "rule_files"]
+__all__ = ["Limits", "load_rules", "load_rules_from_texts", "rule_files"]
 
 RULE_FILE_SUFFIXES = (".yaml", ".yml")  # rule files, and policy test files beside them
 
@@ -106,44 +106,6 @@ def _read(path: Path, shown: str, root: Path, limits: Limits) -> tuple[str | Non
         return fail("outside-root", f"the file links outside the rules directory (to `{real}`)",
                     "copy the file into the rules directory instead of linking it")
     return read_capped(real, shown, limits.max_file_bytes)
-
-
-def read_capped(real: Path, shown: str, max_bytes: int) -> tuple[str | None, list[Diagnostic]]:
-    """The UTF-8 text of a regular file of at most ``max_bytes``, or located diagnostics.
-
-    Never opens a FIFO or device (it could block or never end) and never reads more than the cap.
-    """
-    def fail(code: str, message: str, help: str | None = None, line: int = 0, col: int = 0) -> tuple[None, list]:
-        return None, [Diagnostic(shown, line, col, code, message, help)]
-
-    try:
-        st = real.stat()
-    except (OSError, RuntimeError) as exc:
-        return fail("unreadable", f"cannot open the file: {getattr(exc, 'strerror', None) or exc}")
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a pipe or device"
-        return fail("not-a-file", f"not a regular file ({kind})", "these files must be plain files")
-    try:
-        if st.st_size > max_bytes:
-            return fail("too-large", f"the file is {st.st_size} bytes, over the {max_bytes}-byte limit",
-                        "split it, or raise Limits.max_file_bytes")
-        with open(real, "rb") as fh:
-            raw = fh.read(max_bytes + 1)
-        if len(raw) > max_bytes:  # it grew since stat
-            return fail("too-large", f"the file is over the {max_bytes}-byte limit",
-                        "split it, or raise Limits.max_file_bytes")
-    except OSError as exc:
-        return fail("unreadable", f"cannot read the file: {exc.strerror or exc}", "check its permissions")
-    if raw.startswith(b"\xef\xbb\xbf"):
-        return fail("bom", "the file starts with a byte-order mark", "save it as UTF-8 without BOM", 1, 1)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        before = raw[: exc.start]
-        line = before.count(b"\n") + 1
-        col = exc.start - (before.rfind(b"\n") + 1) + 1
-        return fail("encoding", f"invalid UTF-8 byte 0x{raw[exc.start]:02x}", "save the file as UTF-8", line, col)
-    return text, []
 
 
 def _declared(src: Located, model: RuleFile | None) -> tuple[str | None, list[tuple[int, str]], bool]:

@@ -7,6 +7,7 @@ constructed from a tag), convert it ourselves, and remember line:column.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,9 @@ class _Converter:
         hint = _number_hint(node)
         if hint is not None:
             return self.invalid(path, node, "ambiguous-number", *hint)
+        digits = node.value.lstrip("+-").replace("_", "")
+        if node.tag == "tag:yaml.org,2002:int" and digits.isdigit() and len(digits.lstrip("0")) > 19:
+            return self._out_of_range(path, node)  # beyond int64 for sure; never converted (4300-digit limit)
         try:
             value = self._scalars.construct_object(node)
         except (yaml.YAMLError, ValueError, KeyError, TypeError, OverflowError) as exc:
@@ -157,13 +161,20 @@ class _Converter:
             return self.invalid(path, node, "yaml-value", f"cannot read `{shown}`: {reason}",
                                 "write a plain value, or quote it to make it a string")
         if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            return self._out_of_range(path, node)
+        if isinstance(value, float) and math.isinf(value) and "inf" not in node.value.lower():
             return self.invalid(path, node, "number-out-of-range",
-                                f"the integer `{_short_int(node.value)}` is outside the 64-bit range",
-                                f"integers here lie in {INT64_MIN}..{INT64_MAX}")
+                                f"the number `{_short(node.value)}` is too large for a 64-bit float",
+                                "write a smaller number")
         if isinstance(value, bool) and not node.style and node.value.lower() in _BOOL_WORDS:
             # `on`, `yes`, `n`: YAML 1.1 booleans; remembered so a type error can say "quote it"
             self.located.yaml11_bools[path] = node.value
         return value
+
+    def _out_of_range(self, path: Path, node: yaml.ScalarNode) -> Any:
+        return self.invalid(path, node, "number-out-of-range",
+                            f"the integer `{_short(node.value)}` is outside the 64-bit range",
+                            f"integers here lie in {INT64_MIN}..{INT64_MAX}")
 
     def key(self, key_node: yaml.Node, path: Path) -> str | None:
         """A mapping key as text; None (reported) when it cannot be one."""
@@ -227,8 +238,9 @@ class _Converter:
         raise _Abort(self.diag(node, "yaml-node", "unsupported YAML node"))  # pragma: no cover
 
 
-def _short_int(text: str) -> str:
-    return text if len(text) <= 24 else f"{text[:12]}...{text[-6:]}` ({len(text)} characters"
+def _short(text: str) -> str:
+    """A long literal shown by its ends and its length, never whole (it may be thousands of digits)."""
+    return text if len(text) <= 24 else f"{text[:12]}...{text[-6:]} ({len(text)} characters)"
 
 
 def parse_yaml(text: str, file: str, limits: Limits = Limits()) -> tuple[Located | None, list[Diagnostic]]:

@@ -32,8 +32,9 @@ from kvpolicy.engine.inputs import build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, PolicyError
+from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layouts import Layout, LayoutName, LayoutPattern
-from kvpolicy.policy.load import RULE_FILE_SUFFIXES, read_capped
+from kvpolicy.policy.load import RULE_FILE_SUFFIXES
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
