@@ -26,7 +26,7 @@ def read_capped(real: Path, shown: str, max_bytes: int) -> tuple[str | None, lis
     try:
         st = real.stat()
     except (OSError, RuntimeError) as exc:
-        return fail("unreadable", f"cannot open the file: {getattr(exc, 'strerror', None) or exc}")
+        return fail("unreadable", f"cannot read the file: {getattr(exc, 'strerror', None) or exc}")
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a pipe or device"
         return fail("not-a-file", f"not a regular file ({kind})", "these files must be plain files")

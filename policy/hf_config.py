@@ -163,7 +163,8 @@ def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[s
     text, problems = read_capped(path, where, MAX_CONFIG_BYTES)
     if text is None:
         d = problems[0]
-        raise fail(d.code, d.message.replace("the file", "the model config"),
+        code = d.code if d.code in ("too-large", "not-a-file") else "unreadable"
+        raise fail(code, d.message.replace("the file", "the model config"),
                    d.help if d.code == "too-large" else
                    "pass a config.json, a model directory holding one, or an already-parsed dict", d.line, d.col)
     try:
