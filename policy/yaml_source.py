@@ -153,7 +153,7 @@ class _Converter:
             return self._out_of_range(path, node)  # beyond int64 for sure; never converted (4300-digit limit)
         try:
             value = self._scalars.construct_object(node)
-        except (yaml.YAMLError, ValueError, KeyError, TypeError, OverflowError) as exc:
+        except Exception as exc:  # any failure of the safe constructor on a vetted tag; `!!int ""` is an IndexError
             # `!!int abc`, `!!bool maybe`, a decimal of more than 4300 digits
             shown = node.value if len(node.value) <= 40 else node.value[:37] + "..."
             kind = node.tag.rsplit(":", 1)[-1]
@@ -192,7 +192,7 @@ class _Converter:
         if key_node.style is None or key_node.style == "":
             try:
                 self._scalars.construct_object(key_node)
-            except (yaml.YAMLError, ValueError, KeyError, TypeError, OverflowError):
+            except Exception:  # as for values
                 self.diags.append(self.diag(key_node, "yaml-value", f"cannot read the key `{key_node.value[:40]}`",
                                             "write a plain key"))
                 return None
@@ -258,6 +258,9 @@ def parse_yaml(text: str, file: str, limits: Limits = Limits()) -> tuple[Located
         return None, [Diagnostic(file, line, col, "yaml-syntax", f"invalid YAML: {problem}", hint)]
     except yaml.YAMLError as exc:
         return None, [Diagnostic(file, 1, 1, "yaml-syntax", f"invalid YAML: {exc}")]
+    except RecursionError:  # PyYAML's pure-Python composer (no libyaml) recurses per nesting level
+        return None, [Diagnostic(file, 1, 1, "too-deep", f"nesting deeper than {limits.max_depth} levels",
+                                 "flatten the nesting")]
     if not nodes or all(n is None for n in nodes):
         return None, [Diagnostic(file, 1, 1, "empty-document", "the file holds no YAML document",
                                  "the file is empty or holds only comments")]

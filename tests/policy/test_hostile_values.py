@@ -92,7 +92,7 @@ def test_unlistable_connectors_directory(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "connectors").chmod(0)  # root ignores the mode: the denial is simulated too
     real_iterdir = Path.iterdir
 
-    def iterdir(self: Path):  # noqa: ANN202
+    def iterdir(self: Path):
         if self.name == "connectors":
             raise PermissionError(13, "Permission denied", str(self))
         return real_iterdir(self)
@@ -110,7 +110,7 @@ def test_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     (tmp_path / "global.yaml").write_text(GOOD)
     real_open = open
 
-    def deny(file, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def deny(file, *args, **kwargs):
         if str(file).endswith("global.yaml"):
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
