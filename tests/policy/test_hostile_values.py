@@ -224,3 +224,44 @@ def test_loaded_rules_never_fail_to_print(tmp_path: Path) -> None:
     (tmp_path / "global.yaml").write_text(leaf_rule("9223372036854775807", field="connector.extra.n"))
     rs = load_rules(tmp_path)
     assert rs.digest.startswith("sha256:")
+
+
+# -- class 2 beyond rule files: config.json and --spec ----------------------------------------------
+
+@pytest.mark.parametrize("number, col", [("1" * 5000, 23), ("9" * 30, 23), ("-" + "9" * 25, 23), ("NaN", 23),
+                                         ("Infinity", 23)])
+def test_huge_numbers_in_config_json_are_located(tmp_path: Path, number: str, col: int) -> None:
+    from kvpolicy.policy import ModelConfigError
+    from kvpolicy.policy.hf_config import kv_groups_from_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama",\n "num_hidden_layers": ' + number + ', "num_attention_heads": 8, '
+                    '"hidden_size": 512, "num_key_value_heads": 2}')
+    with pytest.raises(ModelConfigError) as info:  # a ValueError traceback before, for 5000 digits
+        kv_groups_from_hf_config(path)
+    [d] = info.value.diagnostics
+    assert (d.code, d.line, d.col) == ("invalid-field", 2, col), d.render()
+    assert len(d.render()) < 300
+
+
+def test_a_fifo_for_config_json_is_refused_not_read(tmp_path: Path) -> None:
+    from kvpolicy.policy import ModelConfigError
+    from kvpolicy.policy.hf_config import kv_groups_from_hf_config
+
+    os.mkfifo(tmp_path / "config.json")  # reading it would block forever
+    with pytest.raises(ModelConfigError) as info:
+        kv_groups_from_hf_config(tmp_path)
+    assert [d.code for d in info.value.diagnostics] == ["not-a-file"]
+
+
+@pytest.mark.parametrize("text", ["num_layers: 0x" + "f" * 4000 + "\nnum_kv_heads: 2\nhead_size: 64\n",
+                                  '{"num_layers": ' + "1" * 5000 + ', "num_kv_heads": 2, "head_size": 64}'])
+def test_huge_numbers_in_a_spec_file_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 text: str) -> None:
+    from kvpolicy.engine.cli.main import main
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    assert main(["dry-run", "--spec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:1:" in err and "error[number-out-of-range]" in err and "Traceback" not in err
