@@ -17,6 +17,7 @@ block offsets below ``P + F``; so enumerating the blocks that start below
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,12 +160,12 @@ def _strided(w: Writer) -> StridedSet:
 
 
 def _is_arithmetic(values: list[int]) -> bool:
-    return len(values) < 3 or all(b - a == values[1] - values[0] for a, b in zip(values, values[1:]))
+    return len(values) < 3 or all(b - a == values[1] - values[0] for a, b in itertools.pairwise(values))
 
 
 def _differences(xs: list[int], ys: list[int]) -> set[int]:
     """Every ``y - x``: ``O(|xs| + |ys|)`` when both are progressions with one step (a plan's layers)."""
-    steps = {b - a for v in (xs, ys) for a, b in zip(v, v[1:])}
+    steps = {b - a for v in (xs, ys) for a, b in itertools.pairwise(v)}
     if _is_arithmetic(xs) and _is_arithmetic(ys) and len(steps) <= 1:
         step = steps.pop() if steps else 0
         return {ys[0] - xs[0] + k * step for k in range(-(len(xs) - 1), len(ys))}
