@@ -63,6 +63,11 @@ class StridedSet:
         return StridedSet(self.offset + delta, self.levels, self.run)
 
     @property
+    def extent(self) -> int:
+        """Bytes from the first to one past the last byte (normalised sets)."""
+        return sum((count - 1) * stride for count, stride in self.levels) + self.run
+
+    @property
     def well_nested(self) -> bool:
         """Each stride at least the extent of the levels below it: bytes ascend with the index,
         outermost level first (true of every view of a non-overlapping tensor)."""
@@ -127,7 +132,7 @@ def _period_cuts(a: StridedSet, b: StridedSet) -> list[tuple[StridedSet, Strided
 
 def meets(a: StridedSet, b: StridedSet) -> bool:
     """Whether the normalised strided sets ``a`` and ``b`` share at least one byte."""
-    if a.run <= 0 or b.run <= 0:
+    if a.run <= 0 or b.run <= 0 or b.offset >= a.offset + a.extent or a.offset >= b.offset + b.extent:
         return False
     low = b.offset - a.offset - (a.run - 1)
     high = b.offset - a.offset + (b.run - 1)

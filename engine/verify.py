@@ -8,11 +8,14 @@ uses what vLLM's 5-D-era Triton ``_ensure_scale_caches`` built (offset 0, a
 block stride of one layer page), which under the cross-layer layout puts every
 layer's scales on layer 0's bytes: vLLM issue #48412.
 
-Exactness with few blocks: every writer is periodic in the block dim. With
-``P = lcm`` of two writers' block strides and ``F`` their one-block footprint,
-a collision at blocks ``(a, b)`` shifts down by whole periods to one with both
-block offsets below ``P + F``; so enumerating the blocks that start below
-``P + F`` (capped by ``num_blocks``) finds a collision if and only if one exists.
+Exact and bounded: each writer is a strided byte set (offset, (count, stride) per
+dim, a contiguous run), and two sets are intersected in closed form over their
+strides by `kvpolicy.engine.lattice` (a branch and bound over the levels, with
+the block levels cut to one ``lcm`` period), never by listing bytes. Writers of one
+role share their strides and step evenly over the layers, so each offset
+difference is decided once. Cost: ``O(R^2 * L * c)`` lattice decisions for ``R``
+roles (at most 4) and ``L`` layers, ``c`` a small constant, plus one entry per
+colliding pair reported; independent of block size, heads, head size and block count.
 """
 
 from __future__ import annotations
@@ -186,9 +189,10 @@ def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geom
     strategy = scale_views or plan.backend.scale_views
     ws = writers(plan, strategy)
     sets = [_strided(w) for w in ws]
-    shapes: dict[tuple[int, tuple[tuple[int, int], ...], int], dict[int, list[int]]] = {}
+    # keyed by role too: one role's offsets step evenly over the layers, K and V together need not
+    shapes: dict[tuple[int, tuple[tuple[int, int], ...], int, str], dict[int, list[int]]] = {}
     for i, (w, s) in enumerate(zip(ws, sets)):
-        shapes.setdefault((w.buffer, s.levels, s.run), {}).setdefault(s.offset, []).append(i)
+        shapes.setdefault((w.buffer, s.levels, s.run, w.role), {}).setdefault(s.offset, []).append(i)
     found: list[tuple[int, int, int]] = []  # (address, writer a, writer b), a < b
     keys = list(shapes)
     for n, kx in enumerate(keys):
