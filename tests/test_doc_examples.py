@@ -215,3 +215,38 @@ def test_python_examples(doc: Path, sandbox: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=sandbox, env=_env(),
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _json_blocks(doc: str) -> list[Block]:
+    return [b for b in ALL if b.doc == ROOT / "docs" / doc and b.lang == "json"]
+
+
+def test_json_output_samples_are_the_real_documents(sandbox: Path) -> None:
+    """docs/json-output.md's dry-run sample has the real top-level keys in the real order, and its
+    validate sample is the shipped rules' document, digest included."""
+    dry, valid = _json_blocks("json-output.md")[:2]
+    shown = re.findall(r'^  "(\w+)":', dry.text, flags=re.M)
+    proc = _run("kvpolicy dry-run --format json --vllm-version 0.34.0 --block-size 16", sandbox)
+    assert list(json.loads(proc.stdout)) == shown, dry.where
+    proc = _run("kvpolicy validate --format json", sandbox)
+    assert json.loads(proc.stdout) == json.loads(valid.text), valid.where
+
+
+def test_the_fingerprint_example_digest_is_its_json() -> None:
+    import hashlib
+
+    (block,) = _json_blocks("fingerprint.md")
+    canonical = json.dumps(json.loads(block.text), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    text = (ROOT / "docs" / "fingerprint.md").read_text()
+    after = text[text.index(block.text) + len(block.text):]
+    stated = re.search(r"with digest\s+`(sha256:[0-9a-f]{64})`", after)
+    assert stated is not None and stated[1] == "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    readme = [b for b in ALL if b.doc == ROOT / "README.md" and b.lang == "sh"]
+    test_command = next(b.text.strip() for b in readme if "pytest" in b.text)
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci[-1] == test_command
+    install = next(b.text.strip() for b in readme if "kvpolicy dry-run" in b.text)
+    assert 'pip install -q -e ".[torch]"' in install and "torch==2.13.0" in install
