@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
+from urllib.parse import quote
 
 from kvpolicy.policy.errors import Diagnostic
 
@@ -76,13 +77,11 @@ def github_annotations(findings: Iterable[tuple[Severity, Diagnostic]]) -> str:
 def _sarif_result(severity: Severity, d: Diagnostic) -> dict[str, Any]:
     result: dict[str, Any] = {"ruleId": d.code, "level": severity,
                               "message": {"text": d.message + (f"\nhelp: {d.help}" if d.help else "")}}
-    if d.file and d.line > 0:
-        region: dict[str, int] = {"startLine": d.line}
-        if d.col > 0:
-            region["startColumn"] = d.col
-        result["locations"] = [{"physicalLocation": {"artifactLocation": {"uri": d.file}, "region": region}}]
-    elif d.file:
-        result["locations"] = [{"physicalLocation": {"artifactLocation": {"uri": d.file}}}]
+    if d.file:
+        where: dict[str, Any] = {"artifactLocation": {"uri": quote(d.file, safe="/-._~")}}  # a URI reference
+        if d.line > 0:
+            where["region"] = {"startLine": d.line, **({"startColumn": d.col} if d.col > 0 else {})}
+        result["locations"] = [{"physicalLocation": where}]
     return result
 
 

@@ -169,7 +169,7 @@ def test_lint_github_annotates_findings_at_their_rules(no_guard: Path, capsys: p
 def test_sarif_log_structure() -> None:
     diags = [("error", Diagnostic("rules/g.yaml", 3, 7, "unknown-field", "m", "h")),
              ("warning", Diagnostic("rules/g.yaml", 9, 0, "dead-rule", "n")),
-             ("note", Diagnostic("--rules", 0, 0, "usage", "o"))]
+             ("note", Diagnostic("my rules/--rules", 0, 0, "usage", "o"))]
     log = sarif_log(diags, tool_version="9.9")
     jsonschema.validate(log, SARIF_REQUIRED)
     run = log["runs"][0]
@@ -178,7 +178,7 @@ def test_sarif_log_structure() -> None:
     assert first["level"] == "error" and first["message"]["text"] == "m\nhelp: h"
     assert first["locations"][0]["physicalLocation"]["region"] == {"startLine": 3, "startColumn": 7}
     assert second["locations"][0]["physicalLocation"]["region"] == {"startLine": 9}
-    assert third["locations"][0]["physicalLocation"] == {"artifactLocation": {"uri": "--rules"}}
+    assert third["locations"][0]["physicalLocation"] == {"artifactLocation": {"uri": "my%20rules/--rules"}}
 
 
 def test_validate_sarif(broken: Path, capsys: pytest.CaptureFixture[str]) -> None:
