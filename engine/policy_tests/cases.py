@@ -224,6 +224,13 @@ class CaseFile(Frozen):
     version: Literal[1] = Field(description="format version; currently 1")
     cases: list[PolicyCase] = Field(min_length=1)
 
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # `Literal[1]` takes `true` (True == 1 in Python)
+            raise ValueError(f"`version` is the number 1, got boolean `{str(value).lower()}`")
+        return value
+
 
 # ---------------------------------------------------------------------------------------------
 # Loading
