@@ -41,7 +41,7 @@ from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import KVCacheSpec
-from kvpolicy.policy.yaml_source import parse_yaml
+from kvpolicy.policy.yaml_source import Limits, parse_yaml
 
 if TYPE_CHECKING:
     from kvpolicy.engine.plan import LayoutPlan
@@ -205,11 +205,12 @@ def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: Valida
 
 def read_spec_file(path: str) -> dict[str, Any]:
     """Build-context keywords (``spec`` or ``groups``) from a spec file; errors carry file:line:col."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise usage_error(path, f"cannot read the --spec file: {reason}") from None
+    from kvpolicy.policy.files import read_capped
+
+    text, problems = read_capped(Path(path), path, Limits().max_file_bytes)
+    if text is None:
+        d = problems[0]
+        raise usage_error(path, d.message.replace("the file", "the --spec file"), d.help)
     src, diags = parse_yaml(text, path)
     if src is None or diags:
         raise InputError("invalid --spec file", diags)

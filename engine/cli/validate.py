@@ -15,6 +15,7 @@ from kvpolicy.engine.cli.common import (
     print_json,
     report_error,
     rules_root,
+    usage_error,
 )
 from kvpolicy.policy.errors import RuleLoadError
 from kvpolicy.policy.load import load_rules, rule_files
@@ -33,7 +34,8 @@ examples:
 output: each problem as `file:line:col: error[code]: message` with a `help:` line, on
 stderr; when clean, one line on stdout: `ok: N rules in M files (digest sha256:...)`
 
-exit codes: 0 the rules load cleanly, 1 they do not, 2 usage error
+exit codes: 0 the rules load cleanly, 1 they do not, 2 usage error (DIR does not exist, or is not a
+directory; an unknown flag)
 """
 
 
@@ -54,6 +56,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     check_vllm_version(args.vllm_version)
     root, shown = rules_root(args.dir, args.vllm_version)
+    if not root.is_dir():  # nothing to validate: a usage error (2), as a missing path is for every verb
+        what = "does not exist" if not root.exists() else "is not a directory"
+        raise usage_error("DIR", f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")
     try:
         ruleset = load_rules(root, display=shown)
     except RuleLoadError as exc:
