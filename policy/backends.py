@@ -45,6 +45,9 @@ class Dim(str, Enum):
     head = "head"
     dim = "dim"
 
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
+
 
 class ScaleViews(str, Enum):
     """How a backend builds its views of the inline per-token-head scales.
@@ -58,6 +61,9 @@ class ScaleViews(str, Enum):
 
     stride_aware = "stride_aware"
     assume_per_layer_contiguous = "assume_per_layer_contiguous"
+
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
 
 
 class KVSplit(str, Enum):
@@ -78,6 +84,9 @@ class KVSplit(str, Enum):
 
     content = "content"
     token_rows = "token_rows"
+
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
 
 
 class BackendProfile(Frozen):

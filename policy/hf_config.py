@@ -152,9 +152,16 @@ def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[s
             "config",
             f"expected a path to config.json, a directory holding one, or a dict; got `{type(config).__name__}`",
         )
-    path = Path(os.fspath(config))
-    if path.is_dir():
-        path = path / _CONFIG_NAME
+    raw_path = os.fspath(config)
+    if isinstance(raw_path, bytes) or "\0" in raw_path:
+        raise input_error("model", f"`{raw_path!r}` is not a usable path (a NUL byte, or bytes)",
+                          "pass the path of a config.json, or the directory holding one, as a string")
+    path = Path(raw_path)
+    try:
+        if path.is_dir():
+            path = path / _CONFIG_NAME
+    except OSError:  # a name too long, say: reading it below says why
+        pass
     where = str(path)
 
     def fail(code: str, message: str, help: str, line: int = 0, col: int = 0) -> ModelConfigError:

@@ -26,7 +26,7 @@ import math
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, model_validator
 
 from kvpolicy.policy.layouts import LayoutPattern
 from kvpolicy.policy.spec import Frozen
@@ -224,12 +224,6 @@ class RuleFile(Frozen):
     defaults: Defaults | None = Field(default=None, description="global file only")
     rules: list[Rule] = Field(default_factory=list, description="the rules; order does not matter")
 
-    @field_validator("version", mode="before")
-    @classmethod
-    def _version_not_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # `Literal[1]` takes `true` (True == 1 in Python)
-            raise ValueError(f"`version` is the number 1, got boolean `{str(value).lower()}`")
-        return value
 
 
 AllOf.model_rebuild()

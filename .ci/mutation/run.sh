@@ -2,6 +2,8 @@
 # Mutation testing (mutmut 3) over policy/ and the decision, verify and runtime modules.
 #
 #   .ci/mutation/run.sh VENV [STAGE_DIR] [-- mutmut run args]
+#   MUTATION_SAMPLE=N .ci/mutation/run.sh ...   test a seeded random sample of N mutants
+#                                              (MUTATION_SEED, default 0; MUTATION_ONLY, a regex on names)
 #
 # VENV: a venv with torch, the test extras and mutmut, and kvpolicy NOT installed
 #   (python3 -m venv V && V/bin/pip install torch==2.13.0 pydantic PyYAML pytest hypothesis jsonschema mutmut).
@@ -38,6 +40,28 @@ pytest_add_cli_args = ["--ignore=tests/conformance", "--ignore=tests/test_packag
 TOML
 cd "$STAGE"
 export KVMUT_SRC_ROOT="$STAGE/mutants"
-"$VENV/bin/mutmut" run "$@"
+if [ -n "${MUTATION_SAMPLE:-}" ]; then
+  # generate the mutants and the per-test stats (cached in mutants/), testing none of them
+  "$VENV/bin/mutmut" run "$@" "policy.reference.no_such_mutant" || true
+  mapfile -t NAMES < <("$PY" - <<'PY'
+import os, random, re
+from pathlib import Path
+names = []
+for path in sorted(Path("mutants").rglob("*.py")):
+    module = ".".join(path.relative_to("mutants").with_suffix("").parts).removesuffix(".__init__")
+    for m in re.finditer(r"^\s*def (x[^\s(]*__mutmut_\d+)\(", path.read_text(encoding="utf-8"), re.M):
+        names.append(f"{module}.{m.group(1)}")
+only = os.environ.get("MUTATION_ONLY")
+names = sorted(n for n in names if not only or re.search(only, n))
+random.Random(int(os.environ.get("MUTATION_SEED", "0"))).shuffle(names)
+print("\n".join(sorted(names[: int(os.environ["MUTATION_SAMPLE"])])))
+PY
+)
+  echo "sampled ${#NAMES[@]} mutants" >&2
+  printf '%s\n' "${NAMES[@]}" > sample.txt
+  "$VENV/bin/mutmut" run "$@" "${NAMES[@]}"
+else
+  "$VENV/bin/mutmut" run "$@"
+fi
 "$VENV/bin/mutmut" results --all true > results.txt || true
 echo "results: $STAGE/results.txt"

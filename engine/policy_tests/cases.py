@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
-from kvpolicy.engine.decide import RELEASE_CANDIDATES
+from kvpolicy.engine.decide import BACKEND_GEOMETRY, RELEASE_CANDIDATES
 from kvpolicy.engine.inputs import build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
@@ -96,6 +96,8 @@ class CaseInput(Frozen):
     scale_views: ScaleViews | None = Field(default=None, description="override the backend's scale-view strategy")
     connector: str | None = Field(default=None, description="KV connector class name; absent: no connector")
     connector_config: dict[str, Any] | None = Field(default=None, description="vLLM's kv_connector_extra_config")
+    kv_transfer_config: dict[str, Any] | None = Field(
+        default=None, description="vLLM's whole --kv-transfer-config (instead of connector/connector_config)")
     tensor_parallel_size: StrictInt = Field(default=1, ge=1, description="with `model` only")
     vllm_version: str | None = Field(
         default=None, min_length=1,
@@ -225,12 +227,6 @@ class CaseFile(Frozen):
     version: Literal[1] = Field(description="format version; currently 1")
     cases: list[PolicyCase] = Field(min_length=1)
 
-    @field_validator("version", mode="before")
-    @classmethod
-    def _version_not_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # `Literal[1]` takes `true` (True == 1 in Python)
-            raise ValueError(f"`version` is the number 1, got boolean `{str(value).lower()}`")
-        return value
 
 
 class _CaseFileHeader(Frozen):
@@ -392,7 +388,7 @@ def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic], list[Rul
 
 
 # What the engine itself names in removals, beside the rules: the release's candidate filter.
-BUILTIN_RULE_IDS = (RELEASE_CANDIDATES,)
+BUILTIN_RULE_IDS = (RELEASE_CANDIDATES, BACKEND_GEOMETRY)
 
 
 def _check_rule_ids(refs: list[RuleRef], ruleset: RuleSet) -> list[Diagnostic]:
@@ -461,11 +457,12 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
     """The decision `Context` for a case input (in profile ``vllm_version`` unless the case names
     one); raises `InputError` / `ModelConfigError`."""
     common: dict[str, Any] = {
-        "attention_backend": inp.attention_backend or inp.backend,
+        "attention_backend": inp.attention_backend if inp.attention_backend is not None else inp.backend,
         "worker_attention_backends": inp.worker_attention_backends,
         "scale_views": inp.scale_views.value if inp.scale_views else None,
         "connector": inp.connector,
         "connector_config": inp.connector_config,
+        "kv_transfer_config": inp.kv_transfer_config,
         "vllm_version": inp.vllm_version if inp.vllm_version is not None else vllm_version,
         "vllm_kv_cache_layout": inp.vllm_kv_cache_layout,
         "enable_extensible_kv_cache": inp.enable_extensible_kv_cache,

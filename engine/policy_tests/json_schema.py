@@ -73,6 +73,7 @@ def _input() -> dict[str, Any]:
         "scale_views": _or_null({"enum": [s.value for s in ScaleViews]}),
         "connector": _or_null(string),
         "connector_config": _or_null(mapping),
+        "kv_transfer_config": _or_null(mapping),
         "tensor_parallel_size": {"type": "integer", "minimum": 1},
         "vllm_version": _or_null({"type": "string", "minLength": 1}),
         "vllm_kv_cache_layout": _or_null(string),
