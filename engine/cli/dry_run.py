@@ -23,12 +23,12 @@ from kvpolicy.engine.cli.common import (
     add_format_flag,
     add_rules_flag,
     add_vllm_version_flag,
-    error_dict,
     exit_code_for,
     int_at_least,
     load_ruleset,
     print_error,
     print_json,
+    report_error,
     usage_error,
 )
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
@@ -502,11 +502,9 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
         report, checked, drawn = _geometry(decision, args, plan)
     except PolicyError as exc:
-        if args.format == "json":
-            print_json(error_dict(exc))
         if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
             print(example_banner(args), file=sys.stderr)
-        print_error(exc)
+        report_error(exc, args.format)
         return exit_code_for(exc)
     from kvpolicy.engine.verify import refusal
 

@@ -52,6 +52,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
         description="Print the JSON Schema (draft 2020-12) of kvpolicy's rule files, for editors and CI.",
         epilog=_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--cases", action="store_true", help="the schema of policy test files (kvpolicy test) instead")
+    p.add_argument("--format", choices=("json",), default="json",
+                   help="always json (a JSON Schema, versioned by its `$id`); accepted as every verb accepts it")
     p.set_defaults(run=run)
 
 

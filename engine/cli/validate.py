@@ -11,9 +11,9 @@ from kvpolicy.engine.cli.common import (
     add_format_flag,
     add_vllm_version_flag,
     check_vllm_version,
-    error_dict,
-    print_error,
+    print_diagnostics,
     print_json,
+    report_error,
     rules_root,
     usage_error,
 )
@@ -28,6 +28,8 @@ examples:
   kvpolicy validate --vllm-version issue-48412   # the shipped rules of that profile
   kvpolicy validate my-rules/       # an operator's rule directory
   kvpolicy validate my-rules/ --format json
+  kvpolicy validate my-rules/ --format github    # annotations on the pull request's files
+  kvpolicy validate my-rules/ --format sarif > kvpolicy.sarif
 
 output: each problem as `file:line:col: error[code]: message` with a `help:` line, on
 stderr; when clean, one line on stdout: `ok: N rules in M files (digest sha256:...)`
@@ -47,7 +49,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("dir", nargs="?", metavar="DIR",
                    help="the rule directory (default: the shipped rules of the release profile)")
     add_vllm_version_flag(p)
-    add_format_flag(p)
+    add_format_flag(p, ci=True)
     p.set_defaults(run=run)
 
 
@@ -60,12 +62,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         ruleset = load_rules(root, display=shown)
     except RuleLoadError as exc:
-        if args.format == "json":
-            print_json({"ok": False, **error_dict(exc)})
-        print_error(exc)
+        report_error(exc, args.format)
         return EXIT_FAILED
     files = len(rule_files(root))
-    if args.format == "json":
+    if args.format in ("github", "sarif"):
+        print_diagnostics([], args.format)
+    elif args.format == "json":
         print_json({"ok": True, "rules": len(ruleset.rules), "files": files, "digest": ruleset.digest,
                     "root": ruleset.root})
     else:

@@ -14,7 +14,6 @@ from kvpolicy.engine.plan import naive_scale_view, plan_layout
 from kvpolicy.engine.runtime import allocate
 from kvpolicy.engine.verify import Writer, verify_plan, writers
 from kvpolicy.policy import (
-    BACKENDS,
     KV_CACHE_DTYPES,
     AttentionKind,
     GeometryError,
@@ -24,6 +23,7 @@ from kvpolicy.policy import (
     ScaleViews,
     load_rules_from_texts,
 )
+from kvpolicy.policy.backends import BACKENDS
 
 
 def make_spec(kv_cache_dtype: str = "auto", mla: bool = False, **kw: object) -> KVCacheSpec:
