@@ -71,7 +71,8 @@ def _spec(spec: KVCacheSpec | dict[str, Any], kv_cache_dtype: str | None, block_
     return make_model(KVCacheSpec, "spec", data)
 
 
-def _connector(connector: str | ConnectorConfig | None, config: dict[str, Any] | None) -> ConnectorConfig | None:
+def _connector(connector: str | ConnectorConfig | None, config: dict[str, Any] | None,
+               where: str = "connector_config") -> ConnectorConfig | None:
     if connector is None or connector == "" or connector == "none":
         if config is not None and not isinstance(config, dict):
             raise input_error("connector_config", "`connector_config` must be a mapping (JSON object), got "
@@ -86,7 +87,7 @@ def _connector(connector: str | ConnectorConfig | None, config: dict[str, Any] |
         raise input_error("connector", f"`connector` must be a name, got {type(connector).__name__}")
     if config is not None and not isinstance(config, dict):
         raise input_error("connector_config", "`connector_config` must be a mapping (JSON object)")
-    return ConnectorConfig.from_vllm(connector, config)
+    return ConnectorConfig.from_vllm(connector, config, where=where)
 
 
 def build_context(
@@ -144,13 +145,15 @@ def build_context(
             raise input_error("attention_backend", f"attention backend `{backend}` is on no worker",
                               "name one of `worker_attention_backends`, or leave `attention_backend` out "
                               "(it defaults to the first worker's first backend)", code="backend-mismatch")
+    connector_where = "connector_config"
     if kv_transfer_config is not None:
         connector, connector_config = _from_kv_transfer_config(release, kv_transfer_config, connector,
                                                                connector_config)
+        connector_where = "kv_transfer_config.kv_connector_extra_config"  # name what the caller gave
     for given in (kv_cache_dtype, spec.get("kv_cache_dtype") if isinstance(spec, dict) else None):
         if given is not None:
             _check_kv_cache_dtype(release, given)
-    connector_config_model = _connector(connector, connector_config)
+    connector_config_model = _connector(connector, connector_config, connector_where)
     options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability,
                        connector_config_model, use_v2_model_runner)
     if model is not None and spec is not None:

@@ -75,6 +75,9 @@ class ConnectorConfig(Frozen):
                               code="too-deep")
         if not isinstance(name, str) or not name:
             raise input_error(where, f"a connector name must be a non-empty string, got `{name!r}`")
+        if not _is_text(name):
+            raise input_error(where, f"the connector name `{name!r}` is not valid Unicode text (a lone surrogate)",
+                              "give the class name as plain text")
         _check_json(extra, where)
         extra = dict(extra or {})
         subs: list[ConnectorConfig] = []
@@ -106,6 +109,16 @@ class ConnectorConfig(Frozen):
 MAX_CONFIG_DEPTH = 64  # as rule files' `Limits.max_depth`
 
 
+def _is_text(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (encodes as UTF-8): JSON's ``"\\ud800"`` escape and undecodable
+    argv bytes give lone surrogates, which no output (text, JSON, a terminal) can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_json(value: Any, where: str) -> None:
     """``value`` holds only what JSON (and so vLLM's ``--kv-transfer-config``) can: string keys, and
     strings, numbers, booleans, nulls, lists and mappings (iterative: depth is checked before)."""
@@ -117,9 +130,15 @@ def _check_json(value: Any, where: str) -> None:
                 if not isinstance(key, str):
                     raise input_error(at, f"key `{key!r}` is a {type(key).__name__}; connector config keys are "
                                       "strings", "use JSON: string keys only")
+                if not _is_text(key):
+                    raise input_error(at, f"key `{key!r}` is not valid Unicode text (a lone surrogate)",
+                                      "write the key as plain text; JSON's `\\ud800` escapes cannot be printed")
                 stack.append((child, f"{at}.{key}"))
         elif isinstance(item, (list, tuple)):
             stack += [(child, f"{at}[{i}]") for i, child in enumerate(item)]
+        elif isinstance(item, str) and not _is_text(item):
+            raise input_error(at, f"the string `{item[:40]!r}` is not valid Unicode text (a lone surrogate)",
+                              "write the value as plain text; JSON's `\\ud800` escapes cannot be printed")
         elif item is not None and not isinstance(item, (str, bool, int, float)):
             raise input_error(at, f"a {type(item).__name__} is no JSON value", "use strings, numbers, booleans, "
                               "null, lists and mappings, as vLLM's --kv-transfer-config takes them")

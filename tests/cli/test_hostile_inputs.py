@@ -1,0 +1,62 @@
+"""Hostile deployment inputs: each one a located error under the flag the user typed, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpolicy.engine.cli.main import main
+from kvpolicy.engine.inputs import build_context
+from kvpolicy.policy.errors import InputError
+
+KTC = "--kv-transfer-config"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("text", [
+    '{"kv_connector": "\\ud800", "kv_role": "kv_both"}',
+    '{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"x": "a\\udfff"}}',
+    '{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"\\udc80": 1}}',
+])
+def test_lone_surrogate_in_kv_transfer_config_is_a_located_usage_error(capsys, text):
+    # JSON's `\ud800` escape decodes to a lone surrogate, which no output can print.
+    code, out, err = cli(capsys, "dry-run", KTC, text, "--format", "json")
+    assert code == 2
+    doc = json.loads(out)
+    assert doc["error"]["kind"] == "InputError"
+    assert doc["error"]["diagnostics"][0]["file"] == KTC
+    assert "not valid Unicode" in err
+
+
+def test_lone_surrogate_in_connector_config_text_output(capsys):
+    code, _, err = cli(capsys, "dry-run", "--connector", "NixlConnector", "--connector-config", '{"x": "\\ud800"}')
+    assert code == 2
+    assert err.startswith("--connector-config:") and "not valid Unicode" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"connectors": 5}, "must be a list"),
+    ({"x": float("nan")}, "not a number a rule can compare"),
+])
+def test_kv_transfer_config_extra_errors_name_the_flag_given(capsys, extra, message):
+    """A bad `kv_connector_extra_config` inside --kv-transfer-config is located there, not at --connector-config
+    (a flag the user never typed)."""
+    ktc = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    code, _, err = cli(capsys, "dry-run", KTC, json.dumps(ktc))
+    assert code == 2
+    assert err.startswith(f"{KTC}: error[invalid-input]:"), err
+    assert message in err and "--connector-config" not in err
+
+
+def test_library_locates_kv_transfer_config_extra_errors():
+    ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"x": float("inf")}}
+    with pytest.raises(InputError) as info:
+        build_context(spec={"num_layers": 2, "block_size": 16, "num_kv_heads": 1, "head_size": 64},
+                      kv_transfer_config=ktc)
+    assert info.value.diagnostics[0].file.startswith("kv_transfer_config.kv_connector_extra_config")
