@@ -515,8 +515,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             Path(args.svg).write_text(render_svg(drawn))
         except OSError as exc:
-            print_error(usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}"))
-            return exit_code_for(usage_error("--svg", ""))
+            err = usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}")
+            report_error(err, args.format)  # with --format json, stdout still holds one error document
+            return exit_code_for(err)
     if args.format == "json":
         data = decision.to_dict()
         data.update(release_of(decision))

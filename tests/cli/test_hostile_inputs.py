@@ -60,3 +60,13 @@ def test_library_locates_kv_transfer_config_extra_errors():
         build_context(spec={"num_layers": 2, "block_size": 16, "num_kv_heads": 1, "head_size": 64},
                       kv_transfer_config=ktc)
     assert info.value.diagnostics[0].file.startswith("kv_transfer_config.kv_connector_extra_config")
+
+
+def test_unwritable_svg_with_format_json_prints_an_error_document(capsys, tmp_path):
+    """docs/json-output.md: a failure after the flags parsed leaves exactly one JSON document on stdout."""
+    code, out, err = cli(capsys, "dry-run", "--format", "json", "--svg", str(tmp_path / "no" / "map.svg"))
+    assert code == 2
+    doc = json.loads(out)
+    assert doc["format_version"] == 1 and doc["ok"] is False
+    assert doc["error"]["diagnostics"][0]["file"] == "--svg"
+    assert "--svg: error[usage]: cannot write" in err
