@@ -114,8 +114,8 @@ def load_ruleset(rules: str | None, flag: str = "--rules", vllm_version: str | N
     listing every problem, or a `UsageError` naming ``flag`` when the path is not a directory at all."""
     check_vllm_version(vllm_version)
     root, shown = rules_root(rules, vllm_version)
-    if not root.is_dir():
-        what = "does not exist" if not root.exists() else "is not a directory"
+    if rules == "" or not root.is_dir():  # `--rules ""` names nothing (Path("") would be the cwd)
+        what = "does not exist" if rules == "" or not root.exists() else "is not a directory"
         raise usage_error(flag, f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")
     return load_rules(root, display=shown)
 

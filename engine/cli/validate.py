@@ -56,8 +56,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     check_vllm_version(args.vllm_version)
     root, shown = rules_root(args.dir, args.vllm_version)
-    if not root.is_dir():  # nothing to validate: a usage error (2), as a missing path is for every verb
-        what = "does not exist" if not root.exists() else "is not a directory"
+    if args.dir == "" or not root.is_dir():  # nothing to validate: a usage error (2), as for every verb
+        what = "does not exist" if args.dir == "" or not root.exists() else "is not a directory"
         raise usage_error("DIR", f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")
     try:
         ruleset = load_rules(root, display=shown)

@@ -70,3 +70,16 @@ def test_unwritable_svg_with_format_json_prints_an_error_document(capsys, tmp_pa
     assert doc["format_version"] == 1 and doc["ok"] is False
     assert doc["error"]["diagnostics"][0]["file"] == "--svg"
     assert "--svg: error[usage]: cannot write" in err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["validate", ""], "DIR"),
+    (["test", "--rules", ""], "--rules"),
+    (["dry-run", "--rules", ""], "--rules"),
+])
+def test_empty_rule_directory_argument_is_a_usage_error(capsys, tmp_path, monkeypatch, argv, flag):
+    """`""` names no directory (docs/cli.md: exit 2); it used to validate the working directory."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, *argv)
+    assert code == 2
+    assert err.startswith(f"{flag}: error[usage]:"), err
