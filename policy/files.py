@@ -27,6 +27,9 @@ def read_capped(real: Path, shown: str, max_bytes: int) -> tuple[str | None, lis
         st = real.stat()
     except (OSError, RuntimeError) as exc:
         return fail("unreadable", f"cannot read the file: {getattr(exc, 'strerror', None) or exc}")
+    except ValueError:  # a NUL byte, or a lone surrogate the file system cannot encode
+        return fail("unreadable", "cannot read the file: the name is not a usable path",
+                    "name the file with plain text")
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a pipe or device"
         return fail("not-a-file", f"not a regular file ({kind})", "these files must be plain files")

@@ -143,6 +143,15 @@ class _Reader:
             raise ModelConfigError("invalid model config", self.diagnostics)
 
 
+def _encodable(path: str) -> bool:
+    """Whether the file system can name ``path``: a lone surrogate such as ``"\\ud800"`` cannot."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     """The parsed config and the name errors are reported under."""
     if isinstance(config, Mapping):
@@ -153,7 +162,7 @@ def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[s
             f"expected a path to config.json, a directory holding one, or a dict; got `{type(config).__name__}`",
         )
     raw_path = os.fspath(config)
-    if isinstance(raw_path, bytes) or "\0" in raw_path:
+    if isinstance(raw_path, bytes) or "\0" in raw_path or not _encodable(raw_path):
         raise input_error("model", f"`{raw_path!r}` is not a usable path (a NUL byte, or bytes)",
                           "pass the path of a config.json, or the directory holding one, as a string")
     path = Path(raw_path)

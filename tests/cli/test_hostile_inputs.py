@@ -83,3 +83,20 @@ def test_empty_rule_directory_argument_is_a_usage_error(capsys, tmp_path, monkey
     code, _, err = cli(capsys, *argv)
     assert code == 2
     assert err.startswith(f"{flag}: error[usage]:"), err
+
+
+@pytest.mark.parametrize("path", ["\ud800", "rules/\udfff/config.json"])
+def test_decide_with_unencodable_model_path_is_an_input_error(path):
+    """A lone surrogate no file system can name: the `model` argument is named, no UnicodeEncodeError."""
+    from kvpolicy import LayoutEngine
+
+    with pytest.raises(InputError) as info:
+        LayoutEngine.default().decide(model=path)
+    assert info.value.diagnostics[0].file == "model"
+
+
+def test_read_capped_refuses_an_unencodable_name(tmp_path):
+    from kvpolicy.policy.files import read_capped
+
+    text, diags = read_capped(tmp_path / "\ud800.yaml", "x.yaml", 1000)
+    assert text is None and [d.code for d in diags] == ["unreadable"]
