@@ -175,6 +175,11 @@ def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), displ
 
     ``display`` replaces ``path`` in locations (the shipped rules show as ``rules/...``).
     """
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise RuleLoadError("", [Diagnostic("path", 0, 0, "invalid-input",
+                                            f"`path` must be a directory path (str or os.PathLike), "
+                                            f"got {type(path).__name__}",
+                                            "pass the directory holding global.yaml and connectors/")])
     root = Path(path)
     shown_root = display if display is not None else str(path)
     if not root.is_dir():

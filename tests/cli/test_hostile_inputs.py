@@ -100,3 +100,14 @@ def test_read_capped_refuses_an_unencodable_name(tmp_path):
 
     text, diags = read_capped(tmp_path / "\ud800.yaml", "x.yaml", 1000)
     assert text is None and [d.code for d in diags] == ["unreadable"]
+
+
+@pytest.mark.parametrize("path", [None, 5, b"rules", ["rules"]])
+def test_load_rules_with_a_non_path_is_a_policy_error(path):
+    """The public loader names its argument instead of raising pathlib's TypeError."""
+    from kvpolicy import PolicyError, load_rules
+
+    with pytest.raises(PolicyError) as info:
+        load_rules(path)
+    assert info.value.diagnostics[0].file == "path"
+    assert type(path).__name__ in info.value.diagnostics[0].message
