@@ -23,6 +23,9 @@ TRAMP="$SITE/mutmut/mutation/trampoline.py"
 grep -q "removeprefix('kvpolicy.')" "$TRAMP" || sed -i 's/\(orig_func\|decorated_func\)\.__module__/\1.__module__.removeprefix('"'"'kvpolicy.'"'"')/g' "$TRAMP"
 rm -rf "$STAGE" && mkdir -p "$STAGE"
 (cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$STAGE")
+# mutmut hands node ids back to pytest: keep parametrize ids unescaped so that ids with
+# non-ASCII text or newlines find their tests again
+sed -i 's/^\[tool.pytest.ini_options\]$/&\ndisable_test_id_escaping_and_forfeit_all_rights_to_community_support = true/' "$STAGE/pyproject.toml"
 cat >> "$STAGE/pyproject.toml" <<'TOML'
 
 [tool.mutmut]
