@@ -21,6 +21,7 @@ Python, no torch.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from kvpolicy.policy.errors import input_error
@@ -39,14 +40,24 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"`{name}` is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 is valid JSON text but parses to an infinity
+        raise ValueError(f"`{text[:40]}` is past a float's range")
+    return value
+
+
 def load_peer_json(data: str | bytes | bytearray, what: str) -> Any:
     """Parse a peer's JSON ``data`` within the bounds above; `InputError` naming ``what`` otherwise."""
+    if not isinstance(data, (str, bytes, bytearray)):  # json.loads and len() would raise a bare TypeError
+        raise input_error(what, f"the {what} data must be JSON text (str or bytes), got `{type(data).__name__}`",
+                          _HELP, code="peer-data")
     size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
     if size > MAX_PEER_BYTES:
         raise input_error(what, f"the {what} data is {size} bytes, more than the {MAX_PEER_BYTES} a fingerprint "
                           "may take", _HELP, code="peer-data")
     try:
-        value = json.loads(data, parse_constant=_refuse_constant)
+        value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise input_error(what, f"the {what} data nests deeper than {MAX_PEER_DEPTH} levels", _HELP,
                           code="peer-data") from None
