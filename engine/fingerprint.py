@@ -166,7 +166,8 @@ class LayoutFingerprint:
         except ValueError:
             raise input_error("fingerprint.placement", f"not a layout fingerprint: placement "
                               f"`{values['placement'][:40]!r}` with head_order `{values['head_order'][:40]!r}` "
-                              "names no layout", "pass LayoutFingerprint.to_dict() or to_json() from the peer") from None
+                              "names no layout",
+                              "pass LayoutFingerprint.to_dict() or to_json() from the peer") from None
         for name in ("logical_dims", "physical_dims", "physical_shape"):
             values[name] = tuple(values[name])
         values["groups"] = tuple(GroupFingerprint(**g) for g in values["groups"])
