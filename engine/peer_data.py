@@ -10,6 +10,8 @@ that parses it:
 - at most `MAX_PEER_DEPTH` nested lists and objects, `MAX_PEER_ITEMS` values
   and `MAX_PEER_BYTES` characters of strings in all (checked iteratively,
   without recursion, on parsed JSON and on dicts a caller passes alike);
+- JSON values only: string keys, and no sets, bytes, objects or non-finite
+  floats in a dict a caller passes;
 - strict JSON: ``NaN`` and ``Infinity`` are refused, and so are integers of
   more than 4,096 bits (a fingerprint's largest is a byte count), which could
   not even be printed in an error message past Python's 4,300-digit limit.
@@ -88,11 +90,19 @@ def check_peer_value(value: Any, what: str) -> None:
             raise input_error(what, f"the {what} data holds an integer of {node.bit_length()} bits", _HELP,
                               code="peer-data")
         if isinstance(node, dict):
+            if not all(isinstance(k, str) for k in node):  # JSON keys are text; 1 and "1" would print alike
+                raise input_error(what, f"the {what} data has a key that is not a string", _HELP, code="peer-data")
             children = [*node.keys(), *node.values()]
         elif isinstance(node, (list, tuple)):
             children = list(node)
-        else:
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise input_error(what, f"the {what} data holds `{node}`, which JSON cannot carry", _HELP,
+                              code="peer-data")
+        elif node is None or isinstance(node, (bool, int, float)):
             continue
+        else:  # a set, bytes, an object: nothing JSON carries, and `agree` prints and compares it as JSON
+            raise input_error(what, f"the {what} data holds a `{type(node).__name__}`, which is not a JSON value",
+                              _HELP, code="peer-data")
         if depth + 1 > MAX_PEER_DEPTH and children:
             raise input_error(what, f"the {what} data nests deeper than {MAX_PEER_DEPTH} levels", _HELP,
                               code="peer-data")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpolicy.engine.agreement import check_compatible
+from kvpolicy.engine.agreement import RankFingerprint, check_compatible, compare_ranks
 from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
 from kvpolicy.engine.plan import plan_layout
 from kvpolicy.policy.backends import BACKENDS
@@ -65,3 +65,20 @@ def test_from_dict_refuses_a_placement_that_names_no_layout(placement: str, head
 def test_every_supported_layout_round_trips_through_from_json(backend: str, layout: Layout) -> None:
     fp = _fingerprint(layout, backend)
     assert LayoutFingerprint.from_json(fp.to_json()) == fp
+
+
+@pytest.mark.parametrize("bad", [{1, 2}, b"x", object(), float("nan"), float("-inf")],
+                         ids=["set", "bytes", "object", "nan", "-inf"])
+def test_compare_ranks_refuses_a_fingerprint_that_is_not_json_by_name(bad: object) -> None:
+    ranks = [RankFingerprint(0, 0, {"format_version": bad}), RankFingerprint(1, 1, _fingerprint().to_dict())]
+    with pytest.raises(InputError) as err:
+        compare_ranks(ranks)
+    assert err.value.diagnostics[0].code == "peer-data"
+    assert "rank 0" in str(err.value)
+
+
+def test_check_compatible_refuses_a_dict_with_non_string_keys() -> None:
+    fp = _fingerprint().to_dict()
+    with pytest.raises(InputError) as err:
+        check_compatible(fp, {**fp, 7: "x"})
+    assert err.value.diagnostics[0].code == "peer-data"
