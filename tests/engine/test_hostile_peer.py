@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpolicy.engine.agreement import RankFingerprint, check_compatible, compare_ranks
+from kvpolicy.engine.agreement import RankFingerprint, agree, check_compatible, compare_ranks
 from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
 from kvpolicy.engine.plan import plan_layout
 from kvpolicy.policy.backends import BACKENDS
@@ -82,3 +82,10 @@ def test_check_compatible_refuses_a_dict_with_non_string_keys() -> None:
     with pytest.raises(InputError) as err:
         check_compatible(fp, {**fp, 7: "x"})
     assert err.value.diagnostics[0].code == "peer-data"
+
+
+@pytest.mark.parametrize("bad", [None, {}, "{}", 5, b"{}"], ids=["None", "dict", "str", "int", "bytes"])
+def test_agree_refuses_what_is_neither_a_decision_nor_a_fingerprint_by_name(bad: object) -> None:
+    with pytest.raises(InputError) as err:
+        agree(bad)  # type: ignore[arg-type]
+    assert err.value.diagnostics[0].file == "decision"
