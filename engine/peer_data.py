@@ -54,7 +54,10 @@ def load_peer_json(data: str | bytes | bytearray, what: str) -> Any:
     if not isinstance(data, (str, bytes, bytearray)):  # json.loads and len() would raise a bare TypeError
         raise input_error(what, f"the {what} data must be JSON text (str or bytes), got `{type(data).__name__}`",
                           _HELP, code="peer-data")
-    size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
+    # a character is at least one byte: a text longer than the bound is refused before it is copied to
+    # measure it (a peer's 1 GB string would otherwise cost another GB or more here)
+    size = len(data) if len(data) > MAX_PEER_BYTES or not isinstance(data, str) else len(
+        data.encode("utf-8", "surrogatepass"))
     if size > MAX_PEER_BYTES:
         raise input_error(what, f"the {what} data is {size} bytes, more than the {MAX_PEER_BYTES} a fingerprint "
                           "may take", _HELP, code="peer-data")

@@ -9,6 +9,7 @@ import pytest
 
 from kvpolicy.engine.agreement import RankFingerprint, agree, check_compatible, compare_ranks
 from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
+from kvpolicy.engine.peer_data import MAX_PEER_BYTES
 from kvpolicy.engine.plan import plan_layout
 from kvpolicy.policy.backends import BACKENDS
 from kvpolicy.policy.errors import InputError
@@ -89,3 +90,14 @@ def test_agree_refuses_what_is_neither_a_decision_nor_a_fingerprint_by_name(bad:
     with pytest.raises(InputError) as err:
         agree(bad)  # type: ignore[arg-type]
     assert err.value.diagnostics[0].file == "decision"
+
+
+class _NoCopyText(str):
+    def encode(self, *args: object, **kwargs: object) -> bytes:  # type: ignore[override]
+        raise AssertionError("a text past the bound was copied to measure it")
+
+
+def test_a_peer_text_past_the_bound_is_refused_before_it_is_copied() -> None:
+    with pytest.raises(InputError) as err:
+        LayoutFingerprint.from_json(_NoCopyText(" " * (MAX_PEER_BYTES + 1)))
+    assert err.value.diagnostics[0].code == "peer-data"
