@@ -22,6 +22,10 @@ __all__ = ["counterfactuals"]
 
 MAX_CHANGES = 3
 MAX_EVALUATIONS = 4000
+# An evaluation costs one pass per scope. Up to this many scopes (global, the connector, its members)
+# it counts as one; beyond, as `scopes // SCOPES_PER_EVALUATION`, so a MultiConnector with a
+# thousand members gets a bounded search, not minutes of it, while real configs search as before.
+SCOPES_PER_EVALUATION = 8
 ALL_SCOPES = "*"
 
 
@@ -89,12 +93,13 @@ def counterfactuals(
     targets = [i for i in range(len(order)) if i != winner]
     found: dict[int, tuple[FieldChange, ...]] = {}
     budget = MAX_EVALUATIONS
+    cost = max(1, (1 + (len(conn.walk()) if conn else 0)) // SCOPES_PER_EVALUATION)
     for size in range(1, MAX_CHANGES + 1):
         if len(found) == len(targets) or budget <= 0:
             break
         for combo in combinations(knobs, size):
             for values in product(*(alts for _, _, alts in combo)):
-                budget -= 1
+                budget -= cost
                 if budget < 0:
                     break
                 overrides: dict[str, dict[str, Any]] = {}

@@ -111,3 +111,25 @@ def test_load_rules_with_a_non_path_is_a_policy_error(path):
         load_rules(path)
     assert info.value.diagnostics[0].file == "path"
     assert type(path).__name__ in info.value.diagnostics[0].message
+
+
+def test_counterfactual_search_is_bounded_for_a_huge_multiconnector(monkeypatch):
+    """vLLM takes any number of MultiConnector members; explaining 300 of them must not cost 300 times
+    the search (it took 27 s for 1000 members). Counted in scope passes, not seconds."""
+    from kvpolicy import LayoutEngine
+    from kvpolicy.engine import counterfactual
+
+    passes = []
+    real = counterfactual.evaluate
+
+    def counting(ruleset, glob, conn, **kw):
+        passes.append(1 + (len(conn.walk()) if conn else 0))
+        return real(ruleset, glob, conn, **kw)
+
+    monkeypatch.setattr(counterfactual, "evaluate", counting)
+    members = [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}] * 300
+    ktc = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": members}}
+    decision = LayoutEngine.default("vllm-0.34").decide(
+        spec={"num_layers": 2, "block_size": 16, "num_kv_heads": 1, "head_size": 64}, kv_transfer_config=ktc)
+    assert decision.counterfactuals  # still searched
+    assert sum(passes) <= 2 * counterfactual.MAX_EVALUATIONS * 8
