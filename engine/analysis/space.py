@@ -568,6 +568,22 @@ def build_space(
             *(conn_reads(m) for m in c.connectors))
 
     reads = {id(c): conn_reads(c.config) for c in conns}
+    every_rule = [r for rs in sets for r in rs.rules]
+
+    def around(over: dict[str, Any]) -> tuple[set[int] | None, str]:
+        """For a size variant: the connectors it pairs with (None: all), and which other dimensions
+        vary with it ("kv": backends, capabilities, dtypes and kinds; "groups"; "options"): those
+        some rule reading one of its sizes also reads. The rest stay at their first value."""
+        paths = {"kv." + k for k in over}
+        allowed = None if paths & global_reads else {id(c) for c in conns if paths & reads[id(c)]}
+        also = _fields_read(r for r in every_rule if paths & _fields_read([r])) - {"kv." + k for k in SIZES}
+        wide = ("kv" if any(f.startswith(("kv.", "backend.", "platform.")) for f in also) else "") + \
+            (" groups" if any(f.startswith("groups.") for f in also) else "") + \
+            (" options" if any(f.startswith(_OPTION_PREFIXES) and not f.startswith("platform.") for f in also) else "")
+        return allowed, wide
+
+    arounds = {_size_label(o): around(o) for mla in (False, True) for o in sizes[mla] if o}
+    thin_done: set[tuple[Any, ...]] = set()
 
     for name in names:
         facts = profile.backends[name]
@@ -582,12 +598,15 @@ def build_space(
                     shapes[(kind, dtype)] = list(_distinct(GROUP_SHAPES, lambda s, spec=spec: leaves.signature(
                         {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
                 for shape, over in itertools.product(shapes[(kind, dtype)], sizes[facts.mla]):
-                    paths = {"kv." + k for k in over}
-                    allowed = None if not over or paths & global_reads else \
-                        {id(c) for c in conns if paths & reads[id(c)]}
+                    size_label = _size_label(over)
+                    allowed, wide = arounds[size_label] if over else (None, "kv groups options")
                     if allowed is not None and not allowed:
                         continue
-                    size_label = _size_label(over)
+                    if "groups" not in wide and shape != shapes[(kind, dtype)][0]:
+                        continue
+                    thin = None if "kv" in wide else (facts.mla, size_label, shape)
+                    if thin in thin_done:
+                        continue
                     where = f"{name}/{dtype}/{shape}" + (f"/{size_label}" if over else "")
                     try:
                         groups = _groups(_spec(kind, dtype, over), shape)
@@ -608,7 +627,9 @@ def build_space(
                     labels += [("scale_views", views), ("kind", kind.value), ("groups", shape)]
                     labels += [(k, str(v)) for k, v in sorted(over.items())]
                     geometry = (dtype, kind.value, name, views) + ((size_label,) if over else ())
-                    for i, combo in enumerate(combos):
+                    if thin is not None:
+                        thin_done.add(thin)
+                    for i, combo in enumerate(combos if "options" in wide else combos[:1]):
                         for hisparse, members in conns_by_hisparse(combo[2]):
                             key = (i, cap, hisparse)
                             if key not in option_env:
