@@ -1,4 +1,5 @@
-"""The finite input space a rule set is analysed over, for one vLLM release profile.
+"""The finite input space a rule set is analysed over, for one vLLM release profile:
+the release's inputs around the literals the rules compare fields with (not every deployment).
 
 Every input is built as an operator's would be (`kvpolicy.engine.inputs.build_context`
 with the profile's ``vllm_version``), so lint never decides an input the
@@ -17,14 +18,18 @@ candidates, its ``kv_cache_dtype`` strings, and vLLM's options. Dimensions:
   draft under DCP with another page size;
 - ``VLLM_KV_CACHE_LAYOUT`` (unset, a layout, ``NHD``/``HND``),
   ``enable_extensible_kv_cache``, HiSparse;
+- sizes (``num_layers``, ``block_size``, ``num_kv_heads``, ``head_size``): the
+  defaults, and the values either side of each literal a rule compares one with;
 - connector: none, every connector some rule names in each variant of the
-  ``connector.extra.*`` values its rules test, a connector no rule names, and
-  MultiConnector pairs of those.
+  ``connector.extra.*`` values its rules test (either side of each literal), a
+  connector no rule names, and MultiConnector pairs of those.
 
 A dimension's values that no rule of the analysed rule sets can tell apart
 (and that give the same candidates and geometry) collapse to the first one,
-so a dimension the rules never read costs nothing. Sizes are fixed and small
-(the verifier's answer does not depend on them: its geometry is periodic).
+so a dimension the rules never read costs nothing. Sizes and extra keys vary one at a
+time around a base point (the default sizes, no extras), plus the fields one rule reads
+together, never as a full product: the space grows with the distinct literals. A
+non-default size pairs with the connectors and dimensions its rules read with it.
 
 Inputs share their parts: the environment rules see is composed from the
 shared part of its context and its connector's part, never copied per input.

@@ -72,9 +72,9 @@ exit codes: 0 no decision changes, 1 some decisions change, 2 usage error
 
 def register(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
-        "lint", help="check a rule set over every input of a vLLM release: unsafe permits, conflicts, "
+        "lint", help="check a rule set over a vLLM release's inputs: unsafe permits, conflicts, "
                      "dead rules, load-bearing forbids",
-        description="Enumerate the finite input space of a vLLM release profile and check the rules' decision "
+        description="Enumerate a vLLM release profile's inputs around the rules' literals and check the decision "
                     "for each against the geometry verifier; report, for every forbid and require, whether "
                     "it is load-bearing.",
         epilog=_LINT_EPILOG, formatter_class=HelpFormatter)
