@@ -175,4 +175,6 @@ def run_diff(args: argparse.Namespace) -> int:
         print(change.render())
     if len(report.changes) > args.max_changes:
         print(f"... and {len(report.changes) - args.max_changes} more (--max-changes N, or --format json)")
+    if report.space is not None:
+        print(f"space: {report.space.describe()}")
     return EXIT_FAILED if report.changes else EXIT_OK

@@ -119,6 +119,8 @@ def test_diff_lists_exactly_the_per_token_head_inputs(capsys, no_pth: Path) -> N
 def test_diff_of_a_rule_set_with_itself_is_empty(capsys) -> None:
     code, out, _ = cli(capsys, "diff", str(RULES), str(RULES))
     assert (code, out.splitlines()[0]) == (0, "diff: 2160 inputs of issue-48412 checked, 0 decision(s) change")
+    assert out.splitlines()[-1].startswith("space: 2160 inputs of `issue-48412` (4 backend, ")
+    assert ", 1 sizes, " in out.splitlines()[-1]
 
 
 def test_diff_under_a_chosen_profile(capsys, tmp_path: Path) -> None:
