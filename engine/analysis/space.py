@@ -399,15 +399,25 @@ def _fields_read(rules: Iterable[Any]) -> set[str]:
     return {leaf.field for r in rules for leaf in leaves_of(r.rule.when)}
 
 
+def _group_shapes(leaves: _Leaves) -> tuple[str, ...]:
+    """The fixed shapes, then ``Nx1`` (N groups) and ``1xM`` (M attention groups in one) for each
+    count from 3 to 64 either side of a literal the rules compare ``groups.count`` or
+    ``groups.attention_groups`` with."""
+    extra = [f"{v}x1" for v in leaves.boundaries("groups.count") if type(v) is int and 3 <= v <= 64]
+    extra += [f"1x{v}" for v in leaves.boundaries("groups.attention_groups") if type(v) is int and 3 <= v <= 64]
+    return GROUP_SHAPES + tuple(dict.fromkeys(extra))
+
+
 def _groups(spec: KVCacheSpec, shape: str) -> KVCacheGroups:
     if shape == "1x1":
         return KVCacheGroups.single(spec)
-    if shape == "1x2":
-        return KVCacheGroups(groups=(KVCacheGroup(spec=spec, num_attention_groups=2),))
-    if shape == "2x1":
+    if shape.startswith("1x") and shape[2:].isdigit():
+        return KVCacheGroups(groups=(KVCacheGroup(spec=spec, num_attention_groups=int(shape[2:])),))
+    if shape.endswith("x1") and shape[:-2].isdigit():  # N groups: the spec and another kind, alternating
         kind = AttentionKind.mla if spec.kind is AttentionKind.mla else AttentionKind.sliding_window
         other = spec.model_copy(update={"kind": kind, "sliding_window": None if kind is AttentionKind.mla else 128})
-        return KVCacheGroups(groups=(KVCacheGroup(spec=spec), KVCacheGroup(spec=other)))
+        return KVCacheGroups(groups=tuple(KVCacheGroup(spec=other if i % 2 else spec)
+                                          for i in range(int(shape[:-2]))))
     if shape == "mamba-hybrid":
         mamba = KVCacheSpec(kind=AttentionKind.mamba, num_layers=spec.num_layers, block_size=spec.block_size,
                             num_kv_heads=1, head_size=16)
@@ -536,6 +546,7 @@ def build_space(
     names = [n for n in profile.backend_names() if backends is None or n in backends]
     strategies: list[ScaleViews | None] = list(scale_views) if scale_views else [None]
     shapes: dict[tuple[AttentionKind, str], list[str]] = {}
+    group_shapes = _group_shapes(leaves)
     option_env: dict[tuple[int, int | None], tuple[VllmOptions, dict[str, Any]]] = {}
     inputs: list[AnalysisInput] = []
     dims: dict[str, list[str]] = {"backend": [], "kv_cache_dtype": [], "kind": [], "groups": []}
@@ -600,7 +611,7 @@ def build_space(
                     continue
                 spec = _spec(kind, dtype)
                 if (kind, dtype) not in shapes:
-                    shapes[(kind, dtype)] = list(_distinct(GROUP_SHAPES, lambda s, spec=spec: leaves.signature(
+                    shapes[(kind, dtype)] = list(_distinct(group_shapes, lambda s, spec=spec: leaves.signature(
                         {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
                 for shape, over in itertools.product(shapes[(kind, dtype)], sizes[facts.mla]):
                     size_label = _size_label(over)

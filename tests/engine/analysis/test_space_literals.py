@@ -47,6 +47,8 @@ def test_rules_on_sizes_and_extras_beyond_the_defaults_are_not_dead() -> None:
         "connectors/nixl.yaml": CONNECTOR.format(name="NixlConnector", rules=rule(
             "few-streams", "{field: connector.extra.num_streams, lt: 4}")),
     }
+    texts["global.yaml"] += rule("many-groups", "{field: groups.count, gt: 3}") + rule(
+        "many-attention-groups", "{field: groups.attention_groups, ge: 5}")
     report = lint(load_rules_from_texts(texts), baseline=None)
     assert dead(report) == set()
     sizes = report.to_dict()["space"]["dimensions"]["sizes"]
