@@ -15,7 +15,8 @@ candidates, its ``kv_cache_dtype`` strings, and vLLM's options. Dimensions:
   ``sliding_window`` when a rule can tell it apart);
 - group shape: one group, one group with two attention groups, two groups,
   a Mamba hybrid, mixed (heads, tokens, page bytes) shapes, and a replicated
-  draft under DCP with another page size;
+  draft under DCP with another page size; and N groups or M attention groups
+  either side of each ``groups.count`` / ``groups.attention_groups`` literal;
 - ``VLLM_KV_CACHE_LAYOUT`` (unset, a layout, ``NHD``/``HND``),
   ``enable_extensible_kv_cache``, HiSparse;
 - sizes (``num_layers``, ``block_size``, ``num_kv_heads``, ``head_size``): the
