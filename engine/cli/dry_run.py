@@ -529,8 +529,7 @@ def run(args: argparse.Namespace) -> int:
         if drawn is not None:
             from kvpolicy.engine.memory_map import block_map
 
-            data["map"] = [{"buffer": s.buffer, "start": s.start, "end": s.end, "owners": [list(o) for o in s.owners],
-                            "overlap": s.overlap} for s in block_map(drawn)]
+            data["map"] = [b.to_dict() for b in block_map(drawn)]
         if is_example(args):
             print(example_banner(args), file=sys.stderr)
         print_json(data)

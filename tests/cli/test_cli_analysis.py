@@ -184,7 +184,7 @@ def test_dry_run_refuses_an_unsafe_choice_and_draws_it(capsys, spec: str, tmp_pa
     assert "refusing layout `BLNHC` on `TRITON_ATTN`" in err
     assert "error[overlapping-views]: layer 0 k scale and layer 1 k scale both write buffer 0 byte 64" in err
     root = ET.fromstring(svg.read_text())
-    assert any(r.get("fill") == "#e15759" for r in root.iter("{http://www.w3.org/2000/svg}rect"))
+    assert any(r.get("data-kind") == "overlap" for r in root.iter("{http://www.w3.org/2000/svg}rect"))
 
 
 def test_dry_run_json_reports_verification_and_map(capsys, spec: str) -> None:

@@ -47,10 +47,13 @@ def test_unquantized_block_has_no_scales() -> None:
     assert "no overlaps" in text
 
 
-def test_svg_is_well_formed_and_marks_overlaps_red() -> None:
+def test_svg_marks_each_overlap_at_its_exact_bytes() -> None:
     ns = "{http://www.w3.org/2000/svg}"
     unsafe = ET.fromstring(render_svg(plan("BLNHC")))
     safe = ET.fromstring(render_svg(plan("BLNHC"), ScaleViews.stride_aware))
-    red = [r for r in unsafe.iter(f"{ns}rect") if r.get("fill") == "#e15759"]
-    assert len(red) == 256 and all("OVERLAP" in r.find(f"{ns}title").text for r in red)
-    assert not [r for r in safe.iter(f"{ns}rect") if r.get("fill") == "#e15759"]
+    marks = [r for r in unsafe.iter(f"{ns}rect") if r.get("data-kind") == "overlap"]
+    # 8 bands (L0 K .. L3 V) x 32 cells: the 4 scale bytes after each cell's 64 data bytes
+    assert len(marks) == 256
+    assert sorted((int(r.get("data-start")), int(r.get("data-end"))) for r in marks) == \
+        [(half * 2176 + k * 68 + 64, half * 2176 + k * 68 + 68) for half in range(8) for k in range(32)]
+    assert not [r for r in safe.iter(f"{ns}rect") if r.get("data-kind") == "overlap"]
