@@ -30,7 +30,6 @@ ROLE_COLOURS = {  # light fills, dark text on all of them
     "latent_data": "#9ecae1", "latent_scale": "#a1d99b", "padding": "#eeeeee",
 }
 OVERLAP = "#e15759"
-GROUPED = "#d9d9d9"
 TEXT = "#1a1a1a"
 _NAMES = {"k_data": "K data", "v_data": "V data", "k_scale": "K scale", "v_scale": "V scale",
           "latent_data": "latent", "latent_scale": "latent scale", "padding": "padding"}
@@ -97,8 +96,24 @@ def _overlap_note(band: Band, piece: Segment) -> str:
     where = f"buffer {band.buffer} bytes {band.start + piece.start}..{band.start + piece.end}"
     if band.repeats > 1:
         where += f", then every {band.period} B x {band.repeats} up to byte {band.end}"
-    writers = ", ".join(f"layer {layer} {role.replace('_', ' ')}" for layer, role in piece.owners)
+    writers = _writers(piece.owners)
     return f"{where}: written by {writers}"
+
+
+def _writers(owners: tuple[tuple[int, str], ...]) -> str:
+    """``layer 0 k scale, layer 3 k scale`` or ``k scale of layers 0..95``: each role with its layers."""
+    by_role: dict[str, list[int]] = {}
+    for layer, role in owners:
+        by_role.setdefault(role, []).append(layer)
+    parts = []
+    for role, layers in sorted(by_role.items()):
+        layers = sorted(set(layers))
+        name = role.replace("_", " ")
+        if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
+            parts.append(f"{name} of layers {layers[0]}..{layers[-1]}")
+        else:
+            parts += [f"layer {layer} {name}" for layer in layers]
+    return ", ".join(parts)
 
 
 class _Canvas:
@@ -183,7 +198,7 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
                else "no byte is written by two layers")
     c.text(LEFT, 44, f"page {plan.page_size_bytes} B x {plan.num_layers} layers; {verdict}",
            f'font-weight="bold" fill="{"#a50f15" if n_over_pieces else "#1b5e20"}"')
-    roles = sorted({_role(p) for b in bands for p in b.pattern}, key=list(_NAMES).index)
+    roles = sorted({_role(p) for b in bands for p in b.pattern if not p.overlap}, key=list(_NAMES).index)
     legend = ['<g id="legend">']
     lx = LEFT
     for role in [*roles, "overlap"]:
@@ -196,6 +211,7 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
     c.body += legend
     y = 96
     zoom: Band | None = None
+    geom: dict[int, tuple[float, int]] = {}
     for r in shown:
         row = [b for b in bands if b.buffer == r]
         span = max(b.end for b in row)
@@ -222,10 +238,18 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
         else:
             for g in groups:
                 x0, x1 = x_of(g[0].start), x_of(g[-1].end)
-                c.rect(x0, y, x1 - x0, LANE, GROUPED, 'stroke="#444" stroke-width="0.8" data-kind="band"',
-                       f"{g[0].start}..{g[-1].end}: {len(g)} bands")
+                roles = list(dict.fromkeys(_role(p) for b in g for p in b.pattern if not p.overlap)) or ["padding"]
+                h = LANE / len(roles)
+                for k, role in enumerate(roles):
+                    c.rect(x0, y + k * h, x1 - x0, h, ROLE_COLOURS[role], 'stroke="none" data-kind="stripe"')
+                c.rect(x0, y, x1 - x0, LANE, "none", 'stroke="#444" stroke-width="0.8" data-kind="band"',
+                       f"{g[0].start}..{g[-1].end}: {len(g)} bands, {_layers(list(g[0].owners + g[-1].owners))}")
                 if zoom is None:
                     zoom = next((b for b in g if b.overlap), None)
+        geom[r] = (y, span)
+        if any(b.overlap for b in row):
+            c.text(LEFT - 6, y + LANE + 12, "overlaps", 'text-anchor="end" font-size="11" font-weight="bold" '
+                   'fill="#a50f15"')
         marks = 0
         for b in row:
             if b.overlap and marks < 4 * _MAX_MARKS:
@@ -257,7 +281,7 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
         notes = []
         if size > 1:
             notes.append(f"{len(row)} bands too many to draw one by one: drawn as {len(groups)} groups of "
-                         f"{size} (grey); the text map (--map) lists them")
+                         f"{size}, each split into a stripe per role; the text map (--map) lists them")
         if notes:
             c.text(LEFT, ay + 34, "; ".join(notes), 'font-size="11" font-style="italic" data-kind="note"')
             ay += 16
@@ -268,7 +292,13 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
         y += 24
     if zoom is None:
         zoom = next((b for b in bands if b.repeats > 1 and len(b.pattern) > 1), None)
-    if zoom is not None:
+    if zoom is not None and zoom.buffer in geom:
+        row_y, span = geom[zoom.buffer]
+        zx0 = LEFT + zoom.start / span * width
+        zx1 = LEFT + (zoom.start + (zoom.period * min(2, zoom.count) if zoom.repeats > 1 else zoom.end - zoom.start)) \
+            / span * width
+        c.rect(zx0 - 1, row_y - 3, zx1 - zx0 + 2, LANE + 6, "none", 'stroke="#1a1a1a" stroke-width="2" '
+               'stroke-dasharray="4,2" data-kind="zoom-source"')
         y = _draw_zoom(c, zoom, y + 6, width)
     over = [(b, p) for b in bands for p in b.pattern if p.overlap]
     if over:
@@ -299,7 +329,8 @@ def _draw_zoom(c: _Canvas, band: Band, y: float, width: int) -> float:
         return LEFT + offset / span * width
 
     c.text(LEFT, y + 12, f"Zoom: buffer {band.buffer} bytes {band.start}..{band.start + span} "
-           f"(the first {periods} of {band.repeats} periods of the band at {band.start}..{band.end})",
+           f"(the first {periods} of {band.repeats} periods of the band at {band.start}..{band.end}, "
+           "dashed box above), magnified",
            'font-weight="bold" data-kind="zoom-title"')
     y += 22
     for k in range(periods):
@@ -313,8 +344,10 @@ def _draw_zoom(c: _Canvas, band: Band, y: float, width: int) -> float:
                 c.text((x_of(s) + x_of(e)) / 2, y + LANE / 2 + 4, label, 'text-anchor="middle" font-size="11"')
             elif p.overlap:
                 roles = "/".join(sorted({r.replace("_", " ") for _, r in p.owners}))
-                c.text((x_of(s) + x_of(e)) / 2, y + LANE + 14, f"{e - s} B overlap: {_layers(p.owners)} {roles}",
-                       'text-anchor="middle" '
+                mid = (x_of(s) + x_of(e)) / 2
+                anchor = "end" if mid > LEFT + width - 120 else "middle"
+                c.text(mid if anchor == "middle" else x_of(e), y + LANE + 14,
+                       f"{e - s} B overlap: {_layers(p.owners)} {roles}", f'text-anchor="{anchor}" '
                        'font-size="11" font-weight="bold"')
     ay = y + LANE + 22
     c.body.append(f'<line x1="{LEFT}" y1="{ay}" x2="{LEFT + width}" y2="{ay}" stroke="#333" data-kind="axis"/>')
