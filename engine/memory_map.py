@@ -28,7 +28,7 @@ from typing import Any
 
 from kvpolicy.engine.lattice import StridedSet
 from kvpolicy.engine.plan import LayoutPlan
-from kvpolicy.engine.verify import Writer, verify_plan, writers
+from kvpolicy.engine.verify import GeometryReport, Writer, verify_plan, writers
 from kvpolicy.policy.backends import ScaleViews
 
 __all__ = ["Band", "Segment", "block_map", "render_svg", "render_text"]
@@ -325,11 +325,13 @@ def block_map(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> list[B
     (see the module docstring). Cost ``O(W log W)`` for ``W`` writers, independent of block
     size, heads and head size.
     """
-    ws = writers(plan, scale_views)
+    by_buffer: dict[int, list[Writer]] = {}
+    for w in writers(plan, scale_views):
+        by_buffer.setdefault(w.buffer, []).append(w)
     out: list[Band] = []
-    for buffer in sorted({w.buffer for w in ws}):
+    for buffer, ws in sorted(by_buffer.items()):
         lo, hi = _row(plan, buffer)
-        bands = [b for b in _group_bands(buffer, _joined([w for w in ws if w.buffer == buffer], lo, hi))
+        bands = [b for b in _group_bands(buffer, _joined(ws, lo, hi))
                  if b.start < hi]
         bands.sort(key=lambda b: (b.start, b.end))
         merged: list[Band] = []
@@ -360,11 +362,12 @@ def _pieces(bands: list[Band]) -> tuple[int, int]:
     return total, over
 
 
-def render_text(plan: LayoutPlan, scale_views: ScaleViews | None = None, max_lines: int = 60) -> str:
-    """The block map as aligned text lines, one per band."""
+def render_text(plan: LayoutPlan, scale_views: ScaleViews | None = None, max_lines: int = 60,
+                report: GeometryReport | None = None) -> str:
+    """The block map as aligned text lines, one per band; ``report``: the verifier's, when already run."""
     strategy = scale_views or plan.backend.scale_views
     bands = block_map(plan, strategy)
-    report = verify_plan(plan, strategy)
+    report = report if report is not None and report.scale_views is strategy else verify_plan(plan, strategy)
     head = [f"block 0 of `{plan.layout}` on {plan.backend.name} ({strategy.value} scale views), "
             f"page {plan.page_size_bytes} B x {plan.num_layers} layers; !! marks bytes two layers write:"]
     lines = [_line(plan, b) for b in bands]
@@ -376,9 +379,11 @@ def render_text(plan: LayoutPlan, scale_views: ScaleViews | None = None, max_lin
     return "\n".join(head + lines + tail)
 
 
-def render_svg(plan: LayoutPlan, scale_views: ScaleViews | None = None, width: int = 1100) -> str:
-    """The block map as an SVG document (drawn by `kvpolicy.engine.map_svg`)."""
+def render_svg(plan: LayoutPlan, scale_views: ScaleViews | None = None, width: int = 1100,
+               report: GeometryReport | None = None) -> str:
+    """The block map as an SVG document (drawn by `kvpolicy.engine.map_svg`); ``report`` as for `render_text`."""
     from kvpolicy.engine.map_svg import draw
 
     strategy = scale_views or plan.backend.scale_views
-    return draw(plan, strategy, block_map(plan, strategy), verify_plan(plan, strategy), width)
+    report = report if report is not None and report.scale_views is strategy else verify_plan(plan, strategy)
+    return draw(plan, strategy, block_map(plan, strategy), report, width)

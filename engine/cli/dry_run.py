@@ -513,7 +513,7 @@ def run(args: argparse.Namespace) -> int:
         from kvpolicy.engine.memory_map import render_svg
 
         try:
-            Path(args.svg).write_text(render_svg(drawn))
+            Path(args.svg).write_text(render_svg(drawn, report=report if drawn is checked else None))
         except OSError as exc:
             print_error(usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}"))
             return exit_code_for(usage_error("--svg", ""))
@@ -545,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
     if drawn is not None and (args.map or args.map_layout):
         from kvpolicy.engine.memory_map import render_text
 
-        parts.append("\n" + render_text(drawn))
+        parts.append("\n" + render_text(drawn, report=report if drawn is checked else None))
     print("\n".join(parts))
     if refused is not None:
         print_error(refused)

@@ -6,6 +6,7 @@ import xml.etree.ElementTree as ET
 
 from kvpolicy.engine.memory_map import block_map, render_svg, render_text
 from kvpolicy.engine.plan import plan_layout
+from kvpolicy.engine.verify import verify_plan
 from kvpolicy.policy import KVCacheSpec, Layout, ScaleViews
 from kvpolicy.policy.backends import BACKENDS
 
@@ -57,3 +58,87 @@ def test_svg_marks_each_overlap_at_its_exact_bytes() -> None:
     assert sorted((int(r.get("data-start")), int(r.get("data-end"))) for r in marks) == \
         [(half * 2176 + k * 68 + 64, half * 2176 + k * 68 + 68) for half in range(8) for k in range(32)]
     assert not [r for r in safe.iter(f"{ns}rect") if r.get("data-kind") == "overlap"]
+
+
+NS = "{http://www.w3.org/2000/svg}"
+
+
+def _svg(p, views=None) -> ET.Element:
+    return ET.fromstring(render_svg(p, views))
+
+
+def _texts(root: ET.Element) -> list[str]:
+    return [t.text or "" for t in root.iter(f"{NS}text")]
+
+
+def _luminance(colour: str) -> float:
+    r, g, b = (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def test_svg_has_a_legend_of_the_roles_drawn_and_a_labelled_byte_axis() -> None:
+    root = _svg(plan("BLNHC"), ScaleViews.stride_aware)
+    legend = next(g for g in root.iter(f"{NS}g") if g.get("id") == "legend")
+    names = [t.text for t in legend.iter(f"{NS}text")]
+    assert names[:2] == ["K data", "V data"] and "overlap (two layers)" in names
+    axis = [t.text for t in root.iter(f"{NS}text") if t.get("data-kind") == "axis-label"]
+    assert axis[0] == "0 B" and axis[-1] == "17408 B" and "8 KiB" in axis
+
+
+def test_svg_labels_every_layer_and_colours_by_role_with_dark_text() -> None:
+    root = _svg(plan("BLNHC"), ScaleViews.stride_aware)
+    labels = [t.text for t in root.iter(f"{NS}text") if t.get("data-kind") == "layer-label"]
+    assert labels == ["L0 K", "L0 V", "L1 K", "L1 V", "L2 K", "L2 V", "L3 K", "L3 V"]
+    fills = [r.get("fill") for r in root.iter(f"{NS}rect") if r.get("data-kind") == "piece"]
+    assert len(set(fills)) == 2 and len(fills) == 8  # K and V fills, one band each
+    for t in root.iter(f"{NS}text"):
+        assert _luminance(t.get("fill")) < 0.35, t.text  # dark text ...
+    for f in fills:
+        assert _luminance(f) > 0.6  # ... on light fills
+
+
+def test_svg_names_the_colliding_writers_in_visible_text_at_the_verifiers_bytes() -> None:
+    p = plan("BLNHC")
+    root = _svg(p)
+    writers = [t.text for t in root.iter(f"{NS}text") if t.get("data-kind") == "overlap-writers"]
+    assert writers[0] == ("buffer 0 bytes 64..68, then every 68 B x 32 up to byte 2176: "
+                          "written by k scale of layers 0..3")
+    marks = [(int(r.get("data-start")), int(r.get("data-end"))) for r in root.iter(f"{NS}rect")
+             if r.get("data-kind") == "overlap"]
+    report = verify_plan(p)
+    assert report.collisions and all(any(s <= c.address < e for s, e in marks) for c in report.collisions)
+    width, left = 1100, 110
+    x_of = {round(left + s / 17408 * width, 2) for s, _ in marks}
+    drawn = {float(r.get("x")) for r in root.iter(f"{NS}rect") if r.get("data-kind") == "overlap"}
+    assert drawn == x_of
+
+
+def test_map_of_a_huge_spec_is_bounded() -> None:
+    """96 layers x 128 heads at block 4096 (cross layer and one buffer per layer), and 4096 layers
+    at the sanity bounds: a few bands per layer, an SVG of a bounded number of elements."""
+    big = KVCacheSpec(num_layers=96, block_size=4096, num_kv_heads=128, head_size=128,
+                      kv_cache_dtype="int8_per_token_head")
+    for layout in ("BLNHC", "LBHNC"):
+        p = plan_layout(Layout.parse(layout), big, TRITON, num_blocks=big.num_layers + 1)
+        assert len(block_map(p)) <= 4 * big.num_layers
+        root = _svg(p)
+        assert sum(1 for _ in root.iter()) < 2500
+        assert len(render_text(p).splitlines()) <= 62
+    bounds = KVCacheSpec(num_layers=4096, block_size=4096, num_kv_heads=1024, head_size=16384,
+                         kv_cache_dtype="fp8_per_token_head")
+    p = plan_layout(Layout.parse("BLNHC"), bounds, TRITON, num_blocks=2)
+    assert len(block_map(p, ScaleViews.stride_aware)) == 2 * 4096
+
+
+def test_interleaved_cells_are_one_band_not_one_run_per_cell() -> None:
+    """vLLM 0.34's packed content: K and V alternate inside each cell; one band per layer."""
+    from kvpolicy.policy.backends import packed_backend
+
+    backend = packed_backend("TRITON_ATTN")
+    spec = KVCacheSpec(num_layers=2, block_size=4096, num_kv_heads=8, head_size=128)
+    p = plan_layout(Layout.parse("BLNHC"), spec, backend, num_blocks=3)
+    bands = block_map(p)
+    assert len(bands) == 2
+    assert bands[0].period == 2 * 128 * 2 and bands[0].count == 4096 * 8
+    assert [p.label() for p in bands[0].pattern] == ["layer 0 K data", "layer 0 V data"]
+    assert "K/V interleaved every 512 B, x 32768" in _texts(_svg(p))
