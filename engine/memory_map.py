@@ -93,7 +93,8 @@ class Band:
         if self.repeats == 1 and len(self.pattern) == 1:
             return self.pattern[0].label()
         inner = " | ".join(f"{p.end - p.start} B {p.label()}" for p in self.pattern)
-        return f"{self.repeats} x [{inner}]" + (f" every {self.period} B" if self.outer else "")
+        every = self.outer or (self.count > 1 and self.pattern[-1].end < self.period)
+        return f"{self.repeats} x [{inner}]" + (f" every {self.period} B" if every else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"buffer": self.buffer, "start": self.start, "end": self.end, "period": self.period,
@@ -209,7 +210,7 @@ def _group_bands(buffer: int, items: list[tuple[tuple[Owner, ...], StridedSet]])
             i = j
             pattern = tuple(_sweep(buffer, pieces))
             if not levels:
-                bands.append(Band(buffer, o0, pattern[-1].end, 1, pattern))
+                bands.append(_band(buffer, o0, pattern[-1].end, 1, pattern))
                 continue
             count, rest = levels[0][0], list(levels[1:])
             while rest and rest[0][1] == count * period:
@@ -220,7 +221,13 @@ def _group_bands(buffer: int, items: list[tuple[tuple[Owner, ...], StridedSet]])
 
 def _band(buffer: int, start: int, period: int, count: int, pattern: tuple[Segment, ...],
           outer: tuple[tuple[int, int], ...] = ()) -> Band:
-    """A band, one piece filling its whole period folded to one run."""
+    """A band, one piece filling its whole period folded to one run, gaps between pieces as padding."""
+    filled: list[Segment] = []
+    for piece in pattern:
+        if filled and filled[-1].end < piece.start:
+            filled.append(Segment(buffer, filled[-1].end, piece.start, ()))
+        filled.append(piece)
+    pattern = tuple(filled)
     if count > 1 and len(pattern) == 1 and pattern[0].start == 0 and pattern[0].end == period:
         whole = period * count
         return Band(buffer, start, whole, 1, (Segment(buffer, 0, whole, pattern[0].owners),), outer)

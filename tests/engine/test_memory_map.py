@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvpolicy.engine.memory_map import block_map, render_svg, render_text
 from kvpolicy.engine.plan import plan_layout
 from kvpolicy.engine.verify import verify_plan
@@ -142,3 +145,52 @@ def test_interleaved_cells_are_one_band_not_one_run_per_cell() -> None:
     assert bands[0].period == 2 * 128 * 2 and bands[0].count == 4096 * 8
     assert [p.label() for p in bands[0].pattern] == ["layer 0 K data", "layer 0 V data"]
     assert "K/V interleaved every 512 B, x 32768" in _texts(_svg(p))
+
+
+def _bytes_of_bands(bands) -> dict[tuple[int, int], frozenset]:
+    out: dict[tuple[int, int], frozenset] = {}
+    for b in bands:
+        starts = [b.start]
+        for n, s in b.outer:
+            starts = [x + i * s for x in starts for i in range(n)]
+        for x in starts:
+            for k in range(b.count):
+                for p in b.pattern:
+                    for byte in range(x + k * b.period + p.start, x + k * b.period + p.end):
+                        assert (b.buffer, byte) not in out, "bands overlap each other"
+                        out[(b.buffer, byte)] = frozenset(p.owners)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=st.sampled_from(["LBNHC", "LBHNC", "BLNHC", "BHLNC"]), layers=st.integers(1, 4),
+       block=st.sampled_from([1, 2, 4]), heads=st.integers(1, 3), head=st.sampled_from([4, 8, 12]),
+       dtype=st.sampled_from(["auto", "fp8_per_token_head", "int8_per_token_head"]),
+       views=st.sampled_from([ScaleViews.stride_aware, ScaleViews.assume_per_layer_contiguous]),
+       packed=st.booleans())
+def test_bands_name_the_writers_of_every_byte_exactly(layout, layers, block, heads, head, dtype, views,
+                                                       packed) -> None:
+    """Expanded byte by byte, the bands give each byte of block 0's rows exactly the writers
+    that touch it (none for padding), whatever the layout, packing and scale views."""
+    from kvpolicy.engine.memory_map import _row, _unit
+    from kvpolicy.engine.verify import writers
+    from kvpolicy.policy.backends import packed_backend
+
+    backend = packed_backend("TRITON_ATTN") if packed else TRITON
+    spec = KVCacheSpec(num_layers=layers, block_size=block, num_kv_heads=heads, head_size=head, kv_cache_dtype=dtype)
+    p = plan_layout(Layout.parse(layout), spec, backend, num_blocks=layers + 1)
+    expected: dict[tuple[int, int], set] = {}
+    for buffer in {w.buffer for w in writers(p, views)}:
+        lo, hi = _row(p, buffer)
+        for byte in range(lo, hi):
+            expected[(buffer, byte)] = set()
+    for w in writers(p, views):
+        lo, hi = _row(p, w.buffer)
+        for s, e in w.runs(p.num_blocks):
+            for byte in range(max(s, lo), min(e, hi)):
+                expected[(w.buffer, byte)].add((w.layer, w.role))
+    got = _bytes_of_bands(block_map(p, views))
+    assert set(got) <= set(expected)
+    for key, owners in expected.items():  # a cell's codes and its scales are drawn as one piece
+        drawn = got.get(key, frozenset())  # bytes past a band's last piece are padding
+        assert owners <= drawn and {_unit(o) for o in drawn} == {_unit(o) for o in owners}, key
