@@ -17,13 +17,13 @@ from __future__ import annotations
 import html
 import math
 
-from kvpolicy.engine.memory_map import Band, Segment
+from kvpolicy.engine.memory_map import Band, Segment, block_map
 from kvpolicy.engine.plan import LayoutPlan
-from kvpolicy.engine.verify import GeometryReport
+from kvpolicy.engine.verify import GeometryReport, verify_plan
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.layouts import LEGACY_NAMES
 
-__all__ = ["ROLE_COLOURS", "draw"]
+__all__ = ["ROLE_COLOURS", "draw", "render_svg"]
 
 ROLE_COLOURS = {  # light fills, dark text on all of them
     "k_data": "#9ecae1", "v_data": "#fdae6b", "k_scale": "#a1d99b", "v_scale": "#c5b0d5",
@@ -359,3 +359,11 @@ def _draw_zoom(c: _Canvas, band: Band, y: float, width: int) -> float:
             c.text(x_of(t), ay + 17, str(band.start + t), 'text-anchor="middle" font-size="11" data-kind="axis-label"')
             last = x_of(t)
     return ay + 40
+
+
+def render_svg(plan: LayoutPlan, scale_views: ScaleViews | None = None, width: int = 1100,
+               report: GeometryReport | None = None) -> str:
+    """The block map of ``plan`` as an SVG document; ``report``: the verifier's, when already run."""
+    strategy = scale_views or plan.backend.scale_views
+    report = report if report is not None and report.scale_views is strategy else verify_plan(plan, strategy)
+    return draw(plan, strategy, block_map(plan, strategy), report, width)

@@ -14,7 +14,8 @@ block, heads or head size; nothing is listed cell by cell.
 Bands whose byte ranges meet are merged by sweeping their patterns over one
 period when they share it (vLLM #48412's naive scale views: every layer's scale
 lands inside layer 0's cells); the pieces written by two layers are the
-overlaps, at their exact offsets. Rendered as text for the terminal and as SVG.
+overlaps, at their exact offsets. Rendered here as text for the terminal; as SVG by
+`kvpolicy.engine.map_svg`.
 Pure Python.
 """
 
@@ -31,7 +32,7 @@ from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.verify import GeometryReport, Writer, verify_plan, writers
 from kvpolicy.policy.backends import ScaleViews
 
-__all__ = ["Band", "Segment", "block_map", "render_svg", "render_text"]
+__all__ = ["Band", "Segment", "block_map", "render_text"]
 
 Owner = tuple[int, str]  # (layer, role)
 
@@ -385,12 +386,3 @@ def render_text(plan: LayoutPlan, scale_views: ScaleViews | None = None, max_lin
                                      if n_over or not report.ok else "no overlaps")]
     return "\n".join(head + lines + tail)
 
-
-def render_svg(plan: LayoutPlan, scale_views: ScaleViews | None = None, width: int = 1100,
-               report: GeometryReport | None = None) -> str:
-    """The block map as an SVG document (drawn by `kvpolicy.engine.map_svg`); ``report`` as for `render_text`."""
-    from kvpolicy.engine.map_svg import draw
-
-    strategy = scale_views or plan.backend.scale_views
-    report = report if report is not None and report.scale_views is strategy else verify_plan(plan, strategy)
-    return draw(plan, strategy, block_map(plan, strategy), report, width)

@@ -510,7 +510,7 @@ def run(args: argparse.Namespace) -> int:
 
     refused = None if report is None or report.ok else refusal(checked, report)
     if args.svg and drawn is not None:
-        from kvpolicy.engine.memory_map import render_svg
+        from kvpolicy.engine.map_svg import render_svg
 
         try:
             Path(args.svg).write_text(render_svg(drawn, report=report if drawn is checked else None))

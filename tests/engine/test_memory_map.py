@@ -7,7 +7,8 @@ import xml.etree.ElementTree as ET
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.engine.memory_map import block_map, render_svg, render_text
+from kvpolicy.engine.map_svg import render_svg
+from kvpolicy.engine.memory_map import block_map, render_text
 from kvpolicy.engine.plan import plan_layout
 from kvpolicy.engine.verify import verify_plan
 from kvpolicy.policy import KVCacheSpec, Layout, ScaleViews
