@@ -262,6 +262,11 @@ def agree(decision: Decision | LayoutFingerprint, group: Any = None, timeout_s: 
     the ranks that never arrived; other backends wait for the group's own
     timeout.
     """
+    if not isinstance(decision, LayoutFingerprint) and not all(
+        hasattr(decision, a) for a in ("layout", "context", "ruleset")
+    ):
+        raise input_error("decision", f"`decision` must be a Decision or a LayoutFingerprint, got "
+                          f"`{type(decision).__name__}`", "pass engine.decide(...) or its fingerprint")
     local = decision if isinstance(decision, LayoutFingerprint) else fingerprint(decision)
     ruleset_digest = decision.ruleset.digest if isinstance(decision, Decision) else None
     try:

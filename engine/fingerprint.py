@@ -161,6 +161,13 @@ class LayoutFingerprint:
         if bad:
             raise input_error("fingerprint", "not a layout fingerprint: wrong type for "
                               + ", ".join(f"`{name}`" for name in bad))
+        try:  # `layout` parses these two: a peer's unknown pair must fail here, as an InputError
+            Layout.parse(f"{values['placement']}/{values['head_order']}")
+        except ValueError:
+            raise input_error("fingerprint.placement", f"not a layout fingerprint: placement "
+                              f"`{values['placement'][:40]!r}` with head_order `{values['head_order'][:40]!r}` "
+                              "names no layout",
+                              "pass LayoutFingerprint.to_dict() or to_json() from the peer") from None
         for name in ("logical_dims", "physical_dims", "physical_shape"):
             values[name] = tuple(values[name])
         values["groups"] = tuple(GroupFingerprint(**g) for g in values["groups"])

@@ -10,6 +10,8 @@ that parses it:
 - at most `MAX_PEER_DEPTH` nested lists and objects, `MAX_PEER_ITEMS` values
   and `MAX_PEER_BYTES` characters of strings in all (checked iteratively,
   without recursion, on parsed JSON and on dicts a caller passes alike);
+- JSON values only: string keys, and no sets, bytes, objects or non-finite
+  floats in a dict a caller passes;
 - strict JSON: ``NaN`` and ``Infinity`` are refused, and so are integers of
   more than 4,096 bits (a fingerprint's largest is a byte count), which could
   not even be printed in an error message past Python's 4,300-digit limit.
@@ -21,6 +23,7 @@ Python, no torch.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from kvpolicy.policy.errors import input_error
@@ -39,14 +42,27 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"`{name}` is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 is valid JSON text but parses to an infinity
+        raise ValueError(f"`{text[:40]}` is past a float's range")
+    return value
+
+
 def load_peer_json(data: str | bytes | bytearray, what: str) -> Any:
     """Parse a peer's JSON ``data`` within the bounds above; `InputError` naming ``what`` otherwise."""
-    size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
+    if not isinstance(data, (str, bytes, bytearray)):  # json.loads and len() would raise a bare TypeError
+        raise input_error(what, f"the {what} data must be JSON text (str or bytes), got `{type(data).__name__}`",
+                          _HELP, code="peer-data")
+    # a character is at least one byte: a text longer than the bound is refused before it is copied to
+    # measure it (a peer's 1 GB string would otherwise cost another GB or more here)
+    size = len(data) if len(data) > MAX_PEER_BYTES or not isinstance(data, str) else len(
+        data.encode("utf-8", "surrogatepass"))
     if size > MAX_PEER_BYTES:
         raise input_error(what, f"the {what} data is {size} bytes, more than the {MAX_PEER_BYTES} a fingerprint "
                           "may take", _HELP, code="peer-data")
     try:
-        value = json.loads(data, parse_constant=_refuse_constant)
+        value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise input_error(what, f"the {what} data nests deeper than {MAX_PEER_DEPTH} levels", _HELP,
                           code="peer-data") from None
@@ -77,11 +93,19 @@ def check_peer_value(value: Any, what: str) -> None:
             raise input_error(what, f"the {what} data holds an integer of {node.bit_length()} bits", _HELP,
                               code="peer-data")
         if isinstance(node, dict):
+            if not all(isinstance(k, str) for k in node):  # JSON keys are text; 1 and "1" would print alike
+                raise input_error(what, f"the {what} data has a key that is not a string", _HELP, code="peer-data")
             children = [*node.keys(), *node.values()]
         elif isinstance(node, (list, tuple)):
             children = list(node)
-        else:
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise input_error(what, f"the {what} data holds `{node}`, which JSON cannot carry", _HELP,
+                              code="peer-data")
+        elif node is None or isinstance(node, (bool, int, float)):
             continue
+        else:  # a set, bytes, an object: nothing JSON carries, and `agree` prints and compares it as JSON
+            raise input_error(what, f"the {what} data holds a `{type(node).__name__}`, which is not a JSON value",
+                              _HELP, code="peer-data")
         if depth + 1 > MAX_PEER_DEPTH and children:
             raise input_error(what, f"the {what} data nests deeper than {MAX_PEER_DEPTH} levels", _HELP,
                               code="peer-data")

@@ -338,7 +338,8 @@ def _short(value: int | float) -> str:
 
 
 def _len(t: object, dim: int = 0) -> int:
-    return int(t.shape[dim]) if isinstance(t, torch.Tensor) and t.dim() > dim else -1
+    # a nested tensor has no sizes to read (check_values then refuses it by name)
+    return int(t.shape[dim]) if isinstance(t, torch.Tensor) and not t.is_nested and t.dim() > dim else -1
 
 
 def _compare(where: str, t: torch.Tensor, raw: torch.Tensor, dtype: str, shape: tuple[int, ...],

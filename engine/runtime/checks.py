@@ -39,6 +39,9 @@ def check_values(
     """``t`` is a bf16/fp16/fp32 tensor of ``shape`` (named by ``dims``) on ``device``, of ``like``'s dtype if given."""
     if not isinstance(t, torch.Tensor):
         raise input_error(name, f"`{name}` must be a torch.Tensor, got `{type(t).__name__}`")
+    if t.layout != torch.strided or t.is_nested:
+        raise input_error(name, f"`{name}` is a `{t.layout}`{' nested' if t.is_nested else ''} tensor",
+                          "pass a dense (strided) tensor, e.g. `t.to_dense()`")
     if t.dtype not in VALUE_DTYPES:
         raise input_error(name, f"`{name}` has dtype `{t.dtype}`", "pass bfloat16, float16 or float32 values")
     if tuple(t.shape) != shape:
@@ -55,6 +58,9 @@ def _slot_tensor(slot_mapping: object, num_tokens: int | None, device: torch.dev
     """The checks that need no data: a 1-D int32/int64 tensor of ``num_tokens`` slots on ``device``."""
     if not isinstance(slot_mapping, torch.Tensor):
         raise input_error("slot_mapping", f"`slot_mapping` must be a torch.Tensor, got `{type(slot_mapping).__name__}`")
+    if slot_mapping.layout != torch.strided or slot_mapping.is_nested:
+        raise input_error("slot_mapping", f"`slot_mapping` is a `{slot_mapping.layout}` tensor",
+                          "pass a dense (strided) tensor, e.g. `slot_mapping.to_dense()`")
     if slot_mapping.dtype not in _INDEX_DTYPES or slot_mapping.dim() != 1:
         raise input_error("slot_mapping", f"`slot_mapping` must be a 1-D int32 or int64 tensor, got "
                           f"`{slot_mapping.dtype}` with shape `{tuple(slot_mapping.shape)}`")
@@ -123,6 +129,9 @@ def check_slots_on_device(slot_mapping: object, num_tokens: int | None, num_slot
 def check_block_ids(block_ids: object, num_blocks: int, device: torch.device, unique: bool) -> torch.Tensor:
     """Block ids as a 1-D int64 tensor on ``device``; from a tensor or a sequence of ints."""
     if isinstance(block_ids, torch.Tensor):
+        if block_ids.layout != torch.strided or block_ids.is_nested:
+            raise input_error("block_ids", f"`block_ids` is a `{block_ids.layout}` tensor",
+                              "pass a dense (strided) tensor or a list of ints")
         if block_ids.dtype not in _INDEX_DTYPES or block_ids.dim() != 1:
             raise input_error("block_ids", f"`block_ids` must be a 1-D int32 or int64 tensor, got "
                               f"`{block_ids.dtype}` with shape `{tuple(block_ids.shape)}`")

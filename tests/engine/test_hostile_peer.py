@@ -1,0 +1,103 @@
+"""A hostile peer's fingerprint data: every malformed value is an `InputError` naming the argument, never a bare
+TypeError/ValueError from json or from `LayoutFingerprint.layout`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpolicy.engine.agreement import RankFingerprint, agree, check_compatible, compare_ranks
+from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
+from kvpolicy.engine.peer_data import MAX_PEER_BYTES
+from kvpolicy.engine.plan import plan_layout
+from kvpolicy.policy.backends import BACKENDS
+from kvpolicy.policy.errors import InputError
+from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.spec import KVCacheSpec
+
+
+def _fingerprint(layout: Layout = Layout.LBNHC, backend: str = "TRITON_ATTN") -> LayoutFingerprint:
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=1 if BACKENDS[backend].mla else 2, head_size=16, block_size=16,
+                       dtype="bfloat16", kv_cache_dtype="fp8", kind="mla" if BACKENDS[backend].mla else "full")
+    plan = plan_layout(layout, spec, BACKENDS[backend], 5)
+    return fingerprint_of(plan.layout, plan.spec, plan.backend)
+
+
+def _supported() -> list[tuple[str, Layout]]:
+    out = []
+    for name in BACKENDS:
+        for layout in Layout:
+            try:
+                _fingerprint(layout, name)
+            except InputError:  # the backend has no geometry for this layout
+                continue
+            out.append((name, layout))
+    return out
+
+
+@pytest.mark.parametrize("data", [5, None, 1.5, [1], {}, memoryview(b"{}")],
+                         ids=["int", "None", "float", "list", "dict", "memoryview"])
+def test_from_json_refuses_what_is_not_json_text_by_name(data: object) -> None:
+    with pytest.raises(InputError) as err:
+        LayoutFingerprint.from_json(data)  # type: ignore[arg-type]
+    assert err.value.diagnostics[0].code == "peer-data"
+    assert "fingerprint" in str(err.value)
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "1E+999"])
+def test_peer_json_refuses_numbers_that_parse_to_infinity(number: str) -> None:
+    """Docs: peer JSON is strict, no Infinity; `1e400` is the same value spelled as a number."""
+    with pytest.raises(InputError) as err:
+        check_compatible(_fingerprint(), f'{{"format_version": {number}}}')
+    assert err.value.diagnostics[0].code == "peer-data"
+
+
+@pytest.mark.parametrize(("placement", "head_order"), [("per\u200b_layer", "NHD"), ("per_layer", "NHDX"),
+                                                       ("", ""), ("cross_layer", "per_layer")])
+def test_from_dict_refuses_a_placement_that_names_no_layout(placement: str, head_order: str) -> None:
+    data = _fingerprint().to_dict() | {"placement": placement, "head_order": head_order}
+    with pytest.raises(InputError) as err:
+        LayoutFingerprint.from_json(json.dumps(data)).layout  # noqa: B018 - `layout` parses the pair
+    assert "fingerprint.placement" in str(err.value)
+
+
+@pytest.mark.parametrize(("backend", "layout"), _supported())
+def test_every_supported_layout_round_trips_through_from_json(backend: str, layout: Layout) -> None:
+    fp = _fingerprint(layout, backend)
+    assert LayoutFingerprint.from_json(fp.to_json()) == fp
+
+
+@pytest.mark.parametrize("bad", [{1, 2}, b"x", object(), float("nan"), float("-inf")],
+                         ids=["set", "bytes", "object", "nan", "-inf"])
+def test_compare_ranks_refuses_a_fingerprint_that_is_not_json_by_name(bad: object) -> None:
+    ranks = [RankFingerprint(0, 0, {"format_version": bad}), RankFingerprint(1, 1, _fingerprint().to_dict())]
+    with pytest.raises(InputError) as err:
+        compare_ranks(ranks)
+    assert err.value.diagnostics[0].code == "peer-data"
+    assert "rank 0" in str(err.value)
+
+
+def test_check_compatible_refuses_a_dict_with_non_string_keys() -> None:
+    fp = _fingerprint().to_dict()
+    with pytest.raises(InputError) as err:
+        check_compatible(fp, {**fp, 7: "x"})
+    assert err.value.diagnostics[0].code == "peer-data"
+
+
+@pytest.mark.parametrize("bad", [None, {}, "{}", 5, b"{}"], ids=["None", "dict", "str", "int", "bytes"])
+def test_agree_refuses_what_is_neither_a_decision_nor_a_fingerprint_by_name(bad: object) -> None:
+    with pytest.raises(InputError) as err:
+        agree(bad)  # type: ignore[arg-type]
+    assert err.value.diagnostics[0].file == "decision"
+
+
+class _NoCopyText(str):
+    def encode(self, *args: object, **kwargs: object) -> bytes:  # type: ignore[override]
+        raise AssertionError("a text past the bound was copied to measure it")
+
+
+def test_a_peer_text_past_the_bound_is_refused_before_it_is_copied() -> None:
+    with pytest.raises(InputError) as err:
+        LayoutFingerprint.from_json(_NoCopyText(" " * (MAX_PEER_BYTES + 1)))
+    assert err.value.diagnostics[0].code == "peer-data"
