@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
+from kvpolicy.policy.connectors import connector_name_problem
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec, field_spec
 from kvpolicy.policy.errors import Diagnostic
 from kvpolicy.policy.layouts import Layout, LayoutPattern
@@ -203,11 +203,12 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
         rules_data = []
 
     if header is not None:
-        if header.connector is not None and header.connector not in KNOWN_CONNECTORS:
-            near = suggest_connector(header.connector)
-            diags.append(src.diag(("connector",), "unknown-connector", f"unknown connector `{header.connector}`",
-                                  (f"did you mean `{near}`? " if near else "")
-                                  + "connector files must name a vLLM connector class"))
+        # any well-formed name: third-party and newer connectors get rules too; a near miss of a
+        # known name is a warning of the layered set (kvpolicy.policy.layers.connector_warnings)
+        problem = None if header.connector is None else connector_name_problem(header.connector)
+        if problem is not None:
+            diags.append(src.diag(("connector",), "invalid-connector-name", problem,
+                                  "name the connector's class, as vLLM's `kv_connector` does"))
         if in_connectors_dir and header.connector is None:
             diags.append(src.diag((), "missing-connector", "a file in `connectors/` must declare `connector:`",
                                   "add `connector: <ConnectorClassName>`"))

@@ -8,6 +8,7 @@ documented in docs/cli.md.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpolicy.engine.cli.common import (
@@ -32,7 +33,7 @@ examples:
   kvpolicy test                                   # rules/<profile>/tests/*.yaml against the shipped rules
   kvpolicy test --vllm-version issue-48412        # that profile's shipped rules and tests
   kvpolicy test --vllm-version 0.28.0             # rules/vllm-0.28/tests/*.yaml, decided as vLLM 0.28
-  kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against my-rules/
+  kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against the shipped rules + my-rules/
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
 
 a case file (docs/cli.md has the full format):
@@ -110,8 +111,10 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
 def run(args: argparse.Namespace) -> int:
     from kvpolicy.engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
 
-    ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version)
-    paths = args.paths or [rules_root(args.rules, args.vllm_version)[0] / "tests"]
+    ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
+    # default cases: the tests/ of each operator layer; the shipped rules' own with no --rules
+    paths = args.paths or [Path(d) / "tests" for d in args.rules or []] or [rules_root(None, args.vllm_version)[0]
+                                                                          / "tests"]
     result = run_policy_tests(ruleset, paths, vllm_version=args.vllm_version)
     if args.format == "json":
         print_json(result.to_dict())
