@@ -295,6 +295,9 @@ def lint(
                     why[reason].append(problem[1])
 
     findings: list[Finding] = []
+    from kvpolicy.engine.analysis.connector_names import unknown_connector_findings  # it imports Finding from here
+
+    findings += unknown_connector_findings(ruleset)
     for (layout, reason), labels in sorted(unsafe.items()):
         shown = "; ".join(why[(layout, reason)][:2])
         if len(why[(layout, reason)]) > 2:
