@@ -34,6 +34,7 @@ examples:
   kvpolicy test --vllm-version issue-48412        # that profile's shipped rules and tests
   kvpolicy test --vllm-version 0.28.0             # rules/vllm-0.28/tests/*.yaml, decided as vLLM 0.28
   kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against the shipped rules + my-rules/
+                                                  (several --rules: the tests/ of each that has one)
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
 
 a case file (docs/cli.md has the full format):
@@ -113,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
 
     ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
     # default cases: the tests/ of each operator layer; the shipped rules' own with no --rules
-    paths = args.paths or [Path(d) / "tests" for d in args.rules or []] or [rules_root(None, args.vllm_version)[0]
-                                                                          / "tests"]
+    layers = [Path(d) / "tests" for d in args.rules or []]
+    paths = (args.paths or [t for t in layers if t.is_dir()] or layers[-1:]
+             or [rules_root(None, args.vllm_version)[0] / "tests"])
     result = run_policy_tests(ruleset, paths, vllm_version=args.vllm_version)
     if args.format == "json":
         print_json(result.to_dict())
