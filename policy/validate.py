@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpolicy.policy.connectors import connector_name_problem
+from kvpolicy.policy.connectors import connector_name_problem, near_connector
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec, field_spec
 from kvpolicy.policy.errors import Diagnostic
 from kvpolicy.policy.layouts import Layout, LayoutPattern
@@ -126,12 +126,20 @@ def _check_value(spec: FieldSpec, op: str, value: Any) -> tuple[str, str | None]
     if spec.type == "str":
         if not isinstance(value, str):
             return f"`{spec.path}` is a string, got {_type_name(value)} `{value}`", None
+        if spec.path == "connector.name" and _open_connector_name(value, spec.choices or ()):
+            return None
         if spec.choices is not None and value not in spec.choices:
             close = difflib.get_close_matches(value, spec.choices, n=1)
             hint = f"did you mean `{close[0]}`? " if close else ""
             return (f"`{value}` is not a value of `{spec.path}`",
                     f"{hint}valid values: {', '.join(spec.choices)}")
     return None
+
+
+def _open_connector_name(value: str, known: tuple[str, ...]) -> bool:
+    """`connector.name` compares with any well-formed connector name (third-party, newer ones) that is
+    not a near miss of a known one: a misspelt known name in a condition would silently never match."""
+    return value not in known and connector_name_problem(value) is None and near_connector(value, known) is None
 
 
 def _check_leaf(src: Located, path: Path, leaf: Leaf, diags: list[Diagnostic]) -> None:

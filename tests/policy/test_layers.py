@@ -87,3 +87,12 @@ def test_connector_files_in_two_layers_both_apply() -> None:
     a = load_rules_from_texts({"connectors/a.yaml": conn_file("MyConnector", "a")})
     b = load_rules_from_texts({"connectors/b.yaml": conn_file("MyConnector", "b")})
     assert [r.id for r in compose_layers([(a, True), (b, False)]).connector_rules("MyConnector")] == ["a", "b"]
+
+
+def test_connector_name_conditions_take_any_name_but_a_near_miss() -> None:
+    when = "version: 1\nrules:\n  - id: r\n    description: d\n    when: {{field: connector.name, eq: {}}}\n" \
+           "    forbid: {{placement: cross_layer}}\n"
+    assert load_rules_from_texts({"global.yaml": when.format("MyConnector")}).rules[0].id == "r"
+    with pytest.raises(RuleLoadError) as err:
+        load_rules_from_texts({"global.yaml": when.format("NixlConector")})
+    assert "did you mean `NixlConnector`?" in (err.value.diagnostics[0].help or "")
