@@ -12,7 +12,6 @@ Deciding never imports torch; `build` does, lazily.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from kvpolicy.engine.decide import evaluate, no_layout_error, scopes_for
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import context_from_inputs
 from kvpolicy.engine.plan import LayoutPlan, plan_layout
-from kvpolicy.engine.rule_layers import load_layers, rule_dirs
+from kvpolicy.engine.rule_layers import load_layers, rule_dirs, shipped_rules_dir
 from kvpolicy.engine.verify import check_plan
 
 if TYPE_CHECKING:
@@ -38,20 +37,6 @@ from kvpolicy.policy.ruleset import RuleSet
 __all__ = ["LayoutEngine", "fallback_ruleset", "shipped_rules_dir"]
 
 logger = logging.getLogger("kvpolicy")
-
-
-def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
-    """The shipped rules of a release profile (default: the default profile's), e.g. ``rules/vllm-0.34``:
-    beside the source tree, or in the installed package data."""
-    sub = get_profile(vllm_version).rules
-    here = Path(__file__).resolve().parent.parent / "rules"
-    if (here / sub / "global.yaml").is_file():
-        return here / sub
-    # installed from a wheel: package data `kvpolicy.rules`, a namespace package (no __init__.py)
-    spec = importlib.util.find_spec("kvpolicy.rules")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations))) / sub
-    return here / sub  # not found: the loader reports the missing directory
 
 
 FALLBACK_RULES = """\
@@ -136,11 +121,13 @@ class LayoutEngine:
         and returns an engine that allows only the per-layer layout, with the
         error kept in ``load_error``, so a serving engine can still start.
         """
+        from kvpolicy.engine.analysis.guards import load_checked  # the analysis only when rules are read
+
         profile = get_profile(vllm_version)
         dirs = tuple(rule_dirs(path))
         try:
-            ruleset = load_layers(dirs, vllm_version=profile, shipped_rules=shipped_rules, limits=limits,
-                                  where="shipped_rules")
+            ruleset = load_checked(dirs, vllm_version=profile, shipped_rules=shipped_rules, limits=limits,
+                                   where="shipped_rules")
         except RuleLoadError as exc:
             if on_error != "fallback":
                 raise
@@ -160,13 +147,15 @@ class LayoutEngine:
         otherwise the active set stays and the error is returned (never raised).
         Returns None on success.
         """
+        from kvpolicy.engine.analysis.guards import load_checked
+
         source = tuple(rule_dirs(path)) if path is not None else self._source
         if source is None:
             return RuleLoadError("", [Diagnostic("<engine>", 0, 0, "no-source", "this engine has no rules directory",
                                                  "pass the directory to reload(path)")])
         try:
-            ruleset = load_layers(source, vllm_version=self.profile, shipped_rules=self._shipped_rules,
-                                  limits=self._limits, where="shipped_rules")
+            ruleset = load_checked(source, vllm_version=self.profile, shipped_rules=self._shipped_rules,
+                                   limits=self._limits, where="shipped_rules")
         except RuleLoadError as exc:
             logger.warning("kvpolicy: reload of %s failed; keeping the active rules\n%s",
                            ", ".join(map(str, source)) or "the shipped rules", exc.render())

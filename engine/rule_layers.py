@@ -6,24 +6,29 @@ with the layers ``rules/<profile>``, A, B. Replacing the shipped rules is explic
 (``--no-shipped-rules``, ``shipped_rules=False``, ``KVPOLICY_SHIPPED_RULES=0``) and warns for
 each shipped forbid or require that the geometry verifier shows load-bearing for the profile
 (``kvpolicy lint``'s `safety` rules: without it the rules let a layout whose views overlap
-through for some input of the profile's space) and that the replacing rules do not restate.
+through for some input of the profile's space) and that the replacing rules do not restate:
+`kvpolicy.engine.analysis.guards`, kept apart so that this module never imports the analysis.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError
 from kvpolicy.policy.layers import compose_layers
 from kvpolicy.policy.load import Limits, load_rules
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
-from kvpolicy.policy.ruleset import CompiledRule, RuleSet
+from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["NO_SHIPPED_FLAG", "dropped_guards", "load_layers", "load_bearing_guards"]
+__all__ = [
+    "NO_SHIPPED_FLAG",
+    "load_layers",
+    "rule_dirs",
+    "shipped_rules_dir",
+]
 
 NO_SHIPPED_FLAG = "--no-shipped-rules"
 
@@ -39,18 +44,30 @@ def rule_dirs(rules: RulesArg) -> list[Path]:
     return [Path(r) for r in rules]
 
 
+def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
+    """The shipped rules of a release profile (default: the default profile's), e.g. ``rules/vllm-0.34``:
+    beside the source tree, or in the installed package data."""
+    sub = get_profile(vllm_version).rules
+    here = Path(__file__).resolve().parent.parent / "rules"
+    if (here / sub / "global.yaml").is_file():
+        return here / sub
+    # installed from a wheel: package data `kvpolicy.rules`, a namespace package (no __init__.py)
+    spec = importlib.util.find_spec("kvpolicy.rules")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations))) / sub
+    return here / sub  # not found: the loader reports the missing directory
+
+
 def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | None = None,
                 shipped_rules: bool = True, limits: Limits = Limits(),
                 display: Sequence[str] | None = None, where: str = NO_SHIPPED_FLAG) -> RuleSet:
     """The layered rule set: the profile's shipped rules (unless ``shipped_rules`` is False), then
     each directory of ``rules``, bottom first; ``display`` shows each directory in locations.
 
-    Raises `RuleLoadError` listing every problem of every layer. Without the shipped layer the
-    result's ``warnings`` name each load-bearing shipped guard that is gone (`dropped_guards`),
-    located at ``where`` (the flag or setting that dropped them).
+    Raises `RuleLoadError` listing every problem of every layer; ``where`` names the flag or
+    setting that dropped the shipped rules when nothing is left. The warnings for load-bearing
+    shipped guards that are gone are `kvpolicy.engine.analysis.guards.load_checked`'s.
     """
-    from kvpolicy.engine.layout_engine import shipped_rules_dir
-
     profile = get_profile(vllm_version)
     dirs = rule_dirs(rules)
     shown = list(display) if display is not None else [str(d) for d in dirs]
@@ -77,40 +94,4 @@ def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | 
             diags += exc.diagnostics
     if diags:
         raise RuleLoadError(f"{len(diags)} error(s) in rule set `{' + '.join(n for _p, n, _s in todo)}`", diags)
-    ruleset = compose_layers(layers)
-    if not shipped_rules:
-        ruleset = replace(ruleset, warnings=(*ruleset.warnings, *dropped_guards(ruleset, profile, where)))
-    return ruleset
-
-
-@functools.lru_cache(maxsize=8)
-def load_bearing_guards(profile_name: str) -> tuple[tuple[CompiledRule, tuple[str, ...]], ...]:
-    """The shipped forbids/requires of the profile that ``kvpolicy lint`` finds `safety` load-bearing,
-    each with example inputs. Deterministic for a profile, so computed once per process."""
-    from kvpolicy.engine.analysis import lint
-    from kvpolicy.engine.layout_engine import LayoutEngine
-
-    shipped = LayoutEngine.default(profile_name).ruleset
-    report = lint(shipped, vllm_version=profile_name, baseline=shipped)
-    return tuple((shipped.rule(lb.rule.id), tuple(lb.examples)) for lb in report.load_bearing
-                 if lb.kind == "safety")
-
-
-def dropped_guards(ruleset: RuleSet, vllm_version: str | ReleaseProfile | None = None,
-                   where: str = NO_SHIPPED_FLAG) -> list[Diagnostic]:
-    """A warning for each load-bearing shipped guard of the profile that ``ruleset`` does not
-    hold word for word (same scope, same rule)."""
-    profile = get_profile(vllm_version)
-    have = [(r.scope, r.rule) for r in ruleset.rules]  # rules are not hashable: compared by equality
-    out = []
-    for guard, examples in load_bearing_guards(profile.name):
-        if (guard.scope, guard.rule) in have:
-            continue
-        example = f"; e.g. {examples[0].rsplit(': ', 1)[0]}" if examples else ""
-        out.append(Diagnostic(where, 0, 0, "dropped-guard",
-                              f"shipped {guard.effect.value} `{guard.id}` ({guard.source}) is not in these rules, "
-                              f"and the verifier shows it load-bearing for `{profile.name}`: without it the rules "
-                              f"let a layout whose views overlap through{example}",
-                              "keep the shipped rules (drop the flag: your directories layer on top of them), "
-                              "or copy the rule into your rules"))
-    return out
+    return compose_layers(layers)

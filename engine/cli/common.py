@@ -122,7 +122,8 @@ def load_ruleset(rules: str | list[str] | None, flag: str = "--rules", vllm_vers
     ``shipped_rules`` is False), then each directory of ``rules``. Raises `RuleLoadError` listing every
     problem, or a `UsageError` naming ``flag`` when a path is not a directory at all. Its warnings
     (near connector names, dropped load-bearing guards) go to ``stream`` (stderr)."""
-    from kvpolicy.engine.rule_layers import NO_SHIPPED_FLAG, load_layers
+    from kvpolicy.engine.analysis.guards import load_checked
+    from kvpolicy.engine.rule_layers import NO_SHIPPED_FLAG
     from kvpolicy.policy.layers import render_warning
 
     check_vllm_version(vllm_version)
@@ -135,8 +136,8 @@ def load_ruleset(rules: str | list[str] | None, flag: str = "--rules", vllm_vers
     if not shipped_rules and not dirs:
         raise usage_error(NO_SHIPPED_FLAG, "no rules left: the shipped rules are replaced and no rule directory "
                           "is given", f"give a rule directory ({flag} DIR), or drop {NO_SHIPPED_FLAG}")
-    ruleset = load_layers([Path(d) for d in dirs], vllm_version=vllm_version, shipped_rules=shipped_rules,
-                          display=dirs)
+    ruleset = load_checked([Path(d) for d in dirs], vllm_version=vllm_version, shipped_rules=shipped_rules,
+                           display=dirs)
     for diag in ruleset.warnings:
         print(render_warning(diag), file=stream or sys.stderr)
     return ruleset

@@ -47,8 +47,8 @@ from typing import Any
 from kvpolicy.engine.decide import RELEASE_CANDIDATES
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.layout_engine import LayoutEngine, shipped_rules_dir
-from kvpolicy.policy.layers import render_warning
 from kvpolicy.policy.errors import Diagnostic, PolicyError, RuleLoadError
+from kvpolicy.policy.layers import render_warning
 from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
 
 __all__ = [
