@@ -41,7 +41,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'kvpolicy.engine' has no attribute {name!r}")
 
 
 __all__ = [

@@ -29,7 +29,8 @@ from typing import Any
 
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.fingerprint import FORMAT_VERSION, LayoutFingerprint, fingerprint
-from kvpolicy.policy.errors import Diagnostic, PolicyError, input_error
+from kvpolicy.engine.peer_data import MAX_PEER_BYTES, check_peer_value, load_peer_json
+from kvpolicy.policy.errors import Diagnostic, InputError, PolicyError, input_error
 
 __all__ = [
     "AgreementError",
@@ -109,10 +110,9 @@ def _as_dict(value: FingerprintLike, name: str) -> dict[str, Any]:
     if isinstance(value, Decision):
         return fingerprint(value).to_dict()
     if isinstance(value, (str, bytes)):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise input_error(name, f"the {name} fingerprint is not JSON: {exc}") from None
+        value = load_peer_json(value, name)  # bounded: a peer controls every byte
+    elif isinstance(value, dict):
+        check_peer_value(value, name)
     if not isinstance(value, dict):
         raise input_error(name, f"the {name} fingerprint must be a LayoutFingerprint, its dict or its JSON, "
                                 f"got {type(value).__name__}")
@@ -213,6 +213,8 @@ def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
     """
     if not ranks:
         raise input_error("ranks", "no rank fingerprints to compare")
+    for r in ranks:  # a rank's fingerprint is a peer's data: bounded before it is printed or compared
+        check_peer_value(r.fingerprint, r.name)
     ordered = sorted(ranks, key=lambda r: r.group_rank)
     classes: dict[str, list[RankFingerprint]] = {}
     for r in ordered:
@@ -284,26 +286,75 @@ def agree(decision: Decision | LayoutFingerprint, group: Any = None, timeout_s: 
                 f"not every rank reached the layout agreement within {timeout_s:g} s: {exc}",
                 "every rank of the group must call agree(); check the named ranks' logs")]) from exc
     mine = RankFingerprint(dist.get_rank(), dist.get_rank(group), local.to_dict(), ruleset_digest)
-    gathered = _all_gather_json(dist, mine.to_dict(), world, group)
-    compare_ranks([RankFingerprint.from_dict(g) for g in gathered])
+    gathered = _all_gather_bytes(dist, _encode(mine), world, group)
+    compare_ranks([_rank_from_bytes(data, i) for i, data in enumerate(gathered)])
     return local
 
 
-def _all_gather_json(dist: Any, payload: dict[str, Any], world: int, group: Any) -> list[Any]:
-    """Every rank's ``payload``, as JSON bytes in uint8 tensors: unlike ``all_gather_object``
-    (pickle, then ``tensor.numpy()``), this needs no numpy and unpickles nothing a peer sent."""
+def _encode(rank: RankFingerprint) -> bytes:
+    """What this rank sends: its `RankFingerprint` as canonical JSON bytes."""
+    return json.dumps(rank.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _peer_error(group_rank: int, message: str) -> AgreementError:
+    return AgreementError("", [Diagnostic(
+        f"group rank {group_rank}", 0, 0, "peer-data", message,
+        "every rank must run the same kvpolicy version and call agree(); check that rank's logs")])
+
+
+def _rank_from_bytes(data: bytes, group_rank: int) -> RankFingerprint:
+    """Group rank ``group_rank``'s contribution, checked before anything trusts it.
+
+    Every rank parses the same bytes, so a rank that sent garbage is named by the
+    same `AgreementError` on every rank. A fingerprint of another format version is
+    left for `compare_ranks`, which reports it as a format mismatch.
+    """
+    name = f"group rank {group_rank}"
+    try:
+        payload = load_peer_json(data, name)
+    except InputError as exc:
+        raise _peer_error(group_rank, exc.diagnostics[0].message) from None
+    fields = {"rank": int, "group_rank": int, "fingerprint": dict, "ruleset_digest": (str, type(None))}
+    if not isinstance(payload, dict) or set(payload) != set(fields) or not all(
+        isinstance(payload[k], t) and not isinstance(payload[k], bool) for k, t in fields.items()
+    ):
+        raise _peer_error(group_rank, f"{name} sent `{_show(payload)[:200]}`, not a rank fingerprint")
+    if payload["group_rank"] != group_rank:
+        raise _peer_error(group_rank, f"{name} claims to be group rank {payload['group_rank']}")
+    if payload["fingerprint"].get("format_version") == FORMAT_VERSION:
+        try:
+            LayoutFingerprint.from_dict(payload["fingerprint"])
+        except InputError as exc:
+            raise _peer_error(group_rank, f"{name} sent an invalid fingerprint: "
+                              f"{exc.diagnostics[0].message}") from None
+    return RankFingerprint.from_dict(payload)
+
+
+def _all_gather_bytes(dist: Any, data: bytes, world: int, group: Any) -> list[bytes]:
+    """Every rank's ``data``, in group-rank order, through uint8 tensors.
+
+    Unlike ``all_gather_object`` (pickle, then ``tensor.numpy()``), this needs no
+    numpy and unpickles nothing a peer sent. First the lengths, then the bytes,
+    zero-padded to the longest; a length over `MAX_PEER_BYTES` (or negative) is
+    refused on every rank before the second gather, so no rank allocates what a
+    peer asked for and every rank leaves the collective at the same step.
+    """
     import torch
 
     device = torch.device("cpu")
     if "nccl" in str(dist.get_backend(group)):
         device = torch.device("cuda", torch.cuda.current_device())
-    data = json.dumps(payload, sort_keys=True).encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    sizes_t = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes_t, size, group=group)
+    sizes = [int(s.item()) for s in sizes_t]
+    for i, n in enumerate(sizes):
+        if not 0 <= n <= MAX_PEER_BYTES:
+            raise _peer_error(i, f"group rank {i} announced {n} bytes of fingerprint; at most {MAX_PEER_BYTES} "
+                              "are accepted")
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
-    return [json.loads(bytes(row[: int(n.item())].cpu().tolist()).decode()) for row, n in zip(rows, sizes, strict=True)]
+    return [bytes(row[:n].cpu().tolist()) for row, n in zip(rows, sizes, strict=True)]

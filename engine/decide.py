@@ -2,7 +2,8 @@
 
 1. Candidates: the layouts the release profile has and every attention
    backend supports (``Context.candidates``), most preferred first; the
-   others are removed up front by the built-in ``release-candidates`` entry.
+   others are removed up front by the built-in ``release-candidates`` entry,
+   and any the planned backend has no geometry for by ``backend-geometry``.
 2. Active scopes: global, the configured connector, and recursively each
    member of a composite connector, whose ``connector.*`` fields bind to it.
 3. A matched ``forbid`` removes what its pattern matches; a matched
@@ -37,10 +38,23 @@ from kvpolicy.policy.releases import get_profile, profile_names
 from kvpolicy.policy.rule_model import MemberPreferences
 from kvpolicy.policy.ruleset import FORBID, PREFER, REQUIRE, CompiledRule, RuleSet, Source
 
-__all__ = ["RELEASE_CANDIDATES", "Outcome", "Scope", "connector_rules_for", "evaluate", "rule_ref", "scopes_for"]
+__all__ = [
+    "BACKEND_GEOMETRY",
+    "RELEASE_CANDIDATES",
+    "Outcome",
+    "Scope",
+    "connector_rules_for",
+    "evaluate",
+    "geometry_ref",
+    "rule_ref",
+    "scopes_for",
+]
 
 # The id under which the built-in candidate filter (step 1) appears in traces, errors and policy tests.
 RELEASE_CANDIDATES = "release-candidates"
+# The id under which a candidate the planned backend has no geometry for is removed (step 1 too): a
+# Context built by hand may list one, and a winner must always be plannable.
+BACKEND_GEOMETRY = "backend-geometry"
 
 
 
@@ -55,6 +69,8 @@ class Scope:
     mode: MemberPreferences = MemberPreferences.all
     candidates: tuple[Layout, ...] | None = None  # global scope only: Context.candidates
     release: RuleRef | None = None  # global scope only: what stands for the built-in candidate filter
+    geometry: RuleRef | None = None  # global scope only: what removed the candidates `no_geometry` lists
+    no_geometry: tuple[Layout, ...] = ()  # global scope only: candidates the backend cannot plan
 
     def walk(self) -> list[Scope]:
         out = [self]
@@ -70,7 +86,8 @@ class Scope:
         if self.label in overrides:
             env = {**env, **overrides[self.label]}
         members = tuple(m.with_env(overrides) for m in self.members)
-        return Scope(self.label, self.rules, env, members, self.mode, self.candidates, self.release)
+        return Scope(self.label, self.rules, env, members, self.mode, self.candidates, self.release,
+                     self.geometry, self.no_geometry)
 
 
 def connector_rules_for(ruleset: RuleSet, ctx: Context, name: str) -> tuple[CompiledRule, ...]:
@@ -93,7 +110,11 @@ def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, labe
 
 def scopes_for(ruleset: RuleSet, ctx: Context) -> tuple[Scope, Scope | None]:
     """The global scope and the connector scope tree (None without a connector)."""
-    glob = Scope("global", ruleset.global_rules, ctx.env(), candidates=ctx.candidates, release=release_ref(ctx))
+    # INVARIANT: the winner is plannable: a candidate the backend has no geometry for is removed up front
+    plannable = tuple(x for x in ctx.candidates if x in ctx.backend.orders)
+    no_geometry = tuple(x for x in ctx.candidates if x not in ctx.backend.orders)
+    glob = Scope("global", ruleset.global_rules, ctx.env(), candidates=plannable, release=release_ref(ctx),
+                 geometry=geometry_ref(ctx, no_geometry) if no_geometry else None, no_geometry=no_geometry)
     if ctx.connector is None:
         return glob, None
     return glob, _connector_scope(ruleset, ctx, ctx.connector, f"connector:{ctx.connector.name}", True)
@@ -111,6 +132,14 @@ def release_ref(ctx: Context) -> RuleRef:
                 "workers' supported_kv_cache_layouts()")
     return RuleRef(RELEASE_CANDIDATES, Source(f"policy/releases/{ctx.profile}.yaml", 1), "require",
                    f"the layouts `{ctx.profile}` has that {what}, most preferred first: {names}")
+
+
+def geometry_ref(ctx: Context, missing: tuple[Layout, ...]) -> RuleRef:
+    """The built-in geometry filter, shown like a rule: candidates the planned backend has no geometry for."""
+    have = ", ".join(str(x) for x in ctx.backend.orders) or "none"
+    return RuleRef(BACKEND_GEOMETRY, Source(f"policy/releases/{ctx.profile}.yaml", 1), "require",
+                   f"attention backend `{ctx.backend.name}` has a geometry (a plan) for {have} only, not for "
+                   + ", ".join(str(x) for x in missing))
 
 
 def rule_ref(rule: CompiledRule) -> RuleRef:
@@ -252,8 +281,9 @@ def evaluate(ruleset: RuleSet, glob: Scope, conn: Scope | None, *, explain: bool
         return Outcome(alive, tuple(scores), _pick(alive, scores, ranks), ranks=ranks)
     events: list[Event] = []
     if glob.release is not None:
-        events += [CandidateRemoved(layout, glob.release, "release") for i, layout in enumerate(order)
-                   if not full >> i & 1]
+        events += [CandidateRemoved(layout, glob.geometry, "backend") if glob.geometry is not None
+                   and layout in glob.no_geometry else CandidateRemoved(layout, glob.release, "release")
+                   for i, layout in enumerate(order) if not full >> i & 1]
     alive, scores = _explain_scope(glob, order, full, events, full)
     if conn is not None:
         alive, conn_scores = _explain_scope(conn, order, alive, events, full)

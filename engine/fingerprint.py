@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+from kvpolicy.engine.peer_data import load_peer_json
 from kvpolicy.policy.backends import BackendProfile, Dim
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.layouts import Layout
@@ -167,11 +168,8 @@ class LayoutFingerprint:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LayoutFingerprint:
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise input_error("fingerprint", f"fingerprint is not JSON: {exc}") from None
-        return cls.from_dict(data)
+        """Parse a peer's JSON (bounded in size and nesting: `kvpolicy.engine.peer_data`) and `from_dict` it."""
+        return cls.from_dict(load_peer_json(text, "fingerprint"))
 
 
 def _is_int(v: Any) -> bool:

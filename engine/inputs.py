@@ -2,8 +2,9 @@
 
 The same names as ``kvpolicy dry-run``'s flags (and the policy tests' ``input``
 keys), named as vLLM names them: ``model`` or ``spec`` / ``groups``,
-``kv_cache_dtype``, ``block_size``, ``attention_backend`` (alias ``backend``),
-``worker_attention_backends``, ``connector``, ``connector_config``,
+``kv_cache_dtype``, ``block_size``, ``attention_backend`` (alias ``backend``; with
+neither, the one vLLM selects: `default_backend`), ``worker_attention_backends``,
+``connector``, ``connector_config`` or vLLM's whole ``kv_transfer_config``,
 ``vllm_kv_cache_layout``, ``enable_extensible_kv_cache``, ``hisparse``,
 ``device_capability``, ``vllm_version``; the pydantic models themselves are
 accepted too.
@@ -26,7 +27,15 @@ from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dt
 from kvpolicy.policy.releases import ReleaseProfile, get_profile, iter_profiles
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
 
-__all__ = ["DEFAULT_EXAMPLE", "INPUT_NAMES", "build_context", "context_from_inputs", "parse_device_capability"]
+__all__ = [
+    "ASSUMED_CAPABILITY",
+    "DEFAULT_EXAMPLE",
+    "INPUT_NAMES",
+    "build_context",
+    "context_from_inputs",
+    "default_backend",
+    "parse_device_capability",
+]
 
 # `kvpolicy dry-run` with no arguments: Qwen2.5-0.5B geometry, TRITON_ATTN,
 # OffloadingConnector, fp8_per_token_head -- the combination of vLLM #48412 --
@@ -92,6 +101,7 @@ def build_context(
     scale_views: str | ScaleViews | None = None,
     connector: str | ConnectorConfig | None = None,
     connector_config: dict[str, Any] | None = None,
+    kv_transfer_config: dict[str, Any] | None = None,
     tensor_parallel_size: int = 1,
     vllm_version: str | ReleaseProfile | None = None,
     vllm_kv_cache_layout: str | None = None,
@@ -134,8 +144,9 @@ def build_context(
             raise input_error("attention_backend", f"attention backend `{backend}` is on no worker",
                               "name one of `worker_attention_backends`, or leave `attention_backend` out "
                               "(it defaults to the first worker's first backend)", code="backend-mismatch")
-    if backend is None:
-        backend = "TRITON_ATTN"
+    if kv_transfer_config is not None:
+        connector, connector_config = _from_kv_transfer_config(release, kv_transfer_config, connector,
+                                                               connector_config)
     for given in (kv_cache_dtype, spec.get("kv_cache_dtype") if isinstance(spec, dict) else None):
         if given is not None:
             _check_kv_cache_dtype(release, given)
@@ -157,7 +168,7 @@ def build_context(
         from kvpolicy.policy.hf_config import kv_groups_from_hf_config
 
         groups = kv_groups_from_hf_config(
-            model, kv_cache_dtype=kv_cache_dtype or "auto",
+            model, kv_cache_dtype="auto" if kv_cache_dtype is None else kv_cache_dtype,
             block_size=release.default_block_size if block_size is None else block_size,
             tensor_parallel_size=tensor_parallel_size,
         )
@@ -174,6 +185,8 @@ def build_context(
         kv = groups.primary
     else:
         raise input_error("spec", "no KV cache described", "pass `model` (a config.json) or `spec`")
+    if backend is None:  # what vLLM's platform would select for this model (see `default_backend`)
+        backend = default_backend(release, kv, device_capability if isinstance(device_capability, int) else None)
     if isinstance(backend, BackendProfile):
         profile = backend
     elif isinstance(backend, str):
@@ -207,6 +220,71 @@ def build_context(
     return Context(kv=kv, groups=groups, backend=profile, connector=connector_config_model,
                    profile=release.name, candidates=candidates, options=options,
                    worker_backends=None if workers is None else tuple(tuple(w) for w in workers))
+
+
+ASSUMED_CAPABILITY = 9  # the device `default_backend` selects for when none is given: CUDA SM90 (H100/H200)
+
+
+def default_backend(release: ReleaseProfile, kv: KVCacheSpec, device_capability: int | None = None) -> str:
+    """The attention backend vLLM's CUDA platform selects when none is configured: the first of the
+    release's priority list for (MLA or not, capability; SM90 when ``device_capability`` is None) that
+    supports ``kv.kv_cache_dtype``. Among the backends the profile models only: where vLLM would pick
+    one kvpolicy does not model (FLASH_ATTN_MLA on SM90), the next modelled one is taken."""
+    kind = "mla" if kv.kind is AttentionKind.mla else "attention"
+    capability = ASSUMED_CAPABILITY if device_capability is None else device_capability
+    order = release.backend_priority.get(f"{kind}@{capability}", release.backend_priority.get(kind))
+    if order is None:  # a profile without priorities (a development state): its first backend of the kind
+        order = tuple(n for n, b in release.backends.items() if b.mla == (kind == "mla"))
+    for name in order:
+        facts = release.backends.get(name)
+        if facts is not None and (facts.kv_cache_dtypes is None or kv.kv_cache_dtype in facts.kv_cache_dtypes):
+            return name
+    raise input_error("attention_backend", f"no {kind} backend of vLLM profile `{release.name}` supports "
+                      f"kv_cache_dtype `{kv.kv_cache_dtype}`", "choose another kv_cache_dtype",
+                      code="unsupported-kv-cache-dtype")
+
+
+_KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def _from_kv_transfer_config(release: ReleaseProfile, ktc: Any, connector: Any, config: Any
+                             ) -> tuple[str | None, dict[str, Any] | None]:
+    """vLLM's ``--kv-transfer-config`` (a ``KVTransferConfig`` as a mapping) -> ``connector`` and
+    ``connector_config``. Only ``kv_connector`` and ``kv_connector_extra_config`` bear on the layout;
+    the other fields are checked as vLLM checks them (known names, ``kv_role`` required with a connector)."""
+    if not isinstance(ktc, dict):
+        raise input_error("kv_transfer_config", f"`kv_transfer_config` must be a mapping (JSON object), got "
+                          f"{type(ktc).__name__}", 'e.g. {"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
+    for other, value in (("connector", connector), ("connector_config", config)):
+        if value is not None:
+            raise input_error("kv_transfer_config", f"`kv_transfer_config` and `{other}` both name the connector",
+                              f"give one: `kv_transfer_config` holds vLLM's whole setting, `{other}` a part")
+    fields = release.kv_transfer_config_fields
+    for key in ktc:
+        if fields and key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            raise input_error(f"kv_transfer_config.{key}", f"{release.version_label}'s KVTransferConfig has no "
+                              f"field `{key}`", (f"did you mean `{close[0]}`? " if close else "") + "fields: "
+                              + ", ".join(fields), code="unknown-input")
+    name = ktc.get("kv_connector")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise input_error("kv_transfer_config.kv_connector", f"`kv_connector` must be a connector name, got "
+                          f"`{name!r}`")
+    role = ktc.get("kv_role")
+    if role is not None and role not in _KV_ROLES:
+        raise input_error("kv_transfer_config.kv_role", f"unsupported kv_role `{role!r}`",
+                          "vLLM takes: " + ", ".join(_KV_ROLES))
+    if name is not None and role is None:
+        raise input_error("kv_transfer_config.kv_role", "vLLM refuses a `kv_connector` without a `kv_role`",
+                          "add \"kv_role\": one of " + ", ".join(_KV_ROLES))
+    extra = ktc.get("kv_connector_extra_config")
+    if extra is not None and not isinstance(extra, dict):
+        raise input_error("kv_transfer_config.kv_connector_extra_config", "`kv_connector_extra_config` must be a "
+                          f"mapping, got {type(extra).__name__}")
+    if name is None and extra:
+        raise input_error("kv_transfer_config.kv_connector_extra_config", "`kv_connector_extra_config` given "
+                          "without a `kv_connector`", "name the connector with `kv_connector`")
+    return name, extra
 
 
 def _check_kv_cache_dtype(release: ReleaseProfile, value: Any) -> None:

@@ -189,6 +189,11 @@ class LayoutEngine:
         if inputs:
             raise input_error(next(iter(inputs)), "give a `context` or keyword inputs, not both",
                               "a Context already holds every input")
+        if context.profile != self.profile.name:  # its candidates and backend facts are another release's
+            raise input_error("context", f"the context was built for profile `{context.profile}`, this engine "
+                              f"decides for `{self.profile.name}`", "build it with this engine's "
+                              "engine.context(...), or decide with an engine of that release",
+                              code="profile-mismatch")
         return context
 
     def decide(self, context: Context | None = None, *, explain: bool = True, **inputs: Any) -> Decision:

@@ -10,8 +10,10 @@ for the terminal and as SVG for a browser. Pure Python.
 from __future__ import annotations
 
 import html
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvpolicy.engine.lattice import StridedSet
 from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.verify import Writer, verify_plan, writers
 from kvpolicy.policy.backends import ScaleViews
@@ -64,26 +66,62 @@ def _row(plan: LayoutPlan, buffer: int) -> tuple[int, int]:
 
 
 def block_map(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> list[Segment]:
-    """Segments of block 0, in (buffer, offset) order, with their owners."""
+    """Segments of block 0, in (buffer, offset) order, with their owners.
+
+    A layer's K (or V) codes and the inline scales right after them are joined into one
+    strided set first, whose contiguous levels fold into one run: a stride-aware cell
+    group is then a handful of runs however many tokens and heads it holds, and only
+    writers that do not tile their layer's bytes (vLLM #48412's naive scale views) are
+    listed cell by cell.
+    """
     ws = writers(plan, scale_views)
     segments: list[Segment] = []
     buffers = sorted({w.buffer for w in ws})
     for buffer in buffers:
         lo, hi = _row(plan, buffer)
-        points: list[tuple[int, int, Writer]] = []
-        for w in (w for w in ws if w.buffer == buffer):
-            blocks = max(1, min(w.num_blocks, (hi - w.base) // w.block_stride + 1 if w.block_stride else 1))
-            for s, e in w.runs(blocks):
-                if e > lo and s < hi:
-                    points.append((max(s, lo), min(e, hi), w))
+        points: list[tuple[int, int, tuple[tuple[int, str], ...]]] = []
+        for owners, strided in _joined([w for w in ws if w.buffer == buffer], lo, hi):
+            for s, e in _runs_within(strided, lo, hi):
+                points.append((max(s, lo), min(e, hi), owners))
         segments += _fold(_sweep(buffer, points))
     return segments
 
 
-def _sweep(buffer: int, points: list[tuple[int, int, Writer]]) -> list[Segment]:
+def _in_row(w: Writer, lo: int, hi: int) -> StridedSet:
+    """``w`` cut to the blocks that can reach ``[lo, hi)``."""
+    blocks = max(1, min(w.num_blocks, (hi - w.base) // w.block_stride + 1 if w.block_stride else 1))
+    return StridedSet(w.base, ((blocks, w.block_stride), *w.inner), w.run).normal()
+
+
+def _joined(ws: list[Writer], lo: int, hi: int) -> list[tuple[tuple[tuple[int, str], ...], StridedSet]]:
+    """Each writer cut to the row as a strided set; a unit's codes and the scales right after them joined."""
+    sets = {(w.layer, w.role): _in_row(w, lo, hi) for w in ws}
+    out: list[tuple[tuple[tuple[int, str], ...], StridedSet]] = []
+    used: set[tuple[int, str]] = set()
+    for (layer, role), d in sets.items():
+        scale = (layer, role.replace("_data", "_scale"))
+        sc = sets.get(scale) if role.endswith("_data") else None
+        if sc is not None and sc.levels == d.levels and sc.offset == d.offset + d.run:
+            out.append((((layer, role), scale), StridedSet(d.offset, d.levels, d.run + sc.run).normal()))
+            used |= {(layer, role), scale}
+    out += [((owner,), st) for owner, st in sets.items() if owner not in used]
+    return out
+
+
+def _runs_within(st: StridedSet, lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    """The contiguous runs of ``st`` that touch ``[lo, hi)``, ascending for a well-nested set."""
+    offsets = [st.offset]
+    for count, stride in reversed(st.levels):
+        offsets = [o + i * stride for o in offsets for i in range(count) if o + i * stride < hi]
+    for o in offsets:
+        if o + st.run > lo:
+            yield o, o + st.run
+
+
+def _sweep(buffer: int, points: list[tuple[int, int, tuple[tuple[int, str], ...]]]) -> list[Segment]:
     """Cut the runs at every boundary and name the writers covering each piece."""
-    events = sorted([(s, 1, (w.layer, w.role)) for s, _, w in points] + [(e, -1, (w.layer, w.role))
-                                                                          for _, e, w in points])
+    events = sorted([(s, 1, o) for s, _, owners in points for o in owners]
+                    + [(e, -1, o) for _, e, owners in points for o in owners])
     active: dict[tuple[int, str], int] = {}
     out: list[Segment] = []
     prev = None

@@ -58,7 +58,6 @@ __all__ = [
     "LayoutPlan",
     "TensorView",
     "VllmAllocation",
-    "naive_scale_view",
     "plan_layout",
     "transfer_format",
 ]

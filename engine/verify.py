@@ -8,19 +8,23 @@ uses what vLLM's 5-D-era Triton ``_ensure_scale_caches`` built (offset 0, a
 block stride of one layer page), which under the cross-layer layout puts every
 layer's scales on layer 0's bytes: vLLM issue #48412.
 
-Exactness with few blocks: every writer is periodic in the block dim. With
-``P = lcm`` of two writers' block strides and ``F`` their one-block footprint,
-a collision at blocks ``(a, b)`` shifts down by whole periods to one with both
-block offsets below ``P + F``; so enumerating the blocks that start below
-``P + F`` (capped by ``num_blocks``) finds a collision if and only if one exists.
+Exact and bounded: each writer is a strided byte set (offset, (count, stride) per
+dim, a contiguous run), and two sets are intersected in closed form over their
+strides by `kvpolicy.engine.lattice` (a branch and bound over the levels, with
+the block levels cut to one ``lcm`` period), never by listing bytes. Writers of one
+role share their strides and step evenly over the layers, so each offset
+difference is decided once. Cost: ``O(R^2 * L * c)`` lattice decisions for ``R``
+roles (at most 4) and ``L`` layers, ``c`` a small constant, plus one entry per
+colliding pair reported; independent of block size, heads, head size and block count.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.lattice import StridedSet, first_shared
 from kvpolicy.engine.plan import ByteView, LayoutPlan, TensorView, naive_scale_view
 from kvpolicy.policy.backends import Dim, ScaleViews
 from kvpolicy.policy.errors import Diagnostic, GeometryError
@@ -154,41 +158,74 @@ def writers(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> tuple[Wr
     return tuple(out)
 
 
-def _blocks_to_check(w: Writer, period: int, footprint: int) -> int:
-    if w.block_stride <= 0:
-        return w.num_blocks
-    return min(w.num_blocks, (period + footprint) // w.block_stride + 1)
+def _strided(w: Writer) -> StridedSet:
+    return StridedSet(w.base, ((w.num_blocks, w.block_stride), *w.inner), w.run).normal()
+
+
+def _is_arithmetic(values: list[int]) -> bool:
+    return len(values) < 3 or all(b - a == values[1] - values[0] for a, b in itertools.pairwise(values))
+
+
+def _differences(xs: list[int], ys: list[int]) -> set[int]:
+    """Every ``y - x``: ``O(|xs| + |ys|)`` when both are progressions with one step (a plan's layers)."""
+    steps = {b - a for v in (xs, ys) for a, b in itertools.pairwise(v)}
+    if _is_arithmetic(xs) and _is_arithmetic(ys) and len(steps) <= 1:
+        step = steps.pop() if steps else 0
+        return {ys[0] - xs[0] + k * step for k in range(-(len(xs) - 1), len(ys))}
+    return {y - x for x in xs for y in ys}
 
 
 def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> GeometryReport:
-    """Report every pair of writers of ``plan`` that share a byte (first shared byte each)."""
+    """Report every pair of writers of ``plan`` that share a byte (first shared byte each).
+
+    Writers of one buffer with the same levels and run (a *shape*: K and V data of every
+    layer, say) differ only by their offset, so whether two of them collide, and where
+    relative to the first, depends on the offset difference alone: each distinct
+    difference is decided once with `kvpolicy.engine.lattice` (exact, independent of
+    block size, heads and head size), and the pairs sharing it are read off an offset
+    index. Cost: ``O(shapes^2 * (writers + colliding pairs))`` decisions and look-ups
+    for a plan's layers, whose offsets step evenly.
+    """
     strategy = scale_views or plan.backend.scale_views
     ws = writers(plan, strategy)
-    by_buffer: dict[int, list[int]] = {}
-    for i, w in enumerate(ws):
-        by_buffer.setdefault(w.buffer, []).append(i)
-    strides = sorted({w.block_stride for w in ws if w.block_stride > 0})
-    period = math.lcm(*strides) if strides else 0
-    footprint = max((w.footprint() for w in ws), default=0)
-    found: dict[tuple[int, int], int] = {}
-    for members in by_buffer.values():
-        events: list[tuple[int, int, int]] = []
-        for i in members:
-            for start, end in ws[i].runs(_blocks_to_check(ws[i], period, footprint)):
-                events.append((start, end, i))
-        events.sort()
-        active: list[tuple[int, int, int]] = []  # (end, writer, start)
-        for start, end, i in events:
-            active = [a for a in active if a[0] > start]
-            for _, j, _ in active:
-                key = (min(i, j), max(i, j))
-                if key not in found:
-                    found[key] = start
-            active.append((end, i, start))
-    collisions = tuple(
-        Collision(ws[a], ws[b], ws[a].buffer, addr) for (a, b), addr in sorted(found.items(), key=lambda kv: kv[1])
-    )
+    sets = [_strided(w) for w in ws]
+    # keyed by role too: one role's offsets step evenly over the layers, K and V together need not
+    shapes: dict[tuple[int, tuple[tuple[int, int], ...], int, str], dict[int, list[int]]] = {}
+    for i, (w, s) in enumerate(zip(ws, sets)):
+        shapes.setdefault((w.buffer, s.levels, s.run, w.role), {}).setdefault(s.offset, []).append(i)
+    found: list[tuple[int, int, int]] = []  # (address, writer a, writer b), a < b
+    keys = list(shapes)
+    for n, kx in enumerate(keys):
+        for ky in keys[n:]:
+            if kx[0] != ky[0]:
+                continue
+            xs, ys = shapes[kx], shapes[ky]
+            x_offsets, y_offsets = sorted(xs), sorted(ys)
+            shape_x = StridedSet(0, kx[1], kx[2])
+            shape_y = StridedSet(0, ky[1], ky[2])
+            for d in sorted(_differences(x_offsets, y_offsets)):
+                if kx == ky and d < 0:
+                    continue  # the same unordered pairs as -d
+                first = first_shared(shape_x, shape_y.shifted(d)) if shape_x.well_nested else \
+                    _first_shared_either(shape_x, shape_y.shifted(d))
+                if first is None:
+                    continue
+                for ox in x_offsets:
+                    for i in xs[ox]:
+                        for j in ys.get(ox + d, ()):
+                            if i == j or (kx == ky and d == 0 and j < i):
+                                continue
+                            found.append((ox + first, min(i, j), max(i, j)))
+    found.sort()
+    collisions = tuple(Collision(ws[a], ws[b], ws[a].buffer, addr) for addr, a, b in found)
     return GeometryReport(str(plan.layout), strategy, ws, collisions)
+
+
+def _first_shared_either(x: StridedSet, y: StridedSet) -> int | None:
+    """`first_shared` from whichever set is well nested; a plan's views always are."""
+    if y.well_nested:
+        return first_shared(y, x)
+    raise GeometryError("two views whose strides interleave: the verifier cannot order their bytes")  # pragma: no cover
 
 
 def check_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> GeometryReport:

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         KVCacheSpec,
         Layout,
         Limits,
+        MissingDependencyError,
         ModelConfigError,
         NoLayoutError,
         Placement,
@@ -60,7 +61,8 @@ if TYPE_CHECKING:
     )
 
 _POLICY = frozenset({"ConnectorConfig", "Context", "Diagnostic", "GeometryError", "HeadOrder", "InputError",
-                     "KVCacheGroup", "KVCacheGroups", "KVCacheSpec", "Layout", "Limits", "ModelConfigError",
+                     "KVCacheGroup", "KVCacheGroups", "KVCacheSpec", "Layout", "Limits", "MissingDependencyError",
+                     "ModelConfigError",
                      "NoLayoutError", "Placement", "PolicyError", "QuantMode", "RuleLoadError", "RuleSet",
                      "load_rules"})
 
@@ -103,6 +105,7 @@ __all__ = [
     "LayoutFingerprint",
     "LayoutMismatchError",
     "Limits",
+    "MissingDependencyError",
     "ModelConfigError",
     "NoLayoutError",
     "Placement",

@@ -1,15 +1,19 @@
 """kvpolicy's policy language: input models, the rule format, loading and validation.
 
-`policy` never imports `engine` or torch.
+`policy` never imports `engine` or torch. These names are the public surface
+(tests/test_public_api.py pins them); the compiled forms (`kvpolicy.policy.ruleset`),
+the field registry (`kvpolicy.policy.context`) and the backend registry
+(`get_backend` reads it) are internals of their modules.
 """
 
-from kvpolicy.policy.backends import BACKENDS, BackendProfile, Dim, ScaleViews, get_backend
+from kvpolicy.policy.backends import BackendProfile, Dim, ScaleViews, get_backend
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
-from kvpolicy.policy.context import FIELDS, MISSING, Context, FieldSpec
+from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import (
     Diagnostic,
     GeometryError,
     InputError,
+    MissingDependencyError,
     ModelConfigError,
     NoLayoutError,
     PolicyError,
@@ -19,25 +23,20 @@ from kvpolicy.policy.layouts import ALL_LAYOUTS, HeadOrder, Layout, LayoutPatter
 from kvpolicy.policy.load import Limits, load_rules, load_rules_from_texts
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
 from kvpolicy.policy.rule_model import Rule, RuleFile
-from kvpolicy.policy.ruleset import CompiledRule, RuleSet, Source
+from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 __all__ = [
     "ALL_LAYOUTS",
-    "BACKENDS",
-    "FIELDS",
     "KNOWN_CONNECTORS",
     "KV_CACHE_DTYPES",
-    "MISSING",
     "AttentionKind",
     "BackendProfile",
     "CacheDtype",
-    "CompiledRule",
     "ConnectorConfig",
     "Context",
     "Diagnostic",
     "Dim",
-    "FieldSpec",
     "GeometryError",
     "HeadOrder",
     "InputError",
@@ -47,6 +46,7 @@ __all__ = [
     "Layout",
     "LayoutPattern",
     "Limits",
+    "MissingDependencyError",
     "ModelConfigError",
     "ModelDtype",
     "NoLayoutError",
@@ -58,7 +58,6 @@ __all__ = [
     "RuleLoadError",
     "RuleSet",
     "ScaleViews",
-    "Source",
     "get_backend",
     "load_rules",
     "load_rules_from_texts",

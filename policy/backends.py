@@ -13,7 +13,9 @@ Dim names: ``block`` (B), ``layer`` (L), ``kv`` (2: K then V), ``token`` (N),
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from enum import Enum
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -43,6 +45,9 @@ class Dim(str, Enum):
     head = "head"
     dim = "dim"
 
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
+
 
 class ScaleViews(str, Enum):
     """How a backend builds its views of the inline per-token-head scales.
@@ -56,6 +61,9 @@ class ScaleViews(str, Enum):
 
     stride_aware = "stride_aware"
     assume_per_layer_contiguous = "assume_per_layer_contiguous"
+
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
 
 
 class KVSplit(str, Enum):
@@ -76,6 +84,9 @@ class KVSplit(str, Enum):
 
     content = "content"
     token_rows = "token_rows"
+
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
 
 
 class BackendProfile(Frozen):
@@ -220,7 +231,7 @@ def _dev_48412(name: str, cross_hnd: tuple[Dim, ...]) -> BackendProfile:
 # The #48412 development state (the `issue-48412` profile): a separate K/V dim
 # (logged shapes `(B, 2, L, H, N, D)`), every backend building its scale views
 # as if each layer's buffer were contiguous. Not a release; never a default.
-DEV_48412_BACKENDS: dict[str, BackendProfile] = {
+DEV_48412_BACKENDS: Mapping[str, BackendProfile] = MappingProxyType({
     "TRITON_ATTN": _dev_48412("TRITON_ATTN", (_B, _H, _L, _KV, _N, _D)),
     "FLASH_ATTN": _dev_48412("FLASH_ATTN", (_B, _H, _L, _KV, _N, _D)),
     "FLASHINFER": _dev_48412("FLASHINFER", (_B, _KV, _H, _L, _N, _D)),
@@ -232,8 +243,8 @@ DEV_48412_BACKENDS: dict[str, BackendProfile] = {
         layer_buffers=True,
         scale_views=ScaleViews.assume_per_layer_contiguous,
     ),
-}
-BACKENDS = DEV_48412_BACKENDS
+})
+BACKENDS = DEV_48412_BACKENDS  # read-only: a profile registry every decision shares cannot be edited in place
 
 
 def get_backend(name: str) -> BackendProfile:

@@ -7,10 +7,14 @@ value the field had, for the trace. Both read a flat ``path -> value`` map.
 
 from __future__ import annotations
 
+import json
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import yaml
 
 from kvpolicy.policy.context import MISSING
 from kvpolicy.policy.rule_model import AllOf, AnyOf, Condition, Leaf, NotOf
@@ -37,11 +41,25 @@ class LeafResult:
 
 
 def _fmt(value: Any) -> str:
+    """A value as a rule file writes it: `true` a boolean, `"true"` the string (#15 printed both as
+    true). A string is quoted exactly when YAML would not read it back as that string."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    if isinstance(value, str) and _needs_quotes(value):
+        return json.dumps(value)
     return str(value)
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./+-][A-Za-z0-9_./+ -]*$")
+_RESOLVER = yaml.resolver.Resolver()
+
+
+def _needs_quotes(text: str) -> bool:
+    if not _PLAIN.match(text) or text != text.strip():
+        return True
+    return _RESOLVER.resolve(yaml.ScalarNode, text, (True, False)) != "tag:yaml.org,2002:str"
 
 
 def _num(op: Callable[[Any, Any], bool], bound: float) -> Callable[[Any], bool]:

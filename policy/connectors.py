@@ -85,6 +85,9 @@ class ConnectorConfig(Frozen):
             raise input_error(where, f"`kv_connector_extra_config` is nested deeper than {MAX_CONFIG_DEPTH} levels",
                               "flatten the configuration; vLLM's connectors read a few levels at most",
                               code="too-deep")
+        if not isinstance(name, str) or not name:
+            raise input_error(where, f"a connector name must be a non-empty string, got `{name!r}`")
+        _check_json(extra, where)
         extra = dict(extra or {})
         subs: list[ConnectorConfig] = []
         if name in COMPOSITE_CONNECTORS and "connectors" in extra:
@@ -97,7 +100,8 @@ class ConnectorConfig(Frozen):
                 if not isinstance(m, dict) or not isinstance(m.get("kv_connector"), str) or not m["kv_connector"]:
                     raise input_error(at, f"member {i} of `connectors` needs a `kv_connector` name",
                                       'e.g. {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}')
-                member_extra = m.get("kv_connector_extra_config") or {}
+                member_extra = m.get("kv_connector_extra_config")
+                member_extra = {} if member_extra is None else member_extra  # `[]` or `""` is no mapping
                 if not isinstance(member_extra, dict):
                     raise input_error(f"{at}.kv_connector_extra_config",
                                       f"member {i}'s `kv_connector_extra_config` must be a mapping, "
@@ -112,6 +116,25 @@ class ConnectorConfig(Frozen):
 
 
 MAX_CONFIG_DEPTH = 64  # as rule files' `Limits.max_depth`
+
+
+def _check_json(value: Any, where: str) -> None:
+    """``value`` holds only what JSON (and so vLLM's ``--kv-transfer-config``) can: string keys, and
+    strings, numbers, booleans, nulls, lists and mappings (iterative: depth is checked before)."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    raise input_error(at, f"key `{key!r}` is a {type(key).__name__}; connector config keys are "
+                                      "strings", "use JSON: string keys only")
+                stack.append((child, f"{at}.{key}"))
+        elif isinstance(item, (list, tuple)):
+            stack += [(child, f"{at}[{i}]") for i, child in enumerate(item)]
+        elif item is not None and not isinstance(item, (str, bool, int, float)):
+            raise input_error(at, f"a {type(item).__name__} is no JSON value", "use strings, numbers, booleans, "
+                              "null, lists and mappings, as vLLM's --kv-transfer-config takes them")
 
 
 def _depth(value: Any) -> int:

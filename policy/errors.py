@@ -9,6 +9,7 @@ surfaces as a `PolicyError` carrying one or more located `Diagnostic`s::
      +-- InputError           a decide()/build() input that is out of range or unknown
      +-- NoLayoutError        the rules removed every candidate layout (a policy "no")
      +-- GeometryError        a layout whose memory views would overlap, or a plan mismatch
+     +-- MissingDependencyError  an optional part used without its extra (the runtime without torch)
 
 Messages follow Cedar's style: lowercase start, no trailing period, user input
 in backticks, and a ``help`` line that says what to do.
@@ -22,6 +23,7 @@ __all__ = [
     "Diagnostic",
     "GeometryError",
     "InputError",
+    "MissingDependencyError",
     "ModelConfigError",
     "NoLayoutError",
     "PolicyError",
@@ -100,6 +102,12 @@ class NoLayoutError(PolicyError):
 
 class GeometryError(PolicyError):
     """Memory views overlap, or tensors no longer match their plan."""
+
+
+class MissingDependencyError(PolicyError, ImportError):
+    """An optional part of kvpolicy was used without the extra that installs it; names the command.
+
+    Also an `ImportError`, so code that already guards the import keeps working."""
 
 
 def input_error(where: str, message: str, help: str | None = None, code: str = "invalid-input") -> InputError:

@@ -28,8 +28,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpolicy.policy.errors import Diagnostic, ModelConfigError, input_error
+from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
 from kvpolicy.policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
 
 __all__ = ["kv_groups_from_hf_config"]
 
@@ -150,22 +152,34 @@ def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[s
             "config",
             f"expected a path to config.json, a directory holding one, or a dict; got `{type(config).__name__}`",
         )
-    path = Path(os.fspath(config))
-    if path.is_dir():
-        path = path / _CONFIG_NAME
+    raw_path = os.fspath(config)
+    if isinstance(raw_path, bytes) or "\0" in raw_path:
+        raise input_error("model", f"`{raw_path!r}` is not a usable path (a NUL byte, or bytes)",
+                          "pass the path of a config.json, or the directory holding one, as a string")
+    path = Path(raw_path)
+    try:
+        if path.is_dir():
+            path = path / _CONFIG_NAME
+    except OSError:  # a name too long, say: reading it below says why
+        pass
     where = str(path)
 
     def fail(code: str, message: str, help: str, line: int = 0, col: int = 0) -> ModelConfigError:
         return ModelConfigError("invalid model config", [Diagnostic(where, line, col, code, message, help)])
 
+    text, problems = read_capped(path, where, MAX_CONFIG_BYTES)
+    if text is None:
+        d = problems[0]
+        code = d.code if d.code in ("too-large", "not-a-file") else "unreadable"
+        raise fail(code, d.message.replace("the file", "the model config"),
+                   d.help if d.code == "too-large" else
+                   "pass a config.json, a model directory holding one, or an already-parsed dict", d.line, d.col)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise fail("unreadable", f"cannot read the model config: {reason}",
-                   "pass a config.json, a model directory holding one, or an already-parsed dict") from None
-    try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+    except _BadNumber as exc:
+        line, col = _offset_position(text, exc.literal)
+        raise fail("invalid-field", f"the number `{_short(exc.literal)}` is {exc.why}",
+                   "a config.json holds integers within 64 bits and finite numbers", line, col) from None
     except json.JSONDecodeError as exc:
         raise fail("invalid-json", f"invalid JSON: {exc.msg}", "fix the JSON syntax at this position",
                    exc.lineno, exc.colno) from None
@@ -175,6 +189,36 @@ def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[s
         raise fail("invalid-config", f"the top level must be a JSON object, got `{type(data).__name__}`",
                    "a Hugging Face config.json is one object of fields")
     return data, where
+
+
+MAX_CONFIG_BYTES = 8_000_000  # a config.json is a few kilobytes; this stops reading a weights file by mistake
+
+
+class _BadNumber(ValueError):
+    def __init__(self, literal: str, why: str) -> None:
+        super().__init__(literal)
+        self.literal, self.why = literal, why
+
+
+def _bounded_int(literal: str) -> int:
+    """JSON integers as Python reads them, but refused beyond int64 (and never converted when longer
+    than 20 digits: Python refuses to convert more than 4300 and printing a huge one fails later)."""
+    if len(literal.lstrip("-")) > 20 or not INT64_MIN <= int(literal) <= INT64_MAX:
+        raise _BadNumber(literal, "outside the 64-bit integer range")
+    return int(literal)
+
+
+def _no_constant(literal: str) -> float:
+    raise _BadNumber(literal, "not a number JSON allows (NaN and Infinity are JavaScript, not JSON)")
+
+
+def _offset_position(text: str, literal: str) -> tuple[int, int]:
+    at = max(text.find(literal), 0)
+    return text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:12]}...{text[-6:]} ({len(text)} characters)"
 
 
 def _text_reader(raw: Mapping[str, Any], where: str) -> _Reader:

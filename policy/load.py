@@ -13,10 +13,13 @@ a rule set with any error is never returned.
 from __future__ import annotations
 
 import difflib
+import errno
 import os
+import re
 from pathlib import Path
 
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layouts import ALL_LAYOUTS, Layout
 from kvpolicy.policy.rule_model import MemberPreferences, Rule, RuleFile
 from kvpolicy.policy.ruleset import RuleSet, Source
@@ -28,13 +31,41 @@ __all__ = ["Limits", "load_rules", "load_rules_from_texts", "rule_files"]
 RULE_FILE_SUFFIXES = (".yaml", ".yml")  # rule files, and policy test files beside them
 
 
+def _listing(d: Path) -> list[Path]:
+    """``d``'s entries, sorted; [] when it cannot be listed (`_unlistable` reports that)."""
+    try:
+        return sorted(d.iterdir())
+    except OSError:
+        return []
+
+
+def _unlistable(root: Path, shown_root: str) -> list[Diagnostic]:
+    """A rules directory or its `connectors/` that exists but cannot be listed: located, never an OSError."""
+    diags = []
+    for d, shown in ((root, shown_root), (root / "connectors", os.path.join(shown_root, "connectors"))):
+        try:
+            if d.is_dir():
+                next(iter(d.iterdir()), None)
+        except OSError as exc:
+            diags.append(Diagnostic(shown, 0, 0, "unreadable", f"cannot list the directory: {exc.strerror or exc}",
+                                    "check its permissions"))
+    return diags
+
+
 def rule_files(root: Path) -> list[tuple[Path, bool]]:
     """The rule files under ``root`` as (path, in_connectors_dir), sorted."""
-    found = [(p, False) for p in sorted(root.iterdir()) if p.suffix in RULE_FILE_SUFFIXES]
+    found = [(p, False) for p in _listing(root) if p.suffix in RULE_FILE_SUFFIXES]
     conn = root / "connectors"
     if conn.is_dir():
-        found += [(p, True) for p in sorted(conn.iterdir()) if p.suffix in RULE_FILE_SUFFIXES]
+        found += [(p, True) for p in _listing(conn) if p.suffix in RULE_FILE_SUFFIXES]
     return found
+
+
+def _holds_yaml(d: Path) -> bool:
+    try:
+        return any(q.suffix.lower() in RULE_FILE_SUFFIXES for q in d.rglob("*"))
+    except OSError:
+        return False
 
 
 _KNOWN_DIRS = ("connectors", "tests")
@@ -46,14 +77,13 @@ def stray_files(root: Path, shown_root: str) -> list[Diagnostic]:
     for d in (root, root / "connectors"):
         if not d.is_dir():
             continue
-        for p in sorted(d.iterdir()):
+        for p in _listing(d):
             if p.is_file() and p.suffix.lower() in RULE_FILE_SUFFIXES and p.suffix not in RULE_FILE_SUFFIXES:
                 diags.append(Diagnostic(os.path.join(shown_root, os.path.relpath(p, root)), 0, 0, "stray-file",
                                         f"`{p.name}` is not read: only `.yaml` and `.yml` files are",
                                         f"rename it to `{p.stem}.yaml`"))
-    for p in sorted(root.iterdir()):
-        if p.is_dir() and p.name not in _KNOWN_DIRS and not p.name.startswith(".") and \
-                any(q.suffix.lower() in RULE_FILE_SUFFIXES for q in p.rglob("*")):
+    for p in _listing(root):
+        if p.is_dir() and p.name not in _KNOWN_DIRS and not p.name.startswith(".") and _holds_yaml(p):
             close = difflib.get_close_matches(p.name, _KNOWN_DIRS, n=1)
             diags.append(Diagnostic(os.path.join(shown_root, p.name), 0, 0, "stray-directory",
                                     f"rule files in `{p.name}/` are not read",
@@ -68,31 +98,31 @@ def _read(path: Path, shown: str, root: Path, limits: Limits) -> tuple[str | Non
 
     try:
         real = path.resolve(strict=True)
-    except OSError as exc:
-        return fail("unreadable", f"cannot open the file: {exc.strerror or exc}")
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        reason = "a symbolic link loop" if isinstance(exc, RuntimeError) or exc.errno == errno.ELOOP \
+            else exc.strerror or str(exc)
+        return fail("unreadable", f"cannot open the file: {reason}", "fix or remove the link")
     if not real.is_relative_to(root.resolve()):
         return fail("outside-root", f"the file links outside the rules directory (to `{real}`)",
                     "copy the file into the rules directory instead of linking it")
-    if not real.is_file():
-        return fail("not-a-file", "not a regular file")
-    try:
-        size = real.stat().st_size
-        if size > limits.max_file_bytes:
-            return fail("too-large", f"the file is {size} bytes, over the {limits.max_file_bytes}-byte limit",
-                        "split it, or raise Limits.max_file_bytes")
-        raw = real.read_bytes()
-    except OSError as exc:
-        return fail("unreadable", f"cannot read the file: {exc.strerror or exc}", "check its permissions")
-    if raw.startswith(b"\xef\xbb\xbf"):
-        return fail("bom", "the file starts with a byte-order mark", "save it as UTF-8 without BOM", 1, 1)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        before = raw[: exc.start]
-        line = before.count(b"\n") + 1
-        col = exc.start - (before.rfind(b"\n") + 1) + 1
-        return fail("encoding", f"invalid UTF-8 byte 0x{raw[exc.start]:02x}", "save the file as UTF-8", line, col)
-    return text, []
+    return read_capped(real, shown, limits.max_file_bytes)
+
+
+def _declared(src: Located, model: RuleFile | None) -> tuple[str | None, list[tuple[int, str]], bool]:
+    """What a file declares that other files must not repeat: its connector, its rule ids (by index)
+    and whether it has `defaults`; read from the raw data when the file has errors elsewhere, so a
+    duplicate id is reported in the same run as everything else."""
+    if model is not None:
+        return model.connector, list(enumerate(r.id for r in model.rules)), model.defaults is not None
+    data = src.data if isinstance(src.data, dict) else {}
+    connector = data.get("connector") if isinstance(data.get("connector"), str) else None
+    rules = data.get("rules") if isinstance(data.get("rules"), list) else []
+    ids = [(i, r["id"]) for i, r in enumerate(rules)
+           if isinstance(r, dict) and isinstance(r.get("id"), str) and _RULE_ID.match(r["id"])]
+    return connector, ids, isinstance(data.get("defaults"), dict)
+
+
+_RULE_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")  # `Rule.id`'s pattern and length
 
 
 def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> RuleSet:
@@ -106,42 +136,38 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
     for src, in_conn in files:
         model, problems = validate_file(src, in_connectors_dir=in_conn, max_rules=limits.max_rules)
         diags += problems
-        if model is None:
-            continue
-        _collect(src, model, entries, first_id, connector_file, diags)
-        if model.defaults is not None:
+        connector, ids, has_defaults = _declared(src, model)
+        if connector is not None:
+            if connector in connector_file:
+                diags.append(src.diag(("connector",), "duplicate-connector-file",
+                                      f"connector `{connector}` already has rules in {connector_file[connector]}",
+                                      "keep one file per connector"))
+                continue
+            connector_file[connector] = src.file
+        if has_defaults:
             if order_file is not None:
                 diags.append(src.diag(("defaults",), "duplicate-defaults",
                                       f"`defaults` already declared in {order_file}", "keep one `defaults` block"))
-            order = tuple(Layout.parse(t) for t in model.defaults.layout_order)
             order_file = src.file
+        for i, rule_id in ids:
+            line, col = src.position(("rules", i))
+            if rule_id in first_id:
+                diags.append(src.diag(("rules", i, "id"), "duplicate-rule-id",
+                                      f"rule id `{rule_id}` is already used at {first_id[rule_id]}",
+                                      "rule ids are unique across all files of a rule set"))
+                continue
+            first_id[rule_id] = Source(src.file, line, col)
+            if model is not None:
+                entries.append((model.rules[i], first_id[rule_id], model.connector))
+        if model is None:
+            continue
+        if model.defaults is not None:
+            order = tuple(Layout.parse(t) for t in model.defaults.layout_order)
         if model.connector and model.member_preferences:
             modes[model.connector] = model.member_preferences
     if diags:
         raise RuleLoadError(f"{len(diags)} error(s) in rule set `{root}`", diags)
     return RuleSet.build(entries, order or ALL_LAYOUTS, modes, root, order_declared=order is not None)
-
-
-def _collect(src: Located, model: RuleFile, entries: list, first_id: dict[str, Source],
-             connector_file: dict[str, str], diags: list[Diagnostic]) -> None:
-    if model.connector is not None:
-        if model.connector in connector_file:
-            diags.append(src.diag(("connector",), "duplicate-connector-file",
-                                  f"connector `{model.connector}` already has rules in "
-                                  f"{connector_file[model.connector]}",
-                                  "keep one file per connector"))
-            return
-        connector_file[model.connector] = src.file
-    for i, rule in enumerate(model.rules):
-        line, col = src.position(("rules", i))
-        source = Source(src.file, line, col)
-        if rule.id in first_id:
-            diags.append(src.diag(("rules", i, "id"), "duplicate-rule-id",
-                                  f"rule id `{rule.id}` is already used at {first_id[rule.id]}",
-                                  "rule ids are unique across all files of a rule set"))
-            continue
-        first_id[rule.id] = source
-        entries.append((rule, source, model.connector))
 
 
 def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), display: str | None = None) -> RuleSet:
@@ -155,9 +181,9 @@ def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), displ
         raise RuleLoadError("", [Diagnostic(shown_root, 0, 0, "no-rules-dir", "not a directory",
                                             "pass the directory holding global.yaml and connectors/")])
     located: list[tuple[Located, bool]] = []
-    diags: list[Diagnostic] = stray_files(root, shown_root)
+    diags: list[Diagnostic] = stray_files(root, shown_root) + _unlistable(root, shown_root)
     files = rule_files(root)
-    if not files:
+    if not files and not diags:
         raise RuleLoadError("", [Diagnostic(shown_root, 0, 0, "no-rule-files", "no `.yaml` rule files found",
                                             "add a global.yaml, or point at the right directory")])
     for file, in_conn in files:

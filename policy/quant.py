@@ -25,6 +25,9 @@ class ModelDtype(str, Enum):
     def size_bytes(self) -> int:
         return 4 if self is ModelDtype.float32 else 2
 
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
+
 
 class CacheDtype(str, Enum):
     """The element type the cache tensor is allocated with."""
@@ -39,6 +42,9 @@ class CacheDtype(str, Enum):
     @property
     def size_bytes(self) -> int:
         return {"bfloat16": 2, "float16": 2, "float32": 4}.get(self.value, 1)
+
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
 
 
 class QuantMode(str, Enum):
@@ -76,6 +82,9 @@ class QuantMode(str, Enum):
         if self is QuantMode.int4_per_token_head:
             return head_size // 2
         return head_size
+
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
 
 
 _PER_TOKEN_HEAD = frozenset(

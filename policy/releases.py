@@ -158,6 +158,13 @@ class ReleaseProfile(Frozen):
         default=(), description="the vLLM settings of the layout decision this release has beyond "
         "`VLLM_KV_CACHE_LAYOUT` and the device capability (`build_context` refuses the others when set)")
     rules: str = Field(description="the shipped rules' directory, relative to the rules root")
+    kv_transfer_config_fields: tuple[str, ...] = Field(
+        default=(), description="the fields of this release's `KVTransferConfig` (vllm/config/kv_transfer.py), "
+        "what `--kv-transfer-config` may hold; empty: not checked")
+    backend_priority: dict[str, tuple[str, ...]] = Field(
+        default_factory=dict, description="the backends vLLM's CUDA platform tries, in order, with no "
+        "attention backend configured (platforms/cuda.py `_get_backend_priorities`), keyed `mla` / "
+        "`attention` for SM90 and `mla@10` / `attention@10` where a capability's list differs")
 
     def __hash__(self) -> int:
         return hash(self.name)

@@ -87,7 +87,7 @@ class Leaf(Frozen):
     ge: Number | None = None
     exists: StrictBool | None = None
 
-    model_config = Frozen.model_config | {"populate_by_name": True}
+    # No populate_by_name: `in_` is the attribute, never a key a file may write (`{eq: x, in_: [y]}` loaded).
 
     @model_validator(mode="before")
     @classmethod
@@ -223,6 +223,7 @@ class RuleFile(Frozen):
     )
     defaults: Defaults | None = Field(default=None, description="global file only")
     rules: list[Rule] = Field(default_factory=list, description="the rules; order does not matter")
+
 
 
 AllOf.model_rebuild()

@@ -67,6 +67,9 @@ class AttentionKind(str, Enum):
         """Attention specs page K/V by block; Mamba keeps a recurrent state instead."""
         return self is not AttentionKind.mamba
 
+    def __str__(self) -> str:  # `print(mode)` shows `fp8`, as YAML and JSON write it
+        return self.value
+
 
 class KVCacheSpec(Frozen):
     """One KV cache group's per-layer geometry."""

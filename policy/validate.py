@@ -16,7 +16,18 @@ from kvpolicy.policy.connectors import connector_name_problem, near_connector
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec, field_spec
 from kvpolicy.policy.errors import Diagnostic
 from kvpolicy.policy.layouts import Layout, LayoutPattern
-from kvpolicy.policy.rule_model import OPERATORS, AllOf, AnyOf, Condition, Defaults, Leaf, NotOf, Rule, RuleFile
+from kvpolicy.policy.rule_model import (
+    OPERATORS,
+    AllOf,
+    AnyOf,
+    Condition,
+    Defaults,
+    Effect,
+    Leaf,
+    NotOf,
+    Rule,
+    RuleFile,
+)
 from kvpolicy.policy.yaml_source import Located, Path
 
 __all__ = ["located_validation_errors", "validate_file", "walk_loc"]
@@ -74,6 +85,8 @@ def located_validation_errors(
     for err in exc.errors():
         path = (*base, *walk_loc(data, err["loc"]))
         kind = err["type"]
+        if src.is_invalid(path) and kind != "extra_forbidden":
+            continue  # the parser already reported this value (an unreadable tag, a bad number)
         if path in seen and kind != "extra_forbidden":
             continue  # one message per value: a union (`int | float`) reports each branch
         seen.add(path)
@@ -86,10 +99,13 @@ def located_validation_errors(
                                   f"{hint}valid keys here: {', '.join(valid)}" if valid else None, key=True))
         elif kind == "missing":
             diags.append(src.diag(path, "missing-key", f"missing required key `{err['loc'][-1]}`"))
-        elif kind == "string_type" and isinstance(err.get("input"), bool):
-            shown = str(err["input"]).lower()
-            diags.append(src.diag(path, "invalid-value", f"expected a string, got boolean `{shown}`",
-                                  "YAML reads yes/no/on/off/true/false as booleans: quote the value"))
+        elif kind in ("string_type", "literal_error", "int_type", "enum") and isinstance(err.get("input"), bool):
+            shown = src.yaml11_bools.get(path, str(err["input"]).lower())
+            expected = err["msg"].replace("Input should be", "expected").replace("a valid string", "a string")
+            expected = expected[:1].lower() + expected[1:]
+            diags.append(src.diag(path, "invalid-value", f"{expected}, got boolean `{shown}`",
+                                  "YAML reads yes/no/on/off/true/false as booleans: quote the value, or write "
+                                  "the value this key takes"))
         elif kind == "string_pattern_mismatch":
             diags.append(src.diag(path, "invalid-id", f"`{err['input']}` is not a valid id",
                                   "use lowercase letters, digits, `.`, `_` and `-`, starting with a letter or digit"))
@@ -107,6 +123,10 @@ def located_validation_errors(
     return diags
 
 
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -119,13 +139,19 @@ def _check_value(spec: FieldSpec, op: str, value: Any) -> tuple[str, str | None]
         return (f"`{spec.path}` compared with null",
                 "use `exists: false` to test that a field is absent")
     if spec.type == "bool" and not isinstance(value, bool):
-        return f"`{spec.path}` is a boolean, got {_type_name(value)} `{value}`", "write `true` or `false` unquoted"
+        return (f"`{spec.path}` is a boolean, got {_type_name(value)} `{_show(value)}`",
+                "write `true` or `false` unquoted")
     if spec.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-        hint = "write the number unquoted" if isinstance(value, str) else None
-        return f"`{spec.path}` is an integer, got {_type_name(value)} `{value}`", hint
+        # INVARIANT: a boolean is never an integer here, although Python's bool subclasses int:
+        # `eq: true` on an integer field would otherwise load and never match
+        hint = ("write the number unquoted" if isinstance(value, str)
+                else "write `exists: true` to test that the field has a value" if isinstance(value, bool) else None)
+        return f"`{spec.path}` is an integer, got {_type_name(value)} `{_show(value)}`", hint
     if spec.type == "str":
         if not isinstance(value, str):
-            return f"`{spec.path}` is a string, got {_type_name(value)} `{value}`", None
+            hint = ("YAML reads yes/no/on/off/true/false as booleans: quote it" if isinstance(value, bool)
+                    else "quote it to compare with text")
+            return f"`{spec.path}` is a string, got {_type_name(value)} `{_show(value)}`", hint
         if spec.path == "connector.name" and _open_connector_name(value, spec.choices or ()):
             return None
         if spec.choices is not None and value not in spec.choices:
@@ -185,9 +211,77 @@ def _check_condition(src: Located, path: Path, cond: Condition, diags: list[Diag
         _check_leaf(src, path, cond, diags)
 
 
+def _raw_leaves(data: Any, path: Path) -> list[tuple[Path, Any]]:
+    """The leaf mappings of a raw condition tree, following `all`/`any`/`not` as the model's
+    discriminator does, so leaves are checked even where another part of the rule is broken."""
+    if not isinstance(data, dict):
+        return []
+    for key in ("all", "any"):
+        if key in data:
+            items = data[key] if isinstance(data[key], list) else []
+            return [leaf for i, sub in enumerate(items) for leaf in _raw_leaves(sub, (*path, key, i))]
+    if "not" in data:
+        return _raw_leaves(data["not"], (*path, "not"))
+    return [(path, data)]
+
+
+def _effect_problem(data: dict[str, Any]) -> str | None:
+    """The rule model's effect check on raw data (pydantic runs it only once every field is valid)."""
+    effects = [e.value for e in Effect if data.get(e.value) is not None]
+    if len(effects) != 1:
+        found = ", ".join(f"`{e}`" for e in effects) or "none"
+        return f"a rule needs exactly one effect of `forbid`, `require`, `prefer`; found {found}"
+    if data.get("weight") is not None and data.get("prefer") is None:
+        return "`weight` applies only to a `prefer` rule"
+    return None
+
+
+def _check_rule(src: Located, path: Path, data: Any, diags: list[Diagnostic]) -> Rule | None:
+    """Every problem of one rule: its shape, the effect count, each leaf's field and operand; the rule if none."""
+    if src.is_invalid(path):
+        return None
+    if isinstance(data, dict) and "when" in data and data["when"] is None:
+        # `when:` with nothing under it (a condition commented out) would silently mean "always"
+        diags.append(src.diag((*path, "when"), "empty-condition", "`when` is empty",
+                              "write the condition, or delete `when` if the rule always applies", key=True))
+        return None
+    found: list[Diagnostic] = []
+    try:
+        rule = Rule.model_validate(data)
+    except ValidationError as exc:
+        rule = None
+        found += located_validation_errors(src, path, data, exc)
+        if isinstance(data, dict):
+            problem = _effect_problem(data)
+            if problem and not any(d.message.startswith(problem[:20]) for d in found):
+                found.append(src.diag(path, "invalid-rule", problem))
+            for leaf_path, leaf_data in _raw_leaves(data.get("when"), (*path, "when")):
+                try:
+                    leaf = Leaf.model_validate(leaf_data)
+                except ValidationError:
+                    continue  # reported above, from the whole rule
+                _check_leaf(src, leaf_path, leaf, found)
+    if rule is not None:
+        if rule.when is not None:
+            _check_condition(src, (*path, "when"), rule.when, found)
+        if not rule.pattern.model_fields_set - {k for k in rule.pattern.model_fields_set
+                                                  if getattr(rule.pattern, k) is None}:
+            found.append(src.diag((*path, rule.effect.value), "empty-pattern",
+                                  f"the `{rule.effect.value}` pattern matches every layout",
+                                  "name a `layout`, or a property such as `block_outermost` or `placement`"))
+        elif not any(rule.pattern.matches(x) for x in Layout):
+            found.append(src.diag((*path, rule.effect.value), "unsatisfiable-pattern",
+                                  f"the `{rule.effect.value}` pattern `{rule.pattern}` matches no layout",
+                                  "drop a key: no layout has all of these properties"))
+    diags += found
+    return rule if not found else None
+
+
 def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> tuple[RuleFile | None, list[Diagnostic]]:
     """Validate one parsed file; returns the model (None if any error) and every diagnostic."""
     data = src.data
+    if src.is_invalid(()):
+        return None, []
     if not isinstance(data, dict):
         return None, [src.diag((), "not-a-mapping", f"a rule file is a mapping, got {_type_name(data)}",
                                "start the file with `version: 1` and a `rules:` list")]
@@ -201,7 +295,13 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
         header = RuleFile.model_validate({**header_data, "rules": []})
     except ValidationError as exc:
         diags += located_validation_errors(src, (), header_data, exc)
-    if not isinstance(rules_data, list):
+    if isinstance(header_data.get("version"), bool):  # pydantic's Literal[1] takes `true` (True == 1)
+        shown = src.yaml11_bools.get(("version",), _show(header_data["version"]))
+        diags.append(src.diag(("version",), "invalid-value", f"expected 1, got boolean `{shown}`",
+                              "write `version: 1`"))
+    if src.is_invalid(("rules",)):
+        rules_data = []
+    elif not isinstance(rules_data, list):
         diags.append(src.diag(("rules",), "invalid-value", "`rules` must be a list of rules"))
         rules_data = []
     if len(rules_data) > max_rules:
@@ -244,28 +344,9 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
 
     rules: list[Rule] = []
     for i, rule_data in enumerate(rules_data):
-        if isinstance(rule_data, dict) and "when" in rule_data and rule_data["when"] is None:
-            # `when:` with nothing under it (a condition commented out) would silently mean "always"
-            diags.append(src.diag(("rules", i, "when"), "empty-condition", "`when` is empty",
-                                  "write the condition, or delete `when` if the rule always applies", key=True))
-            continue
-        try:
-            rule = Rule.model_validate(rule_data)
-        except ValidationError as exc:
-            diags += located_validation_errors(src, ("rules", i), rule_data, exc)
-            continue
-        if rule.when is not None:
-            _check_condition(src, ("rules", i, "when"), rule.when, diags)
-        if not rule.pattern.model_fields_set - {k for k in rule.pattern.model_fields_set
-                                                  if getattr(rule.pattern, k) is None}:
-            diags.append(src.diag(("rules", i, rule.effect.value), "empty-pattern",
-                                  f"the `{rule.effect.value}` pattern matches every layout",
-                                  "name a `layout`, or a property such as `block_outermost` or `placement`"))
-        elif not any(rule.pattern.matches(x) for x in Layout):
-            diags.append(src.diag(("rules", i, rule.effect.value), "unsatisfiable-pattern",
-                                  f"the `{rule.effect.value}` pattern `{rule.pattern}` matches no layout",
-                                  "drop a key: no layout has all of these properties"))
-        rules.append(rule)
+        rule = _check_rule(src, ("rules", i), rule_data, diags)
+        if rule is not None:
+            rules.append(rule)
     if diags or header is None:
         return None, diags
     return header.model_copy(update={"rules": rules}), []

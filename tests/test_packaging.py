@@ -33,6 +33,10 @@ def test_wheel_ships_every_rule_file(wheel: Path) -> None:
 
 def test_wheel_ships_every_python_package(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
+    facade = sorted(p.name for p in (ROOT / "kvpolicy").glob("*.py"))
+    assert facade == ["__init__.py", "__main__.py"]  # `from kvpolicy import LayoutEngine`, `python -m kvpolicy`
+    for name in facade:
+        assert f"kvpolicy/{name}" in names, f"kvpolicy/{name} is missing from the wheel"
     for init in [*ROOT.glob("policy/**/__init__.py"), *ROOT.glob("engine/**/__init__.py")]:
         package = Path("kvpolicy") / init.parent.relative_to(ROOT)
         for module in init.parent.glob("*.py"):
@@ -58,3 +62,14 @@ def test_installed_package_validates_and_tests_its_rules(wheel: Path, tmp_path: 
                           env=default)
     assert proc.returncode == 0, proc.stderr
     assert "layout: LBHNC (per_layer, HND)" in proc.stdout and "rule set: rules/vllm-0.34" in proc.stdout
+
+
+def test_wheel_needs_torch_only_for_its_extra(wheel: Path) -> None:
+    """`pip install kvpolicy` pulls no torch; `kvpolicy[torch]` (and the test extras) do."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    torch = [r for r in requires if r.startswith("torch")]
+    assert torch and all('extra == "torch"' in r for r in torch), torch
+    assert "Provides-Extra: torch" in meta
+    assert any(r.startswith("kvpolicy[torch]") and 'extra == "test"' in r for r in requires), requires

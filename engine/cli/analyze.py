@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
@@ -17,11 +18,15 @@ from kvpolicy.engine.cli.common import (
     int_at_least,
     load_ruleset,
     operator_dirs,
-    print_error,
+    print_diagnostics,
     print_json,
+    report_error,
 )
 from kvpolicy.policy.backends import ScaleViews
-from kvpolicy.policy.errors import RuleLoadError
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+
+if TYPE_CHECKING:
+    from kvpolicy.engine.analysis import Finding
 
 __all__ = ["register"]
 
@@ -36,6 +41,8 @@ examples:
       two layers that replace the shipped rules
   kvpolicy lint --vllm-version issue-48412 --scale-views stride_aware
       what if the backends built stride-aware scale views: which forbids stop protecting bytes
+  kvpolicy lint my-rules/ --format github       # findings as annotations on the rule files in CI
+  kvpolicy lint my-rules/ --format sarif > kvpolicy.sarif
 
 the space: every input the profile's decision reads (its backends, kv_cache_dtypes,
 device capabilities, VLLM_KV_CACHE_LAYOUT, extensible KV cache, HiSparse, group shapes,
@@ -87,7 +94,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="warnings fail the lint too")
     p.add_argument("--max-inputs", type=int_at_least(0), default=20, metavar="N",
                    help="inputs listed per finding in text output (default 20; JSON lists all)")
-    add_format_flag(p)
+    add_format_flag(p, ci=True)
     p.set_defaults(run=run_lint)
 
     d = verbs.add_parser(
@@ -105,6 +112,19 @@ def register(verbs: argparse._SubParsersAction) -> None:
     d.set_defaults(run=run_diff)
 
 
+def finding_diagnostic(finding: Finding, root: str) -> Diagnostic:
+    """A lint finding located at its rule (or, for a finding about no one rule, at the rule set), with the
+    count of inputs and the first of them in the message."""
+    if finding.rule is not None:
+        file, line, col = finding.rule.source.file, finding.rule.source.line, finding.rule.source.col
+    else:
+        file, line, col = root, 0, 0
+    message = finding.message
+    if finding.inputs:
+        message += f" (e.g. {finding.inputs[0]})"
+    return Diagnostic(file, line, col, finding.code, message)
+
+
 def run_lint(args: argparse.Namespace) -> int:
     from kvpolicy.engine.analysis import lint
     from kvpolicy.policy.releases import get_profile
@@ -117,6 +137,10 @@ def run_lint(args: argparse.Namespace) -> int:
     report = lint(ruleset, vllm_version=profile, scale_views=views)
     seconds = time.perf_counter() - start
     failed = bool(report.errors) or (args.strict and bool(report.warnings))
+    if args.format in ("github", "sarif"):
+        root = ruleset.root or "rules"
+        print_diagnostics([(f.severity, finding_diagnostic(f, root)) for f in report.findings], args.format)
+        return EXIT_FAILED if failed else EXIT_OK
     if args.format == "json":
         print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed})
         return EXIT_FAILED if failed else EXIT_OK
@@ -147,7 +171,7 @@ def run_diff(args: argparse.Namespace) -> int:
         new = load_ruleset([*shared, args.new], "NEW", vllm_version=args.vllm_version,
                            shipped_rules=not args.no_shipped_rules)
     except RuleLoadError as exc:
-        print_error(exc)
+        report_error(exc, args.format)
         return EXIT_USAGE
     report = diff_rulesets(old, new, vllm_version=get_profile(args.vllm_version))
     if args.format == "json":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +25,12 @@ __all__ = [
     "int_at_least",
     "load_ruleset",
     "operator_dirs",
+    "print_diagnostics",
     "print_error",
     "print_json",
+    "report_error",
     "rules_root",
+    "tool_version",
     "usage_error",
 ]
 
@@ -81,9 +83,12 @@ def add_vllm_version_flag(parser: Any) -> None:
                              "(default: the installed vllm's version, else the newest profile)")
 
 
-def add_format_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text for people (default), json for programs (docs/json-output.md)")
+def add_format_flag(parser: argparse.ArgumentParser, ci: bool = False) -> None:
+    """``--format``: text, json; with ``ci`` also github (Actions annotations) and sarif (SARIF 2.1.0)."""
+    choices = ("text", "json", "github", "sarif") if ci else ("text", "json")
+    extra = "; github: GitHub Actions annotations; sarif: SARIF 2.1.0" if ci else ""
+    parser.add_argument("--format", choices=choices, default="text",
+                        help=f"text for people (default), json for programs (docs/json-output.md){extra}")
 
 
 def rules_root(rules: str | None, vllm_version: str | None = None) -> tuple[Path, str]:
@@ -158,5 +163,39 @@ def error_dict(exc: PolicyError) -> dict[str, Any]:
                       "diagnostics": [d.to_dict() for d in exc.diagnostics]}}
 
 
-def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2))
+def print_json(data: dict[str, Any]) -> None:
+    """A verb's JSON document on stdout, ``format_version`` first (docs/json-output.md); never NaN."""
+    from kvpolicy.engine.cli.report_formats import json_document, json_text
+
+    print(json_text(json_document(data)))
+
+
+def tool_version() -> str:
+    """The installed kvpolicy's version (``0.1.0+source`` from a tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvpolicy")
+    except PackageNotFoundError:
+        return "0.1.0+source"
+
+
+def print_diagnostics(findings: list[tuple[Any, Diagnostic]], fmt: str) -> None:
+    """``--format github`` or ``sarif``: the findings on stdout, as CI systems read them."""
+    from kvpolicy.engine.cli.report_formats import github_annotations, json_text, sarif_log
+
+    if fmt == "github":
+        if findings:
+            print(github_annotations(findings))
+    else:
+        print(json_text(sarif_log(findings, tool_version=tool_version())))
+
+
+def report_error(exc: PolicyError, fmt: str) -> None:
+    """A failed verb: in the machine format asked for on stdout (json: ``{"ok": false, "error": ...}``),
+    and always as located text on stderr."""
+    if fmt == "json":
+        print_json({"ok": False, **error_dict(exc)})
+    elif fmt in ("github", "sarif"):
+        print_diagnostics([("error", d) for d in exc.diagnostics], fmt)
+    print_error(exc)

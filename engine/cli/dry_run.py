@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,12 +23,12 @@ from kvpolicy.engine.cli.common import (
     add_format_flag,
     add_rules_flag,
     add_vllm_version_flag,
-    error_dict,
     exit_code_for,
     int_at_least,
     load_ruleset,
     print_error,
     print_json,
+    report_error,
     usage_error,
 )
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
@@ -41,7 +42,7 @@ from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import KVCacheSpec
-from kvpolicy.policy.yaml_source import parse_yaml
+from kvpolicy.policy.yaml_source import Limits, parse_yaml
 
 if TYPE_CHECKING:
     from kvpolicy.engine.plan import LayoutPlan
@@ -114,8 +115,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
     dep = p.add_argument_group("the deployment (named as vLLM names them)")
     add_vllm_version_flag(dep)
     dep.add_argument("--attention-backend", "--backend", dest="backend", metavar="NAME",
-                     help="attention backend, vLLM's enum name: " + ", ".join(_backend_names())
-                          + " (default TRITON_ATTN; the release profile lists its own)")
+                     help="attention backend, vLLM's enum name in any case: " + ", ".join(_backend_names())
+                          + " (default: the one vLLM selects for the model on --device-capability, SM90 "
+                          "when not given; the built-in example uses TRITON_ATTN)")
     dep.add_argument("--worker-attention-backends", type=_worker_backends, action="append", metavar="NAME[,NAME...]",
                      help="one worker's attention backends, comma-separated; repeat once per worker (pipeline "
                           "stages may use different backends): the candidates are the layouts all of them "
@@ -128,6 +130,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
     dep.add_argument("--connector-config", type=_json_object, metavar="JSON",
                      help="vLLM's kv_connector_extra_config as a JSON object; for MultiConnector "
                           '{"connectors": [{"kv_connector": ..., "kv_connector_extra_config": {...}}]}')
+    dep.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",
+                     help="vLLM's --kv-transfer-config as it takes it: {\"kv_connector\": ..., \"kv_role\": ..., "
+                          "\"kv_connector_extra_config\": {...}} (instead of --connector/--connector-config)")
     dep.add_argument("--vllm-kv-cache-layout", metavar="LAYOUT",
                      help="the VLLM_KV_CACHE_LAYOUT environment variable: one of the six layouts, or NHD/HND "
                           "(not read from the environment: pass it)")
@@ -205,11 +210,12 @@ def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: Valida
 
 def read_spec_file(path: str) -> dict[str, Any]:
     """Build-context keywords (``spec`` or ``groups``) from a spec file; errors carry file:line:col."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise usage_error(path, f"cannot read the --spec file: {reason}") from None
+    from kvpolicy.policy.files import read_capped
+
+    text, problems = read_capped(Path(path), path, Limits().max_file_bytes)
+    if text is None:
+        d = problems[0]
+        raise usage_error(path, d.message.replace("the file", "the --spec file"), d.help)
     src, diags = parse_yaml(text, path)
     if src is None or diags:
         raise InputError("invalid --spec file", diags)
@@ -260,6 +266,7 @@ def read_spec_file(path: str) -> dict[str, Any]:
 
 
 _FLAG_OF = {
+    "kv_transfer_config": "--kv-transfer-config",
     "backend": "--attention-backend",
     "attention_backend": "--attention-backend",
     "vllm_version": "--vllm-version",
@@ -300,22 +307,33 @@ def is_example(args: argparse.Namespace) -> bool:
 
 def context_from_args(args: argparse.Namespace) -> Context:
     """The decision context the flags describe; raises `InputError` naming the flag."""
+    if args.kv_transfer_config is not None:
+        for flag, value in (("--connector", args.connector), ("--connector-config", args.connector_config)):
+            if value is not None:
+                raise usage_error("--kv-transfer-config", f"--kv-transfer-config and {flag} both set the connector",
+                                  f"give one: --kv-transfer-config is vLLM's whole setting, {flag} a part of it")
     if args.tensor_parallel_size not in (None, 1) and args.model is None:
         raise usage_error("--tensor-parallel-size", "applies to --model only",
                           "a --spec already gives the KV heads of one rank (`num_kv_heads`)")
     example = is_example(args)
+    if os.environ.get("VLLM_ATTENTION_BACKEND") and args.backend is None:
+        # vLLM 0.28 and 0.34 read no such variable (envs.py; the backend is --attention-backend /
+        # attention_config.backend), so following it would predict a backend vLLM does not use
+        print("note: VLLM_ATTENTION_BACKEND is set, but the vLLM releases kvpolicy models do not read it and "
+              "neither does kvpolicy; pass --attention-backend", file=sys.stderr)
     kwargs: dict[str, Any] = {
         "kv_cache_dtype": args.kv_cache_dtype,
         "block_size": args.block_size,
         # `is not None`: an empty value is the user's (and an error), not "use the default"
+        # no backend: the one vLLM would select for the model (engine.inputs.default_backend)
         "backend": args.backend if args.backend is not None else (
-            None if args.worker_attention_backends is not None else
-            DEFAULT_EXAMPLE["backend"] if example else "TRITON_ATTN"),
+            DEFAULT_EXAMPLE["backend"] if example and args.worker_attention_backends is None else None),
         "worker_attention_backends": args.worker_attention_backends,
         "scale_views": args.scale_views,
         "connector": args.connector if args.connector is not None else (
-            DEFAULT_EXAMPLE["connector"] if example else None),
+            DEFAULT_EXAMPLE["connector"] if example and args.kv_transfer_config is None else None),
         "connector_config": args.connector_config,
+        "kv_transfer_config": args.kv_transfer_config,
         "vllm_version": args.vllm_version,
         "vllm_kv_cache_layout": args.vllm_kv_cache_layout,
         "enable_extensible_kv_cache": bool(args.enable_extensible_kv_cache),
@@ -484,11 +502,9 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
         report, checked, drawn = _geometry(decision, args, plan)
     except PolicyError as exc:
-        if args.format == "json":
-            print_json(error_dict(exc))
         if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
             print(example_banner(args), file=sys.stderr)
-        print_error(exc)
+        report_error(exc, args.format)
         return exit_code_for(exc)
     from kvpolicy.engine.verify import refusal
 

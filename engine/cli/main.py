@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpolicy.engine.cli import analyze, dry_run, schema, testing, validate
-from kvpolicy.engine.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, exit_code_for, print_error
+from kvpolicy.engine.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, exit_code_for, report_error, tool_version
 from kvpolicy.policy.errors import PolicyError
 
 __all__ = ["build_parser", "main"]
@@ -33,15 +33,6 @@ exit codes: 0 ok, 1 the policy said no / a test or validation failed, 2 usage er
 """
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvpolicy")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0.1.0+source"
-
-
 class _VersionAction(argparse.Action):
     """``--version``, computed only when asked for (importlib.metadata is not free)."""
 
@@ -50,7 +41,7 @@ class _VersionAction(argparse.Action):
                          help="print the version and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
-        print(f"kvpolicy {_version()}")
+        print(f"kvpolicy {tool_version()}")
         parser.exit(0)
 
 
@@ -82,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except PolicyError as exc:
-        print_error(exc)
+        report_error(exc, getattr(args, "format", "text"))
         return exit_code_for(exc)
     except BrokenPipeError:  # `kvpolicy ... | head`: stop quietly, exit 1 as Python itself does on EPIPE
         _silence_stdout()

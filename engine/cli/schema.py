@@ -15,8 +15,6 @@ from kvpolicy.engine.cli.common import EXIT_OK, HelpFormatter
 
 __all__ = ["case_file_schema", "register", "rule_file_schema", "run"]
 
-_DRAFT = "https://json-schema.org/draft/2020-12/schema"
-
 _EPILOG = """\
 examples:
   kvpolicy schema > docs/rule-file.schema.json
@@ -28,20 +26,19 @@ editors: start a rule file with
 
 
 def rule_file_schema() -> dict[str, Any]:
-    """JSON Schema (2020-12) of a rule file, from `kvpolicy.policy.rule_model.RuleFile`."""
-    from kvpolicy.policy.rule_model import RuleFile
+    """JSON Schema (2020-12) of a rule file, as strict as `kvpolicy validate` where it can be
+    (`kvpolicy.policy.json_schema`)."""
+    from kvpolicy.policy.json_schema import rule_file_schema
 
-    body = RuleFile.model_json_schema(by_alias=True)
-    return {"$schema": _DRAFT, "$id": "urn:kvpolicy:rule-file:1", **body, "title": "kvpolicy rule file"}
+    return rule_file_schema()
 
 
 def case_file_schema() -> dict[str, Any]:
-    """JSON Schema (2020-12) of a policy test file, from `kvpolicy.engine.policy_tests.CaseFile`."""
-    from kvpolicy.engine.policy_tests import CaseFile
+    """JSON Schema (2020-12) of a policy test file, as strict as `kvpolicy test`'s loader where it can be
+    (`kvpolicy.engine.policy_tests.json_schema`)."""
+    from kvpolicy.engine.policy_tests.json_schema import case_file_schema
 
-    body = CaseFile.model_json_schema(by_alias=True)
-    return {"$schema": _DRAFT, "$id": "urn:kvpolicy:policy-test-file:1", **body,
-            "title": "kvpolicy policy test file"}
+    return case_file_schema()
 
 
 def schema_text(cases: bool = False) -> str:
@@ -55,6 +52,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
         description="Print the JSON Schema (draft 2020-12) of kvpolicy's rule files, for editors and CI.",
         epilog=_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--cases", action="store_true", help="the schema of policy test files (kvpolicy test) instead")
+    p.add_argument("--format", choices=("json",), default="json",
+                   help="always json (a JSON Schema, versioned by its `$id`); accepted as every verb accepts it")
     p.set_defaults(run=run)
 
 

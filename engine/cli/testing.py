@@ -8,6 +8,7 @@ documented in docs/cli.md.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from kvpolicy.engine.cli.common import (
     load_ruleset,
     print_json,
     rules_root,
+    usage_error,
 )
 
 if TYPE_CHECKING:
@@ -117,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     layers = [Path(d) / "tests" for d in args.rules or []]
     paths = (args.paths or [t for t in layers if t.is_dir()] or layers[-1:]
              or [rules_root(None, args.vllm_version)[0] / "tests"])
+    missing = [str(p) for p in args.paths or [] if not os.path.lexists(p)]
+    if missing:  # a path that names nothing is a usage error (2), as for every verb; a bad file is a failure (1)
+        raise usage_error(missing[0], "no such file or directory", "pass policy test files or directories holding them")
     result = run_policy_tests(ruleset, paths, vllm_version=args.vllm_version)
     if args.format == "json":
         print_json(result.to_dict())

@@ -13,11 +13,11 @@ from kvpolicy.engine.cli.common import (
     add_rules_flag,
     add_vllm_version_flag,
     check_vllm_version,
-    error_dict,
     load_ruleset,
     operator_dirs,
-    print_error,
+    print_diagnostics,
     print_json,
+    report_error,
     rules_root,
 )
 from kvpolicy.policy.errors import RuleLoadError
@@ -33,12 +33,15 @@ examples:
   kvpolicy validate --rules base/ --rules site/   # two layers on the shipped rules, bottom first
   kvpolicy validate my-rules/ --no-shipped-rules  # my-rules/ alone: warns for each load-bearing guard dropped
   kvpolicy validate my-rules/ --format json
+  kvpolicy validate my-rules/ --format github    # annotations on the pull request's files
+  kvpolicy validate my-rules/ --format sarif > kvpolicy.sarif
 
 output: each problem as `file:line:col: error[code]: message` with a `help:` line, on
 stderr; when clean, one line on stdout: `ok: N rules in M files (digest sha256:...)`, then one
 line per layer when there are several; warnings (`warning[code]`) on stderr do not fail
 
-exit codes: 0 the rules load cleanly, 1 they do not, 2 usage error
+exit codes: 0 the rules load cleanly, 1 they do not, 2 usage error (DIR does not exist, or is not a
+directory; an unknown flag)
 """
 
 
@@ -54,7 +57,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
                         "(default: the shipped rules alone)")
     add_rules_flag(p)
     add_vllm_version_flag(p)
-    add_format_flag(p)
+    add_format_flag(p, ci=True)
     p.set_defaults(run=run)
 
 
@@ -65,13 +68,13 @@ def run(args: argparse.Namespace) -> int:
         ruleset = load_ruleset(dirs, "DIR" if args.dir else "--rules", vllm_version=args.vllm_version,
                                shipped_rules=not args.no_shipped_rules)
     except RuleLoadError as exc:
-        if args.format == "json":
-            print_json({"ok": False, **error_dict(exc)})
-        print_error(exc)
+        report_error(exc, args.format)
         return EXIT_FAILED
     roots = ([rules_root(None, args.vllm_version)[0]] if not args.no_shipped_rules else []) + [Path(d) for d in dirs]
     files = sum(len(rule_files(r)) for r in dict.fromkeys(r.resolve() for r in roots))
-    if args.format == "json":
+    if args.format in ("github", "sarif"):
+        print_diagnostics([("warning", d) for d in ruleset.warnings], args.format)
+    elif args.format == "json":
         print_json({"ok": True, "rules": len(ruleset.rules), "files": files, "digest": ruleset.digest,
                     "root": ruleset.root, "layers": [layer.to_dict() for layer in ruleset.layers],
                     "warnings": [d.to_dict() for d in ruleset.warnings]})

@@ -27,18 +27,19 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
-from kvpolicy.engine.decide import RELEASE_CANDIDATES
+from kvpolicy.engine.decide import BACKEND_GEOMETRY, RELEASE_CANDIDATES
 from kvpolicy.engine.inputs import build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, PolicyError
+from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layouts import Layout, LayoutName, LayoutPattern
 from kvpolicy.policy.load import RULE_FILE_SUFFIXES
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import AttentionKind, Frozen, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 from kvpolicy.policy.validate import located_validation_errors
-from kvpolicy.policy.yaml_source import Located, parse_yaml
+from kvpolicy.policy.yaml_source import Limits, Located, parse_yaml
 
 __all__ = [
     "CaseFile",
@@ -95,6 +96,8 @@ class CaseInput(Frozen):
     scale_views: ScaleViews | None = Field(default=None, description="override the backend's scale-view strategy")
     connector: str | None = Field(default=None, description="KV connector class name; absent: no connector")
     connector_config: dict[str, Any] | None = Field(default=None, description="vLLM's kv_connector_extra_config")
+    kv_transfer_config: dict[str, Any] | None = Field(
+        default=None, description="vLLM's whole --kv-transfer-config (instead of connector/connector_config)")
     tensor_parallel_size: StrictInt = Field(default=1, ge=1, description="with `model` only")
     vllm_version: str | None = Field(
         default=None, min_length=1,
@@ -225,6 +228,14 @@ class CaseFile(Frozen):
     cases: list[PolicyCase] = Field(min_length=1)
 
 
+
+class _CaseFileHeader(Frozen):
+    """`CaseFile` with its cases left unchecked: the file-level keys alone."""
+
+    version: Literal[1]
+    cases: list[Any] = Field(min_length=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
@@ -280,88 +291,133 @@ def _shown(path: Path) -> str:
     """``path`` relative to the working directory when it lies under it, else as given."""
     try:
         rel = path.resolve().relative_to(Path.cwd().resolve())
-    except ValueError:
+    except (ValueError, OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
         return str(path)
     return str(rel)
 
 
+# Case files are read whole and their YAML is composed in memory: the same caps as a rule file's.
+CASE_LIMITS = Limits()
+
+
 def case_files(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[Path], list[Diagnostic]]:
-    """The case files named by ``paths`` (files, or directories of ``*.yaml``), sorted per directory."""
+    """The case files named by ``paths`` (files, or directories of ``*.yaml``), sorted per directory.
+
+    Every ``*.yaml`` entry of a directory is returned, whatever it is, so that reading it reports
+    a directory, a FIFO or a link loop named like a case file instead of skipping it silently.
+    """
     files: list[Path] = []
     diags: list[Diagnostic] = []
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            found = sorted(x for x in p.iterdir() if x.suffix in RULE_FILE_SUFFIXES and x.is_file())
+            try:
+                found = sorted(x for x in p.iterdir() if x.suffix in RULE_FILE_SUFFIXES)
+            except OSError as exc:
+                diags.append(Diagnostic(_shown(p), 0, 0, "unreadable",
+                                        f"cannot list the directory: {exc.strerror or exc}", "check its permissions"))
+                continue
             if not found:
                 diags.append(Diagnostic(_shown(p), 0, 0, "no-test-files", "no `.yaml` policy test files here",
                                         "write cases in `<rules>/tests/*.yaml` (see docs/cli.md)"))
             files += found
-        elif p.is_file():
-            files.append(p)
+        elif p.exists() or p.is_symlink():
+            files.append(p)  # a file, or something that is not one: reading it says which
         else:
             diags.append(Diagnostic(_shown(p), 0, 0, "not-found", "no such file or directory",
                                     "pass policy test files or directories holding them"))
     return files, diags
 
 
-def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic]]:
+RuleRef = tuple[Located, tuple[Any, ...], str]  # where an expectation names a rule id, and the id
+
+
+def _rule_refs(src: Located, index: int, data: Any) -> list[RuleRef]:
+    """The rule ids an ``expect`` block names, read even where the rest of its case is broken."""
+    try:
+        expect = Expect.model_validate(data)
+    except (ValidationError, ValueError):
+        return []
+    return [(src, ("cases", index, "expect", *path), rule_id) for path, rule_id in expect.rule_ids]
+
+
+def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic], list[RuleRef]]:
+    """One file's valid cases, every problem in it, and every rule id its expectations name."""
     shown = _shown(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return [], [Diagnostic(shown, 0, 0, "unreadable", f"cannot read the file: {reason}")]
-    src, diags = parse_yaml(text, shown)
-    if src is None or diags:
-        return [], diags
+    text, diags = read_capped(path, shown, CASE_LIMITS.max_file_bytes)
+    if text is None:
+        return [], diags, []
+    src, diags = parse_yaml(text, shown, CASE_LIMITS)
+    if src is None or src.is_invalid(()):
+        return [], diags, []
     if not isinstance(src.data, dict):
-        return [], [src.diag((), "not-a-mapping", "a policy test file is a mapping",
-                             "start the file with `version: 1` and a `cases:` list")]
-    try:
-        model = CaseFile.model_validate(src.data)
+        return [], [*diags, src.diag((), "not-a-mapping", "a policy test file is a mapping",
+                                     "start the file with `version: 1` and a `cases:` list")], []
+    raw_cases = src.data.get("cases")
+    if isinstance(src.data.get("version"), bool):  # pydantic's Literal[1] takes `true` (True == 1)
+        diags.append(src.diag(("version",), "invalid-value",
+                              f"expected 1, got boolean `{src.yaml11_bools.get(('version',), 'true')}`",
+                              "write `version: 1`"))
+    try:  # the file's own keys; its cases are checked one by one below, so one cannot hide another
+        _CaseFileHeader.model_validate(src.data)
     except ValidationError as exc:
-        return [], located_validation_errors(src, (), src.data, exc, valid_keys=_keys_at)
+        diags += located_validation_errors(src, (), src.data, exc, valid_keys=_keys_at)
+    cases: list[LoadedCase] = []
+    refs: list[RuleRef] = []
     seen: dict[str, int] = {}
-    for i, case in enumerate(model.cases):
-        if case.name in seen:
+    for i, raw in enumerate(raw_cases if isinstance(raw_cases, list) else []):
+        if src.is_invalid(("cases", i)):
+            continue
+        name = raw.get("name") if isinstance(raw, dict) else None
+        if isinstance(name, str) and name in seen:  # read raw: a broken case still owns its name
             diags.append(src.diag(("cases", i, "name"), "duplicate-case",
-                                  f"case `{case.name}` is already defined at line {seen[case.name]}",
+                                  f"case `{name}` is already defined at line {seen[name]}",
                                   "give each case of a file its own name"))
-        seen.setdefault(case.name, src.position(("cases", i))[0])
-    return [LoadedCase(c, src, i) for i, c in enumerate(model.cases)], diags
+        elif isinstance(name, str):
+            seen[name] = src.position(("cases", i))[0]
+        try:
+            case = PolicyCase.model_validate(raw)
+        except ValidationError as exc:
+            diags += located_validation_errors(src, ("cases", i), raw, exc, valid_keys=_keys_at)
+            if isinstance(raw, dict):
+                refs += _rule_refs(src, i, raw.get("expect"))
+            continue
+        cases.append(LoadedCase(case, src, i))
+        refs += [(src, ("cases", i, "expect", *p), r) for p, r in case.expect.rule_ids]
+    return cases, diags, refs
 
 
 # What the engine itself names in removals, beside the rules: the release's candidate filter.
-BUILTIN_RULE_IDS = (RELEASE_CANDIDATES,)
+BUILTIN_RULE_IDS = (RELEASE_CANDIDATES, BACKEND_GEOMETRY)
 
 
-def _check_rule_ids(cases: list[LoadedCase], ruleset: RuleSet) -> list[Diagnostic]:
+def _check_rule_ids(refs: list[RuleRef], ruleset: RuleSet) -> list[Diagnostic]:
     known = sorted(r.id for r in ruleset.rules) + list(BUILTIN_RULE_IDS)
     diags = []
-    for lc in cases:
-        for path, rule_id in lc.case.expect.rule_ids:
-            if rule_id not in known:
-                close = difflib.get_close_matches(rule_id, known, n=1)
-                diags.append(lc.diag(("expect", *path), "unknown-rule",
-                                     f"no rule `{rule_id}` in rule set `{ruleset.root}`",
-                                     f"did you mean `{close[0]}`?" if close else "`kvpolicy validate` lists the rules"))
+    for src, path, rule_id in refs:
+        if rule_id not in known:
+            close = difflib.get_close_matches(rule_id, known, n=1)
+            diags.append(src.diag(path, "unknown-rule", f"no rule `{rule_id}` in rule set `{ruleset.root}`",
+                                  f"did you mean `{close[0]}`?" if close else "`kvpolicy validate` lists the rules"))
     return diags
 
 
 def load_cases(paths: Iterable[str | os.PathLike[str]], ruleset: RuleSet | None = None) -> list[LoadedCase]:
-    """Load and validate every case; raises `PolicyTestError` listing every problem.
+    """Load and validate every case; raises `PolicyTestError` listing every problem of every file.
 
-    With ``ruleset``, rule ids named in expectations must exist in it.
+    With ``ruleset``, rule ids named in expectations must exist in it (checked in the same run,
+    also in cases that have other problems).
     """
     files, diags = case_files(paths)
     cases: list[LoadedCase] = []
+    refs: list[RuleRef] = []
     for path in files:
-        loaded, problems = _load_file(path)
+        loaded, problems, named = _load_file(path)
         cases += loaded
         diags += problems
+        refs += named
     if ruleset is not None:
-        diags += _check_rule_ids(cases, ruleset)
+        diags += _check_rule_ids(refs, ruleset)
     if diags:
         raise PolicyTestError(f"{len(diags)} error(s) in policy test files", diags)
     if not cases:
@@ -401,11 +457,12 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
     """The decision `Context` for a case input (in profile ``vllm_version`` unless the case names
     one); raises `InputError` / `ModelConfigError`."""
     common: dict[str, Any] = {
-        "attention_backend": inp.attention_backend or inp.backend,
+        "attention_backend": inp.attention_backend if inp.attention_backend is not None else inp.backend,
         "worker_attention_backends": inp.worker_attention_backends,
         "scale_views": inp.scale_views.value if inp.scale_views else None,
         "connector": inp.connector,
         "connector_config": inp.connector_config,
+        "kv_transfer_config": inp.kv_transfer_config,
         "vllm_version": inp.vllm_version if inp.vllm_version is not None else vllm_version,
         "vllm_kv_cache_layout": inp.vllm_kv_cache_layout,
         "enable_extensible_kv_cache": inp.enable_extensible_kv_cache,

@@ -18,12 +18,23 @@ from kvpolicy.policy.errors import input_error
 
 __all__ = ["allocate"]
 
+_MAX_TENSOR_BYTES = 2**63 - 1
+
 
 def allocate(plan: LayoutPlan, device: str | torch.device = "cpu") -> KVCache:
     """Allocate ``plan`` on ``device`` (``cpu``, ``cuda[:i]`` or ``meta``) and return its `KVCache`."""
     dev = _device(device)
     dtype = torch_dtype(plan.spec.cache_dtype.value)
-    raw = tuple(torch.zeros(b.nbytes, dtype=torch.uint8, device=dev) for b in plan.buffers)
+    largest = max(b.nbytes for b in plan.buffers)
+    if largest > _MAX_TENSOR_BYTES:  # torch sizes are int64: a larger buffer is a TypeError there
+        raise input_error("num_blocks", f"a buffer of {largest} bytes for {plan.num_blocks} blocks is more than "
+                          f"a tensor can hold ({_MAX_TENSOR_BYTES} bytes)", "plan fewer blocks",
+                          code="out-of-memory")
+    try:
+        raw = tuple(torch.zeros(b.nbytes, dtype=torch.uint8, device=dev) for b in plan.buffers)
+    except (RuntimeError, MemoryError) as exc:  # the device's allocator said no
+        raise input_error("num_blocks", f"cannot allocate {plan.total_bytes} bytes for {plan.num_blocks} blocks on "
+                          f"`{dev}`: {str(exc).splitlines()[0]}", "plan fewer blocks", code="out-of-memory") from None
     typed = tuple(r.view(dtype) for r in raw)
     buffers = tuple(t.as_strided(b.shape, b.strides, 0) for t, b in zip(typed, plan.buffers, strict=True))
     views = tuple(typed[lp.view.buffer].as_strided(lp.view.shape, lp.view.strides, lp.view.storage_offset)

@@ -114,13 +114,7 @@ class KVCache:
         and multiplies by them in fp32, as vLLM's kernels do)."""
         check_layer(layer, self.plan.num_layers)
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                math.isfinite(value) and value > 0
-            ):
-                raise input_error(name, f"`{name}` must be a positive finite number, got `{value!r}`")
-            if not _F32_TINY <= value <= _F32_MAX:  # would be 0, subnormal or infinite in fp32
-                raise input_error(name, f"`{name}` `{value!r}` is outside fp32's normal range, where the cache "
-                                  "computes with it", f"use a scale in [{_F32_TINY:.3e}, {_F32_MAX:.3e}]")
+            _check_tensor_scale(name, value)
         with self._write_lock:  # a write in another thread sees the old scales or the new, never a mix
             self._k_scales[layer] = float(k_scale)
             self._v_scales[layer] = float(v_scale)
@@ -313,6 +307,34 @@ class KVCache:
             from kvpolicy.engine.verify import check_plan
 
             check_plan(self.plan)
+
+
+def _check_tensor_scale(name: str, value: object) -> None:
+    """``value`` as the cache uses it, in fp32: a normal, finite, positive number there.
+
+    Checked after the conversion, not before: 1e39 is finite as a Python float but
+    infinite in fp32 (every read NaN), and ``10**400`` does not even convert to a float.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise input_error(name, f"`{name}` must be a positive finite number, got `{type(value).__name__}`")
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int past float64's range
+        as_float = math.inf
+    stored = torch.tensor(as_float, dtype=torch.float32).item()  # IEEE rounding: past fp32's max, inf
+    if not (math.isfinite(stored) and stored > 0):
+        raise input_error(name, f"`{name}` must be a positive finite number in fp32, got `{_short(value)}`",
+                          f"use a scale in [{_F32_TINY:.3e}, {_F32_MAX:.3e}]")
+    if stored < _F32_TINY:  # subnormal in fp32: codes x / s would all saturate
+        raise input_error(name, f"`{name}` `{value!r}` is below fp32's normal range, where the cache computes "
+                          "with it", f"use a scale in [{_F32_TINY:.3e}, {_F32_MAX:.3e}]")
+
+
+def _short(value: int | float) -> str:
+    """``repr(value)``, or a description of an integer too long to print (Python refuses past 4,300 digits)."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
 
 
 def _len(t: object, dim: int = 0) -> int:

@@ -126,16 +126,24 @@ def check_block_ids(block_ids: object, num_blocks: int, device: torch.device, un
         if block_ids.dtype not in _INDEX_DTYPES or block_ids.dim() != 1:
             raise input_error("block_ids", f"`block_ids` must be a 1-D int32 or int64 tensor, got "
                               f"`{block_ids.dtype}` with shape `{tuple(block_ids.shape)}`")
+        if block_ids.is_meta:
+            raise input_error("block_ids", "`block_ids` is on `meta`: it holds no values",
+                              f"pass ids on the CPU or on `{device}`")
         ids = block_ids.to(device=device, dtype=torch.int64)
-    elif isinstance(block_ids, Sequence) and all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+        lo, hi = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)
+    elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in block_ids
+    ):
+        # the range in Python, before any tensor: an id past int64 (2**70) would make torch.tensor raise
+        lo, hi = (min(block_ids), max(block_ids)) if block_ids else (0, 0)
+        ids = None
     else:
-        raise input_error("block_ids", "`block_ids` must be a tensor or a sequence of ints")
-    if ids.numel() == 0:
-        return ids
-    lo, hi = (int(v) for v in torch.aminmax(ids))
+        raise input_error("block_ids", "`block_ids` must be a tensor or a sequence of ints",
+                          f"pass block ids in 0..{num_blocks - 1}, e.g. `[0, 3]` or an int64 tensor")
     if lo < 0 or hi >= num_blocks:
         raise input_error("block_ids", f"block `{lo if lo < 0 else hi}` is out of range", f"use 0..{num_blocks - 1}")
+    if ids is None:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=device)
     if unique and ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
         raise input_error("block_ids", "`block_ids` names the same block twice", "restore each block once")
     return ids

@@ -351,7 +351,7 @@ def test_invalid_spec_values_name_the_file(capsys: pytest.CaptureFixture[str], t
 
 def test_plan_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     spec = write_spec(tmp_path, "{kind: mla, num_layers: 4, block_size: 64, num_kv_heads: 1, head_size: 576}")
-    code, _, err = cli(capsys, "dry-run", "--spec", spec, "--num-blocks", "4")  # MLA spec on TRITON_ATTN
+    code, _, err = cli(capsys, "dry-run", "--spec", spec, "--backend", "TRITON_ATTN", "--num-blocks", "4")
     assert code == 2
     assert "--attention-backend: error[backend-mismatch]" in err
 
@@ -383,3 +383,22 @@ def test_every_flag_is_documented() -> None:
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}" in doc, (verb, flag)
+
+
+def test_kv_transfer_config_is_vllms_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "{num_layers: 4, num_kv_heads: 2, head_size: 64}")
+    ktc = '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}'
+    code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--kv-transfer-config", ktc, "--format", "json")
+    assert code == 0 and json.loads(out)["inputs"]["connector"]["name"] == "OffloadingConnector"
+    code, _, err = cli(capsys, "dry-run", "--spec", spec, "--kv-transfer-config", ktc, "--connector", "NixlConnector")
+    assert code == 2
+    assert "--kv-transfer-config: error[usage]: --kv-transfer-config and --connector both set" in err
+    code, _, err = cli(capsys, "dry-run", "--spec", spec, "--kv-transfer-config", '{"kv_connector": "X"}')
+    assert code == 2 and "--kv-transfer-config: error" in err and "kv_role" in err
+
+
+def test_an_mla_model_without_a_backend_gets_an_mla_backend(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "{kind: mla, num_layers: 4, num_kv_heads: 1, head_size: 576}")
+    code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--format", "json")
+    assert code == 0 and json.loads(out)["inputs"]["backend"]["name"] == "FLASHMLA"

@@ -167,4 +167,4 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_missing_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = cli(capsys, "test", str(tmp_path / "none.yaml"))
-    assert code == 1 and "error[not-found]" in err
+    assert code == 2 and "error[usage]: no such file or directory" in err  # a usage error, as for every verb

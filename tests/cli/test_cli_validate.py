@@ -68,10 +68,13 @@ def test_broken_rules_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     assert "error[yaml-syntax]" in err
 
 
-def test_missing_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, _, err = cli(capsys, "validate", str(tmp_path / "nope"))
-    assert code == 2  # a usage error, as on every verb
-    assert err.startswith(f"DIR: error[usage]: `{tmp_path}/nope` does not exist\n  help: ")
+@pytest.mark.parametrize("argv", [["validate", "{nope}"], ["test", "{nope}"], ["dry-run", "--rules", "{nope}"],
+                                  ["diff", "{nope}", "{nope}"], ["lint", "{nope}"]])
+def test_a_path_that_names_nothing_is_a_usage_error_for_every_verb(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str]) -> None:
+    code, out, err = cli(capsys, *[a.format(nope=tmp_path / "nope") for a in argv])
+    assert code == 2, err  # `validate nope` exited 1 while the other verbs exited 2
+    assert out == "" and "error[usage]" in err and "nope" in err
 
 
 def test_empty_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

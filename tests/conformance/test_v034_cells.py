@@ -118,6 +118,10 @@ def edge_heads(mode: str, dtype: torch.dtype, head: int) -> list[torch.Tensor]:
         with_(rnd(), a=-math.inf),
         with_(rnd(), a=math.inf, b=-math.inf),
         torch.full((head,), math.inf),
+        torch.full((head,), -math.inf),
+        with_(rnd(), a=math.nan, b=math.inf),  # NaN and an infinity in one head
+        with_(torch.zeros(head), a=-math.inf),  # an infinity among zeros
+        with_(rnd(), a=math.nan, b=-math.nan),  # NaNs of both signs
         torch.full((head,), fi.max),  # the largest finite values
         with_(rnd(), a=fi.max, b=-fi.max),
         torch.full((head,), -fi.max),

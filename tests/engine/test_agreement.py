@@ -156,9 +156,26 @@ rank, world = int(sys.argv[1]), int(sys.argv[2])
 work = Path(sys.argv[3])
 scenarios = json.loads((work / "scenarios.json").read_text())
 
+
+class NoNumpy:
+    """numpy is not a dependency: a fresh venv has none, so agree() must not need it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+
+
+if os.environ.get("KVPOLICY_TEST_BLOCK_NUMPY"):
+    assert "numpy" not in sys.modules
+    sys.meta_path.insert(0, NoNumpy())
+
 import torch.distributed as dist
 from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine import agreement
 from kvpolicy.engine.agreement import AgreementError, agree
+
+encode = agreement._encode
 
 dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=world,
                         timeout=datetime.timedelta(seconds=30))
@@ -170,6 +187,8 @@ for sc in scenarios:
     rules = sc.get("rules", {}).get(str(rank))
     engine = LayoutEngine.from_path(rules) if rules else LayoutEngine.default()
     decision = engine.decide(**sc["inputs"].get(str(rank), sc["inputs"]["*"]))
+    sent = sc.get("send", {}).get(str(rank))  # this rank plays a hostile peer: it sends these bytes
+    agreement._encode = encode if sent is None else (lambda _r, sent=sent: sent.encode("latin-1"))
     start = time.monotonic()
     try:
         agreed = agree(decision, timeout_s=sc.get("timeout_s", 30))
@@ -177,6 +196,7 @@ for sc in scenarios:
     except AgreementError as exc:
         results[sc["name"]] = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
     results[sc["name"]]["seconds"] = time.monotonic() - start
+results["numpy_imported"] = "numpy" in sys.modules
 (work / f"rank{rank}.json").write_text(json.dumps(results))
 if any(rank in sc.get("skip", []) for sc in scenarios):
     # stay in the world until rank 0 has reported, so its timeout is a timeout and not a closed socket
@@ -187,14 +207,16 @@ dist.destroy_process_group()
 '''
 
 
-def run_world(tmp_path: Path, world: int, scenarios: list[dict[str, Any]], deadline_s: float = 60.0
-              ) -> list[dict[str, Any]]:
+def run_world(tmp_path: Path, world: int, scenarios: list[dict[str, Any]], deadline_s: float = 60.0,
+              block_numpy: bool = False) -> list[dict[str, Any]]:
     """Run ``world`` gloo ranks over the scenarios; kill them all if they outlive ``deadline_s``."""
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "scenarios.json").write_text(json.dumps(scenarios))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if block_numpy:
+        env["KVPOLICY_TEST_BLOCK_NUMPY"] = "1"
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r), str(world), str(tmp_path)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
@@ -278,3 +300,80 @@ def test_four_ranks_one_odd_rule_set_or_dtype(tmp_path: Path) -> None:
         assert "kv_cache_dtype: rank 0 bfloat16, rank 3 fp8_e4m3" in dtype["message"]
     assert len({r["rules"]["message"] for r in results}) == 1
     assert len({r["dtype"]["message"] for r in results}) == 1
+
+
+def test_ranks_agree_without_numpy_and_name_a_hostile_peer_on_every_rank(tmp_path: Path) -> None:
+    """Three gloo ranks with numpy unimportable (a meta-path blocker in each child): agreement and
+    disagreement work, and a rank that sends garbage, an oversized payload, JSON nested 100,000 deep
+    or JSON that is not a rank fingerprint is named by the same `AgreementError` on every rank, with
+    no rank unpickling, recursing or allocating what the peer asked for."""
+    me = json.loads(agree_payload())
+    scenarios = [
+        {"name": "same", "inputs": {"*": CROSS}},
+        {"name": "dtype", "inputs": {"*": CROSS, "2": {**CROSS, "kv_cache_dtype": "fp8"}}},
+        {"name": "garbage", "inputs": {"*": CROSS}, "send": {"1": "\x80\x04\x95 not json {{"}},
+        {"name": "oversized", "inputs": {"*": CROSS}, "send": {"2": "[" + " " * (2 << 20) + "]"}},
+        {"name": "nested", "inputs": {"*": CROSS}, "send": {"1": "[" * 100_000 + "]" * 100_000}},
+        {"name": "not-a-rank", "inputs": {"*": CROSS}, "send": {"2": json.dumps({"rank": 2})}},
+        {"name": "bad-fingerprint", "inputs": {"*": CROSS},
+         "send": {"1": json.dumps({**me, "group_rank": 1, "fingerprint": {**me["fingerprint"], "num_layers": "x"}})}},
+        {"name": "same-again", "inputs": {"*": CROSS}},
+    ]
+    results = run_world(tmp_path, 3, scenarios, block_numpy=True)
+    expected = fingerprint(ENGINE.decide(**CROSS)).digest
+    hostile = {"garbage": ("group rank 1", "not JSON"), "oversized": ("group rank 2", "announced 2097154 bytes"),
+               "nested": ("group rank 1", "nests deeper than 16 levels"),
+               "not-a-rank": ("group rank 2", "not a rank fingerprint"),
+               "bad-fingerprint": ("group rank 1", "wrong type for `num_layers`")}
+    for r in results:
+        assert r["numpy_imported"] is False
+        assert r["same"]["ok"] and r["same"]["digest"] == expected
+        assert r["same-again"]["ok"] and r["same-again"]["digest"] == expected  # the world survived the hostile peers
+        assert r["dtype"]["error"] == "LayoutMismatchError" and "rank 2 differs from rank 0" in r["dtype"]["message"]
+        for name, (who, what) in hostile.items():
+            assert r[name]["error"] == "AgreementError", (name, r[name])
+            assert f"{who}: error[peer-data]" in r[name]["message"] and what in r[name]["message"], r[name]
+    for name in ("dtype", *hostile):
+        assert len({r[name]["message"] for r in results}) == 1, name
+
+
+def agree_payload() -> str:
+    """What rank 0 of a one-rank world of CROSS sends (the canonical JSON `agree` gathers)."""
+    from kvpolicy.engine import agreement
+
+    return agreement._encode(RankFingerprint(0, 0, fp_for().to_dict(), ENGINE.decide(**CROSS).ruleset.digest)).decode()
+
+
+@pytest.mark.parametrize(("note", "remote", "what"), [
+    ("a JSON array nested 100,000 deep", "[" * 100_000 + "]" * 100_000, "nests deeper than 16 levels"),
+    ("an object nested 50,000 deep", '{"a":' * 50_000 + "1" + "}" * 50_000, "nests deeper than 16 levels"),
+    ("nesting under the parser's limit", '{"format_version":' + "[" * 500 + "]" * 500 + "}", "nests deeper"),
+    ("2 MiB of text", " " * (2 << 20), "more than the 1048576"),
+    ("NaN", '{"format_version": NaN}', "`NaN` is not JSON"),
+    ("a 5,000-digit integer", '{"format_version": ' + "9" * 5000 + "}", "not JSON"),
+    ("a 1,300-digit integer", '{"format_version": ' + "9" * 1300 + "}", "an integer of"),
+])
+def test_a_peers_fingerprint_is_bounded_in_size_and_nesting(note: str, remote: str, what: str) -> None:
+    """A peer controls the fingerprint it sends: deep nesting was a RecursionError, now an InputError."""
+    for form in (remote, remote.encode()):
+        with pytest.raises(InputError, match="peer-data") as info:
+            check_compatible(fp_for(), form, remote_name="decode-0")
+        assert what in str(info.value) and "decode-0" in str(info.value)
+    with pytest.raises(InputError, match="peer-data"):
+        LayoutFingerprint.from_json(remote)
+
+
+def test_a_deep_or_cyclic_dict_is_refused_without_recursion() -> None:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(100_000):
+        node["a"] = {}
+        node = node["a"]
+    cyclic: list[Any] = []
+    cyclic.append(cyclic)
+    for remote in ({"format_version": deep}, {**fp_for().to_dict(), "groups": cyclic},
+                   {"format_version": 10**5000}, {**fp_for().to_dict(), "backend": "x" * (2 << 20)}):
+        with pytest.raises(InputError, match="peer-data"):
+            check_compatible(fp_for(), remote)
+        with pytest.raises(InputError, match="peer-data"):
+            compare_ranks([RankFingerprint(0, 0, fp_for().to_dict()), RankFingerprint(1, 1, remote)])

@@ -24,7 +24,6 @@ from kvpolicy.engine.fingerprint import (
 )
 from kvpolicy.engine.plan import plan_layout
 from kvpolicy.policy import (
-    BACKENDS,
     AttentionKind,
     InputError,
     KVCacheGroup,
@@ -34,6 +33,7 @@ from kvpolicy.policy import (
     load_rules,
     load_rules_from_texts,
 )
+from kvpolicy.policy.backends import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = LayoutEngine.default()

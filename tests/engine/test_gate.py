@@ -13,7 +13,6 @@ import pytest
 
 from kvpolicy.engine import LayoutEngine
 from kvpolicy.policy import (
-    BACKENDS,
     KV_CACHE_DTYPES,
     AttentionKind,
     BackendProfile,
@@ -27,6 +26,7 @@ from kvpolicy.policy import (
     Placement,
     ScaleViews,
 )
+from kvpolicy.policy.backends import BACKENDS
 
 ENGINE = LayoutEngine.default()
 

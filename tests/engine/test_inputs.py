@@ -24,7 +24,8 @@ SPEC = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
     ({"spec": SPEC, "connector": 3}, "connector", "`connector` must be a name, got int"),
     ({"spec": SPEC, "kv_cache_dtype": "fp9"}, "kv_cache_dtype", "has no kv_cache_dtype `fp9`"),
     ({"spec": SPEC, "backend": "TRITON"}, "attention_backend", "unknown attention backend `TRITON`"),
-    ({"spec": {**SPEC, "kind": "mla", "num_kv_heads": 1}}, "backend", "does not fit a `mla` KV spec"),
+    ({"spec": {**SPEC, "kind": "mla", "num_kv_heads": 1}, "backend": "TRITON_ATTN"}, "backend",
+     "does not fit a `mla` KV spec"),
 ])
 def test_decide_input_mistakes(inputs: dict, where: str, message: str) -> None:
     with pytest.raises(InputError) as info:

@@ -6,7 +6,8 @@ import xml.etree.ElementTree as ET
 
 from kvpolicy.engine.memory_map import block_map, render_svg, render_text
 from kvpolicy.engine.plan import plan_layout
-from kvpolicy.policy import BACKENDS, KVCacheSpec, Layout, ScaleViews
+from kvpolicy.policy import KVCacheSpec, Layout, ScaleViews
+from kvpolicy.policy.backends import BACKENDS
 
 SPEC = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=2, head_size=64, kv_cache_dtype="fp8_per_token_head")
 TRITON = BACKENDS["TRITON_ATTN"]

@@ -6,13 +6,14 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvpolicy.engine import LayoutEngine
 from kvpolicy.engine.plan import naive_scale_view, plan_layout
 from kvpolicy.engine.runtime import allocate
 from kvpolicy.engine.verify import Writer, verify_plan, writers
 from kvpolicy.policy import (
-    BACKENDS,
     KV_CACHE_DTYPES,
     AttentionKind,
     GeometryError,
@@ -22,6 +23,7 @@ from kvpolicy.policy import (
     ScaleViews,
     load_rules_from_texts,
 )
+from kvpolicy.policy.backends import BACKENDS
 
 
 def make_spec(kv_cache_dtype: str = "auto", mla: bool = False, **kw: object) -> KVCacheSpec:
@@ -166,3 +168,73 @@ def test_kvcache_verify_reports_overlapping_views() -> None:
         unsafe.verify()
     unsafe.verify(geometry=False)  # the tensors themselves still match the plan
     allocate(plan_layout(Layout.parse("LBNHC"), spec, BACKENDS["TRITON_ATTN"], 3)).verify()
+
+
+# ---- exact pairs: every colliding pair, held to a brute-force byte-owner map ----------------------
+
+
+def byte_owners(plan, strategy: ScaleViews) -> dict[tuple[int, int], int]:
+    """Every (writer a, writer b) pair, a < b, that shares a byte, with the lowest shared
+    byte: by enumerating every byte each writer writes."""
+    owners: dict[tuple[int, int], list[int]] = {}
+    for i, w in enumerate(writers(plan, strategy)):
+        for address in addresses(w).tolist():
+            owners.setdefault((w.buffer, address), []).append(i)
+    first: dict[tuple[int, int], int] = {}
+    for (_, address), idx in owners.items():
+        for a, b in itertools.combinations(sorted(set(idx)), 2):
+            first[(a, b)] = min(first.get((a, b), address), address)
+    return first
+
+
+def reported(report) -> dict[tuple[int, int], int]:
+    index = {id(w): i for i, w in enumerate(report.writers)}
+    out = {}
+    for c in report.collisions:
+        a, b = sorted((index[id(c.a)], index[id(c.b)]))
+        assert (a, b) not in out, "a pair reported twice"
+        out[(a, b)] = c.address
+    return out
+
+
+def test_vllm_48412_lists_every_colliding_pair() -> None:
+    """Under cross_layer every layer's naive K (and V) scale view lands on the same bytes:
+    all 24*23/2 pairs of k scales and of v scales collide, 552 pairs, and nothing else."""
+    spec = KVCacheSpec(num_layers=24, block_size=16, num_kv_heads=2, head_size=64, kv_cache_dtype="fp8_per_token_head")
+    report = verify_plan(plan_layout(Layout.parse("BLNHC"), spec, BACKENDS["TRITON_ATTN"], 25))
+    expected = {((i, f"{r}_scale"), (j, f"{r}_scale"))
+                for r in ("k", "v") for i, j in itertools.combinations(range(24), 2)}
+    assert len(report.collisions) == 552
+    assert report.pairs() == expected
+    assert {c.address for c in report.collisions} == {64, 2176 + 64}  # fp8 cell: 64 B of codes, then the scale
+
+
+def _profile_backends():
+    from kvpolicy.policy.releases import get_profile
+
+    v034 = get_profile("vllm-0.34")
+    return [*BACKENDS.values(), *(v034.backend(n) for n in v034.backend_names())]
+
+
+@st.composite
+def small_plans(draw):
+    backend = draw(st.sampled_from(_profile_backends()))
+    dtype = draw(st.sampled_from(sorted(KV_CACHE_DTYPES)))
+    layout = draw(st.sampled_from(backend.layouts))
+    heads = 1 if backend.mla else draw(st.integers(1, 3))
+    head_size = draw(st.sampled_from([8, 16]))
+    spec = KVCacheSpec(kind=AttentionKind.mla if backend.mla else AttentionKind.full,
+                       num_layers=draw(st.integers(1, 4)), block_size=draw(st.integers(1, 4)),
+                       num_kv_heads=heads, head_size=head_size, kv_cache_dtype=dtype)
+    plan = plan_layout(layout, spec, backend, num_blocks=draw(st.integers(1, 6)))
+    return plan, draw(st.sampled_from(list(ScaleViews)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_plans())
+def test_collisions_equal_a_brute_force_byte_owner_map(case) -> None:
+    plan, strategy = case
+    report = verify_plan(plan, strategy)
+    truth = byte_owners(plan, strategy)
+    assert reported(report) == truth
+    assert report.ok is (not truth)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import tracemalloc
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.policy import Limits, PolicyError, RuleLoadError, load_rules, load_rules_from_texts
+from kvpolicy.policy.conditions import LeafResult, leaves_of
+from kvpolicy.policy.context import MISSING
 
 # KVPOLICY_FUZZ_EXAMPLES=20000 pytest tests/policy/test_hostile.py -k fuzz  for a long run
 FUZZ_EXAMPLES = int(os.environ.get("KVPOLICY_FUZZ_EXAMPLES", "300"))
@@ -46,8 +49,8 @@ def test_python_tags_are_rejected_never_executed(tmp_path: Path, payload: str) -
     marker = tmp_path / "executed"
     write(tmp_path, "global.yaml", "version: 1\nrules: " + payload.format(marker=marker) + "\n")
     err = load_dir_error(tmp_path)
-    [d] = err.diagnostics
-    assert d.code == "unsafe-tag" and d.line == 2, d.render()
+    [d] = [d for d in err.diagnostics if d.code == "unsafe-tag"]  # `rules: {...}` is also not a list
+    assert d.line == 2, d.render()
     assert "is not allowed" in d.message
     assert not marker.exists()
 
@@ -178,7 +181,7 @@ def test_errors_in_one_file_never_half_load_the_set(tmp_path: Path) -> None:
 
 def _check_outcome(texts: dict[str, str]) -> None:
     try:
-        load_rules_from_texts(texts)
+        rs = load_rules_from_texts(texts)
     except RuleLoadError as exc:
         assert exc.diagnostics, "a RuleLoadError always carries diagnostics"
         for d in exc.diagnostics:
@@ -186,6 +189,11 @@ def _check_outcome(texts: dict[str, str]) -> None:
             assert d.message and d.code
     except PolicyError as exc:  # pragma: no cover - any other PolicyError is a bug here
         raise AssertionError(f"unexpected {type(exc).__name__}: {exc}") from exc
+    else:  # what loads prints: its digest, and every leaf as the trace shows it (#16 class 2)
+        assert rs.digest.startswith("sha256:")
+        for compiled in rs.rules:
+            for leaf in leaves_of(compiled.rule.when):
+                LeafResult(leaf.field, leaf.op, leaf.value, MISSING, False).describe()
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -258,3 +266,131 @@ def test_misspelt_directories_and_suffixes_are_reported(tmp_path: Path) -> None:
     assert "did you mean `connectors/`?" in by_code["stray-directory"].help
     assert by_code["stray-file"].help == "rename it to `Offloading.yaml`"
     assert len(diags) == 2
+
+
+# -- fuzzing, widened (#16): tags, huge numbers, nesting, file-system oddities, case files ---------------
+# Every target runs KVPOLICY_FUZZ_EXAMPLES examples (300 by default; 10,000+ for a long run).
+
+TAGS = ["!!bool", "!!int", "!!float", "!!str", "!!null", "!!timestamp", "!!binary", "!!set", "!!omap", "!!pairs",
+        "!!seq", "!!map", "!!merge", "!!value", "!custom", "!<tag:yaml.org,2002:int>", "!!python/none", ""]
+SCALAR_TEXT = st.one_of(
+    st.sampled_from(["abc", "yes", "on", "1:30", "-1:30:00", "017", "0o17", "0x1F", "0b101", "1_000", ".inf", ".nan",
+                     "-.inf", "1e400", "2020-01-01", "aGVsbG8=", "~", "''", "[a]", "{a: 1}", "true", "True"]),
+    st.integers(min_value=-(2**70), max_value=2**70).map(str),
+    st.integers(min_value=0, max_value=2**4000).map(hex),
+    st.integers(min_value=1, max_value=6000).map(lambda n: "9" * n),
+    st.integers(min_value=1, max_value=6000).map(lambda n: "1" * n + ".5"),
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12),
+)
+
+
+@st.composite
+def tagged_values(draw: st.DrawFn) -> str:
+    tag = draw(st.sampled_from(TAGS))
+    text = draw(SCALAR_TEXT)
+    return f"{tag} {text}".strip() if text else tag or "''"
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(tagged_values(), st.sampled_from(["eq", "ne", "lt", "gt", "in", "exists"]),
+       st.sampled_from(["kv.block_size", "kv.quant_mode", "kv.per_token_head", "connector.extra.x"]),
+       st.sampled_from(["operand", "key", "version", "id", "list"]))
+def test_fuzz_tag_values_and_numbers(value: str, op: str, field: str, where: str) -> None:
+    operand = f"[{value}]" if op == "in" or where == "list" else value
+    texts = {
+        "operand": f"version: 1\nrules:\n  - id: r\n    description: d\n    when: {{field: {field}, {op}: {operand}}}\n"
+                   "    forbid: {placement: cross_layer}\n",
+        "key": f"version: 1\n{value}: 1\nrules: []\n",
+        "version": f"version: {value}\nrules: []\n",
+        "id": f"version: 1\nrules:\n  - id: {value}\n    description: d\n    forbid: {{placement: cross_layer}}\n",
+    }
+    _check_outcome({"global.yaml": texts.get(where, texts["operand"])})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(min_value=1, max_value=3000), st.sampled_from(["not", "all", "list", "map", "flow"]))
+def test_fuzz_deep_nesting(depth: int, kind: str) -> None:
+    leaf = "{field: kv.per_token_head, eq: true}"
+    if kind == "not":
+        cond = "{not: " * depth + leaf + "}" * depth
+    elif kind == "all":
+        cond = "{all: [" * depth + leaf + "]}" * depth
+    elif kind == "list":
+        cond = "[" * depth + leaf + "]" * depth
+    elif kind == "map":
+        cond = "{a: " * depth + "1" + "}" * depth
+    else:
+        cond = "".join(f"\n{'  ' * (i + 3)}a:" for i in range(min(depth, 400))) + " 1"
+    _check_outcome({"global.yaml": "version: 1\nrules:\n  - id: deep\n    description: d\n"
+                                   f"    when: {cond}\n    forbid: {{placement: cross_layer}}\n"})
+
+
+FS_KINDS = ["good", "junk", "dir", "loop", "dangling", "outside", "fifo", "link-dir", "empty"]
+FS_NAMES = ["global.yaml", "other.yml", "connectors/nixl.yaml", "connectors/x.yaml", "a.yaml", "connectors",
+            "tests/t.yaml", "Upper.YAML"]
+
+
+def _make(root: Path, outside: Path, name: str, kind: str, text: str) -> None:
+    path = root / name
+    if path.exists() or path.is_symlink():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # an earlier entry took the parent's name (a file or a link loop named `connectors`)
+    if kind == "good":
+        path.write_text(GOOD.replace("r1", f"r{abs(hash(name)) % 1000}"))
+    elif kind == "junk":
+        path.write_text(text)
+    elif kind == "dir":
+        path.mkdir()
+    elif kind == "loop":
+        os.symlink(path.name, path)
+    elif kind == "dangling":
+        os.symlink(root / "missing-target", path)
+    elif kind == "outside":
+        os.symlink(outside, path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link-dir":
+        os.symlink(root, path)
+    else:
+        path.write_text("")
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from(FS_NAMES), st.sampled_from(FS_KINDS), st.text(max_size=60)),
+                min_size=1, max_size=6))
+def test_fuzz_file_system_oddities(entries: list[tuple[str, str, str]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root, outside = Path(tmp) / "rules", Path(tmp) / "outside.yaml"
+        root.mkdir()
+        outside.write_text(GOOD)
+        for name, kind, text in entries:
+            _make(root, outside, name, kind, text)
+        try:
+            rs = load_rules(root)
+        except RuleLoadError as exc:
+            assert exc.diagnostics
+            for d in exc.diagnostics:
+                assert d.file.startswith(str(root)) and d.code and d.message, d.render()
+        else:
+            assert rs.digest.startswith("sha256:")
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.one_of(st.text(max_size=300), tagged_values().map(
+    lambda v: "version: 1\ncases:\n  - name: c\n    input: {spec: {num_layers: " + v
+    + ", num_kv_heads: 2, head_size: 64}, connector_config: {k: " + v + "}}\n    expect: {layout: LBNHC}\n")))
+def test_fuzz_policy_test_files(text: str) -> None:
+    from kvpolicy.engine.policy_tests import PolicyTestError, load_cases
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cases.yaml"
+        path.write_text(text)
+        try:
+            load_cases([path])
+        except PolicyTestError as exc:
+            assert exc.diagnostics
+            for d in exc.diagnostics:
+                assert d.code and d.message and d.file.endswith("cases.yaml"), d.render()

@@ -194,7 +194,7 @@ def test_a_broken_file_fails_the_whole_set(tmp_path) -> None:
 def test_yaml_booleans_in_string_positions_get_a_hint() -> None:
     d = only(HEADER + "  - id: off\n    description: d\n    forbid: {placement: cross_layer}\n")
     assert (d.code, at(d)) == ("invalid-value", (3, 9))
-    assert d.message == "expected a string, got boolean `false`"
+    assert d.message == "expected a string, got boolean `off`"  # as written, not as YAML 1.1 read it
     assert "quote the value" in (d.help or "")
 
 

@@ -23,7 +23,6 @@ from kvpolicy.engine.fingerprint import fingerprint
 from kvpolicy.engine.integrations import vllm as adapter
 from kvpolicy.engine.integrations.vllm import StartupError, decide, make_gate, use_uniform_kv_cache, vllm_context
 from kvpolicy.policy import (
-    BACKENDS,
     AttentionKind,
     Layout,
     NoLayoutError,
@@ -31,6 +30,7 @@ from kvpolicy.policy import (
     ScaleViews,
     load_rules_from_texts,
 )
+from kvpolicy.policy.backends import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[3]
 

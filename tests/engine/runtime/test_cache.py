@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -607,3 +609,93 @@ def test_per_token_head_sizes_vllm_cannot_view_are_refused(dtype: str, head_size
         LayoutEngine.default("vllm-0.34").build(
             num_blocks=2, spec=dict(num_layers=1, block_size=16, num_kv_heads=1, head_size=head_size),
             kv_cache_dtype=dtype, attention_backend="TRITON_ATTN")
+
+
+@settings(max_examples=40, deadline=None)
+@given(start=st.integers(0, 11), blocks=st.integers(17, 24), extra=st.sampled_from([0, 0, 1, 3]),
+       layout=st.sampled_from(["LBNHC", "BLNHC"]), dtype=st.sampled_from(["int8_per_token_head", "auto"]))
+def test_a_run_of_slots_lands_where_slot_by_slot_writes_put_it(start: int, blocks: int, extra: int, layout: str,
+                                                               dtype: str) -> None:
+    """Consecutive slots from any start, prefill-sized (past the 64-slot decode path): block-aligned
+    runs of whole blocks take the block-wise scatter, unaligned ones (slot 2 onwards, spanning
+    blocks) the cell path; either way every cell ends where one-token writes put it."""
+    n = 4  # make_plan's block size
+    slots = list(range(start, start + blocks * n + extra))
+    plan = make_plan(layout=layout, kv_cache_dtype=dtype, num_blocks=30)
+    bulk, single = allocate(plan), allocate(plan)
+    fill_random(bulk)
+    fill_random(single)
+    key, value, slot_t = make_inputs(bulk, slots)
+    bulk.write(LAYER, key, value, slot_t)
+    for i, s in enumerate(slots):
+        single.write(LAYER, key[i : i + 1], value[i : i + 1], torch.tensor([s]))
+    for a, b in zip(bulk.raw, single.raw, strict=True):
+        assert torch.equal(a, b), f"slots {start}..{slots[-1]}: the bulk write differs from slot-by-slot writes"
+
+
+@settings(max_examples=60, deadline=None)
+@given(head_size=st.integers(1, 160), mla=st.booleans(),
+       dtype=st.sampled_from(["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]),
+       slots=st.lists(st.integers(0, 19), min_size=1, max_size=6, unique=True))
+def test_every_per_token_head_size_is_refused_when_made_or_reads_back_what_it_wrote(
+        head_size: int, mla: bool, dtype: str, slots: list[int]) -> None:
+    """Per-token-head, MLA latents included: a head size whose code bytes are not a multiple of 4
+    (vLLM 0.34's ``_ensure_scale_caches`` asserts it; it has no MLA backend for these modes) is
+    refused when the spec is made; every other size writes, then reads any one slot or several
+    back as the reference decodes the reference's cells (a read of one slot raised a torch
+    RuntimeError where the scale's offset was not a multiple of 4)."""
+    packed = head_size // 2 if dtype == "int4_per_token_head" else head_size
+    backend = "FLASHMLA" if mla else "TRITON_ATTN"
+    if packed % 4 or (dtype == "int4_per_token_head" and head_size % 2):
+        with pytest.raises(ValueError, match=f"head_size {head_size} must be"):  # the spec model's validation
+            make_plan(backend, "LBNHC", head_size=head_size, kv_cache_dtype=dtype)
+        if not mla:  # and through the public API, a located InputError
+            from kvpolicy.engine import LayoutEngine
+
+            with pytest.raises(InputError, match=f"head_size {head_size} must be"):
+                LayoutEngine.default().build(num_blocks=2, kv_cache_dtype=dtype, backend="TRITON_ATTN",
+                                             spec=dict(num_layers=1, block_size=4, num_kv_heads=1, head_size=head_size))
+        return
+    cache = allocate(make_plan(backend, "LBNHC", num_blocks=5, head_size=head_size, kv_cache_dtype=dtype))
+    spec = cache.plan.spec
+    key, value, slot_t = make_inputs(cache, slots)
+    cache.write(LAYER, key, value, slot_t)
+    parts = [key] if value is None else [key, value]
+    for read in ([slots[-1]], slots):
+        got = cache.read(LAYER, torch.tensor(read), dtype=torch.float32)
+        for kv, part in enumerate(parts):
+            for t, s in enumerate(read):
+                for h in range(spec.num_kv_heads):
+                    cell = encode_ref(part[slots.index(s), h].float().tolist(), dtype, "uint8", in_dtype="bfloat16")
+                    want = decode_ref(cell, dtype, "uint8", head_size, out_dtype="float32")
+                    assert got[kv][t, h].tolist() == want, (read, kv, t, h)
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"])
+def test_nan_and_infinities_read_back_as_vllm_reads_them(dtype: str) -> None:
+    """The edge semantics README.md's "Quantized cells" documents, through a cache (the bytes are
+    vLLM 0.34's, tests/conformance/test_v034_cells.py): int8/fp8 store a NaN as the lowest code, so
+    it reads back as a finite negative value of the head's magnitude, the rest intact; an infinity of
+    either sign makes the scale infinite, so it reads -inf and every other value of its head NaN.
+    int4 rotates first: a NaN reads the whole head as zeros, an infinity as NaN."""
+    cache = allocate(make_plan(layout="LBNHC", kv_cache_dtype=dtype, num_blocks=5, head_size=8, num_kv_heads=1))
+    base = [1.0, -2.0, 0.5, 3.0, -0.25, 0.0, 1.5, -1.0]
+    edits = [{1: math.nan}, {1: math.inf}, {1: -math.inf}, {1: math.nan, 3: math.inf}]  # nan, +inf, -inf, both
+    rows = [[at.get(i, v) for i, v in enumerate(base)] for at in edits]
+    k = torch.tensor(rows).view(len(rows), 1, 8).to(torch.bfloat16)
+    cache.write(0, k, k, torch.arange(len(rows)))
+    got, _ = cache.read(0, torch.arange(len(rows)), torch.float32)
+    got = got.view(len(rows), 8)
+    nan, inf, others = got[0], got[1:3], [i for i in range(8) if i != 1]
+    if dtype == "int4_per_token_head":
+        assert (nan == 0).all() and (got[3] == 0).all()  # NaN anywhere wins over the infinity: scale 1e-6, codes 0
+        assert inf.isnan().all()
+        return
+    scale = 3.0 / (127.0 if dtype == "int8_per_token_head" else 448.0)
+    lowest = -128.0 if dtype == "int8_per_token_head" else -448.0
+    assert float(nan[1]) == pytest.approx(lowest * scale, rel=1e-6)  # NaN -> the lowest code: finite, negative
+    assert torch.allclose(nan[others], torch.tensor(base)[others], rtol=0.07, atol=scale)  # fp8: 3 mantissa bits
+    for row, infinite in ((inf[0], [1]), (inf[1], [1]), (got[3], [1, 3])):
+        finite = [i for i in range(8) if i not in infinite]
+        assert (row[infinite] == -math.inf).all()  # +inf's sign is lost, and NaN's: the lowest code times inf
+        assert row[finite].isnan().all()  # 0 * inf: every other value of the head is NaN

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Mutation testing (mutmut 3) over policy/ and the decision, verify and runtime modules.
+#
+#   .ci/mutation/run.sh VENV [STAGE_DIR] [-- mutmut run args]
+#   MUTATION_SAMPLE=N .ci/mutation/run.sh ...   test a seeded random sample of N mutants
+#                                              (MUTATION_SEED, default 0; MUTATION_ONLY, a regex on names)
+#
+# VENV: a venv with torch, the test extras and mutmut, and kvpolicy NOT installed
+#   (python3 -m venv V && V/bin/pip install torch==2.13.0 pydantic PyYAML pytest hypothesis jsonschema mutmut).
+# The repo is copied to STAGE_DIR (default /tmp/kvpolicy-mutation); mutmut works there.
+# Two adaptations, both confined to VENV: an import map (kvpolicy_srcmap.py) so that
+# `kvpolicy.policy` is mutants/policy, and mutmut's trampoline told that a function of
+# `kvpolicy.policy.x` is the mutant of file policy/x.py (mutmut names mutants by path).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+VENV="$(cd "$1" && pwd)"; shift
+STAGE="${1:-/tmp/kvpolicy-mutation}"; [ $# -gt 0 ] && shift
+[ "${1:-}" = "--" ] && shift
+PY="$VENV/bin/python"
+SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+cp "$ROOT/.ci/mutation/kvpolicy_srcmap.py" "$SITE/" && echo "import kvpolicy_srcmap" > "$SITE/kvpolicy_srcmap.pth"
+TRAMP="$SITE/mutmut/mutation/trampoline.py"
+grep -q "removeprefix('kvpolicy.')" "$TRAMP" || sed -i 's/\(orig_func\|decorated_func\)\.__module__/\1.__module__.removeprefix('"'"'kvpolicy.'"'"')/g' "$TRAMP"
+rm -rf "$STAGE" && mkdir -p "$STAGE"
+(cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$STAGE")
+# mutmut hands node ids back to pytest: keep parametrize ids unescaped so that ids with
+# non-ASCII text or newlines find their tests again
+sed -i 's/^\[tool.pytest.ini_options\]$/&\ndisable_test_id_escaping_and_forfeit_all_rights_to_community_support = true/' "$STAGE/pyproject.toml"
+cat >> "$STAGE/pyproject.toml" <<'TOML'
+
+[tool.mutmut]
+source_paths = ["kvpolicy", "policy", "engine", "rules"]
+only_mutate = ["policy/*.py", "engine/decide.py", "engine/verify.py", "engine/runtime/*.py"]
+do_not_mutate = ["policy/reference.py"]
+also_copy = ["tests", "docs", "bench", "README.md", "pyproject.toml"]
+pytest_add_cli_args_test_selection = ["tests/"]
+# not about behaviour under mutation: ruff over the instrumented tree, the console script, the wheel;
+# and a logging test that passes alone but not after mutmut's in-process harness has set up logging
+pytest_add_cli_args = ["--ignore=tests/conformance", "--ignore=tests/test_packaging.py", "-p", "no:cacheprovider",
+                       "--deselect=tests/test_docs_and_api.py::test_ruff_clean",
+                       "--deselect=tests/cli/test_cli_main.py::test_console_script",
+                       "--deselect=tests/engine/integrations/test_vllm_plugin.py::test_the_decision_log_line_is_written_once"]
+TOML
+cd "$STAGE"
+export KVMUT_SRC_ROOT="$STAGE/mutants"
+if [ -n "${MUTATION_SAMPLE:-}" ]; then
+  # generate the mutants and the per-test stats (cached in mutants/), testing none of them
+  "$VENV/bin/mutmut" run "$@" "policy.reference.no_such_mutant" || true
+  mapfile -t NAMES < <("$PY" - <<'PY'
+import os, random, re
+from pathlib import Path
+names = []
+for path in sorted(Path("mutants").rglob("*.py")):
+    module = ".".join(path.relative_to("mutants").with_suffix("").parts).removesuffix(".__init__")
+    for m in re.finditer(r"^\s*def (x[^\s(]*__mutmut_\d+)\(", path.read_text(encoding="utf-8"), re.M):
+        names.append(f"{module}.{m.group(1)}")
+only = os.environ.get("MUTATION_ONLY")
+names = sorted(n for n in names if not only or re.search(only, n))
+random.Random(int(os.environ.get("MUTATION_SEED", "0"))).shuffle(names)
+print("\n".join(sorted(names[: int(os.environ["MUTATION_SAMPLE"])])))
+PY
+)
+  echo "sampled ${#NAMES[@]} mutants" >&2
+  printf '%s\n' "${NAMES[@]}" > sample.txt
+  "$VENV/bin/mutmut" run "$@" "${NAMES[@]}"
+else
+  "$VENV/bin/mutmut" run "$@"
+fi
+"$VENV/bin/mutmut" results --all true > results.txt || true
+echo "results: $STAGE/results.txt"

@@ -1,0 +1,94 @@
+"""Machine-readable renderings of located diagnostics: JSON documents, GitHub annotations, SARIF.
+
+Every verb's ``--format json`` document starts with ``format_version``
+(docs/json-output.md); ``--format github`` and ``--format sarif`` (``validate``,
+``lint``) turn the project's `Diagnostic`s into what CI systems read:
+
+- GitHub Actions workflow commands, one a line:
+  ``::error file=rules/global.yaml,line=12,col=5,title=unknown-field::unknown field ...``.
+  Values are escaped as the Actions runner unescapes them (actions/toolkit
+  ``command.ts``): ``%``, CR and LF in the message; also ``:`` and ``,`` in
+  properties. A diagnostic without a position (``line`` 0) names no line.
+- SARIF 2.1.0 (OASIS), one run whose rules are the diagnostic codes.
+
+JSON never holds NaN or infinities (``allow_nan=False``): a value JSON cannot
+carry is a bug to surface, not a document other parsers reject.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+from urllib.parse import quote
+
+from kvpolicy.policy.errors import Diagnostic
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SARIF_SCHEMA",
+    "Severity",
+    "github_annotations",
+    "json_document",
+    "json_text",
+    "sarif_log",
+]
+
+FORMAT_VERSION = 1
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+
+Severity = Literal["error", "warning", "note"]
+_GITHUB_COMMAND = {"error": "error", "warning": "warning", "note": "notice"}
+
+
+def json_document(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``format_version`` as its first key (the version of docs/json-output.md's contract)."""
+    return {"format_version": FORMAT_VERSION, **{k: v for k, v in data.items() if k != "format_version"}}
+
+
+def json_text(data: Any) -> str:
+    """2-space indented JSON; raises ValueError on NaN or an infinity instead of writing invalid JSON."""
+    return json.dumps(data, indent=2, allow_nan=False)
+
+
+def _escape_data(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _escape_property(text: str) -> str:
+    return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def github_annotations(findings: Iterable[tuple[Severity, Diagnostic]]) -> str:
+    """One GitHub Actions workflow command per diagnostic (``::error``, ``::warning``, ``::notice``)."""
+    lines = []
+    for severity, d in findings:
+        props = [f"file={_escape_property(d.file)}"] if d.file else []
+        if d.line > 0:
+            props.append(f"line={d.line}")
+            if d.col > 0:
+                props.append(f"col={d.col}")
+        props.append(f"title={_escape_property(d.code)}")
+        message = d.message + (f"\nhelp: {d.help}" if d.help else "")
+        lines.append(f"::{_GITHUB_COMMAND[severity]} {','.join(props)}::{_escape_data(message)}")
+    return "\n".join(lines)
+
+
+def _sarif_result(severity: Severity, d: Diagnostic) -> dict[str, Any]:
+    result: dict[str, Any] = {"ruleId": d.code, "level": severity,
+                              "message": {"text": d.message + (f"\nhelp: {d.help}" if d.help else "")}}
+    if d.file:
+        where: dict[str, Any] = {"artifactLocation": {"uri": quote(d.file, safe="/-._~")}}  # a URI reference
+        if d.line > 0:
+            where["region"] = {"startLine": d.line, **({"startColumn": d.col} if d.col > 0 else {})}
+        result["locations"] = [{"physicalLocation": where}]
+    return result
+
+
+def sarif_log(findings: Sequence[tuple[Severity, Diagnostic]], *, tool_version: str) -> dict[str, Any]:
+    """A SARIF 2.1.0 log with one run of the ``kvpolicy`` tool; each distinct code is a reporting rule."""
+    codes = sorted({d.code for _, d in findings})
+    driver = {"name": "kvpolicy", "version": tool_version, "rules": [{"id": code} for code in codes]}
+    return {"$schema": SARIF_SCHEMA, "version": "2.1.0",
+            "runs": [{"tool": {"driver": driver}, "columnKind": "unicodeCodePoints",
+                      "results": [_sarif_result(s, d) for s, d in findings]}]}

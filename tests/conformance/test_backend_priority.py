@@ -1,0 +1,30 @@
+"""The default attention backend: kvpolicy's `backend_priority` is vLLM's own priority list.
+
+With no attention backend configured, vLLM's CUDA platform tries
+``_get_backend_priorities(use_mla, capability)`` in order; `kvpolicy.engine.inputs.default_backend`
+takes the first of the profile's ``backend_priority`` that supports the kv_cache_dtype. For each
+release, MLA or not, and device capabilities 8, 9, 10 and 12, the profile's list must be the
+release's, cut to the backends the profile models (same order, nothing left out).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from vllm_release import run_oracle
+
+from kvpolicy.policy.releases import get_profile
+
+MAJORS = (8, 9, 10, 12)
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.34.0"])
+def test_backend_priority_is_the_releases(version: str) -> None:
+    profile = get_profile(version)
+    cases = [{"mla": mla, "major": major} for mla, major in itertools.product((False, True), MAJORS)]
+    answers = run_oracle(version, "backend_priority", cases)
+    for case, vllm_order in zip(cases, answers, strict=True):
+        kind = "mla" if case["mla"] else "attention"
+        ours = profile.backend_priority.get(f"{kind}@{case['major']}", profile.backend_priority[kind])
+        assert list(ours) == [b for b in vllm_order if b in profile.backends], (version, case)
