@@ -493,7 +493,7 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
     try:
-        ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version)
+        ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
         ctx = context_from_args(args)
         _warn_unknown_connector(ctx, ruleset)
         from kvpolicy.engine.layout_engine import LayoutEngine
