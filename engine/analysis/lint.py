@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.analysis.connector_names import unknown_connector_findings
 from kvpolicy.engine.analysis.decider import Decider
 from kvpolicy.engine.analysis.space import AnalysisInput, Space, build_space
 from kvpolicy.engine.decide import release_ref, rule_ref
@@ -222,10 +223,10 @@ def fold(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]]) -> tup
 
 def shipped_ruleset(vllm_version: str | ReleaseProfile | None = None) -> RuleSet | None:
     """The profile's shipped rules (None when they do not load: lint then has no baseline)."""
-    from kvpolicy.engine.layout_engine import LayoutEngine
+    from kvpolicy.engine.rule_layers import load_layers
 
     try:
-        return LayoutEngine.default(vllm_version).ruleset
+        return load_layers(vllm_version=vllm_version)
     except PolicyError:  # pragma: no cover - a packaging defect; the shipped-rules tests catch it
         return None
 
@@ -337,6 +338,8 @@ def lint(
                     why[reason].append(problem[1])
 
     findings: list[Finding] = []
+    findings += [Finding(severity, code, message, rule_ref(rule))
+                 for severity, code, message, rule in unknown_connector_findings(ruleset)]
     for (layout, reason), labels in sorted(unsafe.items()):
         shown = "; ".join(why[(layout, reason)][:2])
         if len(why[(layout, reason)]) > 2:
