@@ -6,7 +6,11 @@ at `--block-size 4096` with `fp8_per_token_head`, and a spec at the sanity bound
 (4096 layers, block 4096, 1024 heads, head 16384). Before the closed-form check
 (engine/lattice.py) the first took ~19 s and the second never finished.
 
-    python3 bench/bench_geometry.py [--rounds N]
+The `map_*` cases time `--map` (and `--svg`) of 96 layers x 128 heads and of
+Llama-70B at block 4096 drawn cross layer; before the map was built from strides
+(engine/memory_map.py) they took over 10 minutes and 6 minutes.
+
+    python3 bench/bench_geometry.py [--rounds N] [--cases CASE ...]
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ CASES = {
                                   ["--kv-cache-dtype", "fp8_per_token_head"]),
     "sanity_bounds_fp8pth": ("num_layers: 4096\nblock_size: 4096\nnum_kv_heads: 1024\nhead_size: 16384\n",
                              ["--kv-cache-dtype", "fp8_per_token_head"]),
+    # --map (#16 class 5): one band per layer and role, not one run per cell
+    "map_96x128": ("num_layers: 96\nblock_size: 16\nnum_kv_heads: 128\nhead_size: 128\n", ["--map"]),
+    "map_96x128_fp8pth_svg": ("num_layers: 96\nblock_size: 16\nnum_kv_heads: 128\nhead_size: 128\n",
+                              ["--kv-cache-dtype", "fp8_per_token_head", "--map", "--svg", "{tmp}/map.svg"]),
+    "map_96x128_issue48412_overlap": ("num_layers: 96\nblock_size: 16\nnum_kv_heads: 128\nhead_size: 128\n",
+                                      ["--vllm-version", "issue-48412", "--kv-cache-dtype", "int8_per_token_head",
+                                       "--map-layout", "cross_layer/NHD", "--svg", "{tmp}/map.svg"]),
+    "map_llama70b_block4096_cross_layer": ("num_layers: 80\nblock_size: 4096\nnum_kv_heads: 8\nhead_size: 128\n",
+                                           ["--map", "--map-layout", "cross_layer/NHD", "--svg", "{tmp}/map.svg"]),
 }
 
 
@@ -36,21 +49,24 @@ def _dry_run(args: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES), metavar="CASE",
+                        help="only these cases (default: all)")
+    opts = parser.parse_args()
+    rounds, cases = opts.rounds, {n: CASES[n] for n in opts.cases}
     with tempfile.TemporaryDirectory() as tmp:
         specs = {}
-        for name, (text, extra) in CASES.items():
+        for name, (text, extra) in cases.items():
             path = Path(tmp) / f"{name}.yaml"
             path.write_text(text)
-            specs[name] = ["--spec", str(path), *extra]
-        times: dict[str, list[float]] = {"plain": [], **{n: [] for n in CASES}}
+            specs[name] = ["--spec", str(path), *(a.format(tmp=tmp) for a in extra)]
+        times: dict[str, list[float]] = {"plain": [], **{n: [] for n in cases}}
         for _ in range(rounds):
             times["plain"].append(_dry_run([]))
             for name, args in specs.items():
                 times[name].append(_dry_run(args))
     plain = min(times["plain"])
     print(f"plain default dry-run: {plain:.3f} s (min of {rounds})")
-    for name in CASES:
+    for name in cases:
         best = min(times[name])
         print(f"{name}: {best:.3f} s, {best / plain:.2f}x plain")
 

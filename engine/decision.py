@@ -155,7 +155,8 @@ class Decision:
                 for cf in self.counterfactuals
             ] if counterfactual else [],
             "fingerprint": {"digest": self.fingerprint.digest, **self.fingerprint.to_dict()},
-            "ruleset": {"root": self.ruleset.root, "digest": self.ruleset.digest},
+            "ruleset": {"root": self.ruleset.root, "digest": self.ruleset.digest,
+                        "layers": [layer.to_dict() for layer in self.ruleset.layers]},
             "inputs": self.context.model_dump(mode="json", exclude_none=True),
         }
 

@@ -12,9 +12,9 @@ Deciding never imports torch; `build` does, lazily.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,33 +22,21 @@ from kvpolicy.engine.decide import evaluate, no_layout_error, scopes_for
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import context_from_inputs
 from kvpolicy.engine.plan import LayoutPlan, plan_layout
+from kvpolicy.engine.rule_layers import load_layers, rule_dirs, shipped_rules_dir
 from kvpolicy.engine.verify import check_plan
 
 if TYPE_CHECKING:
     from kvpolicy.engine.runtime import KVCache
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError, input_error
-from kvpolicy.policy.load import Limits, load_rules, load_rules_from_texts
+from kvpolicy.policy.layers import render_warning
+from kvpolicy.policy.load import Limits, load_rules_from_texts
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["LayoutEngine", "fallback_ruleset", "shipped_rules_dir"]
 
 logger = logging.getLogger("kvpolicy")
-
-
-def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
-    """The shipped rules of a release profile (default: the default profile's), e.g. ``rules/vllm-0.34``:
-    beside the source tree, or in the installed package data."""
-    sub = get_profile(vllm_version).rules
-    here = Path(__file__).resolve().parent.parent / "rules"
-    if (here / sub / "global.yaml").is_file():
-        return here / sub
-    # installed from a wheel: package data `kvpolicy.rules`, a namespace package (no __init__.py)
-    spec = importlib.util.find_spec("kvpolicy.rules")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations))) / sub
-    return here / sub  # not found: the loader reports the missing directory
 
 
 FALLBACK_RULES = """\
@@ -72,12 +60,16 @@ class LayoutEngine:
 
     _SCOPE_CACHE_SIZE = 1024
 
-    def __init__(self, ruleset: RuleSet, *, source: str | os.PathLike[str] | None = None,
+    def __init__(self, ruleset: RuleSet, *,
+                 source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
                  limits: Limits = Limits(), load_error: RuleLoadError | None = None,
-                 vllm_version: str | ReleaseProfile | None = None) -> None:
+                 vllm_version: str | ReleaseProfile | None = None, shipped_rules: bool = True) -> None:
         self.profile: ReleaseProfile = get_profile(vllm_version)
         self._ruleset = ruleset
-        self._source = source
+        # the operator's directories reload() reads again, on top of the shipped rules unless
+        # shipped_rules is False; None: a rule set given directly, nothing to reload
+        self._source: tuple[Path, ...] | None = None if source is None else tuple(rule_dirs(source))
+        self._shipped_rules = shipped_rules
         self._limits = limits
         self.load_error = load_error
         # id(context) -> (context, rule set, scopes): contexts are immutable, so the scope
@@ -112,48 +104,63 @@ class LayoutEngine:
         default the installed vLLM's profile, else the newest shipped release.
         """
         profile = get_profile(vllm_version)
-        root = shipped_rules_dir(profile)
-        return cls(load_rules(root, display=f"rules/{profile.rules}"), source=root, vllm_version=profile)
+        return cls(load_layers(vllm_version=profile), source=(), vllm_version=profile)
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike[str], *, limits: Limits = Limits(),
+    def from_path(cls, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+                  shipped_rules: bool = True, limits: Limits = Limits(),
                   on_error: Literal["raise", "fallback"] = "raise",
                   vllm_version: str | ReleaseProfile | None = None) -> LayoutEngine:
-        """An operator's rule directory.
+        """An operator's rule directories (one path, or several: bottom first), layered on the
+        shipped rules of the release profile (`kvpolicy.policy.layers` says how layers combine).
 
+        ``shipped_rules=False`` replaces the shipped rules instead; each load-bearing shipped guard
+        that goes is a warning on logger ``kvpolicy`` (and in ``ruleset.warnings``).
         Fail-closed by default: any problem raises `RuleLoadError` listing every
         one. ``on_error="fallback"`` instead logs the errors (logger ``kvpolicy``)
         and returns an engine that allows only the per-layer layout, with the
         error kept in ``load_error``, so a serving engine can still start.
         """
+        from kvpolicy.engine.analysis.guards import load_checked  # the analysis only when rules are read
+
         profile = get_profile(vllm_version)
+        dirs = tuple(rule_dirs(path))
         try:
-            return cls(load_rules(path, limits=limits), source=path, limits=limits, vllm_version=profile)
+            ruleset = load_checked(dirs, vllm_version=profile, shipped_rules=shipped_rules, limits=limits,
+                                   where="shipped_rules")
         except RuleLoadError as exc:
             if on_error != "fallback":
                 raise
             logger.error("kvpolicy: rules in %s failed to load; falling back to per_layer only\n%s",
-                         path, exc.render())
-            return cls(fallback_ruleset(), source=path, limits=limits, load_error=exc, vllm_version=profile)
+                         ", ".join(map(str, dirs)), exc.render())
+            return cls(fallback_ruleset(), source=dirs, limits=limits, load_error=exc, vllm_version=profile,
+                       shipped_rules=shipped_rules)
+        _log_warnings(ruleset)
+        return cls(ruleset, source=dirs, limits=limits, vllm_version=profile, shipped_rules=shipped_rules)
 
-    def reload(self, path: str | os.PathLike[str] | None = None) -> RuleLoadError | None:
-        """Load the rules again (from ``path`` or the original source) and swap them in.
+    def reload(self, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
+               ) -> RuleLoadError | None:
+        """Load the rules again (the operator's directories ``path``, else the original ones, layered
+        as before) and swap them in.
 
         The new set replaces the active one only if it loads completely;
         otherwise the active set stays and the error is returned (never raised).
         Returns None on success.
         """
-        source = path if path is not None else self._source
+        from kvpolicy.engine.analysis.guards import load_checked
+
+        source = tuple(rule_dirs(path)) if path is not None else self._source
         if source is None:
             return RuleLoadError("", [Diagnostic("<engine>", 0, 0, "no-source", "this engine has no rules directory",
                                                  "pass the directory to reload(path)")])
         try:
-            shipped = Path(source) == shipped_rules_dir(self.profile)
-            ruleset = load_rules(source, limits=self._limits,
-                                 display=f"rules/{self.profile.rules}" if shipped else None)
+            ruleset = load_checked(source, vllm_version=self.profile, shipped_rules=self._shipped_rules,
+                                   limits=self._limits, where="shipped_rules")
         except RuleLoadError as exc:
-            logger.warning("kvpolicy: reload of %s failed; keeping the active rules\n%s", source, exc.render())
+            logger.warning("kvpolicy: reload of %s failed; keeping the active rules\n%s",
+                           ", ".join(map(str, source)) or "the shipped rules", exc.render())
             return exc
+        _log_warnings(ruleset)
         # INVARIANT: one reference assignment; a decide() in flight keeps the set it read.
         self._ruleset = ruleset
         self._source = source
@@ -235,6 +242,11 @@ class LayoutEngine:
                               code="out-of-memory") from None
         cache.decision = decision
         return cache
+
+
+def _log_warnings(ruleset: RuleSet) -> None:
+    for diag in ruleset.warnings:
+        logger.warning("kvpolicy: %s", render_warning(diag))
 
 
 def fallback_ruleset() -> RuleSet:

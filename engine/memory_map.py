@@ -1,58 +1,132 @@
 """A picture of one block's bytes: which layer and role owns each range, overlaps marked.
 
-`block_map(plan)` lists the byte segments of block 0 in every buffer (one
-row per layer buffer for per_layer, one row of ``L x page`` for cross_layer),
-each with the writers that touch it; data and inline scales of one (layer, K|V)
-fold into one segment when nothing else lies between them. Rendered as text
-for the terminal and as SVG for a browser. Pure Python.
+`block_map(plan)` describes block 0's bytes in every buffer (one row per layer
+buffer for per_layer, one row of ``L x page`` for cross_layer) as *bands*: a
+segment pattern (pieces of one period, each with the writers that touch it)
+repeated ``count`` times at ``period`` bytes. Bands are built directly from the
+writers' strides (`kvpolicy.engine.verify.writers`, `kvpolicy.engine.lattice`):
+writers with the same strides whose offsets fall inside one innermost period
+(vLLM 0.34's K and V alternating inside each cell, a cell's codes and scales)
+share a band, and outer levels that continue the period fold into its count. So
+the cost is ``O(W log W)`` for ``W`` writers (4 per layer) however large the
+block, heads or head size; nothing is listed cell by cell.
+
+Bands whose byte ranges meet are merged by sweeping their patterns over one
+period when they share it (vLLM #48412's naive scale views: every layer's scale
+lands inside layer 0's cells); the pieces written by two layers are the
+overlaps, at their exact offsets. Rendered here as text for the terminal; as SVG by
+`kvpolicy.engine.map_svg`.
+Pure Python.
 """
 
 from __future__ import annotations
 
-import html
-from collections.abc import Iterator
+import itertools
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvpolicy.engine.lattice import StridedSet
 from kvpolicy.engine.plan import LayoutPlan
-from kvpolicy.engine.verify import Writer, verify_plan, writers
+from kvpolicy.engine.verify import GeometryReport, Writer, verify_plan, writers
 from kvpolicy.policy.backends import ScaleViews
 
-__all__ = ["Segment", "block_map", "render_svg", "render_text"]
+__all__ = ["Band", "Segment", "block_map", "render_text"]
+
+Owner = tuple[int, str]  # (layer, role)
+
+_MAX_INSTANCES = 1024  # outer repetitions of one band listed before they are kept as a repeat of the band
+_MAX_EXPANDED = 20_000  # runs a meeting of unlike bands may list before it is drawn as one mixed range
 
 
 @dataclass(frozen=True)
 class Segment:
+    """Bytes ``[start, end)`` (relative to its band inside a band's pattern) and who writes them."""
+
     buffer: int
-    start: int  # byte offset inside the block's row
+    start: int
     end: int
-    owners: tuple[tuple[int, str], ...]  # (layer, role) pairs, sorted
+    owners: tuple[Owner, ...]  # (layer, role) pairs, sorted; empty for padding
 
     @property
     def overlap(self) -> bool:
-        return len({o for o in self.owners}) > 1 and len({_unit(o) for o in self.owners}) > 1
+        return len({_unit(o) for o in self.owners}) > 1
 
     def label(self) -> str:
         return _owners_label(self.owners)
 
 
-def _unit(owner: tuple[int, str]) -> tuple[int, str]:
+@dataclass(frozen=True)
+class Band:
+    """``pattern`` (pieces within ``[0, period)``) repeated ``count`` times from ``start``,
+    and that whole group again at each of ``outer``'s ``(count, stride)`` offsets."""
+
+    buffer: int
+    start: int
+    period: int
+    count: int
+    pattern: tuple[Segment, ...]
+    outer: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def span(self) -> int:
+        """Bytes of one group: ``count`` periods, the last one cut at its last piece."""
+        return (self.count - 1) * self.period + self.pattern[-1].end
+
+    @property
+    def end(self) -> int:
+        return self.start + sum((n - 1) * s for n, s in self.outer) + self.span
+
+    @property
+    def repeats(self) -> int:
+        return self.count * math.prod(n for n, _ in self.outer)
+
+    @property
+    def owners(self) -> tuple[Owner, ...]:
+        return tuple(sorted({o for p in self.pattern for o in p.owners}))
+
+    @property
+    def overlap(self) -> bool:
+        return any(p.overlap for p in self.pattern)
+
+    def label(self) -> str:
+        if self.repeats == 1 and len(self.pattern) == 1:
+            return self.pattern[0].label()
+        inner = " | ".join(f"{p.end - p.start} B {p.label()}" for p in self.pattern)
+        every = self.outer or (self.count > 1 and self.pattern[-1].end < self.period)
+        return f"{self.repeats} x [{inner}]" + (f" every {self.period} B" if every else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"buffer": self.buffer, "start": self.start, "end": self.end, "period": self.period,
+                "count": self.count, "outer": [list(o) for o in self.outer],
+                "owners": [list(o) for o in self.owners], "overlap": self.overlap,
+                "pattern": [{"start": p.start, "end": p.end, "owners": [list(o) for o in p.owners],
+                             "overlap": p.overlap} for p in self.pattern]}
+
+
+def _unit(owner: Owner) -> tuple[int, str]:
     """(layer, K|V|latent): data and scales of one cell group belong together."""
     layer, role = owner
     return layer, role.split("_")[0]
 
 
-def _owners_label(owners: tuple[tuple[int, str], ...]) -> str:
+def _span(layers: list[int]) -> str:
+    if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}..{layers[-1]}"
+    return ("layer " if len(layers) == 1 else "layers ") + ",".join(map(str, layers))
+
+
+def _owners_label(owners: tuple[Owner, ...]) -> str:
+    if not owners:
+        return "padding"
     units = sorted({_unit(o) for o in owners})
     roles = sorted({r for _, r in owners})
     if len(units) == 1:
         layer, kv = units[0]
         parts = sorted({r.split("_")[1] for _, r in owners})
         return f"layer {layer} {kv.upper()} " + "+".join(parts)
-    layers = sorted({u[0] for u in units})
-    span = f"layers {layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) and \
-        len(layers) > 2 else "layers " + ",".join(map(str, layers))
-    return f"OVERLAP {span} " + "/".join(r.replace("_", " ") for r in roles)
+    return f"OVERLAP {_span(sorted({u[0] for u in units}))} " + "/".join(r.replace("_", " ") for r in roles)
 
 
 def _row(plan: LayoutPlan, buffer: int) -> tuple[int, int]:
@@ -65,39 +139,17 @@ def _row(plan: LayoutPlan, buffer: int) -> tuple[int, int]:
     return 0, tv.shape[1]
 
 
-def block_map(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> list[Segment]:
-    """Segments of block 0, in (buffer, offset) order, with their owners.
-
-    A layer's K (or V) codes and the inline scales right after them are joined into one
-    strided set first, whose contiguous levels fold into one run: a stride-aware cell
-    group is then a handful of runs however many tokens and heads it holds, and only
-    writers that do not tile their layer's bytes (vLLM #48412's naive scale views) are
-    listed cell by cell.
-    """
-    ws = writers(plan, scale_views)
-    segments: list[Segment] = []
-    buffers = sorted({w.buffer for w in ws})
-    for buffer in buffers:
-        lo, hi = _row(plan, buffer)
-        points: list[tuple[int, int, tuple[tuple[int, str], ...]]] = []
-        for owners, strided in _joined([w for w in ws if w.buffer == buffer], lo, hi):
-            for s, e in _runs_within(strided, lo, hi):
-                points.append((max(s, lo), min(e, hi), owners))
-        segments += _fold(_sweep(buffer, points))
-    return segments
-
-
 def _in_row(w: Writer, lo: int, hi: int) -> StridedSet:
     """``w`` cut to the blocks that can reach ``[lo, hi)``."""
-    blocks = max(1, min(w.num_blocks, (hi - w.base) // w.block_stride + 1 if w.block_stride else 1))
+    blocks = max(1, min(w.num_blocks, (hi - 1 - w.base) // w.block_stride + 1 if w.block_stride else 1))
     return StridedSet(w.base, ((blocks, w.block_stride), *w.inner), w.run).normal()
 
 
-def _joined(ws: list[Writer], lo: int, hi: int) -> list[tuple[tuple[tuple[int, str], ...], StridedSet]]:
+def _joined(ws: list[Writer], lo: int, hi: int) -> list[tuple[tuple[Owner, ...], StridedSet]]:
     """Each writer cut to the row as a strided set; a unit's codes and the scales right after them joined."""
     sets = {(w.layer, w.role): _in_row(w, lo, hi) for w in ws}
-    out: list[tuple[tuple[tuple[int, str], ...], StridedSet]] = []
-    used: set[tuple[int, str]] = set()
+    out: list[tuple[tuple[Owner, ...], StridedSet]] = []
+    used: set[Owner] = set()
     for (layer, role), d in sets.items():
         scale = (layer, role.replace("_data", "_scale"))
         sc = sets.get(scale) if role.endswith("_data") else None
@@ -108,21 +160,11 @@ def _joined(ws: list[Writer], lo: int, hi: int) -> list[tuple[tuple[tuple[int, s
     return out
 
 
-def _runs_within(st: StridedSet, lo: int, hi: int) -> Iterator[tuple[int, int]]:
-    """The contiguous runs of ``st`` that touch ``[lo, hi)``, ascending for a well-nested set."""
-    offsets = [st.offset]
-    for count, stride in reversed(st.levels):
-        offsets = [o + i * stride for o in offsets for i in range(count) if o + i * stride < hi]
-    for o in offsets:
-        if o + st.run > lo:
-            yield o, o + st.run
-
-
-def _sweep(buffer: int, points: list[tuple[int, int, tuple[tuple[int, str], ...]]]) -> list[Segment]:
-    """Cut the runs at every boundary and name the writers covering each piece."""
-    events = sorted([(s, 1, o) for s, _, owners in points for o in owners]
-                    + [(e, -1, o) for _, e, owners in points for o in owners])
-    active: dict[tuple[int, str], int] = {}
+def _sweep(buffer: int, pieces: Iterable[tuple[int, int, tuple[Owner, ...]]]) -> list[Segment]:
+    """Cut the pieces at every boundary and name the writers covering each part (gaps left out)."""
+    events = sorted([(s, 1, o) for s, _, owners in pieces for o in owners]
+                    + [(e, -1, o) for _, e, owners in pieces for o in owners])
+    active: dict[Owner, int] = {}
     out: list[Segment] = []
     prev = None
     for pos, delta, owner in events:
@@ -132,127 +174,215 @@ def _sweep(buffer: int, points: list[tuple[int, int, tuple[tuple[int, str], ...]
         if active[owner] == 0:
             del active[owner]
         prev = pos
-    return out
+    return _fold(out)
 
 
 def _fold(raw: list[Segment]) -> list[Segment]:
-    """Merge neighbours that belong to the same single (layer, K|V) and are contiguous."""
+    """Merge contiguous neighbours that belong to the same single (layer, K|V), or the same owners."""
     out: list[Segment] = []
     for seg in raw:
-        if out:
+        if out and out[-1].end == seg.start:
             prev = out[-1]
-            same = not prev.overlap and not seg.overlap and \
-                {_unit(o) for o in prev.owners} == {_unit(o) for o in seg.owners}
-            if same and prev.end == seg.start:
+            units = {_unit(o) for o in prev.owners}
+            if prev.owners == seg.owners or (len(units) == 1 and units == {_unit(o) for o in seg.owners}):
                 out[-1] = Segment(prev.buffer, prev.start, seg.end, tuple(sorted(set(prev.owners + seg.owners))))
                 continue
         out.append(seg)
     return out
 
 
-def _line(plan: LayoutPlan, segs: list[Segment], repeat: int) -> str:
-    first, last = segs[0], segs[-1]
-    overlap = any(s.overlap for s in segs)
-    mark = "!!" if overlap else "  "
-    where = f"buf {first.buffer:<3}" if len(plan.buffers) > 1 else ""
-    if repeat == 1:
-        what = first.label()
-    else:
-        unit = segs[: len(segs) // repeat]
-        what = f"{repeat} x [" + " | ".join(f"{s.end - s.start} B {s.label()}" for s in unit) + "]"
-    return f"{mark} {where}{first.start:>9} .. {last.end:<9} {last.end - first.start:>7} B  {what}"
+def _group_bands(buffer: int, items: list[tuple[tuple[Owner, ...], StridedSet]]) -> list[Band]:
+    """Writers with the same strides whose offsets fall inside one innermost period share a band;
+    levels continuing the period fold into its count, the rest stay outer repeats."""
+    by_levels: dict[tuple[tuple[int, int], ...], list[tuple[tuple[Owner, ...], StridedSet]]] = {}
+    for owners, st in items:
+        by_levels.setdefault(st.levels, []).append((owners, st))
+    bands: list[Band] = []
+    for levels, group in by_levels.items():
+        group.sort(key=lambda it: (it[1].offset, it[0]))
+        period = levels[0][1] if levels else 0
+        i = 0
+        while i < len(group):
+            o0 = group[i][1].offset
+            j = i + 1
+            while levels and j < len(group) and group[j][1].offset + group[j][1].run <= o0 + period:
+                j += 1
+            pieces = [(st.offset - o0, st.offset - o0 + st.run, owners) for owners, st in group[i:j]]
+            i = j
+            pattern = tuple(_sweep(buffer, pieces))
+            if not levels:
+                bands.append(_band(buffer, o0, pattern[-1].end, 1, pattern))
+                continue
+            count, rest = levels[0][0], list(levels[1:])
+            while rest and rest[0][1] == count * period:
+                count *= rest.pop(0)[0]
+            bands.append(_band(buffer, o0, period, count, pattern, tuple(rest)))
+    return _expand_outer(bands)
 
 
-def _compress(segs: list[Segment]) -> list[tuple[list[Segment], int]]:
-    """Fold runs of a repeating pattern (period up to 4 segments) into one entry."""
-    out: list[tuple[list[Segment], int]] = []
+def _band(buffer: int, start: int, period: int, count: int, pattern: tuple[Segment, ...],
+          outer: tuple[tuple[int, int], ...] = ()) -> Band:
+    """A band, one piece filling its whole period folded to one run, gaps between pieces as padding."""
+    filled: list[Segment] = []
+    for piece in pattern:
+        if filled and filled[-1].end < piece.start:
+            filled.append(Segment(buffer, filled[-1].end, piece.start, ()))
+        filled.append(piece)
+    pattern = tuple(filled)
+    if count > 1 and len(pattern) == 1 and pattern[0].start == 0 and pattern[0].end == period:
+        whole = period * count
+        return Band(buffer, start, whole, 1, (Segment(buffer, 0, whole, pattern[0].owners),), outer)
+    return Band(buffer, start, period, count, pattern, outer)
+
+
+def _expand_outer(bands: list[Band]) -> list[Band]:
+    """List a band's outer repeats as bands of their own when there are few of them."""
+    out: list[Band] = []
+    for b in bands:
+        if not b.outer or math.prod(n for n, _ in b.outer) > _MAX_INSTANCES:
+            out.append(b)
+            continue
+        starts = [b.start]
+        for n, s in b.outer:
+            starts = [x + i * s for x in starts for i in range(n)]
+        out += [Band(b.buffer, x, b.period, b.count, b.pattern) for x in starts]
+    return out
+
+
+def _merge(buffer: int, cluster: list[Band]) -> list[Band]:
+    """Bands whose byte ranges meet, as bands that do not: swept over one shared period when
+    they have one, else listed run by run (bounded; past the bound, one mixed range)."""
+    if len(cluster) == 1:
+        return cluster
+    s0 = min(b.start for b in cluster)
+    period, count = cluster[0].period, cluster[0].count
+    if all(not b.outer and b.period == period and b.count == count and b.start - s0 + b.pattern[-1].end <= period
+           for b in cluster):
+        pieces = [(b.start - s0 + p.start, b.start - s0 + p.end, p.owners) for b in cluster for p in b.pattern]
+        return [_band(buffer, s0, period, count, tuple(_sweep(buffer, pieces)))]
+    if sum(b.repeats * len(b.pattern) for b in cluster) > _MAX_EXPANDED:
+        end = max(b.end for b in cluster)
+        owners = tuple(sorted({o for b in cluster for o in b.owners}))
+        return [Band(buffer, s0, end - s0, 1, (Segment(buffer, 0, end - s0, owners),))]
+    runs = []
+    for b in _expand_outer_all(cluster):
+        for k in range(b.count):
+            runs += [(b.start + k * b.period + p.start, b.start + k * b.period + p.end, p.owners) for p in b.pattern]
+    return _recompress(buffer, _sweep(buffer, runs))
+
+
+def _expand_outer_all(bands: list[Band]) -> list[Band]:
+    out: list[Band] = []
+    for b in bands:
+        starts = [b.start]
+        for n, s in b.outer:
+            starts = [x + i * s for x in starts for i in range(n)]
+        out += [Band(b.buffer, x, b.period, b.count, b.pattern) for x in starts]
+    return out
+
+
+def _recompress(buffer: int, segs: list[Segment]) -> list[Band]:
+    """Absolute segments as bands, a pattern of up to 4 contiguous segments repeated 3+ times folded."""
+    out: list[Band] = []
     i = 0
     while i < len(segs):
         best = (1, 1)
         for period in range(1, 5):
-            pattern = [(s.label(), s.end - s.start) for s in segs[i:i + period]]
-            if len(pattern) < period:
+            unit = segs[i:i + period]
+            if len(unit) < period or any(a.end != b.start for a, b in itertools.pairwise(unit)):
                 break
+            width = unit[-1].end - unit[0].start
+            key = [(s.owners, s.start - unit[0].start, s.end - unit[0].start) for s in unit]
             reps = 1
             while True:
                 nxt = segs[i + reps * period: i + (reps + 1) * period]
-                if [(s.label(), s.end - s.start) for s in nxt] != pattern or nxt[0].start != segs[
-                        i + reps * period - 1].end:
+                base = unit[0].start + reps * width
+                if [(s.owners, s.start - base, s.end - base) for s in nxt] != key:
                     break
                 reps += 1
             if reps >= 3 and reps * period > best[0] * best[1]:
                 best = (period, reps)
         period, reps = best
-        out.append((segs[i:i + period * reps], reps))
+        unit = segs[i:i + period]
+        s0 = unit[0].start
+        pattern = tuple(Segment(buffer, s.start - s0, s.end - s0, s.owners) for s in unit)
+        out.append(_band(buffer, s0, pattern[-1].end, reps, pattern))
         i += period * reps
     return out
 
 
-def render_text(plan: LayoutPlan, scale_views: ScaleViews | None = None, max_lines: int = 60) -> str:
-    """The block map as aligned text lines, repeating patterns folded into one line each."""
+def _padded(buffer: int, bands: list[Band], lo: int, hi: int) -> list[Band]:
+    """``bands`` with a padding band in every gap of the row."""
+    out: list[Band] = []
+    pos = lo
+    for b in bands:
+        if b.start > pos:
+            out.append(Band(buffer, pos, b.start - pos, 1, (Segment(buffer, 0, b.start - pos, ()),)))
+        out.append(b)
+        pos = max(pos, b.end)
+    if hi > pos:
+        out.append(Band(buffer, pos, hi - pos, 1, (Segment(buffer, 0, hi - pos, ()),)))
+    return out
+
+
+def block_map(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> list[Band]:
+    """Bands of block 0, in (buffer, offset) order, gaps as padding bands.
+
+    A layer's K (or V) codes and the inline scales right after them are joined into one
+    strided set first; then writers sharing strides and an innermost period share a band
+    (see the module docstring). Cost ``O(W log W)`` for ``W`` writers, independent of block
+    size, heads and head size.
+    """
+    by_buffer: dict[int, list[Writer]] = {}
+    for w in writers(plan, scale_views):
+        by_buffer.setdefault(w.buffer, []).append(w)
+    out: list[Band] = []
+    for buffer, ws in sorted(by_buffer.items()):
+        lo, hi = _row(plan, buffer)
+        bands = [b for b in _group_bands(buffer, _joined(ws, lo, hi))
+                 if b.start < hi]
+        bands.sort(key=lambda b: (b.start, b.end))
+        merged: list[Band] = []
+        cluster: list[Band] = []
+        reach = -1
+        for b in bands:
+            if cluster and b.start >= reach:
+                merged += _merge(buffer, cluster)
+                cluster = []
+            cluster.append(b)
+            reach = max(reach, b.end) if len(cluster) > 1 else b.end
+        if cluster:
+            merged += _merge(buffer, cluster)
+        out += _padded(buffer, merged, lo, hi)
+    return out
+
+
+def _line(plan: LayoutPlan, band: Band) -> str:
+    mark = "!!" if band.overlap else "  "
+    where = f"buf {band.buffer:<3}" if len(plan.buffers) > 1 else ""
+    return f"{mark} {where}{band.start:>9} .. {band.end:<9} {band.end - band.start:>7} B  {band.label()}"
+
+
+def _pieces(bands: list[Band]) -> tuple[int, int]:
+    """(segments, overlapping segments) the bands stand for, counted without listing them."""
+    total = sum(b.repeats * len(b.pattern) for b in bands)
+    over = sum(b.repeats * sum(1 for p in b.pattern if p.overlap) for b in bands)
+    return total, over
+
+
+def render_text(plan: LayoutPlan, scale_views: ScaleViews | None = None, max_lines: int = 60,
+                report: GeometryReport | None = None) -> str:
+    """The block map as aligned text lines, one per band; ``report``: the verifier's, when already run."""
     strategy = scale_views or plan.backend.scale_views
-    segs = block_map(plan, strategy)
-    report = verify_plan(plan, strategy)
+    bands = block_map(plan, strategy)
+    report = report if report is not None and report.scale_views is strategy else verify_plan(plan, strategy)
     head = [f"block 0 of `{plan.layout}` on {plan.backend.name} ({strategy.value} scale views), "
             f"page {plan.page_size_bytes} B x {plan.num_layers} layers; !! marks bytes two layers write:"]
-    lines = [_line(plan, group, reps) for group, reps in _compress(segs)]
+    lines = [_line(plan, b) for b in bands]
     if len(lines) > max_lines:
         lines = [*lines[: max_lines - 10], f"   ... {len(lines) - max_lines + 5} more lines ...", *lines[-5:]]
-    n_over = sum(1 for s in segs if s.overlap)
-    tail = [f"{len(segs)} segments; " + (f"{n_over} overlapping: {report.collisions[0].describe()}"
-                                          if n_over or not report.ok else "no overlaps")]
+    total, n_over = _pieces(bands)
+    tail = [f"{total} segments; " + (f"{n_over} overlapping: {report.collisions[0].describe()}"
+                                     if n_over or not report.ok else "no overlaps")]
     return "\n".join(head + lines + tail)
 
-
-_PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f", "#bab0ac"]
-
-
-def render_svg(plan: LayoutPlan, scale_views: ScaleViews | None = None, width: int = 1200) -> str:
-    """The block map as an SVG document.
-
-    Per buffer row: a lane of the bytes coloured by owning layer (V lighter than
-    K), labelled where wide enough, and beneath it a lane that is red wherever
-    two layers write the same bytes (at least a pixel wide, so it always shows).
-    """
-    strategy = scale_views or plan.backend.scale_views
-    segs = block_map(plan, strategy)
-    rows = sorted({s.buffer for s in segs})
-    lane, flag, gap, left, top = 30, 10, 16, 70, 40
-    span = max((s.end for s in segs), default=1)
-    height = top + len(rows) * (lane + flag + gap) + 30
-    title = f"block 0 of {plan.layout} on {plan.backend.name}, {strategy.value} scale views"
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + left + 20}" height="{height}" '
-           f'font-family="monospace" font-size="12">',
-           '<rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{left}" y="20">{html.escape(title)}</text>']
-
-    def x_of(offset: int) -> float:
-        return left + offset / span * width
-
-    for r, buffer in enumerate(rows):
-        y = top + r * (lane + flag + gap)
-        row = [s for s in segs if s.buffer == buffer]
-        out.append(f'<text x="4" y="{y + lane * 0.65:.0f}">buf {buffer}</text>')
-        for group, _ in _compress(row):
-            owner = next((o for s in group for o in s.owners if o[1].endswith("data")), group[0].owners[0])
-            layer, kv = _unit(owner)
-            fill = _PALETTE[layer % len(_PALETTE)]
-            opacity = "0.6" if kv == "v" else "1"
-            x0, x1 = x_of(group[0].start), x_of(group[-1].end)
-            tip = html.escape(f"{group[0].start}..{group[-1].end}: layer {layer} {kv.upper()}")
-            out.append(f'<rect x="{x0:.2f}" y="{y}" width="{max(0.5, x1 - x0):.2f}" height="{lane}" fill="{fill}" '
-                       f'fill-opacity="{opacity}" stroke="white" stroke-width="0.5"><title>{tip}</title></rect>')
-            if x1 - x0 > 44:
-                out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{y + lane * 0.65:.0f}" text-anchor="middle" '
-                           f'fill="white">L{layer} {kv.upper()}</text>')
-        for s in (s for s in row if s.overlap):
-            x0 = x_of(s.start)
-            tip = html.escape(f"{s.start}..{s.end} ({s.end - s.start} B): {s.label()}")
-            out.append(f'<rect x="{x0:.2f}" y="{y + lane + 1}" width="{max(1.0, x_of(s.end) - x0):.2f}" '
-                       f'height="{flag}" fill="#e15759"><title>{tip}</title></rect>')
-    n_over = sum(1 for s in segs if s.overlap)
-    note = (f"{n_over} byte ranges written by more than one layer (red lane)" if n_over
-            else "no byte is written by two layers")
-    out.append(f'<text x="{left}" y="{height - 10}">{len(segs)} segments; {note}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"

@@ -1,8 +1,10 @@
 """KV connectors as inputs: a name, vLLM's ``kv_connector_extra_config``, members.
 
 What each connector *wants* is not here: that is policy, in
-``rules/connectors/<name>.yaml``. This module only knows which names exist,
-so that a rule file for a misspelt connector is an error, not a silent no-op.
+``rules/connectors/<name>.yaml``. This module knows which names the release
+profiles register and what a well-formed name is: a connector file may name
+any well-formed connector (a third-party one, or one newer than every
+profile); a name one typo away from a known one is a warning (`near_connector`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -17,7 +20,16 @@ from pydantic import Field, field_validator
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.spec import Frozen
 
-__all__ = ["COMPOSITE_CONNECTORS", "KNOWN_CONNECTORS", "ConnectorConfig", "flatten_extra", "suggest_connector"]
+__all__ = [
+    "COMPOSITE_CONNECTORS",
+    "CONNECTOR_NAME_MAX",
+    "KNOWN_CONNECTORS",
+    "ConnectorConfig",
+    "connector_name_problem",
+    "flatten_extra",
+    "near_connector",
+    "suggest_connector",
+]
 
 def _registered() -> frozenset[str]:
     from kvpolicy.policy.releases import iter_profiles
@@ -184,3 +196,59 @@ def suggest_connector(name: str) -> str | None:
         return close[0]
     prefixed = sorted(k for k in KNOWN_CONNECTORS if k.lower().startswith(name.lower())) if name else []
     return prefixed[0] if len(prefixed) == 1 else None
+
+
+# A well-formed connector name is what vLLM's `KVConnectorFactory` can name: a Python class name
+# (ASCII letters, digits and `_`, not starting with a digit), here at most 128 characters.
+# vLLM registers connectors by class name, and a third-party one is loaded by
+# `kv_connector_module_path` + `kv_connector` (the class name), so nothing else can ever be active.
+CONNECTOR_NAME_MAX = 128
+_CONNECTOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def connector_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a KV connector's class name, or None when it is well-formed."""
+    if len(name) > CONNECTOR_NAME_MAX:
+        return f"a connector name is at most {CONNECTOR_NAME_MAX} characters, got {len(name)}"
+    if not _CONNECTOR_NAME.fullmatch(name):
+        return (f"`{name}` is not a connector class name: use ASCII letters, digits and `_`, "
+                "not starting with a digit")
+    return None
+
+
+def _edit_distance(a: str, b: str, limit: int) -> int:
+    """Levenshtein distance of ``a`` and ``b``, or ``limit + 1`` once it exceeds ``limit``."""
+    if abs(len(a) - len(b)) > limit:
+        return limit + 1
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+        if min(row) > limit:
+            return limit + 1
+    return row[-1]
+
+
+NEAR_DISTANCE = 2  # edits (insert, delete, substitute) that make a name "near" another
+
+
+def near_connector(name: str, others: frozenset[str] | set[str] | tuple[str, ...]) -> str | None:
+    """The name in ``others`` that ``name`` most likely misspells, or None.
+
+    Near: equal ignoring case, or within `NEAR_DISTANCE` edits (case-insensitive) of a name at
+    least 6 characters long; ``name`` itself is never near itself. Ties go to the smallest
+    distance, then alphabetically, so the answer is deterministic. ``NixlConector`` ->
+    ``NixlConnector``; ``MyConnector`` is near nothing known.
+    """
+    best: tuple[int, str] | None = None
+    low = name.lower()
+    for other in sorted(others):
+        if other == name:
+            continue
+        d = 0 if other.lower() == low else _edit_distance(low, other.lower(), NEAR_DISTANCE)
+        if d > NEAR_DISTANCE or (d > 0 and min(len(name), len(other)) < 6):
+            continue
+        if best is None or d < best[0]:
+            best = (d, other)
+    return None if best is None else best[1]

@@ -78,6 +78,10 @@ class RuleSet:
     member_preferences: dict[str, MemberPreferences] = field(default_factory=dict)
     root: str = "<memory>"
     order_declared: bool = False  # `defaults.layout_order` given: it, not the release's preference, breaks ties
+    # the layers it was composed of, bottom first (kvpolicy.policy.layers.RuleLayer); () for one directory
+    layers: tuple[Any, ...] = ()
+    # located warnings found while loading (a connector file whose name is near another's), never errors
+    warnings: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         by_scope: dict[str | None, list[CompiledRule]] = {}
@@ -96,6 +100,10 @@ class RuleSet:
     @property
     def connectors(self) -> tuple[str, ...]:
         return tuple(sorted(k for k in self._by_scope if k is not None))  # type: ignore[attr-defined]
+
+    def layer_of(self, rule_id: str) -> Any:
+        """The `RuleLayer` rule ``rule_id`` comes from, or None for a rule set of one directory."""
+        return next((layer for layer in self.layers if rule_id in layer.rule_ids), None)
 
     def rule(self, rule_id: str) -> CompiledRule:
         return self._by_id[rule_id]  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
+from kvpolicy.policy.connectors import connector_name_problem, near_connector
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec, field_spec
 from kvpolicy.policy.errors import Diagnostic
 from kvpolicy.policy.layouts import Layout, LayoutPattern
@@ -152,12 +152,20 @@ def _check_value(spec: FieldSpec, op: str, value: Any) -> tuple[str, str | None]
             hint = ("YAML reads yes/no/on/off/true/false as booleans: quote it" if isinstance(value, bool)
                     else "quote it to compare with text")
             return f"`{spec.path}` is a string, got {_type_name(value)} `{_show(value)}`", hint
+        if spec.path == "connector.name" and _open_connector_name(value, spec.choices or ()):
+            return None
         if spec.choices is not None and value not in spec.choices:
             close = difflib.get_close_matches(value, spec.choices, n=1)
             hint = f"did you mean `{close[0]}`? " if close else ""
             return (f"`{value}` is not a value of `{spec.path}`",
                     f"{hint}valid values: {', '.join(spec.choices)}")
     return None
+
+
+def _open_connector_name(value: str, known: tuple[str, ...]) -> bool:
+    """`connector.name` compares with any well-formed connector name (third-party, newer ones) that is
+    not a near miss of a known one: a misspelt known name in a condition would silently never match."""
+    return value not in known and connector_name_problem(value) is None and near_connector(value, known) is None
 
 
 def _check_leaf(src: Located, path: Path, leaf: Leaf, diags: list[Diagnostic]) -> None:
@@ -303,11 +311,12 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
         rules_data = []
 
     if header is not None:
-        if header.connector is not None and header.connector not in KNOWN_CONNECTORS:
-            near = suggest_connector(header.connector)
-            diags.append(src.diag(("connector",), "unknown-connector", f"unknown connector `{header.connector}`",
-                                  (f"did you mean `{near}`? " if near else "")
-                                  + "connector files must name a vLLM connector class"))
+        # any well-formed name: third-party and newer connectors get rules too; a near miss of a
+        # known name is a warning of the layered set (kvpolicy.policy.layers.connector_warnings)
+        problem = None if header.connector is None else connector_name_problem(header.connector)
+        if problem is not None:
+            diags.append(src.diag(("connector",), "invalid-connector-name", problem,
+                                  "name the connector's class, as vLLM's `kv_connector` does"))
         if in_connectors_dir and header.connector is None:
             diags.append(src.diag((), "missing-connector", "a file in `connectors/` must declare `connector:`",
                                   "add `connector: <ConnectorClassName>`"))

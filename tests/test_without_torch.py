@@ -30,7 +30,7 @@ from kvpolicy.engine.cli.main import main
 
 codes = {}
 for argv in (["validate"], ["test"], ["lint"], ["dry-run"], ["dry-run", "--num-blocks", "8", "--map"],
-             ["diff", "RULES", "RULES"], ["schema"]):
+             ["diff", "RULES", "RULES", "--no-shipped-rules"], ["schema"]):
     argv = [str(RULES) if a == "RULES" else a for a in argv]
     with contextlib.redirect_stdout(io.StringIO()):
         codes[" ".join(argv[:1] + argv[3:])] = main(argv)
@@ -85,7 +85,8 @@ def test_decisions_work_and_the_runtime_names_the_extra_without_torch() -> None:
     proc = run_without_torch(SCRIPT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["codes"] == {"validate": 0, "test": 0, "lint": 0, "dry-run": 0, "dry-run --map": 0, "diff": 0,
+    assert out["codes"] == {"validate": 0, "test": 0, "lint": 0, "dry-run": 0, "dry-run --map": 0,
+                            "diff --no-shipped-rules": 0,
                             "schema": 0}
     assert out["layout"] == "LBHNC" and out["plugin"] == "LBHNC"
     assert out["error"] == {"type": "MissingDependencyError", "import_error": True,

@@ -26,9 +26,11 @@ the released profiles, whose backends build stride-aware scale views (vLLM
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.analysis.connector_names import unknown_connector_findings
 from kvpolicy.engine.analysis.decider import Decider
 from kvpolicy.engine.analysis.space import AnalysisInput, Space, build_space
 from kvpolicy.engine.decide import release_ref, rule_ref
@@ -42,7 +44,7 @@ from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.rule_model import Effect
 from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["Finding", "LintReport", "LoadBearing", "lint", "shipped_ruleset"]
+__all__ = ["Finding", "LintReport", "LoadBearing", "fold", "lint", "shipped_ruleset"]
 
 VERIFY_BLOCKS = 2
 _EXAMPLES = 3
@@ -57,6 +59,7 @@ class Finding:
     rule: RuleRef | None = None
     inputs: tuple[str, ...] = ()
     total: int | None = None  # inputs in all, when ``inputs`` lists only a sample
+    groups: tuple[tuple[str, int], ...] = ()  # ``inputs`` folded: (label with {a,b} where they vary, count)
 
     @property
     def count(self) -> int:
@@ -65,6 +68,14 @@ class Finding:
     def render(self, max_inputs: int = 20) -> str:
         where = f"{self.rule.source}: " if self.rule else ""
         text = f"{where}{self.severity}[{self.code}]: {self.message}"
+        if self.groups:  # near-identical inputs on one line each, with their count
+            for label, n in self.groups[:max_inputs]:
+                text += f"\n    {label}" + (f"  ({n} inputs)" if n > 1 else "")
+            shown = sum(n for _, n in self.groups[:max_inputs])
+            if self.count > shown:
+                text += f"\n    ... and {self.count - shown} more inputs (--format json lists " + (
+                    "all)" if self.total is None else f"{len(self.inputs)})")
+            return text
         for label in self.inputs[:max_inputs]:
             text += f"\n    {label}"
         if self.count > min(max_inputs, len(self.inputs)):
@@ -75,7 +86,8 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return {"severity": self.severity, "code": self.code, "message": self.message,
-                "rule": self.rule.to_dict() if self.rule else None, "count": self.count, "inputs": list(self.inputs)}
+                "rule": self.rule.to_dict() if self.rule else None, "count": self.count, "inputs": list(self.inputs),
+                "groups": [{"inputs": label, "count": n} for label, n in self.groups]}
 
 
 @dataclass
@@ -178,12 +190,43 @@ def _labels(inputs: list[AnalysisInput], limit: int | None = None) -> tuple[str,
     return tuple(sorted(inp.label for inp in inputs[:limit]))
 
 
+def fold(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]]) -> tuple[tuple[str, int], ...]:
+    """Inputs that differ in one field at a time, folded into one line each: ``backend={A,B}``
+    where the values vary, with the number of inputs the line stands for (exact: the inputs
+    are distinct, and a line is the product of its value sets)."""
+    rows: list[tuple[tuple[str, ...], tuple[frozenset[str], ...]]] = []
+    for inp in inputs:
+        pairs = inp.labels if isinstance(inp, AnalysisInput) else inp
+        rows.append((tuple(k for k, _ in pairs), tuple(frozenset([v]) for _, v in pairs)))
+    width = max((len(keys) for keys, _ in rows), default=0)
+    for _ in range(2):  # a second pass folds what the first pass's merges made equal
+        for pos in range(width):
+            merged: dict[tuple[Any, ...], tuple[tuple[str, ...], list[frozenset[str]]]] = {}
+            for keys, values in rows:
+                if pos >= len(keys):
+                    merged[(keys, values)] = (keys, list(values))
+                    continue
+                key = (keys, values[:pos], values[pos + 1:])
+                if key in merged:
+                    merged[key][1][pos] = merged[key][1][pos] | values[pos]
+                else:
+                    merged[key] = (keys, list(values))
+            rows = [(keys, tuple(values)) for keys, values in merged.values()]
+
+    def show(v: frozenset[str]) -> str:
+        return next(iter(v)) if len(v) == 1 else "{" + ",".join(sorted(v)) + "}"
+
+    out = [(" ".join(f"{k}={show(v)}" for k, v in zip(keys, values)), math.prod(len(v) for v in values))
+           for keys, values in rows]
+    return tuple(sorted(out, key=lambda g: (-g[1], g[0])))
+
+
 def shipped_ruleset(vllm_version: str | ReleaseProfile | None = None) -> RuleSet | None:
     """The profile's shipped rules (None when they do not load: lint then has no baseline)."""
-    from kvpolicy.engine.layout_engine import LayoutEngine
+    from kvpolicy.engine.rule_layers import load_layers
 
     try:
-        return LayoutEngine.default(vllm_version).ruleset
+        return load_layers(vllm_version=vllm_version)
     except PolicyError:  # pragma: no cover - a packaging defect; the shipped-rules tests catch it
         return None
 
@@ -295,13 +338,15 @@ def lint(
                     why[reason].append(problem[1])
 
     findings: list[Finding] = []
+    findings += [Finding(severity, code, message, rule_ref(rule))
+                 for severity, code, message, rule in unknown_connector_findings(ruleset)]
     for (layout, reason), labels in sorted(unsafe.items()):
         shown = "; ".join(why[(layout, reason)][:2])
         if len(why[(layout, reason)]) > 2:
             shown += f"; and {len(why[(layout, reason)]) - 2} more"
         what = "whose views would overlap" if reason == "overlap" else "that the backend has no geometry for"
         findings.append(Finding("error", "unsafe-permit", f"the rules choose `{layout}` for {len(labels)} input(s) "
-                                f"{what} ({shown})", inputs=_labels(labels)))
+                                f"{what} ({shown})", inputs=_labels(labels), groups=fold(labels)))
 
     def named(refs: dict[str, RuleRef]) -> str:
         return ", ".join(f"`{r.id}` ({r.source})" for r in sorted(refs.values(), key=lambda r: (str(r.source), r.id)))
@@ -309,7 +354,8 @@ def lint(
     if conflicts[False]:
         findings.append(Finding("error", "conflict",
                                 f"no layout survives for {len(conflicts[False])} input(s); the rules removing "
-                                f"candidates there: {named(conflict_rules[False])}", inputs=_labels(conflicts[False])))
+                                f"candidates there: {named(conflict_rules[False])}", inputs=_labels(conflicts[False]),
+                                groups=fold(conflicts[False])))
     for rule in sorted(ruleset.rules, key=lambda r: (r.source, r.id)):
         if not matched[rule.id]:
             findings.append(Finding("warning", "dead-rule", f"rule `{rule.id}` matches no input of the space",
@@ -325,7 +371,8 @@ def lint(
                                 f"no layout survives for {len(conflicts[True])} input(s), as with the shipped rules "
                                 f"of `{profile.name}`: the release refuses to start there; the rules removing "
                                 f"candidates: {named(conflict_rules[True])}",
-                                inputs=_labels(conflicts[True], _REFUSALS_LISTED), total=len(conflicts[True])))
+                                inputs=_labels(conflicts[True], _REFUSALS_LISTED), total=len(conflicts[True]),
+                                groups=fold(conflicts[True])))
     summary = {"inputs": len(space), "unsafe_inputs": sum(len(v) for v in unsafe.values()),
                "conflicts": len(conflicts[False]), "release_refuses": len(conflicts[True])}
     ordered = tuple(sorted(bearing.values(), key=lambda lb: (str(lb.rule.source), lb.rule.id)))

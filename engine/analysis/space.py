@@ -1,4 +1,5 @@
-"""The finite input space a rule set is analysed over, for one vLLM release profile.
+"""The finite input space a rule set is analysed over, for one vLLM release profile:
+the release's inputs around the literals the rules compare fields with (not every deployment).
 
 Every input is built as an operator's would be (`kvpolicy.engine.inputs.build_context`
 with the profile's ``vllm_version``), so lint never decides an input the
@@ -14,17 +15,22 @@ candidates, its ``kv_cache_dtype`` strings, and vLLM's options. Dimensions:
   ``sliding_window`` when a rule can tell it apart);
 - group shape: one group, one group with two attention groups, two groups,
   a Mamba hybrid, mixed (heads, tokens, page bytes) shapes, and a replicated
-  draft under DCP with another page size;
+  draft under DCP with another page size; and N groups or M attention groups
+  either side of each ``groups.count`` / ``groups.attention_groups`` literal;
 - ``VLLM_KV_CACHE_LAYOUT`` (unset, a layout, ``NHD``/``HND``),
   ``enable_extensible_kv_cache``, HiSparse;
+- sizes (``num_layers``, ``block_size``, ``num_kv_heads``, ``head_size``): the
+  defaults, and the values either side of each literal a rule compares one with;
 - connector: none, every connector some rule names in each variant of the
-  ``connector.extra.*`` values its rules test, a connector no rule names, and
-  MultiConnector pairs of those.
+  ``connector.extra.*`` values its rules test (either side of each literal), a
+  connector no rule names, and MultiConnector pairs of those.
 
 A dimension's values that no rule of the analysed rule sets can tell apart
 (and that give the same candidates and geometry) collapse to the first one,
-so a dimension the rules never read costs nothing. Sizes are fixed and small
-(the verifier's answer does not depend on them: its geometry is periodic).
+so a dimension the rules never read costs nothing. Sizes and extra keys vary one at a
+time around a base point (the default sizes, no extras), plus the fields one rule reads
+together, never as a full product: the space grows with the distinct literals. A
+non-default size pairs with the connectors and dimensions its rules read with it.
 
 Inputs share their parts: the environment rules see is composed from the
 shared part of its context and its connector's part, never copied per input.
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,17 +178,23 @@ def _connector_env(c: ConnectorConfig | None) -> dict[str, Any]:
 
 
 class _Leaves:
-    """Every leaf of the analysed rule sets, by field: a dimension's values with equal answers
+    """Every leaf of the analysed rules, by field: a dimension's values with equal answers
     from every leaf are the same input to the rules."""
 
-    def __init__(self, rulesets: Sequence[RuleSet]) -> None:
+    def __init__(self, rulesets: Sequence[RuleSet] = (), rules: Iterable[Any] | None = None) -> None:
         self.by_field: dict[str, list[Callable[[Any], bool]]] = {}
         self.literals: dict[str, list[tuple[str, Any]]] = {}
-        for rs in rulesets:
-            for rule in rs.rules:
-                for leaf in leaves_of(rule.rule.when):
-                    self.by_field.setdefault(leaf.field, []).append(leaf_predicate(leaf))
-                    self.literals.setdefault(leaf.field, []).append((leaf.op, leaf.value))
+        self.together: list[tuple[str, ...]] = []  # the fields each rule's condition reads, per rule
+        every = [r for rs in rulesets for r in rs.rules] if rules is None else list(rules)
+        for rule in every:
+            read: list[str] = []
+            for leaf in leaves_of(rule.rule.when):
+                self.by_field.setdefault(leaf.field, []).append(leaf_predicate(leaf))
+                self.literals.setdefault(leaf.field, []).append((leaf.op, leaf.value))
+                if leaf.field not in read:
+                    read.append(leaf.field)
+            if len(read) > 1:
+                self.together.append(tuple(sorted(read)))
 
     def signature(self, env: dict[str, Any]) -> tuple[bool, ...]:
         return tuple(p(env[f]) for f in sorted(env) for p in self.by_field.get(f, ()))
@@ -197,6 +210,69 @@ class _Leaves:
                 near = [v - 1, v, v + 1] if op in ("lt", "le", "gt", "ge") and isinstance(v, int) else [v]
                 out += [x for x in near if x not in out]
         return out
+
+    def boundaries(self, path: str) -> list[Any]:
+        """Each literal ``path`` is compared with and the values either side of it: for a number
+        ``v`` the integers ``floor(v) - 1 .. ceil(v) + 1`` (both sides of ``ge 8``, ``gt 16``, and
+        one value outside an ``in`` list), for a string or a boolean the literal itself."""
+        out: list[Any] = []
+        for _op, value in self.literals.get(path, []):
+            for v in value if isinstance(value, list) else [value]:
+                if v is None:
+                    continue
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    near: list[Any] = list(range(math.floor(v) - 1, math.ceil(v) + 2))
+                    if isinstance(v, float) and not v.is_integer():
+                        near.append(v)
+                else:
+                    near = [v]
+                out += [x for x in near if not any(x == o and type(x) is type(o) for o in out)]
+        return out
+
+    def classes(self, path: str, values: Iterable[Any]) -> list[Any]:
+        """The first of each group of ``values`` (None: absent) every leaf on ``path`` answers alike."""
+        preds = self.by_field.get(path, ())
+        return list(_distinct(values, lambda v: tuple(p(MISSING if v is None else v) for p in preds)))
+
+
+def _variants_of(leaves: _Leaves, base: dict[str, Any], prefix: str, valid: Callable[[str, Any], bool],
+                 cap: int = 256) -> list[dict[str, Any]]:
+    """Overrides of ``base`` (field -> value, None: absent) reaching every answer the rules can give.
+
+    One field at a time over the classes of its boundary values, the others at ``base``; and for the
+    fields one rule reads together, their product (pairs only, beyond ``cap`` combinations). So the
+    count grows with the distinct literals, not exponentially in the number of fields.
+    """
+    kept: dict[str, list[Any]] = {}
+    for path in sorted(p for p in leaves.literals if p.startswith(prefix)):
+        key = path[len(prefix):]
+        if key not in base and prefix != EXTRA_PREFIX:
+            continue
+        start = base.get(key)
+        values = [v for v in leaves.boundaries(path) if valid(key, v)]
+        kept[key] = leaves.classes(path, [start, *values])  # the base's class first
+    out: list[dict[str, Any]] = [{}]
+    seen: set[tuple[tuple[str, str], ...]] = {()}
+
+    def add(over: dict[str, Any]) -> None:
+        over = {k: v for k, v in over.items() if v != base.get(k) or type(v) is not type(base.get(k))}
+        mark = tuple(sorted((k, repr(v)) for k, v in over.items()))
+        if mark not in seen:
+            seen.add(mark)
+            out.append(over)
+
+    for key, values in kept.items():
+        for v in values[1:]:
+            add({key: v})
+    for fields in leaves.together:
+        keys = [f[len(prefix):] for f in fields if f.startswith(prefix) and f[len(prefix):] in kept]
+        if len(keys) < 2:
+            continue
+        groups = [keys] if math.prod(len(kept[k]) for k in keys) <= cap else list(itertools.combinations(keys, 2))
+        for group in groups:
+            for combo in itertools.product(*(kept[k] for k in group)):
+                add(dict(zip(group, combo)))
+    return out
 
 
 def _distinct(values: Iterable[Any], key: Callable[[Any], Any]) -> dict[Any, list[Any]]:
@@ -227,33 +303,24 @@ def _connector_label(c: ConnectorConfig | None) -> str:
     return text
 
 
-def _extra_values(rulesets: Sequence[RuleSet], connector: str) -> dict[str, list[Any]]:
-    values: dict[str, list[Any]] = {}
-    for ruleset in rulesets:
-        for rule in ruleset.connector_rules(connector):
-            for leaf in leaves_of(rule.rule.when):
-                if leaf.field.startswith(EXTRA_PREFIX):
-                    key = leaf.field[len(EXTRA_PREFIX):]
-                    lits = leaf.value if isinstance(leaf.value, list) else [leaf.value]
-                    bucket = values.setdefault(key, [])
-                    for v in lits:
-                        if isinstance(v, (str, bool, int, float)) and not any(v == b and type(v) is type(b)
-                                                                             for b in bucket):
-                            bucket.append(v)
-    return values
+def _extra_variants(rulesets: Sequence[RuleSet], connector: str) -> list[dict[str, Any]]:
+    """The ``extra`` dicts of ``connector`` that reach every answer its rules (and the global
+    rules) can give on ``connector.extra.*``: none, then each key alone over its boundary values,
+    then the keys one rule reads together."""
+    rules = [r for rs in rulesets for r in (*rs.global_rules, *rs.connector_rules(connector))]
+    return _variants_of(_Leaves(rules=rules), {}, EXTRA_PREFIX,
+                        lambda _k, v: isinstance(v, (str, bool, int, float)))
 
 
 def _variants(rulesets: Sequence[RuleSet], name: str, full: bool) -> list[ConnectorConfig]:
-    values = _extra_values(rulesets, name)
-    keys = sorted(values)
-    if not full:  # members of a composite: absent, or every tested key at its first literal
-        out = [ConnectorConfig(name=name)]
-        if keys:
-            out.append(ConnectorConfig(name=name, extra={k: values[k][0] for k in keys}))
-        return out
-    choices = [[None, *values[k]] for k in keys]
-    return [ConnectorConfig(name=name, extra={k: v for k, v in zip(keys, combo) if v is not None})
-            for combo in itertools.product(*choices)]
+    extras = _extra_variants(rulesets, name)
+    if not full:  # members of a composite: absent, or every tested key at its first other value
+        merged: dict[str, Any] = {}
+        for extra in extras[1:]:
+            for k, v in extra.items():
+                merged.setdefault(k, v)
+        return [ConnectorConfig(name=name)] + ([ConnectorConfig(name=name, extra=merged)] if merged else [])
+    return [ConnectorConfig(name=name, extra=extra) for extra in extras]
 
 
 def connectors(rulesets: RuleSet | Sequence[RuleSet]) -> list[ConnectorConfig | None]:
@@ -262,7 +329,7 @@ def connectors(rulesets: RuleSet | Sequence[RuleSet]) -> list[ConnectorConfig | 
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     named = sorted({c for rs in sets for c in rs.connectors if c != "MultiConnector"})
     unknown = ConnectorConfig(name=UNKNOWN_CONNECTOR)
-    out: list[ConnectorConfig | None] = [None, unknown]
+    out: list[ConnectorConfig | None] = [None, *_variants(sets, UNKNOWN_CONNECTOR, full=True)]
     for name in named:
         out += _variants(sets, name, full=True)
     members = [v for name in named for v in _variants(sets, name, full=False)] + [unknown]
@@ -312,21 +379,46 @@ def _names_any(conn: ConnectorConfig | None, names: Sequence[str]) -> bool:
     return conn is not None and (conn.name in names or any(_names_any(m, names) for m in conn.connectors))
 
 
-def _spec(kind: AttentionKind, dtype: str) -> KVCacheSpec:
-    sizes = MLA_SIZES if kind is AttentionKind.mla else SIZES
-    return KVCacheSpec(kind=kind, kv_cache_dtype=dtype,
-                       sliding_window=128 if kind is AttentionKind.sliding_window else None, **sizes)
+def _spec(kind: AttentionKind, dtype: str, sizes: dict[str, Any] | None = None) -> KVCacheSpec:
+    base = MLA_SIZES if kind is AttentionKind.mla else SIZES
+    return KVCacheSpec(kind=kind, kv_cache_dtype=dtype, **{**base, **(sizes or {})},
+                       sliding_window=128 if kind is AttentionKind.sliding_window else None)
+
+
+def _size_variants(leaves: _Leaves, mla: bool) -> list[dict[str, Any]]:
+    """The size overrides (``{}``: the default sizes) reaching every answer the rules give on
+    ``kv.num_layers``, ``kv.block_size``, ``kv.num_kv_heads``, ``kv.head_size``."""
+    return _variants_of(leaves, MLA_SIZES if mla else SIZES, "kv.",
+                        lambda _k, v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+
+
+def _size_label(sizes: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(sizes.items())) or "default"
+
+
+def _fields_read(rules: Iterable[Any]) -> set[str]:
+    return {leaf.field for r in rules for leaf in leaves_of(r.rule.when)}
+
+
+def _group_shapes(leaves: _Leaves) -> tuple[str, ...]:
+    """The fixed shapes, then ``Nx1`` (N groups) and ``1xM`` (M attention groups in one) for each
+    count from 3 to 64 either side of a literal the rules compare ``groups.count`` or
+    ``groups.attention_groups`` with."""
+    extra = [f"{v}x1" for v in leaves.boundaries("groups.count") if type(v) is int and 3 <= v <= 64]
+    extra += [f"1x{v}" for v in leaves.boundaries("groups.attention_groups") if type(v) is int and 3 <= v <= 64]
+    return GROUP_SHAPES + tuple(dict.fromkeys(extra))
 
 
 def _groups(spec: KVCacheSpec, shape: str) -> KVCacheGroups:
     if shape == "1x1":
         return KVCacheGroups.single(spec)
-    if shape == "1x2":
-        return KVCacheGroups(groups=(KVCacheGroup(spec=spec, num_attention_groups=2),))
-    if shape == "2x1":
+    if shape.startswith("1x") and shape[2:].isdigit():
+        return KVCacheGroups(groups=(KVCacheGroup(spec=spec, num_attention_groups=int(shape[2:])),))
+    if shape.endswith("x1") and shape[:-2].isdigit():  # N groups: the spec and another kind, alternating
         kind = AttentionKind.mla if spec.kind is AttentionKind.mla else AttentionKind.sliding_window
         other = spec.model_copy(update={"kind": kind, "sliding_window": None if kind is AttentionKind.mla else 128})
-        return KVCacheGroups(groups=(KVCacheGroup(spec=spec), KVCacheGroup(spec=other)))
+        return KVCacheGroups(groups=tuple(KVCacheGroup(spec=other if i % 2 else spec)
+                                          for i in range(int(shape[:-2]))))
     if shape == "mamba-hybrid":
         mamba = KVCacheSpec(kind=AttentionKind.mamba, num_layers=spec.num_layers, block_size=spec.block_size,
                             num_kv_heads=1, head_size=16)
@@ -455,10 +547,12 @@ def build_space(
     names = [n for n in profile.backend_names() if backends is None or n in backends]
     strategies: list[ScaleViews | None] = list(scale_views) if scale_views else [None]
     shapes: dict[tuple[AttentionKind, str], list[str]] = {}
+    group_shapes = _group_shapes(leaves)
     option_env: dict[tuple[int, int | None], tuple[VllmOptions, dict[str, Any]]] = {}
     inputs: list[AnalysisInput] = []
     dims: dict[str, list[str]] = {"backend": [], "kv_cache_dtype": [], "kind": [], "groups": []}
     refused: dict[str, list[str]] = {}
+    invalid: list[str] = []
 
     # A release that derives HiSparse from its connector (0.34: VllmConfig turns it on for a HiSparse
     # connector and refuses it without one) pairs each connector with the one value it allows.
@@ -478,6 +572,36 @@ def build_space(
         if value not in dims[dim]:
             dims[dim].append(value)
 
+    # A size other than the default is paired only with the connectors whose rules (or the global
+    # rules) read that size: for the others it decides as the default does.
+    sizes = {mla: _size_variants(leaves, mla) for mla in (False, True)}
+    dims["sizes"] = []
+    global_reads = _fields_read(r for rs in sets for r in rs.global_rules)
+
+    def conn_reads(c: ConnectorConfig | None) -> set[str]:
+        if c is None:
+            return set()
+        return _fields_read(r for rs in sets for r in rs.connector_rules(c.name)).union(
+            *(conn_reads(m) for m in c.connectors))
+
+    reads = {id(c): conn_reads(c.config) for c in conns}
+    every_rule = [r for rs in sets for r in rs.rules]
+
+    def around(over: dict[str, Any]) -> tuple[set[int] | None, str]:
+        """For a size variant: the connectors it pairs with (None: all), and which other dimensions
+        vary with it ("kv": backends, capabilities, dtypes and kinds; "groups"; "options"): those
+        some rule reading one of its sizes also reads. The rest stay at their first value."""
+        paths = {"kv." + k for k in over}
+        allowed = None if paths & global_reads else {id(c) for c in conns if paths & reads[id(c)]}
+        also = _fields_read(r for r in every_rule if paths & _fields_read([r])) - {"kv." + k for k in SIZES}
+        wide = ("kv" if any(f.startswith(("kv.", "backend.", "platform.")) for f in also) else "") + \
+            (" groups" if any(f.startswith("groups.") for f in also) else "") + \
+            (" options" if any(f.startswith(_OPTION_PREFIXES) and not f.startswith("platform.") for f in also) else "")
+        return allowed, wide
+
+    arounds = {_size_label(o): around(o) for mla in (False, True) for o in sizes[mla] if o}
+    thin_done: set[tuple[Any, ...]] = set()
+
     for name in names:
         facts = profile.backends[name]
         own_views = profile.backend(name).scale_views
@@ -488,14 +612,29 @@ def build_space(
                     continue
                 spec = _spec(kind, dtype)
                 if (kind, dtype) not in shapes:
-                    shapes[(kind, dtype)] = list(_distinct(GROUP_SHAPES, lambda s, spec=spec: leaves.signature(
+                    shapes[(kind, dtype)] = list(_distinct(group_shapes, lambda s, spec=spec: leaves.signature(
                         {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
-                for shape in shapes[(kind, dtype)]:
+                for shape, over in itertools.product(shapes[(kind, dtype)], sizes[facts.mla]):
+                    size_label = _size_label(over)
+                    allowed, wide = arounds[size_label] if over else (None, "kv groups options")
+                    if allowed is not None and not allowed:
+                        continue
+                    if "groups" not in wide and shape != shapes[(kind, dtype)][0]:
+                        continue
+                    thin = None if "kv" in wide else (facts.mla, size_label, shape)
+                    if thin in thin_done:
+                        continue
+                    where = f"{name}/{dtype}/{shape}" + (f"/{size_label}" if over else "")
+                    try:
+                        groups = _groups(_spec(kind, dtype, over), shape)
+                    except ValueError:  # sizes no spec of this kind can have (an MLA spec has one head)
+                        invalid.append(where)
+                        continue
                     try:  # as an operator's input is built: the release's candidates and checks
-                        ctx = build_context(groups=_groups(spec, shape), attention_backend=name,
+                        ctx = build_context(groups=groups, attention_backend=name,
                                             scale_views=strategy, vllm_version=profile, device_capability=cap)
                     except PolicyError as exc:  # an input the release cannot have: say so, skip it
-                        refused.setdefault(exc.render().splitlines()[0], []).append(f"{name}/{dtype}/{shape}")
+                        refused.setdefault(exc.render().splitlines()[0], []).append(where)
                         continue
                     core_env = {k: v for k, v in ctx.env().items()
                                 if not k.startswith((*_OPTION_PREFIXES, _CONNECTOR_PREFIX))}
@@ -503,7 +642,11 @@ def build_space(
                     if cap is not None:
                         labels.append(("device_capability", str(cap)))
                     labels += [("scale_views", views), ("kind", kind.value), ("groups", shape)]
-                    for i, combo in enumerate(combos):
+                    labels += [(k, str(v)) for k, v in sorted(over.items())]
+                    geometry = (dtype, kind.value, name, views) + ((size_label,) if over else ())
+                    if thin is not None:
+                        thin_done.add(thin)
+                    for i, combo in enumerate(combos if "options" in wide else combos[:1]):
                         for hisparse, members in conns_by_hisparse(combo[2]):
                             key = (i, cap, hisparse)
                             if key not in option_env:
@@ -522,9 +665,11 @@ def build_space(
                                 ((("hisparse", "true"),) if hisparse else ()) + \
                                 ((("use_v2_model_runner", "true"),) if combo[3] else ())
                             core = _Core(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
-                                         (dtype, kind.value, name, views))
-                            inputs += [AnalysisInput(core, c) for c in members]
+                                         geometry)
+                            inputs += [AnalysisInput(core, c) for c in members
+                                       if allowed is None or id(c) in allowed]
                     seen("kv_cache_dtype", dtype)
+                    seen("sizes", size_label)
                     seen("kind", kind.value)
                     seen("groups", shape)
             seen("backend", name if cap is None else f"{name}@{cap}")
@@ -536,6 +681,8 @@ def build_space(
     left_out: dict[str, list[str]] = {}
     if no_geometry:
         left_out["kv_cache_dtypes kvpolicy has no cell geometry for"] = no_geometry
+    if invalid:
+        left_out["size variants no spec of that kind can have"] = invalid
     for message, where in refused.items():
         left_out[f"inputs the release refuses ({message})"] = where
     return Space(profile, inputs, out_dims, stands, left_out)

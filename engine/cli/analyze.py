@@ -12,10 +12,12 @@ from kvpolicy.engine.cli.common import (
     EXIT_USAGE,
     HelpFormatter,
     add_format_flag,
+    add_rules_flag,
     add_vllm_version_flag,
     check_vllm_version,
     int_at_least,
     load_ruleset,
+    operator_dirs,
     print_diagnostics,
     print_json,
     report_error,
@@ -34,7 +36,9 @@ examples:
   kvpolicy lint --vllm-version issue-48412
       the #48412 development state: the per-token-head guard is a safety rule there
   kvpolicy lint my-rules/ --vllm-version 0.34.0 --strict
-      an operator's rules over vLLM 0.34's inputs; warnings (dead rules) fail too
+      an operator's rules (on top of vLLM 0.34's shipped rules) over its inputs; warnings fail too
+  kvpolicy lint --rules base/ --rules site/ --no-shipped-rules
+      two layers that replace the shipped rules
   kvpolicy lint --vllm-version issue-48412 --scale-views stride_aware
       what if the backends built stride-aware scale views: which forbids stop protecting bytes
   kvpolicy lint my-rules/ --format github       # findings as annotations on the rule files in CI
@@ -59,7 +63,8 @@ exit codes: 0 no errors, 1 errors (or warnings with --strict), 2 usage error
 
 _DIFF_EPILOG = """\
 examples:
-  kvpolicy diff rules/vllm-0.34 my-rules/                  # what my edit changes, and why
+  kvpolicy diff rules/vllm-0.34 my-rules/                  # what my layer changes, and why
+      each side is the shipped rules + --rules DIR... + OLD (NEW); the shipped directory itself is no extra layer
   kvpolicy diff rules/issue-48412 my-rules/ --vllm-version issue-48412
   kvpolicy diff rules/vllm-0.34 my-rules/ --format json | jq .counts
 
@@ -72,14 +77,16 @@ exit codes: 0 no decision changes, 1 some decisions change, 2 usage error
 
 def register(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
-        "lint", help="check a rule set over every input of a vLLM release: unsafe permits, conflicts, "
+        "lint", help="check a rule set over a vLLM release's inputs: unsafe permits, conflicts, "
                      "dead rules, load-bearing forbids",
-        description="Enumerate the finite input space of a vLLM release profile and check the rules' decision "
+        description="Enumerate a vLLM release profile's inputs around the rules' literals and check the decision "
                     "for each against the geometry verifier; report, for every forbid and require, whether "
                     "it is load-bearing.",
         epilog=_LINT_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("dir", nargs="?", metavar="DIR",
-                   help="the rule directory (default: the shipped rules of the release profile)")
+                   help="a rule directory, layered on the shipped rules of the release profile like --rules "
+                        "(default: the shipped rules alone)")
+    add_rules_flag(p)
     add_vllm_version_flag(p)
     p.add_argument("--scale-views", choices=[s.value for s in ScaleViews], action="append",
                    help="model the backends' inline-scale views with this strategy instead of the profile's "
@@ -97,6 +104,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
         epilog=_DIFF_EPILOG, formatter_class=HelpFormatter)
     d.add_argument("old", metavar="OLD", help="the rule directory before the change")
     d.add_argument("new", metavar="NEW", help="the rule directory after the change")
+    add_rules_flag(d)
     add_vllm_version_flag(d)
     d.add_argument("--max-changes", type=int_at_least(0), default=50, metavar="N",
                    help="changed inputs shown in text output (default 50; JSON lists all)")
@@ -121,7 +129,8 @@ def run_lint(args: argparse.Namespace) -> int:
     from kvpolicy.engine.analysis import lint
     from kvpolicy.policy.releases import get_profile
 
-    ruleset = load_ruleset(args.dir, "DIR", vllm_version=args.vllm_version)
+    ruleset = load_ruleset(operator_dirs(args, "dir"), "DIR", vllm_version=args.vllm_version,
+                           shipped_rules=not args.no_shipped_rules)
     profile = get_profile(args.vllm_version)
     start = time.perf_counter()
     views = [ScaleViews(v) for v in args.scale_views] if args.scale_views else None
@@ -156,8 +165,11 @@ def run_diff(args: argparse.Namespace) -> int:
 
     check_vllm_version(args.vllm_version)
     try:  # exit 1 means "decisions change": a rule set that does not load is a usage error (2)
-        old = load_ruleset(args.old, "OLD", vllm_version=args.vllm_version)
-        new = load_ruleset(args.new, "NEW", vllm_version=args.vllm_version)
+        shared = list(args.rules or [])  # layers under both sides, on the shipped rules
+        old = load_ruleset([*shared, args.old], "OLD", vllm_version=args.vllm_version,
+                           shipped_rules=not args.no_shipped_rules)
+        new = load_ruleset([*shared, args.new], "NEW", vllm_version=args.vllm_version,
+                           shipped_rules=not args.no_shipped_rules)
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_USAGE
@@ -175,4 +187,6 @@ def run_diff(args: argparse.Namespace) -> int:
         print(change.render())
     if len(report.changes) > args.max_changes:
         print(f"... and {len(report.changes) - args.max_changes} more (--max-changes N, or --format json)")
+    if report.space is not None:
+        print(f"space: {report.space.describe()}")
     return EXIT_FAILED if report.changes else EXIT_OK

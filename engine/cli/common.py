@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvpolicy.policy.errors import Diagnostic, InputError, ModelConfigError, PolicyError
-from kvpolicy.policy.load import load_rules
 from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = [
@@ -25,6 +24,7 @@ __all__ = [
     "exit_code_for",
     "int_at_least",
     "load_ruleset",
+    "operator_dirs",
     "print_diagnostics",
     "print_error",
     "print_json",
@@ -68,8 +68,13 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 def add_rules_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rules", metavar="DIR", default=None,
-                        help="rule directory (global *.yaml + connectors/); default: the shipped rules")
+    """``--rules DIR`` (repeatable: layers, bottom first, on the shipped rules) and ``--no-shipped-rules``."""
+    parser.add_argument("--rules", metavar="DIR", action="append", default=None,
+                        help="a rule directory (global *.yaml + connectors/), layered on the shipped rules of the "
+                             "release profile; repeat for more layers, bottom first (docs/rule-layers.md)")
+    parser.add_argument("--no-shipped-rules", action="store_true",
+                        help="replace the shipped rules instead of layering on them; warns for each "
+                             "load-bearing shipped guard that goes")
 
 
 def add_vllm_version_flag(parser: Any) -> None:
@@ -98,6 +103,13 @@ def rules_root(rules: str | None, vllm_version: str | None = None) -> tuple[Path
     return shipped_rules_dir(vllm_version), f"rules/{sub}"
 
 
+def operator_dirs(args: argparse.Namespace, positional: str | None = None) -> list[str]:
+    """The operator's rule directories of a verb, bottom first: the positional DIR (validate, lint),
+    then each ``--rules``."""
+    first = [getattr(args, positional)] if positional and getattr(args, positional, None) is not None else []
+    return first + list(getattr(args, "rules", None) or [])
+
+
 def check_vllm_version(vllm_version: str | None) -> None:
     """An unknown ``--vllm-version`` is a usage error under that flag, listing the known profiles."""
     from kvpolicy.policy.releases import get_profile
@@ -109,15 +121,31 @@ def check_vllm_version(vllm_version: str | None) -> None:
                                          d.message, d.help) for d in exc.diagnostics]) from None
 
 
-def load_ruleset(rules: str | None, flag: str = "--rules", vllm_version: str | None = None) -> RuleSet:
-    """Load ``--rules`` (or the shipped rules of ``vllm_version``'s profile); raises `RuleLoadError`
-    listing every problem, or a `UsageError` naming ``flag`` when the path is not a directory at all."""
+def load_ruleset(rules: str | list[str] | None, flag: str = "--rules", vllm_version: str | None = None,
+                 *, shipped_rules: bool = True, stream: TextIO | None = None) -> RuleSet:
+    """Load the layered rule set: the shipped rules of ``vllm_version``'s profile (unless
+    ``shipped_rules`` is False), then each directory of ``rules``. Raises `RuleLoadError` listing every
+    problem, or a `UsageError` naming ``flag`` when a path is not a directory at all. Its warnings
+    (near connector names, dropped load-bearing guards) go to ``stream`` (stderr)."""
+    from kvpolicy.engine.analysis.guards import load_checked
+    from kvpolicy.engine.rule_layers import NO_SHIPPED_FLAG
+    from kvpolicy.policy.layers import render_warning
+
     check_vllm_version(vllm_version)
-    root, shown = rules_root(rules, vllm_version)
-    if rules == "" or not root.is_dir():  # `--rules ""` names nothing (Path("") would be the cwd)
-        what = "does not exist" if rules == "" or not root.exists() else "is not a directory"
-        raise usage_error(flag, f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")
-    return load_rules(root, display=shown)
+    dirs = [rules] if isinstance(rules, str) else list(rules or [])
+    for shown in dirs:
+        root = Path(shown)
+        if shown == "" or not root.is_dir():  # `--rules ""` names nothing (Path("") would be the cwd)
+            what = "does not exist" if shown == "" or not root.exists() else "is not a directory"
+            raise usage_error(flag, f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")
+    if not shipped_rules and not dirs:
+        raise usage_error(NO_SHIPPED_FLAG, "no rules left: the shipped rules are replaced and no rule directory "
+                          "is given", f"give a rule directory ({flag} DIR), or drop {NO_SHIPPED_FLAG}")
+    ruleset = load_checked([Path(d) for d in dirs], vllm_version=vllm_version, shipped_rules=shipped_rules,
+                           display=dirs)
+    for diag in ruleset.warnings:
+        print(render_warning(diag), file=stream or sys.stderr)
+    return ruleset
 
 
 def exit_code_for(exc: PolicyError) -> int:

@@ -493,7 +493,7 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
     try:
-        ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version)
+        ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
         ctx = context_from_args(args)
         _warn_unknown_connector(ctx, ruleset)
         from kvpolicy.engine.layout_engine import LayoutEngine
@@ -510,10 +510,10 @@ def run(args: argparse.Namespace) -> int:
 
     refused = None if report is None or report.ok else refusal(checked, report)
     if args.svg and drawn is not None:
-        from kvpolicy.engine.memory_map import render_svg
+        from kvpolicy.engine.map_svg import render_svg
 
         try:
-            Path(args.svg).write_text(render_svg(drawn))
+            Path(args.svg).write_text(render_svg(drawn, report=report if drawn is checked else None))
         except OSError as exc:
             err = usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}")
             report_error(err, args.format)  # with --format json, stdout still holds one error document
@@ -530,8 +530,7 @@ def run(args: argparse.Namespace) -> int:
         if drawn is not None:
             from kvpolicy.engine.memory_map import block_map
 
-            data["map"] = [{"buffer": s.buffer, "start": s.start, "end": s.end, "owners": [list(o) for o in s.owners],
-                            "overlap": s.overlap} for s in block_map(drawn)]
+            data["map"] = [b.to_dict() for b in block_map(drawn)]
         if is_example(args):
             print(example_banner(args), file=sys.stderr)
         print_json(data)
@@ -547,7 +546,7 @@ def run(args: argparse.Namespace) -> int:
     if drawn is not None and (args.map or args.map_layout):
         from kvpolicy.engine.memory_map import render_text
 
-        parts.append("\n" + render_text(drawn))
+        parts.append("\n" + render_text(drawn, report=report if drawn is checked else None))
     print("\n".join(parts))
     if refused is not None:
         print_error(refused)

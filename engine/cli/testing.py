@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpolicy.engine.cli.common import (
@@ -34,7 +35,8 @@ examples:
   kvpolicy test                                   # rules/<profile>/tests/*.yaml against the shipped rules
   kvpolicy test --vllm-version issue-48412        # that profile's shipped rules and tests
   kvpolicy test --vllm-version 0.28.0             # rules/vllm-0.28/tests/*.yaml, decided as vLLM 0.28
-  kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against my-rules/
+  kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against the shipped rules + my-rules/
+                                                  (several --rules: the tests/ of each that has one)
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
 
 a case file (docs/cli.md has the full format):
@@ -112,8 +114,11 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
 def run(args: argparse.Namespace) -> int:
     from kvpolicy.engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
 
-    ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version)
-    paths = args.paths or [rules_root(args.rules, args.vllm_version)[0] / "tests"]
+    ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
+    # default cases: the tests/ of each operator layer; the shipped rules' own with no --rules
+    layers = [Path(d) / "tests" for d in args.rules or []]
+    paths = (args.paths or [t for t in layers if t.is_dir()] or layers[-1:]
+             or [rules_root(None, args.vllm_version)[0] / "tests"])
     missing = [str(p) for p in args.paths or [] if not os.path.lexists(p)]
     if missing:  # a path that names nothing is a usage error (2), as for every verb; a bad file is a failure (1)
         raise usage_error(missing[0], "no such file or directory", "pass policy test files or directories holding them")

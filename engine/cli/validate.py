@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     HelpFormatter,
     add_format_flag,
+    add_rules_flag,
     add_vllm_version_flag,
     check_vllm_version,
+    load_ruleset,
+    operator_dirs,
     print_diagnostics,
     print_json,
     report_error,
     rules_root,
-    usage_error,
 )
 from kvpolicy.policy.errors import RuleLoadError
-from kvpolicy.policy.load import load_rules, rule_files
+from kvpolicy.policy.load import rule_files
 
 __all__ = ["register", "run"]
 
@@ -26,13 +29,16 @@ _EPILOG = """\
 examples:
   kvpolicy validate                 # the shipped rules of the default release profile
   kvpolicy validate --vllm-version issue-48412   # the shipped rules of that profile
-  kvpolicy validate my-rules/       # an operator's rule directory
+  kvpolicy validate my-rules/       # an operator's rule directory, on top of the shipped rules
+  kvpolicy validate --rules base/ --rules site/   # two layers on the shipped rules, bottom first
+  kvpolicy validate my-rules/ --no-shipped-rules  # my-rules/ alone: warns for each load-bearing guard dropped
   kvpolicy validate my-rules/ --format json
   kvpolicy validate my-rules/ --format github    # annotations on the pull request's files
   kvpolicy validate my-rules/ --format sarif > kvpolicy.sarif
 
 output: each problem as `file:line:col: error[code]: message` with a `help:` line, on
-stderr; when clean, one line on stdout: `ok: N rules in M files (digest sha256:...)`
+stderr; when clean, one line on stdout: `ok: N rules in M files (digest sha256:...)`, then one
+line per layer when there are several; warnings (`warning[code]`) on stderr do not fail
 
 exit codes: 0 the rules load cleanly, 1 they do not, 2 usage error (DIR does not exist, or is not a
 directory; an unknown flag)
@@ -47,7 +53,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                     "reported, not just the first.",
         epilog=_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("dir", nargs="?", metavar="DIR",
-                   help="the rule directory (default: the shipped rules of the release profile)")
+                   help="a rule directory, layered on the shipped rules of the release profile like --rules "
+                        "(default: the shipped rules alone)")
+    add_rules_flag(p)
     add_vllm_version_flag(p)
     add_format_flag(p, ci=True)
     p.set_defaults(run=run)
@@ -55,21 +63,25 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_vllm_version(args.vllm_version)
-    root, shown = rules_root(args.dir, args.vllm_version)
-    if args.dir == "" or not root.is_dir():  # nothing to validate: a usage error (2), as for every verb
-        what = "does not exist" if args.dir == "" or not root.exists() else "is not a directory"
-        raise usage_error("DIR", f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")
+    dirs = operator_dirs(args, "dir")
     try:
-        ruleset = load_rules(root, display=shown)
+        ruleset = load_ruleset(dirs, "DIR" if args.dir is not None else "--rules", vllm_version=args.vllm_version,
+                               shipped_rules=not args.no_shipped_rules)
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_FAILED
-    files = len(rule_files(root))
+    roots = ([rules_root(None, args.vllm_version)[0]] if not args.no_shipped_rules else []) + [Path(d) for d in dirs]
+    files = sum(len(rule_files(r)) for r in dict.fromkeys(r.resolve() for r in roots))
     if args.format in ("github", "sarif"):
-        print_diagnostics([], args.format)
+        print_diagnostics([("warning", d) for d in ruleset.warnings], args.format)
     elif args.format == "json":
         print_json({"ok": True, "rules": len(ruleset.rules), "files": files, "digest": ruleset.digest,
-                    "root": ruleset.root})
+                    "root": ruleset.root, "layers": [layer.to_dict() for layer in ruleset.layers],
+                    "warnings": [d.to_dict() for d in ruleset.warnings]})
     else:
         print(f"ok: {len(ruleset.rules)} rules in {files} files (digest {ruleset.digest})")
+        if len(ruleset.layers) > 1:
+            for i, layer in enumerate(ruleset.layers):
+                kind = "shipped" if layer.shipped else "operator"
+                print(f"  layer {i}: {layer.root} ({kind}, {len(layer.rule_ids)} rules, digest {layer.digest})")
     return EXIT_OK

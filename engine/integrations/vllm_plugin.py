@@ -7,8 +7,12 @@ times. It changes nothing unless ``KVPOLICY_RULES`` is set:
 
 - ``KVPOLICY_RULES=shipped``: the shipped rules of the running vLLM's profile
   (they reproduce vLLM's own decision, and add the log line and the checks);
-- ``KVPOLICY_RULES=/etc/kvpolicy``: an operator's rule directory, loaded
+- ``KVPOLICY_RULES=/etc/kvpolicy``: an operator's rule directory (several:
+  ``/etc/kvpolicy/base:/etc/kvpolicy/site``, ``os.pathsep``-separated, bottom
+  first), layered on the shipped rules of the running vLLM's profile and loaded
   fail-closed (a rule set with any error stops start-up, every problem located);
+  ``KVPOLICY_SHIPPED_RULES=0`` replaces the shipped rules instead, with a
+  warning for each load-bearing shipped guard that goes;
 - unset, empty, ``off`` or ``0``: vLLM decides as if kvpolicy were not installed.
 
 ``KVPOLICY_EXPLAIN=1`` logs each decision's full explanation;
@@ -44,6 +48,7 @@ from kvpolicy.engine.decide import RELEASE_CANDIDATES
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.layout_engine import LayoutEngine, shipped_rules_dir
 from kvpolicy.policy.errors import Diagnostic, PolicyError, RuleLoadError
+from kvpolicy.policy.layers import render_warning
 from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
 
 __all__ = [
@@ -63,6 +68,7 @@ __all__ = [
 ENV_RULES = "KVPOLICY_RULES"
 ENV_EXPLAIN = "KVPOLICY_EXPLAIN"
 ENV_PROFILE = "KVPOLICY_VLLM_PROFILE"
+ENV_SHIPPED = "KVPOLICY_SHIPPED_RULES"
 SHIPPED = "shipped"
 _OFF = {"", "0", "off", "false", "no", "none", "disabled"}
 _TRUE = {"1", "true", "yes", "on"}
@@ -89,6 +95,7 @@ class Settings:
     rules: str | None  # None: not configured, the plugin changes nothing
     explain: bool = False
     profile: str | None = None
+    shipped_rules: bool = True  # False: KVPOLICY_RULES replaces the shipped rules instead of layering on them
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -103,8 +110,14 @@ class Settings:
             raise _setting_error(ENV_EXPLAIN, env.get(ENV_EXPLAIN, ""), "not a boolean",
                                  f"set it to 1 to log each decision's explanation, or to 0 (or unset it); "
                                  f"accepted: {', '.join(sorted(_TRUE | (_FALSE - {''})))}")
+        shipped = env.get(ENV_SHIPPED, "").strip().lower()
+        if configured and shipped not in _TRUE | _FALSE:
+            raise _setting_error(ENV_SHIPPED, env.get(ENV_SHIPPED, ""), "not a boolean",
+                                 "set it to 0 to replace the shipped rules with KVPOLICY_RULES, or unset it to "
+                                 "layer KVPOLICY_RULES on them")
         return cls(rules=rules if configured else None, explain=explain in _TRUE,
-                   profile=env.get(ENV_PROFILE, "").strip() or None)
+                   profile=env.get(ENV_PROFILE, "").strip() or None,
+                   shipped_rules=shipped == "" or shipped in _TRUE)
 
 
 # What this process has installed: the settings, the engine, and each (owner, attribute, vLLM's value).
@@ -133,17 +146,24 @@ def pick_profile(version: str, forced: str | None = None) -> ReleaseProfile | No
     return None
 
 
-def _rules_path(rules: str) -> Path:
-    """``KVPOLICY_RULES`` as an absolute path: a relative one is resolved against this process's working
-    directory, so every message (and every vLLM process's log) names the directory actually read."""
-    return Path(rules).expanduser().absolute()
+def _rules_paths(rules: str) -> list[Path]:
+    """``KVPOLICY_RULES`` as absolute paths (``os.pathsep``-separated, bottom layer first): a relative
+    one is resolved against this process's working directory, so every message (and every vLLM
+    process's log) names the directory actually read."""
+    return [Path(r).expanduser().absolute() for r in rules.split(os.pathsep) if r.strip()]
+
+
+def _rules_path(rules: str) -> str:
+    """How the log shows ``KVPOLICY_RULES``: its absolute directories joined as given."""
+    return os.pathsep.join(map(str, _rules_paths(rules)))
 
 
 def _engine(settings: Settings, profile: ReleaseProfile) -> LayoutEngine:
     assert settings.rules is not None
     if settings.rules.lower() == SHIPPED:
         return LayoutEngine.default(profile)
-    return LayoutEngine.from_path(_rules_path(settings.rules), vllm_version=profile)
+    return LayoutEngine.from_path(_rules_paths(settings.rules), vllm_version=profile,
+                                  shipped_rules=settings.shipped_rules)
 
 
 def decided_by(decision: Decision) -> str:
@@ -358,9 +378,11 @@ def _register() -> None:
         hook = _install_gate(engine, settings)
     _state.update(key=key, engine=engine, hook=hook)
     rules = ("shipped " + str(shipped_rules_dir(profile)) if settings.rules.lower() == SHIPPED
-             else str(_rules_path(settings.rules)))
+             else engine.ruleset.root)
     log.info("kvpolicy: active for vLLM %s: profile %s, rules %s (%s), answering %s", version, profile.name,
              rules, engine.ruleset.digest, hook)
+    for diag in engine.ruleset.warnings:  # near connector names, load-bearing guards KVPOLICY_SHIPPED_RULES=0 dropped
+        log.warning("kvpolicy: %s", render_warning(diag))
 
 
 def status() -> dict[str, Any]:

@@ -45,22 +45,23 @@ def test_lint_shipped_rules_is_clean(capsys) -> None:
     code, out, _ = cli(capsys, "lint")
     assert code == 0
     last = out.rstrip().splitlines()[-1]
-    assert last.startswith("lint: 2480 inputs of issue-48412, 11 rules, ")
+    assert last.startswith("lint: 2160 inputs of issue-48412, 11 rules, ")
     assert last.endswith("0 error(s), 0 warning(s), 3 note(s)")
-    assert "space: 2480 inputs of `issue-48412` (4 backend, 5 kv_cache_dtype, " in out
+    assert "space: 2160 inputs of `issue-48412` (4 backend, 5 kv_cache_dtype, " in out
+    assert ", 1 sizes, " in out
     assert "  safety    `per-token-head-forbids-cross-layer` (forbid, rules/issue-48412/global.yaml:42)" in out
 
 
 def test_lint_without_the_per_token_head_rule_fails_naming_inputs(capsys, no_pth: Path) -> None:
-    code, out, _ = cli(capsys, "lint", str(no_pth), "--max-inputs", "1")
+    code, out, _ = cli(capsys, "lint", str(no_pth), "--no-shipped-rules", "--max-inputs", "1")
     assert code == 1
-    assert "error[unsafe-permit]: the rules choose `BLNHC` for 45 input(s) whose views would overlap" in out
-    assert "error[unsafe-permit]: the rules choose `BHLNC` for 45 input(s) whose views would overlap" in out
-    code, out, _ = cli(capsys, "lint", str(no_pth), "--format", "json")
+    assert "error[unsafe-permit]: the rules choose `BLNHC` for 27 input(s) whose views would overlap" in out
+    assert "error[unsafe-permit]: the rules choose `BHLNC` for 27 input(s) whose views would overlap" in out
+    code, out, _ = cli(capsys, "lint", str(no_pth), "--no-shipped-rules", "--format", "json")
     data = json.loads(out)
     assert code == 1 and data["ok"] is False and data["errors"] == 2 and data["profile"] == "issue-48412"
     labels = [label for f in data["findings"] for label in f["inputs"]]
-    assert len(labels) == 90 and all("per_token_head" in label for label in labels)
+    assert len(labels) == 54 and all("per_token_head" in label for label in labels)
     assert ("kv_cache_dtype=fp8_per_token_head backend=TRITON_ATTN scale_views=assume_per_layer_contiguous "
             "kind=full groups=1x1 connector=MooncakeStoreConnector{enable_cross_layers_blocks=true}") in labels
 
@@ -77,7 +78,7 @@ def test_lint_strict_and_scale_view_what_if(capsys, tmp_path: Path) -> None:
     # what if every backend built stride-aware scale views: the per-token-head rule never
     # matches, and lint says so
     code, out, _ = cli(capsys, "lint", "--scale-views", "stride_aware")
-    assert code == 0 and "lint: 2480 inputs of issue-48412" in out
+    assert code == 0 and "lint: 2160 inputs of issue-48412" in out
     assert "warning[dead-rule]: rule `per-token-head-forbids-cross-layer` matches no input" in out
 
 
@@ -96,20 +97,21 @@ def test_lint_vllm_version_prints_each_profile_load_bearing_rules(capsys) -> Non
     assert bearing["per-token-head-forbids-cross-layer"] == "safety"
     assert bearing["hnd-needs-head-dim"] is None
     # the #48412 rules over vLLM 0.34's inputs: the guard never matches there
-    code, out, _ = cli(capsys, "lint", str(RULES), "--vllm-version", "vllm-0.34", "--format", "json")
+    code, out, _ = cli(capsys, "lint", str(RULES), "--vllm-version", "vllm-0.34", "--no-shipped-rules",
+                       "--format", "json")
     bearing = {b["rule"]: b for b in json.loads(out)["load_bearing"]}
     assert bearing["per-token-head-forbids-cross-layer"]["load_bearing"] is None
     assert bearing["per-token-head-forbids-cross-layer"]["matched"] == 0
 
 
 def test_diff_lists_exactly_the_per_token_head_inputs(capsys, no_pth: Path) -> None:
-    code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--max-changes", "1")
+    code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--no-shipped-rules", "--max-changes", "1")
     assert code == 1
     lines = out.splitlines()
-    assert lines[0] == "diff: 2480 inputs of issue-48412 checked, 90 decision(s) change"
-    assert lines[1:3] == ["      45  LBHNC -> BHLNC", "      45  LBNHC -> BLNHC"]
+    assert lines[0] == "diff: 2160 inputs of issue-48412 checked, 54 decision(s) change"
+    assert lines[1:3] == ["      27  LBHNC -> BHLNC", "      27  LBNHC -> BLNHC"]
     assert "    old: LBNHC  because per-token-head-forbids-cross-layer" in out
-    code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--format", "json")
+    code, out, _ = cli(capsys, "diff", str(RULES), str(no_pth), "--no-shipped-rules", "--format", "json")
     changes = json.loads(out)["changes"]
     assert {c["input"]["kv_cache_dtype"] for c in changes} == {
         "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"}
@@ -117,7 +119,9 @@ def test_diff_lists_exactly_the_per_token_head_inputs(capsys, no_pth: Path) -> N
 
 def test_diff_of_a_rule_set_with_itself_is_empty(capsys) -> None:
     code, out, _ = cli(capsys, "diff", str(RULES), str(RULES))
-    assert (code, out.splitlines()[0]) == (0, "diff: 2480 inputs of issue-48412 checked, 0 decision(s) change")
+    assert (code, out.splitlines()[0]) == (0, "diff: 2160 inputs of issue-48412 checked, 0 decision(s) change")
+    assert out.splitlines()[-1].startswith("space: 2160 inputs of `issue-48412` (4 backend, ")
+    assert ", 1 sizes, " in out.splitlines()[-1]
 
 
 def test_diff_under_a_chosen_profile(capsys, tmp_path: Path) -> None:
@@ -125,7 +129,8 @@ def test_diff_under_a_chosen_profile(capsys, tmp_path: Path) -> None:
     edited = tmp_path / "rules"
     shutil.copytree(shipped, edited, ignore=shutil.ignore_patterns("tests"))
     (edited / "connectors" / "OffloadingConnector.yaml").unlink()
-    code, out, _ = cli(capsys, "diff", str(shipped), str(edited), "--vllm-version", "0.34.0", "--format", "json")
+    code, out, _ = cli(capsys, "diff", str(shipped), str(edited), "--vllm-version", "0.34.0", "--no-shipped-rules",
+                       "--format", "json")
     data = json.loads(out)
     assert code == 1 and data["profile"] == "vllm-0.34" and data["changed"] > 0
     assert all("OffloadingConnector" in c["input"]["connector"] for c in data["changes"])
@@ -176,15 +181,15 @@ def test_dry_run_refuses_an_unsafe_choice_and_draws_it(capsys, spec: str, tmp_pa
     rules.mkdir()
     (rules / "global.yaml").write_text("version: 1\ndefaults:\n  layout_order: [BLNHC]\nrules: []\n")
     svg = tmp_path / "block.svg"
-    code, out, err = cli(capsys, "dry-run", "--rules", str(rules), "--spec", spec, "--kv-cache-dtype",
-                         "fp8_per_token_head", "--map", "--svg", str(svg))
+    code, out, err = cli(capsys, "dry-run", "--rules", str(rules), "--no-shipped-rules", "--spec", spec,
+                         "--kv-cache-dtype", "fp8_per_token_head", "--map", "--svg", str(svg))
     assert code == 1
     assert out.startswith("layout: BLNHC")
     assert "OVERLAP layers 0..3 k scale" in out
     assert "refusing layout `BLNHC` on `TRITON_ATTN`" in err
     assert "error[overlapping-views]: layer 0 k scale and layer 1 k scale both write buffer 0 byte 64" in err
     root = ET.fromstring(svg.read_text())
-    assert any(r.get("fill") == "#e15759" for r in root.iter("{http://www.w3.org/2000/svg}rect"))
+    assert any(r.get("data-kind") == "overlap" for r in root.iter("{http://www.w3.org/2000/svg}rect"))
 
 
 def test_dry_run_json_reports_verification_and_map(capsys, spec: str) -> None:

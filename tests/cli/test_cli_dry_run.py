@@ -250,7 +250,7 @@ def conflicting_rules(tmp_path: Path) -> Path:
 
 def test_no_layout_exits_1_with_located_diagnostics(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     root = conflicting_rules(tmp_path)
-    code, out, err = cli(capsys, "dry-run", "--rules", str(root))
+    code, out, err = cli(capsys, "dry-run", "--rules", str(root), "--no-shipped-rules")
     assert code == 1
     assert out == ""
     shown = f"{root}/global.yaml"

@@ -46,15 +46,14 @@ def test_broken_rules_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     (root / "connectors" / "lmcache.yaml").write_text(
         "version: 1\nconnector: LMCacheConnector\nrules:\n  - id: lmcache-keeps-per-layer\n"
         "    description: d\n    prefer: {placement: per_layer}\n    wieght: 1\n")
-    code, out, err = cli(capsys, "validate", str(root))
+    code, out, err = cli(capsys, "validate", str(root), "--no-shipped-rules")
     assert code == 1 and out == ""
     lines = err.splitlines()
-    assert lines[0] == f"3 error(s) in rule set `{root}`"
+    assert lines[0] == f"2 error(s) in rule set `{root}`"
     assert any(re.fullmatch(rf"{re.escape(str(root))}/global\.yaml:\d+:\d+: error\[unknown-field\]: "
                             r"unknown field `connector\.presnt`", line) for line in lines), err
     assert "  help: did you mean `connector.present`? see docs/rule-language.md for every field path" in lines
-    assert f"{root}/connectors/lmcache.yaml:2:12: error[unknown-connector]: unknown connector `LMCacheConnector`" \
-        in lines
+    assert "LMCacheConnector`" not in err  # any well-formed name loads; a near one warns once the set loads
     assert f"{root}/connectors/lmcache.yaml:7:5: error[unknown-key]: unknown key `wieght`" in lines
     assert "Traceback" not in err
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from kvpolicy.engine.memory_map import block_map, render_svg, render_text
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpolicy.engine.map_svg import render_svg
+from kvpolicy.engine.memory_map import block_map, render_text
 from kvpolicy.engine.plan import plan_layout
+from kvpolicy.engine.verify import verify_plan
 from kvpolicy.policy import KVCacheSpec, Layout, ScaleViews
 from kvpolicy.policy.backends import BACKENDS
 
@@ -47,10 +52,146 @@ def test_unquantized_block_has_no_scales() -> None:
     assert "no overlaps" in text
 
 
-def test_svg_is_well_formed_and_marks_overlaps_red() -> None:
+def test_svg_marks_each_overlap_at_its_exact_bytes() -> None:
     ns = "{http://www.w3.org/2000/svg}"
     unsafe = ET.fromstring(render_svg(plan("BLNHC")))
     safe = ET.fromstring(render_svg(plan("BLNHC"), ScaleViews.stride_aware))
-    red = [r for r in unsafe.iter(f"{ns}rect") if r.get("fill") == "#e15759"]
-    assert len(red) == 256 and all("OVERLAP" in r.find(f"{ns}title").text for r in red)
-    assert not [r for r in safe.iter(f"{ns}rect") if r.get("fill") == "#e15759"]
+    marks = [r for r in unsafe.iter(f"{ns}rect") if r.get("data-kind") == "overlap"]
+    # 8 bands (L0 K .. L3 V) x 32 cells: the 4 scale bytes after each cell's 64 data bytes
+    assert len(marks) == 256
+    assert sorted((int(r.get("data-start")), int(r.get("data-end"))) for r in marks) == \
+        [(half * 2176 + k * 68 + 64, half * 2176 + k * 68 + 68) for half in range(8) for k in range(32)]
+    assert not [r for r in safe.iter(f"{ns}rect") if r.get("data-kind") == "overlap"]
+
+
+NS = "{http://www.w3.org/2000/svg}"
+
+
+def _svg(p, views=None) -> ET.Element:
+    return ET.fromstring(render_svg(p, views))
+
+
+def _texts(root: ET.Element) -> list[str]:
+    return [t.text or "" for t in root.iter(f"{NS}text")]
+
+
+def _luminance(colour: str) -> float:
+    r, g, b = (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def test_svg_has_a_legend_of_the_roles_drawn_and_a_labelled_byte_axis() -> None:
+    root = _svg(plan("BLNHC"), ScaleViews.stride_aware)
+    legend = next(g for g in root.iter(f"{NS}g") if g.get("id") == "legend")
+    names = [t.text for t in legend.iter(f"{NS}text")]
+    assert names[:2] == ["K data", "V data"] and "overlap (two layers)" in names
+    axis = [t.text for t in root.iter(f"{NS}text") if t.get("data-kind") == "axis-label"]
+    assert axis[0] == "0 B" and axis[-1] == "17408 B" and "8 KiB" in axis
+
+
+def test_svg_labels_every_layer_and_colours_by_role_with_dark_text() -> None:
+    root = _svg(plan("BLNHC"), ScaleViews.stride_aware)
+    labels = [t.text for t in root.iter(f"{NS}text") if t.get("data-kind") == "layer-label"]
+    assert labels == ["L0 K", "L0 V", "L1 K", "L1 V", "L2 K", "L2 V", "L3 K", "L3 V"]
+    fills = [r.get("fill") for r in root.iter(f"{NS}rect") if r.get("data-kind") == "piece"]
+    assert len(set(fills)) == 2 and len(fills) == 8  # K and V fills, one band each
+    for t in root.iter(f"{NS}text"):
+        assert _luminance(t.get("fill")) < 0.35, t.text  # dark text ...
+    for f in fills:
+        assert _luminance(f) > 0.6  # ... on light fills
+
+
+def test_svg_names_the_colliding_writers_in_visible_text_at_the_verifiers_bytes() -> None:
+    p = plan("BLNHC")
+    root = _svg(p)
+    writers = [t.text for t in root.iter(f"{NS}text") if t.get("data-kind") == "overlap-writers"]
+    assert writers[0] == ("buffer 0 bytes 64..68, then every 68 B x 32 up to byte 2176: "
+                          "written by k scale of layers 0..3")
+    marks = [(int(r.get("data-start")), int(r.get("data-end"))) for r in root.iter(f"{NS}rect")
+             if r.get("data-kind") == "overlap"]
+    report = verify_plan(p)
+    assert report.collisions and all(any(s <= c.address < e for s, e in marks) for c in report.collisions)
+    width, left = 1100, 110
+    x_of = {round(left + s / 17408 * width, 2) for s, _ in marks}
+    drawn = {float(r.get("x")) for r in root.iter(f"{NS}rect") if r.get("data-kind") == "overlap"}
+    assert drawn == x_of
+
+
+def test_map_of_a_huge_spec_is_bounded() -> None:
+    """96 layers x 128 heads at block 4096 (cross layer and one buffer per layer), and 4096 layers
+    at the sanity bounds: a few bands per layer, an SVG of a bounded number of elements."""
+    big = KVCacheSpec(num_layers=96, block_size=4096, num_kv_heads=128, head_size=128,
+                      kv_cache_dtype="int8_per_token_head")
+    for layout in ("BLNHC", "LBHNC"):
+        p = plan_layout(Layout.parse(layout), big, TRITON, num_blocks=big.num_layers + 1)
+        assert len(block_map(p)) <= 4 * big.num_layers
+        root = _svg(p)
+        assert sum(1 for _ in root.iter()) < 2500
+        assert len(render_text(p).splitlines()) <= 62
+    bounds = KVCacheSpec(num_layers=4096, block_size=4096, num_kv_heads=1024, head_size=16384,
+                         kv_cache_dtype="fp8_per_token_head")
+    p = plan_layout(Layout.parse("BLNHC"), bounds, TRITON, num_blocks=2)
+    assert len(block_map(p, ScaleViews.stride_aware)) == 2 * 4096
+
+
+def test_interleaved_cells_are_one_band_not_one_run_per_cell() -> None:
+    """vLLM 0.34's packed content: K and V alternate inside each cell; one band per layer."""
+    from kvpolicy.policy.backends import packed_backend
+
+    backend = packed_backend("TRITON_ATTN")
+    spec = KVCacheSpec(num_layers=2, block_size=4096, num_kv_heads=8, head_size=128)
+    p = plan_layout(Layout.parse("BLNHC"), spec, backend, num_blocks=3)
+    bands = block_map(p)
+    assert len(bands) == 2
+    assert bands[0].period == 2 * 128 * 2 and bands[0].count == 4096 * 8
+    assert [p.label() for p in bands[0].pattern] == ["layer 0 K data", "layer 0 V data"]
+    assert "K/V interleaved every 512 B, x 32768" in _texts(_svg(p))
+
+
+def _bytes_of_bands(bands) -> dict[tuple[int, int], frozenset]:
+    out: dict[tuple[int, int], frozenset] = {}
+    for b in bands:
+        starts = [b.start]
+        for n, s in b.outer:
+            starts = [x + i * s for x in starts for i in range(n)]
+        for x in starts:
+            for k in range(b.count):
+                for p in b.pattern:
+                    for byte in range(x + k * b.period + p.start, x + k * b.period + p.end):
+                        assert (b.buffer, byte) not in out, "bands overlap each other"
+                        out[(b.buffer, byte)] = frozenset(p.owners)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=st.sampled_from(["LBNHC", "LBHNC", "BLNHC", "BHLNC"]), layers=st.integers(1, 4),
+       block=st.sampled_from([1, 2, 4]), heads=st.integers(1, 3), head=st.sampled_from([4, 8, 12]),
+       dtype=st.sampled_from(["auto", "fp8_per_token_head", "int8_per_token_head"]),
+       views=st.sampled_from([ScaleViews.stride_aware, ScaleViews.assume_per_layer_contiguous]),
+       packed=st.booleans())
+def test_bands_name_the_writers_of_every_byte_exactly(layout, layers, block, heads, head, dtype, views,
+                                                       packed) -> None:
+    """Expanded byte by byte, the bands give each byte of block 0's rows exactly the writers
+    that touch it (none for padding), whatever the layout, packing and scale views."""
+    from kvpolicy.engine.memory_map import _row, _unit
+    from kvpolicy.engine.verify import writers
+    from kvpolicy.policy.backends import packed_backend
+
+    backend = packed_backend("TRITON_ATTN") if packed else TRITON
+    spec = KVCacheSpec(num_layers=layers, block_size=block, num_kv_heads=heads, head_size=head, kv_cache_dtype=dtype)
+    p = plan_layout(Layout.parse(layout), spec, backend, num_blocks=layers + 1)
+    expected: dict[tuple[int, int], set] = {}
+    for buffer in {w.buffer for w in writers(p, views)}:
+        lo, hi = _row(p, buffer)
+        for byte in range(lo, hi):
+            expected[(buffer, byte)] = set()
+    for w in writers(p, views):
+        lo, hi = _row(p, w.buffer)
+        for s, e in w.runs(p.num_blocks):
+            for byte in range(max(s, lo), min(e, hi)):
+                expected[(w.buffer, byte)].add((w.layer, w.role))
+    got = _bytes_of_bands(block_map(p, views))
+    assert set(got) <= set(expected)
+    for key, owners in expected.items():  # a cell's codes and its scales are drawn as one piece
+        drawn = got.get(key, frozenset())  # bytes past a band's last piece are padding
+        assert owners <= drawn and {_unit(o) for o in drawn} == {_unit(o) for o in owners}, key

@@ -43,7 +43,7 @@ def test_fallback_allows_only_per_layer_and_logs(rules_dir: Path, caplog: pytest
 
 
 def test_reload_swaps_only_a_complete_rule_set(rules_dir: Path) -> None:
-    engine = LayoutEngine.from_path(rules_dir)
+    engine = LayoutEngine.from_path(rules_dir, shipped_rules=False)  # the copy replaces the shipped rules
     assert engine.decide(**OFFLOAD).layout.placement is Placement.cross_layer
     old_digest = engine.ruleset.digest
 
@@ -64,7 +64,7 @@ def test_reload_swaps_only_a_complete_rule_set(rules_dir: Path) -> None:
 def test_reload_recovers_from_fallback(rules_dir: Path) -> None:
     good = (rules_dir / "global.yaml").read_text()
     (rules_dir / "global.yaml").write_text("version: 1\nrules: [oops\n")
-    engine = LayoutEngine.from_path(rules_dir, on_error="fallback")
+    engine = LayoutEngine.from_path(rules_dir, on_error="fallback", shipped_rules=False)
     (rules_dir / "global.yaml").write_text(good)
     assert engine.reload() is None
     assert not engine.is_fallback
@@ -82,7 +82,7 @@ def test_concurrent_decides_see_old_or_new_never_a_mix(tmp_path: Path) -> None:
         (root / "connectors" / "off.yaml").write_text(
             f"version: 1\nconnector: OffloadingConnector\nrules:\n  - id: conn-{tag}\n    description: d\n"
             f"    prefer: {{placement: {placement}}}\n    weight: 2\n")
-    engine = LayoutEngine.from_path(a)
+    engine = LayoutEngine.from_path(a, shipped_rules=False)
     ctx = engine.context(**OFFLOAD)
     seen: set[tuple[str, ...]] = set()
     errors: list[BaseException] = []

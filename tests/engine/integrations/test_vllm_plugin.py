@@ -182,7 +182,8 @@ def test_a_rule_directory_that_does_not_load_names_the_variable_and_the_director
         assert f"{tmp_path}/site-rules: error[no-rules-dir]: not a directory" in text
         shutil.copytree(ROOT / "rules" / PROFILE, tmp_path / "site-rules")
         vllm_plugin.register()
-        assert vllm_plugin.status()["rules"] == str(tmp_path / "site-rules")
+        # layered on the running release's shipped rules (the copy restates them: one layer's worth of rules)
+        assert vllm_plugin.status()["rules"] == f"rules/{PROFILE} + {tmp_path / 'site-rules'}"
 
 
 def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,97 @@
+"""The rule layers of a deployment: the shipped rules of its release profile, then an operator's
+directories in the order given (`kvpolicy.policy.layers` composes them).
+
+``--rules A --rules B`` (``LayoutEngine.from_path([A, B])``, ``KVPOLICY_RULES=A:B``) decides
+with the layers ``rules/<profile>``, A, B. Replacing the shipped rules is explicit
+(``--no-shipped-rules``, ``shipped_rules=False``, ``KVPOLICY_SHIPPED_RULES=0``) and warns for
+each shipped forbid or require that the geometry verifier shows load-bearing for the profile
+(``kvpolicy lint``'s `safety` rules: without it the rules let a layout whose views overlap
+through for some input of the profile's space) and that the replacing rules do not restate:
+`kvpolicy.engine.analysis.guards`, kept apart so that this module never imports the analysis.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.layers import compose_layers
+from kvpolicy.policy.load import Limits, load_rules
+from kvpolicy.policy.releases import ReleaseProfile, get_profile
+from kvpolicy.policy.ruleset import RuleSet
+
+__all__ = [
+    "NO_SHIPPED_FLAG",
+    "load_layers",
+    "rule_dirs",
+    "shipped_rules_dir",
+]
+
+NO_SHIPPED_FLAG = "--no-shipped-rules"
+
+RulesArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
+
+
+def rule_dirs(rules: RulesArg) -> list[Path]:
+    """``rules`` as a list of directories: None is none, one path is one."""
+    if rules is None:
+        return []
+    if isinstance(rules, (str, os.PathLike)):
+        return [Path(rules)]
+    return [Path(r) for r in rules]
+
+
+def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
+    """The shipped rules of a release profile (default: the default profile's), e.g. ``rules/vllm-0.34``:
+    beside the source tree, or in the installed package data."""
+    sub = get_profile(vllm_version).rules
+    here = Path(__file__).resolve().parent.parent / "rules"
+    if (here / sub / "global.yaml").is_file():
+        return here / sub
+    # installed from a wheel: package data `kvpolicy.rules`, a namespace package (no __init__.py)
+    spec = importlib.util.find_spec("kvpolicy.rules")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations))) / sub
+    return here / sub  # not found: the loader reports the missing directory
+
+
+def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | None = None,
+                shipped_rules: bool = True, limits: Limits = Limits(),
+                display: Sequence[str] | None = None, where: str = NO_SHIPPED_FLAG) -> RuleSet:
+    """The layered rule set: the profile's shipped rules (unless ``shipped_rules`` is False), then
+    each directory of ``rules``, bottom first; ``display`` shows each directory in locations.
+
+    Raises `RuleLoadError` listing every problem of every layer; ``where`` names the flag or
+    setting that dropped the shipped rules when nothing is left. The warnings for load-bearing
+    shipped guards that are gone are `kvpolicy.engine.analysis.guards.load_checked`'s.
+    """
+    profile = get_profile(vllm_version)
+    dirs = rule_dirs(rules)
+    shown = list(display) if display is not None else [str(d) for d in dirs]
+    todo: list[tuple[Path, str, bool]] = []
+    if shipped_rules:
+        todo.append((shipped_rules_dir(profile), f"rules/{profile.rules}", True))
+    elif not dirs:
+        raise RuleLoadError("", [Diagnostic(where, 0, 0, "no-rules", "no rules left: the shipped rules are "
+                                            "replaced and no rule directory is given",
+                                            "give a rule directory (--rules DIR), or keep the shipped rules")])
+    seen: set[Path] = set()
+    for d, s in zip(dirs, shown, strict=True):
+        todo.append((d, s, False))
+    layers: list[tuple[RuleSet, bool]] = []
+    diags: list[Diagnostic] = []
+    for path, name, shipped in todo:
+        key = path.resolve() if path.exists() else path.absolute()
+        if key in seen:  # the same directory twice is one layer, at its first position
+            continue
+        seen.add(key)
+        try:
+            layers.append((load_rules(path, limits=limits, display=name), shipped))
+        except RuleLoadError as exc:
+            diags += exc.diagnostics
+    if diags:
+        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{' + '.join(n for _p, n, _s in todo)}`", diags)
+    return compose_layers(layers)

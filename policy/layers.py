@@ -1,0 +1,141 @@
+"""Layered rule sets: several rule directories composed into one `RuleSet`, bottom layer first.
+
+A deployment's rules are the shipped rules of its vLLM release profile with an
+operator's directories on top (``--rules A --rules B``: layers shipped, A, B).
+Composition, fixed and order-independent except where stated:
+
+1. Every rule of every layer is in the set; the decision semantics do not know
+   layers. So forbids and requires of every layer apply, and a forbid always
+   wins (DESIGN.md): a layer can add constraints and preferences, never take
+   one away.
+2. A rule id is unique across all layers. A duplicate is an error located at
+   the upper rule, naming the lower one; there is no override. (A rule
+   restated word for word, same id, scope and content, as in a copy of a
+   shipped file, is the same rule and stays in its lowest layer.) As in Cedar,
+   where no policy can lift another's `forbid`, nothing in an upper layer can
+   silently weaken a lower one: the failure this replaces (issue #15) was a
+   directory that dropped every shipped guard without a word. Changing a
+   shipped rule means replacing the shipped layer, explicitly
+   (``--no-shipped-rules``), with the verifier's warning for each load-bearing
+   guard that goes (`kvpolicy.engine.rule_layers`).
+3. Connector files for one connector in several layers all apply, as if their
+   rules were in one file; their ``member_preferences`` must agree.
+4. ``defaults.layout_order`` (a tie-break, not a constraint): the topmost layer
+   that declares one wins.
+5. The same directory given twice (or an operator directory that is the
+   shipped one) is one layer, at its first position.
+
+The set's ``digest`` stays the digest of its meaning (the rules, not where they
+are written), so one rule set split over layers or kept in one directory has
+one digest; each layer's own digest is in ``RuleSet.layers``, and
+``RuleSet.layer_of(id)`` names the layer a rule came from (``explain`` shows it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvpolicy.policy.connectors import KNOWN_CONNECTORS, near_connector
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.rule_model import MemberPreferences, Rule
+from kvpolicy.policy.ruleset import RuleSet, Source
+
+__all__ = ["RuleLayer", "compose_layers", "connector_warnings", "render_warning"]
+
+
+@dataclass(frozen=True)
+class RuleLayer:
+    """One layer of a rule set: where it was read, whether it is the shipped one, what it holds."""
+
+    root: str  # the directory as shown (`rules/vllm-0.34`, `ops/`)
+    shipped: bool
+    digest: str  # the layer's own RuleSet.digest
+    rule_ids: frozenset[str]
+    connectors: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"root": self.root, "shipped": self.shipped, "digest": self.digest, "rules": len(self.rule_ids),
+                "connectors": list(self.connectors)}
+
+
+def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
+    """One `RuleSet` of ``layers`` (each a loaded directory and whether it is the shipped one),
+    bottom first. Raises `RuleLoadError` listing every cross-layer problem (duplicate ids,
+    disagreeing ``member_preferences``); the result carries `connector_warnings`."""
+    diags: list[Diagnostic] = []
+    entries = []
+    first: dict[str, tuple[Source, str]] = {}
+    same: dict[str, tuple[str | None, Rule]] = {}
+    modes: dict[str, tuple[MemberPreferences, str]] = {}
+    order, declared = None, False
+    metas: list[RuleLayer] = []
+    for ruleset, shipped in layers:
+        ids = []
+        for rule in sorted(ruleset.rules, key=lambda r: (r.source, r.id)):
+            if rule.id in first:
+                lower, lower_root = first[rule.id]
+                if same[rule.id] == (rule.scope, rule.rule):
+                    continue  # restated word for word (a copied shipped file): the same rule, kept below
+                diags.append(Diagnostic(
+                    rule.source.file, rule.source.line, rule.source.col, "duplicate-rule-id",
+                    f"rule id `{rule.id}` is already used at {lower} (layer `{lower_root}`)",
+                    "rule ids are unique across layers and no layer replaces another's rule: rename this rule, "
+                    "or replace the shipped rules explicitly with --no-shipped-rules (docs/rule-layers.md)"))
+                continue
+            first[rule.id] = (rule.source, ruleset.root)
+            same[rule.id] = (rule.scope, rule.rule)
+            ids.append(rule.id)
+            entries.append((rule.rule, rule.source, rule.scope))
+        for name, mode in sorted(ruleset.member_preferences.items()):
+            if name in modes and modes[name][0] is not mode:
+                where = next((r.source.file for r in ruleset.connector_rules(name)), ruleset.root)
+                diags.append(Diagnostic(
+                    where, 0, 0, "conflicting-member-preferences",
+                    f"`member_preferences: {mode.value}` for `{name}` disagrees with `{modes[name][0].value}` "
+                    f"in layer `{modes[name][1]}`",
+                    "connector files for one connector in several layers must agree on member_preferences"))
+            modes.setdefault(name, (mode, ruleset.root))
+        if ruleset.order_declared:  # the topmost declaration wins
+            order, declared = ruleset.layout_order, True
+        metas.append(RuleLayer(ruleset.root, shipped, ruleset.digest, frozenset(ids), ruleset.connectors))
+    if diags:
+        raise RuleLoadError(f"{len(diags)} error(s) across rule layers "
+                            f"{' + '.join(m.root for m in metas)}", diags)
+    kwargs = {} if order is None else {"layout_order": order}
+    composed = replace(RuleSet.build(entries, member_preferences={k: v[0] for k, v in modes.items()},
+                                     root=" + ".join(m.root for m in metas), order_declared=declared, **kwargs),
+                       layers=tuple(metas))
+    return replace(composed, warnings=tuple(connector_warnings(composed)))
+
+
+def connector_warnings(ruleset: RuleSet, known: frozenset[str] = KNOWN_CONNECTORS) -> list[Diagnostic]:
+    """A warning for each connector file whose name no release profile knows and that is near a
+    known name or another file's name (`near_connector`): its rules would never apply to the
+    connector it probably means. ``MyConector`` beside ``MyConnector`` warns on both: which one is
+    the typo only the author knows."""
+    names = set(ruleset.connectors)
+    out = []
+    for name in sorted(names - known):
+        near = near_connector(name, known) or near_connector(name, names)
+        if near is None:
+            continue
+        rules = ruleset.connector_rules(name)
+        where = rules[0].source if rules else Source(ruleset.root, 0, 0)
+        whose = "a connector vLLM registers" if near in known else f"the connector of {_file_of(ruleset, near)}"
+        out.append(Diagnostic(where.file, 0, 0, "near-connector-name",
+                              f"connector `{name}` is no connector a release profile knows, and is close to "
+                              f"`{near}` ({whose})",
+                              f"did you mean `{near}`? rules for `{name}` apply only while a connector of "
+                              "exactly that class name is configured"))
+    return out
+
+
+def _file_of(ruleset: RuleSet, connector: str) -> str:
+    rules = ruleset.connector_rules(connector)
+    return rules[0].source.file if rules else f"`{connector}`"
+
+
+def render_warning(diag: Diagnostic) -> str:
+    """``file:line:col: warning[code]: message`` and its ``help:`` line, as errors render."""
+    text = f"{diag.location}: warning[{diag.code}]: {diag.message}"
+    return text + (f"\n  help: {diag.help}" if diag.help else "")
