@@ -4,6 +4,8 @@
 #   .ci/mutation/run.sh VENV [STAGE_DIR] [-- mutmut run args]
 #   MUTATION_SAMPLE=N .ci/mutation/run.sh ...   test a seeded random sample of N mutants
 #                                              (MUTATION_SEED, default 0; MUTATION_ONLY, a regex on names)
+#   MUTATION_FILES='engine/verify.py ...'        mutate only these files (default: the scope below)
+#   MUTATION_TESTS='tests/engine/test_verify.py ...'   run only these tests (default: the unit suite)
 #
 # VENV: a venv with torch, the test extras and mutmut, and kvpolicy NOT installed
 #   (python3 -m venv V && V/bin/pip install torch==2.13.0 pydantic PyYAML pytest hypothesis jsonschema mutmut).
@@ -41,17 +43,28 @@ cat >> "$STAGE/pyproject.toml" <<'TOML'
 
 [tool.mutmut]
 source_paths = ["kvpolicy", "policy", "engine", "rules"]
-only_mutate = ["policy/*.py", "engine/decide.py", "engine/verify.py", "engine/runtime/*.py"]
+only_mutate = @ONLY@
 do_not_mutate = ["policy/reference.py"]
 also_copy = ["tests", "docs", "bench", "README.md", "pyproject.toml"]
-pytest_add_cli_args_test_selection = ["tests/"]
+pytest_add_cli_args_test_selection = @TESTS@
 # not about behaviour under mutation: ruff over the instrumented tree, the console script, the wheel;
 # and a logging test that passes alone but not after mutmut's in-process harness has set up logging
 pytest_add_cli_args = ["--ignore=tests/conformance", "--ignore=tests/test_packaging.py", "-p", "no:cacheprovider",
                        "--deselect=tests/test_docs_and_api.py::test_ruff_clean",
-                       "--deselect=tests/cli/test_cli_main.py::test_console_script",
+                       "--deselect=tests/cli/test_cli_main.py::test_console_script", "--ignore=tests/test_doc_examples.py",
                        "--deselect=tests/engine/integrations/test_vllm_plugin.py::test_the_decision_log_line_is_written_once"]
 TOML
+set -f  # the scope is fnmatch patterns, not globs of this directory
+toml_list() { "$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@"; }
+ONLY="$(toml_list ${MUTATION_FILES:-policy/*.py engine/decide.py engine/verify.py engine/lattice.py engine/runtime/*.py})"
+TESTS="$(toml_list ${MUTATION_TESTS:-tests/})"
+set +f
+"$PY" - "$STAGE/pyproject.toml" "$ONLY" "$TESTS" <<'PY'
+import sys
+path, only, tests = sys.argv[1:]
+text = open(path).read().replace("@ONLY@", only).replace("@TESTS@", tests)
+open(path, "w").write(text)
+PY
 cd "$STAGE"
 export KVMUT_SRC_ROOT="$STAGE/mutants"
 if [ -n "${MUTATION_SAMPLE:-}" ]; then
