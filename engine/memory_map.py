@@ -239,14 +239,17 @@ def _expand_outer(bands: list[Band]) -> list[Band]:
     """List a band's outer repeats as bands of their own when there are few of them."""
     out: list[Band] = []
     for b in bands:
-        if not b.outer or math.prod(n for n, _ in b.outer) > _MAX_INSTANCES:
-            out.append(b)
-            continue
-        starts = [b.start]
-        for n, s in b.outer:
-            starts = [x + i * s for x in starts for i in range(n)]
-        out += [Band(b.buffer, x, b.period, b.count, b.pattern) for x in starts]
+        few = b.outer and math.prod(n for n, _ in b.outer) <= _MAX_INSTANCES
+        out += _instances(b) if few else [b]
     return out
+
+
+def _instances(b: Band) -> list[Band]:
+    """A band's outer repeats, each a band of its own."""
+    starts = [b.start]
+    for n, s in b.outer:
+        starts = [x + i * s for x in starts for i in range(n)]
+    return [Band(b.buffer, x, b.period, b.count, b.pattern) for x in starts]
 
 
 def _merge(buffer: int, cluster: list[Band]) -> list[Band]:
@@ -272,13 +275,7 @@ def _merge(buffer: int, cluster: list[Band]) -> list[Band]:
 
 
 def _expand_outer_all(bands: list[Band]) -> list[Band]:
-    out: list[Band] = []
-    for b in bands:
-        starts = [b.start]
-        for n, s in b.outer:
-            starts = [x + i * s for x in starts for i in range(n)]
-        out += [Band(b.buffer, x, b.period, b.count, b.pattern) for x in starts]
-    return out
+    return [one for b in bands for one in _instances(b)]
 
 
 def _recompress(buffer: int, segs: list[Segment]) -> list[Band]:
