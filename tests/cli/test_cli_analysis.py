@@ -22,17 +22,6 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-@pytest.fixture(scope="module")
-def no_pth(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shipped rules minus the per-token-head rule."""
-    root = tmp_path_factory.mktemp("rules-no-pth")
-    shutil.copytree(RULES, root, dirs_exist_ok=True)
-    text = (root / "global.yaml").read_text()
-    start = text.index("  - id: per-token-head-forbids-cross-layer")
-    end = text.index("  - id: cross-layer-needs-block-stride-indexing")
-    (root / "global.yaml").write_text(text[:start] + text[end:])
-    return root
-
 
 @pytest.fixture
 def spec(tmp_path: Path) -> str:
