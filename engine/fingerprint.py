@@ -133,7 +133,9 @@ class LayoutFingerprint:
 
     @property
     def layout(self) -> Layout:
-        return Layout.parse(f"{self.placement}/{self.head_order}")
+        """The layout these bytes are in, read from the physical dims: placement and head
+        order alone name three layouts each (LBHNC and LHBNC are both per_layer/HND)."""
+        return _layout_of(self.placement, self.head_order, self.physical_dims)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayoutFingerprint:
@@ -162,7 +164,7 @@ class LayoutFingerprint:
             raise input_error("fingerprint", "not a layout fingerprint: wrong type for "
                               + ", ".join(f"`{name}`" for name in bad))
         try:  # `layout` parses these two: a peer's unknown pair must fail here, as an InputError
-            Layout.parse(f"{values['placement']}/{values['head_order']}")
+            _layout_of(values["placement"], values["head_order"], tuple(values["physical_dims"]))
         except ValueError:
             raise input_error("fingerprint.placement", f"not a layout fingerprint: placement "
                               f"`{values['placement'][:40]!r}` with head_order `{values['head_order'][:40]!r}` "
@@ -177,6 +179,22 @@ class LayoutFingerprint:
     def from_json(cls, text: str | bytes) -> LayoutFingerprint:
         """Parse a peer's JSON (bounded in size and nesting: `kvpolicy.engine.peer_data`) and `from_dict` it."""
         return cls.from_dict(load_peer_json(text, "fingerprint"))
+
+
+_DIM_LETTERS = {"layer": "L", "block": "B", "head": "H", "token": "N"}
+
+
+def _layout_of(placement: str, head_order: str, physical_dims: tuple[str, ...]) -> Layout:
+    """The one layout with this placement and head order whose order of the dims present in
+    ``physical_dims`` is theirs; a buffer of one layer has no layer dim, which is then outermost.
+    ValueError if the pair names no layout."""
+    legacy = Layout.parse(f"{placement}/{head_order}")
+    seen = "".join(_DIM_LETTERS[d] for d in physical_dims if d in _DIM_LETTERS)
+    if "L" not in seen:
+        seen = "L" + seen
+    fits = [x for x in Layout if x.placement == legacy.placement and x.head_order == legacy.head_order
+            and "".join(c for c in x.value if c in seen) == seen]
+    return fits[0] if len(fits) == 1 else legacy
 
 
 def _is_int(v: Any) -> bool:

@@ -34,6 +34,7 @@ from kvpolicy.policy import (
     load_rules_from_texts,
 )
 from kvpolicy.policy.backends import BACKENDS
+from kvpolicy.policy.releases import get_profile, iter_profiles
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = LayoutEngine.default()
@@ -94,6 +95,25 @@ def test_round_trip_through_dict_and_json() -> None:
         assert LayoutFingerprint.from_dict(f.to_dict()) == f
         assert LayoutFingerprint.from_json(f.to_json()) == f
         assert LayoutFingerprint.from_dict(json.loads(f.to_json())).digest == f.digest
+
+
+MLA_SPEC = {"kind": "mla", "num_layers": 27, "block_size": 64, "num_kv_heads": 1, "head_size": 576}
+
+
+@pytest.mark.parametrize("profile, backend", [(p.name, b) for p in iter_profiles() for b in p.backend_names()])
+def test_the_fingerprint_names_the_layout_it_was_made_of(profile: str, backend: str) -> None:
+    """Placement and head order alone name three layouts each (LBHNC and LHBNC are both
+    per_layer/HND); a peer rebuilding the layout from a fingerprint gets the one it was made
+    of, or, where the backend stores no head dim (MLA), one whose bytes are the same."""
+    backend_profile = get_profile(profile).backend(backend)
+    spec = KVCacheSpec(**MLA_SPEC) if backend_profile.mla else make_spec()
+    assert backend_profile.orders
+    for layout in backend_profile.orders:
+        f = fingerprint_of(layout, spec, backend_profile)
+        rebuilt = LayoutFingerprint.from_json(f.to_json()).layout
+        assert fingerprint_of(rebuilt, spec, backend_profile) == f, (profile, backend, layout)
+        if "head" in f.physical_dims:
+            assert rebuilt == layout, (profile, backend, layout, f.physical_dims)
 
 
 @pytest.mark.parametrize(
