@@ -12,7 +12,8 @@ candidates, its ``kv_cache_dtype`` strings, and vLLM's options. Dimensions:
 - ``kv_cache_dtype``: the profile's strings kvpolicy has a cell geometry for,
   one per (quant mode, element size, what the rules can tell apart);
 - attention kind (MLA backends: ``mla``; others ``full``, and
-  ``sliding_window`` when a rule can tell it apart);
+  ``sliding_window`` or ``mamba`` (a model of Mamba layers only, one group,
+  no paged K/V to verify) when a rule can tell it apart);
 - group shape: one group, one group with two attention groups, two groups,
   a Mamba hybrid, mixed (heads, tokens, page bytes) shapes, and a replicated
   draft under DCP with another page size; and N groups or M attention groups
@@ -452,7 +453,8 @@ def _kv_choices(profile: ReleaseProfile, leaves: _Leaves, left_out: list[str]
         return {k: v for k, v in _probe(spec).items() if k.startswith("kv.")}
 
     for mla in (False, True):
-        kinds = [AttentionKind.mla] if mla else [AttentionKind.full, AttentionKind.sliding_window]
+        kinds = [AttentionKind.mla] if mla else [AttentionKind.full, AttentionKind.sliding_window,
+                                                 AttentionKind.mamba]
 
         def dtype_key(d: str, kind: AttentionKind = kinds[0]) -> Any:
             spec = _spec(kind, d)
@@ -611,8 +613,9 @@ def build_space(
                 if facts.kv_cache_dtypes is not None and dtype not in facts.kv_cache_dtypes:
                     continue
                 spec = _spec(kind, dtype)
-                if (kind, dtype) not in shapes:
-                    shapes[(kind, dtype)] = list(_distinct(group_shapes, lambda s, spec=spec: leaves.signature(
+                if (kind, dtype) not in shapes:  # a Mamba spec stands for a model of Mamba layers only
+                    own = ("1x1",) if kind is AttentionKind.mamba else group_shapes
+                    shapes[(kind, dtype)] = list(_distinct(own, lambda s, spec=spec: leaves.signature(
                         {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
                 for shape, over in itertools.product(shapes[(kind, dtype)], sizes[facts.mla]):
                     size_label = _size_label(over)

@@ -56,6 +56,21 @@ def test_rules_on_sizes_and_extras_beyond_the_defaults_are_not_dead() -> None:
                                                           for s in sizes)
 
 
+def test_a_rule_on_mamba_only_models_is_not_dead_and_their_decisions_are_not_errors() -> None:
+    """vLLM 0.28's `cross-layer-needs-attention-spec` (kv.kind eq mamba) keeps a model of Mamba
+    layers only off the cross-layer path; such a model has no paged K/V to verify, so lint must
+    neither call the rule dead nor call a layout chosen for it unsafe."""
+    from kvpolicy.engine import LayoutEngine
+
+    report = lint(LayoutEngine.default("vllm-0.28").ruleset, vllm_version="vllm-0.28")
+    assert "cross-layer-needs-attention-spec" not in dead(report)
+    assert "mamba" in report.to_dict()["space"]["dimensions"]["kind"]
+    assert [f.code for f in report.findings if f.severity == "error"] == []
+    texts = {"global.yaml": GLOBAL.format(rules=rule("mamba-only", "{field: kv.kind, eq: mamba}",
+                                                     "forbid: {placement: cross_layer}"))}
+    assert dead(lint(load_rules_from_texts(texts), baseline=None)) == set()
+
+
 def test_a_rule_no_deployment_can_match_is_still_dead() -> None:
     texts = {"global.yaml": GLOBAL.format(rules=rule("never", "{all: [{field: kv.num_layers, ge: 8}, "
                                                                "{field: kv.num_layers, lt: 8}]}")
