@@ -211,6 +211,14 @@ def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
     `LayoutMismatchError` with one diagnostic per differing rank and field,
     identical on every rank because every rank sees the same input.
     """
+    given = type(ranks).__name__
+    try:
+        ranks = None if isinstance(ranks, (str, bytes, dict)) else list(ranks)  # type: ignore[assignment]
+    except TypeError:
+        ranks = None  # type: ignore[assignment]
+    if ranks is None or not all(isinstance(r, RankFingerprint) for r in ranks):
+        raise input_error("ranks", f"`ranks` must be a sequence of RankFingerprint, got {given}",
+                          "gather one RankFingerprint per rank (see `agree`)")
     if not ranks:
         raise input_error("ranks", "no rank fingerprints to compare")
     for r in ranks:  # a rank's fingerprint is a peer's data: bounded before it is printed or compared

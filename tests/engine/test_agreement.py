@@ -113,6 +113,18 @@ def ranks_of(*fps: LayoutFingerprint, digests: tuple[str, ...] = ()) -> list[Ran
     return [RankFingerprint(i, i, f.to_dict(), digests[i] if digests else None) for i, f in enumerate(fps)]
 
 
+@pytest.mark.parametrize("ranks", ["ab", b"ab", 3, None, {"0": 1}, [{"fingerprint": {}}], [None]])
+def test_compare_ranks_refuses_what_is_not_a_list_of_rank_fingerprints(ranks) -> None:
+    with pytest.raises(InputError, match="must be a sequence of RankFingerprint"):
+        compare_ranks(ranks)
+
+
+def test_compare_ranks_takes_any_iterable_of_rank_fingerprints() -> None:
+    a = fp_for()
+    assert compare_ranks(iter(ranks_of(a, a))) == a
+    assert compare_ranks(tuple(ranks_of(a))) == a
+
+
 def test_compare_ranks_names_the_odd_rank_against_the_majority() -> None:
     a, b = fp_for(), fp_for(kv_cache_dtype="fp8")
     assert compare_ranks(ranks_of(a, a, a)) == a
