@@ -71,16 +71,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a full disk or closed pipe surfaces here, not after main returns
+        return code
     except PolicyError as exc:
         report_error(exc, getattr(args, "format", "text"))
         return exit_code_for(exc)
     except BrokenPipeError:  # `kvpolicy ... | head`: stop quietly, exit 1 as Python itself does on EPIPE
         _silence_stdout()
         return EXIT_FAILED
-    except OSError as exc:  # an unreadable file named on the command line
-        where = exc.filename if exc.filename is not None else "kvpolicy"
-        print(f"{where}: error[unreadable]: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:
+        if exc.filename is None:  # writing the output failed (`> /dev/full`): not the user's input
+            _silence_stdout()
+            print(f"kvpolicy: error[write-failed]: cannot write the output: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        # an unreadable file named on the command line
+        print(f"{exc.filename}: error[unreadable]: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -117,3 +117,14 @@ def test_console_script() -> None:
     assert script.is_file(), f"{script} missing: install the project (pip install -e .) into this interpreter"
     out = subprocess.run([str(script), "validate"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("ok: ")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("argv", [("dry-run",), ("validate", "rules/issue-48412"), ("lint", "--format", "json")])
+def test_output_that_cannot_be_written_is_one_error_not_a_traceback(argv: tuple[str, ...]) -> None:
+    """`kvpolicy ... > /dev/full`: the disk is full, not the user's input unreadable (exit 2)."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "kvpolicy.engine.cli.main", *argv], stdout=full,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == "kvpolicy: error[write-failed]: cannot write the output: No space left on device\n"
