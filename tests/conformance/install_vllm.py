@@ -3,8 +3,9 @@
     python3 tests/conformance/install_vllm.py 0.34.0 0.28.0 triton
 
 Each release goes to ``$KVPOLICY_VLLM_CACHE`` (default ``~/.cache/kvpolicy/vllm``)
-``/<version>/site`` and is reused while ``<version>/COMPLETE`` exists; COMPLETE is
-written last and holds the pinned dependency list. vLLM itself is installed with
+``/<version>/site`` and is reused while ``<version>/COMPLETE`` holds exactly what this
+file would install now (the pinned list and the Python version); COMPLETE is written
+last, so a killed install or an edited pin list installs again. vLLM itself is installed with
 ``--no-deps``: pip never resolves its requirements (they pull a CUDA torch). The
 oracles run with the running interpreter's torch and only the small packages that the
 vLLM modules they import need, pinned per release below. Stdlib only.
@@ -60,6 +61,7 @@ _COMMON = [
     "msgspec==0.23.0",
     "multidict==7.2.1",
     "numpy==2.4.6",
+    "orjson==3.13.0",
     "pillow==13.0.0",
     "prometheus-client==0.26.0",
     "propcache==0.5.4",
@@ -75,6 +77,9 @@ _COMMON = [
     "tqdm==4.70.1",
     "transformers==5.22.2",
     "truststore==0.10.5",
+    # anyio 4.16 imports typing_extensions.sentinel (4.16+); without its own copy the
+    # site would use whatever older typing_extensions the test interpreter has.
+    "typing-extensions==4.16.0",
     "urllib3==2.8.0",
     "uvicorn==0.55.0",
     "uvloop==0.23.0",
@@ -116,13 +121,24 @@ def _complete_marker(version: str) -> Path:
     return cache_root() / version / "COMPLETE"
 
 
+def _complete_text(version: str) -> str:
+    """What COMPLETE holds for an install of ``version`` made by this file under this Python."""
+    return f"vllm=={version}\npython {sys.version.split()[0]}\n" + "\n".join(PINNED[version]) + "\n"
+
+
 def site_for(version: str) -> Path:
-    """The installed site of a release; raises InstallError if it is not installed."""
+    """The installed site of a release; raises InstallError if it is not installed or stale."""
     site = cache_root() / version / "site"
-    if not _complete_marker(version).is_file() or not site.is_dir():
+    marker = _complete_marker(version)
+    if not marker.is_file() or not site.is_dir():
         raise InstallError(
             f"vLLM {version} is not installed under {cache_root()}; run "
             f"`python3 tests/conformance/install_vllm.py {version}`"
+        )
+    if version in PINNED and marker.read_text() != _complete_text(version):
+        raise InstallError(
+            f"vLLM {version} under {cache_root()} was installed with other pins or another "
+            f"Python; run `python3 tests/conformance/install_vllm.py {version}` to reinstall"
         )
     return site
 
@@ -174,9 +190,7 @@ def _install(version: str) -> Path:
         if final.exists():
             shutil.rmtree(final)
         site.rename(final)
-    _complete_marker(version).write_text(
-        f"vllm=={version}\npython {sys.version.split()[0]}\n" + "\n".join(PINNED[version]) + "\n"
-    )
+    _complete_marker(version).write_text(_complete_text(version))
     return root / "site"
 
 

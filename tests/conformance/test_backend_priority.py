@@ -20,7 +20,7 @@ MAJORS = (8, 9, 10, 12)
 
 
 @pytest.mark.parametrize("version", ["0.28.0", "0.34.0"])
-def test_backend_priority_is_the_releases(version: str) -> None:
+def test_backend_priority_is_the_releases(version: str, vllm_sites) -> None:
     profile = get_profile(version)
     cases = [{"mla": mla, "major": major} for mla, major in itertools.product((False, True), MAJORS)]
     answers = run_oracle(version, "backend_priority", cases)

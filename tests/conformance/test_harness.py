@@ -43,6 +43,61 @@ def test_site_for_refuses_an_unknown_install(tmp_path, monkeypatch):
         raise AssertionError("site_for accepted an install without COMPLETE")
 
 
+def test_site_for_refuses_an_install_made_with_other_pins(tmp_path, monkeypatch):
+    """A cache kept between CI runs installs again when a pin changes (a stale site once
+    let anyio import an old typing_extensions from the test interpreter)."""
+    monkeypatch.setenv("KVPOLICY_VLLM_CACHE", str(tmp_path))
+    (tmp_path / "0.34.0" / "site").mkdir(parents=True)
+    marker = tmp_path / "0.34.0" / "COMPLETE"
+    marker.write_text(install_vllm._complete_text("0.34.0"))
+    assert install_vllm.site_for("0.34.0") == tmp_path / "0.34.0" / "site"
+    marker.write_text(install_vllm._complete_text("0.34.0").replace("typing-extensions==4.16.0\n", ""))
+    try:
+        install_vllm.site_for("0.34.0")
+    except install_vllm.InstallError as exc:
+        assert "other pins" in str(exc)
+    else:
+        raise AssertionError("site_for accepted an install made with other pins")
+
+
+# Requirements of the site's packages that the interpreter is trusted to meet: the
+# project's own CPU torch stands in for vLLM's CUDA pin on purpose (install_vllm.py).
+_FROM_THE_INTERPRETER = {"torch"}
+
+
+def test_every_package_the_site_leaves_to_the_interpreter_meets_its_requirement(vllm_sites):
+    """The oracles run with the release site in front of the interpreter's own site-packages,
+    so a requirement the site does not pin is met by whatever the interpreter has: on a CI
+    machine whose system Python had typing_extensions 4.15, anyio 4.16 (which needs 4.16)
+    failed to import and 960 decisions became ImportErrors. Each such requirement must be
+    pinned in the site, or met by the interpreter's version."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    unmet = []
+    for version, site in vllm_sites.items():
+        pinned = {canonicalize_name(d.metadata["Name"]): d for d in metadata.distributions(path=[str(site)])}
+        outside = [p for p in sys.path if p and Path(p).resolve() != site.resolve()]
+        interpreter = {}
+        for dist in metadata.distributions(path=outside):
+            interpreter.setdefault(canonicalize_name(dist.metadata["Name"]), dist)
+        for name, dist in sorted(pinned.items()):
+            for line in dist.requires or []:
+                req = Requirement(line)
+                if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                    continue
+                dep = canonicalize_name(req.name)
+                have = pinned.get(dep) or interpreter.get(dep)
+                if have is None or dep in _FROM_THE_INTERPRETER:
+                    continue  # not installed: the oracles never import it (install_vllm.py)
+                if not req.specifier.contains(have.version, prereleases=True):
+                    where = "the site" if dep in pinned else "the interpreter"
+                    unmet.append(f"vLLM {version}: {name} needs {req}, {where} has {dep} {have.version}")
+    assert not unmet, "pin these in install_vllm.PINNED:\n" + "\n".join(unmet)
+
+
 def test_v034_oracle_facts_and_a_decision(vllm_sites):
     facts, decision, rejected = run_oracle(
         "0.34.0",
