@@ -74,7 +74,12 @@ _KNOWN_DIRS = ("connectors", "tests")
 def stray_files(root: Path, shown_root: str) -> list[Diagnostic]:
     """Rule-looking files the loader would not read: misspelt directories, upper-case suffixes."""
     diags = []
-    for d in (root, root / "connectors"):
+    conn = root / "connectors"
+    if conn.exists() and not conn.is_dir():
+        diags.append(Diagnostic(os.path.join(shown_root, "connectors"), 0, 0, "stray-file",
+                                "`connectors` is a file, not a directory: nothing in it is read",
+                                "make `connectors/` a directory with one `<Connector>.yaml` per connector"))
+    for d in (root, conn):
         if not d.is_dir():
             continue
         for p in _listing(d):

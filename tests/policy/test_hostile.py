@@ -268,6 +268,14 @@ def test_misspelt_directories_and_suffixes_are_reported(tmp_path: Path) -> None:
     assert len(diags) == 2
 
 
+def test_a_file_named_connectors_is_reported_not_skipped(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", GOOD)
+    write(tmp_path, "connectors", "version: 1\nconnector: NixlConnector\nrules: []\n")
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert (d.code, d.file) == ("stray-file", str(tmp_path / "connectors"))
+    assert "is a file, not a directory" in d.message and "connectors/" in d.help
+
+
 # -- fuzzing, widened (#16): tags, huge numbers, nesting, file-system oddities, case files ---------------
 # Every target runs KVPOLICY_FUZZ_EXAMPLES examples (300 by default; 10,000+ for a long run).
 
