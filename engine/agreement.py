@@ -221,8 +221,28 @@ def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
                           "gather one RankFingerprint per rank (see `agree`)")
     if not ranks:
         raise input_error("ranks", "no rank fingerprints to compare")
-    for r in ranks:  # a rank's fingerprint is a peer's data: bounded before it is printed or compared
-        check_peer_value(r.fingerprint, r.name)
+    seen: set[int] = set()
+    for r in ranks:
+        if not all(type(n) is int for n in (r.rank, r.group_rank)):
+            raise input_error("ranks", f"rank numbers must be ints, got rank {r.rank!r:.40} and group rank "
+                              f"{r.group_rank!r:.40}", "build RankFingerprint(rank, group_rank, ...) from ints")
+        if r.group_rank in seen:
+            raise input_error("ranks", f"group rank {r.group_rank} appears twice",
+                              "gather one RankFingerprint per rank of the group")
+        seen.add(r.group_rank)
+        check_peer_value(r.fingerprint, r.name)  # a peer's data: bounded before it is printed or compared
+        version = r.fingerprint.get("format_version") if isinstance(r.fingerprint, dict) else None
+        if version == FORMAT_VERSION:  # another format is a version skew, reported as a mismatch below
+            try:
+                LayoutFingerprint.from_dict(r.fingerprint)
+            except InputError as exc:
+                why = exc.diagnostics[0].message.removeprefix("not a layout fingerprint: ")
+                raise input_error("ranks", f"{r.name} sent something that is not a layout fingerprint: {why}",
+                                  "run the same kvpolicy version on every rank") from None
+        elif type(version) is not int:
+            raise input_error("ranks", f"{r.name} sent something that is not a layout fingerprint "
+                              "(no integer `format_version`)",
+                              "gather LayoutFingerprint.to_dict() from every rank")
     ordered = sorted(ranks, key=lambda r: r.group_rank)
     classes: dict[str, list[RankFingerprint]] = {}
     for r in ordered:

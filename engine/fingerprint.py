@@ -27,6 +27,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, fields
@@ -170,6 +171,10 @@ class LayoutFingerprint:
                               f"`{values['placement'][:40]!r}` with head_order `{values['head_order'][:40]!r}` "
                               "names no layout",
                               "pass LayoutFingerprint.to_dict() or to_json() from the peer") from None
+        problem = _dims_problem(values)
+        if problem is not None:
+            raise input_error("fingerprint.physical_dims", f"not a layout fingerprint: {problem}",
+                              "pass LayoutFingerprint.to_dict() or to_json() from the peer")
         for name in ("logical_dims", "physical_dims", "physical_shape"):
             values[name] = tuple(values[name])
         values["groups"] = tuple(GroupFingerprint(**g) for g in values["groups"])
@@ -184,17 +189,66 @@ class LayoutFingerprint:
 _DIM_LETTERS = {"layer": "L", "block": "B", "head": "H", "token": "N"}
 
 
-def _layout_of(placement: str, head_order: str, physical_dims: tuple[str, ...]) -> Layout:
-    """The one layout with this placement and head order whose order of the dims present in
+def _fitting_layouts(placement: str, head_order: str, physical_dims: tuple[str, ...]) -> list[Layout]:
+    """The layouts with this placement and head order whose order of the dims present in
     ``physical_dims`` is theirs; a buffer of one layer has no layer dim, which is then outermost.
     ValueError if the pair names no layout."""
     legacy = Layout.parse(f"{placement}/{head_order}")
     seen = "".join(_DIM_LETTERS[d] for d in physical_dims if d in _DIM_LETTERS)
     if "L" not in seen:
         seen = "L" + seen
-    fits = [x for x in Layout if x.placement == legacy.placement and x.head_order == legacy.head_order
+    return [x for x in Layout if x.placement == legacy.placement and x.head_order == legacy.head_order
             and "".join(c for c in x.value if c in seen) == seen]
-    return fits[0] if len(fits) == 1 else legacy
+
+
+def _layout_of(placement: str, head_order: str, physical_dims: tuple[str, ...]) -> Layout:
+    """The layout of these bytes: the one that fits, else (MLA, no head dim: several fit, all
+    with the same bytes) the placement/head_order name. ValueError if the pair names no layout."""
+    fits = _fitting_layouts(placement, head_order, physical_dims)
+    return fits[0] if len(fits) == 1 else Layout.parse(f"{placement}/{head_order}")
+
+
+@functools.lru_cache(maxsize=64)
+def _planned_orders(backend: str, placement: str, head_order: str) -> frozenset[tuple[str, ...]] | None:
+    """Every physical dim order the profiles' backends named ``backend`` plan for a layout with
+    this placement and head order; None when no profile knows the backend (a newer peer's)."""
+    from kvpolicy.policy.releases import iter_profiles
+
+    found: set[tuple[str, ...]] = set()
+    known = False
+    for profile in iter_profiles():
+        if backend not in profile.backend_names():
+            continue
+        known = True
+        b = profile.backend(backend)
+        for layout in b.orders:
+            if layout.placement.value == placement and layout.head_order.value == head_order:
+                found.add(tuple(d.value for d in _physical_order(layout, b)[0]))
+    return frozenset(found) if known else None
+
+
+def _dims_problem(values: dict[str, Any]) -> str | None:
+    """Why a peer's physical dims cannot describe its own placement and head order, or None."""
+    dims, shape = values["physical_dims"], values["physical_shape"]
+    known = {d.value for d in Dim}
+    unknown = [d for d in dims if d not in known]
+    if unknown:
+        return f"`physical_dims` names {', '.join(repr(d[:40]) for d in unknown[:3])}, not dims of a KV cache"
+    if len(set(dims)) != len(dims):
+        return "`physical_dims` names a dim twice"
+    if len(shape) != len(dims):
+        return f"`physical_shape` has {len(shape)} sizes for {len(dims)} `physical_dims`"
+    if not {"block", "token", "dim"} <= set(dims):
+        return "`physical_dims` lacks block, token or dim"
+    placement, head_order = values["placement"], values["head_order"]
+    planned = _planned_orders(values["backend"], placement, head_order)
+    if planned is not None:  # a backend some profile knows: its dims are the ones kvpolicy plans
+        if tuple(dims) not in planned:
+            return (f"`physical_dims` {list(dims)[:8]} is not how backend `{values['backend']}` lays out "
+                    f"a {placement}/{head_order} layout in any profile")
+    elif not _fitting_layouts(placement, head_order, tuple(dims)):
+        return f"`physical_dims` {list(dims)[:8]} is not the order of any {placement}/{head_order} layout"
+    return None
 
 
 def _is_int(v: Any) -> bool:

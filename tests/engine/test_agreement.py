@@ -119,6 +119,22 @@ def test_compare_ranks_refuses_what_is_not_a_list_of_rank_fingerprints(ranks) ->
         compare_ranks(ranks)
 
 
+def test_compare_ranks_refuses_bad_rank_numbers_duplicates_and_garbage() -> None:
+    """Found by a hostile pass: a str rank crashed the sort, a duplicate rank was compared with
+    itself, and two garbage dicts were reported as a format_version mismatch of null and null."""
+    a, b = fp_for().to_dict(), fp_for(kv_cache_dtype="fp8").to_dict()
+    with pytest.raises(InputError, match="rank numbers must be ints"):
+        compare_ranks([RankFingerprint("a", "a", a), RankFingerprint(1, 1, b)])
+    with pytest.raises(InputError, match="rank numbers must be ints"):
+        compare_ranks([RankFingerprint(0, None, a), RankFingerprint(1, 1, b)])
+    with pytest.raises(InputError, match="group rank 0 appears twice"):
+        compare_ranks([RankFingerprint(0, 0, a), RankFingerprint(0, 0, b)])
+    with pytest.raises(InputError, match="rank 0 sent something that is not a layout fingerprint"):
+        compare_ranks([RankFingerprint(0, 0, {"a": 1}), RankFingerprint(1, 1, {"b": [1, 2]})])
+    with pytest.raises(InputError, match="rank 1 sent something that is not a layout fingerprint: unknown `x`"):
+        compare_ranks([RankFingerprint(0, 0, a), RankFingerprint(1, 1, {**a, "x": 1})])
+
+
 def test_compare_ranks_takes_any_iterable_of_rank_fingerprints() -> None:
     a = fp_for()
     assert compare_ranks(iter(ranks_of(a, a))) == a

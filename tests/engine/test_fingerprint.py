@@ -117,6 +117,38 @@ def test_the_fingerprint_names_the_layout_it_was_made_of(profile: str, backend: 
 
 
 @pytest.mark.parametrize(
+    "dims, message",
+    [
+        (["block", "layer", "head", "token", "kv", "dim"], "not how backend `FLASH_ATTN` lays out a per_layer/HND"),
+        (["layer", "block", "token", "head", "kv", "dim"], "not how backend `FLASH_ATTN` lays out a per_layer/HND"),
+        (["foo", "bar"], "names 'foo', 'bar', not dims of a KV cache"),
+        ([], "`physical_shape` has"),
+        (["layer", "layer", "head", "token", "kv", "dim"], "names a dim twice"),
+        (["layer", "block", "head", "token", "kv", "dim"] * 1000, "names a dim twice"),
+    ],
+)
+def test_from_dict_refuses_dims_that_contradict_the_layout(dims: list[str], message: str) -> None:
+    """A peer's physical dims must be the order of its own placement and head order: they are
+    what `.layout` is read from (found by a hostile pass: BLHNC's dims under an LBHNC name loaded)."""
+    d = fingerprint_of(Layout.LBHNC, make_spec(), get_profile("vllm-0.34").backend("FLASH_ATTN")).to_dict()
+    d["physical_dims"] = dims
+    with pytest.raises(InputError, match="not a layout fingerprint") as info:
+        LayoutFingerprint.from_dict(d)
+    assert message in str(info.value)
+    assert info.value.diagnostics[0].file == "fingerprint.physical_dims"
+
+
+def test_a_backend_no_profile_knows_is_checked_by_the_order_of_its_dims() -> None:
+    """A newer peer's backend: its dims are accepted when they are the order of its layout."""
+    d = fingerprint_of(Layout.LHBNC, make_spec(), get_profile("vllm-0.34").backend("FLASH_ATTN")).to_dict()
+    d["backend"] = "SOME_NEW_BACKEND"
+    assert LayoutFingerprint.from_dict(d).layout == Layout.LHBNC
+    d["physical_dims"] = ["block", "layer", "head", "token", "kv", "dim"]
+    with pytest.raises(InputError, match="not the order of any per_layer/HND layout"):
+        LayoutFingerprint.from_dict(d)
+
+
+@pytest.mark.parametrize(
     "mutate, message",
     [
         (lambda d: d.update(format_version=2), "fingerprint format `2`"),
