@@ -9,6 +9,7 @@ Without ``--model`` or ``--spec`` the built-in example is decided
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
     from kvpolicy.engine.plan import LayoutPlan
 
 __all__ = ["allocation_summary", "context_from_args", "plan_for", "read_spec_file", "register", "release_of", "run"]
+
+# Errors of a write to the right path that the disk refused: not the user's mistake (exit 1, not 2).
+_DEVICE_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 _EPILOG = """\
 examples:
@@ -515,7 +519,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             Path(args.svg).write_text(render_svg(drawn, report=report if drawn is checked else None))
         except OSError as exc:
-            err = usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}")
+            if exc.errno in _DEVICE_FULL:  # the path was right; the disk is not the user's mistake
+                err: PolicyError = PolicyError("", [Diagnostic("--svg", 0, 0, "write-failed",
+                                                               f"cannot write `{args.svg}`: {exc.strerror}")])
+            else:
+                err = usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}")
             report_error(err, args.format)  # with --format json, stdout still holds one error document
             return exit_code_for(err)
     if args.format == "json":

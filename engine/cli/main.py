@@ -45,9 +45,17 @@ class _VersionAction(argparse.Action):
         parser.exit(0)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that help or usage it cannot write (a full disk) is an error, not exit 0."""
+
+    def _print_message(self, message: str, file: object = None) -> None:
+        if message and file is not None:
+            file.write(message)  # type: ignore[attr-defined]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpolicy`` parser with one subparser per verb."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvpolicy",
         description="Declarative KV cache layout policy: decide, explain, validate and test layout rules.",
         epilog=_EPILOG,
@@ -62,21 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvpolicy``; returns the exit code (argparse's own exits included)."""
-    parser = build_parser()
+    real_stderr = sys.stderr
+    sys.stderr = _BestEffort(real_stderr)  # a message that cannot be shown must not change the exit code
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, usage errors: argparse already printed
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
-    if args.verb is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    try:
-        code = args.run(args)
-        sys.stdout.flush()  # a full disk or closed pipe surfaces here, not after main returns
+        code = _dispatch(argv)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a full disk surfaces here, not after main returns
         return code
-    except PolicyError as exc:
-        report_error(exc, getattr(args, "format", "text"))
-        return exit_code_for(exc)
     except BrokenPipeError:  # `kvpolicy ... | head`: stop quietly, exit 1 as Python itself does on EPIPE
         _silence_stdout()
         return EXIT_FAILED
@@ -91,6 +91,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    finally:
+        sys.stderr = real_stderr
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors: argparse already printed
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    if args.verb is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except PolicyError as exc:
+        report_error(exc, getattr(args, "format", "text"))
+        return exit_code_for(exc)
+
+
+class _BestEffort:
+    """stderr for one run: what cannot be written there (a closed or full stream) is dropped."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text) if self._stream is not None else len(text)  # type: ignore[attr-defined]
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            if self._stream is not None:
+                self._stream.flush()  # type: ignore[attr-defined]
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
 
 
 def _silence_stdout() -> None:
@@ -98,7 +139,7 @@ def _silence_stdout() -> None:
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is not a real file (captured in tests)
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (captured in tests), or closed
         pass
 
 

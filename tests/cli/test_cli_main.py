@@ -120,7 +120,8 @@ def test_console_script() -> None:
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
-@pytest.mark.parametrize("argv", [("dry-run",), ("validate", "rules/issue-48412"), ("lint", "--format", "json")])
+@pytest.mark.parametrize("argv", [("dry-run",), ("validate", "rules/issue-48412"), ("lint", "--format", "json"),
+                                  ("--version",), ("--help",), ("validate", "--help")])
 def test_output_that_cannot_be_written_is_one_error_not_a_traceback(argv: tuple[str, ...]) -> None:
     """`kvpolicy ... > /dev/full`: the disk is full, not the user's input unreadable (exit 2)."""
     with open("/dev/full", "w") as full:
@@ -128,3 +129,34 @@ def test_output_that_cannot_be_written_is_one_error_not_a_traceback(argv: tuple[
                               stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr == "kvpolicy: error[write-failed]: cannot write the output: No space left on device\n"
+
+
+def _cli(argv: tuple[str, ...], **streams: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpolicy.engine.cli.main", *argv], text=True, cwd=ROOT,
+                          timeout=120, **streams)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_an_svg_the_disk_cannot_hold_is_write_failed_and_a_bad_path_a_usage_error(tmp_path: Path) -> None:
+    proc = _cli(("dry-run", "--svg", "/dev/full"), capture_output=True)
+    assert proc.returncode == 1 and "--svg: error[write-failed]: cannot write `/dev/full`" in proc.stderr
+    proc = _cli(("dry-run", "--svg", str(tmp_path / "no" / "map.svg")), capture_output=True)
+    assert proc.returncode == 2 and "--svg: error[usage]: cannot write" in proc.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("argv, code", [(("validate", "/nonexistent"), 2), (("dry-run", "--format", "json"), 0),
+                                        (("--bogus",), 2), (("validate", "rules/issue-48412"), 0)])
+def test_a_full_stderr_does_not_change_the_exit_code(argv: tuple[str, ...], code: int) -> None:
+    """Messages that cannot be shown are dropped; the exit code still says what happened."""
+    with open("/dev/full", "w") as full:
+        proc = _cli(argv, stdout=subprocess.DEVNULL, stderr=full)
+    assert proc.returncode == code
+
+
+@pytest.mark.parametrize("argv", [("schema",), ("--help",), ("dry-run", "--format", "json")])
+def test_a_closed_stdout_is_not_a_traceback(argv: tuple[str, ...]) -> None:
+    """`kvpolicy schema >&-`: Python gives the program no stdout at all."""
+    proc = subprocess.run(f"{sys.executable} -m kvpolicy.engine.cli.main {' '.join(argv)} >&-", shell=True,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr and proc.returncode == 0, proc.stderr
