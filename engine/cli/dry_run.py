@@ -219,7 +219,8 @@ def read_spec_file(path: str) -> dict[str, Any]:
     text, problems = read_capped(Path(path), path, Limits().max_file_bytes)
     if text is None:
         d = problems[0]
-        raise usage_error(path, d.message.replace("the file", "the --spec file"), d.help)
+        raise InputError("unreadable --spec file",  # exit 2, coded as --model's and the rule files' are
+                         [Diagnostic(path, 0, 0, d.code, d.message.replace("the file", "the --spec file"), d.help)])
     src, diags = parse_yaml(text, path)
     if src is None or diags:
         raise InputError("invalid --spec file", diags)

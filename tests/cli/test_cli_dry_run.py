@@ -326,7 +326,7 @@ def test_spec_file_syntax_and_missing(capsys: pytest.CaptureFixture[str], tmp_pa
     code, _, err = cli(capsys, "dry-run", "--spec", spec)
     assert code == 2 and f"{spec}:2:1: error[yaml-syntax]: invalid YAML" in err
     code, _, err = cli(capsys, "dry-run", "--spec", str(tmp_path / "none.yaml"))
-    assert code == 2 and f"{tmp_path}/none.yaml: error[usage]: cannot read the --spec file" in err
+    assert code == 2 and f"{tmp_path}/none.yaml: error[unreadable]: cannot read the --spec file" in err
     spec = write_spec(tmp_path, "- 1\n- 2\n")
     code, _, err = cli(capsys, "dry-run", "--spec", spec)
     assert code == 2 and "error[invalid-spec]: a spec file is a mapping" in err
