@@ -71,14 +71,24 @@ def _holds_yaml(d: Path) -> bool:
 _KNOWN_DIRS = ("connectors", "tests")
 
 
+def _resolved(d: Path) -> Path | None:
+    try:
+        return d.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+
+
 def stray_files(root: Path, shown_root: str) -> list[Diagnostic]:
     """Rule-looking files the loader would not read: misspelt directories, upper-case suffixes."""
     diags = []
     conn = root / "connectors"
-    if conn.exists() and not conn.is_dir():
+    if os.path.lexists(conn) and not conn.is_dir():
+        broken = conn.is_symlink() and not conn.exists()  # dangling, or a loop
         diags.append(Diagnostic(os.path.join(shown_root, "connectors"), 0, 0, "stray-file",
-                                "`connectors` is a file, not a directory: nothing in it is read",
+                                ("`connectors` is a symlink to nothing" if broken else
+                                 "`connectors` is a file, not a directory") + ": nothing in it is read",
                                 "make `connectors/` a directory with one `<Connector>.yaml` per connector"))
+    read_dirs = {_resolved(d) for d in (root, conn) if d.is_dir()}  # `connectors` may link to another dir
     for d in (root, conn):
         if not d.is_dir():
             continue
@@ -88,7 +98,8 @@ def stray_files(root: Path, shown_root: str) -> list[Diagnostic]:
                                         f"`{p.name}` is not read: only `.yaml` and `.yml` files are",
                                         f"rename it to `{p.stem}.yaml`"))
     for p in _listing(root):
-        if p.is_dir() and p.name not in _KNOWN_DIRS and not p.name.startswith(".") and _holds_yaml(p):
+        if (p.is_dir() and p.name not in _KNOWN_DIRS and not p.name.startswith(".")
+                and _resolved(p) not in read_dirs and _holds_yaml(p)):
             close = difflib.get_close_matches(p.name, _KNOWN_DIRS, n=1)
             diags.append(Diagnostic(os.path.join(shown_root, p.name), 0, 0, "stray-directory",
                                     f"rule files in `{p.name}/` are not read",

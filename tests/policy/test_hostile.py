@@ -276,6 +276,24 @@ def test_a_file_named_connectors_is_reported_not_skipped(tmp_path: Path) -> None
     assert "is a file, not a directory" in d.message and "connectors/" in d.help
 
 
+@pytest.mark.parametrize("target", ["nowhere", "connectors"])  # dangling; a loop onto itself
+def test_a_connectors_symlink_to_nothing_is_reported(tmp_path: Path, target: str) -> None:
+    write(tmp_path, "global.yaml", GOOD)
+    (tmp_path / "connectors").symlink_to(target)
+    [d] = load_dir_error(tmp_path).diagnostics
+    assert d.code == "stray-file" and "is a symlink to nothing" in d.message
+
+
+def test_connectors_linked_to_a_sibling_directory_is_read_not_called_stray(tmp_path: Path) -> None:
+    write(tmp_path, "global.yaml", GOOD)
+    write(tmp_path, "shared-connectors/Nixl.yaml", "version: 1\nconnector: NixlConnector\nrules:\n"
+          "  - id: nixl-hnd\n    description: d\n    when: {field: kv.block_size, ge: 1}\n"
+          "    prefer: {layout: LBHNC}\n")
+    (tmp_path / "connectors").symlink_to("shared-connectors")
+    ruleset = load_rules(tmp_path)
+    assert "NixlConnector" in ruleset.connectors
+
+
 # -- fuzzing, widened (#16): tags, huge numbers, nesting, file-system oddities, case files ---------------
 # Every target runs KVPOLICY_FUZZ_EXAMPLES examples (300 by default; 10,000+ for a long run).
 
