@@ -15,12 +15,16 @@ the block levels cut to one ``lcm`` period), never by listing bytes. Writers of 
 role share their strides and step evenly over the layers, so each offset
 difference is decided once. Cost: ``O(R^2 * L * c)`` lattice decisions for ``R``
 roles (at most 4) and ``L`` layers, ``c`` a small constant, plus one entry per
-colliding pair reported; independent of block size, heads, head size and block count.
+colliding pair listed (at most `MAX_LISTED_COLLISIONS`, the lowest addresses; the
+count is exact and costs no listing); independent of block size, heads, head size and
+block count.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +33,14 @@ from kvpolicy.engine.plan import ByteView, LayoutPlan, TensorView, naive_scale_v
 from kvpolicy.policy.backends import Dim, ScaleViews
 from kvpolicy.policy.errors import Diagnostic, GeometryError
 
-__all__ = ["Collision", "GeometryReport", "Writer", "check_plan", "refusal", "verify_plan", "writers"]
+__all__ = ["MAX_LISTED_COLLISIONS", "Collision", "GeometryReport", "Writer", "check_plan", "refusal", "verify_plan",
+           "writers"]
 
 _KV_ROLES = {0: "k", 1: "v"}
+
+# Colliding pairs a report lists; a forced cross-layer cache of 4096 layers with
+# per-layer-contiguous scale views has ~16.7 M of them, which would take gigabytes.
+MAX_LISTED_COLLISIONS = 10_000
 
 
 @dataclass(frozen=True)
@@ -100,14 +109,24 @@ class GeometryReport:
     layout: str
     scale_views: ScaleViews
     writers: tuple[Writer, ...]
-    collisions: tuple[Collision, ...] = field(default=())
+    collisions: tuple[Collision, ...] = field(default=())  # the first MAX_LISTED_COLLISIONS, by address
+    collision_count: int = -1  # every colliding pair; -1: as many as listed
+
+    def __post_init__(self) -> None:
+        if self.collision_count < 0:
+            object.__setattr__(self, "collision_count", len(self.collisions))
 
     @property
     def ok(self) -> bool:
-        return not self.collisions
+        return self.collision_count == 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether `collisions` lists every colliding pair."""
+        return len(self.collisions) == self.collision_count
 
     def pairs(self) -> set[tuple[tuple[int, str], tuple[int, str]]]:
-        """Colliding writer pairs as ((layer, role), (layer, role)), each pair sorted."""
+        """Listed colliding writer pairs as ((layer, role), (layer, role)), each pair sorted."""
         out = set()
         for c in self.collisions:
             x, y = sorted([(c.a.layer, c.a.role), (c.b.layer, c.b.role)])
@@ -116,7 +135,8 @@ class GeometryReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout, "scale_views": self.scale_views.value, "ok": self.ok,
-                "writers": len(self.writers), "collisions": [c.to_dict() for c in self.collisions]}
+                "writers": len(self.writers), "collision_count": self.collision_count,
+                "collisions": [c.to_dict() for c in self.collisions]}
 
 
 def _view_dims(view: TensorView) -> list[tuple[int, int]]:
@@ -193,7 +213,8 @@ def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geom
     shapes: dict[tuple[int, tuple[tuple[int, int], ...], int, str], dict[int, list[int]]] = {}
     for i, (w, s) in enumerate(zip(ws, sets)):
         shapes.setdefault((w.buffer, s.levels, s.run, w.role), {}).setdefault(s.offset, []).append(i)
-    found: list[tuple[int, int, int]] = []  # (address, writer a, writer b), a < b
+    streams: list[Iterator[tuple[int, int, int]]] = []  # each sorted by (address, writer a, writer b), a < b
+    count = 0
     keys = list(shapes)
     for n, kx in enumerate(keys):
         for ky in keys[n:]:
@@ -203,6 +224,7 @@ def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geom
             x_offsets, y_offsets = sorted(xs), sorted(ys)
             shape_x = StridedSet(0, kx[1], kx[2])
             shape_y = StridedSet(0, ky[1], ky[2])
+            step = _common_step(xs, ys, x_offsets, y_offsets)
             for d in sorted(_differences(x_offsets, y_offsets)):
                 if kx == ky and d < 0:
                     continue  # the same unordered pairs as -d
@@ -210,15 +232,64 @@ def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geom
                     _first_shared_either(shape_x, shape_y.shifted(d))
                 if first is None:
                     continue
-                for ox in x_offsets:
-                    for i in xs[ox]:
-                        for j in ys.get(ox + d, ()):
-                            if i == j or (kx == ky and d == 0 and j < i):
-                                continue
-                            found.append((ox + first, min(i, j), max(i, j)))
-    found.sort()
-    collisions = tuple(Collision(ws[a], ws[b], ws[a].buffer, addr) for addr, a, b in found)
-    return GeometryReport(str(plan.layout), strategy, ws, collisions)
+                count += _pair_count(xs, ys, x_offsets, y_offsets, d, kx == ky, step)
+                streams.append(_pairs_at(xs, ys, x_offsets, d, first, kx == ky))
+    listed = itertools.islice(heapq.merge(*streams), MAX_LISTED_COLLISIONS)
+    collisions = tuple(Collision(ws[a], ws[b], ws[a].buffer, addr) for addr, a, b in listed)
+    return GeometryReport(str(plan.layout), strategy, ws, collisions, count)
+
+
+def _common_step(xs: dict[int, list[int]], ys: dict[int, list[int]], x_offsets: list[int],
+                 y_offsets: list[int]) -> int | None:
+    """The step of both offset lists when each holds one writer per offset and steps evenly by it."""
+    if len(x_offsets) < 2 or len(y_offsets) < 2:
+        return None
+    if len(xs) != sum(map(len, xs.values())) or len(ys) != sum(map(len, ys.values())):
+        return None
+    step = x_offsets[1] - x_offsets[0]
+    if step != y_offsets[1] - y_offsets[0] or not (_is_arithmetic(x_offsets) and _is_arithmetic(y_offsets)):
+        return None
+    return step
+
+
+def _pair_count(xs: dict[int, list[int]], ys: dict[int, list[int]], x_offsets: list[int],
+                y_offsets: list[int], d: int, same: bool, step: int | None) -> int:
+    """How many writer pairs (x at offset o, y at o + d) there are, without listing them."""
+    if same and d == 0:
+        return sum(len(g) * (len(g) - 1) // 2 for g in xs.values())
+    if step is not None:  # one writer per offset, both stepping by ``step``: the progressions' overlap
+        shift, rest = divmod(x_offsets[0] + d - y_offsets[0], step)
+        if rest:
+            return 0
+        return max(0, min(len(x_offsets), len(y_offsets) - shift) - max(0, -shift))
+    return sum(len(xs[o]) * len(ys.get(o + d, ())) for o in x_offsets)
+
+
+def _pairs_at(xs: dict[int, list[int]], ys: dict[int, list[int]], x_offsets: list[int], d: int,
+              first: int, same: bool) -> Iterator[tuple[int, int, int]]:
+    """The (address, a, b) of every pair at offset difference ``d``, in order, lazily (one
+    offset may hold thousands of writers: all layers' scales at byte 0, say)."""
+    for ox in x_offsets:
+        partners = ys.get(ox + d)
+        if not partners:
+            continue
+        address = ox + first
+        if same and d == 0:  # unordered pairs within one group
+            group = sorted(xs[ox])
+            for n, a in enumerate(group):
+                for b in group[n + 1:]:
+                    yield address, a, b
+            continue
+        ordered = sorted(partners)
+        for a, b in heapq.merge(*(_ordered_pairs(i, ordered) for i in sorted(xs[ox]))):
+            yield address, a, b
+
+
+def _ordered_pairs(i: int, partners: list[int]) -> Iterator[tuple[int, int]]:
+    """``(min(i, j), max(i, j))`` for ``j`` in sorted ``partners`` (never ``i``), in order."""
+    for j in partners:
+        if j != i:
+            yield (j, i) if j < i else (i, j)
 
 
 def _first_shared_either(x: StridedSet, y: StridedSet) -> int | None:
@@ -240,9 +311,9 @@ def refusal(plan: LayoutPlan, report: GeometryReport) -> GeometryError:
     """The `GeometryError` for a report with collisions: what `LayoutEngine.build` raises."""
     shown = report.collisions[:8]
     diags = [Diagnostic("<geometry>", 0, 0, "overlapping-views", c.describe()) for c in shown]
-    listed = f"the first {len(shown)}" if len(shown) < len(report.collisions) else "each"
+    listed = f"the first {len(shown)}" if len(shown) < report.collision_count else "each"
     return GeometryError(
-        f"refusing layout `{plan.layout}` on `{plan.backend.name}`: {len(report.collisions)} pair(s) of views "
+        f"refusing layout `{plan.layout}` on `{plan.backend.name}`: {report.collision_count} pair(s) of views "
         f"write the same bytes with `{report.scale_views.value}` scale views ({listed} below); a write through "
         "one corrupts the other (vLLM #48412). Choose another layout, or a backend with stride-aware scale views",
         diags,

@@ -532,7 +532,7 @@ def run(args: argparse.Namespace) -> int:
         data.update(release_of(decision))
         data["allocation"] = None if checked is None else allocation_summary(checked)
         if report is not None:
-            data["verification"] = report.to_dict() | {"collisions": report.to_dict()["collisions"][:8]}
+            data["verification"] = report.to_dict() | {"collisions": [c.to_dict() for c in report.collisions[:8]]}
             data["verification"].pop("writers", None)
         if plan is not None:
             data["plan"] = plan_summary(plan)

@@ -188,7 +188,7 @@ def test_dry_run_json_reports_verification_and_map(capsys, spec: str) -> None:
     data = json.loads(out)
     assert code == 0
     assert data["verification"] == {"layout": "LBNHC", "scale_views": "assume_per_layer_contiguous",
-                                    "ok": True, "collisions": []}
+                                    "ok": True, "collision_count": 0, "collisions": []}
     assert [s["owners"] for s in data["map"][:2]] == [[[0, "k_data"]], [[0, "v_data"]]]
 
 

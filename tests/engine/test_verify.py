@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from kvpolicy.engine import LayoutEngine
 from kvpolicy.engine.plan import naive_scale_view, plan_layout
 from kvpolicy.engine.runtime import allocate
-from kvpolicy.engine.verify import Writer, verify_plan, writers
+from kvpolicy.engine.verify import MAX_LISTED_COLLISIONS, Writer, refusal, verify_plan, writers
 from kvpolicy.policy import (
     KV_CACHE_DTYPES,
     AttentionKind,
@@ -238,3 +239,30 @@ def test_collisions_equal_a_brute_force_byte_owner_map(case) -> None:
     truth = byte_owners(plan, strategy)
     assert reported(report) == truth
     assert report.ok is (not truth)
+    assert report.collision_count == len(truth) and report.complete
+    in_order = sorted((address, a, b) for (a, b), address in truth.items())
+    index = {id(w): i for i, w in enumerate(report.writers)}
+    assert [(c.address, *sorted((index[id(c.a)], index[id(c.b)]))) for c in report.collisions] == in_order
+    with mock.patch("kvpolicy.engine.verify.MAX_LISTED_COLLISIONS", 3):  # a capped listing: the lowest addresses
+        capped = verify_plan(plan, strategy)
+    assert capped.collision_count == len(truth) and capped.complete is (len(truth) <= 3)
+    assert [(c.address, *sorted((index_of(capped, c.a), index_of(capped, c.b)))) for c in capped.collisions] \
+        == in_order[:3]
+
+
+def index_of(report, w: Writer) -> int:
+    return next(i for i, x in enumerate(report.writers) if x is w)
+
+
+def test_a_4096_layer_cross_layer_cache_is_counted_exactly_and_listed_in_bounded_memory() -> None:
+    """Every layer's naive scale views meet on layer 0's bytes: 2 * C(4096, 2) colliding pairs.
+    They are counted, not listed (listing them took gigabytes); the refusal still says how many."""
+    spec = KVCacheSpec(num_layers=4096, block_size=16, num_kv_heads=8, head_size=128,
+                       kv_cache_dtype="fp8_per_token_head")
+    plan = plan_layout(Layout.BLNHC, spec, BACKENDS["TRITON_ATTN"], 4)
+    report = verify_plan(plan)
+    assert report.collision_count == 2 * 4096 * 4095 // 2 and not report.ok and not report.complete
+    assert len(report.collisions) == MAX_LISTED_COLLISIONS
+    assert [c.address for c in report.collisions] == sorted(c.address for c in report.collisions)
+    assert report.to_dict()["collision_count"] == 16_773_120
+    assert "16773120 pair(s) of views" in str(refusal(plan, report))
