@@ -201,10 +201,11 @@ def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geom
     Writers of one buffer with the same levels and run (a *shape*: K and V data of every
     layer, say) differ only by their offset, so whether two of them collide, and where
     relative to the first, depends on the offset difference alone: each distinct
-    difference is decided once with `kvpolicy.engine.lattice` (exact, independent of
-    block size, heads and head size), and the pairs sharing it are read off an offset
-    index. Cost: ``O(shapes^2 * (writers + colliding pairs))`` decisions and look-ups
-    for a plan's layers, whose offsets step evenly.
+    difference some pair of writers has is decided once with `kvpolicy.engine.lattice`
+    (exact, independent of block size, heads and head size). Pairs are counted per
+    difference (in O(1) when the offsets step evenly) and listed lazily, lowest address
+    first, up to `MAX_LISTED_COLLISIONS`. Cost: ``O(shapes^2 * writers)`` decisions and
+    look-ups within each buffer, plus one entry per listed pair.
     """
     strategy = scale_views or plan.backend.scale_views
     ws = writers(plan, strategy)
@@ -215,25 +216,28 @@ def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geom
         shapes.setdefault((w.buffer, s.levels, s.run, w.role), {}).setdefault(s.offset, []).append(i)
     streams: list[Iterator[tuple[int, int, int]]] = []  # each sorted by (address, writer a, writer b), a < b
     count = 0
-    keys = list(shapes)
-    for n, kx in enumerate(keys):
-        for ky in keys[n:]:
-            if kx[0] != ky[0]:
+    by_buffer: dict[int, list[tuple[int, tuple[tuple[int, int], ...], int, str]]] = {}
+    for key in shapes:  # writers of different buffers never meet: pair shapes within a buffer only
+        by_buffer.setdefault(key[0], []).append(key)
+    pairs_of_shapes = [(kx, ky) for keys in by_buffer.values() for n, kx in enumerate(keys) for ky in keys[n:]]
+    for kx, ky in pairs_of_shapes:
+        xs, ys = shapes[kx], shapes[ky]
+        x_offsets, y_offsets = sorted(xs), sorted(ys)
+        shape_x = StridedSet(0, kx[1], kx[2])
+        shape_y = StridedSet(0, ky[1], ky[2])
+        step = _common_step(xs, ys, x_offsets, y_offsets)
+        for d in sorted(_differences(x_offsets, y_offsets)):
+            if kx == ky and d < 0:
+                continue  # the same unordered pairs as -d
+            pairs = _pair_count(xs, ys, x_offsets, y_offsets, d, kx == ky, step)
+            if not pairs:  # a difference of the offsets' ranges no two writers have
                 continue
-            xs, ys = shapes[kx], shapes[ky]
-            x_offsets, y_offsets = sorted(xs), sorted(ys)
-            shape_x = StridedSet(0, kx[1], kx[2])
-            shape_y = StridedSet(0, ky[1], ky[2])
-            step = _common_step(xs, ys, x_offsets, y_offsets)
-            for d in sorted(_differences(x_offsets, y_offsets)):
-                if kx == ky and d < 0:
-                    continue  # the same unordered pairs as -d
-                first = first_shared(shape_x, shape_y.shifted(d)) if shape_x.well_nested else \
-                    _first_shared_either(shape_x, shape_y.shifted(d))
-                if first is None:
-                    continue
-                count += _pair_count(xs, ys, x_offsets, y_offsets, d, kx == ky, step)
-                streams.append(_pairs_at(xs, ys, x_offsets, d, first, kx == ky))
+            first = first_shared(shape_x, shape_y.shifted(d)) if shape_x.well_nested else \
+                _first_shared_either(shape_x, shape_y.shifted(d))
+            if first is None:
+                continue
+            count += pairs
+            streams.append(_pairs_at(xs, ys, x_offsets, d, first, kx == ky))
     listed = itertools.islice(heapq.merge(*streams), MAX_LISTED_COLLISIONS)
     collisions = tuple(Collision(ws[a], ws[b], ws[a].buffer, addr) for addr, a, b in listed)
     return GeometryReport(str(plan.layout), strategy, ws, collisions, count)
@@ -262,6 +266,8 @@ def _pair_count(xs: dict[int, list[int]], ys: dict[int, list[int]], x_offsets: l
         if rest:
             return 0
         return max(0, min(len(x_offsets), len(y_offsets) - shift) - max(0, -shift))
+    if len(y_offsets) < len(x_offsets):  # walk the shorter list: one offset of all layers' scales, say
+        return sum(len(ys[o]) * len(xs.get(o - d, ())) for o in y_offsets)
     return sum(len(xs[o]) * len(ys.get(o + d, ())) for o in x_offsets)
 
 
@@ -269,6 +275,8 @@ def _pairs_at(xs: dict[int, list[int]], ys: dict[int, list[int]], x_offsets: lis
               first: int, same: bool) -> Iterator[tuple[int, int, int]]:
     """The (address, a, b) of every pair at offset difference ``d``, in order, lazily (one
     offset may hold thousands of writers: all layers' scales at byte 0, say)."""
+    if len(ys) < len(xs):  # walk the shorter side; addresses ascend with either
+        x_offsets = [o - d for o in sorted(ys) if o - d in xs]
     for ox in x_offsets:
         partners = ys.get(ox + d)
         if not partners:
