@@ -27,6 +27,13 @@ CASES = {
                                   ["--kv-cache-dtype", "fp8_per_token_head"]),
     "sanity_bounds_fp8pth": ("num_layers: 4096\nblock_size: 4096\nnum_kv_heads: 1024\nhead_size: 16384\n",
                              ["--kv-cache-dtype", "fp8_per_token_head"]),
+    # the verifier's pair counting: a per-layer plan at the bounds with naive scale views (9.5 s before),
+    # and a forced cross-layer map of 4096 layers whose scale views collide pairwise (16.7 M pairs; 43 s)
+    "sanity_bounds_issue48412_fp8pth": ("num_layers: 4096\nblock_size: 4096\nnum_kv_heads: 1024\nhead_size: 16384\n",
+                                        ["--vllm-version", "issue-48412", "--kv-cache-dtype", "fp8_per_token_head"]),
+    "map_4096_layers_issue48412_cross_layer": ("num_layers: 4096\nblock_size: 16\nnum_kv_heads: 8\nhead_size: 128\n",
+                                               ["--vllm-version", "issue-48412", "--kv-cache-dtype",
+                                                "fp8_per_token_head", "--map-layout", "cross_layer/NHD"]),
     # --map (#16 class 5): one band per layer and role, not one run per cell
     "map_96x128": ("num_layers: 96\nblock_size: 16\nnum_kv_heads: 128\nhead_size: 128\n", ["--map"]),
     "map_96x128_fp8pth_svg": ("num_layers: 96\nblock_size: 16\nnum_kv_heads: 128\nhead_size: 128\n",
