@@ -194,7 +194,7 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
     c.text(LEFT, 24, title, 'font-size="16" font-weight="bold"')
     n_over_pieces = sum(b.repeats * sum(1 for p in b.pattern if p.overlap) for b in bands)
     verdict = (f"OVERLAP: {n_over_pieces} byte ranges written by more than one layer "
-               f"({len(report.collisions)} colliding writer pairs)" if n_over_pieces or not report.ok
+               f"({report.collision_count} colliding writer pairs)" if n_over_pieces or not report.ok
                else "no byte is written by two layers")
     c.text(LEFT, 44, f"page {plan.page_size_bytes} B x {plan.num_layers} layers; {verdict}",
            f'font-weight="bold" fill="{"#a50f15" if n_over_pieces else "#1b5e20"}"')
@@ -302,7 +302,7 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
         y = _draw_zoom(c, zoom, y + 6, width)
     over = [(b, p) for b in bands for p in b.pattern if p.overlap]
     if over:
-        c.text(LEFT, y + 4, f"Overlapping bytes ({len(report.collisions)} colliding writer pairs; "
+        c.text(LEFT, y + 4, f"Overlapping bytes ({report.collision_count} colliding writer pairs; "
                f"first: {report.collisions[0].describe() if report.collisions else 'none'}):",
                'font-weight="bold" data-kind="overlap-heading"')
         y += 22

@@ -219,6 +219,7 @@ def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geom
     by_buffer: dict[int, list[tuple[int, tuple[tuple[int, int], ...], int, str]]] = {}
     for key in shapes:  # writers of different buffers never meet: pair shapes within a buffer only
         by_buffer.setdefault(key[0], []).append(key)
+    answers: dict[tuple[Any, ...], int | None] = {}
     pairs_of_shapes = [(kx, ky) for keys in by_buffer.values() for n, kx in enumerate(keys) for ky in keys[n:]]
     for kx, ky in pairs_of_shapes:
         xs, ys = shapes[kx], shapes[ky]
@@ -232,8 +233,11 @@ def verify_plan(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> Geom
             pairs = _pair_count(xs, ys, x_offsets, y_offsets, d, kx == ky, step)
             if not pairs:  # a difference of the offsets' ranges no two writers have
                 continue
-            first = first_shared(shape_x, shape_y.shifted(d)) if shape_x.well_nested else \
-                _first_shared_either(shape_x, shape_y.shifted(d))
+            decided = (kx[1], kx[2], ky[1], ky[2], d)  # per-layer buffers repeat one question per layer
+            if decided not in answers:
+                answers[decided] = first_shared(shape_x, shape_y.shifted(d)) if shape_x.well_nested else \
+                    _first_shared_either(shape_x, shape_y.shifted(d))
+            first = answers[decided]
             if first is None:
                 continue
             count += pairs

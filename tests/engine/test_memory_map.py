@@ -195,3 +195,14 @@ def test_bands_name_the_writers_of_every_byte_exactly(layout, layers, block, hea
     for key, owners in expected.items():  # a cell's codes and its scales are drawn as one piece
         drawn = got.get(key, frozenset())  # bytes past a band's last piece are padding
         assert owners <= drawn and {_unit(o) for o in drawn} == {_unit(o) for o in owners}, key
+
+
+def test_svg_counts_every_colliding_pair_not_the_listed_ones() -> None:
+    """The verifier lists at most MAX_LISTED_COLLISIONS pairs; the drawing says how many there are
+    (found by a hostile pass: 200 layers drew "10000 colliding writer pairs" for 39,800)."""
+    from unittest import mock
+
+    p = plan("BLNHC", SPEC.model_copy(update={"num_layers": 24}))  # 2 x C(24, 2) = 552 pairs
+    with mock.patch("kvpolicy.engine.verify.MAX_LISTED_COLLISIONS", 5):
+        text = render_svg(p)
+    assert "(552 colliding writer pairs" in text and "(5 colliding" not in text
