@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import install_vllm
+import pytest
 from vllm_release import run_oracle
 
 INSTALLER = Path(__file__).resolve().parent / "install_vllm.py"
@@ -35,12 +36,8 @@ def test_installer_reuses_the_cache(vllm_sites):
 def test_site_for_refuses_an_unknown_install(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPOLICY_VLLM_CACHE", str(tmp_path))
     (tmp_path / "0.34.0" / "site").mkdir(parents=True)  # no COMPLETE: a killed install
-    try:
+    with pytest.raises(install_vllm.InstallError, match="not installed"):
         install_vllm.site_for("0.34.0")
-    except install_vllm.InstallError as exc:
-        assert "not installed" in str(exc)
-    else:
-        raise AssertionError("site_for accepted an install without COMPLETE")
 
 
 def test_site_for_refuses_an_install_made_with_other_pins(tmp_path, monkeypatch):
@@ -52,12 +49,8 @@ def test_site_for_refuses_an_install_made_with_other_pins(tmp_path, monkeypatch)
     marker.write_text(install_vllm._complete_text("0.34.0"))
     assert install_vllm.site_for("0.34.0") == tmp_path / "0.34.0" / "site"
     marker.write_text(install_vllm._complete_text("0.34.0").replace("typing-extensions==4.16.0\n", ""))
-    try:
+    with pytest.raises(install_vllm.InstallError, match="other pins"):
         install_vllm.site_for("0.34.0")
-    except install_vllm.InstallError as exc:
-        assert "other pins" in str(exc)
-    else:
-        raise AssertionError("site_for accepted an install made with other pins")
 
 
 # Requirements of the site's packages that the interpreter is trusted to meet: the
