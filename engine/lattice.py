@@ -89,7 +89,27 @@ def _terms(a: StridedSet, b: StridedSet) -> list[list[int]]:
             merged[stride][1] += hi
         else:
             merged[stride] = [lo, hi]
-    return sorted(([s, lo, hi] for s, (lo, hi) in merged.items()), key=lambda t: -t[0])
+    terms = sorted(([s, lo, hi] for s, (lo, hi) in merged.items()), key=lambda t: t[0])
+    return _fold_multiples(terms)[::-1]
+
+
+def _fold_multiples(terms: list[list[int]]) -> list[list[int]]:
+    """Fold a term into a smaller one whose stride divides its own, where the smaller one's
+    range is at least the quotient wide: ``c*m*s + d*s`` then takes every integer multiple
+    of ``s`` from ``(m*lo + lo')*s`` to ``(m*hi + hi')*s``, an exact single term. Keeps the
+    branch and bound from enumerating coefficient pairs that only restate one another (a
+    page stride that is a multiple of a cell stride, say). ``terms`` ascend by stride."""
+    out: list[list[int]] = []
+    for s, lo, hi in terms:
+        for t in out:
+            small, small_lo, small_hi = t
+            if small > 0 and s % small == 0 and small_hi - small_lo + 1 >= s // small:
+                m = s // small
+                t[1], t[2] = small_lo + m * lo, small_hi + m * hi
+                break
+        else:
+            out.append([s, lo, hi])
+    return out
 
 
 def _reachable(terms: list[list[int]], low: int, high: int) -> bool:

@@ -31,6 +31,21 @@ def test_meets_is_exact_for_any_strides(a: StridedSet, b: StridedSet) -> None:
 
 
 @st.composite
+def commensurate(draw) -> StridedSet:
+    """Strides that are multiples of one another (a page of cells, a block of pages), with
+    counts either side of their quotients: where the search folds one term into another."""
+    base = draw(st.integers(1, 6))
+    lv = tuple((draw(st.integers(1, 7)), base * draw(st.integers(1, 8))) for _ in range(draw(st.integers(1, 3))))
+    return StridedSet(draw(st.integers(-20, 40)), lv, draw(st.integers(1, 5)))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(commensurate(), commensurate())
+def test_meets_is_exact_where_strides_divide_one_another(a: StridedSet, b: StridedSet) -> None:
+    assert meets(a.normal(), b.normal()) is bool(bytes_of(a) & bytes_of(b))
+
+
+@st.composite
 def nested(draw) -> StridedSet:
     """A view of a non-overlapping tensor: each stride at least the extent below it."""
     run = draw(st.integers(1, 8))
