@@ -203,26 +203,22 @@ def _key(fp: dict[str, Any]) -> str:
     return json.dumps(fp, sort_keys=True, separators=(",", ":"))
 
 
-def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
-    """Check that every rank holds the same fingerprint; the pure half of `agree`.
-
-    The reference is the fingerprint most ranks hold (ties: the one of the
-    lowest rank), so a single odd rank is the one named. Raises
-    `LayoutMismatchError` with one diagnostic per differing rank and field,
-    identical on every rank because every rank sees the same input.
-    """
+def _checked_ranks(ranks: Sequence[RankFingerprint]) -> tuple[list[RankFingerprint], dict[int, LayoutFingerprint]]:
+    """The ranks in group-rank order, and each fingerprint of this format parsed by group rank;
+    `InputError` naming the rank for anything that is not one rank's fingerprint."""
     given = type(ranks).__name__
     try:
-        ranks = None if isinstance(ranks, (str, bytes, dict)) else list(ranks)  # type: ignore[assignment]
+        listed = None if isinstance(ranks, (str, bytes, dict)) else list(ranks)
     except TypeError:
-        ranks = None  # type: ignore[assignment]
-    if ranks is None or not all(isinstance(r, RankFingerprint) for r in ranks):
+        listed = None
+    if listed is None or not all(isinstance(r, RankFingerprint) for r in listed):
         raise input_error("ranks", f"`ranks` must be a sequence of RankFingerprint, got {given}",
                           "gather one RankFingerprint per rank (see `agree`)")
-    if not ranks:
+    if not listed:
         raise input_error("ranks", "no rank fingerprints to compare")
+    parsed: dict[int, LayoutFingerprint] = {}
     seen: set[int] = set()
-    for r in ranks:
+    for r in listed:
         if not all(type(n) is int for n in (r.rank, r.group_rank)):
             raise input_error("ranks", f"rank numbers must be ints, got rank {r.rank!r:.40} and group rank "
                               f"{r.group_rank!r:.40}", "build RankFingerprint(rank, group_rank, ...) from ints")
@@ -232,9 +228,9 @@ def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
         seen.add(r.group_rank)
         check_peer_value(r.fingerprint, r.name)  # a peer's data: bounded before it is printed or compared
         version = r.fingerprint.get("format_version") if isinstance(r.fingerprint, dict) else None
-        if version == FORMAT_VERSION:  # another format is a version skew, reported as a mismatch below
+        if version == FORMAT_VERSION:  # another format is a version skew, reported as a mismatch
             try:
-                LayoutFingerprint.from_dict(r.fingerprint)
+                parsed[r.group_rank] = LayoutFingerprint.from_dict(r.fingerprint)
             except InputError as exc:
                 why = exc.diagnostics[0].message.removeprefix("not a layout fingerprint: ")
                 raise input_error("ranks", f"{r.name} sent something that is not a layout fingerprint: {why}",
@@ -243,7 +239,18 @@ def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
             raise input_error("ranks", f"{r.name} sent something that is not a layout fingerprint "
                               "(no integer `format_version`)",
                               "gather LayoutFingerprint.to_dict() from every rank")
-    ordered = sorted(ranks, key=lambda r: r.group_rank)
+    return sorted(listed, key=lambda r: r.group_rank), parsed
+
+
+def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
+    """Check that every rank holds the same fingerprint; the pure half of `agree`.
+
+    The reference is the fingerprint most ranks hold (ties: the one of the
+    lowest rank), so a single odd rank is the one named. Raises
+    `LayoutMismatchError` with one diagnostic per differing rank and field,
+    identical on every rank because every rank sees the same input.
+    """
+    ordered, parsed = _checked_ranks(ranks)
     classes: dict[str, list[RankFingerprint]] = {}
     for r in ordered:
         classes.setdefault(_key(r.fingerprint), []).append(r)
@@ -252,7 +259,7 @@ def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
         if len(digests) > 1:
             logger.info("kvpolicy: %d ranks agree on the KV cache layout with %d different rule sets",
                         len(ordered), len(digests))
-        return LayoutFingerprint.from_dict(ordered[0].fingerprint)
+        return parsed.get(ordered[0].group_rank) or LayoutFingerprint.from_dict(ordered[0].fingerprint)
     ref_members = min(classes.values(), key=lambda members: (-len(members), members[0].group_rank))
     ref = ref_members[0]
     diags: list[Diagnostic] = []

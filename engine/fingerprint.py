@@ -165,7 +165,7 @@ class LayoutFingerprint:
             raise input_error("fingerprint", "not a layout fingerprint: wrong type for "
                               + ", ".join(f"`{name}`" for name in bad))
         try:  # `layout` parses these two: a peer's unknown pair must fail here, as an InputError
-            _layout_of(values["placement"], values["head_order"], tuple(values["physical_dims"]))
+            Layout.parse(f"{values['placement']}/{values['head_order']}")
         except ValueError:
             raise input_error("fingerprint.placement", f"not a layout fingerprint: placement "
                               f"`{values['placement'][:40]!r}` with head_order `{values['head_order'][:40]!r}` "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvpolicy.engine.lattice import StridedSet, first_shared
@@ -109,12 +109,8 @@ class GeometryReport:
     layout: str
     scale_views: ScaleViews
     writers: tuple[Writer, ...]
-    collisions: tuple[Collision, ...] = field(default=())  # the first MAX_LISTED_COLLISIONS, by address
-    collision_count: int = -1  # every colliding pair; -1: as many as listed
-
-    def __post_init__(self) -> None:
-        if self.collision_count < 0:
-            object.__setattr__(self, "collision_count", len(self.collisions))
+    collisions: tuple[Collision, ...]  # the first MAX_LISTED_COLLISIONS, by address
+    collision_count: int  # every colliding pair
 
     @property
     def ok(self) -> bool:
@@ -186,11 +182,18 @@ def _is_arithmetic(values: list[int]) -> bool:
     return len(values) < 3 or all(b - a == values[1] - values[0] for a, b in itertools.pairwise(values))
 
 
-def _differences(xs: list[int], ys: list[int]) -> set[int]:
-    """Every ``y - x``: ``O(|xs| + |ys|)`` when both are progressions with one step (a plan's layers)."""
+def _shared_step(xs: list[int], ys: list[int]) -> int | None:
+    """The one step both sorted offset lists advance by (0 when neither has two), or None."""
     steps = {b - a for v in (xs, ys) for a, b in itertools.pairwise(v)}
     if _is_arithmetic(xs) and _is_arithmetic(ys) and len(steps) <= 1:
-        step = steps.pop() if steps else 0
+        return steps.pop() if steps else 0
+    return None
+
+
+def _differences(xs: list[int], ys: list[int]) -> set[int]:
+    """Every ``y - x``: ``O(|xs| + |ys|)`` when both are progressions with one step (a plan's layers)."""
+    step = _shared_step(xs, ys)
+    if step is not None:
         return {ys[0] - xs[0] + k * step for k in range(-(len(xs) - 1), len(ys))}
     return {y - x for x in xs for y in ys}
 
@@ -254,10 +257,7 @@ def _common_step(xs: dict[int, list[int]], ys: dict[int, list[int]], x_offsets: 
         return None
     if len(xs) != sum(map(len, xs.values())) or len(ys) != sum(map(len, ys.values())):
         return None
-    step = x_offsets[1] - x_offsets[0]
-    if step != y_offsets[1] - y_offsets[0] or not (_is_arithmetic(x_offsets) and _is_arithmetic(y_offsets)):
-        return None
-    return step
+    return _shared_step(x_offsets, y_offsets)
 
 
 def _pair_count(xs: dict[int, list[int]], ys: dict[int, list[int]], x_offsets: list[int],
