@@ -101,6 +101,18 @@ def test_corpus_is_large_and_every_loader_only_file_has_a_reason() -> None:
     assert {p.stem for p in files if _expected(p) == "loader-only"} == set(LOADER_ONLY)
 
 
+def _assert_agree(expected: str, loader: list[str], schema: list[str], loader_may_accept: bool) -> None:
+    """A corpus file's verdicts: both accept, both refuse, or (loader-only) only the loader refuses."""
+    if expected == "valid":
+        assert (loader, schema) == ([], [])
+    elif expected == "invalid":
+        assert loader, "the loader accepts a broken file"
+        assert schema, f"the schema accepts what the loader refuses: {loader}"
+    else:
+        assert loader or loader_may_accept, "a loader-only mistake the loader accepts"
+        assert schema == [], "the schema now catches this: move it out of LOADER_ONLY"
+
+
 @pytest.mark.parametrize("path", [*_corpus("global"), *_corpus("connectors")],
                          ids=lambda p: p.parent.name + "/" + p.stem)
 def test_rule_corpus_loader_and_schema_agree(path: Path) -> None:
@@ -108,15 +120,7 @@ def test_rule_corpus_loader_and_schema_agree(path: Path) -> None:
     name = "connectors/c.yaml" if path.parent.name == "connectors" else "global.yaml"
     loader = _rules_load(name, text)
     schema = _schema_errors(RULES, yaml.safe_load(text))
-    expected = _expected(path)
-    if expected == "valid":
-        assert (loader, schema) == ([], [])
-    elif expected == "invalid":
-        assert loader, "the loader accepts a broken file"
-        assert schema, f"the schema accepts what the loader refuses: {loader}"
-    else:
-        assert loader or path.stem in LOADER_MAY_ACCEPT, "a loader-only mistake the loader accepts"
-        assert schema == [], "the schema now catches this: move it out of LOADER_ONLY"
+    _assert_agree(_expected(path), loader, schema, loader_may_accept=path.stem in LOADER_MAY_ACCEPT)
 
 
 @pytest.mark.parametrize("path", _corpus("cases"), ids=lambda p: p.stem)
@@ -127,14 +131,7 @@ def test_case_corpus_loader_and_schema_agree(path: Path) -> None:
     except PolicyTestError as exc:
         loader = [f"{d.code}: {d.message}" for d in exc.diagnostics]
     schema = _schema_errors(CASES, yaml.safe_load(path.read_text()))
-    expected = _expected(path)
-    if expected == "valid":
-        assert (loader, schema) == ([], [])
-    elif expected == "invalid":
-        assert loader, "the loader accepts a broken file"
-        assert schema, f"the schema accepts what the loader refuses: {loader}"
-    else:
-        assert loader and schema == []
+    _assert_agree(_expected(path), loader, schema, loader_may_accept=False)
 
 
 @pytest.mark.parametrize("texts", CROSS_FILE.values(), ids=list(CROSS_FILE))
