@@ -8,18 +8,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-from kvpolicy.engine.cli.main import main
+from cli_capture import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "rules" / "issue-48412"
 SMALL = "num_layers: 4\nblock_size: 16\nnum_kv_heads: 2\nhead_size: 64\n"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 

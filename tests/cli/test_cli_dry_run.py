@@ -7,19 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
-
-from kvpolicy.engine.cli.main import main
+from cli_capture import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "rules" / "issue-48412"
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 QWEN = {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def rule_line(rule_id: str, file: Path = RULES / "global.yaml") -> int:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_capture import cli
 
-from kvpolicy.engine.cli.main import main
 from kvpolicy.engine.integrations import vllm_plugin
 
 MY_CONNECTOR = """\
@@ -34,12 +34,6 @@ cases:
       layout: BLNHC
       matched: [my-connector-prefers-block-outermost]
 """
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

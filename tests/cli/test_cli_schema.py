@@ -7,17 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_capture import cli
 
-from kvpolicy.engine.cli.main import main
 from kvpolicy.engine.cli.schema import schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_committed_schema_is_current(capsys: pytest.CaptureFixture[str]) -> None:

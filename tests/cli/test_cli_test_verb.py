@@ -8,19 +8,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_capture import cli
 
 from kvpolicy.engine import LayoutEngine
-from kvpolicy.engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = "{num_layers: 24, block_size: 16, num_kv_heads: 2, head_size: 64}"
 N_RULES = len(LayoutEngine.default().ruleset.rules)  # the shipped rules; 11 when written
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def case_file(tmp_path: Path, body: str, name: str = "cases.yaml") -> Path:

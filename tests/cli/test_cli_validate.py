@@ -8,20 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_capture import cli
 
 from kvpolicy.engine import LayoutEngine
-from kvpolicy.engine.cli.main import main
 from kvpolicy.policy.load import rule_files
 
 ROOT = Path(__file__).resolve().parents[2]
 N_RULES = len(LayoutEngine.default().ruleset.rules)  # 11 when written
 N_FILES = len(rule_files(ROOT / "rules" / "issue-48412"))  # 6 when written
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_shipped_rules_are_clean(capsys: pytest.CaptureFixture[str]) -> None:

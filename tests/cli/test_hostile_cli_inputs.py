@@ -5,18 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_capture import cli
 
-from kvpolicy.engine.cli.main import main
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.policy.errors import InputError
 
 KTC = "--kv-transfer-config"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("text", [

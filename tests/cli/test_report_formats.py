@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from cli_capture import cli
 
 from kvpolicy.engine.cli.main import main
 from kvpolicy.engine.cli.report_formats import FORMAT_VERSION, github_annotations, json_text, sarif_log
@@ -44,12 +45,6 @@ SARIF_REQUIRED = {
                                     "startLine": {"type": "integer", "minimum": 1},
                                     "startColumn": {"type": "integer", "minimum": 1}}}}}}}}}}}}}}},
 }
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
