@@ -77,9 +77,9 @@ class StrideOrders(Frozen):
     backend never gets a cross-layer cache (``indexes_kv_by_block_stride`` is false).
     """
 
-    per_layer: tuple[int, ...] | None = Field(description="`get_kv_cache_stride_order()`")
+    per_layer: tuple[int, ...] | None = Field(default=None, description="`get_kv_cache_stride_order()`")
     cross_layer: tuple[int, ...] | None = Field(
-        description="`get_kv_cache_stride_order(include_num_layers_dimension=True)`")
+        default=None, description="`get_kv_cache_stride_order(include_num_layers_dimension=True)`")
 
 
 class BackendFacts(Frozen):
@@ -138,6 +138,8 @@ class ReleaseProfile(Frozen):
 
     name: str
     description: str
+    extends: str | None = Field(default=None, description="the profile whose facts this one's file amends "
+                                "(a JSON Merge Patch: what differs, nothing else)")
     vllm_versions: tuple[str, ...] = Field(description="installed vLLM versions this profile answers for")
     historical: bool = Field(default=False, description="a development state: never selected by default")
     resolver: Resolver
@@ -260,13 +262,59 @@ def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
                           kv_split=facts.kv_split)
 
 
+def merge_patch(base: object, patch: object) -> object:
+    """``patch`` applied to ``base`` as a JSON Merge Patch (RFC 7386): mappings merge key by key, a
+    null value removes its key, anything else replaces. A profile states what differs from the
+    profile it ``extends`` this way, so a fact shared by several releases is written once."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(base) if isinstance(base, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def _read_profile_files() -> dict[str, tuple[Path, dict]]:
+    """Every profile file's own mapping (before ``extends``), by profile name."""
+    raw: dict[str, tuple[Path, dict]] = {}
+    for path in sorted(RELEASES_DIR.glob("*.yaml")):
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or data["name"] in raw:
+            raise RuntimeError(f"release profile {path.name} is invalid: a mapping with a unique `name` expected")
+        raw[data["name"]] = (path, data)
+    return raw
+
+
+@functools.cache
+def profile_facts(name: str) -> dict:
+    """The facts of profile ``name`` as one mapping: its own file applied to the profile it extends
+    (recursively). Shipped data: a missing base or a cycle is a packaging defect (RuntimeError)."""
+    raw = _read_profile_files()
+    chain: list[str] = []
+    at: str | None = name
+    while at is not None:
+        if at in chain or at not in raw:
+            why = "a cycle" if at in chain else f"no profile `{at}`"
+            raise RuntimeError(f"release profile {name}: `extends` reaches {why} ({' -> '.join([*chain, at])})")
+        chain.append(at)
+        at = raw[at][1].get("extends")
+    root, *patches = [{k: v for k, v in raw[link][1].items() if k != "extends"} for link in reversed(chain)]
+    facts = root  # the root states every fact, its nulls included (a null stride order is a fact)
+    for patch in patches:
+        facts = merge_patch(facts, patch)  # type: ignore[assignment]
+    facts["extends"] = raw[name][1].get("extends")
+    return facts
+
+
 @functools.cache
 def _profiles() -> dict[str, ReleaseProfile]:
     out: dict[str, ReleaseProfile] = {}
-    for path in sorted(RELEASES_DIR.glob("*.yaml")):
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    for name, (path, _data) in _read_profile_files().items():
         try:
-            profile = ReleaseProfile.model_validate(data)
+            profile = ReleaseProfile.model_validate(profile_facts(name))
         except ValidationError as exc:  # shipped data: a packaging defect, not a user's mistake
             raise RuntimeError(f"release profile {path.name} is invalid: {exc}") from None
         out[profile.name] = profile
