@@ -380,6 +380,12 @@ def _series(version: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
+def _release_key(version: str) -> tuple[int, ...]:
+    """The release numbers of a version: ``0.27.0rc1``, ``0.27.0.post1+cu129`` -> (0, 27, 0)."""
+    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
+    return tuple(int(x) for x in match[1].split(".")) if match else ()
+
+
 class VersionMatch(NamedTuple):
     """The profile that answers for a vLLM version: one that lists it, else (``by_series``) the one of its
     ``X.Y`` series whose newest listed version is not above it (0.27.2 -> the profile of 0.27.1 when
@@ -411,11 +417,11 @@ def match_version(version: str) -> VersionMatch | None:
     series = _series(version)
     if series is None:
         return None
-    same = sorted(((_version_key(v), p) for p in released for v in p.vllm_versions if _series(v) == series),
+    same = sorted(((_release_key(v), p) for p in released for v in p.vllm_versions if _series(v) == series),
                   key=lambda kv: kv[0])
     if not same:
         return None
-    asked = _version_key(base)
+    asked = _release_key(base)
     below = [p for key, p in same if key <= asked]
     return VersionMatch(version, below[-1] if below else same[0][1], by_series=True)
 
