@@ -64,6 +64,7 @@ from kvpolicy.policy.releases import (
     ENV_VAR,
     ReleaseProfile,
     Resolver,
+    get_profile,
     known_profiles,
     match_version,
     profile_names,
@@ -413,7 +414,7 @@ def _register() -> None:
         return
     # INVARIANT: the rules are loaded in every case, also when no profile answers (checked against the newest),
     # so a broken rule directory is reported with the version problem, not after the operator fixed that one.
-    checked = profile or resolve_profile(profile_names()[0])[0]
+    checked = profile or get_profile(profile_names()[0])
     try:
         engine = _engine(settings, checked)
     except RuleLoadError as exc:
