@@ -15,8 +15,8 @@ from kvpolicy.policy.installed_vllm import InstalledVllm
 from kvpolicy.policy.releases import profile_names
 
 RULES_028 = Path(__file__).resolve().parents[2] / "rules" / "vllm-0.28"
-VERBS = (["dry-run", "--format", "json"], ["validate"], ["test"], ["lint", "--max-inputs", "1"],
-         ["diff", str(RULES_028), str(RULES_028)])
+VERBS = (["dry-run", "--format", "json"], ["validate"], ["test"])  # lint and diff: see the parser test below
+ANALYSES = (["lint"], ["diff", str(RULES_028), str(RULES_028)])  # 6 s each to run: their flag is checked parsed
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +40,21 @@ def test_a_patch_release_is_accepted_on_every_verb_with_a_note(capsys, verb: lis
                            "decide as its series does"], err
     if verb[0] == "dry-run":
         assert json.loads(out)["profile"] == "vllm-0.28"
+
+
+@pytest.mark.parametrize("verb", VERBS + ANALYSES, ids=lambda v: v[0])
+def test_every_verb_with_the_flag_settles_it_before_it_runs(verb: list[str]) -> None:
+    """main() settles --vllm-version for every verb (settle_vllm_version, before args.run): the verb
+    then sees the profile's name, and nothing after resolves (or says) it again."""
+    import io
+
+    from kvpolicy.engine.cli.common import settle_vllm_version
+    from kvpolicy.engine.cli.main import build_parser
+
+    args = build_parser().parse_args([*verb, "--vllm-version", "0.28.1"])
+    stream = io.StringIO()
+    settle_vllm_version(args, stream)
+    assert args.vllm_version == "vllm-0.28" and _notes(stream.getvalue())[0].startswith("note: --vllm-version 0.28.1")
 
 
 def test_a_version_of_no_known_series_is_a_usage_error_listing_the_profiles(capsys) -> None:
