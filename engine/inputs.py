@@ -405,9 +405,9 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
         raise input_error("device_capability", f"`device_capability` must be a CUDA capability major number "
                           f"such as 9 or 10, got `{capability!r}`")
     if release.hisparse_connectors:
-        # vLLM's VllmConfig turns HiSparse on for a HiSparse connector, and refuses it without one.
+        # vLLM's VllmConfig turns HiSparse on for a HiSparse connector (0.34 refuses it without one).
         with_connector = _has_connector(connector, release.hisparse_connectors)
-        if hisparse and not with_connector:
+        if hisparse and not with_connector and release.hisparse_requires_connector:
             names = " or ".join(f"`{n}`" for n in release.hisparse_connectors)
             raise input_error("hisparse", f"vLLM profile `{release.name}` refuses a HiSparse config without "
                               f"{names} in the KV transfer config",

@@ -173,6 +173,9 @@ class ReleaseProfile(Frozen):
     workers_must_agree: bool = Field(
         default=False, description="the resolver asserts that every worker reports the same supported layouts "
         "(0.29-0.33: pipeline stages whose backends declare different lists cannot start); 0.34 merges them")
+    hisparse_requires_connector: bool = Field(
+        default=False, description="a HiSparse config without one of `hisparse_connectors` is refused "
+        "(0.34: \"HiSparse requires a KV transfer config with HiSparseConnector\"); 0.30-0.33 take it")
     options: tuple[Literal["enable_extensible_kv_cache", "hisparse", "dcp_sharding"], ...] = Field(
         default=(), description="the vLLM settings of the layout decision this release has beyond "
         "`VLLM_KV_CACHE_LAYOUT` and the device capability (`build_context` refuses the others when set); "

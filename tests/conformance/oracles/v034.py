@@ -39,6 +39,7 @@ only because this runs on a CPU without the CUDA stack:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -185,12 +186,58 @@ def cuda_alike_extensible_kv_cache():
         VllmConfig._resolve_extensible_kv_cache = original
 
 
+@contextlib.contextmanager
+def cuda_for_hisparse():
+    """STAND-IN: 0.30-0.33 refuse HiSparse unless ``current_platform.is_cuda()`` ("HiSparse currently
+    requires NVIDIA CUDA"; 0.34 asks ``get_hisparse_backend_cls``, which `gpu_platform_config`
+    answers): the platform says CUDA while VllmConfig is built, as on the deployments decided for.
+    Its other is_cuda() branches read settings the oracle leaves at their defaults (TP 1, no
+    batch invariance, no profiler)."""
+    from vllm.platforms import current_platform
+
+    if hasattr(type(current_platform), "get_hisparse_backend_cls"):
+        yield
+        return
+    saved = current_platform.__dict__.get("is_cuda")
+    current_platform.is_cuda = lambda: True
+    try:
+        yield
+    finally:
+        if saved is None:
+            del current_platform.is_cuda
+        else:
+            current_platform.is_cuda = saved
+
+
+@contextlib.contextmanager
+def triton_present():
+    """STAND-IN: VllmConfig sees Triton, as on the CUDA deployments decided for. HiSparse selects
+    Model Runner V2, which 0.30-0.32 refuse without Triton ("Model Runner V2 requires Triton"); the
+    release sites leave Triton out (`install_vllm.py`), so ``vllm.config.vllm.HAS_TRITON`` is False."""
+    import vllm.config.vllm as config_module
+
+    saved = getattr(config_module, "HAS_TRITON", None)
+    if saved is None:
+        yield
+        return
+    config_module.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        config_module.HAS_TRITON = saved
+
+
 def build_vllm_config(case, layout=None, num_blocks=None):
     from vllm.config import AttentionConfig, CacheConfig, KVTransferConfig, VllmConfig
 
-    # Settings a release lacks are left out, not set to their "off" value: 0.29-0.33's CacheConfig has
-    # no enable_extensible_kv_cache and 0.29's AttentionConfig no hisparse_config (they refuse the keys).
-    cache = {"enable_extensible_kv_cache": True} if case.get("enable_extensible_kv_cache") else {}
+    # enable_extensible_kv_cache is always given where CacheConfig has it (0.34: unset means "on where
+    # supported", which a case's False must not become); a release without it (0.29-0.33) refuses the key.
+    # 0.29's AttentionConfig has no hisparse_config either (`hisparse_config`).
+    cache = {}
+    if "enable_extensible_kv_cache" in {f.name for f in dataclasses.fields(CacheConfig)}:
+        cache["enable_extensible_kv_cache"] = bool(case.get("enable_extensible_kv_cache", False))
+    elif case.get("enable_extensible_kv_cache"):
+        raise ValueError("this release's CacheConfig has no enable_extensible_kv_cache")
     if case.get("block_size") is not None:
         cache["block_size"] = case["block_size"]
     if num_blocks is not None:
@@ -205,7 +252,7 @@ def build_vllm_config(case, layout=None, num_blocks=None):
         # HiSparse needs a DSA model (hf_config.index_topk); HiSparseConnector turns it on.
         dsa = bool(case.get("hisparse")) or "HiSparseConnector" in json.dumps(kv_transfer or {})
         kwargs["model_config"] = model_config(bool(case.get("use_mla", False)), dsa)
-    with gpu_platform_config(), cuda_alike_extensible_kv_cache():
+    with gpu_platform_config(), cuda_alike_extensible_kv_cache(), cuda_for_hisparse(), triton_present():
         vllm_config = VllmConfig(**kwargs)
     if layout is not None:
         # How a worker adopts the layout the engine core resolved.
@@ -237,8 +284,6 @@ def build_spec(s, backend):
         SlidingWindowSpec,
         get_kv_quant_mode,
     )
-    from vllm.v1.worker.utils import customize_attention_spec
-
     kind = s.get("kind", "full")
     if kind == "mamba":
         # A Mamba layer's state: one tensor of `state_elements` values (vLLM's MambaSpec;
@@ -256,9 +301,12 @@ def build_spec(s, backend):
         head_size=s.get("head_size", 128),
         dtype=kv_cache_dtype_str_to_dtype(kv_cache_dtype, model_dtype),
         kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
-        dcp_sharded=s.get("dcp_sharded", True),
         page_size_padded=s.get("page_size_padded"),
     )
+    if "dcp_sharded" in {f.name for f in dataclasses.fields(FullAttentionSpec)}:  # 0.31 on
+        common["dcp_sharded"] = s.get("dcp_sharded", True)
+    elif not s.get("dcp_sharded", True):
+        raise ValueError("this release's specs have no dcp_sharded")
     if kind == "full":
         spec = FullAttentionSpec(**common)
     elif kind == "mla":
@@ -268,6 +316,17 @@ def build_spec(s, backend):
     else:
         raise ValueError(f"unknown spec kind {kind!r}")
     return customize_attention_spec(backend, spec) if backend is not None else spec
+
+
+def customize_attention_spec(backend, spec):
+    """The worker's customization of a layer's spec: ``v1/worker/utils.customize_attention_spec``
+    (0.32 on: the backend's ``customize_spec`` plus the kernel block alignment), else what 0.29-0.31's
+    GPU model runner calls, the backend's ``customize_spec``."""
+    try:
+        from vllm.v1.worker.utils import customize_attention_spec as worker_customization
+    except ImportError:
+        return backend.customize_spec(spec)
+    return worker_customization(backend, spec)
 
 
 def spec_facts(spec):
