@@ -98,7 +98,8 @@ def worker_candidates(release: ReleaseProfile, supported_layouts: Sequence[Seque
     """The workers' reported layouts merged as vLLM's engine core merges them: workers reporting
     the default preference (no backend declared a set) do not vote; the rest are intersected and
     ranked by how many put each first (vLLM's ``_merge_supported_layouts``). Empty: no layout fits
-    every worker. An empty or unknown report is an `InputError`."""
+    every worker. An empty or unknown report is an `InputError`, and so are reports that differ
+    where the release asserts that they agree (0.29-0.33)."""
     if not supported_layouts:
         raise input_error("supported_layouts", "no worker reported supported KV cache layouts",
                           code="no-supported-layouts")
@@ -114,6 +115,13 @@ def worker_candidates(release: ReleaseProfile, supported_layouts: Sequence[Seque
                               f"which vLLM profile `{release.name}` has",
                               "valid: " + ", ".join(x.value for x in release.layouts),
                               code="unknown-layout") from None
+    if release.workers_must_agree and any(r != reports[0] for r in reports[1:]):
+        shown = "; ".join(f"worker {i} [{', '.join(str(x) for x in r)}]" for i, r in enumerate(reports))
+        raise input_error("supported_layouts", f"{release.version_label} requires every worker to report the "
+                          f"same supported KV cache layouts, and these differ: {shown}",
+                          "run the same attention backends on every worker (pipeline stage) for this release "
+                          "(vLLM refuses this too: \"Workers disagree on supported KV cache layouts\")",
+                          code="workers-disagree")
     voting = [r for r in reports if r != release.default_layout_preference] or reports
     return tuple(x for x in _merge(voting) if x in release.layouts)
 

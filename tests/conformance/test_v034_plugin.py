@@ -54,7 +54,7 @@ from test_v034_decisions import (
 
 from kvpolicy.engine import LayoutEngine
 from kvpolicy.policy import Layout
-from kvpolicy.policy.errors import NoLayoutError, PolicyError
+from kvpolicy.policy.errors import InputError, NoLayoutError, PolicyError
 from kvpolicy.policy.releases import profile_names
 
 VERSION = "0.34.0"
@@ -172,6 +172,9 @@ def _same_as_vllm(vllm: dict[str, Any], plugin: dict[str, Any]) -> str | None:
         kind = _vllm_error_kind(vllm["error"])
         if kind is None:
             return f"unmapped vLLM refusal {vllm['error'][:120]}"
+        if kind[1] is InputError:  # an input vLLM's resolver refuses outright (0.29-0.33's workers-disagree)
+            ok = plugin["error"].startswith("StartupError: kvpolicy: ") and f"error[{kind[2]}]" in plugin["error"]
+            return None if ok else f"vLLM refuses ({kind[2]}); the plugin: {plugin['error'][:160]}"
         if not plugin["error"].startswith("StartupError: kvpolicy: no KV cache layout survives"):
             return f"vLLM refuses ({kind[2]}); the plugin: {plugin['error'][:160]}"
         if not any(kind[2] in b for b in _plugin_blamed(plugin["error"])):
@@ -203,6 +206,10 @@ def _as_rules_say(expected: dict[str, Any], plugin: dict[str, Any]) -> str | Non
         kind = _vllm_error_kind(plugin["error"])
         ok = kind is not None and any(kind[2] in b for b in expected["blamed"])
         return None if ok else f"refused before resolution: {plugin['error'][:100]}; rules blame {expected['blamed']}"
+    if expected["error"] == InputError.__name__ and plugin["error"].startswith("StartupError: kvpolicy: "):
+        # an input the release refuses outright (0.29-0.33's workers-disagree): the same code, located
+        missing = [code for code in expected["blamed"] if f"error[{code}]" not in plugin["error"]]
+        return f"rules refuse ({expected['blamed']}), plugin: {plugin['error'][:160]}" if missing else None
     if expected["error"] == NoLayoutError.__name__:
         if set(_plugin_blamed(plugin["error"])) != set(expected["blamed"]):
             return f"rules blame {expected['blamed']}, plugin {_plugin_blamed(plugin['error'])}"
