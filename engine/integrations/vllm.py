@@ -40,7 +40,7 @@ conservative or defers to the object:
   backend says so; for a known backend, an explicit ``indexes_kv_by_block_stride``
   from vLLM overrides the shipped profile;
 - a KV cache vLLM describes in a way kvpolicy cannot (an unknown spec class,
-  quant mode such as ``nvfp4``, or ``kv_cache_dtype``) gets per-layer buffers:
+  quant mode such as ``turboquant_k8v4``, or ``kv_cache_dtype``) gets per-layer buffers:
   the gate logs a warning and answers False.
 """
 
@@ -172,7 +172,7 @@ def _kv_cache_dtype(spec: Any, cache_dtype: str | None) -> str:
         return "auto"
     if mode == "fp8_per_tensor":
         return "fp8_e5m2" if dtype == "float8_e5m2" else "fp8"
-    if mode in _PER_TOKEN_HEAD:
+    if mode in _PER_TOKEN_HEAD or mode == QuantMode.nvfp4.value:  # nvfp4_4over6 has nvfp4's bytes
         return mode
     if mode is not None:
         raise input_error("kv_quant_mode", f"quant mode `{mode}` has no kvpolicy geometry",

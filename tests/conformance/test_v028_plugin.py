@@ -6,7 +6,7 @@ from a wheel of this checkout (``plugin_site.py``). In order, it:
 
 1. loads plugins with ``KVPOLICY_RULES`` unset: ``GPUModelRunner.use_uniform_kv_cache`` stays vLLM's;
 2. loads them with ``KVPOLICY_RULES=shipped``, twice: the gate is kvpolicy's, installed once;
-3. asks it, and vLLM's own gate, on every deployment of test_v028_decisions' space (18,720: real
+3. asks it, and vLLM's own gate, on every deployment of test_v028_decisions' space (19,890: real
    VllmConfig, layer specs, attention groups and the connector vLLM's factory loads, including
    ``NixlConnector``, which 0.28 registers as an alias of ``NixlPullConnector``, and
    OffloadingConnector's ``canonical_layout``): the same answer and the same head order, with the
@@ -37,7 +37,7 @@ from kvpolicy.policy.releases import get_profile
 
 PROFILE = get_profile(VERSION)
 ENTRY_POINT = "kvpolicy.engine.integrations.vllm_plugin:register"
-EXPECTED = 18_720
+EXPECTED = 19_890
 RUNNER_EVERY = 37
 
 SITE_OFFLOADING = """

@@ -12,11 +12,13 @@ vLLM decides the KV cache layout once, in the engine core, with
 * the device capability (only FLASHINFER's declaration reads it; the facts case checks
   the profile's declarations for every backend under every capability): None, 8.0, 9.0,
   10.0, 12.0 for worker sets with FLASHINFER, None and 9.0 for the others;
-* the KV cache specs (the HNC shape, page size and DCP sharding of each): 9 sets of
+* the KV cache specs (the HNC shape, page size and DCP sharding of each): 12 sets of
   attention/Mamba specs (one spec; two equal groups; mixed heads; mixed heads and block
   size with equal pages; bf16 beside fp8_per_token_head; DCP-sharded target beside a
   replicated draft with a different page and with the same page; attention beside a
-  Mamba state; sharded + replicated attention beside a Mamba state) and 2 MLA sets (one
+  Mamba state; sharded + replicated attention beside a Mamba state; FLASHINFER's nvfp4
+  (2H head slots, vLLM's ``customize_spec``) at head 128 and nvfp4_4over6 at head 64;
+  nvfp4 beside a bf16 spec of the same HNC shape) and 2 MLA sets (one
   spec; a sharded target beside a replicated draft);
 * ``VLLM_KV_CACHE_LAYOUT``: unset, each of the six layouts, NHD, HND (9);
 * the KV transfer config, through ``get_kv_connector_cache_layout`` (the connector's
@@ -29,18 +31,18 @@ vLLM decides the KV cache layout once, in the engine core, with
   requiring nothing, conflicting, nested, and holding an invalid member);
 * ``enable_extensible_kv_cache``: off, on (2).
 
-Four planes of that space are enumerated in full (67,896 cases in all), leaving out what
+Four planes of that space are enumerated in full (69,408 cases in all), leaving out what
 vLLM cannot build (a spec whose kv_cache_dtype some backend lacks: vLLM selects no backend;
 kvpolicy refuses those inputs, which is checked too; an MLA spec with a non-MLA backend):
 
-* A, the candidates: 44 worker sets x their capabilities (154 pairs) x 9 spec sets x 9
-  VLLM_KV_CACHE_LAYOUT values x {no connector, OffloadingConnector} x 2 = 44,424 (the
-  fp8_per_token_head set only on TRITON_ATTN);
+* A, the candidates: 44 worker sets x their capabilities (154 pairs) x 12 spec sets x 9
+  VLLM_KV_CACHE_LAYOUT values x {no connector, OffloadingConnector} x 2 = 45,504 (the
+  fp8_per_token_head set only on TRITON_ATTN, the nvfp4 sets only on FLASHINFER alone);
 * B, the connectors: 7 (worker set, capability) pairs x 4 spec sets (one spec, mixed
   heads, DCP, attention + Mamba) x 9 x 27 connector configurations x 2 = 13,608;
 * C, MLA: 4 worker sets x 2 capabilities x 2 MLA spec sets x 9 x 27 x 2 = 7,776;
-* D, B's 7 pairs x the other 5 spec sets x 9 x {none, NixlConnector, MultiConnector
-  Nixl + Offloading, MultiConnector HiSparse + Offloading} x 2 = 2,088.
+* D, B's 7 pairs x the other 8 spec sets x 9 x {none, NixlConnector, MultiConnector
+  Nixl + Offloading, MultiConnector HiSparse + Offloading} x 2 = 2,520.
 
 One oracle subprocess answers every case (``oracles/v034.py``, which calls vLLM's own
 functions), with the facts of the release and the inputs of the shipped policy tests
@@ -71,7 +73,7 @@ from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 PROFILE = "vllm-0.34"
-EXPECTED_CASES = 67_896
+EXPECTED_CASES = 69_408
 
 # ---------------------------------------------------------------------------------------------
 # The input space
@@ -126,6 +128,11 @@ SPEC_SETS: dict[str, list[dict[str, Any]]] = {
     "dcp-draft-same-page": [_full(), _full(dcp_sharded=False)],
     "hybrid-mamba": [_full(), _MAMBA],
     "dcp-mamba": [_full(), _full(dcp_sharded=False), _MAMBA],
+    # FLASHINFER's nvfp4: 2H head slots of D/2 + D/16 bytes (18432 B and 2304 B pages)
+    "nvfp4": [_full(kv_cache_dtype="nvfp4")],
+    "nvfp4-4over6": [_full(heads=2, head=64, kv_cache_dtype="nvfp4_4over6")],
+    # 8 nvfp4 heads are 16 slots of 72 B: the same HNC shape as 16 bf16 heads of 18 (not mixed)
+    "nvfp4-slots-same-hnc": [_full(kv_cache_dtype="nvfp4"), _full(heads=16, head=18)],
 }
 MLA_SPEC_SETS: dict[str, list[dict[str, Any]]] = {
     "mla": [{"kind": "mla", "num_kv_heads": 1, "head_size": 576, "block_size": 16}],
