@@ -24,7 +24,9 @@ candidates, its ``kv_cache_dtype`` strings, and vLLM's options. Dimensions:
   defaults, and the values either side of each literal a rule compares one with;
 - connector: none, every connector some rule names in each variant of the
   ``connector.extra.*`` values its rules test (either side of each literal), a
-  connector no rule names, and MultiConnector pairs of those.
+  connector no rule names, and MultiConnector pairs of those; when a rule reads
+  ``connector.prefers_cross_layer_blocks``, each of them with it said true and false
+  (the unknown connector's default is false).
 
 A dimension's values that no rule of the analysed rule sets can tell apart
 (and that give the same candidates and geometry) collapse to the first one,
@@ -300,6 +302,8 @@ def _connector_label(c: ConnectorConfig | None) -> str:
         return "none"
     text = c.name + ("{" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(c.extra.items())) + "}"
                      if c.extra else "")
+    if c.prefers_cross_layer_blocks is not None:
+        text += f"(prefers_cross_layer_blocks={json.dumps(c.prefers_cross_layer_blocks)})"
     if c.connectors:
         text += "[" + ",".join(_connector_label(m) for m in c.connectors) + "]"
     return text
@@ -335,6 +339,13 @@ def connectors(rulesets: RuleSet | Sequence[RuleSet]) -> list[ConnectorConfig | 
     for name in named:
         out += _variants(sets, name, full=True)
     members = [v for name in named for v in _variants(sets, name, full=False)] + [unknown]
+    if any(PREFERS_CROSS_LAYER in _fields_read(rs.rules) for rs in sets):
+        # the connector object's own prefer_cross_layer_blocks, as the plugin reads it: the unknown
+        # connector's (default false) said true, and each named connector's (default: its rules) said
+        # either way; an unknown member said true too
+        out.append(unknown.model_copy(update={"prefers_cross_layer_blocks": True}))
+        out += [ConnectorConfig(name=name, prefers_cross_layer_blocks=v) for name in named for v in (True, False)]
+        members.append(unknown.model_copy(update={"prefers_cross_layer_blocks": True}))
     for a, b in itertools.combinations(members, 2):
         if a.name != b.name:
             out.append(ConnectorConfig(name="MultiConnector", connectors=(a, b)))
@@ -417,6 +428,9 @@ def _size_variants(leaves: _Leaves, mla: bool) -> list[dict[str, Any]]:
 
 def _size_label(sizes: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(sizes.items())) or "default"
+
+
+PREFERS_CROSS_LAYER = "connector.prefers_cross_layer_blocks"
 
 
 def _fields_read(rules: Iterable[Any]) -> set[str]:

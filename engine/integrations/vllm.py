@@ -56,7 +56,7 @@ from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.policy.backends import BackendProfile, Dim
-from kvpolicy.policy.connectors import COMPOSITE_CONNECTORS, ConnectorConfig
+from kvpolicy.policy.connectors import COMPOSITE_CONNECTORS, KNOWN_CONNECTORS, ConnectorConfig
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
 from kvpolicy.policy.layouts import HeadOrder, LayoutPattern, Placement
@@ -317,13 +317,21 @@ def _own_preference(connector: Any) -> bool:
 
 
 def connector_config(connector: Any) -> ConnectorConfig | None:
-    """vLLM's connector object as a `ConnectorConfig` (None for None); MultiConnector keeps its members."""
+    """vLLM's connector object as a `ConnectorConfig` (None for None); MultiConnector keeps its members.
+
+    A connector no release registers (a class vLLM loads from ``kv_connector_module_path``) brings its
+    own ``prefer_cross_layer_blocks``, the fact vLLM's gate asks the object: it becomes the rules'
+    ``connector.prefers_cross_layer_blocks``. A registered connector's rules model that property
+    (conditions included, checked against the release), and a composite's is its members', so the
+    decision is the one ``kvpolicy dry-run`` makes for the same deployment."""
     if connector is None:
         return None
     name = connector_name(connector)
     extra = _extra_config(connector)
     if name not in COMPOSITE_CONNECTORS:  # only a composite's `connectors` key lists members
-        return ConnectorConfig(name=name, extra=extra)
+        own = name not in KNOWN_CONNECTORS and hasattr(type(connector), "prefer_cross_layer_blocks")
+        return ConnectorConfig(name=name, extra=extra,
+                               prefers_cross_layer_blocks=_own_preference(connector) if own else None)
     instances = _members(connector)
     if instances is None:  # no live member objects: vLLM's configuration form
         return ConnectorConfig.from_vllm(name, extra)

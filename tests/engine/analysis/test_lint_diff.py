@@ -272,6 +272,13 @@ def test_vllm_028_guard_and_runner_are_decision_load_bearing_never_safety() -> N
     assert found["v2-model-runner-keeps-per-layer"] == "decision"  # the space sets use_v2_model_runner
     assert "safety" not in found.values()
     assert "use_v2_model_runner" in report.space.dimensions
+    # the gate's connector fact: the connector with no rules said to prefer cross-layer blocks, and each
+    # registered one said either way; the global rule reading it decides
+    connectors = report.space.dimensions["connector"]
+    assert "ThirdPartyConnector(prefers_cross_layer_blocks=true)" in connectors
+    assert {"OffloadingConnector(prefers_cross_layer_blocks=false)", "LMCacheConnectorV1(prefers_cross_layer_blocks"
+            "=true)"} <= set(connectors)
+    assert found["cross-layer-needs-a-connector-that-prefers-it"] == "decision"
     # nvfp4: decided by 0.28's gate, but kvpolicy has no geometry for it there
     assert report.space.left_out["backend/kv_cache_dtype pairs kvpolicy decides but cannot plan for this release"] \
         == ["FLASHINFER/nvfp4"]
