@@ -34,9 +34,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from kvpolicy.engine.peer_data import load_peer_json
-from kvpolicy.policy.backends import BackendProfile, Dim
+from kvpolicy.policy.backends import BackendProfile, Dim, nvfp4_order
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.quant import QuantMode
 from kvpolicy.policy.spec import KVCacheGroups, KVCacheSpec
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
 FORMAT_VERSION = 1
 NUM_BLOCKS_SYMBOL = "B"
 SCALE_DTYPE = "float32"
+NVFP4_SCALE_DTYPE = "float8_e4m3fn"
 
 # vLLM spellings of one format -> one canonical name ("auto" resolves to the cache dtype).
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
@@ -301,9 +303,9 @@ def canonical_kv_cache_dtype(spec: KVCacheSpec) -> str:
     return _KV_CACHE_DTYPE_ALIASES.get(spec.kv_cache_dtype, spec.kv_cache_dtype)
 
 
-def _physical_order(layout: Layout, backend: BackendProfile) -> tuple[tuple[Dim, ...], int]:
+def _physical_order(layout: Layout, backend: BackendProfile, nvfp4: bool = False) -> tuple[tuple[Dim, ...], int]:
     """The physical dims of one buffer, and whether layers get buffers of their own (1) or share one (0)."""
-    order = backend.order(layout)
+    order = nvfp4_order(layout) if nvfp4 else backend.order(layout)
     if backend.layer_buffers and layout.is_layer_compact:
         return order[1:], 1
     return order, 0
@@ -313,7 +315,7 @@ def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
                    groups: KVCacheGroups | None = None) -> LayoutFingerprint:
     """The fingerprint of ``layout`` for ``spec`` on ``backend``; ``groups`` defaults to ``spec`` alone."""
     groups = groups if groups is not None else KVCacheGroups.single(spec)
-    order, split = _physical_order(layout, backend)
+    order, split = _physical_order(layout, backend, spec.quant_mode is QuantMode.nvfp4)
     sizes: dict[Dim, int | str] = {
         Dim.block: NUM_BLOCKS_SYMBOL,
         Dim.layer: spec.num_layers,
@@ -342,9 +344,9 @@ def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
         kv_cache_dtype=canonical_kv_cache_dtype(spec),
         cell_bytes=spec.cell_bytes,
         page_bytes=spec.page_size_bytes,
-        scale_placement="inline_tail" if inline else "none",
-        scale_dtype=SCALE_DTYPE if inline else None,
-        scale_bytes=spec.quant_mode.scale_bytes,
+        scale_placement="inline_tail" if inline else ("side_tail" if spec.scale_bytes_per_cell else "none"),
+        scale_dtype=SCALE_DTYPE if inline else (NVFP4_SCALE_DTYPE if spec.scale_bytes_per_cell else None),
+        scale_bytes=spec.scale_bytes_per_cell,
         scale_offset=spec.data_bytes_per_head if inline else None,
         groups=tuple(
             GroupFingerprint(g.spec.kind.value, g.spec.num_layers, g.spec.block_size, g.spec.page_size_bytes,

@@ -5,7 +5,7 @@ keys), named as vLLM names them: ``model`` or ``spec`` / ``groups``,
 ``kv_cache_dtype``, ``block_size``, ``attention_backend`` (alias ``backend``; with
 neither, the one vLLM selects: `default_backend`), ``worker_attention_backends``,
 ``connector``, ``connector_config`` or vLLM's whole ``kv_transfer_config``,
-``vllm_kv_cache_layout``, ``enable_extensible_kv_cache``, ``hisparse``,
+``connector_prefers_cross_layer_blocks``, ``vllm_kv_cache_layout``, ``enable_extensible_kv_cache``, ``hisparse``,
 ``device_capability``, ``vllm_version``; the pydantic models themselves are
 accepted too.
 """
@@ -111,6 +111,7 @@ def build_context(
     device_capability: int | None = None,
     use_v2_model_runner: bool = False,
     worker_attention_backends: Sequence[Sequence[str]] | None = None,
+    connector_prefers_cross_layer_blocks: bool | dict[str, bool] | None = None,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -124,7 +125,11 @@ def build_context(
     hold different layers, so their lists may differ): their merged
     ``supported_kv_cache_layouts()`` are the candidates, and ``attention_backend``
     defaults to the first of them. ``vllm_version`` selects the release profile
-    (default: the installed vLLM's, else the newest).
+    (default: the installed vLLM's, else the newest). ``connector_prefers_cross_layer_blocks``
+    is the connector class's own ``prefer_cross_layer_blocks`` (vLLM 0.24-0.28's gate asks the
+    object vLLM loads, e.g. from ``kv_connector_module_path``): a bool for the connector, or a
+    mapping of connector names (MultiConnector members) to theirs; the rules read it as
+    ``connector.prefers_cross_layer_blocks``.
     """
     release = get_profile(vllm_version)
     if attention_backend is not None and backend is not None and not _same_backend(release, attention_backend,
@@ -154,6 +159,13 @@ def build_context(
         if given is not None:
             _check_kv_cache_dtype(release, given)
     connector_config_model = _connector(connector, connector_config, connector_where)
+    if connector_prefers_cross_layer_blocks is not None:
+        where = "connector_prefers_cross_layer_blocks"
+        if connector_config_model is None:
+            raise input_error(where, "`connector_prefers_cross_layer_blocks` given without a connector",
+                              "name the connector with `connector` (or `kv_transfer_config`)")
+        connector_config_model = connector_config_model.with_cross_layer_preferences(
+            connector_prefers_cross_layer_blocks, where)
     options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability,
                        connector_config_model, use_v2_model_runner)
     if model is not None and spec is not None:

@@ -31,6 +31,17 @@ set) pads as vLLM 0.29+'s ``compute_layout_strides`` does: a head dim of size 1
 (MLA) does not hold the padding out, and a padded page under LHBNC or BHLNC with
 several heads, which vLLM refuses, is an `InputError`.
 
+nvfp4 (``nvfp4``, ``nvfp4_4over6``; vLLM 0.34's FLASHINFER): vLLM views each layer as
+``[B, 2H, N, D/2 + D/16]`` (K's H head slots, then V's: ``customize_spec``), and its
+kernels read a dense page as two sides, K then V, each its ``H x N`` cells' fp4 data
+followed by their fp8 block scales, cells in the page's head order (HND when the head
+slots are outside the tokens, NHD when inside): vLLM's ``_nvfp4_kv_views`` and
+``nvfp4_split_data_scale``. The plan's layer view is the data (a cell of ``D/2``
+bytes), its scale views the ``D/16`` scale bytes of each cell. A layout whose layer
+pages are not dense (the layer dim inside a block of several layers, BHLNC, or the
+head dim outside the block, LHBNC) has no nvfp4 cells in vLLM (its forward raises),
+and plans as an `InputError` saying so.
+
 Addresses: `LayoutPlan.cell_offset` / `scale_offset` give the byte address of
 one K or V cell and of its inline scale, and `LayoutPlan.vllm_allocation` the
 buffers and per-layer ``[B, H, N, C]`` views as vLLM allocates them;
@@ -46,9 +57,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvpolicy.policy.backends import BackendProfile, Dim, packed_order
+from kvpolicy.policy.backends import BackendProfile, Dim, KVSplit, nvfp4_order, packed_order
 from kvpolicy.policy.errors import GeometryError, input_error
 from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.quant import QuantMode
 from kvpolicy.policy.spec import KVCacheSpec
 
 __all__ = [
@@ -64,6 +76,7 @@ __all__ = [
 
 SCALE_DTYPE = "float32"
 SCALE_BYTES = 4
+NVFP4_SCALE_DTYPE = "float8_e4m3fn"  # one scale per 16 fp4 values; a cell's scale view spans D/16 of them
 _ROLE_KV_INDEX = {"k": 0, "v": 1}
 
 
@@ -265,10 +278,15 @@ class LayoutPlan:
         `cell_offset`.
         """
         spec = self.spec
+        if spec.quant_mode is QuantMode.nvfp4:  # the cell's D/16 fp8 block scales, after its side's data
+            _view, (kv, block, token, head) = self._cell_view(layer, kv, block, token, head)
+            sv = self.layers[_check_layer(self, layer)].scales[kv]
+            at = dict(zip(sv.dims, sv.byte_strides, strict=True))
+            return sv.buffer, sv.byte_offset + block * at["block"] + token * at["token"] + head * at["head"]
         if not spec.per_token_head:
             raise input_error("kv_cache_dtype", f"kv_cache_dtype `{spec.kv_cache_dtype}` stores no inline scales",
-                              "scale_offset applies to fp8_per_token_head, int8_per_token_head and "
-                              "int4_per_token_head caches", code="no-inline-scales")
+                              "scale_offset applies to fp8_per_token_head, int8_per_token_head, "
+                              "int4_per_token_head, nvfp4 and nvfp4_4over6 caches", code="no-inline-scales")
         buffer, offset = self.cell_offset(layer, kv, block, token, head)
         return buffer, offset + spec.data_bytes_per_head
 
@@ -299,7 +317,8 @@ def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_
     faithfully, so the verifier can show why.
     """
     _check_inputs(layout, spec, backend, num_blocks)
-    full_order = backend.order(layout)
+    nvfp4 = spec.quant_mode is QuantMode.nvfp4
+    full_order = nvfp4_order(layout) if nvfp4 else backend.order(layout)
     # One buffer per layer (vLLM 0.28's runner, #48412's state) when the layer dim is outermost;
     # otherwise one buffer holds every layer (cross-layer, and every layout of vLLM 0.29+).
     split = backend.layer_buffers and layout.is_layer_compact
@@ -335,7 +354,10 @@ def plan_layout(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_
         buffers = (BufferPlan(0, dims, shape, tuple(strides[d] for d in order), dtype, numel * elem),)
         views = [TensorView(0, ldims, lshape, lstrides, i * strides[Dim.layer]) for i in range(spec.num_layers)]
 
-    layers = tuple(LayerPlan(i, v, _stride_aware_scales(v, spec, elem)) for i, v in enumerate(views))
+    if nvfp4:
+        layers = tuple(_nvfp4_layer(i, layout, spec, strides, num_blocks) for i in range(spec.num_layers))
+    else:
+        layers = tuple(LayerPlan(i, v, _stride_aware_scales(v, spec, elem)) for i, v in enumerate(views))
     total = sum(b.nbytes for b in buffers)
     # INVARIANT: padding included, the cache is exactly num_blocks * L * page bytes.
     assert total == num_blocks * spec.num_layers * spec.page_size_bytes, (total, spec.page_size_bytes)
@@ -425,6 +447,8 @@ def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, nu
         raise input_error("backend", f"backend `{backend.name}` stores {what}, which spec kind "
                           f"`{spec.kind.value}` does not match",
                           "pair MLA specs with MLA backends and the rest with the others", code="backend-mismatch")
+    if spec.quant_mode is QuantMode.nvfp4:
+        _check_nvfp4_backend(spec, backend)
     elem = spec.cache_dtype.size_bytes
     if spec.page_size_bytes % elem:
         raise input_error("spec.page_size_padded",
@@ -435,15 +459,70 @@ def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, nu
         raise GeometryError(f"cell of {spec.cell_bytes} bytes is not whole `{spec.cache_dtype.value}` elements")
 
 
+def _check_nvfp4_backend(spec: KVCacheSpec, backend: BackendProfile) -> None:
+    """nvfp4's geometry is modelled for vLLM 0.29+'s allocation (one `KVCacheTensor` viewed per
+    layer as ``[B, 2H, N, C]``, content K/V split); a backend allocating otherwise cannot be planned."""
+    if backend.kv_split is KVSplit.content and not backend.layer_buffers and not backend.mla:
+        return
+    how = ("per-layer buffers of vLLM 0.24-0.28's gate" if backend.layer_buffers
+           else "a geometry without vLLM 0.29+'s [B, H, N, C] views")
+    raise input_error("kv_cache_dtype", f"kvpolicy decides kv_cache_dtype `{spec.kv_cache_dtype}` on backend "
+                      f"`{backend.name}` but cannot plan it: its nvfp4 geometry is modelled for vLLM 0.29+'s "
+                      f"allocation (each layer's [B, 2H, N, D/2 + D/16] view of one KVCacheTensor), and "
+                      f"`{backend.name}` here allocates {how}",
+                      "plan it under a vLLM 0.29+ profile (vllm-0.34), or use a kv_cache_dtype kvpolicy plans "
+                      "for this profile (auto, fp8, ...)", code="unplanned-kv-cache-dtype")
+
+
+def _nvfp4_layer(layer: int, layout: Layout, spec: KVCacheSpec, strides: dict[Dim, int], num_blocks: int
+                 ) -> LayerPlan:
+    """Layer ``layer``'s nvfp4 data view and K/V scale views, where vLLM's ``_nvfp4_kv_views`` finds them.
+
+    vLLM reads a layer's ``[B, 2H, N, F]`` view (``F = D/2 + D/16``) only when its pages are dense:
+    slot and token strides ``(N*F, F)`` (HND) or ``(F, 2H*F)`` (NHD). Each side (K, V) is then
+    ``H*N*F`` bytes: ``H*N`` cells of ``D/2`` data bytes, then ``H*N`` cells of ``D/16`` scale bytes,
+    cell ``(h, n)`` at index ``h*N + n`` (HND) or ``n*H + h`` (NHD)."""
+    h, n, f = spec.num_kv_heads, spec.block_size, spec.cell_bytes
+    data, scale = spec.data_bytes_per_head, spec.scale_bytes_per_cell
+    slot, token = strides[Dim.head], strides[Dim.token]
+    if (slot, token) == (n * f, f):
+        head_order = "HND"
+    elif (slot, token) == (f, 2 * h * f):
+        head_order = "NHD"
+    else:
+        raise input_error("layout", f"layout `{layout}` leaves the pages of a `{spec.kv_cache_dtype}` cache not dense "
+                          f"({spec.num_layers} layers, {num_blocks} blocks): vLLM 0.34's FLASHINFER reads nvfp4 K and "
+                          "V only from dense pages (`_nvfp4_kv_views` raises \"NVFP4 KV pages must be dense\" at "
+                          "the first forward), so kvpolicy has no cell addresses to plan",
+                          "use a block-compact layout (LBNHC, LBHNC, BLNHC, BLHNC)", code="nvfp4-pages-not-dense")
+
+    def cell_strides(width: int) -> tuple[int, int]:  # (head, token) byte strides of one side's cells
+        return (n * width, width) if head_order == "HND" else (width, h * width)
+
+    offset = layer * strides.get(Dim.layer, 0)
+    side = h * n * f
+    data_head, data_token = cell_strides(data)
+    view = TensorView(0, ("block", "head", "token", "kv", "dim"), (num_blocks, h, n, 2, data),
+                      (strides[Dim.block], data_head, data_token, side, 1), offset)
+    scale_head, scale_token = cell_strides(scale)
+    scales = tuple(ByteView(0, role, ("block", "token", "head"), (num_blocks, n, h),
+                            (strides[Dim.block], scale_token, scale_head), offset + kv * side + h * n * data,
+                            NVFP4_SCALE_DTYPE)
+                   for kv, role in enumerate(("k", "v")))
+    return LayerPlan(layer, view, scales)
+
+
 def _check_paddable(layout: Layout, spec: KVCacheSpec) -> None:
     """vLLM 0.29+ pads a page only when every dim outside the page's ``[H, N, C]`` tail is L, B or
     of size 1 (``compute_layout_strides`` asserts it): LHBNC and BHLNC with several KV heads
     interleave pages by head, so a padded page has nowhere to go."""
-    if layout.is_block_compact or spec.num_kv_heads == 1:
+    if layout.is_block_compact or spec.head_slots == 1:
         return
+    heads = (f"{spec.num_kv_heads} KV heads" if spec.head_slots == spec.num_kv_heads
+             else f"{spec.head_slots} head slots (K's {spec.num_kv_heads} KV heads, then V's)")
     raise input_error("spec.page_size_padded",
                       f"vLLM cannot pad pages (page_size_padded {spec.page_size_padded}) under layout `{layout}` "
-                      f"with {spec.num_kv_heads} KV heads: the head dim lies outside the page, between "
+                      f"with {heads}: the head dim lies outside the page, between "
                       "layers or blocks (vLLM's compute_layout_strides refuses it)",
                       "use a layout with the layer and block dims outermost (LBHNC, LBNHC, BLHNC, BLNHC), "
                       "or unpadded pages", code="unpaddable-layout")
@@ -585,8 +664,10 @@ def _vllm_allocation(plan: LayoutPlan) -> VllmAllocation:
     order = packed_order(plan.layout, mla=True)  # the layout's letters, then C
     if per_layer_buffers:
         order = tuple(d for d in order if d is not Dim.layer)
-    sizes = {Dim.block: plan.num_blocks, Dim.layer: spec.num_layers, Dim.head: spec.num_kv_heads,
-             Dim.token: spec.block_size, Dim.dim: spec.kv_factor * spec.cell_elements}
+    # C: a head's K and V cells (MLA: the latent); nvfp4 gives K and V head slots of their own
+    content = spec.cell_elements if spec.head_slots != spec.num_kv_heads else spec.kv_factor * spec.cell_elements
+    sizes = {Dim.block: plan.num_blocks, Dim.layer: spec.num_layers, Dim.head: spec.head_slots,
+             Dim.token: spec.block_size, Dim.dim: content}
     strides, _ = _physical_strides(order, sizes, spec, skip_singletons=True)
     names = {Dim.dim: "content"}
     dims = tuple(names.get(d, d.value) for d in order)

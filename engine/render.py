@@ -80,6 +80,9 @@ def _connector(c: object) -> str:
     extra = getattr(c, "extra", {})
     members = getattr(c, "connectors", ())
     text = name + (" " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())) if extra else "")
+    prefers = getattr(c, "prefers_cross_layer_blocks", None)
+    if prefers is not None:
+        text += f" (prefer_cross_layer_blocks {str(prefers).lower()})"
     if members:
         text += " [" + "; ".join(_connector(m) for m in members) + "]"
     return text

@@ -140,11 +140,11 @@ def _view_dims(view: TensorView) -> list[tuple[int, int]]:
             for d in (Dim.token, Dim.head) if d.value in view.dims]
 
 
-def _scale_writer(layer: int, role: str, sv: ByteView) -> Writer:
+def _scale_writer(layer: int, role: str, sv: ByteView, run: int = 4) -> Writer:
     inner = [(n, s) for d, n, s in zip(sv.dims, sv.shape, sv.byte_strides) if d != "block"]
     bi = sv.dims.index("block")
     return Writer(layer, f"{role}_scale", sv.buffer, sv.byte_offset, sv.byte_strides[bi], sv.shape[bi],
-                  tuple(inner), 4)
+                  tuple(inner), run)
 
 
 def writers(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> tuple[Writer, ...]:
@@ -152,7 +152,7 @@ def writers(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> tuple[Wr
     (default: the plan's backend's strategy)."""
     strategy = scale_views or plan.backend.scale_views
     spec, elem = plan.spec, plan.element_size
-    data_run = spec.data_bytes_per_head if spec.per_token_head else spec.cell_bytes
+    data_run = spec.data_bytes_per_head if spec.per_token_head or _scales_apart(plan) else spec.cell_bytes
     out: list[Writer] = []
     for lp in plan.layers:
         v = lp.view
@@ -171,7 +171,14 @@ def writers(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> tuple[Wr
                 sv = (naive_scale_view(plan, lp.layer, role) if strategy is ScaleViews.assume_per_layer_contiguous
                       else next(s for s in lp.scales if s.role == role))
                 out.append(_scale_writer(lp.layer, role, sv))
+        elif _scales_apart(plan):  # nvfp4: each cell's fp8 block scales, apart from its data
+            out.extend(_scale_writer(lp.layer, sv.role, sv, spec.scale_bytes_per_cell) for sv in lp.scales)
     return tuple(out)
+
+
+def _scales_apart(plan: LayoutPlan) -> bool:
+    """The cells' scales are not at their data's tail but in scale views of their own (nvfp4)."""
+    return not plan.spec.per_token_head and plan.spec.scale_bytes_per_cell > 0
 
 
 def _strided(w: Writer) -> StridedSet:

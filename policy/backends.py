@@ -32,6 +32,7 @@ __all__ = [
     "KVSplit",
     "ScaleViews",
     "get_backend",
+    "nvfp4_order",
     "packed_backend",
     "packed_order",
 ]
@@ -194,6 +195,16 @@ def packed_order(layout: Layout, mla: bool = False, kv_split: KVSplit = KVSplit.
     if kv_split is KVSplit.token_rows:
         return (*dims[:-1], _KV, _N, _D) if dims[-1] is _N else None
     return (*dims, _KV, _D)
+
+
+def nvfp4_order(layout: Layout) -> tuple[Dim, ...]:
+    """vLLM's physical order of an nvfp4 cache (0.29+): the layout's letters over ``[L, B, H', N, C]``,
+    the ``2H`` head slots ``H'`` being K's heads then V's (``kv`` outside ``head``; FLASHINFER's
+    ``customize_spec`` sets ``num_head_slots = 2 * num_kv_heads``)."""
+    out: list[Dim] = []
+    for d in packed_order(layout, mla=True)[:-1]:
+        out.extend((_KV, _H) if d is _H else (d,))
+    return (*out, _D)
 
 
 def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] = tuple(Layout),

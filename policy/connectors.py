@@ -59,9 +59,47 @@ class ConnectorConfig(Frozen):
     name: str = Field(min_length=1)
     extra: dict[str, Scalar] = Field(default_factory=dict)
     connectors: tuple[ConnectorConfig, ...] = ()
+    prefers_cross_layer_blocks: bool | None = Field(
+        default=None, description="the connector object's own `prefer_cross_layer_blocks` (what vLLM 0.24-0.28's "
+        "gate asks it); None: not given (a registered connector's rules say when it prefers; any other connector "
+        "has KVConnectorBase_V1's default, false)")
 
     def __hash__(self) -> int:  # extra is a dict: hash its sorted items
-        return hash((self.name, tuple(sorted((k, repr(v)) for k, v in self.extra.items())), self.connectors))
+        return hash((self.name, tuple(sorted((k, repr(v)) for k, v in self.extra.items())), self.connectors,
+                     self.prefers_cross_layer_blocks))
+
+    def with_cross_layer_preferences(self, preferences: bool | dict[str, bool], where: str) -> ConnectorConfig:
+        """This connector with ``prefers_cross_layer_blocks`` set: a bool for this connector itself (not a
+        composite: its members' answers make its own), or a mapping of connector names in the tree to theirs.
+        A name the tree does not hold, or a value that is not a boolean, is an `InputError` at ``where``."""
+        if isinstance(preferences, bool):
+            if self.is_composite:
+                raise input_error(where, f"`{self.name}` prefers cross-layer blocks when all its members do",
+                                  "give each member's answer by name, e.g. {\"MyConnector\": true}")
+            return self.model_copy(update={"prefers_cross_layer_blocks": preferences})
+        if not isinstance(preferences, dict) or not preferences:
+            raise input_error(where, "expected true, false, or a non-empty mapping of connector names to true/false",
+                              'e.g. true, or {"MyConnector": true}')
+        names = set(self.names())
+        for name, value in preferences.items():
+            if name not in names:
+                close = difflib.get_close_matches(str(name), sorted(names), n=1)
+                raise input_error(f"{where}.{name}", f"no configured connector is named `{name}`",
+                                  (f"did you mean `{close[0]}`? " if close else "") + "configured: "
+                                  + ", ".join(sorted(names)))
+            if not isinstance(value, bool):
+                raise input_error(f"{where}.{name}", f"`{name}`'s prefer_cross_layer_blocks must be true or false, "
+                                  f"got `{value!r}`", "what the connector class's prefer_cross_layer_blocks answers")
+        return self._with_preferences(preferences)
+
+    def _with_preferences(self, preferences: dict[str, bool]) -> ConnectorConfig:
+        members = tuple(m._with_preferences(preferences) for m in self.connectors)
+        own = preferences.get(self.name, self.prefers_cross_layer_blocks)
+        return self.model_copy(update={"connectors": members, "prefers_cross_layer_blocks": own})
+
+    def names(self) -> list[str]:
+        """This connector's name and its members', depth first."""
+        return [self.name, *(n for m in self.connectors for n in m.names())]
 
     @field_validator("extra", mode="before")
     @classmethod

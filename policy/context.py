@@ -84,6 +84,20 @@ def _conn(fn: Callable[[ConnectorConfig], Any], absent: Any = MISSING) -> Callab
     return lambda _ctx, c: absent if c is None else fn(c)
 
 
+def _prefers_cross_layer_blocks(c: ConnectorConfig) -> Any:
+    """Given; else, for a composite, all of its members' (vLLM's MultiConnector: false once one member's
+    is false, absent while one is unknown); else absent for a connector a release registers (its
+    connector file's rules say when it prefers); else KVConnectorBase_V1's default, false."""
+    if c.prefers_cross_layer_blocks is not None:
+        return c.prefers_cross_layer_blocks
+    if c.is_composite:
+        members = [_prefers_cross_layer_blocks(m) for m in c.connectors]
+        if any(v is False for v in members):
+            return False
+        return True if all(v is True for v in members) else MISSING
+    return MISSING if c.name in KNOWN_CONNECTORS else False
+
+
 _FIELD_LIST: tuple[FieldSpec, ...] = (
     FieldSpec("kv.kind", "str", "what the (first) KV cache group stores", _kv("kind"), _enum(AttentionKind)),
     FieldSpec("kv.kv_cache_dtype", "str", "vLLM's `kv_cache_dtype` string", _kv("kv_cache_dtype"), KV_CACHE_DTYPES),
@@ -151,6 +165,14 @@ _FIELD_LIST: tuple[FieldSpec, ...] = (
     FieldSpec("connector.composite", "bool", "the connector has member connectors (MultiConnector)",
               _conn(lambda c: c.is_composite, absent=False)),
     FieldSpec("connector.members", "int", "number of member connectors", _conn(lambda c: len(c.connectors), 0)),
+    FieldSpec("connector.prefers_cross_layer_blocks", "bool",
+              "the connector object's own `prefer_cross_layer_blocks`, which vLLM 0.24-0.28's gate asks (the plugin "
+              "reads it from a connector vLLM loads by `kv_connector_module_path`; "
+              "`connector_prefers_cross_layer_blocks` on the CLI and in the library); not given: a composite's is "
+              "all of its members' (absent while one is unknown), a connector no vLLM release registers has "
+              "KVConnectorBase_V1's default (false), and a registered one none (its connector file's rules say "
+              "when it prefers)",
+              _conn(lambda c: _prefers_cross_layer_blocks(c)), nullable=True),
 )
 
 FIELDS: dict[str, FieldSpec] = {f.path: f for f in _FIELD_LIST}

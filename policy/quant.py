@@ -52,7 +52,10 @@ class QuantMode(str, Enum):
 
     The three ``*_per_token_head`` modes keep one fp32 scale per (token, head)
     inline at the tail of each cell, which is what makes their memory geometry
-    different from every other mode.
+    different from every other mode. ``nvfp4`` (vLLM's ``KVQuantMode.NVFP4``, the
+    ``nvfp4`` and ``nvfp4_4over6`` kv_cache_dtypes: one byte layout, two scale
+    searches) stores two fp4 values a byte and one fp8 e4m3 scale per 16 values,
+    the scales of a page side apart from its data (see `KVCacheSpec`).
     """
 
     none = "none"
@@ -60,6 +63,7 @@ class QuantMode(str, Enum):
     fp8_per_token_head = "fp8_per_token_head"
     int8_per_token_head = "int8_per_token_head"
     int4_per_token_head = "int4_per_token_head"
+    nvfp4 = "nvfp4"
 
     @property
     def is_per_token_head(self) -> bool:
@@ -70,16 +74,21 @@ class QuantMode(str, Enum):
         """Bits per stored value; None when unquantized (the model dtype decides)."""
         if self is QuantMode.none:
             return None
-        return 4 if self is QuantMode.int4_per_token_head else 8
+        return 4 if self in (QuantMode.int4_per_token_head, QuantMode.nvfp4) else 8
 
     @property
     def scale_bytes(self) -> int:
         """Bytes of inline scale per (token, head) cell: one fp32 for per-token-head."""
         return 4 if self.is_per_token_head else 0
 
+    def scale_bytes_for(self, head_size: int) -> int:
+        """Scale bytes per (token, head) of ``head_size`` values: per-token-head's inline fp32,
+        nvfp4's fp8 block scales (one per 16 values, vLLM's ``nvfp4_kv_cache_full_dim``)."""
+        return head_size // 16 if self is QuantMode.nvfp4 else self.scale_bytes
+
     def packed_head_size(self, head_size: int) -> int:
-        """Stored values' bytes for one head of ``head_size`` (int4 packs two a byte)."""
-        if self is QuantMode.int4_per_token_head:
+        """Stored values' bytes for one head of ``head_size`` (int4 and fp4 pack two a byte)."""
+        if self in (QuantMode.int4_per_token_head, QuantMode.nvfp4):
             return head_size // 2
         return head_size
 
@@ -102,6 +111,8 @@ _KV_CACHE_DTYPES: dict[str, tuple[QuantMode, CacheDtype | None]] = {
     "fp8_per_token_head": (QuantMode.fp8_per_token_head, CacheDtype.uint8),
     "int8_per_token_head": (QuantMode.int8_per_token_head, CacheDtype.uint8),
     "int4_per_token_head": (QuantMode.int4_per_token_head, CacheDtype.uint8),
+    "nvfp4": (QuantMode.nvfp4, CacheDtype.uint8),
+    "nvfp4_4over6": (QuantMode.nvfp4, CacheDtype.uint8),
 }
 
 KV_CACHE_DTYPES: tuple[str, ...] = tuple(_KV_CACHE_DTYPES)

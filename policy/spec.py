@@ -7,6 +7,13 @@ Frozen models with derived ``*_bytes`` properties, after vLLM's
     cell_bytes      = packed_D + 4        = 64 + 4       = 68
     page_size_bytes = 2 * N * H * cell    = 2*16*2*68    = 4352
                     = real data 4096 + inline scales 2*16*2*4 = 256
+
+``nvfp4`` / ``nvfp4_4over6`` (vLLM 0.34's FLASHINFER, ``customize_spec``): a cell is
+``D/2`` fp4 bytes plus ``D/16`` fp8 block-scale bytes, and the page holds ``2H`` head
+slots (K's H heads, then V's) of ``N`` cells, as vLLM's ``num_head_slots`` says. At
+H=2, D=64, N=16: cell 32 + 4 = 36, page 2*16*2*36 = 2304 B. The cell is not one
+contiguous run: each side (K, V) keeps its data first and its scales after
+(`kvpolicy.engine.plan` places them).
 """
 
 from __future__ import annotations
@@ -105,6 +112,12 @@ class KVCacheSpec(Frozen):
                 f"{self.kv_cache_dtype} keeps a 4-byte fp32 scale after each head's codes, which vLLM reads "
                 f"through a float32 view: head_size {self.head_size} must be a multiple of {multiple}"
             )
+        if self.quant_mode is QuantMode.nvfp4 and self.head_size % 16:
+            raise ValueError(f"{self.kv_cache_dtype} keeps one fp8 scale per 16 values: head_size {self.head_size} "
+                             "must be a multiple of 16")
+        if self.quant_mode is QuantMode.nvfp4 and self.kind is AttentionKind.mla:
+            raise ValueError(f"{self.kv_cache_dtype} is a K/V cache format (vLLM's FLASHINFER); an MLA spec cannot "
+                             "use it (vLLM's MLA format is `nvfp4_ds_mla`)")
         if self.kind is AttentionKind.mla and self.num_kv_heads != 1:
             raise ValueError("an MLA spec stores one latent head: num_kv_heads must be 1")
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
@@ -139,14 +152,25 @@ class KVCacheSpec(Frozen):
     @property
     def data_bytes_per_head(self) -> int:
         """Bytes of stored values in one (token, head) cell, scales excluded."""
-        if self.quant_mode.is_per_token_head:
+        if self.quant_mode.is_per_token_head or self.quant_mode is QuantMode.nvfp4:
             return self.quant_mode.packed_head_size(self.head_size)
         return self.head_size * self.cache_dtype.size_bytes
 
     @property
+    def scale_bytes_per_cell(self) -> int:
+        """Scale bytes of one (token, head) cell: per-token-head's fp32, nvfp4's ``D/16`` fp8 block scales."""
+        return self.quant_mode.scale_bytes_for(self.head_size)
+
+    @property
     def cell_bytes(self) -> int:
-        """Bytes of one (token, head) cell for K or for V, inline scale included."""
-        return self.data_bytes_per_head + self.quant_mode.scale_bytes
+        """Bytes of one (token, head) cell for K or for V, scales included."""
+        return self.data_bytes_per_head + self.scale_bytes_per_cell
+
+    @property
+    def head_slots(self) -> int:
+        """H of vLLM's ``[B, H, N, C]`` page view (``num_heads``): ``2H`` for nvfp4, whose
+        K and V heads are separate slots (``num_head_slots``); else the KV heads."""
+        return 2 * self.num_kv_heads if self.quant_mode is QuantMode.nvfp4 else self.num_kv_heads
 
     @property
     def cell_elements(self) -> int:
@@ -159,8 +183,17 @@ class KVCacheSpec(Frozen):
         return self.kv_factor * self.block_size * self.num_kv_heads * self.cell_bytes
 
     @property
+    def hnc_shape(self) -> tuple[int, int, int]:
+        """vLLM's ``(num_heads, num_states, page_size_bytes)`` of this spec's page, what
+        ``resolve_kv_cache_layout`` compares: an attention page holds `head_slots` heads of
+        ``block_size`` states; a Mamba state is one head of one state."""
+        if self.kind is AttentionKind.mamba:
+            return (1, 1, self.page_size_bytes)
+        return (self.head_slots, self.block_size, self.page_size_bytes)
+
+    @property
     def scale_bytes_per_page(self) -> int:
-        return self.kv_factor * self.block_size * self.num_kv_heads * self.quant_mode.scale_bytes
+        return self.kv_factor * self.block_size * self.num_kv_heads * self.scale_bytes_per_cell
 
     @property
     def page_size_bytes(self) -> int:
@@ -200,7 +233,7 @@ class KVCacheGroups(Frozen):
         """The groups' pages differ in (heads, stored states, page bytes): vLLM's HNC-shape check
         (``resolve_kv_cache_layout``) over every spec with per-layer views. An attention page holds
         ``num_kv_heads`` heads of ``block_size`` states; a Mamba state is one head of one state."""
-        return len({_hnc_shape(g.spec) for g in self.groups}) > 1
+        return len({g.spec.hnc_shape for g in self.groups}) > 1
 
     @property
     def dcp_mixed_page_sizes(self) -> bool:
@@ -220,13 +253,6 @@ class KVCacheGroups(Frozen):
     @classmethod
     def single(cls, spec: KVCacheSpec) -> KVCacheGroups:
         return cls(groups=(KVCacheGroup(spec=spec),))
-
-
-def _hnc_shape(spec: KVCacheSpec) -> tuple[int, int, int]:
-    """vLLM's ``(num_heads, num_states, page_size_bytes)`` of a spec's page."""
-    if spec.kind is AttentionKind.mamba:
-        return (1, 1, spec.page_size_bytes)
-    return (spec.num_kv_heads, spec.block_size, spec.page_size_bytes)
 
 
 def make_model(cls: type[Frozen], where: str, data: dict[str, Any]) -> Any:

@@ -7,6 +7,10 @@ Findings, by severity:
 - error ``conflict``: no layout survives for these inputs, where the
   profile's shipped rules choose one;
 - warning ``dead-rule``: no input makes the rule match;
+- note ``release-fails``: the rules choose, as the release does, a layout the
+  release then cannot run for these inputs, so kvpolicy cannot plan it either
+  (nvfp4 under a layout leaving a layer's pages scattered: vLLM 0.34's
+  FlashInfer raises at the first forward);
 - note ``release-refuses``: no layout survives, as with the profile's shipped
   rules: the release itself refuses to start there (``VLLM_KV_CACHE_LAYOUT``
   naming a layout the backends lack, MultiConnector members requiring
@@ -168,6 +172,10 @@ class LintReport:
                 "load_bearing": [lb.to_dict() for lb in self.load_bearing]}
 
 
+# Plan refusals where the release itself cannot run the layout either (not an unsafe permit).
+RELEASE_FAILS = frozenset({"nvfp4-pages-not-dense"})
+
+
 class _Verifier:
     """Verify (layout, geometry) once; the space repeats them many times."""
 
@@ -175,7 +183,7 @@ class _Verifier:
         self.cache: dict[tuple[Any, ...], tuple[str, str] | None] = {}
 
     def check(self, layout: Layout, inp: AnalysisInput) -> tuple[str, str] | None:
-        """None when safe; else ("overlap" | "unplannable", what is wrong in one line)."""
+        """None when safe; else ("overlap" | "unplannable" | "release-fails", what is wrong in one line)."""
         if not inp.kv.kind.is_attention:  # a Mamba-only model: no paged K/V whose views could meet
             return None
         key = (layout, inp.geometry)
@@ -184,8 +192,16 @@ class _Verifier:
                 report = verify_plan(plan_layout(layout, inp.kv, inp.backend, VERIFY_BLOCKS))
                 self.cache[key] = None if report.ok else ("overlap", report.collisions[0].describe())
             except PolicyError as exc:
-                self.cache[key] = ("unplannable", exc.diagnostics[0].message if exc.diagnostics else exc.message)
+                code = exc.diagnostics[0].code if exc.diagnostics else ""
+                self.cache[key] = ("release-fails" if code in RELEASE_FAILS else "unplannable",
+                                   exc.diagnostics[0].message if exc.diagnostics else exc.message)
         return self.cache[key]
+
+    def unsafe(self, layout: Layout, inp: AnalysisInput) -> bool:
+        """The rules must not let ``layout`` through for ``inp``: its views overlap, or kvpolicy has no
+        geometry for it where the release has one."""
+        problem = self.check(layout, inp)
+        return problem is not None and problem[0] != "release-fails"
 
 
 def _labels(inputs: list[AnalysisInput], limit: int | None = None) -> tuple[str, ...]:
@@ -301,10 +317,10 @@ def lint(
                 lb.changed += n
             for members in geometries.values():
                 rep = members[0]
-                through = any(verifier.check(order[i], rep) is not None for i in sole)
+                through = any(verifier.unsafe(order[i], rep) for i in sole)
                 if through:
                     lb.unsafe += len(members)
-                    if w is not None and w != d.winner and verifier.check(order[w], rep) is not None:
+                    if w is not None and w != d.winner and verifier.unsafe(order[w], rep):
                         lb.unsafe_chosen += len(members)
                 if (through or w != d.winner) and len(lb.examples) < _EXAMPLES:
                     lb.examples.append(f"{rep.label}: {decider.name(d.winner)} -> {decider.name(w)}"
@@ -342,6 +358,8 @@ def lint(
     findings: list[Finding] = []
     findings += [Finding(severity, code, message, rule_ref(rule))
                  for severity, code, message, rule in unknown_connector_findings(ruleset)]
+    fails = {k: v for k, v in unsafe.items() if k[1] == "release-fails"}
+    unsafe = {k: v for k, v in unsafe.items() if k[1] != "release-fails"}
     for (layout, reason), labels in sorted(unsafe.items()):
         shown = "; ".join(why[(layout, reason)][:2])
         if len(why[(layout, reason)]) > 2:
@@ -368,6 +386,11 @@ def lint(
                 f"rule `{rule.id}` matches {matched[rule.id]} input(s), but removing it alone changes no decision "
                 "and lets no unsafe layout through (other rules or the release's candidates cover it): it can go, "
                 "or it guards inputs outside the space", rule_ref(rule)))
+    for (layout, reason), labels in sorted(fails.items()):
+        findings.append(Finding("note", "release-fails",
+                                f"the rules choose `{layout}` for {len(labels)} input(s), as the release does, which "
+                                f"the release then cannot run, nor kvpolicy plan ({why[(layout, reason)][0]})",
+                                inputs=_labels(labels, _REFUSALS_LISTED), total=len(labels), groups=fold(labels)))
     if conflicts[True]:
         findings.append(Finding("note", "release-refuses",
                                 f"no layout survives for {len(conflicts[True])} input(s), as with the shipped rules "
@@ -376,7 +399,8 @@ def lint(
                                 inputs=_labels(conflicts[True], _REFUSALS_LISTED), total=len(conflicts[True]),
                                 groups=fold(conflicts[True])))
     summary = {"inputs": len(space), "unsafe_inputs": sum(len(v) for v in unsafe.values()),
-               "conflicts": len(conflicts[False]), "release_refuses": len(conflicts[True])}
+               "conflicts": len(conflicts[False]), "release_refuses": len(conflicts[True]),
+               "release_fails": sum(len(v) for v in fails.values())}
     ordered = tuple(sorted(bearing.values(), key=lambda lb: (str(lb.rule.source), lb.rule.id)))
     return LintReport(tuple(findings), len(space), len(ruleset.rules), len(verifier.cache), summary,
                       space.profile.name, space, ordered)

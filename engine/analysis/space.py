@@ -24,7 +24,9 @@ candidates, its ``kv_cache_dtype`` strings, and vLLM's options. Dimensions:
   defaults, and the values either side of each literal a rule compares one with;
 - connector: none, every connector some rule names in each variant of the
   ``connector.extra.*`` values its rules test (either side of each literal), a
-  connector no rule names, and MultiConnector pairs of those.
+  connector no rule names, and MultiConnector pairs of those; when a rule reads
+  ``connector.prefers_cross_layer_blocks``, each of them with it said true and false
+  (the unknown connector's default is false).
 
 A dimension's values that no rule of the analysed rule sets can tell apart
 (and that give the same candidates and geometry) collapse to the first one,
@@ -48,6 +50,7 @@ from typing import Any
 
 from kvpolicy.engine.decide import Scope
 from kvpolicy.engine.inputs import build_context
+from kvpolicy.engine.plan import plan_layout
 from kvpolicy.policy.backends import BackendProfile, ScaleViews, packed_backend
 from kvpolicy.policy.conditions import leaf_predicate, leaves_of
 from kvpolicy.policy.connectors import ConnectorConfig
@@ -299,6 +302,8 @@ def _connector_label(c: ConnectorConfig | None) -> str:
         return "none"
     text = c.name + ("{" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(c.extra.items())) + "}"
                      if c.extra else "")
+    if c.prefers_cross_layer_blocks is not None:
+        text += f"(prefers_cross_layer_blocks={json.dumps(c.prefers_cross_layer_blocks)})"
     if c.connectors:
         text += "[" + ",".join(_connector_label(m) for m in c.connectors) + "]"
     return text
@@ -334,6 +339,13 @@ def connectors(rulesets: RuleSet | Sequence[RuleSet]) -> list[ConnectorConfig | 
     for name in named:
         out += _variants(sets, name, full=True)
     members = [v for name in named for v in _variants(sets, name, full=False)] + [unknown]
+    if any(PREFERS_CROSS_LAYER in _fields_read(rs.rules) for rs in sets):
+        # the connector object's own prefer_cross_layer_blocks, as the plugin reads it: the unknown
+        # connector's (default false) said true, and each named connector's (default: its rules) said
+        # either way; an unknown member said true too
+        out.append(unknown.model_copy(update={"prefers_cross_layer_blocks": True}))
+        out += [ConnectorConfig(name=name, prefers_cross_layer_blocks=v) for name in named for v in (True, False)]
+        members.append(unknown.model_copy(update={"prefers_cross_layer_blocks": True}))
     for a, b in itertools.combinations(members, 2):
         if a.name != b.name:
             out.append(ConnectorConfig(name="MultiConnector", connectors=(a, b)))
@@ -386,6 +398,27 @@ def _spec(kind: AttentionKind, dtype: str, sizes: dict[str, Any] | None = None) 
                        sliding_window=128 if kind is AttentionKind.sliding_window else None)
 
 
+def _plannable(backend: BackendProfile, spec: KVCacheSpec) -> bool:
+    """kvpolicy has a geometry for ``spec``'s kv_cache_dtype on ``backend`` in this release (vLLM 0.28's
+    nvfp4 it decides, but does not plan)."""
+    if not spec.kind.is_attention or not backend.layouts:
+        return True
+    try:
+        plan_layout(backend.layouts[0], spec, backend, 1)
+    except PolicyError as exc:
+        return not exc.diagnostics or exc.diagnostics[0].code != "unplanned-kv-cache-dtype"
+    return True
+
+
+def _fits(kind: AttentionKind, dtype: str) -> bool:
+    """A spec of ``kind`` can hold ``dtype`` (an MLA spec cannot hold nvfp4)."""
+    try:
+        _spec(kind, dtype)
+    except ValueError:
+        return False
+    return True
+
+
 def _size_variants(leaves: _Leaves, mla: bool) -> list[dict[str, Any]]:
     """The size overrides (``{}``: the default sizes) reaching every answer the rules give on
     ``kv.num_layers``, ``kv.block_size``, ``kv.num_kv_heads``, ``kv.head_size``."""
@@ -395,6 +428,9 @@ def _size_variants(leaves: _Leaves, mla: bool) -> list[dict[str, Any]]:
 
 def _size_label(sizes: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(sizes.items())) or "default"
+
+
+PREFERS_CROSS_LAYER = "connector.prefers_cross_layer_blocks"
 
 
 def _fields_read(rules: Iterable[Any]) -> set[str]:
@@ -460,7 +496,8 @@ def _kv_choices(profile: ReleaseProfile, leaves: _Leaves, left_out: list[str]
             spec = _spec(kind, d)
             return spec.quant_mode, spec.cache_dtype.size_bytes, leaves.signature(kv_fields(spec))
 
-        dtypes = _distinct(usable, dtype_key)
+        fits = [d for d in usable if _fits(kinds[0], d)]  # nvfp4 is no MLA format
+        dtypes = _distinct(fits, dtype_key)
         kinds_kept = _distinct(kinds, lambda k: leaves.signature(kv_fields(_spec(k, usable[0]))))
         out[mla] = [(k, d) for k in kinds_kept for d in dtypes]
         for d, same in dtypes.items():
@@ -555,6 +592,7 @@ def build_space(
     dims: dict[str, list[str]] = {"backend": [], "kv_cache_dtype": [], "kind": [], "groups": []}
     refused: dict[str, list[str]] = {}
     invalid: list[str] = []
+    unplanned: list[str] = []  # backend/kv_cache_dtype pairs kvpolicy decides but has no geometry for
 
     # A release that derives HiSparse from its connector (0.34: VllmConfig turns it on for a HiSparse
     # connector and refuses it without one) pairs each connector with the one value it allows.
@@ -613,6 +651,10 @@ def build_space(
                 if facts.kv_cache_dtypes is not None and dtype not in facts.kv_cache_dtypes:
                     continue
                 spec = _spec(kind, dtype)
+                if not _plannable(profile.backend(name), spec):
+                    if f"{name}/{dtype}" not in unplanned:
+                        unplanned.append(f"{name}/{dtype}")
+                    continue
                 if (kind, dtype) not in shapes:  # a Mamba spec stands for a model of Mamba layers only
                     own = ("1x1",) if kind is AttentionKind.mamba else group_shapes
                     shapes[(kind, dtype)] = list(_distinct(own, lambda s, spec=spec: leaves.signature(
@@ -684,6 +726,8 @@ def build_space(
     left_out: dict[str, list[str]] = {}
     if no_geometry:
         left_out["kv_cache_dtypes kvpolicy has no cell geometry for"] = no_geometry
+    if unplanned:
+        left_out["backend/kv_cache_dtype pairs kvpolicy decides but cannot plan for this release"] = unplanned
     if invalid:
         left_out["size variants no spec of that kind can have"] = invalid
     for message, where in refused.items():

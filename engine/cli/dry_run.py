@@ -40,7 +40,7 @@ from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
 from kvpolicy.policy.layouts import Layout
-from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.releases import Resolver, get_profile
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import KVCacheSpec
 from kvpolicy.policy.yaml_source import Limits, parse_yaml
@@ -137,6 +137,12 @@ def register(verbs: argparse._SubParsersAction) -> None:
     dep.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",
                      help="vLLM's --kv-transfer-config as it takes it: {\"kv_connector\": ..., \"kv_role\": ..., "
                           "\"kv_connector_extra_config\": {...}} (instead of --connector/--connector-config)")
+    dep.add_argument("--connector-prefers-cross-layer-blocks", type=_preference, action="append",
+                     metavar="[NAME=]true|false", dest="connector_prefers_cross_layer_blocks",
+                     help="the connector class's own prefer_cross_layer_blocks, which vLLM 0.24-0.28's gate asks "
+                          "(a third-party connector from kv_connector_module_path, say); NAME=... for a "
+                          "MultiConnector member, repeatable. Default: false for a connector vLLM does not "
+                          "register, what its rules say for a registered one")
     dep.add_argument("--vllm-kv-cache-layout", metavar="LAYOUT",
                      help="the VLLM_KV_CACHE_LAYOUT environment variable: one of the six layouts, or NHD/HND "
                           "(not read from the environment: pass it)")
@@ -162,6 +168,26 @@ def register(verbs: argparse._SubParsersAction) -> None:
                      help="draw this layout instead of the chosen one (what-if), e.g. cross_layer/NHD")
     out.add_argument("--svg", metavar="FILE", help="also write the block map as an SVG picture to FILE")
     p.set_defaults(run=run)
+
+
+def _preference(text: str) -> tuple[str | None, bool]:
+    """``true`` / ``false``, or ``NAME=true`` / ``NAME=false``."""
+    name, sep, value = text.rpartition("=")
+    if value.lower() not in ("true", "false") or (sep and not name):
+        raise argparse.ArgumentTypeError(f"`{text}` is not true, false, NAME=true or NAME=false")
+    return (name if sep else None), value.lower() == "true"
+
+
+def _preferences(given: list[tuple[str | None, bool]] | None) -> bool | dict[str, bool] | None:
+    """The flag's values as `build_context` takes them: one bare boolean, or connector names to booleans."""
+    if not given:
+        return None
+    bare = [v for n, v in given if n is None]
+    if bare and len(given) > 1:
+        raise usage_error("--connector-prefers-cross-layer-blocks", "a bare true/false applies to the one "
+                          "configured connector: give it once, or name every connector (NAME=true)",
+                          "e.g. --connector-prefers-cross-layer-blocks MyConnector=true")
+    return bare[0] if bare else {n: v for n, v in given if n is not None}
 
 
 def _backend_names() -> list[str]:
@@ -288,6 +314,7 @@ _FLAG_OF = {
     "model": "--model",
     "tensor_parallel_size": "--tensor-parallel-size",
     "num_blocks": "--num-blocks",
+    "connector_prefers_cross_layer_blocks": "--connector-prefers-cross-layer-blocks",
 }
 
 
@@ -345,6 +372,7 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "hisparse": bool(args.hisparse),
         "device_capability": args.device_capability,
         "use_v2_model_runner": bool(args.use_v2_model_runner),
+        "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
     }
     if args.model is not None:
         kwargs["model"] = args.model
@@ -386,7 +414,8 @@ def example_banner(args: argparse.Namespace) -> str:
                            ("--vllm-kv-cache-layout", args.vllm_kv_cache_layout),
                            ("--enable-extensible-kv-cache", args.enable_extensible_kv_cache),
                            ("--hisparse", args.hisparse), ("--device-capability", args.device_capability),
-                           ("--use-v2-model-runner", args.use_v2_model_runner))
+                           ("--use-v2-model-runner", args.use_v2_model_runner),
+                           ("--connector-prefers-cross-layer-blocks", args.connector_prefers_cross_layer_blocks))
             if v is not None]
     text = (f"built-in example: Qwen2.5-0.5B KV geometry, {ex['backend']}, {ex['connector']}, "
             f"kv_cache_dtype {ex['kv_cache_dtype']}")
@@ -395,14 +424,24 @@ def example_banner(args: argparse.Namespace) -> str:
     return text + " (pass --model PATH or --spec FILE for your own deployment; see --help)"
 
 
+def _gated(ctx: Context) -> bool:
+    """The release decides with vLLM 0.24-0.28's gate, which asks the connector's prefer_cross_layer_blocks."""
+    return get_profile(ctx.profile).resolver is Resolver.uniform_gate
+
+
 def _warn_unknown_connector(ctx: Context, ruleset: RuleSet) -> None:
     conn = ctx.connector
-    names = [] if conn is None else [conn.name, *(m.name for m in conn.connectors)]
-    for name in names:
+    nodes = [] if conn is None else [conn, *conn.connectors]
+    for node in nodes:
+        name = node.name
         if name not in KNOWN_CONNECTORS and name not in ruleset.connectors:
             near = suggest_connector(name)
             print(f"warning: unknown connector `{name}`: no rules apply to it"
                   + (f"; did you mean `{near}`?" if near else ""), file=sys.stderr)
+        if name not in KNOWN_CONNECTORS and node.prefers_cross_layer_blocks is None and _gated(ctx):
+            print(f"note: connector `{name}` is not one vLLM registers; its prefer_cross_layer_blocks is taken as "
+                  "KVConnectorBase_V1's default, false (if its class says otherwise: "
+                  f"--connector-prefers-cross-layer-blocks {name}=true)", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ conservative or defers to the object:
   backend says so; for a known backend, an explicit ``indexes_kv_by_block_stride``
   from vLLM overrides the shipped profile;
 - a KV cache vLLM describes in a way kvpolicy cannot (an unknown spec class,
-  quant mode such as ``nvfp4``, or ``kv_cache_dtype``) gets per-layer buffers:
+  quant mode such as ``turboquant_k8v4``, or ``kv_cache_dtype``) gets per-layer buffers:
   the gate logs a warning and answers False.
 """
 
@@ -56,7 +56,7 @@ from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.policy.backends import BackendProfile, Dim
-from kvpolicy.policy.connectors import COMPOSITE_CONNECTORS, ConnectorConfig
+from kvpolicy.policy.connectors import COMPOSITE_CONNECTORS, KNOWN_CONNECTORS, ConnectorConfig
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
 from kvpolicy.policy.layouts import HeadOrder, LayoutPattern, Placement
@@ -172,7 +172,7 @@ def _kv_cache_dtype(spec: Any, cache_dtype: str | None) -> str:
         return "auto"
     if mode == "fp8_per_tensor":
         return "fp8_e5m2" if dtype == "float8_e5m2" else "fp8"
-    if mode in _PER_TOKEN_HEAD:
+    if mode in _PER_TOKEN_HEAD or mode == QuantMode.nvfp4.value:  # nvfp4_4over6 has nvfp4's bytes
         return mode
     if mode is not None:
         raise input_error("kv_quant_mode", f"quant mode `{mode}` has no kvpolicy geometry",
@@ -317,13 +317,21 @@ def _own_preference(connector: Any) -> bool:
 
 
 def connector_config(connector: Any) -> ConnectorConfig | None:
-    """vLLM's connector object as a `ConnectorConfig` (None for None); MultiConnector keeps its members."""
+    """vLLM's connector object as a `ConnectorConfig` (None for None); MultiConnector keeps its members.
+
+    A connector no release registers (a class vLLM loads from ``kv_connector_module_path``) brings its
+    own ``prefer_cross_layer_blocks``, the fact vLLM's gate asks the object: it becomes the rules'
+    ``connector.prefers_cross_layer_blocks``. A registered connector's rules model that property
+    (conditions included, checked against the release), and a composite's is its members', so the
+    decision is the one ``kvpolicy dry-run`` makes for the same deployment."""
     if connector is None:
         return None
     name = connector_name(connector)
     extra = _extra_config(connector)
     if name not in COMPOSITE_CONNECTORS:  # only a composite's `connectors` key lists members
-        return ConnectorConfig(name=name, extra=extra)
+        own = name not in KNOWN_CONNECTORS and hasattr(type(connector), "prefer_cross_layer_blocks")
+        return ConnectorConfig(name=name, extra=extra,
+                               prefers_cross_layer_blocks=_own_preference(connector) if own else None)
     instances = _members(connector)
     if instances is None:  # no live member objects: vLLM's configuration form
         return ConnectorConfig.from_vllm(name, extra)

@@ -142,12 +142,6 @@ def _spec_kv_cache_dtype(spec: Any, configured: str | None, model_dtype: ModelDt
     return derived
 
 
-def _hnc(spec: KVCacheSpec) -> tuple[int, int, int]:
-    if spec.kind is AttentionKind.mamba:
-        return (1, 1, spec.page_size_bytes)
-    return (spec.num_kv_heads, spec.block_size, spec.page_size_bytes)
-
-
 def _vllm_hnc(spec: Any) -> tuple[int, int, int] | None:
     try:
         return (int(spec.num_heads), int(spec.num_states), int(spec.page_size_bytes))
@@ -170,9 +164,9 @@ def _convert(spec: Any, num_layers: int, configured: str | None, model_dtype: Mo
         data = attention_fields(spec, kind, num_layers, _spec_kv_cache_dtype(spec, configured, model_dtype),
                                 model_dtype)
     ours = make_model(KVCacheSpec, where, data)
-    if theirs is not None and _hnc(ours) != theirs:
+    if theirs is not None and ours.hnc_shape != theirs:
         raise input_error(where, f"vLLM's `{type(spec).__name__}` has (heads, states, page bytes) {theirs}, "
-                          f"kvpolicy's model of it {_hnc(ours)}",
+                          f"kvpolicy's model of it {ours.hnc_shape}",
                           "kvpolicy cannot describe this KV cache; unset KVPOLICY_RULES to let vLLM decide",
                           code="spec-not-modelled")
     return ours

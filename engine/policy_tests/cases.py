@@ -135,6 +135,9 @@ class CaseInput(Frozen):
 
     use_v2_model_runner: StrictBool = Field(default=False, description="vLLM's `VllmConfig.use_v2_model_runner` "
                                       "(0.28: the V2 runner never allocates cross-layer)")
+    connector_prefers_cross_layer_blocks: StrictBool | dict[str, StrictBool] | None = Field(
+        default=None, description="the connector class's own `prefer_cross_layer_blocks` (vLLM 0.24-0.28's gate "
+        "asks it): true/false for the connector, or connector names (MultiConnector members) to true/false")
 
     @model_validator(mode="after")
     def _one_source(self) -> CaseInput:
@@ -470,6 +473,7 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
         "hisparse": inp.hisparse,
         "device_capability": inp.device_capability,
         "use_v2_model_runner": inp.use_v2_model_runner,
+        "connector_prefers_cross_layer_blocks": inp.connector_prefers_cross_layer_blocks,
     }
     # `tensor_parallel_size` goes to build_context with every source: with `spec` or `groups` it is
     # refused there (a spec already gives one rank's KV heads), never silently dropped.

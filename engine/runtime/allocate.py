@@ -15,6 +15,7 @@ from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.runtime.cache import KVCache
 from kvpolicy.engine.runtime.quantize import torch_dtype
 from kvpolicy.policy.errors import input_error
+from kvpolicy.policy.quant import QuantMode
 
 __all__ = ["allocate"]
 
@@ -23,6 +24,12 @@ _MAX_TENSOR_BYTES = 2**63 - 1
 
 def allocate(plan: LayoutPlan, device: str | torch.device = "cpu") -> KVCache:
     """Allocate ``plan`` on ``device`` (``cpu``, ``cuda[:i]`` or ``meta``) and return its `KVCache`."""
+    if plan.spec.quant_mode is QuantMode.nvfp4:
+        raise input_error("kv_cache_dtype", f"kvpolicy plans kv_cache_dtype `{plan.spec.kv_cache_dtype}` but cannot "
+                          "allocate it: its runtime has no nvfp4 quantizer (vLLM's is FlashInfer's CUDA kernel), so "
+                          "a KVCache could neither write nor read its cells",
+                          "use the plan (`LayoutEngine.plan`, `kvpolicy dry-run`) for its geometry, or allocate a "
+                          "kv_cache_dtype the runtime writes (auto, fp8, *_per_token_head)", code="no-runtime-kernel")
     dev = _device(device)
     dtype = torch_dtype(plan.spec.cache_dtype.value)
     largest = max(b.nbytes for b in plan.buffers)

@@ -395,3 +395,25 @@ def test_an_mla_model_without_a_backend_gets_an_mla_backend(capsys: pytest.Captu
     spec = write_spec(tmp_path, "{kind: mla, num_layers: 4, num_kv_heads: 1, head_size: 576}")
     code, out, _ = cli(capsys, "dry-run", "--spec", spec, "--format", "json")
     assert code == 0 and json.loads(out)["inputs"]["backend"]["name"] == "FLASHMLA"
+
+
+def test_a_third_party_connectors_own_preference_is_a_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """vLLM 0.28's gate asks the connector object; without the flag an unregistered connector has
+    KVConnectorBase_V1's false, and the note says so."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("num_layers: 2\nnum_kv_heads: 2\nhead_size: 64\n")
+    common = ("dry-run", "--vllm-version", "0.28.0", "--spec", str(spec), "--backend", "FLASH_ATTN",
+              "--connector", "MyConnector")
+    code, out, err = cli(capsys, *common, "--format", "json")
+    assert code == 0 and json.loads(out)["layout"]["placement"] == "per_layer"
+    assert ("note: connector `MyConnector` is not one vLLM registers; its prefer_cross_layer_blocks is taken as "
+            "KVConnectorBase_V1's default, false") in err
+    code, out, err = cli(capsys, *common, "--connector-prefers-cross-layer-blocks", "true")
+    assert code == 0 and out.startswith("layout: BLNHC (cross_layer, NHD)")
+    assert "connector: MyConnector (prefer_cross_layer_blocks true)" in out and "note:" not in err
+    code, out, err = cli(capsys, *common, "--connector-prefers-cross-layer-blocks", "Other=true")
+    assert code == 2 and "--connector-prefers-cross-layer-blocks: error[invalid-input]: no configured connector is " \
+                         "named `Other`" in err
+    code, _, err = cli(capsys, *common, "--connector-prefers-cross-layer-blocks", "true",
+                       "--connector-prefers-cross-layer-blocks", "MyConnector=false")
+    assert code == 2 and "a bare true/false applies to the one configured connector" in err

@@ -19,7 +19,7 @@ from v028_space import (
     ENV_LAYOUTS,
     MHA_SHAPES,
     MLA_SHAPES,
-    UNMODELLED_DTYPES,
+    UNPLANNED_DTYPES,
     VERSION,
     Deployment,
     vllm_layout,
@@ -157,7 +157,7 @@ def test_the_space_reaches_every_outcome(answered) -> None:
     assert outcomes >= {x.value for x in PROFILE.layouts} | {"error"}
 
 
-def test_unsupported_dtypes_are_refused_and_unmodelled_ones_named(answered) -> None:
+def test_unsupported_dtypes_are_refused_and_unplanned_ones_named(answered) -> None:
     facts, _, _ = answered
     engine = LayoutEngine.default(VERSION)
     base = {"spec": {"num_layers": 2, "num_kv_heads": 2, "head_size": 64}, "connector": "OffloadingConnector"}
@@ -165,8 +165,12 @@ def test_unsupported_dtypes_are_refused_and_unmodelled_ones_named(answered) -> N
     with pytest.raises(InputError) as exc:
         engine.decide(backend="FLASH_ATTN", kv_cache_dtype="fp8_per_token_head", **base)
     assert exc.value.diagnostics[0].code == "unsupported-kv-cache-dtype"
-    # FLASHINFER accepts nvfp4 in 0.28; kvpolicy has no quantization mode for it
-    assert set(UNMODELLED_DTYPES) <= set(facts["backends"]["FLASHINFER"]["supported_kv_cache_dtypes"])
-    with pytest.raises(InputError) as exc:
-        engine.decide(backend="FLASHINFER", kv_cache_dtype="nvfp4", **base)
-    assert exc.value.diagnostics[0].code == "unmodelled-kv-cache-dtype"
+    # FLASHINFER accepts nvfp4 in 0.28: kvpolicy decides it (above, with vLLM's gate) but cannot plan it
+    assert set(UNPLANNED_DTYPES) <= set(facts["backends"]["FLASHINFER"]["supported_kv_cache_dtypes"])
+    for dtype in UNPLANNED_DTYPES:
+        engine.decide(backend="FLASHINFER", kv_cache_dtype=dtype, **base)
+        with pytest.raises(InputError) as exc:
+            engine.plan(num_blocks=4, backend="FLASHINFER", kv_cache_dtype=dtype, **base)
+        (diag,) = exc.value.diagnostics
+        assert diag.code == "unplanned-kv-cache-dtype" and diag.file == "kv_cache_dtype", diag
+        assert f"`{dtype}` on backend `FLASHINFER` but cannot plan it" in diag.message and "0.24-0.28" in diag.message

@@ -1,6 +1,6 @@
 """kvpolicy's plans under the `vllm-0.28` profile put every byte where vLLM 0.28.0 puts it.
 
-For every backend x each kv_cache_dtype it supports (that kvpolicy models) x head
+For every backend x each kv_cache_dtype it supports (that kvpolicy plans) x head
 order x placement it allocates, the v028 oracle allocates the cache with vLLM's own
 code on CPU (per layer: attn_utils._allocate_kv_cache + _reshape_kv_cache; cross-layer:
 allocate_uniform_kv_caches) and reports every layer's view and where K, V and the
@@ -17,7 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-from v028_space import MLA_BACKENDS, UNMODELLED_DTYPES, VERSION
+from v028_space import MLA_BACKENDS, UNPLANNED_DTYPES, VERSION
 from vllm_release import run_oracle
 
 from kvpolicy.engine.plan import LayoutPlan, plan_layout
@@ -36,7 +36,7 @@ BLOCK_SIZE = {"FLASHMLA": 64}
 def _cases() -> list[dict[str, Any]]:
     out = []
     for name, facts in PROFILE.backends.items():
-        dtypes = [d for d in facts.kv_cache_dtypes or () if d not in UNMODELLED_DTYPES]
+        dtypes = [d for d in facts.kv_cache_dtypes or () if d not in UNPLANNED_DTYPES]
         for dtype, head_order, cross in itertools.product(dtypes, HeadOrder, (False, True)):
             layout = facts.allocated_layout(head_order, cross)
             if layout is None:
@@ -167,5 +167,5 @@ def test_the_space_covers_every_backend_dtype_and_layout(answered) -> None:
     for name, facts in PROFILE.backends.items():
         layouts = set(PROFILE.backend(name).layouts)
         assert {Layout(x) for b, _, x in seen if b == name} == layouts, name
-        assert {d for b, d, _ in seen if b == name} == set(facts.kv_cache_dtypes) - set(UNMODELLED_DTYPES), name
+        assert {d for b, d, _ in seen if b == name} == set(facts.kv_cache_dtypes) - set(UNPLANNED_DTYPES), name
     assert any(k[0] == "k_scale" for c, a in pairs for k in vllm_cells(a, c["block_size"], c["num_kv_heads"]))

@@ -6,7 +6,7 @@ from a wheel of this checkout (``plugin_site.py``). In order, it:
 
 1. loads plugins with ``KVPOLICY_RULES`` unset: ``GPUModelRunner.use_uniform_kv_cache`` stays vLLM's;
 2. loads them with ``KVPOLICY_RULES=shipped``, twice: the gate is kvpolicy's, installed once;
-3. asks it, and vLLM's own gate, on every deployment of test_v028_decisions' space (18,720: real
+3. asks it, and vLLM's own gate, on every deployment of test_v028_decisions' space (19,890: real
    VllmConfig, layer specs, attention groups and the connector vLLM's factory loads, including
    ``NixlConnector``, which 0.28 registers as an alias of ``NixlPullConnector``, and
    OffloadingConnector's ``canonical_layout``): the same answer and the same head order, with the
@@ -37,7 +37,7 @@ from kvpolicy.policy.releases import get_profile
 
 PROFILE = get_profile(VERSION)
 ENTRY_POINT = "kvpolicy.engine.integrations.vllm_plugin:register"
-EXPECTED = 18_720
+EXPECTED = 19_890
 RUNNER_EVERY = 37
 
 SITE_OFFLOADING = """
@@ -92,12 +92,13 @@ _NIXL_ON = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"enable_cross_layers_blocks": "true"}}
 THIRD_PARTY_CONNECTORS = {
     **{n: _third(n) for n in ("RequiresHND", "RequiresNHD", "RequiresNothing", "PrefersCrossLayer",
-                              "PrefersCrossLayerHND")},
+                              "PrefersCrossLayerHND", "PrefersPerLayerHND")},
     "Multi[RequiresHND]": _multi(_third("RequiresHND")),
     "Multi[Offloading,RequiresHND]": _multi(_OFFLOADING, _third("RequiresHND")),
     "Multi[Offloading,RequiresNothing]": _multi(_OFFLOADING, _third("RequiresNothing")),
     "Multi[Offloading,PrefersCrossLayer]": _multi(_OFFLOADING, _third("PrefersCrossLayer")),
     "Multi[Offloading,PrefersCrossLayerHND]": _multi(_OFFLOADING, _third("PrefersCrossLayerHND")),
+    "Multi[Offloading,PrefersPerLayerHND]": _multi(_OFFLOADING, _third("PrefersPerLayerHND")),
     "Multi[Nixl(on),PrefersCrossLayer]": _multi(_NIXL_ON, _third("PrefersCrossLayer")),
     "Multi[Nixl(on),RequiresHND]": _multi(_NIXL_ON, _third("RequiresHND")),
     "Multi[RequiresHND,RequiresNHD]": _multi(_third("RequiresHND"), _third("RequiresNHD")),
@@ -253,20 +254,15 @@ def test_through_vllm_the_shipped_rules_answer_what_vllms_gate_answers(run: dict
 
 def test_out_of_tree_connectors_get_what_vllms_gate_gives_them(run: dict[str, Any], capsys: Any) -> None:
     """A connector the shipped rules have no file for, alone or as a MultiConnector member, keeps its own
-    prefer_cross_layer_blocks and the head order its get_required_kvcache_layout asks for: the plugin
-    answers vLLM's gate and head order, or both refuse."""
+    prefer_cross_layer_blocks (true, false, or the base class's false) and the head order its
+    get_required_kvcache_layout asks for: the plugin reads the object vLLM loads into
+    `connector.prefers_cross_layer_blocks`, the field the global rule reads, and answers vLLM's gate and
+    head order, or both refuse."""
     cases, answers = run["third_party"], run["by"]["third-party"]
     assert len(cases) == len(answers) == len(THIRD_PARTY_CONNECTORS) * len(THIRD_PARTY_BACKENDS) * 3
     diffs, seen = [], Counter()
     for (label, _), answer in zip(cases, answers):
         vllm, plugin = answer["vllm"], answer["plugin"]
-        if label.startswith("PrefersCrossLayer"):
-            # Not vLLM's answer, by the shipped rules' choice: `cross-layer-needs-a-connector-that-prefers-it`
-            # keeps a connector it has no file for per layer, whatever the object says (as a MultiConnector
-            # member, below, the object's own preference counts). The same head order either way.
-            if vllm.get("uniform") is True and plugin == {**vllm, "uniform": False}:
-                seen["per layer by the shipped rules"] += 1
-                continue
         if "error" in vllm or "error" in plugin:
             seen["refused by both"] += "error" in vllm and "error" in plugin
             if not ("error" in vllm and "error" in plugin):
@@ -277,9 +273,14 @@ def test_out_of_tree_connectors_get_what_vllms_gate_gives_them(run: dict[str, An
             diffs.append(f"{label}: vLLM {vllm}, plugin {str(plugin)[:300]}")
     with capsys.disabled():
         print(f"\nout-of-tree connectors through the plugin (KVPOLICY_RULES=shipped): {len(cases) - len(diffs)} of "
-              f"{len(cases)} answer vLLM's gate and head order, or refuse with it, or keep the shipped rules' "
-              f"per-layer choice: {dict(sorted(seen.items()))}")
+              f"{len(cases)} answer vLLM's gate and head order, or refuse with it: {dict(sorted(seen.items()))}")
     assert not diffs, "\n".join(diffs[:25])
+    # cross-layer for a connector that prefers it, alone and beside OffloadingConnector or NIXL; per layer
+    # for one that does not (its own False, or the base class's)
+    cross = Counter(label.split()[0] for (label, _), a in zip(cases, answers) if a["vllm"].get("uniform") is True)
+    assert {"PrefersCrossLayer", "PrefersCrossLayerHND", "Multi[Offloading,PrefersCrossLayer]",
+            "Multi[Nixl(on),PrefersCrossLayer]"} <= set(cross)
+    assert not {"PrefersPerLayerHND", "RequiresHND", "Multi[Offloading,PrefersPerLayerHND]"} & set(cross)
     assert seen["uniform=True HND"] >= 6 and seen["uniform=False HND"] >= 20
 
 

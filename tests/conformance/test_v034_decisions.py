@@ -2,7 +2,7 @@
 
 Each release is held to its own installed code, over the space below cut to what that release can
 be given (`Release`: no extensible KV cache before 0.34, no HiSparse before 0.30, no replicated DCP
-groups before 0.31): 19,260 cases for 0.29, 21,483 for 0.30, 33,948 for 0.31-0.33, 67,896 for 0.34.
+groups before 0.31): 19,962 cases for 0.29, 22,239 for 0.30, 34,704 for 0.31-0.33, 69,408 for 0.34.
 0.29-0.33 refuse workers whose lists differ (an `AssertionError`: kvpolicy's `workers-disagree`).
 What follows describes the 0.34 space.
 
@@ -18,11 +18,13 @@ vLLM decides the KV cache layout once, in the engine core, with
 * the device capability (only FLASHINFER's declaration reads it; the facts case checks
   the profile's declarations for every backend under every capability): None, 8.0, 9.0,
   10.0, 12.0 for worker sets with FLASHINFER, None and 9.0 for the others;
-* the KV cache specs (the HNC shape, page size and DCP sharding of each): 9 sets of
+* the KV cache specs (the HNC shape, page size and DCP sharding of each): 12 sets of
   attention/Mamba specs (one spec; two equal groups; mixed heads; mixed heads and block
   size with equal pages; bf16 beside fp8_per_token_head; DCP-sharded target beside a
   replicated draft with a different page and with the same page; attention beside a
-  Mamba state; sharded + replicated attention beside a Mamba state) and 2 MLA sets (one
+  Mamba state; sharded + replicated attention beside a Mamba state; FLASHINFER's nvfp4
+  (2H head slots, vLLM's ``customize_spec``) at head 128 and nvfp4_4over6 at head 64;
+  nvfp4 beside a bf16 spec of the same HNC shape) and 2 MLA sets (one
   spec; a sharded target beside a replicated draft);
 * ``VLLM_KV_CACHE_LAYOUT``: unset, each of the six layouts, NHD, HND (9);
 * the KV transfer config, through ``get_kv_connector_cache_layout`` (the connector's
@@ -35,18 +37,18 @@ vLLM decides the KV cache layout once, in the engine core, with
   requiring nothing, conflicting, nested, and holding an invalid member);
 * ``enable_extensible_kv_cache``: off, on (2).
 
-Four planes of that space are enumerated in full (67,896 cases in all), leaving out what
+Four planes of that space are enumerated in full (69,408 cases in all), leaving out what
 vLLM cannot build (a spec whose kv_cache_dtype some backend lacks: vLLM selects no backend;
 kvpolicy refuses those inputs, which is checked too; an MLA spec with a non-MLA backend):
 
-* A, the candidates: 44 worker sets x their capabilities (154 pairs) x 9 spec sets x 9
-  VLLM_KV_CACHE_LAYOUT values x {no connector, OffloadingConnector} x 2 = 44,424 (the
-  fp8_per_token_head set only on TRITON_ATTN);
+* A, the candidates: 44 worker sets x their capabilities (154 pairs) x 12 spec sets x 9
+  VLLM_KV_CACHE_LAYOUT values x {no connector, OffloadingConnector} x 2 = 45,504 (the
+  fp8_per_token_head set only on TRITON_ATTN, the nvfp4 sets only on FLASHINFER alone);
 * B, the connectors: 7 (worker set, capability) pairs x 4 spec sets (one spec, mixed
   heads, DCP, attention + Mamba) x 9 x 27 connector configurations x 2 = 13,608;
 * C, MLA: 4 worker sets x 2 capabilities x 2 MLA spec sets x 9 x 27 x 2 = 7,776;
-* D, B's 7 pairs x the other 5 spec sets x 9 x {none, NixlConnector, MultiConnector
-  Nixl + Offloading, MultiConnector HiSparse + Offloading} x 2 = 2,088.
+* D, B's 7 pairs x the other 8 spec sets x 9 x {none, NixlConnector, MultiConnector
+  Nixl + Offloading, MultiConnector HiSparse + Offloading} x 2 = 2,520.
 
 One oracle subprocess answers every case (``oracles/v034.py``, which calls vLLM's own
 functions), with the facts of the release and the inputs of the shipped policy tests
@@ -79,12 +81,12 @@ from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 PROFILE = "vllm-0.34"
-EXPECTED_CASES = 67_896
+EXPECTED_CASES = 69_408
 # The resolver releases (0.29 on) held to their own resolve_kv_cache_layout: the same space, cut to
 # what each can be given (`Release`); its size per release, as measured.
 RESOLVER_RELEASES = tuple(v for v in RELEASES if get_profile(v).resolver is Resolver.kv_cache_layout)
-EXPECTED_BY_RELEASE = {"0.34.0": EXPECTED_CASES, "0.33.0": 33_948, "0.32.0": 33_948, "0.31.0": 33_948,
-                       "0.30.0": 21_483, "0.29.0": 19_260}
+EXPECTED_BY_RELEASE = {"0.34.0": EXPECTED_CASES, "0.33.0": 34_704, "0.32.0": 34_704, "0.31.0": 34_704,
+                       "0.30.0": 22_239, "0.29.0": 19_962}
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,11 @@ SPEC_SETS: dict[str, list[dict[str, Any]]] = {
     "dcp-draft-same-page": [_full(), _full(dcp_sharded=False)],
     "hybrid-mamba": [_full(), _MAMBA],
     "dcp-mamba": [_full(), _full(dcp_sharded=False), _MAMBA],
+    # FLASHINFER's nvfp4: 2H head slots of D/2 + D/16 bytes (18432 B and 2304 B pages)
+    "nvfp4": [_full(kv_cache_dtype="nvfp4")],
+    "nvfp4-4over6": [_full(heads=2, head=64, kv_cache_dtype="nvfp4_4over6")],
+    # 8 nvfp4 heads are 16 slots of 72 B: the same HNC shape as 16 bf16 heads of 18 (not mixed)
+    "nvfp4-slots-same-hnc": [_full(kv_cache_dtype="nvfp4"), _full(heads=16, head=18)],
 }
 MLA_SPEC_SETS: dict[str, list[dict[str, Any]]] = {
     "mla": [{"kind": "mla", "num_kv_heads": 1, "head_size": 576, "block_size": 16}],

@@ -22,14 +22,15 @@ vLLM refuses padded pages under LHBNC and BHLNC with several KV heads (``compute
 asserts the head dim is not between pages); kvpolicy must refuse the same cases
 (``unpaddable-layout``), and each such agreement counts as one comparison.
 
-Combinations vLLM accepts that kvpolicy cannot plan, each a clear kvpolicy `InputError`
-(asserted by `test_combinations_kvpolicy_cannot_plan_are_refused_clearly`):
+``nvfp4`` and ``nvfp4_4over6`` (FLASHINFER) are held to the views vLLM's FlashInfer impl hands
+its nvfp4 writer and reads in its forward (``_nvfp4_kv_views``: each page side's fp4 data, then
+its fp8 block scales): a cell's data width and address, and its scales' width and address. Where
+vLLM's reader refuses a layer's pages as not dense (BHLNC with several layers: vLLM lays the
+cache out, then its first forward raises), kvpolicy must refuse the plan
+(``nvfp4-pages-not-dense``, asserted by `test_nvfp4_layouts_vllm_cannot_read_are_refused_alike`);
+each such agreement counts as one comparison.
 
-- FLASHINFER x ``nvfp4`` and ``nvfp4_4over6`` (all five of its layouts): kvpolicy has no
-  such ``kv_cache_dtype`` (vLLM stores NVFP4 K and V as separate head groups with block
-  scales), so it refuses them when the inputs are built (``unknown kv_cache_dtype``):
-  it neither decides nor plans them.
-- None that kvpolicy decides but cannot plan.
+Combinations vLLM accepts that kvpolicy cannot plan: none (`EXPECTED_UNPLANNABLE`).
 
 The oracle also reports each backend's ``validate_configuration`` verdict (head sizes,
 block sizes and capabilities a backend's kernels take); sizes a backend's kernels refuse
@@ -48,6 +49,7 @@ from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.plan import LayoutPlan, plan_layout
 from kvpolicy.policy.errors import InputError
 from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.quant import QuantMode
 from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.spec import AttentionKind
 
@@ -96,10 +98,8 @@ MLA_CONFIGS = [
 CAPABILITIES = [None, [8, 0], [9, 0], [10, 0], [12, 0]]
 
 # What kvpolicy cannot plan of what vLLM accepts: (backend, kv_cache_dtype) -> the error's code.
-EXPECTED_UNPLANNABLE = {
-    ("FLASHINFER", "nvfp4"): "unmodelled-kv-cache-dtype",
-    ("FLASHINFER", "nvfp4_4over6"): "unmodelled-kv-cache-dtype",
-}
+EXPECTED_UNPLANNABLE: dict[tuple[str, str], str] = {}
+NVFP4_NOT_DENSE = "ValueError: NVFP4 KV pages must be dense"  # vLLM's `_nvfp4_kv_views`
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +179,11 @@ def compare(case: dict, result: dict, plan: LayoutPlan, tally: Tally, key: tuple
         for name, t in writes["tensors"].items():
             kv = 1 if name.startswith("v") else 0
             scale = "scale" in name
-            if not scale:
+            if "dim" in t["dims"]:  # a cell's data (nvfp4: apart from its scales), or nvfp4's block scales
                 width = t["shape"][t["dims"].index("dim")] * _itemsize(t["dtype"])
-                tally.check(key, f"{where} {name} cell width", spec.cell_bytes, width)
+                ours_width = (spec.scale_bytes_per_cell if scale else
+                              spec.data_bytes_per_head if spec.quant_mode is QuantMode.nvfp4 else spec.cell_bytes)
+                tally.check(key, f"{where} {name} cell width", ours_width, width)
             cells.append((name, kv, scale, t))
         tally.check(key, f"{where} write tensors", sorted(n for n, *_ in cells), _expected_tensors(plan))
         for name, kv, scale, t in cells:
@@ -209,7 +211,8 @@ def _expected_tensors(plan: LayoutPlan) -> list[str]:
     if plan.spec.kv_factor == 1:
         return ["kv_cache"]
     names = ["key_cache", "value_cache"]
-    return sorted(names + (["k_scale_cache", "v_scale_cache"] if plan.spec.per_token_head else []))
+    scales = plan.spec.per_token_head or plan.spec.quant_mode is QuantMode.nvfp4
+    return sorted(names + (["k_scale_cache", "v_scale_cache"] if scales else []))
 
 
 def test_the_sweep_is_what_vllm_declares(sweep):
@@ -241,6 +244,7 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
     accepted = Counter()
     unplannable = []
     refused_alike = []
+    nvfp4_refused_alike = []
     padded: set[tuple[str, bool]] = set()
     started = time.monotonic()
     for entry in sweep["cases"]:
@@ -250,6 +254,11 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
         try:
             plan = kvpolicy_plan(case)
         except InputError as exc:
+            if exc.diagnostics[0].code == "nvfp4-pages-not-dense":
+                # vLLM lays the cache out but its nvfp4 reader refuses every layer's pages
+                tally.check(key, "nvfp4 refusal", "refused", _nvfp4_reader_verdict(result))
+                nvfp4_refused_alike.append(key)
+                continue
             if "error" in result and (case["backend"], case["kv_cache_dtype"]) not in EXPECTED_UNPLANNABLE:
                 # vLLM refuses it too: one comparison, agreeing when kvpolicy says why vLLM does
                 tally.check(key, "refusal", exc.diagnostics[0].code, "unpaddable-layout")
@@ -274,7 +283,8 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
              f"kv_cache_dtype x layout combinations; {len(sweep['cases'])} cases: {compared} compared "
              f"({accepted['accepted by validate_configuration']} of them sizes the backend's "
              f"validate_configuration accepts), {len(refused_alike)} refused by vLLM and kvpolicy alike "
-             f"(padded pages between heads), {len(unplannable)} not plannable by kvpolicy; page sizes compared: "
+             f"(padded pages between heads), {len(nvfp4_refused_alike)} whose nvfp4 pages vLLM's reader and "
+             f"kvpolicy refuse alike (not dense), {len(unplannable)} not plannable by kvpolicy; page sizes compared: "
              f"{compared} ({len({p for *_, p in page_sizes})} distinct values); "
              f"oracle {sweep['oracle_seconds']:.1f} s, comparisons {compare_seconds:.1f} s"]
     by_dtype: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, []])
@@ -301,10 +311,42 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
         assert dtypes == {"bfloat16", "float16"}, key
     assert {(b, d) for b, d, _ in unplannable} == set(EXPECTED_UNPLANNABLE)
     assert refused_alike
+    assert nvfp4_refused_alike
+    assert {k[1] for k in tally.made if k[0] == "FLASHINFER"} >= {"nvfp4", "nvfp4_4over6"}
     # padded pages were compared under every layout vLLM pads: MHA's four block-compact ones, and all
     # six for MLA's single head
     assert {(x.value, False) for x in Layout if x.is_block_compact} <= padded
     assert {(x.value, True) for x in Layout} <= padded
+
+
+def _nvfp4_reader_verdict(result: dict) -> str:
+    """``refused`` when vLLM's nvfp4 reader refuses every layer of an allocated cache, else what it said."""
+    if "error" in result:
+        return result["error"]
+    errors = [layer.get("writes_error", "read") for layer in result["layers"]]
+    return "refused" if all(e.startswith(NVFP4_NOT_DENSE) for e in errors) else "; ".join(errors)
+
+
+def test_nvfp4_layouts_vllm_cannot_read_are_refused_alike(sweep):
+    """Exactly where vLLM's nvfp4 reader refuses the pages, kvpolicy's plan is a located error
+    naming the dtype, the layout and vLLM's check; elsewhere nvfp4 plans."""
+    refused = planned = 0
+    for entry in sweep["cases"]:
+        case, result = entry["case"], entry["result"]
+        if not case["kv_cache_dtype"].startswith("nvfp4") or "error" in result:
+            continue
+        if _nvfp4_reader_verdict(result) == "refused":
+            with pytest.raises(InputError) as info:
+                kvpolicy_plan(case)
+            (diag,) = info.value.diagnostics
+            assert diag.code == "nvfp4-pages-not-dense" and diag.file == "layout", diag
+            assert case["kv_cache_dtype"] in diag.message and case["layout"] in diag.message and diag.help
+            assert "_nvfp4_kv_views" in diag.message
+            refused += 1
+        else:
+            assert kvpolicy_plan(case).page_size_bytes == result["spec"]["page_size_bytes"]
+            planned += 1
+    assert refused and planned
 
 
 def test_combinations_kvpolicy_cannot_plan_are_refused_clearly(sweep):

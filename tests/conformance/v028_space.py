@@ -16,8 +16,10 @@ VERSION = "0.28.0"
 
 MHA_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION", "CPU_ATTN")
 MLA_BACKENDS = ("FLASHMLA", "TRITON_MLA")
-# kv_cache_dtypes 0.28's backends accept that kvpolicy has no quantization mode for.
-UNMODELLED_DTYPES = ("nvfp4", "nvfp4_4over6")
+# kv_cache_dtypes 0.28's backends accept (FLASHINFER) that kvpolicy decides but does not plan: the gate
+# reads nothing of them but the spec (not per-token-head), and kvpolicy models nvfp4's bytes for vLLM
+# 0.29+'s allocation only, not 0.28's per-layer (B, 2H, N, D/2 + D/16) tensors.
+UNPLANNED_DTYPES = ("nvfp4", "nvfp4_4over6")
 
 # (the other backend of a group with two attention groups)
 SECOND_BACKEND = {"TRITON_ATTN": "FLASH_ATTN", "FLASH_ATTN": "TRITON_ATTN", "FLASHINFER": "TRITON_ATTN",
@@ -143,9 +145,8 @@ class Deployment:
 
 
 def backend_dtypes(facts: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    """Each backend's supported_kv_cache_dtypes from the oracle's facts, less those kvpolicy cannot model."""
-    return {b: tuple(d for d in facts["backends"][b]["supported_kv_cache_dtypes"] if d not in UNMODELLED_DTYPES)
-            for b in (*MHA_BACKENDS, *MLA_BACKENDS)}
+    """Each backend's supported_kv_cache_dtypes from the oracle's facts (nvfp4 included: decided, not planned)."""
+    return {b: tuple(facts["backends"][b]["supported_kv_cache_dtypes"]) for b in (*MHA_BACKENDS, *MLA_BACKENDS)}
 
 
 def deployments(facts: dict[str, Any]) -> list[Deployment]:

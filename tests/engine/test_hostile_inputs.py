@@ -460,7 +460,8 @@ def _hostile_values():
 _KEYWORDS = ("spec", "kv_cache_dtype", "block_size", "attention_backend", "backend", "worker_attention_backends",
              "scale_views", "connector", "connector_config", "kv_transfer_config",
              "vllm_kv_cache_layout", "enable_extensible_kv_cache",
-             "hisparse", "device_capability", "use_v2_model_runner", "tensor_parallel_size", "vllm_version", "model")
+             "hisparse", "device_capability", "use_v2_model_runner", "tensor_parallel_size", "vllm_version", "model",
+             "connector_prefers_cross_layer_blocks")
 
 
 @pytest.mark.parametrize("version", ["0.34.0", "0.28.0", "issue-48412"])

@@ -55,7 +55,8 @@ def test_build_and_plan_refuse_bad_block_counts(num_blocks: object) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "code", "says"), [
-    ("nvfp4", "unmodelled-kv-cache-dtype", "vLLM 0.34.0 accepts kv_cache_dtype `nvfp4`, but kvpolicy does not model"),
+    ("ultraquant_4bit", "unmodelled-kv-cache-dtype",
+     "vLLM 0.34.0 accepts kv_cache_dtype `ultraquant_4bit`, but kvpolicy does not model"),
     ("turboquant_k8v4", "unmodelled-kv-cache-dtype", "can neither decide nor plan"),
     ("fp8_per_tokn_head", "unknown-kv-cache-dtype", "did you mean `fp8_per_token_head`?"),
 ])

@@ -35,9 +35,13 @@ def make_spec(kv_cache_dtype: str = "auto", mla: bool = False, **kw: object) -> 
     return KVCacheSpec(kv_cache_dtype=kv_cache_dtype, **base)
 
 
+# the #48412 state's backends have no nvfp4 geometry (vLLM 0.34's FLASHINFER has: tests/engine/test_plan_nvfp4.py)
+DEV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if not d.startswith("nvfp4"))
+
+
 def combos():
     for backend, dtype, placement, strategy in itertools.product(
-            BACKENDS.values(), KV_CACHE_DTYPES, Placement, ScaleViews):
+            BACKENDS.values(), DEV_DTYPES, Placement, ScaleViews):
         for head_order in backend.head_orders:
             yield backend, dtype, Layout.parse(f"{placement.value}/{head_order.value}"), strategy
 
@@ -220,7 +224,7 @@ def _profile_backends():
 @st.composite
 def small_plans(draw):
     backend = draw(st.sampled_from(_profile_backends()))
-    dtype = draw(st.sampled_from(sorted(KV_CACHE_DTYPES)))
+    dtype = draw(st.sampled_from(sorted(DEV_DTYPES)))
     layout = draw(st.sampled_from(backend.layouts))
     heads = 1 if backend.mla else draw(st.integers(1, 3))
     head_size = draw(st.sampled_from([8, 16]))

@@ -4,7 +4,8 @@
 Each answers only what vLLM's layout decision asks a connector, with fixed answers in its name:
 ``get_required_kvcache_layout`` (a layout, a legacy head order (vLLM 0.29+ still reads NHD/HND, and
 its docstring still says "e.g. HND, or NHD"), None, or a name vLLM does not know) and, for vLLM
-0.28's gate, ``prefer_cross_layer_blocks`` (the base class's False unless the name says it prefers).
+0.28's gate, ``prefer_cross_layer_blocks`` (the base class's False unless the name says it prefers;
+``PrefersPerLayerHND`` overrides it with False).
 Nothing else is called: v034's oracles only ask the class; v028's make an instance the way they make
 vLLM's own connectors (``cls.__new__`` and vLLM's base ``__init__``).
 """
@@ -35,3 +36,4 @@ RequiresNothing = _connector("RequiresNothing", None)
 RequiresUnknown = _connector("RequiresUnknown", "XYZ")
 PrefersCrossLayer = _connector("PrefersCrossLayer", None, prefers=True)
 PrefersCrossLayerHND = _connector("PrefersCrossLayerHND", "HND", prefers=True)
+PrefersPerLayerHND = _connector("PrefersPerLayerHND", "HND", prefers=False)  # says the base class's False itself

@@ -33,7 +33,10 @@ only because this runs on a CPU without the CUDA stack:
   * geometry's "writes": each backend impl's own do_kv_cache_update (after the layer's
     own bind_kv_cache) runs on an impl built with __new__ plus the attributes it reads;
     the cache-write kernels it calls (reshape_and_cache_flash, the Triton and CPU ones,
-    concat_and_cache_mla) are recorders of the K/V/scale tensors they are handed.
+    concat_and_cache_mla, flashinfer's nvfp4_quantize_append_paged_kv_cache_with_slot_mapping)
+    are recorders of the K/V/scale tensors they are handed. FLASHINFER's NVFP4 impl is
+    built as on SM80/90/120 (nvfp4_fa2), whose writer takes vLLM's `_nvfp4_kv_views`:
+    the data and block-scale views its forward reads on every device.
 """
 
 from __future__ import annotations
@@ -652,6 +655,20 @@ _WRITE_KERNELS = {
     # MLA: MLAAttention.bind_kv_cache squeezes [B, 1, N, C] -> [B, N, C]
     "concat_and_cache_mla": (("kv_c", "k_pe", "kv_cache"), {"kv_cache": ("block", "token", "dim")}),
 }
+# FLASHINFER's nvfp4 writer (flashinfer's, called with vLLM's `_nvfp4_kv_views`): (key, value,
+# slot_mapping, (k_data, v_data), (k_scale, v_scale), k_scale, v_scale, kv_layout=...), each data
+# and scale tensor (B, H, N, bytes) for kv_layout "HND", (B, N, H, bytes) for "NHD".
+_NVFP4_WRITER = "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping"
+
+
+def _record_nvfp4(calls):
+    def record(key, value, slot_mapping, data, scales, *args, kv_layout="NHD", **kwargs):
+        dims = ("block", "head", "token", "dim") if kv_layout == "HND" else ("block", "token", "head", "dim")
+        tensors = {"key_cache": data[0], "value_cache": data[1], "k_scale_cache": scales[0],
+                   "v_scale_cache": scales[1]}
+        calls.append({"kernel": _NVFP4_WRITER, "tensors": tensors, "dims": dict.fromkeys(tensors, dims)})
+
+    return record
 
 
 @contextlib.contextmanager
@@ -690,6 +707,13 @@ def recorded_write_kernels():
             continue
         saved.append((module, attr, module.__dict__.get(attr, _MISSING)))
         setattr(module, attr, recorder(kernel))
+    try:
+        flashinfer_backend = importlib.import_module("vllm.v1.attention.backends.flashinfer")
+    except Exception:  # a backend module this interpreter cannot import is never called
+        flashinfer_backend = None
+    if flashinfer_backend is not None:
+        saved.append((flashinfer_backend, _NVFP4_WRITER, flashinfer_backend.__dict__.get(_NVFP4_WRITER, _MISSING)))
+        setattr(flashinfer_backend, _NVFP4_WRITER, _record_nvfp4(calls))
     ops_ns = torch.ops._C_cache_ops
     saved.append((ops_ns, "reshape_and_cache_flash", ops_ns.__dict__.get("reshape_and_cache_flash", _MISSING)))
     ops_ns.reshape_and_cache_flash = recorder("reshape_and_cache_flash")
@@ -742,9 +766,10 @@ def kv_write_views(backend, spec, view, case, locate):
         "_k_scale_cache": None,
         "_v_scale_cache": None,
         "_set_kv_ptr_range": False,
-        # FlashInferImpl.__init__ (the non-FA2 NVFP4 path)
+        # FlashInferImpl.__init__ on SM80/90/120 (fa2): NVFP4 is written through `_nvfp4_kv_views`, the
+        # views its forward reads on every device (SM100's trtllm writer gets whole cells instead)
         "is_kvcache_nvfp4": kv_cache_dtype.startswith("nvfp4"),
-        "nvfp4_fa2": False,
+        "nvfp4_fa2": kv_cache_dtype.startswith("nvfp4"),
     }.items():
         impl.__dict__[name] = value
     one = torch.ones((), dtype=torch.float32)

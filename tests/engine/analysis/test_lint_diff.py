@@ -168,6 +168,12 @@ def test_lint_on_vllm_034_shipped_rules_has_no_errors(lint_034) -> None:
     assert set(kinds(report).values()) == {"decision"}
     refusals = [f for f in report.findings if f.code == "release-refuses"]
     assert len(refusals) == 1 and refusals[0].count == report.summary["release_refuses"] > 0
+    # nvfp4 under BHLNC (VLLM_KV_CACHE_LAYOUT=BHLNC, several layers): vLLM resolves it, then its FlashInfer
+    # cannot read the pages; the rules choose as vLLM does, and lint says so without calling it unsafe
+    (fails,) = [f for f in report.findings if f.code == "release-fails"]
+    assert fails.severity == "note" and fails.count == report.summary["release_fails"] > 0
+    assert "`BHLNC`" in fails.message and "_nvfp4_kv_views" in fails.message
+    assert all("kv_cache_dtype=nvfp4" in label for label in fails.inputs)
 
 
 def test_flashmla_under_offloading_chooses_lbhnc_and_it_verifies() -> None:
@@ -213,8 +219,9 @@ def test_space_enumerates_what_the_profile_decision_reads(shipped_034) -> None:
     # counts a Mamba group as one head of one state), so it stands for `mixed-hnc`
     assert "dcp-mixed" in dims["groups"] and {"mixed-hnc", "mamba-hybrid"} & set(dims["groups"])
     assert any(i.context.groups.mixed_hnc_shapes and not i.context.groups.dcp_mixed_page_sizes for i in space.inputs)
-    assert set(PTH) | {"auto", "fp8"} == set(dims["kv_cache_dtype"])
+    assert set(PTH) | {"auto", "fp8", "nvfp4"} == set(dims["kv_cache_dtype"])
     assert {"bfloat16", "float16"} <= set(space.stands_for["kv_cache_dtype"]["auto"])
+    assert space.stands_for["kv_cache_dtype"]["nvfp4"] == ["nvfp4", "nvfp4_4over6"]  # one geometry
     assert any("turboquant_k8v4" in v for v in space.left_out.values())
     assert "MultiConnector[NixlConnector,OffloadingConnector]" in dims["connector"]
     assert len(space) == len(space.inputs) and f"{len(space)} inputs of `{V034}`" in space.describe()
@@ -265,3 +272,13 @@ def test_vllm_028_guard_and_runner_are_decision_load_bearing_never_safety() -> N
     assert found["v2-model-runner-keeps-per-layer"] == "decision"  # the space sets use_v2_model_runner
     assert "safety" not in found.values()
     assert "use_v2_model_runner" in report.space.dimensions
+    # the gate's connector fact: the connector with no rules said to prefer cross-layer blocks, and each
+    # registered one said either way; the global rule reading it decides
+    connectors = report.space.dimensions["connector"]
+    assert "ThirdPartyConnector(prefers_cross_layer_blocks=true)" in connectors
+    assert {"OffloadingConnector(prefers_cross_layer_blocks=false)", "LMCacheConnectorV1(prefers_cross_layer_blocks"
+            "=true)"} <= set(connectors)
+    assert found["cross-layer-needs-a-connector-that-prefers-it"] == "decision"
+    # nvfp4: decided by 0.28's gate, but kvpolicy has no geometry for it there
+    assert report.space.left_out["backend/kv_cache_dtype pairs kvpolicy decides but cannot plan for this release"] \
+        == ["FLASHINFER/nvfp4"]

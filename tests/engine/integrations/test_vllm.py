@@ -42,6 +42,7 @@ class KVQuantMode(enum.IntEnum):
     FP8_PER_TOKEN_HEAD = 3
     INT4_PER_TOKEN_HEAD = 4
     NVFP4 = 5
+    TURBOQUANT_K8V4 = 6
 
 
 PER_TOKEN_HEAD = {KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD}
@@ -355,8 +356,8 @@ def test_older_vllm_passes_cache_dtype() -> None:
     "attn_groups, cache_dtype, message",
     [
         (one(SimpleNamespace(block_size=16)), None, "is not a KV cache spec kvpolicy knows"),
-        (one(FullAttentionSpec(kv_quant_mode=KVQuantMode.NVFP4, dtype="torch.uint8")), None,
-         "quant mode `nvfp4` has no kvpolicy geometry"),
+        (one(FullAttentionSpec(kv_quant_mode=KVQuantMode.TURBOQUANT_K8V4, dtype="torch.uint8")), None,
+         "quant mode `turboquant_k8v4` has no kvpolicy geometry"),
         (one(FullAttentionSpec(kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)), "auto", "contradicts"),
         (one(FullAttentionSpec()), "fp8_ds_mla", "kv_cache_dtype `fp8_ds_mla` has no kvpolicy geometry"),
         (one(FullAttentionSpec(block_size=0)), None, "block_size"),

@@ -41,6 +41,7 @@ class KVQuantMode(enum.IntEnum):  # vLLM's names
     INT8_PER_TOKEN_HEAD = 2
     FP8_PER_TOKEN_HEAD = 3
     NVFP4 = 5
+    TURBOQUANT_K8V4 = 6
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,11 @@ class FullAttentionSpec:
     page_size_padded: int | None = None
     dcp_sharded: bool = True
     scale_bytes: int = 0
+    num_head_slots: int | None = None  # FLASHINFER's customize_spec: 2 * num_kv_heads for nvfp4
 
     @property
     def num_heads(self) -> int:
-        return self.num_kv_heads
+        return self.num_head_slots or self.num_kv_heads
 
     @property
     def num_states(self) -> int:
@@ -458,10 +460,29 @@ def test_no_layout_stops_start_up_with_the_rules_located() -> None:
 
 
 def test_what_kvpolicy_cannot_describe_stops_start_up() -> None:
-    nvfp4 = FullAttentionSpec(dtype="torch.uint8", kv_quant_mode=KVQuantMode.NVFP4, page_size_padded=18432)
+    turbo = FullAttentionSpec(dtype="torch.uint8", kv_quant_mode=KVQuantMode.TURBOQUANT_K8V4, page_size_padded=18432)
     with pytest.raises(StartupError, match="cannot describe vLLM's KV cache layout inputs") as exc:
-        resolve(ENGINE, config(), [DEFAULT], [nvfp4])
+        resolve(ENGINE, config(), [DEFAULT], [turbo])
     assert exc.value.diagnostics[0].code == "unknown-quant-mode"
+    # an nvfp4 spec whose head slots are not FLASHINFER's (2 per KV head): kvpolicy models its page otherwise
+    uncustomized = FullAttentionSpec(dtype="torch.uint8", kv_quant_mode=KVQuantMode.NVFP4, page_size_padded=18432)
+    with pytest.raises(StartupError) as exc:
+        resolve(ENGINE, config(), [FLASHINFER], [uncustomized])
+    assert exc.value.diagnostics[0].code == "spec-not-modelled"
+
+
+@pytest.mark.parametrize("cache_dtype", ["nvfp4", "nvfp4_4over6"])
+def test_flashinfer_nvfp4_is_decided(cache_dtype: str) -> None:
+    """vLLM 0.34 starts with nvfp4 on FLASHINFER: its spec (customized to 2H head slots, page 4608 B at
+    H=2, D=128, N=16) is decided, beside a bf16 spec of the same (heads, states, page) shape too."""
+    nvfp4 = FullAttentionSpec(num_kv_heads=2, head_size=128, dtype="torch.uint8", kv_quant_mode=KVQuantMode.NVFP4,
+                              page_size_padded=4608, num_head_slots=4)
+    cfg = config()
+    cfg.cache_config.cache_dtype = cache_dtype
+    assert resolve(ENGINE, cfg, [FLASHINFER], [nvfp4]).layout is Layout.LBNHC
+    same_shape = FullAttentionSpec(num_kv_heads=4, head_size=18, block_size=16)  # 4 x 16 x 2 x 36 B = 4608 B
+    decided = resolve(ENGINE, cfg, [FLASHINFER], [nvfp4, same_shape], vllm_kv_cache_layout="BHLNC")
+    assert decided.layout is Layout.BHLNC and decided.context.kv.kv_cache_dtype == cache_dtype
 
 
 def test_a_connector_without_rules_keeps_its_required_layout() -> None:
