@@ -43,6 +43,7 @@ import time
 from collections import Counter, defaultdict
 
 import pytest
+from conftest import RELEASES
 from vllm_release import run_oracle
 
 from kvpolicy.engine.inputs import build_context
@@ -50,11 +51,11 @@ from kvpolicy.engine.plan import LayoutPlan, plan_layout
 from kvpolicy.policy.errors import InputError
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import QuantMode
-from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile
 from kvpolicy.policy.spec import AttentionKind
 
-VERSION = "0.34.0"
-PROFILE = get_profile("vllm-0.34")
+# Every resolver release (0.29 on) is swept against its own installed code.
+RESOLVER_RELEASES = tuple(v for v in RELEASES if get_profile(v).resolver is Resolver.kv_cache_layout)
 
 # Consecutive entries alternate the model dtype and each combination takes two in turn, so
 # every backend x kv_cache_dtype x layout runs with a bfloat16 and with a float16 model. The
@@ -102,12 +103,13 @@ EXPECTED_UNPLANNABLE: dict[tuple[str, str], str] = {}
 NVFP4_NOT_DENSE = "ValueError: NVFP4 KV pages must be dense"  # vLLM's `_nvfp4_kv_views`
 
 
-@pytest.fixture(scope="module")
-def sweep(vllm_sites):
+@pytest.fixture(scope="module", params=RESOLVER_RELEASES)
+def sweep(request, vllm_sites):
     """vLLM 0.34.0's declarations and the geometry of every combination it accepts: one oracle call."""
     started = time.monotonic()
-    (answer,) = run_oracle(VERSION, "v034", [{"geometry_sweep": {
-        "backends": list(PROFILE.backend_names()),
+    version, profile = request.param, get_profile(request.param)
+    (answer,) = run_oracle(version, "v034", [{"geometry_sweep": {
+        "backends": list(profile.backend_names()),
         "capabilities": CAPABILITIES,
         "per_combo": 2,
         "configs": MHA_CONFIGS,
@@ -115,20 +117,21 @@ def sweep(vllm_sites):
     }}])
     assert "error" not in answer, answer["error"]
     answer["oracle_seconds"] = time.monotonic() - started
+    answer["profile"] = profile
     return answer
 
 
-def kvpolicy_plan(case: dict) -> LayoutPlan:
+def kvpolicy_plan(case: dict, profile: ReleaseProfile) -> LayoutPlan:
     """The vllm-0.34 plan for one oracle case; a kvpolicy InputError when kvpolicy cannot plan it.
 
     The inputs go through `build_context` first, as a decision would take them, so a
     combination kvpolicy cannot even decide is told apart from one it cannot plan."""
-    backend = PROFILE.backend(case["backend"])
+    backend = profile.backend(case["backend"])
     fields = {k: case[k] for k in ("num_layers", "block_size", "num_kv_heads", "head_size", "dtype",
                                    "page_size_padded") if k in case}
     fields.update(kind=AttentionKind.mla if backend.mla else AttentionKind.full)
     ctx = build_context(spec=fields, kv_cache_dtype=case["kv_cache_dtype"], backend=case["backend"],
-                        vllm_version=PROFILE.name)
+                        vllm_version=profile.name)
     return plan_layout(Layout[case["layout"]], ctx.kv, ctx.backend, case["num_blocks"])
 
 
@@ -216,23 +219,24 @@ def _expected_tensors(plan: LayoutPlan) -> list[str]:
 
 
 def test_the_sweep_is_what_vllm_declares(sweep):
-    assert sweep["version"] == VERSION
-    assert set(sweep["backends"]) == set(PROFILE.backend_names())
+    assert sweep["version"] == sweep["profile"].vllm_versions[0]
+    assert set(sweep["backends"]) == set(sweep["profile"].backend_names())
     combos = Counter((c["case"]["backend"], c["case"]["kv_cache_dtype"], c["case"]["layout"]) for c in sweep["cases"])
     want = {(name, dtype, layout) for name, d in sweep["backends"].items()
             for dtype in d["kv_cache_dtypes"] for layout in d["layouts"]}
     assert set(combos) == want
     assert set(combos.values()) == {2}
     for name, d in sweep["backends"].items():
-        assert d["is_mla"] == PROFILE.backends[name].mla, name
+        assert d["is_mla"] == sweep["profile"].backends[name].mla, name
         # the layouts kvpolicy's profile has a geometry for cover what the backend declares
-        assert set(d["layouts"]) <= {str(x) for x in PROFILE.backend(name).layouts}, name
+        assert set(d["layouts"]) <= {str(x) for x in sweep["profile"].backend(name).layouts}, name
     # vLLM refuses only padded pages under a layout whose head dim lies between pages
     refused = [c for c in sweep["cases"] if "error" in c["result"]]
     assert refused
     for c in refused:
         case = c["case"]
-        assert "page_size_padded" in case and case["num_kv_heads"] > 1, c
+        slots = case["num_kv_heads"] * (2 if case["kv_cache_dtype"].startswith("nvfp4") else 1)  # K's, V's heads
+        assert "page_size_padded" in case and slots > 1, c
         assert not Layout[case["layout"]].is_block_compact, c
         assert c["result"]["error"].startswith("AssertionError: Page padding requires"), c
 
@@ -252,7 +256,7 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
         key = (case["backend"], case["kv_cache_dtype"], case["layout"])
         model_dtypes[key].add(case["dtype"])
         try:
-            plan = kvpolicy_plan(case)
+            plan = kvpolicy_plan(case, sweep["profile"])
         except InputError as exc:
             if exc.diagnostics[0].code == "nvfp4-pages-not-dense":
                 # vLLM lays the cache out but its nvfp4 reader refuses every layer's pages
@@ -279,7 +283,7 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
 
     made, agree = sum(tally.made.values()), sum(tally.agree.values())
     compared = sum(accepted.values())
-    lines = [f"vLLM {VERSION} geometry: {agree} of {made} comparisons agree; {len(tally.made)} backend x "
+    lines = [f"vLLM {sweep['version']} geometry: {agree} of {made} comparisons agree; {len(tally.made)} backend x "
              f"kv_cache_dtype x layout combinations; {len(sweep['cases'])} cases: {compared} compared "
              f"({accepted['accepted by validate_configuration']} of them sizes the backend's "
              f"validate_configuration accepts), {len(refused_alike)} refused by vLLM and kvpolicy alike "
@@ -293,7 +297,7 @@ def test_every_plannable_combination_is_vllms_bytes(sweep, capsys):
         row[0] += n
         row[1] += tally.agree[key]
         row[2].append(key[2])
-    for name in PROFILE.backend_names():
+    for name in sweep["profile"].backend_names():
         rows = [(d, r) for (b, d), r in by_dtype.items() if b == name]
         n, ok = sum(r[0] for _, r in rows), sum(r[1] for _, r in rows)
         lines.append(f"  {name}: {ok} of {n} agree")
@@ -337,14 +341,14 @@ def test_nvfp4_layouts_vllm_cannot_read_are_refused_alike(sweep):
             continue
         if _nvfp4_reader_verdict(result) == "refused":
             with pytest.raises(InputError) as info:
-                kvpolicy_plan(case)
+                kvpolicy_plan(case, sweep["profile"])
             (diag,) = info.value.diagnostics
             assert diag.code == "nvfp4-pages-not-dense" and diag.file == "layout", diag
             assert case["kv_cache_dtype"] in diag.message and case["layout"] in diag.message and diag.help
             assert "_nvfp4_kv_views" in diag.message
             refused += 1
         else:
-            assert kvpolicy_plan(case).page_size_bytes == result["spec"]["page_size_bytes"]
+            assert kvpolicy_plan(case, sweep["profile"]).page_size_bytes == result["spec"]["page_size_bytes"]
             planned += 1
     assert refused and planned
 
@@ -356,7 +360,7 @@ def test_combinations_kvpolicy_cannot_plan_are_refused_clearly(sweep):
         if (case["backend"], case["kv_cache_dtype"]) not in EXPECTED_UNPLANNABLE:
             continue
         with pytest.raises(InputError) as info:
-            kvpolicy_plan(case)
+            kvpolicy_plan(case, sweep["profile"])
         (diag,) = info.value.diagnostics
         assert diag.code == EXPECTED_UNPLANNABLE[(case["backend"], case["kv_cache_dtype"])]
         assert diag.file == "kv_cache_dtype" and case["kv_cache_dtype"] in diag.message and diag.help

@@ -538,7 +538,14 @@ def geometry(case):
             buffers.append(buf)
             return buf
 
-        views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, allocate=allocate)
+        if "allocate" in inspect.signature(allocate_kv_cache).parameters:
+            views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, allocate=allocate)
+        else:  # 0.29-0.33 allocate their one backing buffer themselves: found through the views' storage
+            views = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+            for view in views.values():
+                storage = view.untyped_storage()
+                if all(b.data_ptr() != storage.data_ptr() for b in buffers):
+                    buffers.append(torch.empty(0, dtype=torch.int8).set_(storage))
 
     def locate(tensor):
         """(index of the buffer holding the tensor's first byte, byte offset in that buffer)."""
@@ -697,6 +704,8 @@ def recorded_write_kernels():
         ("vllm.v1.attention.backends.triton_attn", "triton_reshape_and_cache_flash_per_token_head_quant",
          "triton_reshape_and_cache_flash_per_token_head_quant"),
         ("vllm._cpu_ops", "cpu_attn_reshape_and_cache", "cpu_attn_reshape_and_cache"),
+        # where 0.29-0.33's CPU backend finds it (`from vllm import _custom_ops as ops`)
+        ("vllm._custom_ops", "cpu_attn_reshape_and_cache", "cpu_attn_reshape_and_cache"),
         ("vllm._custom_ops", "concat_and_cache_mla", "concat_and_cache_mla"),
     ]
     saved = []
