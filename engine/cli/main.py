@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvpolicy.engine.cli import analyze, dry_run, schema, testing, validate
+from kvpolicy.engine.cli import analyze, dry_run, releases, schema, testing, validate
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
-    for module in (dry_run, validate, testing, schema, analyze):
+    for module in (dry_run, validate, testing, schema, analyze, releases):
         module.register(verbs)
     return parser
 

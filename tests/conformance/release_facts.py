@@ -36,14 +36,18 @@ import install_vllm  # noqa: E402
 from vllm_release import run_oracle  # noqa: E402
 
 from kvpolicy.policy import releases  # noqa: E402
+from kvpolicy.policy.release_diff import (  # noqa: E402
+    BACKEND_FACTS,
+    CAPABILITIES,
+    RELEASE_FACTS,
+    canonical_facts,
+    fact_differences,
+)
 from kvpolicy.policy.releases import BackendFacts, ReleaseProfile, profile_facts, profile_names  # noqa: E402
 
-# The profile fields a release's code determines, and within `backends`, the fields of a backend.
-DETERMINED = ("resolver", "layouts", "default_layout_preference", "default_block_size", "kv_cache_dtypes",
-              "backends", "connectors", "kv_transfer_config_fields", "backend_priority", "options")
-BACKEND_DETERMINED = ("mla", "supported_layouts", "supported_layouts_by_capability", "kv_cache_dtypes",
-                      "stride_orders")
-MAJORS = (8, 9, 10, 12)  # the capabilities whose backend priority the profiles hold
+# The profile fields a release's code determines (`kvpolicy.policy.release_diff`).
+DETERMINED, BACKEND_DETERMINED = RELEASE_FACTS, BACKEND_FACTS
+MAJORS = CAPABILITIES
 _CAPS = {"none": None, "8.0": 8, "9.0": 9, "10.0": 10, "12.0": 12}
 # oracles/v034.py's BACKENDS: the attention backends kvpolicy models
 MODELLED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "CPU_ATTN", "FLASHMLA",
@@ -130,41 +134,12 @@ def release_facts(version: str) -> dict[str, Any]:
 
 
 def canonical(facts: dict[str, Any]) -> dict[str, Any]:
-    """``facts`` cut to `DETERMINED`, in a form where equal meaning is equal data: each backend's
-    declared layouts at every capability, the backend priority at every major, connectors sorted."""
+    """``facts`` (a profile's mapping) cut to `DETERMINED`, written one way per meaning
+    (`kvpolicy.policy.release_diff.canonical_facts`)."""
     profile = ReleaseProfile.model_validate({"name": "x", "description": "x", "vllm_versions": [], "rules": "x",
                                              "geometry": "packed", "layer_buffers": False, **{
                                                  k: v for k, v in facts.items() if k in DETERMINED}})
-    out: dict[str, Any] = {k: v for k, v in profile.model_dump(mode="json").items() if k in DETERMINED}
-    for name, backend in profile.backends.items():
-        entry = {k: v for k, v in out["backends"][name].items() if k in BACKEND_DETERMINED}
-        entry.pop("supported_layouts_by_capability")
-        entry["supported_layouts"] = {str(cap): None if (d := backend.declared_layouts(cap)) is None
-                                      else [str(x) for x in d] for cap in (None, *MAJORS)}
-        out["backends"][name] = entry
-    priority = profile.backend_priority
-    out["backend_priority"] = {f"{kind}@{major}": list(priority.get(f"{kind}@{major}", priority.get(kind, ())))
-                               for kind in ("attention", "mla") for major in MAJORS}
-    out["connectors"] = dict(sorted(out["connectors"].items()))
-    return out
-
-
-def differences(old: dict[str, Any], new: dict[str, Any], path: str = "") -> list[str]:
-    """One line per fact that differs between two canonical fact sets: ``path: old -> new``."""
-    lines = []
-    for key in sorted(set(old) | set(new), key=str):
-        here = f"{path}.{key}" if path else str(key)
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            lines += differences(a, b, here)
-        elif a != b:
-            lines.append(f"{here}: {_short(a)} -> {_short(b)}")
-    return lines
-
-
-def _short(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
-    return text.removesuffix("...").strip()
+    return canonical_facts(profile)
 
 
 def diff_patch(base: Any, new: Any) -> Any:
@@ -275,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
         return 0
     against = args.against or profile_for(args.version) or nearest_older(args.version)
-    lines = differences(canonical(profile_facts(against)), canonical(facts))
+    lines = fact_differences(canonical(profile_facts(against)), canonical(facts))
     print(f"vLLM {args.version} against profile `{against}`: {len(lines)} fact(s) differ")
     for line in lines:
         print(f"  {line}")

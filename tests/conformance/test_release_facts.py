@@ -9,8 +9,9 @@ profiles it extends). A difference names the fact, the profile's value and the r
 from __future__ import annotations
 
 import pytest
-from release_facts import canonical, differences, release_facts
+from release_facts import canonical, release_facts
 
+from kvpolicy.policy.release_diff import fact_differences
 from kvpolicy.policy.releases import get_profile, profile_facts, profile_names
 
 PROFILED = sorted({(v, n) for n in profile_names() for v in get_profile(n).vllm_versions})
@@ -18,7 +19,7 @@ PROFILED = sorted({(v, n) for n in profile_names() for v in get_profile(n).vllm_
 
 @pytest.mark.parametrize(("version", "profile"), PROFILED, ids=[v for v, _ in PROFILED])
 def test_the_profile_states_the_releases_facts(version: str, profile: str, vllm_sites) -> None:
-    lines = differences(canonical(profile_facts(profile)), canonical(release_facts(version)))
+    lines = fact_differences(canonical(profile_facts(profile)), canonical(release_facts(version)))
     assert not lines, f"profile `{profile}` vs vLLM {version}:\n" + "\n".join(lines)
 
 
@@ -27,7 +28,7 @@ def test_a_difference_is_named_with_both_values() -> None:
     changed = {**facts, "default_block_size": 32,
                "backends": {**facts["backends"], "CPU_ATTN": {**facts["backends"]["CPU_ATTN"],
                                                               "supported_layouts": ["LBNHC"]}}}
-    lines = differences(canonical(facts), canonical(changed))
+    lines = fact_differences(canonical(facts), canonical(changed))
     assert "default_block_size: 64 -> 32" in lines
     assert "backends.CPU_ATTN.supported_layouts.None: [LBHNC] -> [LBNHC]" in lines
     assert len(lines) == 1 + 5  # the CPU backend's declaration at each capability
