@@ -514,7 +514,10 @@ def geometry(case):
     """Allocation as the 0.34 engine does it: get_kv_cache_config_from_groups computes the
     KVCacheTensors (layer_stride, block_stride, offset, size) for the resolved layout,
     allocate_kv_cache views a raw int8 buffer per layer (create_kv_cache_views)."""
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    except ImportError:  # 0.29-0.32: the same functions in kv_cache_utils
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.worker.utils import allocate_kv_cache
 
     backend = backend_class(case["backend"])
