@@ -232,8 +232,9 @@ def _backend(release: ReleaseProfile, vllm_config: Any, mla: bool, candidates: t
     either only when the release knows it and it can view every candidate. Else ``auto``, a packed
     backend (nothing tells which backend the workers run)."""
     distinct = list(dict.fromkeys(selected))
+    workers = distinct if len(distinct) == 1 else []  # several (a hybrid model): not one backend to name
     configured = _enum_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
-    for name in [*distinct[:1 if len(distinct) == 1 else 0], configured]:
+    for name in [*workers, configured]:
         if name in release.backends:
             known = release.backend(name)
             if known.mla == mla and all(x in known.orders for x in candidates):
