@@ -186,7 +186,9 @@ def test_installed_but_off_changes_nothing(without_kvpolicy: EngineRun, installe
 def test_shipped_rules_generate_the_same_tokens(without_kvpolicy: EngineRun, shipped: EngineRun) -> None:
     assert [len(t) for t in shipped.result["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
     assert shipped.result["tokens"] == without_kvpolicy.result["tokens"]
-    assert shipped.worker["plugin"]["active"] and shipped.worker["plugin"]["hook"] == "resolve_kv_cache_layout"
+    plugin = shipped.worker["plugin"]
+    assert plugin["active"] and plugin["hook"] == "resolve_kv_cache_layout"
+    assert plugin["profile"] == (FORCED_PROFILE or "vllm-0.32")
 
 
 def test_the_kv_cache_vllm_allocated_is_kvpolicys_plan(without_kvpolicy: EngineRun, shipped: EngineRun) -> None:
