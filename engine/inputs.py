@@ -219,6 +219,7 @@ def build_context(
                           f"`{kv.kv_cache_dtype}`", "valid: " + ", ".join(release.kv_cache_dtypes),
                           code="unknown-kv-cache-dtype")
     _check_dtypes(release, groups, [profile.name] + [b for w in workers or () for b in w])
+    _check_release_inputs(release, groups, workers, options)
     candidates = _candidates(release, profile, options, workers)
     return Context(kv=kv, groups=groups, backend=profile, connector=connector_config_model,
                    profile=release.name, candidates=candidates, options=options,
@@ -415,6 +416,27 @@ def _options(release: ReleaseProfile, layout: str | None, extensible: Any, hispa
         hisparse = hisparse or with_connector
     return VllmOptions(kv_cache_layout=layout, enable_extensible_kv_cache=extensible, hisparse=hisparse,
                        device_capability=capability, use_v2_model_runner=v2_runner)
+
+
+def _check_release_inputs(release: ReleaseProfile, groups: KVCacheGroups, workers: list[list[str]] | None,
+                          options: VllmOptions) -> None:
+    """Refuse what this release cannot be given: a replicated (not DCP-sharded) attention group
+    before its specs had DCP sharding, and workers reporting different layouts where its resolver
+    asserts that they agree."""
+    if "dcp_sharding" not in release.options:
+        for i, group in enumerate(groups.groups):
+            if group.spec.kind.is_attention and not group.dcp_sharded:
+                raise input_error(f"groups[{i}].dcp_sharded", f"{release.version_label} has no DCP sharding of "
+                                  f"KV cache specs (profile `{release.name}`): a group cannot be replicated",
+                                  "leave `dcp_sharded` out (true) for this release", code="unsupported-option")
+    if release.workers_must_agree and workers is not None and len(workers) > 1:
+        reports = release.worker_reports(workers, options.device_capability)
+        if any(r != reports[0] for r in reports[1:]):
+            shown = "; ".join(f"worker {i} [{', '.join(str(x) for x in r)}]" for i, r in enumerate(reports))
+            raise input_error("worker_attention_backends", f"{release.version_label} requires every worker to "
+                              f"report the same supported KV cache layouts, and these differ: {shown}",
+                              "run the same attention backends on every worker (pipeline stage) for this "
+                              "release; vLLM 0.34 merges different lists", code="workers-disagree")
 
 
 def _candidates(release: ReleaseProfile, backend: BackendProfile, options: VllmOptions,

@@ -156,9 +156,14 @@ class ReleaseProfile(Frozen):
         default=(), description="connectors whose presence in the KV transfer config turns HiSparse "
         "(`attention_config.hisparse_config`) on, and without one of which a HiSparse config is refused "
         "(vLLM 0.34's `VllmConfig.__post_init__`)")
-    options: tuple[Literal["enable_extensible_kv_cache", "hisparse"], ...] = Field(
+    workers_must_agree: bool = Field(
+        default=False, description="the resolver asserts that every worker reports the same supported layouts "
+        "(0.29-0.33: pipeline stages whose backends declare different lists cannot start); 0.34 merges them")
+    options: tuple[Literal["enable_extensible_kv_cache", "hisparse", "dcp_sharding"], ...] = Field(
         default=(), description="the vLLM settings of the layout decision this release has beyond "
-        "`VLLM_KV_CACHE_LAYOUT` and the device capability (`build_context` refuses the others when set)")
+        "`VLLM_KV_CACHE_LAYOUT` and the device capability (`build_context` refuses the others when set); "
+        "`dcp_sharding`: its attention specs say whether decode context parallelism shards them "
+        "(`AttentionSpec.dcp_sharded`, 0.31 on), so a replicated draft group exists")
     rules: str = Field(description="the shipped rules' directory, relative to the rules root")
     kv_transfer_config_fields: tuple[str, ...] = Field(
         default=(), description="the fields of this release's `KVTransferConfig` (vllm/config/kv_transfer.py), "
@@ -197,6 +202,17 @@ class ReleaseProfile(Frozen):
                               + "known backends: " + ", ".join(self.backends), code="unknown-backend")
         return _geometry(self, key)
 
+    def worker_reports(self, backends: Sequence[Sequence[str]], device_capability: int | None = None
+                       ) -> list[tuple[Layout, ...]]:
+        """What each worker reports (vLLM's ``get_supported_kv_cache_layouts``): the layouts all its
+        backends support, merged; the default preference where none of them declares any."""
+        reports = []
+        for worker in backends:
+            declared = [d for d in (self.backends[_backend_key(b, self.backends) or b].declared_layouts(
+                device_capability) for b in worker if _backend_key(b, self.backends)) if d is not None]
+            reports.append(_merge(declared or [self.default_layout_preference]))
+        return reports
+
     def declared_layouts(self, backends: Sequence[Sequence[str]], device_capability: int | None = None
                          ) -> tuple[Layout, ...]:
         """The candidates in vLLM's preference order for these workers' backends.
@@ -212,11 +228,7 @@ class ReleaseProfile(Frozen):
         """
         if self.resolver is Resolver.uniform_gate:
             return self.default_layout_preference
-        reports = []
-        for worker in backends:
-            declared = [d for d in (self.backends[_backend_key(b, self.backends) or b].declared_layouts(
-                device_capability) for b in worker if _backend_key(b, self.backends)) if d is not None]
-            reports.append(_merge(declared or [self.default_layout_preference]))
+        reports = self.worker_reports(backends, device_capability)
         voting = [r for r in reports if r != self.default_layout_preference] or reports
         return _merge(voting) if voting else self.default_layout_preference
 

@@ -10,7 +10,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import install_vllm
 
-RELEASES = ("0.34.0", "0.28.0")
+from kvpolicy.policy.releases import get_profile, profile_names
+
+# Every release a shipped profile answers for, patch releases included, newest first.
+RELEASES = tuple(sorted({v for n in profile_names() for v in get_profile(n).vllm_versions},
+                        key=lambda v: tuple(int(p) for p in v.split(".")), reverse=True))
 
 
 @pytest.fixture(scope="session")

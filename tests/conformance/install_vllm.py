@@ -87,18 +87,23 @@ _COMMON = [
     "yarl==1.25.1",
 ]
 
+_OPENAI = [
+    "httpcore==1.0.9",
+    "httpx==0.29.0",
+    "openai==3.57.0",
+    "openai-harmony==0.0.8",
+    "sniffio==1.3.1",
+]
+
 PINNED: dict[str, list[str]] = {
     "0.34.0": list(_COMMON),
+    # 0.29-0.33, like 0.28, import openai / openai_harmony at module level, and their tool parsers
+    # (which the entrypoint modules that VllmConfig reaches import) partial_json_parser.
+    **{version: [*_COMMON, *_OPENAI, "partial-json-parser==0.2.1.1.post7"]
+       for version in ("0.33.0", "0.32.0", "0.31.0", "0.30.0", "0.29.0")},
     # 0.28 also imports openai / openai_harmony at module level (entrypoint types that
     # its config and worker modules reach), and its MooncakeConnector imports httpx.
-    "0.28.0": [
-        *_COMMON,
-        "httpcore==1.0.9",
-        "httpx==0.29.0",
-        "openai==3.57.0",
-        "openai-harmony==0.0.8",
-        "sniffio==1.3.1",
-    ],
+    "0.28.0": [*_COMMON, *_OPENAI],
 }
 
 

@@ -59,19 +59,62 @@ import json
 import re
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import RELEASES
 from vllm_release import run_oracle
 
 from kvpolicy.engine import LayoutEngine
 from kvpolicy.policy.errors import InputError, NoLayoutError, PolicyError
-from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 PROFILE = "vllm-0.34"
 EXPECTED_CASES = 67_896
+# The resolver releases (0.29 on) held to their own resolve_kv_cache_layout: the same space, cut to
+# what each can be given (`Release`); its size per release, as measured.
+RESOLVER_RELEASES = tuple(v for v in RELEASES if get_profile(v).resolver is Resolver.kv_cache_layout)
+EXPECTED_BY_RELEASE = {"0.34.0": EXPECTED_CASES}
+
+
+@dataclass(frozen=True)
+class Release:
+    """One resolver release and the part of the input space it can be given: the
+    `enable_extensible_kv_cache` and HiSparse settings only where it has them (`options`),
+    replicated (DCP) spec sets only where its specs have DCP sharding, connectors it registers."""
+
+    version: str
+
+    @property
+    def profile(self) -> ReleaseProfile:
+        return get_profile(self.version)
+
+    @property
+    def ext_values(self) -> tuple[bool, ...]:
+        return (False, True) if "enable_extensible_kv_cache" in self.profile.options else (False,)
+
+    def has_spec_set(self, name: str) -> bool:
+        sets = SPEC_SETS | MLA_SPEC_SETS
+        return "dcp_sharding" in self.profile.options or all(s.get("dcp_sharded", True) for s in sets[name])
+
+    def has_connector(self, label: str) -> bool:
+        ktc, hisparse = CONNECTORS[label]
+        if hisparse and "hisparse" not in self.profile.options:
+            return False
+        return all(name in self.profile.connectors for name in _connector_names(ktc))
+
+
+def _connector_names(ktc: dict[str, Any] | None) -> list[str]:
+    if ktc is None:
+        return []
+    members = (ktc.get("kv_connector_extra_config") or {}).get("connectors", [])
+    return [ktc["kv_connector"], *(n for m in members for n in _connector_names(m))]
+
+
+NEWEST = Release("0.34.0")
 
 # ---------------------------------------------------------------------------------------------
 # The input space
@@ -198,39 +241,40 @@ def _case(workers: Workers, cap: Any, specs: str, env: str | None, conn: str, ex
     return {"workers": workers, "cap": cap, "specs": specs, "env": env, "conn": conn, "ext": ext}
 
 
-def _plane_d() -> list[dict[str, Any]]:
+def _plane_d(release: Release) -> list[dict[str, Any]]:
     """The spec sets plane B leaves out, for B's worker sets and a few connectors."""
     others = [s for s in SPEC_SETS if s not in CONNECTOR_SPEC_SETS]
     return [_case(w, c, s, e, k, x) for (w, c), s, e, k, x in itertools.product(
-        CONNECTOR_WORKERS, others, ENV_LAYOUTS, PLANE_D_CONNECTORS, (False, True))]
+        CONNECTOR_WORKERS, others, ENV_LAYOUTS, PLANE_D_CONNECTORS, release.ext_values)]
 
 
-def buildable(workers: Workers, specs: str) -> bool:
+def buildable(workers: Workers, specs: str, release: Release = NEWEST) -> bool:
     """vLLM selects a backend only for a kv_cache_dtype it supports (`supported_kv_cache_dtypes`,
     checked against the profile by the facts case)."""
     dtypes = {s.get("kv_cache_dtype", "auto") for s in (SPEC_SETS | MLA_SPEC_SETS)[specs] if s["kind"] != "mamba"}
-    backends = get_profile(PROFILE).backends
+    backends = release.profile.backends
     return all(dtypes <= set(backends[b].kv_cache_dtypes or ()) for w in workers for b in w)
 
 
-def input_space() -> list[dict[str, Any]]:
+def input_space(release: Release = NEWEST) -> list[dict[str, Any]]:
     cases = []
     for workers in _non_mla_workers():  # plane A
         for cap, specs, env, conn, ext in itertools.product(
-                _capabilities(workers), SPEC_SETS, ENV_LAYOUTS, ("none", "Offloading"), (False, True)):
+                _capabilities(workers), SPEC_SETS, ENV_LAYOUTS, ("none", "Offloading"), release.ext_values):
             cases.append(_case(workers, cap, specs, env, conn, ext))
     for (workers, cap), specs, env, conn, ext in itertools.product(  # plane B
-            CONNECTOR_WORKERS, CONNECTOR_SPEC_SETS, ENV_LAYOUTS, CONNECTORS, (False, True)):
+            CONNECTOR_WORKERS, CONNECTOR_SPEC_SETS, ENV_LAYOUTS, CONNECTORS, release.ext_values):
         cases.append(_case(workers, cap, specs, env, conn, ext))
     for workers, cap, specs, env, conn, ext in itertools.product(  # plane C
-            MLA_WORKERS, (None, (9, 0)), MLA_SPEC_SETS, ENV_LAYOUTS, CONNECTORS, (False, True)):
+            MLA_WORKERS, (None, (9, 0)), MLA_SPEC_SETS, ENV_LAYOUTS, CONNECTORS, release.ext_values):
         cases.append(_case(workers, cap, specs, env, conn, ext))
-    return [c for c in cases + _plane_d() if buildable(c["workers"], c["specs"])]
+    return [c for c in cases + _plane_d(release) if buildable(c["workers"], c["specs"], release)
+            and release.has_spec_set(c["specs"]) and release.has_connector(c["conn"])]
 
 
-def unbuildable() -> list[tuple[Workers, str]]:
+def unbuildable(release: Release = NEWEST) -> list[tuple[Workers, str]]:
     """The (worker set, spec set) pairs the space leaves out: vLLM has no backend for them."""
-    return [(w, s) for w in _non_mla_workers() for s in SPEC_SETS if not buildable(w, s)]
+    return [(w, s) for w in _non_mla_workers() for s in SPEC_SETS if not buildable(w, s, release)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +323,7 @@ def _connector(ktc: dict[str, Any] | None) -> tuple[str | None, dict[str, Any] |
     return ktc["kv_connector"], ktc.get("kv_connector_extra_config")
 
 
-def kvpolicy_inputs(case: dict[str, Any]) -> dict[str, Any]:
+def kvpolicy_inputs(case: dict[str, Any], release: Release = NEWEST) -> dict[str, Any]:
     ktc, hisparse = CONNECTORS[case["conn"]]
     name, extra = _connector(ktc)
     return {
@@ -291,7 +335,7 @@ def kvpolicy_inputs(case: dict[str, Any]) -> dict[str, Any]:
         "connector_config": extra,
         "enable_extensible_kv_cache": case["ext"],
         "hisparse": hisparse,
-        "vllm_version": PROFILE,
+        "vllm_version": release.profile.name,
     }
 
 
@@ -299,6 +343,7 @@ def kvpolicy_inputs(case: dict[str, Any]) -> dict[str, Any]:
 # name, or the InputError's diagnostic code).
 _VLLM_ERRORS: list[tuple[str, type[PolicyError], str]] = [
     ("ValueError: No KV cache layout satisfies every supported set", NoLayoutError, "release-candidates"),
+    ("AssertionError: Workers disagree on supported KV cache layouts", InputError, "workers-disagree"),
     ("ValueError: Specs with mixed HNC shapes need a block-compact layout", NoLayoutError,
      "mixed-hnc-shapes-need-block-compact"),
     ("ValueError: DCP with a replicated draft and mixed KV page sizes", NoLayoutError,
@@ -329,9 +374,9 @@ def _blamed(exc: PolicyError) -> list[str]:
     return [d.code for d in exc.diagnostics]
 
 
-def _kvpolicy(engine: LayoutEngine, case: dict[str, Any]) -> dict[str, Any]:
+def _kvpolicy(engine: LayoutEngine, case: dict[str, Any], release: Release = NEWEST) -> dict[str, Any]:
     try:
-        decision = engine.decide(explain=False, **kvpolicy_inputs(case))
+        decision = engine.decide(explain=False, **kvpolicy_inputs(case, release))
     except PolicyError as exc:
         return {"error": type(exc).__name__, "blamed": _blamed(exc)}
     out: dict[str, Any] = {"layout": str(decision.layout)}
@@ -387,9 +432,9 @@ def _ours_shown(answer: dict[str, Any]) -> str:
     return answer["layout"] + (" (warned)" if answer.get("warnings") else "")
 
 
-def _check_facts(facts: dict[str, Any]) -> list[str]:
+def _check_facts(facts: dict[str, Any], release: Release) -> list[str]:
     """The profile's declarations are vLLM's: what plane A's capability pruning rests on."""
-    profile = get_profile(PROFILE)
+    profile = release.profile
     problems = []
     if [str(x) for x in profile.default_layout_preference] != facts["default_layout_preference"]:
         problems.append(f"default preference {facts['default_layout_preference']}")
@@ -414,18 +459,35 @@ def _check_facts(facts: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # The shipped policy tests (rules/vllm-0.34/tests/*.yaml), as vLLM inputs
 
-POLICY_TESTS = Path(__file__).resolve().parents[2] / "rules" / PROFILE / "tests"
+RULES = Path(__file__).resolve().parents[2] / "rules"
 # Refusals that happen outside resolve_kv_cache_layout and VllmConfig (vLLM's backend selection).
 _OUTSIDE_THE_ORACLE = {"unsupported-kv-cache-dtype"}
 
 
-def _policy_cases() -> list[Any]:
+def _policy_cases(release: Release) -> list[Any]:
+    """The shipped policy tests of the release's rules, where they decide for this release (a case
+    pinned to another release's `vllm_version`, or using a setting this release lacks, is left out)."""
     from kvpolicy.engine.policy_tests import load_cases
 
-    return [lc for lc in load_cases([POLICY_TESTS]) if lc.case.expect.error not in _OUTSIDE_THE_ORACLE]
+    cases = load_cases([RULES / release.profile.rules / "tests"])
+    return [lc for lc in cases if lc.case.expect.error not in _OUTSIDE_THE_ORACLE and _fits(lc.case.input, release)]
 
 
-def _oracle_spec(data: dict[str, Any], inp: Any) -> dict[str, Any]:
+def _fits(inp: Any, release: Release) -> bool:
+    if inp.vllm_version is not None and get_profile(inp.vllm_version) != release.profile:
+        return False
+    if (inp.enable_extensible_kv_cache and release.ext_values == (False,)) or (
+            inp.hisparse and "hisparse" not in release.profile.options):
+        return False
+    groups = inp.groups or []
+    if "dcp_sharding" not in release.profile.options and any(
+            not (g.get("dcp_sharded", True) if isinstance(g, dict) else g.dcp_sharded) for g in groups):
+        return False
+    names = [inp.connector, *(m.get("kv_connector") for m in (inp.connector_config or {}).get("connectors", []))]
+    return all(n is None or n == "none" or n in release.profile.connectors for n in names)
+
+
+def _oracle_spec(data: dict[str, Any], inp: Any, release: Release) -> dict[str, Any]:
     spec = dict(data.get("spec", data))
     if spec.get("kind") == "mamba":
         return {"kind": "mamba", "block_size": spec["block_size"], "state_elements": 2 * spec["block_size"]
@@ -435,7 +497,7 @@ def _oracle_spec(data: dict[str, Any], inp: Any) -> dict[str, Any]:
     if inp.block_size is not None:
         spec["block_size"] = inp.block_size
     spec.pop("num_layers", None)
-    spec.setdefault("block_size", get_profile(PROFILE).default_block_size)
+    spec.setdefault("block_size", release.profile.default_block_size)
     if "dcp_sharded" in data:
         spec["dcp_sharded"] = data["dcp_sharded"]
     return spec
@@ -450,10 +512,10 @@ def _ktc(name: str | None, extra: dict[str, Any] | None) -> dict[str, Any] | Non
     return _k(name, **extra)
 
 
-def policy_oracle_case(inp: Any) -> dict[str, Any]:
+def policy_oracle_case(inp: Any, release: Release) -> dict[str, Any]:
     """A policy test's input (`CaseInput`) as the oracle's decision case."""
     groups = inp.groups if inp.groups is not None else [{"spec": inp.spec}]
-    specs = [_oracle_spec(g if isinstance(g, dict) else g.model_dump(), inp) for g in groups]
+    specs = [_oracle_spec(g if isinstance(g, dict) else g.model_dump(), inp, release) for g in groups]
     workers = inp.worker_attention_backends or [[inp.attention_backend or inp.backend or "TRITON_ATTN"]]
     return {
         "workers": workers,
@@ -467,28 +529,33 @@ def policy_oracle_case(inp: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def oracle(vllm_sites: Any) -> dict[str, Any]:
-    """One oracle subprocess for the module: the facts, the input space, the policy tests' inputs."""
+@pytest.fixture(scope="module", params=RESOLVER_RELEASES)
+def oracle(request: Any, vllm_sites: Any) -> dict[str, Any]:
+    """One oracle subprocess per release: the facts, the input space, the policy tests' inputs."""
+    release = Release(request.param)
     start = time.perf_counter()
-    cases = input_space()
-    policy = _policy_cases()
-    asked = [{"facts": True}] + [oracle_case(c) for c in cases] + [policy_oracle_case(lc.case.input) for lc in policy]
-    facts, *answers = run_oracle("0.34.0", "v034", asked)
-    return {"facts": facts, "cases": cases, "answers": answers[:len(cases)], "policy": policy,
+    cases = input_space(release)
+    policy = _policy_cases(release)
+    asked = ([{"facts": True}] + [oracle_case(c) for c in cases]
+             + [policy_oracle_case(lc.case.input, release) for lc in policy])
+    facts, *answers = run_oracle(release.version, "v034", asked)
+    return {"release": release, "facts": facts, "cases": cases, "answers": answers[:len(cases)], "policy": policy,
             "policy_answers": answers[len(cases):], "seconds": time.perf_counter() - start}
 
 
-def test_shipped_policy_tests_agree_with_vllm_034(oracle: dict[str, Any]) -> None:
-    """Every case of rules/vllm-0.34/tests/ that vLLM's resolver can answer: kvpolicy's decision
-    (what the case expects, `kvpolicy test` checks that) is vLLM's."""
+def test_shipped_policy_tests_agree_with_vllm(oracle: dict[str, Any]) -> None:
+    """Every case of the release's shipped policy tests that its resolver can answer: kvpolicy's
+    decision is vLLM's (and, under the rules' own newest release, what the case expects, which
+    `kvpolicy test` checks)."""
     from kvpolicy.engine.policy_tests import run_case
 
-    ruleset = LayoutEngine.default(vllm_version=PROFILE).ruleset
+    release = oracle["release"]
+    ruleset = LayoutEngine.default(vllm_version=release.version).ruleset
     diffs = []
     for lc, vllm in zip(oracle["policy"], oracle["policy_answers"]):
-        result = run_case(ruleset, lc, PROFILE)
-        assert result.passed, (lc.location, result.failures)
+        result = run_case(ruleset, lc, release.profile.name)
+        if release == NEWEST:
+            assert result.passed, (lc.location, result.failures)
         ours = ({"layout": str(result.layout)} if result.error is None else
                 {"error": type(result.error).__name__, "blamed": _blamed(result.error)})
         if "error" in vllm:
@@ -499,27 +566,32 @@ def test_shipped_policy_tests_agree_with_vllm_034(oracle: dict[str, Any]) -> Non
             ok = ours.get("layout") == vllm["layout"]
         if not ok:
             diffs.append(f"{lc.location} {lc.case.name}: vLLM {_vllm_shown(vllm)}, kvpolicy {_ours_shown(ours)}")
-    assert len(oracle["policy"]) >= 40
+    assert len(oracle["policy"]) >= 30
     assert not diffs, "\n".join(diffs)
 
 
-def test_decisions_equal_vllm_034(oracle: dict[str, Any]) -> None:
+def test_decisions_equal_vllms(oracle: dict[str, Any]) -> None:
     start = time.perf_counter()
+    release: Release = oracle["release"]
     cases, answers, facts = oracle["cases"], oracle["answers"], oracle["facts"]
-    assert len(cases) == EXPECTED_CASES, f"the docstring states {EXPECTED_CASES} cases; the space has {len(cases)}"
+    expected = EXPECTED_BY_RELEASE[release.version]
+    assert len(cases) == expected, f"the space of {release.version} is stated as {expected}; it has {len(cases)}"
     oracle_s = oracle["seconds"]
-    assert not (bad := _check_facts(facts)), bad
+    assert not (bad := _check_facts(facts, release)), bad
 
-    engine = LayoutEngine.default(vllm_version=PROFILE)
-    ours = [_kvpolicy(engine, c) for c in cases]
-    for workers, specs in unbuildable():  # what vLLM cannot build, kvpolicy refuses as an input error
-        refused = _kvpolicy(engine, _case(workers, None, specs, None, "none", False))
+    engine = LayoutEngine.default(vllm_version=release.version)
+    ours = [_kvpolicy(engine, c, release) for c in cases]
+    for workers, specs in unbuildable(release):  # what vLLM cannot build, kvpolicy refuses as an input error
+        if not release.has_spec_set(specs):
+            continue
+        refused = _kvpolicy(engine, _case(workers, None, specs, None, "none", False), release)
         assert refused.get("blamed") == ["unsupported-kv-cache-dtype"], (workers, specs, refused)
     diffs = [(c, v, o, why) for c, v, o in zip(cases, answers, ours) if (why := compare(c, v, o)) is not None]
     total_s = time.perf_counter() - start + oracle_s
 
     outcomes = Counter(a.get("layout") or (_vllm_error_kind(a["error"]) or ("unmapped",))[-1] for a in answers)
-    print(f"\nvLLM 0.34.0 resolve_kv_cache_layout vs kvpolicy `{PROFILE}`: {len(cases) - len(diffs)} of "
+    print(f"\nvLLM {release.version} resolve_kv_cache_layout vs kvpolicy `{release.profile.name}`: "
+          f"{len(cases) - len(diffs)} of "
           f"{len(cases)} cases agree ({len(diffs)} differ); oracle {oracle_s:.1f} s, total {total_s:.1f} s")
     print(f"  space: {len(_non_mla_workers())} + {len(MLA_WORKERS)} worker sets, capabilities "
           f"{[None if c is None else f'{c[0]}.{c[1]}' for c in CAPABILITIES]}, "

@@ -39,11 +39,13 @@ only because this runs on a CPU without the CUDA stack:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import sys
 import tempfile
 import types
+import typing
 
 # stdout carries only the JSON answer: route everything else printed to fd 1 to stderr.
 _ANSWER = os.fdopen(os.dup(1), "w")
@@ -329,9 +331,39 @@ def decision(case):
     }
 
 
+def connector_class_name(factory, name):
+    """The class vLLM loads for connector ``name`` (``get_connector_class``, default extra config);
+    where that import needs a package this site lacks (nixl, lmcache, ...), the class name the
+    registry's lazy loader holds (``register_connector(name, module_path, class_name)``)."""
+    from vllm.config import KVTransferConfig
+
+    try:
+        return factory.get_connector_class(KVTransferConfig(kv_connector=name, kv_role="kv_both")).__name__
+    except Exception:
+        loader = factory._registry[name]
+        return inspect.getclosurevars(loader).nonlocals["class_name"]
+
+
+def config_fields():
+    """The fields of the configs the layout decision reads (``KVTransferConfig``: what
+    ``--kv-transfer-config`` may hold; ``CacheConfig`` and ``AttentionConfig``: which settings exist;
+    ``AttentionSpec``: whether a spec can be DCP-sharded or replicated)."""
+    import dataclasses
+
+    from vllm.config import AttentionConfig, CacheConfig, KVTransferConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    return {name: [f.name for f in dataclasses.fields(cls)] for name, cls in
+            (("kv_transfer", KVTransferConfig), ("cache", CacheConfig), ("attention", AttentionConfig),
+             ("attention_spec", AttentionSpec))}
+
+
 def facts(case):
     from vllm.config import KVTransferConfig
-    from vllm.config.cache import KV_CACHE_DTYPES, CacheConfig
+    from vllm.config.cache import CacheConfig, CacheDType
+
+    # KV_CACHE_DTYPES (0.33+) is the CacheDType literal's arguments, which older releases have alone
+    kv_cache_dtypes = list(typing.get_args(CacheDType))
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -340,7 +372,7 @@ def facts(case):
         "version": __import__("vllm").__version__,
         "layouts": {m.name: list(m.value) for m in KVCacheLayout},
         "default_layout_preference": [m.name for m in _DEFAULT_LAYOUT_PREFERENCE],
-        "kv_cache_dtypes": list(KV_CACHE_DTYPES),
+        "kv_cache_dtypes": kv_cache_dtypes,
         "default_block_size": CacheConfig().block_size,
         "backends": {},
         "connectors": {},
@@ -368,6 +400,8 @@ def facts(case):
     out["stand_ins"] = STUBBED
     registry = getattr(KVConnectorFactory, "_registry", {})
     out["registered_connectors"] = sorted(registry)
+    out["connector_classes"] = {name: connector_class_name(KVConnectorFactory, name) for name in registry}
+    out["config_fields"] = config_fields()
     for name in CONNECTORS:
         entry = {}
         try:

@@ -204,7 +204,7 @@ def test_the_per_token_head_guard_is_load_bearing_only_in_issue_48412(shipped) -
 def test_space_enumerates_what_the_profile_decision_reads(shipped_034) -> None:
     space = build_space(shipped_034, vllm_version=V034)
     dims = space.dimensions
-    assert dims["backend"] == ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLASHINFER@10", "FLEX_ATTENTION",
+    assert dims["backend"] == ["TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "FLASHINFER@10", "FLEX_ATTENTION",
                                "CPU_ATTN", "FLASHMLA", "TRITON_MLA"]
     assert dims["VLLM_KV_CACHE_LAYOUT"] == ["unset", *(x.value for x in Layout)]  # NHD/HND: LBNHC/LBHNC's aliases
     assert space.stands_for["VLLM_KV_CACHE_LAYOUT"]["LBHNC"] == ["LBHNC", "HND"]
