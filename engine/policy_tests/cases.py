@@ -101,7 +101,8 @@ class CaseInput(Frozen):
     tensor_parallel_size: StrictInt = Field(default=1, ge=1, description="with `model` only")
     vllm_version: str | None = Field(
         default=None, min_length=1,
-        description="the vLLM release profile (`vllm-0.34`, `0.34.0`); default: the rule set's")
+        description="the vLLM release profile (`vllm-0.34`, `0.34.0`, or a patch release such as `0.28.1`: its "
+                    "series' profile, said as a warning); default: the rule set's")
     vllm_kv_cache_layout: str | None = Field(
         default=None, description="vLLM's `VLLM_KV_CACHE_LAYOUT`: one of the six layouts, or NHD / HND")
     enable_extensible_kv_cache: StrictBool = Field(default=False, description="vLLM's `enable_extensible_kv_cache`")

@@ -132,8 +132,12 @@ def _rule_dir(tmp: Path, name: str, file: str, extra: str) -> Path:
     return root
 
 
-def _plugin(env: dict[str, str], log_level: str = "ERROR") -> dict[str, Any]:
-    return {"plugin": {"env": env, "log_level": log_level}}
+def _plugin(env: dict[str, str], log_level: str = "ERROR", version: str | None = None) -> dict[str, Any]:
+    """A plugin-loading case; ``version`` pretends the running vLLM is another release."""
+    case: dict[str, Any] = {"plugin": {"env": env, "log_level": log_level}}
+    if version is not None:
+        case["plugin"]["version"] = version
+    return case
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +178,12 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         *(("site-scratch", {"gate": d.oracle_case()}) for d in scratch),
         ("impossible", _plugin({"KVPOLICY_RULES": str(dirs["impossible"])})),
         *(("site-impossible", {"gate": d.oracle_case()}) for d in space[::2_000]),
+        # a release no profile answers for: the operator's rules stop start-up unless a profile is forced;
+        # a patch release of 0.28 decides with vllm-0.28, said
+        ("unknown-version", _plugin({"KVPOLICY_RULES": str(dirs["nhd"])}, version="0.99.0")),
+        ("forced", _plugin({"KVPOLICY_RULES": str(dirs["nhd"]), "KVPOLICY_VLLM_VERSION": "0.28.0"},
+                           version="0.99.0")),
+        ("patch", _plugin(shipped, log_level="INFO", version="0.28.1")),
         ("off-again", _plugin({})),
         *(("off-gate", {"gate": d.oracle_case(), "baseline": True}) for d in space[::2_000]),
     ]
@@ -414,3 +424,17 @@ def test_unset_again_vllms_gate_is_back(run: dict[str, Any]) -> None:
     assert off["gate_is_vllms"] and off["status"] == {"active": False}
     for answer in run["by"]["off-gate"]:
         assert answer["plugin"] == answer["vllm"]
+
+
+def test_versions_an_unprofiled_release_stops_a_patch_release_decides_as_its_series(run: dict[str, Any]) -> None:
+    unknown = run["by"]["unknown-version"][0]
+    assert unknown["error"].startswith("PluginError: kvpolicy: no release profile decides for vLLM 0.99.0 while "
+                                       "KVPOLICY_RULES="), unknown["error"]
+    assert "KVPOLICY_RULES: error[unprofiled-vllm]" in unknown["error"] and "vllm-0.28 (0.28.0)" in unknown["error"]
+    assert unknown["gate_is_vllms"] and unknown["status"] == {"active": False}
+    forced = run["by"]["forced"][0]
+    assert forced["error"] is None and not forced["gate_is_vllms"] and forced["status"]["profile"] == "vllm-0.28"
+    patch = run["by"]["patch"][0]
+    assert patch["error"] is None and not patch["gate_is_vllms"] and patch["status"]["profile"] == "vllm-0.28"
+    assert any(line.startswith("WARNING kvpolicy: no release profile lists vLLM 0.28.1; deciding with `vllm-0.28`")
+               for line in patch["log"]), patch["log"]

@@ -574,7 +574,7 @@ def test_decisions_equal_vllms(oracle: dict[str, Any]) -> None:
     start = time.perf_counter()
     release: Release = oracle["release"]
     cases, answers, facts = oracle["cases"], oracle["answers"], oracle["facts"]
-    expected = EXPECTED_BY_RELEASE[release.version]
+    expected = EXPECTED_BY_RELEASE.get(release.version)
     assert len(cases) == expected, f"the space of {release.version} is stated as {expected}; it has {len(cases)}"
     oracle_s = oracle["seconds"]
     assert not (bad := _check_facts(facts, release)), bad

