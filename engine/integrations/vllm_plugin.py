@@ -247,6 +247,10 @@ def _log_decision(decision: Decision, explain: bool) -> None:
              decision.fingerprint.digest, ctx.profile, decision.ruleset.root or "<texts>")
     for warning in decision.warnings:
         log.warning("kvpolicy: %s", warning)
+    if ctx.backend.name == "auto":
+        log.warning("kvpolicy: the decision names no attention backend (vLLM's selection for the model is unknown "
+                    "or not what the workers report): its fingerprint assumes a packed backend (`auto`) and may "
+                    "not describe the bytes the workers write; set --attention-backend to name it")
     if explain:
         log.info("kvpolicy: explanation\n%s", decision.explain())
 
@@ -341,10 +345,9 @@ def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
             from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
             return [str(backend.get_name()) for backend in get_current_attn_backends(vllm_config)]
-        except Exception as exc:  # the decision then names no backend: said, its fingerprint is not the bytes'
-            log.warning("kvpolicy: cannot tell which attention backend vLLM's workers run (%s: %s); the decision "
-                        "assumes a packed backend (`auto`), and its fingerprint may differ from the workers' "
-                        "bytes. Set --attention-backend to name it", type(exc).__name__, exc)
+        except Exception as exc:  # the decision then names no backend, which _log_decision says
+            log.info("kvpolicy: vLLM cannot tell which attention backend its workers run (%s: %s)",
+                     type(exc).__name__, exc)
             return []
 
     from kvpolicy.engine.integrations.vllm_resolver import make_resolver

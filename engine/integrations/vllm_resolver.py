@@ -226,13 +226,15 @@ def _connector(vllm_config: Any) -> ConnectorConfig | None:
 
 
 def _backend(release: ReleaseProfile, vllm_config: Any, mla: bool, candidates: tuple[Layout, ...],
-             selected: Sequence[str] = ()) -> BackendProfile:
+             selected: Sequence[str] = (), device_capability: int | None = None) -> BackendProfile:
     """The backend whose bytes the workers write: the one vLLM's selector picks for the model (``selected``,
-    the workers' backends by name, when they are one backend), else the configured ``--attention-backend``;
-    either only when the release knows it and it can view every candidate. Else ``auto``, a packed
-    backend (nothing tells which backend the workers run)."""
+    by name), when it is one backend the release knows and it is what the workers reported (a worker
+    running it reports its declared layouts: ``candidates``); else the configured ``--attention-backend``;
+    either only when it can view every candidate. Else ``auto``, a packed backend (nothing tells which
+    backend the workers run; the plugin says so when it logs the decision)."""
     distinct = list(dict.fromkeys(selected))
-    workers = distinct if len(distinct) == 1 else []  # several (a hybrid model): not one backend to name
+    workers = [name for name in distinct[:1] if len(distinct) == 1 and name in release.backends
+               and release.declared_layouts([[name]], device_capability) == candidates]
     configured = _enum_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
     for name in [*workers, configured]:
         if name in release.backends:
@@ -264,7 +266,8 @@ def resolver_context(vllm_config: Any, supported_layouts: Sequence[Sequence[str]
         return None
     primary = groups.primary
     assert primary is not None
-    backend = _backend(release, vllm_config, primary.kind is AttentionKind.mla, candidates, attention_backends)
+    backend = _backend(release, vllm_config, primary.kind is AttentionKind.mla, candidates, attention_backends,
+                       device_capability)
     hisparse = getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None
     extensible = getattr(cache_config, "enable_extensible_kv_cache", False) is True
     ctx = build_context(groups=groups, attention_backend=backend, connector=_connector(vllm_config),

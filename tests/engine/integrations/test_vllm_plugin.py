@@ -673,6 +673,12 @@ def test_the_selected_backend_wins_over_the_configured_one() -> None:
     # a backend this profile does not know: the configured one, else `auto`
     assert resolve(ENGINE, config(), CPU_WORKER, TINY_SPECS,
                    attention_backends=["ROCM_ATTN"]).context.backend.name == "auto"
+    # a selection that is not what the workers report (the engine core sees another platform than its
+    # workers): not theirs, so not named; CPU_ATTN workers report (LBHNC,), TRITON_ATTN ones the default
+    assert resolve(ENGINE, config(), [DEFAULT], TINY_SPECS,
+                   attention_backends=["CPU_ATTN"]).context.backend.name == "auto"
+    assert resolve(ENGINE, cfg, [DEFAULT], TINY_SPECS, vllm_kv_cache_layout="LHBNC",
+                   attention_backends=["CPU_ATTN"]).layout is Layout.LHBNC
 
 
 def test_the_engine_core_asks_vllm_which_backend_the_workers_run(
@@ -692,7 +698,8 @@ def test_the_engine_core_asks_vllm_which_backend_the_workers_run(
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="vllm.kvpolicy"):
             assert core.resolve_kv_cache_layout(config(), CPU_WORKER, TINY_SPECS).name == "LBHNC"
-        assert "cannot tell which attention backend vLLM's workers run (AttributeError" in caplog.text
+        assert "vLLM cannot tell which attention backend its workers run (AttributeError" in caplog.text
+        assert "the decision names no attention backend" in caplog.text
         unknown = resolve(ENGINE, config(), CPU_WORKER, TINY_SPECS)
         assert f"fingerprint {unknown.fingerprint.digest}" in caplog.text
 
