@@ -233,6 +233,7 @@ def test_the_fingerprint_the_engine_logs_is_dry_runs(shipped: EngineRun) -> None
     ((_, digest),) = shipped.decisions
     plan = _dry_run(shipped.worker["num_blocks"])
     assert digest == plan["fingerprint"]["digest"] and plan["fingerprint"]["backend"] == "CPU_ATTN"
+    assert "names no attention backend" not in shipped.log
 
 
 # ---------------------------------------------------------------- (c), (d) fail closed
