@@ -247,6 +247,10 @@ def _log_decision(decision: Decision, explain: bool) -> None:
              decision.fingerprint.digest, ctx.profile, decision.ruleset.root or "<texts>")
     for warning in decision.warnings:
         log.warning("kvpolicy: %s", warning)
+    if ctx.backend.name == "auto":
+        log.warning("kvpolicy: the decision names no attention backend (vLLM's selection for the model is unknown "
+                    "or not what the workers report): its fingerprint assumes a packed backend (`auto`) and may "
+                    "not describe the bytes the workers write; set --attention-backend to name it")
     if explain:
         log.info("kvpolicy: explanation\n%s", decision.explain())
 
@@ -333,12 +337,26 @@ def _install_resolver(engine: LayoutEngine, settings: Settings) -> str:
                 out.append((ktc.kv_connector, cls.get_required_kvcache_layout(config)))
         return out
 
+    def attention_backends(vllm_config: Any) -> list[str]:
+        """The attention backends the workers run, by vLLM's name, as each worker finds them to report its
+        supported layouts (``get_current_attn_backends``: the model's layers where this process holds
+        them, else vLLM's selector for the model on this platform, e.g. CPU_ATTN on a CPU)."""
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+            return [str(backend.get_name()) for backend in get_current_attn_backends(vllm_config)]
+        except Exception as exc:  # the decision then names no backend, which _log_decision says
+            log.info("kvpolicy: vLLM cannot tell which attention backend its workers run (%s: %s)",
+                     type(exc).__name__, exc)
+            return []
+
     from kvpolicy.engine.integrations.vllm_resolver import make_resolver
 
     resolver = make_resolver(original, engine, layout_type=KVCacheLayout,
                              vllm_kv_cache_layout=lambda: getattr(envs, "VLLM_KV_CACHE_LAYOUT", None),
                              device_capability=capability, connector_layouts=connector_layouts,
-                             explain=settings.explain, on_decision=lambda d: _log_decision(d, settings.explain))
+                             attention_backends=attention_backends, explain=settings.explain,
+                             on_decision=lambda d: _log_decision(d, settings.explain))
     _patch(backend_utils, "resolve_kv_cache_layout", resolver)
     core = sys.modules.get("vllm.v1.engine.core")
     if core is not None and hasattr(core, "resolve_kv_cache_layout"):

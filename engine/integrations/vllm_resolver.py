@@ -20,8 +20,10 @@ and distributes it to every worker (``set_kv_cache_layout``, then
 - ``vllm_config``: ``kv_transfer_config`` (the connector as configured, by the
   name vLLM registers it under, MultiConnector members from its extra config),
   ``cache_config.enable_extensible_kv_cache``, ``attention_config.hisparse_config``;
-- ``VLLM_KV_CACHE_LAYOUT`` and the device capability, which the plugin reads
-  from vLLM and passes in.
+- ``VLLM_KV_CACHE_LAYOUT``, the device capability and the attention backends
+  vLLM selects for the model's layers (the backend the decision names, so that
+  its fingerprint describes the bytes the workers write), which the plugin
+  reads from vLLM and passes in.
 
 Nothing here imports vLLM; the plugin (`kvpolicy.engine.integrations.vllm_plugin`) hands
 in vLLM's ``KVCacheLayout`` enum and the readers that need vLLM. A rule set
@@ -225,22 +227,32 @@ def _connector(vllm_config: Any) -> ConnectorConfig | None:
                                      where="kv_transfer_config.kv_connector_extra_config")
 
 
-def _backend(release: ReleaseProfile, vllm_config: Any, mla: bool, candidates: tuple[Layout, ...]) -> BackendProfile:
-    """The configured ``--attention-backend`` when the release knows it and it can view every candidate;
-    else ``auto``, a packed backend (the engine core does not know which backends the workers chose)."""
-    name = _enum_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
-    if name in release.backends:
-        known = release.backend(name)
-        if known.mla == mla and all(x in known.orders for x in candidates):
-            return known
+def _backend(release: ReleaseProfile, vllm_config: Any, mla: bool, candidates: tuple[Layout, ...],
+             selected: Sequence[str] = (), device_capability: int | None = None) -> BackendProfile:
+    """The backend whose bytes the workers write: the one vLLM's selector picks for the model (``selected``,
+    by name), when it is one backend the release knows and it is what the workers reported (a worker
+    running it reports its declared layouts: ``candidates``); else the configured ``--attention-backend``;
+    either only when it can view every candidate. Else ``auto``, a packed backend (nothing tells which
+    backend the workers run; the plugin says so when it logs the decision)."""
+    distinct = list(dict.fromkeys(selected))
+    workers = [name for name in distinct[:1] if len(distinct) == 1 and name in release.backends
+               and release.declared_layouts([[name]], device_capability) == candidates]
+    configured = _enum_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
+    for name in [*workers, configured]:
+        if name in release.backends:
+            known = release.backend(name)
+            if known.mla == mla and all(x in known.orders for x in candidates):
+                return known
     return packed_backend("auto", mla=mla, layouts=release.layouts, layer_buffers=release.layer_buffers)
 
 
 def resolver_context(vllm_config: Any, supported_layouts: Sequence[Sequence[str]], kv_cache_specs: Iterable[Any],
                      *, release: ReleaseProfile, vllm_kv_cache_layout: str | None = None,
-                     device_capability: int | None = None) -> Context | None:
+                     device_capability: int | None = None, attention_backends: Sequence[str] = ()) -> Context | None:
     """The decision `Context` for vLLM's resolver inputs; None for a model without per-layer KV views
-    (nothing to lay out). Raises `InputError` for what kvpolicy cannot describe."""
+    (nothing to lay out). ``attention_backends``: the backends vLLM selects for the model's layers, by
+    name (the backend the context names, so its fingerprint describes the workers' bytes). Raises
+    `InputError` for what kvpolicy cannot describe."""
     candidates = worker_candidates(release, supported_layouts)
     cache_config = getattr(vllm_config, "cache_config", None)
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -256,7 +268,8 @@ def resolver_context(vllm_config: Any, supported_layouts: Sequence[Sequence[str]
         return None
     primary = groups.primary
     assert primary is not None
-    backend = _backend(release, vllm_config, primary.kind is AttentionKind.mla, candidates)
+    backend = _backend(release, vllm_config, primary.kind is AttentionKind.mla, candidates, attention_backends,
+                       device_capability)
     hisparse = getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None
     extensible = getattr(cache_config, "enable_extensible_kv_cache", False) is True
     ctx = build_context(groups=groups, attention_backend=backend, connector=_connector(vllm_config),
@@ -377,7 +390,7 @@ def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[
             kv_cache_specs: Iterable[Any] | None, *, vllm_kv_cache_layout: str | None = None,
             device_capability: int | None = None, connector_layout: Callable[[], str | None] | None = None,
             connector_layouts: Callable[[], Iterable[tuple[str, Any]]] | None = None,
-            explain: bool = False) -> Decision | None:
+            attention_backends: Sequence[str] = (), explain: bool = False) -> Decision | None:
     """The rules' `Decision` for vLLM's resolver inputs, under ``engine``'s release profile; None when
     the model has no KV cache views to lay out.
 
@@ -386,11 +399,12 @@ def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[
     (``kv_connector`` name, answer) for every connector configured, a MultiConnector's members
     included; ``connector_layout`` returns vLLM's ``get_kv_connector_cache_layout(vllm_config)``, the
     configured connector's alone (used when ``connector_layouts`` is not given).
+    ``attention_backends``: the backends vLLM selects for the model, by name (`resolver_context`).
     Raises `StartupError`: no layout survives, or kvpolicy cannot describe the inputs."""
     try:
         ctx = resolver_context(vllm_config, supported_layouts, list(kv_cache_specs or ()),
                                release=engine.profile, vllm_kv_cache_layout=vllm_kv_cache_layout,
-                               device_capability=device_capability)
+                               device_capability=device_capability, attention_backends=attention_backends)
         if ctx is None:
             return None
         eng = engine
@@ -423,7 +437,7 @@ def make_resolver(original: Callable[..., Any], engine: LayoutEngine, *, layout_
                   vllm_kv_cache_layout: Callable[[], str | None], device_capability: Callable[[], int | None],
                   connector_layout: Callable[[Any], str | None] | None = None,
                   connector_layouts: Callable[[Any], Iterable[tuple[str, Any]]] | None = None,
-                  explain: bool = False,
+                  attention_backends: Callable[[Any], Sequence[str]] | None = None, explain: bool = False,
                   on_decision: Callable[[Decision], None] | None = None) -> Callable[..., Any]:
     """A function with the signature of vLLM's ``resolve_kv_cache_layout(vllm_config, supported_layouts,
     kv_cache_specs=None) -> KVCacheLayout``, answered by ``engine``.
@@ -432,8 +446,8 @@ def make_resolver(original: Callable[..., Any], engine: LayoutEngine, *, layout_
     not a decision (a layout already recorded on ``cache_config``, which vLLM
     honours as-is; a model without per-layer KV views). ``layout_type`` is vLLM's
     ``KVCacheLayout`` enum. The answer is recorded on ``cache_config.kv_cache_layout``
-    as vLLM records its own, from where vLLM distributes it to the workers. ``connector_layout`` and
-    ``connector_layouts`` take ``vllm_config`` and are `resolve`'s.
+    as vLLM records its own, from where vLLM distributes it to the workers. ``connector_layout``,
+    ``connector_layouts`` and ``attention_backends`` take ``vllm_config`` and are `resolve`'s.
     """
 
     def resolve_kv_cache_layout(vllm_config: Any, supported_layouts: list[list[str]],
@@ -447,6 +461,7 @@ def make_resolver(original: Callable[..., Any], engine: LayoutEngine, *, layout_
             device_capability=device_capability(),
             connector_layout=None if connector_layout is None else (lambda: connector_layout(vllm_config)),
             connector_layouts=None if connector_layouts is None else (lambda: connector_layouts(vllm_config)),
+            attention_backends=() if attention_backends is None else attention_backends(vllm_config),
             explain=explain)
         if decision is None:
             return original(vllm_config, supported_layouts, specs)

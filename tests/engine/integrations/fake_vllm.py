@@ -64,6 +64,18 @@ _V034 = {
     "vllm/distributed/kv_transfer/kv_connector/utils.py": """
         def get_kv_connector_cache_layout(vllm_config=None):
             return None
+
+        class _Backend:
+            def __init__(self, name):
+                self.name = name
+
+            def get_name(self):
+                return self.name
+
+        def get_current_attn_backends(vllm_config, layer_names=None):
+            # vLLM's: the backends of the model's layers, else its selector's for the model; here
+            # the ones the test names on the config (none named: vLLM cannot tell, it raises)
+            return [_Backend(name) for name in vllm_config.attn_backends]
     """,
 }
 

