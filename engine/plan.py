@@ -447,6 +447,12 @@ def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, nu
         raise input_error("backend", f"backend `{backend.name}` stores {what}, which spec kind "
                           f"`{spec.kind.value}` does not match",
                           "pair MLA specs with MLA backends and the rest with the others", code="backend-mismatch")
+    if spec.kv_cache_dtype in backend.unplanned_kv_cache_dtypes:
+        raise input_error("kv_cache_dtype", f"kvpolicy decides kv_cache_dtype `{spec.kv_cache_dtype}` on backend "
+                          f"`{backend.name}` but cannot plan it: this release lays its cells out in a way kvpolicy "
+                          "does not model (the profile's `unplanned_kv_cache_dtypes`)",
+                          "plan it under a release whose layout kvpolicy models (kvpolicy releases lists them), "
+                          "or use another kv_cache_dtype", code="unplanned-kv-cache-dtype")
     if spec.quant_mode is QuantMode.nvfp4:
         _check_nvfp4_backend(spec, backend)
     elem = spec.cache_dtype.size_bytes

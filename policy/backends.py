@@ -113,10 +113,12 @@ class BackendProfile(Frozen):
     supported_layouts: tuple[Layout, ...] | None = None
     scale_views: ScaleViews = ScaleViews.stride_aware
     kv_split: KVSplit | None = None
+    unplanned_kv_cache_dtypes: tuple[str, ...] = ()  # the release lays these out in a way kvpolicy does not model
 
     def __hash__(self) -> int:
         return hash((self.name, self.mla, self.logical_dims, tuple(sorted(self.orders.items())),
-                     self.layer_buffers, self.supported_layouts, self.scale_views, self.kv_split))
+                     self.layer_buffers, self.supported_layouts, self.scale_views, self.kv_split,
+                     self.unplanned_kv_cache_dtypes))
 
     @model_validator(mode="before")
     @classmethod
@@ -210,7 +212,8 @@ def nvfp4_order(layout: Layout) -> tuple[Dim, ...]:
 def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] = tuple(Layout),
                    layer_buffers: bool = False, supported_layouts: tuple[Layout, ...] | None = None,
                    scale_views: ScaleViews = ScaleViews.stride_aware,
-                   kv_split: KVSplit = KVSplit.content) -> BackendProfile:
+                   kv_split: KVSplit = KVSplit.content, unplanned_kv_cache_dtypes: tuple[str, ...] = ()
+                   ) -> BackendProfile:
     """A backend of released vLLM (0.27.1 on): logical ``[B, H, N, C]`` per layer, K and V in C as
     ``kv_split`` says; a geometry for each of ``layouts`` the backend can view."""
     if mla:
@@ -221,7 +224,8 @@ def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] 
         logical = (_B, _H, _N, _KV, _D)
     orders = {x: order for x in layouts if (order := packed_order(x, mla, kv_split)) is not None}
     return BackendProfile(name=name, mla=mla, logical_dims=logical, orders=orders, layer_buffers=layer_buffers,
-                          supported_layouts=supported_layouts, scale_views=scale_views, kv_split=kv_split)
+                          supported_layouts=supported_layouts, scale_views=scale_views, kv_split=kv_split,
+                          unplanned_kv_cache_dtypes=unplanned_kv_cache_dtypes)
 
 
 def _dev_48412(name: str, cross_hnd: tuple[Dim, ...]) -> BackendProfile:

@@ -111,10 +111,14 @@ class BackendFacts(Frozen):
                                   "they give the layouts the backend can allocate (null: every layout)")
     kv_split: KVSplit = Field(default=KVSplit.content,
                               description="where the backend's cache write finds K and V in C (packed geometry)")
+    unplanned_kv_cache_dtypes: tuple[str, ...] = Field(
+        default=(), description="kv_cache_dtypes this release's backend lays out in a way kvpolicy does not "
+        "model: decided, never planned (0.29's FLASHINFER nvfp4 packs each head's data and scales in one cell)")
 
     def __hash__(self) -> int:
         return hash((self.mla, self.supported_layouts, tuple(sorted(self.supported_layouts_by_capability.items())),
-                     self.kv_cache_dtypes, tuple(sorted((self.stride_orders or {}).items())), self.kv_split))
+                     self.kv_cache_dtypes, tuple(sorted((self.stride_orders or {}).items())), self.kv_split,
+                     self.unplanned_kv_cache_dtypes))
 
     def allocated_layout(self, head_order: HeadOrder, cross_layer: bool) -> Layout | None:
         """The layout vLLM allocates under ``head_order``, per layer or cross-layer, from the stride orders.
@@ -288,7 +292,7 @@ def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
     layouts = profile.layouts if allocated is None else tuple(x for x in profile.layouts if x in allocated)
     return packed_backend(name, mla=facts.mla, layouts=layouts, layer_buffers=profile.layer_buffers,
                           supported_layouts=facts.supported_layouts, scale_views=scale_views,
-                          kv_split=facts.kv_split)
+                          kv_split=facts.kv_split, unplanned_kv_cache_dtypes=facts.unplanned_kv_cache_dtypes)
 
 
 def merge_patch(base: object, patch: object) -> object:
