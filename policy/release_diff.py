@@ -17,20 +17,29 @@ import yaml
 
 from kvpolicy.policy.releases import ReleaseProfile
 
-__all__ = ["BACKEND_FACTS", "CAPABILITIES", "RELEASE_FACTS", "canonical_facts", "fact_differences"]
+__all__ = ["BACKEND_FACTS", "BACKEND_STATED_FACTS", "CAPABILITIES", "RELEASE_FACTS", "STATED_FACTS", "canonical_facts",
+           "fact_differences"]
 
 # The profile fields a release's code determines, and within `backends`, the fields of a backend.
 RELEASE_FACTS = ("resolver", "layouts", "default_layout_preference", "default_block_size", "kv_cache_dtypes",
                  "backends", "connectors", "kv_transfer_config_fields", "backend_priority", "options")
 BACKEND_FACTS = ("mla", "supported_layouts", "supported_layouts_by_capability", "kv_cache_dtypes", "stride_orders")
 CAPABILITIES = (8, 9, 10, 12)  # the CUDA capability majors whose declarations and priorities profiles hold
+# What a person states in a profile (the release's code does not say it in one place), proven by the
+# conformance tests: shown by ``kvpolicy releases`` beside the release facts.
+STATED_FACTS = ("geometry", "layer_buffers", "workers_must_agree", "hisparse_connectors",
+                "hisparse_requires_connector")
+BACKEND_STATED_FACTS = ("kv_split", "unplanned_kv_cache_dtypes")
 
 
-def canonical_facts(profile: ReleaseProfile) -> dict[str, Any]:
-    """The `RELEASE_FACTS` of ``profile`` in one form per meaning (JSON-compatible)."""
-    out: dict[str, Any] = {k: v for k, v in profile.model_dump(mode="json").items() if k in RELEASE_FACTS}
+def canonical_facts(profile: ReleaseProfile, stated: bool = False) -> dict[str, Any]:
+    """The `RELEASE_FACTS` of ``profile`` in one form per meaning (JSON-compatible); with ``stated``,
+    also the facts a person states (`STATED_FACTS`): every fact a decision or a plan reads."""
+    keep, backend_keep = RELEASE_FACTS + (STATED_FACTS if stated else ()), BACKEND_FACTS + (
+        BACKEND_STATED_FACTS if stated else ())
+    out: dict[str, Any] = {k: v for k, v in profile.model_dump(mode="json").items() if k in keep}
     for name, backend in profile.backends.items():
-        entry = {k: v for k, v in out["backends"][name].items() if k in BACKEND_FACTS}
+        entry = {k: v for k, v in out["backends"][name].items() if k in backend_keep}
         entry.pop("supported_layouts_by_capability")
         entry["supported_layouts"] = {str(cap): None if (d := backend.declared_layouts(cap)) is None
                                       else [str(x) for x in d] for cap in (None, *CAPABILITIES)}

@@ -79,7 +79,7 @@ def compare(old: Any, new: Any) -> dict[str, Any]:
     before, after = _shipped_rules(old), _shipped_rules(new)
     return {
         "from": old.name, "to": new.name,
-        "facts": fact_differences(canonical_facts(old), canonical_facts(new)),
+        "facts": fact_differences(canonical_facts(old, stated=True), canonical_facts(new, stated=True)),
         "rules": {"added": sorted(after.keys() - before.keys()), "removed": sorted(before.keys() - after.keys()),
                   "changed": sorted(k for k in before.keys() & after.keys() if before[k] != after[k])},
     }

@@ -235,7 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="write policy/releases/vllm-X.Y.yaml extending the "
                       "nearest older profile")
     args = parser.parse_args(argv)
-    facts = release_facts(args.version)
+    if args.against is not None and args.against not in profile_names():
+        parser.error(f"--against: no profile `{args.against}`; profiles: {', '.join(profile_names())}")
+    try:
+        facts = release_facts(args.version)
+    except install_vllm.InstallError as exc:
+        first = str(exc).splitlines()[0]
+        print(f"release_facts: vLLM {args.version} cannot be installed: {first}", file=sys.stderr)
+        if args.version not in install_vllm.PINNED:
+            print(f"  help: add `\"{args.version}\": [...]` to PINNED in tests/conformance/install_vllm.py (the "
+                  "previous release's list is the usual start; the install names what else it imports)",
+                  file=sys.stderr)
+        return 2
     if args.write:
         base = args.against or nearest_older(args.version)
         doc = new_profile(args.version, base, facts)

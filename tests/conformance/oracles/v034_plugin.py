@@ -174,7 +174,9 @@ class _Executor:
     def extensible_kv_cache_unsupported_reason(self, kv_cache_specs):
         return None
 
-    def set_kv_cache_layout(self, layout, cp_kv_cache_interleave_size):
+    def set_kv_cache_layout(self, layout, *release_specific):
+        # 0.34 also passes cp_kv_cache_interleave_size; 0.29-0.32 the layout alone: what the RPC carries
+        # to the workers is the layout either way
         self.layout = layout
         raise _Distributed
 
