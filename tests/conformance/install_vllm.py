@@ -87,18 +87,20 @@ _COMMON = [
     "yarl==1.25.1",
 ]
 
+_GATE = [
+    *_COMMON,
+    "httpcore==1.0.9",
+    "httpx==0.29.0",
+    "openai==3.57.0",
+    "openai-harmony==0.0.8",
+    "sniffio==1.3.1",
+]
+
 PINNED: dict[str, list[str]] = {
     "0.34.0": list(_COMMON),
-    # 0.28 also imports openai / openai_harmony at module level (entrypoint types that
-    # its config and worker modules reach), and its MooncakeConnector imports httpx.
-    "0.28.0": [
-        *_COMMON,
-        "httpcore==1.0.9",
-        "httpx==0.29.0",
-        "openai==3.57.0",
-        "openai-harmony==0.0.8",
-        "sniffio==1.3.1",
-    ],
+    # 0.24-0.28 also import openai / openai_harmony at module level (entrypoint types that
+    # their config and worker modules reach), and their MooncakeConnector imports httpx.
+    **{v: list(_GATE) for v in ("0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0")},
 }
 
 

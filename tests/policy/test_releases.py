@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import yaml
 from hypothesis import given
@@ -83,3 +86,20 @@ def test_a_broken_extends_chain_is_a_packaging_defect(releases_dir, files, why) 
 def test_every_shipped_profile_resolves() -> None:
     for name in profile_names():
         assert get_profile(name).name == name
+
+
+def test_vllm_028_facts_are_unchanged_by_the_gate_family_chain() -> None:
+    """vllm-0.28 became `extends: vllm-0.27` (0.24 -> 0.25 -> ... -> 0.28, each stating what its release
+    changed): every fact it resolves to is the one its self-contained file stated before, except where it
+    extends and its shipped rules, now layers shared by the gate family."""
+    before = json.loads((Path(__file__).parent / "snapshots" / "vllm-0.28-facts-before-extends.json").read_text())
+    after = get_profile("vllm-0.28").model_dump(mode="json")
+    assert {k for k in before if before[k] != after[k]} == {"extends", "rules"}
+    assert (before["extends"], before["rules"]) == (None, "vllm-0.28")
+    assert (after["extends"], after["rules"]) == ("vllm-0.27", ["vllm-gate", "vllm-gate-per-token-head"])
+
+
+def test_the_gate_family_is_one_forward_chain() -> None:
+    chain = ["vllm-0.24", "vllm-0.25", "vllm-0.26", "vllm-0.27", "vllm-0.28"]
+    assert [get_profile(n).extends for n in chain] == [None, *chain[:-1]]
+    assert get_profile("0.25.1").name == "vllm-0.25" and get_profile("0.27.1").name == "vllm-0.27"

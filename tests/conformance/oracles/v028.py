@@ -33,7 +33,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-import vllm  # noqa: E402
+
+
+def _import_vllm_on_the_cpu_platform():
+    """``import vllm``, its platform resolved to the CPU platform.
+
+    STAND-IN (releases before 0.28): they ignore VLLM_TARGET_DEVICE=cpu and take the CPU
+    platform only for a build whose version names ``cpu`` (``vllm_version_matches_substr``,
+    read from the distribution's metadata while ``import vllm`` resolves the platform). During
+    that import the metadata version of ``vllm`` reads with a ``+cpu`` local label; 0.28 picks
+    the same CpuPlatform for VLLM_TARGET_DEVICE=cpu before it ever asks.
+    """
+    import importlib.metadata as md
+
+    real = md.version
+    md.version = lambda name: real(name) + "+cpu" if name == "vllm" else real(name)
+    try:
+        import vllm
+        import vllm.platforms
+    finally:
+        md.version = real
+    assert vllm.platforms.current_platform.device_type == "cpu", vllm.platforms.current_platform
+    return vllm
+
+
+vllm = _import_vllm_on_the_cpu_platform()
 from _common import backend_class as _registry_backend_class  # noqa: E402
 from vllm import envs  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -389,6 +413,7 @@ def _facts(case: dict) -> dict:
     out: dict[str, Any] = {"vllm_version": vllm.__version__}
     out["kv_cache_dtypes"] = list(get_args(CacheDType))
     out["default_block_size"] = CacheConfig().block_size
+    out["kv_transfer_config_fields"] = [f.name for f in dataclasses.fields(KVTransferConfig)]
     backends: dict[str, Any] = {}
     for name in case.get("backends", FACT_BACKENDS):
         try:
@@ -401,7 +426,8 @@ def _facts(case: dict) -> dict:
             "is_mla": b.is_mla(),
             "supported_kv_cache_dtypes": list(getattr(b, "supported_kv_cache_dtypes", []) or []),
         }
-        n, bs, h, d = 5, 16, 2, (576 if b.is_mla() else 64)
+        # three heads: a K/V dim of its own (size 2, 0.24-0.25) is not mistaken for the head dim
+        n, bs, h, d = 5, 16, 3, (576 if b.is_mla() else 64)
         entry["example"] = {"num_blocks": n, "block_size": bs, "num_kv_heads": h, "head_size": d}
         entry["kv_cache_shape"] = {
             dt: _try(b.get_kv_cache_shape, n, bs, h, d, cache_dtype_str=dt) for dt in FACT_CACHE_DTYPES
