@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import install_vllm
 
-RELEASES = ("0.34.0", "0.28.0")
+RELEASES = ("0.34.0", "0.28.0", "0.27.1", "0.27.0", "0.26.0", "0.25.1", "0.25.0", "0.24.0")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,89 @@
+"""One oracle subprocess per uniform-gate release (vLLM 0.24-0.28), answering everything the
+``test_gate_*.py`` modules compare: the release's facts, vLLM's gate and head order on every
+deployment of `v028_space`, and the allocations of `geometry_cases`. Answered once per test
+session and shared by the modules (the vLLM import and model set-up are paid once per release).
+
+A patch release whose modelled files are its series release's (``GATE_PATCHES``; proven in
+``test_gate_decisions.py``) is asked for its facts and every ``PATCH_STRIDE``-th deployment only.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from v028_space import GATE_PATCHES, UNMODELLED_DTYPES, Deployment, deployments
+from vllm_release import run_oracle
+
+from kvpolicy.policy.layouts import HeadOrder
+from kvpolicy.policy.releases import ReleaseProfile, get_profile
+
+PATCH_STRIDE = 10
+LAYERS, BLOCKS = 3, 4
+DIMS = {"mha": {"num_kv_heads": 2, "head_size": 64, "block_size": 16},
+        "mla": {"num_kv_heads": 1, "head_size": 576, "block_size": 16}}
+# FlashMLA's kernels take 64-token blocks only (get_supported_kernel_block_sizes).
+BLOCK_SIZE = {"FLASHMLA": 64}
+
+
+@dataclass(frozen=True)
+class GateAnswers:
+    version: str
+    facts: dict[str, Any]
+    decisions: list[tuple[Deployment, dict[str, Any]]]
+    geometry: list[tuple[dict[str, Any], dict[str, Any]]]
+    seconds: float  # the oracle subprocess, wall clock
+
+    @property
+    def profile(self) -> ReleaseProfile:
+        return get_profile(self.version)
+
+
+def space(profile: ReleaseProfile) -> list[Deployment]:
+    """Every deployment of `v028_space` over this profile's backends and kv_cache_dtypes."""
+    facts_like = {"backends": {b: {"supported_kv_cache_dtypes": list(f.kv_cache_dtypes or ())}
+                               for b, f in profile.backends.items()}}
+    return deployments(facts_like)
+
+
+def geometry_cases(profile: ReleaseProfile) -> list[dict[str, Any]]:
+    """Every backend x each kv_cache_dtype it supports (that kvpolicy models) x head order x placement it
+    allocates, with the layout that allocation is (``expect``)."""
+    out = []
+    for name, facts in profile.backends.items():
+        dtypes = [d for d in facts.kv_cache_dtypes or () if d not in UNMODELLED_DTYPES]
+        for dtype, head_order, cross in itertools.product(dtypes, HeadOrder, (False, True)):
+            layout = facts.allocated_layout(head_order, cross)
+            if layout is None:
+                continue
+            dims = dict(DIMS["mla" if facts.mla else "mha"])
+            dims["block_size"] = BLOCK_SIZE.get(name, dims["block_size"])
+            case: dict[str, Any] = {"backend": name, "kv_cache_dtype": dtype, "head_order": head_order.value,
+                                    "layout": "cross_layer" if cross else "per_layer", "num_layers": LAYERS,
+                                    "num_blocks": BLOCKS, "dtype": "bfloat16", **dims, "expect": layout.value}
+            if facts.mla:
+                case["specs"] = [{"kind": "mla", **dims}]
+            out.append(case)
+    return out
+
+
+@functools.cache
+def gate_answers(version: str) -> GateAnswers:
+    """The release's answers (one subprocess; cached for the session)."""
+    profile = get_profile(version)
+    decisions = space(profile)
+    geometry: list[dict[str, Any]] = []
+    if version in GATE_PATCHES:
+        decisions = decisions[::PATCH_STRIDE]
+    else:
+        geometry = geometry_cases(profile)
+    cases = [{"facts": True}, *(d.oracle_case() for d in decisions),
+             *({k: v for k, v in c.items() if k != "expect"} for c in geometry)]
+    start = time.perf_counter()
+    facts, *answers = run_oracle(version, "v028", cases)
+    seconds = time.perf_counter() - start
+    return GateAnswers(version, facts, list(zip(decisions, answers[:len(decisions)])),
+                       list(zip(geometry, answers[len(decisions):])), seconds)
