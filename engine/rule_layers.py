@@ -8,7 +8,8 @@ the shipped rules is explicit (``--no-shipped-rules``, ``shipped_rules=False``,
 ``KVPOLICY_SHIPPED_RULES=0``) and warns for each shipped forbid or require that the geometry
 verifier shows load-bearing for the profile (``kvpolicy lint``'s `safety` rules: without it the
 rules let a layout whose views overlap through for some input of the profile's space) and that
-the replacing rules do not restate: `kvpolicy.engine.analysis.guards`, kept apart so that this module never imports the analysis.
+the replacing rules do not restate: `kvpolicy.engine.analysis.guards`, kept apart so that this
+module never imports the analysis.
 """
 
 from __future__ import annotations

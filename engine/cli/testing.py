@@ -34,7 +34,7 @@ _EPILOG = """\
 examples:
   kvpolicy test                                   # rules/<profile>/tests/*.yaml against the shipped rules
   kvpolicy test --vllm-version issue-48412        # that profile's shipped rules and tests
-  kvpolicy test --vllm-version 0.28.0             # rules/vllm-0.28/tests/*.yaml, decided as vLLM 0.28
+  kvpolicy test --vllm-version 0.28.0             # the tests/ of each shipped layer, decided as vLLM 0.28
   kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against the shipped rules + my-rules/
                                                   (several --rules: the tests/ of each that has one)
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v

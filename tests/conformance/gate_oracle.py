@@ -18,10 +18,15 @@ from typing import Any
 from v028_space import GATE_PATCHES, UNMODELLED_DTYPES, Deployment, deployments
 from vllm_release import run_oracle
 
-from kvpolicy.policy.layouts import HeadOrder
+from kvpolicy.engine.plan import plan_layout
+from kvpolicy.engine.verify import verify_plan
+from kvpolicy.policy.layouts import HeadOrder, Layout, Placement
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 
 PATCH_STRIDE = 10
+# Releases whose gate gives per-token-head caches a cross-layer buffer over scale views that assume
+# per-layer buffers (0.24-0.25's Triton backend): kvpolicy keeps those per layer, deliberately.
+PER_LAYER_SCALE_VIEWS = {"0.24.0", "0.25.0", "0.25.1"}
 LAYERS, BLOCKS = 3, 4
 DIMS = {"mha": {"num_kv_heads": 2, "head_size": 64, "block_size": 16},
         "mla": {"num_kv_heads": 1, "head_size": 576, "block_size": 16}}
@@ -87,3 +92,22 @@ def gate_answers(version: str) -> GateAnswers:
     seconds = time.perf_counter() - start
     return GateAnswers(version, facts, list(zip(decisions, answers[:len(decisions)])),
                        list(zip(geometry, answers[len(decisions):])), seconds)
+
+
+@functools.cache
+def overlaps(version: str, backend: str, kv_cache_dtype: str, layout: str) -> int:
+    """Colliding writer pairs kvpolicy's verifier finds in vLLM's layout for this backend and dtype."""
+    spec = Deployment(backend, kv_cache_dtype, "full", (("full", 1),), None, {}, None).decide_inputs(
+        version)["groups"].groups[0].spec
+    plan = plan_layout(Layout(layout), spec, get_profile(version).backend(backend), 4)
+    return verify_plan(plan).collision_count
+
+
+def deliberate(version: str, d: Deployment, ours: str, theirs: str) -> bool:
+    """vLLM 0.24-0.25 allocate a per-token-head cache cross-layer over per-layer scale views; kvpolicy keeps
+    it per layer in the same head order, and its verifier proves vLLM's layout overlaps."""
+    if version not in PER_LAYER_SCALE_VIEWS or "per_token_head" not in d.kv_cache_dtype or "error" in (ours, theirs):
+        return False
+    mine, vllms = Layout(ours), Layout(theirs)
+    return (vllms.placement is Placement.cross_layer and mine.placement is Placement.per_layer
+            and mine.head_order is vllms.head_order and overlaps(version, d.backend, d.kv_cache_dtype, theirs) > 0)

@@ -22,14 +22,13 @@ the space decides the same.
 from __future__ import annotations
 
 import filecmp
-import functools
 import time
 from collections import Counter
 from typing import Any
 
 import install_vllm
 import pytest
-from gate_oracle import PATCH_STRIDE, GateAnswers, gate_answers, space
+from gate_oracle import PATCH_STRIDE, PER_LAYER_SCALE_VIEWS, GateAnswers, deliberate, gate_answers, overlaps, space
 from release_facts_gate import profile_facts_from_oracle
 from v028_space import (
     CONNECTORS,
@@ -44,10 +43,8 @@ from v028_space import (
 )
 
 from kvpolicy.engine import LayoutEngine
-from kvpolicy.engine.plan import plan_layout
-from kvpolicy.engine.verify import verify_plan
 from kvpolicy.policy.errors import InputError, NoLayoutError
-from kvpolicy.policy.layouts import HeadOrder, Layout, Placement
+from kvpolicy.policy.layouts import HeadOrder
 from kvpolicy.policy.releases import BackendFacts, ReleaseProfile, get_profile
 
 # The files of a patch release that differ from its series release's, none of which kvpolicy models
@@ -58,9 +55,6 @@ PATCH_CHANGES = {
                "vllm/utils/import_utils.py", "vllm/v1/kv_offload/tiering/p2p/manager.py"},
     "0.27.1": {"vllm/_version.py", "vllm/model_executor/models/qwen3_dspark.py"},
 }
-# Releases whose gate gives per-token-head caches a cross-layer buffer over scale views that assume
-# per-layer buffers: kvpolicy keeps those per layer (the divergence above).
-PER_LAYER_SCALE_VIEWS = {"0.24.0", "0.25.0", "0.25.1"}
 
 
 @pytest.fixture(scope="module", params=GATE_RELEASES)
@@ -151,30 +145,11 @@ def _vllm(facts: dict[str, Any], d: Deployment, answer: dict[str, Any]) -> str:
     return vllm_layout(facts["backends"][d.backend], answer["head_order"], answer["uniform"])
 
 
-@functools.cache
-def _overlaps(version: str, backend: str, kv_cache_dtype: str, layout: str) -> int:
-    """Colliding writer pairs kvpolicy's verifier finds in vLLM's layout for this backend and dtype."""
-    spec = Deployment(backend, kv_cache_dtype, "full", (("full", 1),), None, {}, None).decide_inputs(
-        version)["groups"].groups[0].spec
-    plan = plan_layout(Layout(layout), spec, get_profile(version).backend(backend), 4)
-    return verify_plan(plan).collision_count
-
-
-def _deliberate(version: str, d: Deployment, ours: str, theirs: str) -> bool:
-    """vLLM 0.24-0.25 allocate a per-token-head cache cross-layer over per-layer scale views; kvpolicy keeps
-    it per layer in the same head order, and its verifier proves vLLM's layout overlaps."""
-    if version not in PER_LAYER_SCALE_VIEWS or "per_token_head" not in d.kv_cache_dtype or "error" in (ours, theirs):
-        return False
-    mine, vllms = Layout(ours), Layout(theirs)
-    return (vllms.placement is Placement.cross_layer and mine.placement is Placement.per_layer
-            and mine.head_order is vllms.head_order and _overlaps(version, d.backend, d.kv_cache_dtype, theirs) > 0)
-
-
 def test_every_decision_is_vllm_s(answered: GateAnswers, capsys: pytest.CaptureFixture[str]) -> None:
     version, facts, pairs = answered.version, answered.facts, answered.decisions
     engine = LayoutEngine.default(version)
     start = time.perf_counter()
-    mismatches, deliberate = [], Counter()
+    mismatches, kept = [], Counter()
     seen: Counter[str] = Counter()
     for d, answer in pairs:
         ours, theirs = _kvpolicy(engine, d, version), _vllm(facts, d, answer)
@@ -183,27 +158,28 @@ def test_every_decision_is_vllm_s(answered: GateAnswers, capsys: pytest.CaptureF
             # no attention layer: only the placement is a decision (the head order has nothing to order)
             ours, theirs = ours[:1] == "B", answer["uniform"]
         if ours != theirs:
-            if _deliberate(version, d, ours, theirs):
-                deliberate[f"{d.backend} {d.kv_cache_dtype} {theirs} -> {ours} "
-                           f"({_overlaps(version, d.backend, d.kv_cache_dtype, theirs)} overlapping writer pairs "
-                           f"at 3 layers)"] += 1
+            if deliberate(version, d, ours, theirs):
+                kept[f"{d.backend} {d.kv_cache_dtype} {theirs} -> {ours} "
+                           f"({overlaps(version, d.backend, d.kv_cache_dtype, theirs)} overlapping writer pairs "
+                           f"in vLLM's layout at {d.decide_inputs(version)['groups'].groups[0].spec.num_layers} "
+                           f"layers)"] += 1
             else:
                 mismatches.append(f"{d.label()}: kvpolicy {ours}, vLLM {theirs} ({answer})")
     decide_s = time.perf_counter() - start
     backends = Counter(d.backend for d, _ in pairs)
     sampled = f" (every {PATCH_STRIDE}th)" if version in GATE_PATCHES else ""
     with capsys.disabled():
-        print(f"\nvLLM {version} decisions{sampled}: {len(pairs) - len(mismatches) - sum(deliberate.values())} of "
-              f"{len(pairs)} equal, {sum(deliberate.values())} deliberate divergences, {len(mismatches)} other "
+        print(f"\nvLLM {version} decisions{sampled}: {len(pairs) - len(mismatches) - sum(kept.values())} of "
+              f"{len(pairs)} equal, {sum(kept.values())} deliberate divergences, {len(mismatches)} other "
               f"(oracle {answered.seconds:.0f} s for facts, decisions and geometry; kvpolicy {decide_s:.1f} s)\n"
               f"  dimensions: (backend x its kv_cache_dtypes) {len({(d.backend, d.kv_cache_dtype) for d, _ in pairs})}"
               f" pairs over {len(backends)} backends; model shapes {len(MHA_SHAPES)} MHA / {len(MLA_SHAPES)} MLA; "
               f"{len(CONNECTORS)} connector configs; VLLM_KV_CACHE_LAYOUT {len(ENV_LAYOUTS)}\n"
               f"  vLLM's layouts: {dict(sorted(seen.items()))}")
-        for what, n in sorted(deliberate.items()):
+        for what, n in sorted(kept.items()):
             print(f"  deliberate: {n} x {what}")
     assert not mismatches, f"{len(mismatches)} of {len(pairs)} differ:\n" + "\n".join(mismatches[:40])
-    assert bool(deliberate) is (version in PER_LAYER_SCALE_VIEWS)
+    assert bool(kept) is (version in PER_LAYER_SCALE_VIEWS)
     if version not in GATE_PATCHES:
         assert len(pairs) == len(space(answered.profile))
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gate_oracle import PER_LAYER_SCALE_VIEWS, deliberate
 from gate_oracle import space as gate_space
 from plugin_site import kvpolicy_site, run_plugin_oracle
-from test_gate_decisions import PER_LAYER_SCALE_VIEWS, _deliberate
 from v028_space import GATE_SERIES, Deployment, vllm_layout
 
 from kvpolicy.engine import LayoutEngine
@@ -228,7 +228,7 @@ def test_through_vllm_the_shipped_rules_answer_what_vllms_gate_answers(run: dict
             continue
         seen[_layout(facts, d, vllm)] += 1
         if (plugin != vllm and run["version"] in PER_LAYER_SCALE_VIEWS and "error" not in plugin
-                and _deliberate(run["version"], d, _layout(facts, d, plugin), _layout(facts, d, vllm))):
+                and deliberate(run["version"], d, _layout(facts, d, plugin), _layout(facts, d, vllm))):
             seen["deliberate: per-token-head kept per layer"] += 1  # test_gate_decisions.py's divergence
         elif plugin != vllm:
             diffs.append(f"{d.label()}: vLLM {vllm}, plugin {plugin}")
