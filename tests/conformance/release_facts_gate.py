@@ -88,7 +88,7 @@ def _connectors(registered: Mapping[str, Any]) -> dict[str, str]:
     return {name: (name if "error" in entry else entry["class"]) for name, entry in sorted(registered.items())}
 
 
-def _priorities(answers: Mapping[str, Sequence[str]], backends: Sequence[str]) -> dict[str, list[str]]:
+def backend_priority_from_oracle(answers: Mapping[str, Sequence[str]], backends: Sequence[str]) -> dict[str, list[str]]:
     """``{"attention@9": [...], "mla@10": [...]}`` (the release's full lists) -> the profile's form:
     the SM90 list under the plain key, each other capability's under ``kind@major``, cut to ``backends``."""
     out: dict[str, list[str]] = {}
@@ -124,5 +124,5 @@ def profile_facts_from_oracle(answer: Mapping[str, Any], priorities: Mapping[str
         "kv_transfer_config_fields": list(answer["kv_transfer_config_fields"]),
     }
     if priorities is not None:
-        out["backend_priority"] = _priorities(priorities, backends)
+        out["backend_priority"] = backend_priority_from_oracle(priorities, backends)
     return out
