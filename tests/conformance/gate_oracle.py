@@ -5,18 +5,28 @@ session and shared by the modules (the vLLM import and model set-up are paid onc
 
 A patch release whose modelled files are its series release's (``GATE_PATCHES``; proven in
 ``test_gate_decisions.py``) is asked for its facts and every ``PATCH_STRIDE``-th deployment only.
+
+The answers are kept on this machine beside the installed release (``<cache>/<version>/answers/``),
+keyed by everything they depend on: the installed release (its COMPLETE marker: version, pins,
+Python), the torch the oracle runs with, the oracle's source and the cases asked. Any change to
+one of them asks the release again; nothing recorded elsewhere is ever replayed.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import json
+import sys
 import time
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
+import install_vllm
 from v028_space import GATE_PATCHES, UNMODELLED_DTYPES, Deployment, deployments
-from vllm_release import run_oracle
+from vllm_release import ORACLES, run_oracle
 
 from kvpolicy.engine.plan import plan_layout
 from kvpolicy.engine.verify import verify_plan
@@ -40,7 +50,7 @@ class GateAnswers:
     facts: dict[str, Any]
     decisions: list[tuple[Deployment, dict[str, Any]]]
     geometry: list[tuple[dict[str, Any], dict[str, Any]]]
-    seconds: float  # the oracle subprocess, wall clock
+    seconds: float  # the oracle subprocess (or reading its kept answers), wall clock
 
     @property
     def profile(self) -> ReleaseProfile:
@@ -88,10 +98,30 @@ def gate_answers(version: str) -> GateAnswers:
     cases = [{"facts": True}, *(d.oracle_case() for d in decisions),
              *({k: v for k, v in c.items() if k != "expect"} for c in geometry)]
     start = time.perf_counter()
-    facts, *answers = run_oracle(version, "v028", cases)
+    facts, *answers = _answers(version, cases)
     seconds = time.perf_counter() - start
     return GateAnswers(version, facts, list(zip(decisions, answers[:len(decisions)])),
                        list(zip(geometry, answers[len(decisions):])), seconds)
+
+
+def _answers(version: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The v028 oracle's answers to ``cases`` under ``version``: from this machine's cache when every
+    input they depend on is unchanged, else asked (and kept)."""
+    site = install_vllm.site_for(version)
+    key = hashlib.sha256()
+    for part in ((site.parent / "COMPLETE").read_bytes(), metadata.version("torch").encode(), sys.version.encode(),
+                 (ORACLES / "v028.py").read_bytes(), (ORACLES / "_common.py").read_bytes(),
+                 json.dumps(cases, sort_keys=True).encode()):
+        key.update(hashlib.sha256(part).digest())
+    path = site.parent / "answers" / f"v028-{key.hexdigest()[:32]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    answers = run_oracle(version, "v028", cases)
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(answers))
+    tmp.replace(path)  # whole or not at all: a killed run leaves no half answer
+    return answers
 
 
 @functools.cache
