@@ -99,7 +99,9 @@ _GATE = [
 PINNED: dict[str, list[str]] = {
     "0.34.0": list(_COMMON),
     # 0.24-0.28 also import openai / openai_harmony at module level (entrypoint types that
-    # their config and worker modules reach), and their MooncakeConnector imports httpx.
+    # their config and worker modules reach), and their MooncakeConnector imports httpx. Each
+    # of 0.24.0, 0.25.0/0.25.1, 0.26.0, 0.27.0/0.27.1 was installed with this list and runs every
+    # gate oracle (facts, gate, geometry, plugin) with it: none needs a package more.
     **{v: list(_GATE) for v in ("0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0")},
 }
 

@@ -4,7 +4,7 @@
 the ``backend_priority`` oracle's lists) into the profile fields the release determines; the
 rest of a profile (name, description, vllm_versions, rules, historical, geometry, layer_buffers)
 is kvpolicy's own choice. ``tests/conformance/profile_tool.py`` writes and checks profiles with
-it, and ``test_gate_facts.py`` holds every gate profile to it, field by field.
+it, and ``test_gate_decisions.py`` holds every gate profile to it, field by field.
 
 Nothing here is a transcription of vLLM's logic: each fact is a value vLLM returned (a stride
 order, a dtype list, a dataclass's fields, a registry entry); the only reading done here is

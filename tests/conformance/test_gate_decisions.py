@@ -45,7 +45,7 @@ from v028_space import (
 from kvpolicy.engine import LayoutEngine
 from kvpolicy.policy.errors import InputError, NoLayoutError
 from kvpolicy.policy.layouts import HeadOrder
-from kvpolicy.policy.releases import BackendFacts, ReleaseProfile, get_profile
+from kvpolicy.policy.releases import BackendFacts, Geometry, ReleaseProfile, get_profile
 
 # The files of a patch release that differ from its series release's, none of which kvpolicy models
 # (fused-MoE and all-reduce fusion, multimodal video, torchcodec probing, type hints, the version).
@@ -85,6 +85,8 @@ def test_profile_facts_are_the_release_facts(answered: GateAnswers) -> None:
     differ = {k: (ours[k], v) for k, v in derived.items() if ours[k] != v}
     assert not differ, f"{profile.name} vs vLLM {answered.version}: {differ}"
     assert facts["get_kv_cache_layout"] == {"None": "NHD", "NHD": "NHD", "HND": "HND"}
+    # the geometry kvpolicy chose for the profile is the one the backends' cache shapes have
+    assert (profile.geometry is Geometry.kv_dim) is any(b.kv_dim for b in profile.backends.values())
     for name, backend in profile.backends.items():
         by_layout = facts["backends"][name]["by_layout"]
         for head_order in HeadOrder:

@@ -1,4 +1,5 @@
-"""Conformance oracle for vLLM 0.28.0 (runs UNDER the release, never in-process).
+"""Conformance oracle for the uniform-gate releases, vLLM 0.24.0 to 0.28.0 (runs UNDER the release,
+never in-process; tests/conformance/gate_oracle.py asks it once per release).
 
 stdin: JSON list of cases; stdout: JSON list of results, one per case, same order.
 Everything vLLM logs goes to stderr. A case vLLM rejects yields
