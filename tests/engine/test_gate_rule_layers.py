@@ -47,3 +47,15 @@ def test_one_directory_only_for_a_profile_that_has_one() -> None:
     assert shipped_rules_dir("0.34.0").name == "vllm-0.34"
     with pytest.raises(ValueError, match="shipped_rules_dirs"):
         shipped_rules_dir("0.28.0")
+
+
+@pytest.mark.parametrize(("version", "kind"), [("0.24.0", "safety"), ("0.25.0", "safety")])
+def test_the_verifier_proves_the_guard_load_bearing_where_the_scale_views_assume_per_layer_buffers(
+        version: str, kind: str) -> None:
+    """On 0.24-0.25 the per-token-head guard is kvpolicy's, not vLLM's: without it `lint` finds inputs for
+    which an overlapping layout gets through (their Triton scale views assume per-layer buffers), which is
+    why kvpolicy keeps those caches per layer where the release's gate gives them a cross-layer buffer."""
+    from kvpolicy.engine.analysis import lint
+
+    report = lint(LayoutEngine.default(version).ruleset, vllm_version=version)
+    assert {lb.rule.id: lb.kind for lb in report.load_bearing}[GUARD] == kind
