@@ -118,6 +118,8 @@ def _answers(version: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return json.loads(path.read_text())
     answers = run_oracle(version, "v028", cases)
     path.parent.mkdir(exist_ok=True)
+    for stale in path.parent.glob("v028-*.json"):  # answers to inputs that changed: never read again
+        stale.unlink()
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(answers))
     tmp.replace(path)  # whole or not at all: a killed run leaves no half answer

@@ -87,6 +87,12 @@ _COMMON = [
     "yarl==1.25.1",
 ]
 
+def _pin(pins: list[str], pin: str) -> list[str]:
+    """``pins`` with ``pin`` in place of the same package's pin."""
+    name = pin.split("==")[0]
+    return [pin if p.split("==")[0] == name else p for p in pins]
+
+
 _GATE = [
     *_COMMON,
     "httpcore==1.0.9",
@@ -102,7 +108,10 @@ PINNED: dict[str, list[str]] = {
     # their config and worker modules reach), and their MooncakeConnector imports httpx. Each
     # of 0.24.0, 0.25.0/0.25.1, 0.26.0, 0.27.0/0.27.1 was installed with this list and runs every
     # gate oracle (facts, gate, geometry, plugin) with it: none needs a package more.
-    **{v: list(_GATE) for v in ("0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0")},
+    # apache-tvm-ffi: each release pins its own (0.24-0.25: 0.1.9, 0.26: 0.1.10; 0.27 on accept 0.1.11).
+    **{v: _pin(_GATE, "apache-tvm-ffi==0.1.9") for v in ("0.24.0", "0.25.0", "0.25.1")},
+    "0.26.0": _pin(_GATE, "apache-tvm-ffi==0.1.10"),
+    **{v: list(_GATE) for v in ("0.27.0", "0.27.1", "0.28.0")},
 }
 
 
