@@ -108,9 +108,10 @@ PINNED: dict[str, list[str]] = {
     # their config and worker modules reach), and their MooncakeConnector imports httpx. Each
     # of 0.24.0, 0.25.0/0.25.1, 0.26.0, 0.27.0/0.27.1 was installed with this list and runs every
     # gate oracle (facts, gate, geometry, plugin) with it: none needs a package more.
-    # apache-tvm-ffi: each release pins its own (0.24-0.25: 0.1.9, 0.26: 0.1.10; 0.27 on accept 0.1.11).
-    **{v: _pin(_GATE, "apache-tvm-ffi==0.1.9") for v in ("0.24.0", "0.25.0", "0.25.1")},
-    "0.26.0": _pin(_GATE, "apache-tvm-ffi==0.1.10"),
+    # apache-tvm-ffi: each release pins its own (0.24-0.25: 0.1.9, 0.26: 0.1.10; 0.27 on: 0.1.11), and
+    # xgrammar 0.2.8 needs 0.1.11: the newest xgrammar that takes the older one (and transformers 5).
+    **{v: _pin(_pin(_GATE, "apache-tvm-ffi==0.1.9"), "xgrammar==0.2.3") for v in ("0.24.0", "0.25.0", "0.25.1")},
+    "0.26.0": _pin(_pin(_GATE, "apache-tvm-ffi==0.1.10"), "xgrammar==0.2.7"),
     **{v: list(_GATE) for v in ("0.27.0", "0.27.1", "0.28.0")},
 }
 
