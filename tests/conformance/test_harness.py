@@ -152,3 +152,27 @@ def test_v028_oracle_facts(vllm_sites):
     triton = facts["backends"]["TRITON_ATTN"]["by_layout"]
     assert triton["HND"]["stride_order_with_layers"] == [1, 2, 0, 3, 4]
     assert triton["NHD"]["stride_order_with_layers"] == [1, 0, 3, 2, 4]
+
+
+def test_oracle_answers_are_kept_per_machine_and_asked_again_when_an_input_changes(vllm_sites, monkeypatch):
+    import vllm_release
+
+    cases = [{"mla": False, "major": 9}]
+    first = run_oracle("0.34.0", "backend_priority", cases)
+    kept = vllm_release._answers_file("0.34.0", "backend_priority", cases)
+    assert kept is not None and kept.is_file()
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the release was asked again")
+
+    monkeypatch.setattr(vllm_release, "_ask", never)
+    assert run_oracle("0.34.0", "backend_priority", cases) == first  # reused
+    other = [{"mla": True, "major": 9}]
+    assert vllm_release._answers_file("0.34.0", "backend_priority", other) != kept
+    with pytest.raises(AssertionError, match="asked again"):
+        run_oracle("0.34.0", "backend_priority", other)  # other cases: asked
+    monkeypatch.setenv("KVPOLICY_UNPATCHED_INTERPRETER", "1")  # a variable an oracle reads: another key
+    assert vllm_release._answers_file("0.34.0", "backend_priority", cases) != kept
+    monkeypatch.setenv("KVPOLICY_ORACLE_CACHE", "0")
+    with pytest.raises(AssertionError, match="asked again"):
+        run_oracle("0.34.0", "backend_priority", cases)

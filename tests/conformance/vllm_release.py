@@ -46,12 +46,61 @@ def oracle_env(site: Path) -> dict[str, str]:
     return env
 
 
+# Answers are kept per machine beside the installed release and reused while everything they depend
+# on is the same: the release's install (its COMPLETE marker: the wheel's version, the pins, Python),
+# every file of the oracles and of this harness, torch, the variables the oracles read, and the cases.
+# KVPOLICY_ORACLE_CACHE=0 asks the release every time. Plugin oracles (plugin_site.py) are never kept:
+# their answers depend on kvpolicy's own code.
+_ORACLE_ENV = ("KVPOLICY_UNPATCHED_INTERPRETER",)
+
+
+def _answers_file(version: str, oracle: str, cases: list[dict]) -> Path | None:
+    if os.environ.get("KVPOLICY_ORACLE_CACHE", "1") == "0":
+        return None
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    marker = install_vllm.cache_root() / version / "COMPLETE"
+    digest.update(marker.read_bytes())
+    for path in sorted([*ORACLES.glob("*.py"), HERE / "vllm_release.py", HERE / "install_vllm.py"]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(f"torch {torch.__version__}".encode())
+    digest.update(json.dumps({k: os.environ.get(k) for k in _ORACLE_ENV}).encode())
+    asked = hashlib.sha256(json.dumps(cases, sort_keys=True).encode()).hexdigest()[:24]
+    return install_vllm.cache_root() / version / "answers" / f"{oracle}-{digest.hexdigest()[:24]}-{asked}.json"
+
+
 def run_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 900) -> list[dict]:
-    """Answers of ``oracles/<oracle>.py`` under vLLM ``version``, one per case, in order."""
+    """Answers of ``oracles/<oracle>.py`` under vLLM ``version``, one per case, in order (kept per
+    machine and reused while the release, the oracle code, torch and the cases are the same)."""
     site = install_vllm.site_for(version)
     script = ORACLES / f"{oracle}.py"
     if not script.is_file():
         raise OracleError(f"no oracle {script}")
+    kept = _answers_file(version, oracle, cases)
+    if kept is not None and kept.is_file():
+        try:
+            answers = json.loads(kept.read_text(encoding="utf-8"))
+            if isinstance(answers, list) and len(answers) == len(cases):
+                return answers
+        except (OSError, ValueError):
+            pass  # unreadable or cut short: ask the release again
+    results = _ask(version, site, script, oracle, cases, timeout)
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        code = kept.name.rsplit("-", 1)[0]
+        for stale in kept.parent.glob(f"{oracle}-*.json"):  # answers of older code (other cases are kept)
+            if stale.name.rsplit("-", 1)[0] != code:
+                stale.unlink(missing_ok=True)
+        partial = kept.with_suffix(".partial")
+        partial.write_text(json.dumps(results), encoding="utf-8")
+        partial.replace(kept)
+    return results
+
+
+def _ask(version: str, site: Path, script: Path, oracle: str, cases: list[dict], timeout: float) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, str(script)],
         input=json.dumps(cases),
