@@ -87,6 +87,12 @@ _COMMON = [
     "yarl==1.25.1",
 ]
 
+def _pin(pins: list[str], pin: str) -> list[str]:
+    """``pins`` with ``pin`` in place of the same package's pin."""
+    name = pin.split("==")[0]
+    return [pin if p.split("==")[0] == name else p for p in pins]
+
+
 _OPENAI = [
     "httpcore==1.0.9",
     "httpx==0.29.0",
@@ -99,8 +105,12 @@ PINNED: dict[str, list[str]] = {
     "0.34.0": list(_COMMON),
     # 0.29-0.33, like 0.28, import openai / openai_harmony at module level, and their tool parsers
     # (which the entrypoint modules that VllmConfig reaches import) partial_json_parser.
-    **{version: [*_COMMON, *_OPENAI, "partial-json-parser==0.2.1.1.post7"]
-       for version in ("0.33.0", "0.32.0", "0.31.0", "0.30.0", "0.29.0")},
+    **{version: [*_COMMON, *_OPENAI, "partial-json-parser==0.2.1.1.post7"] for version in ("0.30.0", "0.29.0")},
+    # each release's own bounds (test_harness checks every requirement of every package in a site)
+    "0.33.0": _pin([*_COMMON, *_OPENAI, "partial-json-parser==0.2.1.1.post7"], "transformers==5.20.2"),
+    "0.32.0": _pin([*_COMMON, *_OPENAI, "partial-json-parser==0.2.1.1.post7"], "transformers==5.19.0"),
+    "0.31.0": _pin(_pin(_pin([*_COMMON, *_OPENAI, "partial-json-parser==0.2.1.1.post7"], "transformers==5.17.0"),
+                        "xgrammar==0.2.7"), "huggingface-hub==1.33.0"),
     # 0.28 also imports openai / openai_harmony at module level (entrypoint types that
     # its config and worker modules reach), and its MooncakeConnector imports httpx.
     "0.28.0": [*_COMMON, *_OPENAI],

@@ -125,7 +125,12 @@ def release_facts(version: str) -> dict[str, Any]:
             raise RuntimeError(f"the oracle ran under vLLM {answer.get('version')}, not {version}: {answer}")
         facts = resolver_facts(answer)
     else:
-        from release_facts_gate import profile_facts_from_oracle
+        try:
+            from release_facts_gate import profile_facts_from_oracle
+        except ImportError:
+            raise SystemExit(f"release_facts: vLLM {version} decides with the use_uniform_kv_cache gate, whose "
+                             "facts reading (release_facts_gate.py) is not on main yet; only 0.29+ releases can "
+                             "be read") from None
 
         (answer,) = run_oracle(version, "v028", [{"facts": True}])
         facts = profile_facts_from_oracle(answer)
