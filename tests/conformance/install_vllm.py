@@ -158,6 +158,20 @@ def site_for(version: str) -> Path:
     return site
 
 
+def publish_site(staged: Path, root: Path) -> Path:
+    """Byte-compile a staged site and move it to ``root/site`` (replacing an older one); the caller
+    writes COMPLETE after, so a killed install is never taken for a finished one. Byte-compiled once
+    because the tests run with PYTHONDONTWRITEBYTECODE, and vLLM plus transformers take many seconds
+    to compile on every import otherwise; a vendored file that does not compile under this Python is
+    not fatal."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j0", str(staged)], capture_output=True)
+    final = root / "site"
+    if final.exists():
+        shutil.rmtree(final)
+    staged.rename(final)
+    return final
+
+
 def _pip(*args: str, log: list[str]) -> None:
     cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
     log.append(" ".join(cmd))
@@ -194,17 +208,7 @@ def _install(version: str) -> Path:
         )
         if (site / "torch").exists():
             raise InstallError(f"{site} must not contain torch")
-        # Byte-compile once: the tests run with PYTHONDONTWRITEBYTECODE, and vLLM
-        # plus transformers take many seconds to compile on every import otherwise.
-        # A few vendored files may not compile under this Python; that is not fatal.
-        subprocess.run(
-            [sys.executable, "-m", "compileall", "-q", "-j0", str(site)],
-            capture_output=True,
-        )
-        final = root / "site"
-        if final.exists():
-            shutil.rmtree(final)
-        site.rename(final)
+        publish_site(site, root)
     _complete_marker(version).write_text(_complete_text(version))
     return root / "site"
 
@@ -238,11 +242,7 @@ def _install_triton() -> Path:
              f"triton=={TRITON_VERSION}", log=log)
         if not (site / "triton").is_dir() or (site / "torch").exists():
             raise InstallError(f"{site}: expected triton alone, got {sorted(p.name for p in site.iterdir())}")
-        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j0", str(site)], capture_output=True)
-        final = root / "site"
-        if final.exists():
-            shutil.rmtree(final)
-        site.rename(final)
+        publish_site(site, root)
     (root / "COMPLETE").write_text(f"triton=={TRITON_VERSION}\npython {sys.version.split()[0]}\n")
     return root / "site"
 

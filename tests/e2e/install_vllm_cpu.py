@@ -14,8 +14,6 @@ torch. The engine runs with the test interpreter's torch and the packages pinned
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,13 +84,7 @@ def _install() -> Path:
         for banned in ("torch", "torchvision", "torchaudio", "torchcodec"):
             if (target / banned).exists():
                 raise InstallError(f"{target} must not contain {banned}")
-        # Byte-compile once (the tests run with PYTHONDONTWRITEBYTECODE); a vendored file that does
-        # not compile under this Python is not fatal.
-        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j0", str(target)], capture_output=True)
-        final = root / "site"
-        if final.exists():
-            shutil.rmtree(final)
-        target.rename(final)
+        install_vllm.publish_site(target, root)
     (root / "COMPLETE").write_text(_complete_text())
     return root / "site"
 
