@@ -1,6 +1,6 @@
-"""The planner's bytes are vLLM's: kvpolicy's `vllm-0.34` plans against vLLM 0.34.0's own allocation.
+"""The planner's bytes are vLLM's: kvpolicy's plans against each resolver release's own allocation (0.29-0.34).
 
-One oracle call (the module fixture) asks vLLM 0.34.0, for every attention backend of the
+One oracle call per release (the module fixture, parametrized) asks that vLLM, for every attention backend of the
 profile, which ``kv_cache_dtype``s its class accepts (``supported_kv_cache_dtypes``) and
 which layouts it declares (``supported_kv_cache_layouts()`` under any device capability;
 a backend that declares none takes all six), and allocates every such combination twice
