@@ -2,12 +2,14 @@
 directories in the order given (`kvpolicy.policy.layers` composes them).
 
 ``--rules A --rules B`` (``LayoutEngine.from_path([A, B])``, ``KVPOLICY_RULES=A:B``) decides
-with the layers ``rules/<profile>``, A, B. Replacing the shipped rules is explicit
-(``--no-shipped-rules``, ``shipped_rules=False``, ``KVPOLICY_SHIPPED_RULES=0``) and warns for
-each shipped forbid or require that the geometry verifier shows load-bearing for the profile
-(``kvpolicy lint``'s `safety` rules: without it the rules let a layout whose views overlap
-through for some input of the profile's space) and that the replacing rules do not restate:
-`kvpolicy.engine.analysis.guards`, kept apart so that this module never imports the analysis.
+with the layers of the profile's shipped rules (``rules/vllm-0.34``; the uniform-gate releases
+share a base layer, ``rules/vllm-gate``, and add the layers that differ), then A, B. Replacing
+the shipped rules is explicit (``--no-shipped-rules``, ``shipped_rules=False``,
+``KVPOLICY_SHIPPED_RULES=0``) and warns for each shipped forbid or require that the geometry
+verifier shows load-bearing for the profile (``kvpolicy lint``'s `safety` rules: without it the
+rules let a layout whose views overlap through for some input of the profile's space) and that
+the replacing rules do not restate: `kvpolicy.engine.analysis.guards`, kept apart so that this
+module never imports the analysis.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "load_layers",
     "rule_dirs",
     "shipped_rules_dir",
+    "shipped_rules_dirs",
 ]
 
 NO_SHIPPED_FLAG = "--no-shipped-rules"
@@ -44,10 +47,14 @@ def rule_dirs(rules: RulesArg) -> list[Path]:
     return [Path(r) for r in rules]
 
 
-def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
-    """The shipped rules of a release profile (default: the default profile's), e.g. ``rules/vllm-0.34``:
-    beside the source tree, or in the installed package data."""
-    sub = get_profile(vllm_version).rules
+def shipped_rules_dirs(vllm_version: str | ReleaseProfile | None = None) -> tuple[Path, ...]:
+    """The shipped rule directories of a release profile (default: the default profile's), bottom
+    layer first, e.g. ``(rules/vllm-gate, rules/vllm-gate-per-token-head)``: beside the source
+    tree, or in the installed package data."""
+    return tuple(_shipped(sub) for sub in get_profile(vllm_version).rules)
+
+
+def _shipped(sub: str) -> Path:
     here = Path(__file__).resolve().parent.parent / "rules"
     if (here / sub / "global.yaml").is_file():
         return here / sub
@@ -58,11 +65,25 @@ def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
     return here / sub  # not found: the loader reports the missing directory
 
 
+def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
+    """The shipped rule directory of a profile whose shipped rules are one directory (``rules/vllm-0.34``).
+
+    A profile whose shipped rules are layers (the uniform-gate releases) has no one directory: a
+    ValueError naming them and `shipped_rules_dirs`, which gives every layer.
+    """
+    profile = get_profile(vllm_version)
+    dirs = shipped_rules_dirs(profile)
+    if len(dirs) != 1:
+        raise ValueError(f"the shipped rules of profile `{profile.name}` are {len(dirs)} layers "
+                         f"({profile.rules_label}): use shipped_rules_dirs()")
+    return dirs[0]
+
+
 def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | None = None,
                 shipped_rules: bool = True, limits: Limits = Limits(),
                 display: Sequence[str] | None = None, where: str = NO_SHIPPED_FLAG) -> RuleSet:
-    """The layered rule set: the profile's shipped rules (unless ``shipped_rules`` is False), then
-    each directory of ``rules``, bottom first; ``display`` shows each directory in locations.
+    """The layered rule set: the profile's shipped rule layers (unless ``shipped_rules`` is False),
+    then each directory of ``rules``, bottom first; ``display`` shows each directory in locations.
 
     Raises `RuleLoadError` listing every problem of every layer; ``where`` names the flag or
     setting that dropped the shipped rules when nothing is left. The warnings for load-bearing
@@ -73,7 +94,8 @@ def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | 
     shown = list(display) if display is not None else [str(d) for d in dirs]
     todo: list[tuple[Path, str, bool]] = []
     if shipped_rules:
-        todo.append((shipped_rules_dir(profile), f"rules/{profile.rules}", True))
+        todo += [(path, f"rules/{sub}", True) for path, sub in zip(shipped_rules_dirs(profile), profile.rules,
+                                                                   strict=True)]
     elif not dirs:
         raise RuleLoadError("", [Diagnostic(where, 0, 0, "no-rules", "no rules left: the shipped rules are "
                                             "replaced and no rule directory is given",

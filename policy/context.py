@@ -124,6 +124,8 @@ _FIELD_LIST: tuple[FieldSpec, ...] = (
     FieldSpec("groups.attention_groups", "int", "attention groups summed over all KV cache groups",
               lambda ctx, _c: ctx.groups.attention_groups),
     FieldSpec("groups.has_mamba", "bool", "some group is a Mamba (state) group", lambda ctx, _c: ctx.groups.has_mamba),
+    FieldSpec("groups.has_sliding_window", "bool", "some group is a sliding-window attention group",
+              lambda ctx, _c: ctx.groups.has_sliding_window),
     FieldSpec("backend.name", "str", "attention backend (vLLM's enum name)", lambda ctx, _c: ctx.backend.name),
     FieldSpec("backend.mla", "bool", "an MLA backend: one latent per token, no head dim",
               lambda ctx, _c: ctx.backend.mla),

@@ -119,8 +119,9 @@ def _layout_row(lay: Layout) -> str:
 
 def _profile_row(p: ReleaseProfile) -> str:
     versions = ", ".join(p.vllm_versions) or "a development state"
+    rules = " + ".join(f"`rules/{d}/`" for d in p.rules)
     return (f"| `{p.name}` | {versions} | {', '.join(f'`{x}`' for x in p.layouts)} | "
-            f"{', '.join(f'`{b}`' for b in p.backends)} | {p.default_block_size} | `rules/{p.rules}/` |")
+            f"{', '.join(f'`{b}`' for b in p.backends)} | {p.default_block_size} | {rules} |")
 
 
 def render_reference() -> str:

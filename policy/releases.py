@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
-from kvpolicy.policy.backends import DEV_48412_BACKENDS, BackendProfile, KVSplit, ScaleViews, packed_backend
+from kvpolicy.policy.backends import DEV_48412_BACKENDS, BackendProfile, Dim, KVSplit, ScaleViews, packed_backend
 from kvpolicy.policy.errors import InputError, input_error
 from kvpolicy.policy.installed_vllm import InstalledVllm, installed_vllm
 from kvpolicy.policy.layouts import HeadOrder, Layout
@@ -78,7 +78,10 @@ class Resolver(str, Enum):
 class Geometry(str, Enum):
     """How the release lays out the bytes of a layout."""
 
-    packed = "packed"  # logical [L, B, H, N, C], K then V packed in C (0.27.1 on)
+    packed = "packed"  # logical [L, B, H, N, C], K then V packed in C (0.26 on)
+    # K and V in a dim of their own, logical [B, 2, N, H, D] (0.24-0.25), each backend's stride orders
+    # giving the physical order; Triton's inline-scale views assume each layer's buffer is contiguous
+    kv_dim = "kv-dim"
     dev_48412 = "dev-48412"  # a separate K/V dim, scale views assuming contiguous layers (not a release)
 
 
@@ -114,11 +117,19 @@ class BackendFacts(Frozen):
     unplanned_kv_cache_dtypes: tuple[str, ...] = Field(
         default=(), description="kv_cache_dtypes this release's backend lays out in a way kvpolicy does not "
         "model: decided, never planned (0.29's FLASHINFER nvfp4 packs each head's data and scales in one cell)")
+    kv_dim: bool = Field(default=False, description="`get_kv_cache_shape` keeps K and V in a dim of their own, "
+                         "`(B, 2, N, H, D)` (0.24-0.25), instead of packing them in C, `(B, H, N, 2D)`; the "
+                         "stride orders permute that shape")
 
     def __hash__(self) -> int:
         return hash((self.mla, self.supported_layouts, tuple(sorted(self.supported_layouts_by_capability.items())),
                      self.kv_cache_dtypes, tuple(sorted((self.stride_orders or {}).items())), self.kv_split,
-                     self.unplanned_kv_cache_dtypes))
+                     self.unplanned_kv_cache_dtypes, self.kv_dim))
+
+    @property
+    def logical_shape(self) -> str:
+        """The dims of ``get_kv_cache_shape``: ``BHNC``, MLA ``BNC``, ``BKNHC`` with a K/V dim (K)."""
+        return "BNC" if self.mla else "BKNHC" if self.kv_dim else "BHNC"
 
     def allocated_layout(self, head_order: HeadOrder, cross_layer: bool) -> Layout | None:
         """The layout vLLM allocates under ``head_order``, per layer or cross-layer, from the stride orders.
@@ -129,14 +140,22 @@ class BackendFacts(Frozen):
         """
         if self.stride_orders is None:
             return None
+        physical = self.physical_order(head_order, cross_layer)
+        return None if physical is None else _layout_name(physical.replace("K", ""))
+
+    def physical_order(self, head_order: HeadOrder, cross_layer: bool) -> str | None:
+        """The dims vLLM allocates, outermost first, layer dim included (``LBHNC``, ``BLKNHC``): the
+        stride order applied to `logical_shape`; None where there is no cross-layer order."""
+        if self.stride_orders is None:
+            return None
         orders = self.stride_orders[head_order]
-        logical = "BNC" if self.mla else "BHNC"
+        logical = self.logical_shape
         if not cross_layer:
             order = orders.per_layer if orders.per_layer is not None else tuple(range(len(logical)))
-            return _layout_name("L" + "".join(logical[i] for i in order))
+            return "L" + "".join(logical[i] for i in order)
         if orders.cross_layer is None or orders.cross_layer[0] == 0:
             return None
-        return _layout_name("".join(("L" + logical)[i] for i in orders.cross_layer))
+        return "".join(("L" + logical)[i] for i in orders.cross_layer)
 
     def allocated_layouts(self) -> tuple[Layout, ...] | None:
         """Every layout the stride orders give (None: no stride orders, every layout)."""
@@ -185,7 +204,8 @@ class ReleaseProfile(Frozen):
         "`VLLM_KV_CACHE_LAYOUT` and the device capability (`build_context` refuses the others when set); "
         "`dcp_sharding`: its attention specs say whether decode context parallelism shards them "
         "(`AttentionSpec.dcp_sharded`, 0.31 on), so a replicated draft group exists")
-    rules: str = Field(description="the shipped rules' directory, relative to the rules root")
+    rules: tuple[str, ...] = Field(description="the shipped rules' directories, relative to the rules root, bottom "
+                                   "layer first (a string: one directory); neighbouring releases share layers")
     kv_transfer_config_fields: tuple[str, ...] = Field(
         default=(), description="the fields of this release's `KVTransferConfig` (vllm/config/kv_transfer.py), "
         "what `--kv-transfer-config` may hold; empty: not checked")
@@ -196,6 +216,16 @@ class ReleaseProfile(Frozen):
 
     def __hash__(self) -> int:
         return hash(self.name)
+
+    @field_validator("rules", mode="before")
+    @classmethod
+    def _one_directory(cls, value: object) -> object:
+        return (value,) if isinstance(value, str) else value
+
+    @property
+    def rules_label(self) -> str:
+        """How the shipped rules show: ``rules/vllm-0.34``, layers as ``rules/vllm-gate + rules/...``."""
+        return " + ".join(f"rules/{d}" for d in self.rules)
 
     @property
     def version_label(self) -> str:
@@ -288,11 +318,31 @@ def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
     if profile.geometry is Geometry.dev_48412:
         return DEV_48412_BACKENDS[name]
     scale_views = ScaleViews.stride_aware
+    if profile.geometry is Geometry.kv_dim and facts.kv_dim:
+        return _kv_dim_backend(profile, name, facts)
     allocated = facts.allocated_layouts()
     layouts = profile.layouts if allocated is None else tuple(x for x in profile.layouts if x in allocated)
     return packed_backend(name, mla=facts.mla, layouts=layouts, layer_buffers=profile.layer_buffers,
                           supported_layouts=facts.supported_layouts, scale_views=scale_views,
                           kv_split=facts.kv_split, unplanned_kv_cache_dtypes=facts.unplanned_kv_cache_dtypes)
+
+
+_DIM_OF = {"L": Dim.layer, "B": Dim.block, "K": Dim.kv, "N": Dim.token, "H": Dim.head, "C": Dim.dim}
+
+
+def _kv_dim_backend(profile: ReleaseProfile, name: str, facts: BackendFacts) -> BackendProfile:
+    """A backend whose cache shape has a K/V dim (``(B, 2, N, H, D)``): each layout it allocates, in the
+    physical order its stride orders give; the 0.24-0.25 Triton scale views (base offset 0, one layer
+    page per block) assume one contiguous buffer per layer."""
+    orders = {}
+    for head_order in HeadOrder:
+        for cross in (False, True):
+            physical = facts.physical_order(head_order, cross)
+            if physical is not None and (layout := _layout_name(physical.replace("K", ""))) in profile.layouts:
+                orders[layout] = tuple(_DIM_OF[c] for c in physical)
+    return BackendProfile(name=name, logical_dims=tuple(_DIM_OF[c] for c in facts.logical_shape), orders=orders,
+                          layer_buffers=profile.layer_buffers, supported_layouts=facts.supported_layouts,
+                          scale_views=ScaleViews.assume_per_layer_contiguous)
 
 
 def merge_patch(base: object, patch: object) -> object:

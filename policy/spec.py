@@ -229,6 +229,10 @@ class KVCacheGroups(Frozen):
         return any(g.spec.kind is AttentionKind.mamba for g in self.groups)
 
     @property
+    def has_sliding_window(self) -> bool:
+        return any(g.spec.kind is AttentionKind.sliding_window for g in self.groups)
+
+    @property
     def mixed_hnc_shapes(self) -> bool:
         """The groups' pages differ in (heads, stored states, page bytes): vLLM's HNC-shape check
         (``resolve_kv_cache_layout``) over every spec with per-layer views. An attention page holds

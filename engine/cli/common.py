@@ -29,8 +29,8 @@ __all__ = [
     "print_error",
     "print_json",
     "report_error",
-    "rules_root",
     "settle_vllm_version",
+    "shipped_roots",
     "tool_version",
     "usage_error",
 ]
@@ -94,16 +94,11 @@ def add_format_flag(parser: argparse.ArgumentParser, ci: bool = False) -> None:
                         help=f"text for people (default), json for programs (docs/json-output.md){extra}")
 
 
-def rules_root(rules: str | None, vllm_version: str | None = None) -> tuple[Path, str]:
-    """The rule directory and how to show it: the shipped one of the release profile
-    shows as ``rules/<profile>``, its path in the source tree."""
-    if rules is not None:
-        return Path(rules), rules
-    from kvpolicy.engine.layout_engine import shipped_rules_dir
-    from kvpolicy.policy.releases import get_profile
+def shipped_roots(vllm_version: str | None = None) -> tuple[Path, ...]:
+    """The shipped rule directories of the release profile, bottom layer first."""
+    from kvpolicy.engine.rule_layers import shipped_rules_dirs
 
-    sub = get_profile(vllm_version).rules
-    return shipped_rules_dir(vllm_version), f"rules/{sub}"
+    return shipped_rules_dirs(vllm_version)
 
 
 def operator_dirs(args: argparse.Namespace, positional: str | None = None) -> list[str]:

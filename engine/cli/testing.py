@@ -21,7 +21,7 @@ from kvpolicy.engine.cli.common import (
     add_vllm_version_flag,
     load_ruleset,
     print_json,
-    rules_root,
+    shipped_roots,
     usage_error,
 )
 
@@ -34,7 +34,7 @@ _EPILOG = """\
 examples:
   kvpolicy test                                   # rules/<profile>/tests/*.yaml against the shipped rules
   kvpolicy test --vllm-version issue-48412        # that profile's shipped rules and tests
-  kvpolicy test --vllm-version 0.28.0             # rules/vllm-0.28/tests/*.yaml, decided as vLLM 0.28
+  kvpolicy test --vllm-version 0.28.0             # the tests/ of each shipped layer, decided as vLLM 0.28
   kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against the shipped rules + my-rules/
                                                   (several --rules: the tests/ of each that has one)
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
@@ -115,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpolicy.engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
 
     ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
-    # default cases: the tests/ of each operator layer; the shipped rules' own with no --rules
+    # default cases: the tests/ of each operator layer; with no --rules the shipped layers' own
     layers = [Path(d) / "tests" for d in args.rules or []]
-    paths = (args.paths or [t for t in layers if t.is_dir()] or layers[-1:]
-             or [rules_root(None, args.vllm_version)[0] / "tests"])
+    shipped = [t for t in (d / "tests" for d in shipped_roots(args.vllm_version)) if t.is_dir()]
+    paths = args.paths or [t for t in layers if t.is_dir()] or layers[-1:] or shipped
     missing = [str(p) for p in args.paths or [] if not os.path.lexists(p)]
     if missing:  # a path that names nothing is a usage error (2), as for every verb; a bad file is a failure (1)
         raise usage_error(missing[0], "no such file or directory", "pass policy test files or directories holding them")

@@ -18,7 +18,7 @@ from kvpolicy.engine.cli.common import (
     print_diagnostics,
     print_json,
     report_error,
-    rules_root,
+    shipped_roots,
 )
 from kvpolicy.policy.errors import RuleLoadError
 from kvpolicy.policy.load import rule_files
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_FAILED
-    roots = ([rules_root(None, args.vllm_version)[0]] if not args.no_shipped_rules else []) + [Path(d) for d in dirs]
+    roots = (list(shipped_roots(args.vllm_version)) if not args.no_shipped_rules else []) + [Path(d) for d in dirs]
     files = sum(len(rule_files(r)) for r in dict.fromkeys(r.resolve() for r in roots))
     if args.format in ("github", "sarif"):
         print_diagnostics([("warning", d) for d in ruleset.warnings], args.format)

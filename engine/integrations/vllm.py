@@ -608,8 +608,9 @@ def check_cross_layer(decision: Decision) -> None:
                         f"rule `{p.rule.id}` ({p.scope}) prefers {decision.layout}")
              for p in decision.preferences if p.layout is decision.layout]
     diags += [Diagnostic("<vllm:allocate_uniform_kv_caches>", 0, 0, "vllm-requirement", why,
-                         f"this rule set has no rule for it: add the shipped rule `{rule_id}` "
-                         f"(rules/{decision.context.profile}/global.yaml), or start from a copy of the shipped rules")
+                         f"this rule set has no rule for it: add the shipped rule `{rule_id}` (of "
+                         f"{get_profile(decision.context.profile).rules_label}), or start from a copy of the "
+                         "shipped rules")
               for rule_id, why in broken]
     raise StartupError(f"kvpolicy: the rules chose the cross-layer {decision.layout}, which vLLM (profile "
                        f"{decision.context.profile}) cannot allocate for this model; vLLM must not start:", diags)

@@ -56,7 +56,8 @@ from typing import Any
 
 from kvpolicy.engine.decide import RELEASE_CANDIDATES
 from kvpolicy.engine.decision import Decision
-from kvpolicy.engine.layout_engine import LayoutEngine, shipped_rules_dir
+from kvpolicy.engine.layout_engine import LayoutEngine
+from kvpolicy.engine.rule_layers import shipped_rules_dirs
 from kvpolicy.policy.errors import Diagnostic, InputError, PolicyError, RuleLoadError
 from kvpolicy.policy.layers import render_warning
 from kvpolicy.policy.releases import (
@@ -465,7 +466,7 @@ def _register() -> None:
     else:
         hook = _install_gate(engine, settings)
     _state.update(key=key, engine=engine, hook=hook)
-    rules = ("shipped " + str(shipped_rules_dir(profile)) if settings.rules.lower() == SHIPPED
+    rules = ("shipped " + " + ".join(str(d) for d in shipped_rules_dirs(profile)) if settings.rules.lower() == SHIPPED
              else engine.ruleset.root)
     log.info("kvpolicy: active for vLLM %s: profile %s, rules %s (%s), answering %s", version, profile.name,
              rules, engine.ruleset.digest, hook)

@@ -1,6 +1,6 @@
 """The `vllm-0.28` profile from the command line and the library: its shipped policy tests pass with
 full rule coverage, and a dry-run decides and plans in it (the release itself is checked by
-tests/conformance/test_v028_*.py)."""
+tests/conformance/test_gate_*.py)."""
 
 from __future__ import annotations
 

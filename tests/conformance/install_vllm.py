@@ -101,6 +101,8 @@ _OPENAI = [
     "sniffio==1.3.1",
 ]
 
+_GATE = [*_COMMON, *_OPENAI]
+
 PINNED: dict[str, list[str]] = {
     "0.34.0": list(_COMMON),
     # 0.29-0.33, like 0.28, import openai / openai_harmony at module level, and their tool parsers
@@ -111,9 +113,15 @@ PINNED: dict[str, list[str]] = {
     "0.32.0": _pin([*_COMMON, *_OPENAI, "partial-json-parser==0.2.1.1.post7"], "transformers==5.19.0"),
     "0.31.0": _pin(_pin(_pin([*_COMMON, *_OPENAI, "partial-json-parser==0.2.1.1.post7"], "transformers==5.17.0"),
                         "xgrammar==0.2.7"), "huggingface-hub==1.33.0"),
-    # 0.28 also imports openai / openai_harmony at module level (entrypoint types that
-    # its config and worker modules reach), and its MooncakeConnector imports httpx.
-    "0.28.0": [*_COMMON, *_OPENAI],
+    # 0.24-0.28 also import openai / openai_harmony at module level (entrypoint types that
+    # their config and worker modules reach), and their MooncakeConnector imports httpx. Each
+    # of 0.24.0, 0.25.0/0.25.1, 0.26.0, 0.27.0/0.27.1 was installed with this list and runs every
+    # gate oracle (facts, gate, geometry, plugin) with it: none needs a package more.
+    # apache-tvm-ffi: each release pins its own (0.24-0.25: 0.1.9, 0.26: 0.1.10; 0.27 on: 0.1.11), and
+    # xgrammar 0.2.8 needs 0.1.11: the newest xgrammar that takes the older one (and transformers 5).
+    **{v: _pin(_pin(_GATE, "apache-tvm-ffi==0.1.9"), "xgrammar==0.2.3") for v in ("0.24.0", "0.25.0", "0.25.1")},
+    "0.26.0": _pin(_pin(_GATE, "apache-tvm-ffi==0.1.10"), "xgrammar==0.2.7"),
+    **{v: list(_GATE) for v in ("0.27.0", "0.27.1", "0.28.0")},
 }
 
 

@@ -1,7 +1,10 @@
-"""The vLLM 0.28 decision input space, shared by the v0.28 conformance tests.
+"""The decision input space of the uniform-gate releases (vLLM 0.24-0.28), shared by their
+conformance tests (``test_gate_*.py``).
 
 One description per deployment, turned into the v028 oracle's gate case and into
-kvpolicy's `decide()` keywords, so both sides read the same inputs.
+kvpolicy's `decide()` keywords, so both sides read the same inputs. The space is the
+same for every gate release; each release's backends and kv_cache_dtypes (its facts)
+select the part of it that release accepts.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from typing import Any
 from kvpolicy.policy.spec import KVCacheGroup, KVCacheGroups, KVCacheSpec
 
 VERSION = "0.28.0"
+# The uniform-gate releases: each minor release, and the patch releases, each with the release
+# whose modelled files it shares (test_gate_decisions.py proves them identical).
+GATE_SERIES = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0")
+GATE_PATCHES = {"0.25.1": "0.25.0", "0.27.1": "0.27.0"}
+GATE_RELEASES = (*GATE_SERIES, *GATE_PATCHES)
 
 MHA_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION", "CPU_ATTN")
 MLA_BACKENDS = ("FLASHMLA", "TRITON_MLA")
@@ -123,7 +131,7 @@ class Deployment:
         return case
 
     # ---- kvpolicy's side
-    def decide_inputs(self) -> dict[str, Any]:
+    def decide_inputs(self, version: str = VERSION) -> dict[str, Any]:
         dims = MLA if self.mla else MHA
         groups = []
         for kind, attn_groups in self.groups:
@@ -140,7 +148,7 @@ class Deployment:
             "connector": self.connector,
             "connector_config": dict(self.extra) if self.connector is not None else None,
             "vllm_kv_cache_layout": self.env,
-            "vllm_version": VERSION,
+            "vllm_version": version,
         }
 
 
@@ -172,7 +180,9 @@ def vllm_layout(backend_facts: dict[str, Any], head_order: str, uniform: bool) -
     MLA has no head dim: H is named beside N (size 1, the same bytes).
     """
     by = backend_facts["by_layout"][head_order]
-    logical = "BNC" if backend_facts["is_mla"] else "BHNC"
+    # (B, 2, N, H, D) in 0.24-0.25: K/V in a dim of their own (K), named by where L, B, H and N go
+    kv_dim = len(backend_facts["kv_cache_shape"]["auto"]) == 5
+    logical = "BNC" if backend_facts["is_mla"] else "BKNHC" if kv_dim else "BHNC"
     if uniform:
         order = by["stride_order_with_layers"]
         physical = "".join(("L" + logical)[i] for i in order)
@@ -181,4 +191,5 @@ def vllm_layout(backend_facts: dict[str, Any], head_order: str, uniform: bool) -
         if isinstance(order, dict):  # {"error": "NotImplementedError: "}: the runner keeps the identity
             order = list(range(len(logical)))
         physical = "L" + "".join(logical[i] for i in order)
+    physical = physical.replace("K", "")
     return physical if "H" in physical else physical.replace("NC", "NHC")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -227,3 +229,21 @@ def test_the_installed_default_matches_as_explicit_input_does_but_falls_back_to_
     else:
         [record] = said.records
         assert record.getMessage().startswith("kvpolicy: " + warned.format(newest=newest)), record.getMessage()
+
+
+def test_vllm_028_facts_are_unchanged_by_the_gate_family_chain() -> None:
+    """vllm-0.28 became `extends: vllm-0.27` (0.24 -> 0.25 -> ... -> 0.28, each stating what its release
+    changed): every fact it resolves to is the one its self-contained file stated before, except where it
+    extends and its shipped rules, now layers shared by the gate family."""
+    before = json.loads((Path(__file__).parent / "snapshots" / "vllm-0.28-facts-before-extends.json").read_text())
+    after = get_profile("vllm-0.28").model_dump(mode="json")
+    assert {k for k in before if before[k] != after[k]} == {"extends", "rules"}
+    assert (before["extends"], before["rules"]) == (None, "vllm-0.28")
+    assert after["extends"] == "vllm-0.27"
+    assert after["rules"] == ["vllm-gate", "vllm-gate-per-token-head", "vllm-gate-0.28"]
+
+
+def test_the_gate_family_is_one_forward_chain() -> None:
+    chain = ["vllm-0.24", "vllm-0.25", "vllm-0.26", "vllm-0.27", "vllm-0.28"]
+    assert [get_profile(n).extends for n in chain] == [None, *chain[:-1]]
+    assert get_profile("0.25.1").name == "vllm-0.25" and get_profile("0.27.1").name == "vllm-0.27"

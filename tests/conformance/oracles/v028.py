@@ -1,4 +1,5 @@
-"""Conformance oracle for vLLM 0.28.0 (runs UNDER the release, never in-process).
+"""Conformance oracle for the uniform-gate releases, vLLM 0.24.0 to 0.28.0 (runs UNDER the release,
+never in-process; tests/conformance/gate_oracle.py asks it once per release).
 
 stdin: JSON list of cases; stdout: JSON list of results, one per case, same order.
 Everything vLLM logs goes to stderr. A case vLLM rejects yields
@@ -33,7 +34,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-import vllm  # noqa: E402
+
+
+def _import_vllm_on_the_cpu_platform():
+    """``import vllm``, its platform resolved to the CPU platform.
+
+    STAND-IN (releases before 0.28): they ignore VLLM_TARGET_DEVICE=cpu and take the CPU
+    platform only for a build whose version names ``cpu`` (``vllm_version_matches_substr``,
+    read from the distribution's metadata while ``import vllm`` resolves the platform). During
+    that import the metadata version of ``vllm`` reads with a ``+cpu`` local label; 0.28 picks
+    the same CpuPlatform for VLLM_TARGET_DEVICE=cpu before it ever asks.
+    """
+    import importlib.metadata as md
+
+    real = md.version
+    md.version = lambda name: real(name) + "+cpu" if name == "vllm" else real(name)
+    try:
+        import vllm
+        import vllm.platforms
+    finally:
+        md.version = real
+    assert vllm.platforms.current_platform.device_type == "cpu", vllm.platforms.current_platform
+    return vllm
+
+
+vllm = _import_vllm_on_the_cpu_platform()
 from _common import backend_class as _registry_backend_class  # noqa: E402
 from vllm import envs  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -339,6 +364,22 @@ def _build_model(case: dict, vllm_config: VllmConfig):
 
 
 # ------------------------------------------------------------- connectors
+def _reads_canonical_layout() -> bool:
+    """Whether OffloadingConnector.prefer_cross_layer_blocks reads ``_canonical_layout`` (0.28; before,
+    it returns True and its config has no canonical_layout): asked of vLLM's own property, on an
+    instance that has no such attribute."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    try:
+        OffloadingConnector.__new__(OffloadingConnector).prefer_cross_layer_blocks  # noqa: B018
+    except AttributeError:
+        return True
+    return False
+
+
+_OFFLOADING_READS_CANONICAL_LAYOUT = _reads_canonical_layout()
+
+
 def _make_connector(cls, vllm_config: VllmConfig, kv_cache_config):
     """A worker-role instance of vLLM's real connector class.
 
@@ -366,7 +407,7 @@ def _make_connector(cls, vllm_config: VllmConfig, kv_cache_config):
     if isinstance(inst, NixlBaseConnector):
         inst.kv_cache_config = kv_cache_config
         inst.kv_transfer_config = vllm_config.kv_transfer_config
-    if isinstance(inst, OffloadingConnector):
+    if isinstance(inst, OffloadingConnector) and _OFFLOADING_READS_CANONICAL_LAYOUT:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
             build_offloading_config,
         )
@@ -389,6 +430,7 @@ def _facts(case: dict) -> dict:
     out: dict[str, Any] = {"vllm_version": vllm.__version__}
     out["kv_cache_dtypes"] = list(get_args(CacheDType))
     out["default_block_size"] = CacheConfig().block_size
+    out["kv_transfer_config_fields"] = [f.name for f in dataclasses.fields(KVTransferConfig)]
     backends: dict[str, Any] = {}
     for name in case.get("backends", FACT_BACKENDS):
         try:
@@ -401,7 +443,8 @@ def _facts(case: dict) -> dict:
             "is_mla": b.is_mla(),
             "supported_kv_cache_dtypes": list(getattr(b, "supported_kv_cache_dtypes", []) or []),
         }
-        n, bs, h, d = 5, 16, 2, (576 if b.is_mla() else 64)
+        # three heads: a K/V dim of its own (size 2, 0.24-0.25) is not mistaken for the head dim
+        n, bs, h, d = 5, 16, 3, (576 if b.is_mla() else 64)
         entry["example"] = {"num_blocks": n, "block_size": bs, "num_kv_heads": h, "head_size": d}
         entry["kv_cache_shape"] = {
             dt: _try(b.get_kv_cache_shape, n, bs, h, d, cache_dtype_str=dt) for dt in FACT_CACHE_DTYPES
@@ -521,49 +564,51 @@ def _gate(case: dict) -> dict:
 
 
 # ---------------------------------------------------------------- geometry
-def _cell_offsets(t: torch.Tensor, backend, spec, cache_dtype: str) -> dict:
-    """Where K, V (and K/V scales) sit in the last (packed) dim of layer view t."""
+def _role_view(v: torch.Tensor, names: tuple[str, ...]) -> dict:
+    """Where the first byte of each (block, token, head) cell of one role sits: ``v`` indexed by
+    ``names`` (its leading dims), as a byte offset and byte strides over those dims."""
+    es = v.element_size()
+    return {"dims": list(names), "byte_offset": v.storage_offset() * es,
+            "byte_strides": [v.stride(i) * es for i in range(len(names))]}
+
+
+def _roles(t: torch.Tensor, backend, spec) -> dict:
+    """Each role's cells in layer view ``t`` as vLLM's backend reads them, and the cell sizes.
+
+    K and V: split as the backend's forward does: packed ``(B, H, N, 2D)`` (0.26 on)
+    ``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` (flash_attn.py, triton_attn.py,
+    flex_attention.py); ``(B, 2, N, H, D)`` (0.24-0.25) ``kv_cache.unbind(1)``. The per-token-head
+    scales are the Triton impl's own views (``_ensure_scale_caches``).
+    """
     es = t.element_size()
-    base = t.storage_offset() * es
     if backend.is_mla():
-        return {"latent_byte_offset_in_cell": 0, "cell_bytes": t.shape[-1] * es}
+        return {"roles": {"latent": _role_view(t, ("block", "token"))}, "cell_bytes": t.shape[-1] * es}
+    kv_dim = t.dim() == 5
+    if kv_dim:
+        k, v = t.unbind(1)
+        cell = 2 * t.shape[-1] * es
+    else:
+        k, v = t.transpose(1, 2).split(t.shape[-1] // 2, dim=-1)
+        cell = t.shape[-1] * es
+    out = {"roles": {"k": _role_view(k, ("block", "token", "head")), "v": _role_view(v, ("block", "token", "head"))},
+           "cell_bytes": cell}
     if spec.kv_quant_mode.is_per_token_head and backend.get_name() == "TRITON_ATTN":
-        # vLLM's own split: TritonAttentionImpl._pth_key_value_caches /
-        # _ensure_scale_caches (triton_attn.py:440-501, 751-761). STAND-IN:
-        # the impl object is created with __new__ (its __init__ checks the
-        # platform's kernels); the two methods read only the fields set here.
-        from vllm.platforms import current_platform
+        # STAND-IN: the impl object is created with __new__ (its __init__ checks the platform's
+        # kernels); _ensure_scale_caches reads only the kv cache and the fields set here.
         from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
         impl = TritonAttentionImpl.__new__(TritonAttentionImpl)
         impl._kv_quant_mode = spec.kv_quant_mode
-        impl.fp8_dtype = current_platform.fp8_dtype()
         impl._k_scale_cache = impl._v_scale_cache = None
-        k, v = impl._pth_key_value_caches(t)
-        ks, vs = impl._k_scale_cache, impl._v_scale_cache
-        padded_hs = t.shape[-1] // 2
-        hs_bytes = (padded_hs * es) - 4
-        return {
-            "k_byte_offset_in_cell": k.storage_offset() * k.element_size() - base,
-            "k_bytes": hs_bytes,
-            "k_scale_byte_offset_in_cell": ks.storage_offset() * 4 - base,
-            "v_byte_offset_in_cell": v.storage_offset() * v.element_size() - base,
-            "v_bytes": hs_bytes,
-            "v_scale_byte_offset_in_cell": vs.storage_offset() * 4 - base,
-            "scale_bytes": 4,
-            "cell_bytes": t.shape[-1] * es,
-        }
-    # Non-quantized / per-tensor split as the 0.28 backends do it inline in
-    # forward (flash_attn.py:982, triton_attn.py:840, flex_attention.py:1265):
-    #   kv_cache.transpose(1, 2).split(head_size, dim=-1)
-    k, v = t.transpose(1, 2).split(spec.head_size, dim=-1)
-    return {
-        "k_byte_offset_in_cell": k.storage_offset() * es - base,
-        "k_bytes": k.shape[-1] * es,
-        "v_byte_offset_in_cell": v.storage_offset() * es - base,
-        "v_bytes": v.shape[-1] * es,
-        "cell_bytes": t.shape[-1] * es,
-    }
+        impl._ensure_scale_caches(t)
+        out["roles"]["k_scale"] = _role_view(impl._k_scale_cache, ("block", "token", "head"))
+        out["roles"]["v_scale"] = _role_view(impl._v_scale_cache, ("block", "token", "head"))
+        out["scale_bytes"] = impl._k_scale_cache.element_size()
+        # the quantized data before the inline scale: the padded head less the fp32
+        out["k_bytes"] = out["v_bytes"] = cell // 2 - out["scale_bytes"]
+    else:
+        out["k_bytes"] = out["v_bytes"] = cell // 2
+    return out
 
 
 def _geometry(case: dict) -> dict:
@@ -621,7 +666,7 @@ def _geometry(case: dict) -> dict:
                     "dtype": str(t.dtype).removeprefix("torch."),
                 }
                 if isinstance(g.kv_cache_spec, AttentionSpec):
-                    entry.update(_cell_offsets(t, g.backend, g.kv_cache_spec, cache_dtype))
+                    entry.update(_roles(t, g.backend, g.kv_cache_spec))
                 layers.append(entry)
             return {
                 "buffers": buffers,

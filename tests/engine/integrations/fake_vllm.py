@@ -3,7 +3,7 @@
 
 `fake_vllm` writes it under a temporary directory, puts that first on ``sys.path`` and, on exit,
 unregisters the plugin and forgets every ``vllm`` module, so no test sees another's. The real
-releases are exercised by tests/conformance/test_v034_plugin.py and test_v028_plugin.py.
+releases are exercised by tests/conformance/test_v034_plugin.py and test_gate_plugin.py.
 """
 
 from __future__ import annotations

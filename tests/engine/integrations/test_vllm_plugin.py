@@ -1,7 +1,7 @@
 """The vLLM plugin and the 0.29+ resolver without vLLM: settings, profile choice, the entry point,
 no vLLM import, and the resolver on stand-ins named and shaped like vLLM 0.34's objects.
 
-The conformance tests (tests/conformance/test_v034_plugin.py, test_v028_plugin.py) load the
+The conformance tests (tests/conformance/test_v034_plugin.py, test_gate_plugin.py) load the
 plugin through vLLM's own loader and call vLLM's own resolution paths.
 """
 
