@@ -33,6 +33,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import install_vllm  # noqa: E402
+from release_facts_gate import profile_facts_from_oracle  # noqa: E402
 from vllm_release import run_oracle  # noqa: E402
 
 from kvpolicy.policy import releases  # noqa: E402
@@ -125,15 +126,8 @@ def release_facts(version: str) -> dict[str, Any]:
             raise RuntimeError(f"the oracle ran under vLLM {answer.get('version')}, not {version}: {answer}")
         facts = resolver_facts(answer)
     else:
-        try:
-            from release_facts_gate import profile_facts_from_oracle
-        except ImportError:
-            raise SystemExit(f"release_facts: vLLM {version} decides with the use_uniform_kv_cache gate, whose "
-                             "facts reading (release_facts_gate.py) is not on main yet; only 0.29+ releases can "
-                             "be read") from None
-
         (answer,) = run_oracle(version, "v028", [{"facts": True}])
-        facts = profile_facts_from_oracle(answer)
+        facts = {"resolver": "uniform_gate", **profile_facts_from_oracle(answer)}
     facts["backend_priority"] = backend_priority(version, list(facts["backends"]))
     return facts
 

@@ -3,7 +3,7 @@
 `profile_facts_from_oracle` turns the v028 oracle's ``{"facts": true}`` answer (and, when given,
 the ``backend_priority`` oracle's lists) into the profile fields the release determines; the
 rest of a profile (name, description, vllm_versions, rules, historical, geometry, layer_buffers)
-is kvpolicy's own choice. ``tests/conformance/profile_tool.py`` writes and checks profiles with
+is kvpolicy's own choice. ``tests/conformance/release_facts.py`` writes and checks profiles with
 it, and ``test_gate_decisions.py`` holds every gate profile to it, field by field.
 
 Nothing here is a transcription of vLLM's logic: each fact is a value vLLM returned (a stride

@@ -12,13 +12,11 @@ import pytest
 from release_facts import canonical, release_facts
 
 from kvpolicy.policy.release_diff import fact_differences
-from kvpolicy.policy.releases import Resolver, get_profile, profile_facts, profile_names
+from kvpolicy.policy.releases import get_profile, profile_facts, profile_names
 
-# The resolver releases (0.29 on), whose facts oracles/v034.py reads. The gate family's reading of
-# oracles/v028.py (release_facts_gate.py) is not on main yet: 0.28's facts are held by
-# test_v028_decisions.py's facts case meanwhile.
-PROFILED = sorted({(v, n) for n in profile_names() for v in get_profile(n).vllm_versions
-                   if get_profile(n).resolver is Resolver.kv_cache_layout})
+# Every release a shipped profile lists: the resolver releases' facts read by oracles/v034.py, the gate
+# family's (0.24-0.28) by oracles/v028.py through release_facts_gate.py.
+PROFILED = sorted({(v, n) for n in profile_names() for v in get_profile(n).vllm_versions})
 
 
 @pytest.mark.parametrize(("version", "profile"), PROFILED, ids=[v for v, _ in PROFILED])
