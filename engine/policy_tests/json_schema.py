@@ -79,6 +79,7 @@ def _input() -> dict[str, Any]:
         "vllm_kv_cache_layout": _or_null(string),
         "enable_extensible_kv_cache": {"type": "boolean"},
         "hisparse": {"type": "boolean"},
+        "device": _or_null({"enum": ["cuda", "cpu"]}),
         "device_capability": _or_null({"anyOf": [
             {"type": "integer"},
             {"type": "number", "minimum": 1, "maximum": sys.float_info.max},  # finite, >= 1: its major

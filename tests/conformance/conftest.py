@@ -9,12 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import install_vllm
-
-from kvpolicy.policy.releases import get_profile, profile_names
-
-# Every release a shipped profile answers for, patch releases included, newest first.
-RELEASES = tuple(sorted({v for n in profile_names() for v in get_profile(n).vllm_versions},
-                        key=lambda v: tuple(int(p) for p in v.split(".")), reverse=True))
+from profiled_releases import RELEASES
 
 
 @pytest.fixture(scope="session")

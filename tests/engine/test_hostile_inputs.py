@@ -448,7 +448,8 @@ def _hostile_values():
     known = sorted({b for p in iter_profiles() for b in p.backends} | {d for p in iter_profiles()
                                                                           for d in p.kv_cache_dtypes}
                    | {c for p in iter_profiles() for c in p.connectors} | {x.value for x in Layout}
-                   | {"NHD", "HND", "none", "stride_aware", "assume_per_layer_contiguous", "0.34.0", "0.28.0",
+                   | {"NHD", "HND", "none", "cpu", "cuda",
+                      "stride_aware", "assume_per_layer_contiguous", "0.34.0", "0.28.0",
                       "issue-48412", "vllm-0.34"})
     scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2, 130) | st.floats(allow_nan=True)
                | st.text(max_size=12) | st.sampled_from(known))
@@ -460,7 +461,8 @@ def _hostile_values():
 _KEYWORDS = ("spec", "kv_cache_dtype", "block_size", "attention_backend", "backend", "worker_attention_backends",
              "scale_views", "connector", "connector_config", "kv_transfer_config",
              "vllm_kv_cache_layout", "enable_extensible_kv_cache",
-             "hisparse", "device_capability", "use_v2_model_runner", "tensor_parallel_size", "vllm_version", "model",
+             "hisparse", "device", "device_capability", "use_v2_model_runner", "tensor_parallel_size", "vllm_version",
+             "model",
              "connector_prefers_cross_layer_blocks")
 
 
