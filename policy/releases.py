@@ -453,16 +453,43 @@ def _log_once(message: str) -> None:
     logging.getLogger("kvpolicy").warning(message)
 
 
+# A vLLM version as its packages spell it (PEP 440, ASCII digits, no leading zeros): ``0.28.1``,
+# ``v0.28.1``, ``0.34.0rc1``, ``0.34.0.dev3``, ``0.28.0.post1+cu121``. Anything else is not a version.
+_VERSION = re.compile(r"v?(?P<release>(?:0|[1-9]\d*)(?:\.(?:0|[1-9]\d*))+)(?P<pre>(?:a|b|rc)(?:0|[1-9]\d*))?"
+                      r"(?P<post>\.post(?:0|[1-9]\d*))?(?P<dev>\.dev(?:0|[1-9]\d*))?(?P<local>\+[a-z0-9]+(?:\.[a-z0-9]+)*)?",
+                      re.ASCII | re.IGNORECASE)
+
+
+def _parse(version: str) -> re.Match[str] | None:
+    return _VERSION.fullmatch(version.strip())
+
+
 def _series(version: str) -> tuple[int, int] | None:
-    """``0.28.1``, ``0.28.0.post1+cu121``, ``0.28.1rc2`` -> (0, 28); None when not ``X.Y...``."""
-    match = re.match(r"v?(\d+)\.(\d+)(?![\d])", version.strip())
-    return (int(match[1]), int(match[2])) if match else None
+    """``0.28.1``, ``0.28.0.post1+cu121``, ``0.28.1rc2`` -> (0, 28); None when not a version."""
+    match = _parse(version)
+    if match is None:
+        return None
+    x, y = match["release"].split(".")[:2]
+    return int(x), int(y)
 
 
 def _release_key(version: str) -> tuple[int, ...]:
     """The release numbers of a version: ``0.27.0rc1``, ``0.27.0.post1+cu129`` -> (0, 27, 0)."""
-    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
-    return tuple(int(x) for x in match[1].split(".")) if match else ()
+    match = _parse(version)
+    return tuple(int(x) for x in match["release"].split(".")) if match else ()
+
+
+def _kind(version: str) -> str:
+    """What a version of a profiled series that no profile lists is: a pre-release (``rc``, ``a``, ``b``,
+    ``.dev``), a post-release, a patch release, or the series itself (``0.34``)."""
+    match = _parse(version)
+    if match is None:
+        return "a version"
+    if match["pre"] or match["dev"]:
+        return f"a pre-release of {match['release']}"
+    if match["post"]:
+        return f"a post-release of {match['release']}"
+    return "a patch release" if match["release"].count(".") >= 2 else "a version"
 
 
 class VersionMatch(NamedTuple):
@@ -481,15 +508,18 @@ class VersionMatch(NamedTuple):
             return None
         x, y = _series(self.version) or (0, 0)
         return (f"no release profile lists vLLM {self.version}; deciding with `{self.profile.name}`, the profile "
-                f"of its {x}.{y} series ({', '.join(self.profile.vllm_versions)}): a patch release is assumed "
-                f"to decide as its series does")
+                f"of its {x}.{y} series ({', '.join(self.profile.vllm_versions)}): {_kind(self.version)} is "
+                f"assumed to decide as its series does")
 
 
 def match_version(version: str) -> VersionMatch | None:
     """The profile for vLLM ``version`` (a local suffix such as ``+cu129`` ignored), or None when neither
     the version nor its ``X.Y`` series has one. Historical profiles never answer."""
     released = [p for p in _profiles().values() if not p.historical]
-    base = version.strip().split("+")[0]
+    version = version.strip()
+    if _parse(version) is None:
+        return None
+    base = version.split("+")[0]
     for profile in released:
         if version in profile.vllm_versions or base in profile.vllm_versions:
             return VersionMatch(version, profile, by_series=False)
@@ -608,7 +638,10 @@ def resolve_profile(name: str | ReleaseProfile | None = None) -> tuple[ReleasePr
         match = match_version(name)
         if match is not None:
             return match.profile, match.note
-    raise input_error("vllm_version", f"no profile for vLLM version `{name}`",
+    what = ("no profile for vLLM version" if isinstance(name, str) and _parse(name) is not None else
+            "not a vLLM version (such as 0.34.0, 0.28.1 or 0.34.0rc1: ASCII digits, no leading zeros) nor a "
+            "profile name:")
+    raise input_error("vllm_version", f"{what} `{name}`",
                       f"known profiles: {known_profiles()}; a patch release (e.g. 0.28.1) decides with the "
                       "profile of its X.Y series", code="unknown-vllm-version")
 

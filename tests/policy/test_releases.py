@@ -101,11 +101,15 @@ def said(caplog):
     releases._log_once.cache_clear()
 
 
-@pytest.mark.parametrize(("asked", "profile"), [
-    ("0.34.1", "vllm-0.34"), ("0.34.3rc1", "vllm-0.34"), ("0.34.0.post1+cu129", "vllm-0.34"),
-    ("0.28.1", "vllm-0.28"), ("v0.28.2", "vllm-0.28"),
+@pytest.mark.parametrize(("asked", "profile", "kind"), [
+    ("0.34.1", "vllm-0.34", "a patch release"), ("0.34.3rc1", "vllm-0.34", "a pre-release of 0.34.3"),
+    ("0.34.0.dev3", "vllm-0.34", "a pre-release of 0.34.0"),
+    ("0.34.0.post1+cu129", "vllm-0.34", "a post-release of 0.34.0"),
+    ("0.28.1", "vllm-0.28", "a patch release"), ("v0.28.2", "vllm-0.28", "a patch release"),
+    ("0.25.2", "vllm-0.25", "a patch release"),
 ])
-def test_a_patch_release_decides_with_its_series_profile_and_says_so(said, asked: str, profile: str) -> None:
+def test_a_patch_release_decides_with_its_series_profile_and_says_so(said, asked: str, profile: str,
+                                                                     kind: str) -> None:
     from kvpolicy.engine import LayoutEngine
 
     assert get_profile(asked).name == profile
@@ -113,10 +117,25 @@ def test_a_patch_release_decides_with_its_series_profile_and_says_so(said, asked
     x_y = profile.removeprefix("vllm-")
     assert record.getMessage() == (
         f"kvpolicy: no release profile lists vLLM {asked}; deciding with `{profile}`, the profile of its {x_y} "
-        f"series ({', '.join(get_profile(profile).vllm_versions)}): a patch release is assumed to decide as its "
+        f"series ({', '.join(get_profile(profile).vllm_versions)}): {kind} is assumed to decide as its "
         "series does")
     assert get_profile(asked).name == profile and len(said.records) == 1  # said once
     assert LayoutEngine.default(asked).profile.name == profile  # the library's every entry takes it
+
+
+@pytest.mark.parametrize("asked", ["0.33abc", "0.033.1", "\uff10.\uff13\uff13.\uff10", "0.34.0-1", "0.34.0rc",
+                                   "0..34", "0.34.0 0.33.0", "0.34.0+", "٠.٣٤.٠"])
+def test_what_is_not_a_version_is_refused_not_read_as_a_series(said, asked: str) -> None:
+    """A string that merely starts like a version (or uses non-ASCII digits) names no release: refused,
+    saying what a version looks like, never decided with a guessed series' profile."""
+    from kvpolicy.policy import InputError
+
+    with pytest.raises(InputError) as info:
+        get_profile(asked)
+    [d] = info.value.diagnostics
+    assert (d.file, d.code) == ("vllm_version", "unknown-vllm-version")
+    assert d.message.startswith("not a vLLM version (such as 0.34.0") and f"`{asked}`" in d.message
+    assert not said.records
 
 
 def test_a_listed_version_or_a_name_says_nothing(said) -> None:
