@@ -574,7 +574,7 @@ def _profile_or_none(name: str) -> ReleaseProfile | None:
 class ProfileChoice(NamedTuple):
     """The default profile, with what choosing it assumes: ``warnings`` (a deprecated variable; the newest
     profile standing for an installed release of no known series) and ``notes`` (a series' profile
-    standing for a patch release). The library logs both as warnings; the CLI prints them."""
+    standing for a patch release; the newest profile where no vLLM is installed). The library logs both as warnings; the CLI prints them."""
 
     name: str
     warnings: tuple[str, ...] = ()
@@ -598,8 +598,10 @@ def default_profile_choice() -> ProfileChoice:
                              (f"{override.variable}={override.value}: {note}",) if note else ())
     installed = _installed(tuple(sys.path))
     newest = profile_names()[0]
-    if installed is None:
-        return ProfileChoice(newest)
+    if installed is None:  # a laptop without vLLM: the newest release, said
+        return ProfileChoice(newest, notes=(
+            f"no vLLM is installed here; deciding for `{newest}` (the newest shipped release). Pass "
+            f"--vllm-version / vllm_version= (or set {ENV_VAR}) to decide for the release you run",))
     match = match_version(installed.version)
     if match is not None:
         return ProfileChoice(match.profile.name, notes=(
