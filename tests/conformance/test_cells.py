@@ -437,7 +437,8 @@ def test_figures(vllm_cells) -> None:
         row[2] += f["write_identical"]
         row[3] += f["read_cells"]
         row[4] += f["read_identical"]
-    lines = ["release  cases  cells written  byte-identical  cells read  reads equal  vLLM refuses  excluded (layout)"]
+    # last column: cases whose LBHNC turn ran as LBNHC (per-token-head scale views of #48412's kind)
+    lines = ["release  cases  cells written  byte-identical  cells read  reads equal  vLLM refuses  LBHNC->LBNHC"]
     for version in sorted(rows, key=_key):
         n, wc, wi, rc, ri = rows[version]
         excluded = sum(c.version == version for c in EXCLUDED)
