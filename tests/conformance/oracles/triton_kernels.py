@@ -1,28 +1,31 @@
-"""vLLM 0.34 kernel oracle: vLLM's own Triton KV-cache kernels, run on the CPU by Triton's interpreter.
+"""Kernel oracle: a vLLM release's own Triton KV-cache kernels, run on the CPU by Triton's interpreter.
 
-Runs under the installed release (PYTHONPATH = its site) with the harness's Triton site
-(``install_vllm.triton_site()``) appended, ``TRITON_INTERPRET=1``. Reads a JSON list of
-cases on stdin, writes one JSON result per case on stdout. Byte strings travel as base64.
+One oracle for every release 0.24.0-0.34.0: what differs between them (how the cache is
+allocated, the K/V dim of 0.24-0.25, the functions that split the views) is asked of the
+release, never branched on its version. Runs under the installed release (PYTHONPATH = its
+site) with the harness's Triton site (``install_vllm.triton_site()``) appended,
+``TRITON_INTERPRET=1``. Reads a JSON list of cases on stdin, writes one JSON result per case
+on stdout. Byte strings travel as base64.
 
   {"facts": true}
       versions, and which interpreter conversions the stand-ins below replace.
-  {"write": {kv_cache_dtype, dtype, num_kv_heads, head_size, block_size, num_blocks,
+  {"write": {kv_cache_dtype, dtype, num_kv_heads, head_size, block_size, num_blocks, layout,
              key, value, slots, k_scale, v_scale}, "read_slots": [...]}
-      ``TritonAttentionImpl.do_kv_cache_update`` (vLLM's own, on an impl built with
-      ``__new__`` plus the attributes it reads, as in v034.py) writes ``key`` and ``value``
-      ((T, H, D) of ``dtype``, raw bytes) at ``slots`` into a zeroed per-layer cache of the
-      logical shape the backend splits, (num_blocks, H, block_size, 2 * C) of vLLM's cache
-      dtype, C the cell: for a per-token-head dtype ``_pth_key_value_caches`` /
-      ``_ensure_scale_caches`` split it and ``triton_reshape_and_cache_flash_per_token_head_quant``
-      (int8, fp8) or ``reshape_and_cache_int4`` (int4: ``single_rht``, then
-      ``_reshape_cache_int4_kernel``) write it; otherwise ``triton_reshape_and_cache_flash``.
-      Answers the cache's bytes ("cache") and, for the cells of ``read_slots`` (K cells, then
-      V cells), vLLM's own dequantization of each ("read", (2R, H, D) of ``dtype``): the
-      output of ``unified_attention`` (the backend's attention entry point; int4 goes on to
+      One layer's cache, zeroed, allocated for the per-layer ``layout`` (LBNHC or LBHNC) as the
+      release allocates it (`allocate`), then ``TritonAttentionImpl.do_kv_cache_update`` (vLLM's
+      own, on an impl built with ``__new__`` plus the attributes it reads, as in v034.py) writes
+      ``key`` and ``value`` ((T, H, D) of ``dtype``, raw bytes) at ``slots``: for a per-token-head
+      dtype the backend's ``_pth_key_value_caches`` / ``_ensure_scale_caches`` split the cache and
+      ``triton_reshape_and_cache_flash_per_token_head_quant`` (int8, fp8; int4 from 0.25:
+      ``single_rht``, then ``_reshape_cache_int4_kernel``) writes it; otherwise
+      ``triton_reshape_and_cache_flash``. Answers the buffer's bytes ("cache", in its physical
+      order) and, for the cells of ``read_slots`` (K cells, then V cells, taken through the same
+      views), vLLM's own dequantization of each ("read", (2R, H, D) of ``dtype``): the output of
+      ``unified_attention`` (the backend's attention entry point; int4 goes on to
       ``unified_attention_int4``, whose inverse transform is part of it) for 2R one-token
-      sequences, sequence i holding cell i as its V at slot 0 of block i, a K of zero bytes
-      (every score 0, so the softmax weight is exactly 1), a zero query of ``dtype`` and one
-      query head per KV head.
+      sequences, sequence i holding cell i as its V at slot 0 of block i of a cache allocated
+      the same way, a K of zero bytes (every score 0, so the softmax weight is exactly 1), a
+      zero query of ``dtype`` and one query head per KV head.
 
 STAND-INs, each needed only because this runs on a CPU:
 
