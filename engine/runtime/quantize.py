@@ -1,13 +1,15 @@
 """Encoding K/V values into cache cells and back, as vLLM 0.34's kernels do, for every `QuantMode`.
 
 A cell is the bytes of one (token, head) for K or for V (DESIGN.md). The
-per-token-head formats are vLLM's (0.27.1 to 0.34.0, unchanged): its Triton
-write kernels ``_reshape_cache_per_token_head`` (int8, fp8) and
+per-token-head formats are vLLM's (0.24.0 to 0.34.0, int4 from 0.25.0): its
+Triton write kernels ``_reshape_cache_per_token_head`` (int8, fp8) and
 ``_reshape_cache_int4_kernel`` (int4, after ``single_rht``) in
 ``vllm/v1/attention/ops/``, and the dequantization its attention kernels
-apply when they read a cell. ``tests/conformance/test_v034_cells.py`` runs
-those kernels and compares every byte. The operations below are theirs, in
-their order, each an IEEE fp32 operation (exact from bf16/fp16 inputs):
+apply when they read a cell. ``tests/conformance/test_cells.py`` runs each
+release's own kernels and compares every byte (0.25-0.31 refuse int4 at a
+head size that is not a power of two; the block-diagonal transform below is
+0.32's). The operations below are theirs, in their order, each an IEEE fp32
+operation (exact from bf16/fp16 inputs):
 
 - int8 / fp8 (e4m3, 448) per token-head: ``amax = max|x|`` over the head,
   NaN ignored (Triton's max); ``scale = max(amax / QMAX, 1e-6)`` (QMAX 127 or

@@ -8,7 +8,7 @@ double rounding is innocuous, 53 >= 2 * 24 + 2, so it equals the fp32
 operation); bf16, fp16 and fp8 rounding, saturating integer conversion,
 the Hadamard butterfly and nibble packing are written out by hand. That the
 statement is vLLM's is checked against vLLM's own kernels in
-``tests/conformance/test_v034_cells.py``. Other runtime tests import
+``tests/conformance/test_cells.py``. Other runtime tests import
 `encode_ref` / `decode_ref` from here.
 """
 

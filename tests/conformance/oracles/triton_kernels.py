@@ -1,28 +1,31 @@
-"""vLLM 0.34 kernel oracle: vLLM's own Triton KV-cache kernels, run on the CPU by Triton's interpreter.
+"""Kernel oracle: a vLLM release's own Triton KV-cache kernels, run on the CPU by Triton's interpreter.
 
-Runs under the installed release (PYTHONPATH = its site) with the harness's Triton site
-(``install_vllm.triton_site()``) appended, ``TRITON_INTERPRET=1``. Reads a JSON list of
-cases on stdin, writes one JSON result per case on stdout. Byte strings travel as base64.
+One oracle for every release 0.24.0-0.34.0: what differs between them (how the cache is
+allocated, the K/V dim of 0.24-0.25, the functions that split the views) is asked of the
+release, never branched on its version. Runs under the installed release (PYTHONPATH = its
+site) with the harness's Triton site (``install_vllm.triton_site()``) appended,
+``TRITON_INTERPRET=1``. Reads a JSON list of cases on stdin, writes one JSON result per case
+on stdout. Byte strings travel as base64.
 
   {"facts": true}
       versions, and which interpreter conversions the stand-ins below replace.
-  {"write": {kv_cache_dtype, dtype, num_kv_heads, head_size, block_size, num_blocks,
+  {"write": {kv_cache_dtype, dtype, num_kv_heads, head_size, block_size, num_blocks, layout,
              key, value, slots, k_scale, v_scale}, "read_slots": [...]}
-      ``TritonAttentionImpl.do_kv_cache_update`` (vLLM's own, on an impl built with
-      ``__new__`` plus the attributes it reads, as in v034.py) writes ``key`` and ``value``
-      ((T, H, D) of ``dtype``, raw bytes) at ``slots`` into a zeroed per-layer cache of the
-      logical shape the backend splits, (num_blocks, H, block_size, 2 * C) of vLLM's cache
-      dtype, C the cell: for a per-token-head dtype ``_pth_key_value_caches`` /
-      ``_ensure_scale_caches`` split it and ``triton_reshape_and_cache_flash_per_token_head_quant``
-      (int8, fp8) or ``reshape_and_cache_int4`` (int4: ``single_rht``, then
-      ``_reshape_cache_int4_kernel``) write it; otherwise ``triton_reshape_and_cache_flash``.
-      Answers the cache's bytes ("cache") and, for the cells of ``read_slots`` (K cells, then
-      V cells), vLLM's own dequantization of each ("read", (2R, H, D) of ``dtype``): the
-      output of ``unified_attention`` (the backend's attention entry point; int4 goes on to
+      One layer's cache, zeroed, allocated for the per-layer ``layout`` (LBNHC or LBHNC) as the
+      release allocates it (`allocate`), then ``TritonAttentionImpl.do_kv_cache_update`` (vLLM's
+      own, on an impl built with ``__new__`` plus the attributes it reads, as in v034.py) writes
+      ``key`` and ``value`` ((T, H, D) of ``dtype``, raw bytes) at ``slots``: for a per-token-head
+      dtype the backend's ``_pth_key_value_caches`` / ``_ensure_scale_caches`` split the cache and
+      ``triton_reshape_and_cache_flash_per_token_head_quant`` (int8, fp8; int4 from 0.25:
+      ``single_rht``, then ``_reshape_cache_int4_kernel``) writes it; otherwise
+      ``triton_reshape_and_cache_flash``. Answers the buffer's bytes ("cache", in its physical
+      order) and, for the cells of ``read_slots`` (K cells, then V cells, taken through the same
+      views), vLLM's own dequantization of each ("read", (2R, H, D) of ``dtype``): the output of
+      ``unified_attention`` (the backend's attention entry point; int4 goes on to
       ``unified_attention_int4``, whose inverse transform is part of it) for 2R one-token
-      sequences, sequence i holding cell i as its V at slot 0 of block i, a K of zero bytes
-      (every score 0, so the softmax weight is exactly 1), a zero query of ``dtype`` and one
-      query head per KV head.
+      sequences, sequence i holding cell i as its V at slot 0 of block i of a cache allocated
+      the same way, a K of zero bytes (every score 0, so the softmax weight is exactly 1), a
+      zero query of ``dtype`` and one query head per KV head.
 
 STAND-INs, each needed only because this runs on a CPU:
 
@@ -271,8 +274,9 @@ def cuda_capability():
 
 
 def _impl(kv_cache_dtype, head_size, num_kv_heads):
-    """TritonAttentionImpl built with __new__ and the attributes do_kv_cache_update and
-    _pth_key_value_caches read, set as its __init__ sets them (v034.py does the same)."""
+    """TritonAttentionImpl built with __new__ and the attributes do_kv_cache_update, _pth_key_value_caches
+    and _ensure_scale_caches read in any release 0.24-0.34, set as its __init__ sets them (v034.py does
+    the same; a release reads a subset of them)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -303,42 +307,113 @@ def _cache_dtype(kv_cache_dtype, dtype):
     return kv_cache_dtype_str_to_dtype(kv_cache_dtype, types.SimpleNamespace(dtype=dtype))
 
 
-def _cell_bytes(mode, head_size, elem):
+_HEAD_ORDER = {"LBNHC": "NHD", "LBHNC": "HND"}  # the per-layer layouts, as 0.24-0.28 name them
+
+
+def allocate(case, num_blocks, dtype):
+    """One layer's cache for ``case["layout"]`` (a per-layer layout), allocated as this release does:
+    (zeroed buffer, the layer's view the backend is handed).
+
+    0.24-0.28 (the backend has ``get_kv_cache_stride_order``): ``get_kv_cache_shape`` under the head
+    order set with ``set_kv_cache_layout``, the buffer in the stride order's physical order, permuted
+    back (``GPUModelRunner._reshape_kv_cache``). 0.29 on: the ``FullAttentionSpec`` (through the
+    backend's ``customize_spec``), its
+    ``compute_layer_kv_cache_shape_bytes`` and ``compute_layout_strides`` for the ``KVCacheLayout``
+    (``create_kv_cache_views``). The shape is the backend's own: ``(B, 2, N, H, D)`` in 0.24-0.25,
+    ``(B, H, N, 2C)`` from 0.26.
+    """
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    kv_cache_dtype, layout = case["kv_cache_dtype"], case["layout"]
+    h, d, n = case["num_kv_heads"], case["head_size"], case["block_size"]
+    cache_dtype = _cache_dtype(kv_cache_dtype, dtype)
+    if hasattr(TritonAttentionBackend, "get_kv_cache_stride_order"):
+        from vllm.v1.attention.backends import utils as backend_utils
+
+        backend_utils.set_kv_cache_layout(_HEAD_ORDER[layout])
+        try:
+            shape = TritonAttentionBackend.get_kv_cache_shape(num_blocks, n, h, d, cache_dtype_str=kv_cache_dtype)
+            order = TritonAttentionBackend.get_kv_cache_stride_order()
+        finally:
+            backend_utils.set_kv_cache_layout(None)
+        buffer = torch.zeros([shape[i] for i in order], dtype=cache_dtype)
+        return buffer, buffer.permute([order.index(i) for i in range(len(order))])
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        compute_layer_kv_cache_shape_bytes,
+        compute_layout_strides,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    # the layer's spec as Attention.get_kv_cache_spec builds it, then the backend's customize_spec
+    # (the runner applies it: per-token-head cells carry their inline scale)
+    spec = TritonAttentionBackend.customize_spec(FullAttentionSpec(
+        block_size=n, num_kv_heads=h, head_size=d, dtype=cache_dtype, kv_quant_mode=get_kv_quant_mode(kv_cache_dtype)))
+    shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)
+    strides = compute_layout_strides(spec, num_blocks, 1, KVCacheLayout[layout])[1:]  # without the layer dim
+    buffer = torch.zeros(int(np.prod(shape)), dtype=torch.uint8)
+    return buffer, torch.as_strided(buffer, shape, strides).view(cache_dtype)
+
+
+def key_value_caches(impl, mode, kv_cache):
+    """The K and V caches (B, N, H, cell) the backend hands its kernels for ``kv_cache``, and the
+    per-token-head scale caches: ``_pth_key_value_caches`` where the release has it (0.25 on); else, as
+    0.24's ``do_kv_cache_update`` and ``forward`` split it (``_ensure_scale_caches``, ``unbind(1)``, fp8
+    retyped). Per tensor: ``unbind(1)`` of the K/V dim (0.24-0.25) or ``transpose(1, 2).split(head_size)``
+    of the packed cell (0.26 on), retyped to fp8 as ``do_kv_cache_update`` does. A per-token-head cell
+    holds its inline scale: the views span data and scale."""
     if mode.is_per_token_head:
-        return (head_size // 2 if mode.name == "INT4_PER_TOKEN_HEAD" else head_size) + 4
-    return head_size * elem
+        if hasattr(impl, "_pth_key_value_caches"):
+            key_cache, value_cache = impl._pth_key_value_caches(kv_cache)
+        else:
+            impl._ensure_scale_caches(kv_cache)
+            key_cache, value_cache = kv_cache.unbind(1)
+            if key_cache.dtype == torch.uint8:
+                key_cache, value_cache = key_cache.view(impl.fp8_dtype), value_cache.view(impl.fp8_dtype)
+        return key_cache, value_cache, impl._k_scale_cache, impl._v_scale_cache
+    if kv_cache.dim() == 5:
+        key_cache, value_cache = kv_cache.unbind(1)
+    else:
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    if impl.kv_cache_dtype.startswith("fp8") and key_cache.dtype != impl.fp8_dtype:
+        key_cache, value_cache = key_cache.view(impl.fp8_dtype), value_cache.view(impl.fp8_dtype)
+    return key_cache, value_cache, None, None
 
 
 def write(case):
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
+    """vLLM's ``do_kv_cache_update`` on a zeroed cache: (the buffer, the K and V cells (2, B, N, H, C) as bytes)."""
     dtype = _DTYPES[case["dtype"]]
-    h, d, n = case["num_kv_heads"], case["head_size"], case["block_size"]
+    h, d = case["num_kv_heads"], case["head_size"]
     impl, mode = _impl(case["kv_cache_dtype"], d, h)
     t = len(case["slots"])
     key = _tensor(case["key"], dtype, (t, h, d))
     value = _tensor(case["value"], dtype, (t, h, d))
     slots = torch.tensor(case["slots"], dtype=torch.int64)
-    cache_dtype = _cache_dtype(case["kv_cache_dtype"], dtype)
-    cell = _cell_bytes(mode, d, cache_dtype.itemsize)
-    cache = torch.zeros(case["num_blocks"], h, n, 2 * cell, dtype=torch.uint8)
-    view = cache.view(cache_dtype)
+    buffer, view = allocate(case, case["num_blocks"], dtype)
     layer = types.SimpleNamespace(_k_scale=torch.tensor(float(case.get("k_scale", 1.0))),
                                   _v_scale=torch.tensor(float(case.get("v_scale", 1.0))))
-    AttentionLayerBase.bind_kv_cache(layer, view)
+    try:
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        AttentionLayerBase.bind_kv_cache(layer, view)  # 0.28 on: how the runner hands a layer its view
+    except (ImportError, AttributeError):
+        layer.kv_cache = view
     with cuda_capability():
         impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slots)
-    return cache
+    # the same impl (its scale caches already made: 0.24-0.26 fill new ones with 1.0)
+    key_cache, value_cache, _, _ = key_value_caches(impl, mode, view)
+    return buffer, torch.stack([key_cache.view(torch.uint8), value_cache.view(torch.uint8)])
 
 
-def read(case, written):
-    """vLLM's dequantization of the cells ``written`` holds at ``case["read_slots"]`` (module docstring):
-    the K cells (with the K scale, for per-tensor fp8), then the V cells."""
-    n, cell = case["block_size"], written.shape[-1] // 2
+def read(case, cells):
+    """vLLM's dequantization of the cells at ``case["read_slots"]`` (module docstring): the K cells (with
+    the K scale, for per-tensor fp8), then the V cells. ``cells``: (2, B, N, H, C) bytes, from `write`."""
+    n = case["block_size"]
     slots = torch.tensor(case["read_slots"], dtype=torch.int64)
-    per_slot = written[slots // n, :, slots % n]  # (R, H, 2 * C): K cell then V cell
-    return torch.cat([dequantize(case, per_slot[..., :cell], float(case.get("k_scale", 1.0))),
-                      dequantize(case, per_slot[..., cell:], float(case.get("v_scale", 1.0)))])
+    per_slot = cells[:, slots // n, slots % n]  # (2, R, H, C)
+    return torch.cat([dequantize(case, per_slot[0], float(case.get("k_scale", 1.0))),
+                      dequantize(case, per_slot[1], float(case.get("v_scale", 1.0)))])
 
 
 def dequantize(case, cells, tensor_scale):
@@ -346,22 +421,15 @@ def dequantize(case, cells, tensor_scale):
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     dtype = _DTYPES[case["dtype"]]
-    h, d, n = case["num_kv_heads"], case["head_size"], case["block_size"]
+    h, d = case["num_kv_heads"], case["head_size"]
     impl, mode = _impl(case["kv_cache_dtype"], d, h)
-    cache_dtype = _cache_dtype(case["kv_cache_dtype"], dtype)
-    cell = cells.shape[-1]
     count = cells.shape[0]
-    cache = torch.zeros(count, h, n, 2 * cell, dtype=torch.uint8)
-    cache[:, :, 0, cell:] = cells  # the V of slot 0 of block i; K stays zero bytes
-    view = cache.view(cache_dtype)
+    _, view = allocate(case, count, dtype)
+    key_cache, value_cache, k_scales, v_scales = key_value_caches(impl, mode, view)
+    value_cache.view(torch.uint8)[:, 0] = cells  # the V of slot 0 of block i (scale included); K stays zero bytes
     if mode.is_per_token_head:
-        key_cache, value_cache = impl._pth_key_value_caches(view)
-        k_scales, v_scales, k_descale, v_descale = impl._k_scale_cache, impl._v_scale_cache, None, None
+        k_descale = v_descale = None
     else:
-        key_cache, value_cache = view.transpose(1, 2).split(d, dim=-1)
-        if key_cache.dtype != impl.fp8_dtype and case["kv_cache_dtype"].startswith("fp8"):
-            key_cache, value_cache = key_cache.view(impl.fp8_dtype), value_cache.view(impl.fp8_dtype)
-        k_scales = v_scales = None
         # as TritonAttentionImpl.forward: layer._k_scale / _v_scale expanded to (seqs, kv heads)
         k_descale = v_descale = torch.tensor(tensor_scale, dtype=torch.float32).expand(count, h)
     query = torch.zeros(count, h, d, dtype=dtype)
@@ -394,10 +462,10 @@ def handle(case):
     if case.get("facts"):
         return facts(case)
     if "write" in case:
-        written = write(case["write"])
-        answer = {"cache": _b64(written), "shape": list(written.shape)}
+        buffer, cells = write(case["write"])
+        answer = {"cache": _b64(buffer.view(torch.uint8).reshape(-1))}
         if case.get("read_slots"):
-            answer["read"] = _b64(read({**case["write"], "read_slots": case["read_slots"]}, written))
+            answer["read"] = _b64(read({**case["write"], "read_slots": case["read_slots"]}, cells))
         return answer
     raise ValueError(f"unknown case kind: {sorted(case)}")
 
