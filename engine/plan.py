@@ -453,6 +453,15 @@ def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, nu
                           "does not model (the profile's `unplanned_kv_cache_dtypes`)",
                           "plan it under a release whose layout kvpolicy models (kvpolicy releases lists them), "
                           "or use another kv_cache_dtype", code="unplanned-kv-cache-dtype")
+    if (backend.int4_heads_power_of_two and spec.kv_cache_dtype == "int4_per_token_head"
+            and spec.head_size & (spec.head_size - 1)):
+        raise input_error("kv_cache_dtype", f"this vLLM release accepts kv_cache_dtype `int4_per_token_head` on "
+                          f"backend `{backend.name}` at head size {spec.head_size}, but its first cache write fails "
+                          "(its Hadamard transform takes power-of-two head sizes only: `AssertionError: Requires "
+                          "power-of-2 dim`); kvpolicy decides the layout vLLM would, and refuses to plan a cache "
+                          "that vLLM cannot write", "use int8_per_token_head or fp8_per_token_head at this head size, "
+                          "or vLLM 0.32 or later (it transforms such heads in power-of-two blocks)",
+                          code="release-fails-at-write")
     if spec.quant_mode is QuantMode.nvfp4:
         _check_nvfp4_backend(spec, backend)
     elem = spec.cache_dtype.size_bytes

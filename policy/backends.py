@@ -114,11 +114,12 @@ class BackendProfile(Frozen):
     scale_views: ScaleViews = ScaleViews.stride_aware
     kv_split: KVSplit | None = None
     unplanned_kv_cache_dtypes: tuple[str, ...] = ()  # the release lays these out in a way kvpolicy does not model
+    int4_heads_power_of_two: bool = False  # the release's int4 write fails at a head that is not a power of two
 
     def __hash__(self) -> int:
         return hash((self.name, self.mla, self.logical_dims, tuple(sorted(self.orders.items())),
                      self.layer_buffers, self.supported_layouts, self.scale_views, self.kv_split,
-                     self.unplanned_kv_cache_dtypes))
+                     self.unplanned_kv_cache_dtypes, self.int4_heads_power_of_two))
 
     @model_validator(mode="before")
     @classmethod
@@ -212,8 +213,8 @@ def nvfp4_order(layout: Layout) -> tuple[Dim, ...]:
 def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] = tuple(Layout),
                    layer_buffers: bool = False, supported_layouts: tuple[Layout, ...] | None = None,
                    scale_views: ScaleViews = ScaleViews.stride_aware,
-                   kv_split: KVSplit = KVSplit.content, unplanned_kv_cache_dtypes: tuple[str, ...] = ()
-                   ) -> BackendProfile:
+                   kv_split: KVSplit = KVSplit.content, unplanned_kv_cache_dtypes: tuple[str, ...] = (),
+                   int4_heads_power_of_two: bool = False) -> BackendProfile:
     """A backend of released vLLM (0.27.1 on): logical ``[B, H, N, C]`` per layer, K and V in C as
     ``kv_split`` says; a geometry for each of ``layouts`` the backend can view."""
     if mla:
@@ -225,7 +226,8 @@ def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] 
     orders = {x: order for x in layouts if (order := packed_order(x, mla, kv_split)) is not None}
     return BackendProfile(name=name, mla=mla, logical_dims=logical, orders=orders, layer_buffers=layer_buffers,
                           supported_layouts=supported_layouts, scale_views=scale_views, kv_split=kv_split,
-                          unplanned_kv_cache_dtypes=unplanned_kv_cache_dtypes)
+                          unplanned_kv_cache_dtypes=unplanned_kv_cache_dtypes,
+                          int4_heads_power_of_two=int4_heads_power_of_two)
 
 
 def _dev_48412(name: str, cross_hnd: tuple[Dim, ...]) -> BackendProfile:

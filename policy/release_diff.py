@@ -30,7 +30,7 @@ CAPABILITIES = (8, 9, 10, 12)  # the CUDA capability majors whose declarations a
 # conformance tests: shown by ``kvpolicy releases`` beside the release facts.
 STATED_FACTS = ("geometry", "layer_buffers", "workers_must_agree", "hisparse_connectors",
                 "hisparse_requires_connector")
-BACKEND_STATED_FACTS = ("kv_split", "unplanned_kv_cache_dtypes")
+BACKEND_STATED_FACTS = ("kv_split", "unplanned_kv_cache_dtypes", "int4_heads_power_of_two")
 
 
 def canonical_facts(profile: ReleaseProfile, stated: bool = False) -> dict[str, Any]:

@@ -118,6 +118,10 @@ class BackendFacts(Frozen):
     unplanned_kv_cache_dtypes: tuple[str, ...] = Field(
         default=(), description="kv_cache_dtypes this release's backend lays out in a way kvpolicy does not "
         "model: decided, never planned (0.29's FLASHINFER nvfp4 packs each head's data and scales in one cell)")
+    int4_heads_power_of_two: bool = Field(
+        default=False, description="the release accepts int4_per_token_head at any head size divisible by 8, "
+        "but its cache write (single_rht's fast_hadamard_transform) asserts a power-of-two head: other heads "
+        "fail at the first write (0.25-0.31; 0.32 on transform such heads in power-of-two blocks)")
     kv_dim: bool = Field(default=False, description="`get_kv_cache_shape` keeps K and V in a dim of their own, "
                          "`(B, 2, N, H, D)` (0.24-0.25), instead of packing them in C, `(B, H, N, 2D)`; the "
                          "stride orders permute that shape")
@@ -125,7 +129,7 @@ class BackendFacts(Frozen):
     def __hash__(self) -> int:
         return hash((self.mla, self.supported_layouts, tuple(sorted(self.supported_layouts_by_capability.items())),
                      self.kv_cache_dtypes, tuple(sorted((self.stride_orders or {}).items())), self.kv_split,
-                     self.unplanned_kv_cache_dtypes, self.kv_dim))
+                     self.unplanned_kv_cache_dtypes, self.int4_heads_power_of_two, self.kv_dim))
 
     @property
     def logical_shape(self) -> str:
@@ -328,7 +332,8 @@ def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
     layouts = profile.layouts if allocated is None else tuple(x for x in profile.layouts if x in allocated)
     return packed_backend(name, mla=facts.mla, layouts=layouts, layer_buffers=profile.layer_buffers,
                           supported_layouts=facts.supported_layouts, scale_views=scale_views,
-                          kv_split=facts.kv_split, unplanned_kv_cache_dtypes=facts.unplanned_kv_cache_dtypes)
+                          kv_split=facts.kv_split, unplanned_kv_cache_dtypes=facts.unplanned_kv_cache_dtypes,
+                          int4_heads_power_of_two=facts.int4_heads_power_of_two)
 
 
 _DIM_OF = {"L": Dim.layer, "B": Dim.block, "K": Dim.kv, "N": Dim.token, "H": Dim.head, "C": Dim.dim}
@@ -346,7 +351,9 @@ def _kv_dim_backend(profile: ReleaseProfile, name: str, facts: BackendFacts) -> 
                 orders[layout] = tuple(_DIM_OF[c] for c in physical)
     return BackendProfile(name=name, logical_dims=tuple(_DIM_OF[c] for c in facts.logical_shape), orders=orders,
                           layer_buffers=profile.layer_buffers, supported_layouts=facts.supported_layouts,
-                          scale_views=ScaleViews.assume_per_layer_contiguous)
+                          scale_views=ScaleViews.assume_per_layer_contiguous,
+                          unplanned_kv_cache_dtypes=facts.unplanned_kv_cache_dtypes,
+                          int4_heads_power_of_two=facts.int4_heads_power_of_two)
 
 
 def merge_patch(base: object, patch: object) -> object:
@@ -574,7 +581,8 @@ def _profile_or_none(name: str) -> ReleaseProfile | None:
 class ProfileChoice(NamedTuple):
     """The default profile, with what choosing it assumes: ``warnings`` (a deprecated variable; the newest
     profile standing for an installed release of no known series) and ``notes`` (a series' profile
-    standing for a patch release; the newest profile where no vLLM is installed). The library logs both as warnings; the CLI prints them."""
+    standing for a patch release; the newest profile where no vLLM is installed). The library logs both as
+    warnings; the CLI prints them."""
 
     name: str
     warnings: tuple[str, ...] = ()

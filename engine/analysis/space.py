@@ -406,7 +406,8 @@ def _plannable(backend: BackendProfile, spec: KVCacheSpec) -> bool:
     try:
         plan_layout(backend.layouts[0], spec, backend, 1)
     except PolicyError as exc:
-        return not exc.diagnostics or exc.diagnostics[0].code != "unplanned-kv-cache-dtype"
+        return not exc.diagnostics or exc.diagnostics[0].code not in ("unplanned-kv-cache-dtype",
+                                                                      "release-fails-at-write")
     return True
 
 

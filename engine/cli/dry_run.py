@@ -24,6 +24,7 @@ from kvpolicy.engine.cli.common import (
     add_format_flag,
     add_rules_flag,
     add_vllm_version_flag,
+    error_dict,
     exit_code_for,
     int_at_least,
     load_ruleset,
@@ -623,6 +624,11 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
     return report, checked, drawn
 
 
+# Plan refusals of a deployment kvpolicy decides (as vLLM does) but lays out no cache for: dry-run
+# still shows the decision, then the refusal.
+DECIDED_NOT_PLANNED = ("unplanned-kv-cache-dtype", "release-fails-at-write")
+
+
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
     try:
@@ -635,11 +641,22 @@ def run(args: argparse.Namespace) -> int:
         from kvpolicy.engine.layout_engine import LayoutEngine
 
         decision = LayoutEngine(ruleset, vllm_version=ctx.profile).decide(ctx)
-        plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
-        report, checked, drawn = _geometry(decision, args, plan)
     except PolicyError as exc:
         if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
             print(example_banner(args), file=sys.stderr)
+        report_error(exc, args.format)
+        return exit_code_for(exc)
+    unplanned: InputError | None = None
+    try:
+        plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
+        report, checked, drawn = _geometry(decision, args, plan)
+    except InputError as exc:
+        if not (exc.diagnostics and exc.diagnostics[0].code in DECIDED_NOT_PLANNED):
+            report_error(exc, args.format)
+            return exit_code_for(exc)
+        # decided as vLLM decides, but kvpolicy has no plan for it: the decision, then why there is no plan
+        unplanned, plan, report, checked, drawn = exc, None, None, None, None
+    except PolicyError as exc:
         report_error(exc, args.format)
         return exit_code_for(exc)
     from kvpolicy.engine.verify import refusal
@@ -672,9 +689,14 @@ def run(args: argparse.Namespace) -> int:
             from kvpolicy.engine.memory_map import block_map
 
             data["map"] = [b.to_dict() for b in block_map(drawn)]
+        if unplanned is not None:
+            data["plan_error"] = error_dict(unplanned)["error"]
         if is_example(args):
             print(example_banner(args), file=sys.stderr)
         print_json(data)
+        if unplanned is not None:
+            print_error(unplanned)
+            return exit_code_for(unplanned)
         if refused is not None:
             print_error(refused)
         return EXIT_OK if refused is None else exit_code_for(refused)
@@ -689,6 +711,9 @@ def run(args: argparse.Namespace) -> int:
 
         parts.append("\n" + render_text(drawn, report=report if drawn is checked else None))
     print("\n".join(parts))
+    if unplanned is not None:
+        print_error(unplanned)
+        return exit_code_for(unplanned)
     if refused is not None:
         print_error(refused)
         return exit_code_for(refused)

@@ -53,6 +53,7 @@ from kvpolicy.engine.plan import LayoutPlan, naive_scale_view, plan_layout
 from kvpolicy.engine.runtime import KVCache, allocate
 from kvpolicy.engine.runtime.quantize import hadamard, rht_block, rht_signs
 from kvpolicy.policy.backends import ScaleViews
+from kvpolicy.policy.errors import InputError
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.spec import KVCacheSpec
@@ -68,6 +69,7 @@ READ_HEADS = {"int8_per_token_head": [128, 576], "fp8_per_token_head": [128, 576
 # reduced set: one head per dtype, every case read (int4 at a power of two: see `_vllm_refuses`)
 REDUCED_HEADS = {"int4_per_token_head": 128, "int8_per_token_head": 96, "fp8_per_token_head": 64}
 REDUCED_HEAD_PER_TENSOR = 128
+INT4_ODD_HEAD = 96  # asked of every int4 release, written only: 0.25-0.31 refuse it at the first write
 LAYOUTS = (Layout.LBNHC, Layout.LBHNC)  # the per-layer layouts (NHD, HND) every release allocates
 NUM_KV_HEADS = 2
 BLOCK_SIZE = 16
@@ -119,10 +121,19 @@ def _plan(version: str, mode: str, dtype: str, head: int, layout: Layout, num_la
     return plan_layout(layout, spec, get_profile(version).backend("TRITON_ATTN"), NUM_BLOCKS)
 
 
+def release_fails_at_write(version: str, mode: str, head: int) -> bool:
+    """The profile says the release cannot write this cache (int4 at a head that is not a power of two,
+    0.25-0.31: `int4_heads_power_of_two`): kvpolicy refuses to plan it, vLLM must refuse to write it."""
+    backend = get_profile(version).backend("TRITON_ATTN")
+    return backend.int4_heads_power_of_two and mode == "int4_per_token_head" and bool(head & (head - 1))
+
+
 def vllm_addresses_scales(version: str, mode: str, dtype: str, head: int, layout: Layout) -> bool:
     """Whether the release's scale views address the plan's scale cells: always where its views are
     stride-aware; where they assume a contiguous NHD buffer per layer (0.24-0.25), only when that
     assumption's views (`naive_scale_view`) are the plan's (per layer NHD)."""
+    if release_fails_at_write(version, mode, head):
+        return True  # nothing is written: vLLM's refusal and kvpolicy's are compared
     plan = _plan(version, mode, dtype, head, layout)
     if plan.backend.scale_views is not ScaleViews.assume_per_layer_contiguous:
         return True
@@ -143,8 +154,10 @@ def _cases() -> list[Case]:
             else:  # one model dtype per mode, rotated over the modes so that every one is covered
                 head = REDUCED_HEADS.get(mode, REDUCED_HEAD_PER_TENSOR)
                 combos = [(DTYPES[(m + _key(version)[1]) % len(DTYPES)], head)]
+                if mode == "int4_per_token_head":  # and whether the release writes a head that is no power of two
+                    combos.append((combos[0][0], INT4_ODD_HEAD))
             for i, (dtype, head) in enumerate(combos):
-                read = not full or head in READ_HEADS.get(mode, READ_HEADS["per_tensor"])
+                read = (head in READ_HEADS.get(mode, READ_HEADS["per_tensor"]) if full else head != INT4_ODD_HEAD)
                 preferred = LAYOUTS[(i + m + _key(version)[1]) % 2]
                 for layout in (preferred, *[x for x in LAYOUTS if x is not preferred]):
                     case = Case(version, mode, dtype, head, layout, read)
@@ -342,14 +355,20 @@ INT4_POWER_OF_TWO = "AssertionError: Requires power-of-2 dim"
 
 
 def _vllm_refuses(case: Case, answer: dict) -> bool:
-    """Whether the release refused the write, as it may only where it has no block-diagonal int4 transform:
-    0.25-0.31 accept int4_per_token_head at any head size divisible by 8 but their ``single_rht`` asserts a
-    power-of-two head at the first cache write (96 and 576 fail; 0.32 on transform such heads in blocks)."""
-    if "error" not in answer:
+    """Whether the release refused the write, as it must exactly where its profile says it fails at the
+    first write (`release_fails_at_write`): 0.25-0.31 accept int4_per_token_head at any head size divisible
+    by 8, but their ``single_rht`` asserts a power-of-two head (96 and 576 fail; 0.32 on transform such
+    heads in blocks). There kvpolicy must refuse to plan the cache, saying why."""
+    fails = release_fails_at_write(case.version, case.mode, case.head)
+    assert ("error" in answer) is fails, (case, answer.get("error", "vLLM wrote it"))
+    if not fails:
         return False
-    power_of_two = case.head & (case.head - 1) == 0
-    assert case.mode == "int4_per_token_head" and not power_of_two, answer["error"]
     assert answer["error"].startswith(INT4_POWER_OF_TWO), answer["error"]
+    with pytest.raises(InputError) as exc:
+        _plan(case.version, case.mode, case.dtype, case.head, case.layout)
+    (diag,) = exc.value.diagnostics
+    assert (diag.file, diag.code) == ("kv_cache_dtype", "release-fails-at-write"), diag
+    assert f"at head size {case.head}, but its first cache write fails" in diag.message
     REFUSED.add(case)
     return True
 
