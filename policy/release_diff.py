@@ -48,6 +48,12 @@ def canonical_facts(profile: ReleaseProfile, stated: bool = False) -> dict[str, 
     priority = profile.backend_priority
     out["backend_priority"] = {f"{kind}@{major}": list(priority.get(f"{kind}@{major}", priority.get(kind, ())))
                                for kind in ("attention", "mla") for major in CAPABILITIES}
+    # the CPU platform's one backend (plain and with AMX tiles); null where the profile does not say
+    for kind in ("attention", "mla"):
+        plain = priority.get(f"{kind}@cpu")
+        out["backend_priority"][f"{kind}@cpu"] = None if plain is None else list(plain)
+        amx = priority.get(f"{kind}@cpu+amx", plain)
+        out["backend_priority"][f"{kind}@cpu+amx"] = None if amx is None else list(amx)
     out["connectors"] = dict(sorted(out["connectors"].items()))
     return out
 

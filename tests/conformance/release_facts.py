@@ -128,8 +128,24 @@ def release_facts(version: str) -> dict[str, Any]:
     else:
         (answer,) = run_oracle(version, "v028", [{"facts": True}])
         facts = {"resolver": "uniform_gate", **profile_facts_from_oracle(answer)}
-    facts["backend_priority"] = backend_priority(version, list(facts["backends"]))
+    facts["backend_priority"] = {**backend_priority(version, list(facts["backends"])), **cpu_backends(version)}
     return facts
+
+
+def cpu_backends(version: str) -> dict[str, list[str]]:
+    """The backend vLLM's CPU platform selects with nothing configured (``CpuPlatform.get_attn_backend_cls``,
+    ``oracles/cpu_platform.py``) for attention and MLA, on a host without and with AMX tiles: the profile's
+    ``attention@cpu`` / ``mla@cpu`` / ``...@cpu+amx`` keys, ``[]`` where the platform refuses the kind."""
+    cases = [{"mla": mla, "kv_cache_dtype": "auto", "selected": None, "amx": amx}
+             for mla in (False, True) for amx in (False, True)]
+    answers = run_oracle(version, "cpu_platform", cases)
+    out: dict[str, list[str]] = {}
+    for case, answer in zip(cases, answers, strict=True):
+        key = f"{'mla' if case['mla'] else 'attention'}@cpu{'+amx' if case['amx'] else ''}"
+        out[key] = [answer["backend"]] if "backend" in answer else []
+    if out["attention@cpu+amx"] == out["attention@cpu"]:  # stated only where AMX changes the choice
+        del out["attention@cpu+amx"]
+    return out
 
 
 def canonical(facts: dict[str, Any]) -> dict[str, Any]:
