@@ -33,4 +33,4 @@ def test_backend_priority_is_the_releases(version: str, vllm_sites) -> None:
     if version in GATE_SERIES:  # the profile holds what the facts tool writes from these lists
         lists = {f"{'mla' if c['mla'] else 'attention'}@{c['major']}": a for c, a in zip(cases, answers)}
         assert backend_priority_from_oracle(lists, tuple(profile.backends)) == {
-            k: list(v) for k, v in profile.backend_priority.items()}
+            k: list(v) for k, v in profile.backend_priority.items() if "@cpu" not in k}  # CUDA (test_cpu_platform)

@@ -483,7 +483,8 @@ def _policy_cases(release: Release) -> list[Any]:
     pinned to another release's `vllm_version`, or using a setting this release lacks, is left out)."""
     from kvpolicy.engine.policy_tests import load_cases
 
-    cases = load_cases([RULES / release.profile.rules / "tests"])
+    layers = [RULES / layer / "tests" for layer in release.profile.rules]
+    cases = load_cases([d for d in layers if d.is_dir()])
     return [lc for lc in cases if lc.case.expect.error not in _OUTSIDE_THE_ORACLE and _fits(lc.case.input, release)]
 
 
