@@ -43,7 +43,9 @@ rules:
     description: >-
       OffloadingConnector asks for LBHNC (one host transfer per layer and block)
       when HiSparse is off
-    reference: vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py OffloadingConnector.get_required_kvcache_layout
+    reference: >-
+      vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py
+      OffloadingConnector.get_required_kvcache_layout
     when:
       all:
         - {field: env.VLLM_KV_CACHE_LAYOUT, exists: false}
