@@ -100,9 +100,11 @@ def render_text(decision: Explainable, mode: str = "full") -> str:
            *render_inputs(decision), ""]
 
     out.append("ranking (survivors, best first):")
+    # a tie goes to the rule set's `defaults.layout_order` when it declares one, else to the candidates' order
+    tie = ("  (tie: rule set's default order)" if getattr(decision.ruleset, "order_declared", False)
+           else "  (tie: the release's preference order)")
     for rank, (layout, score) in enumerate(decision.ranking, 1):
-        note = "  <- chosen" if rank == 1 else ("  (tie: rule set's default order)"
-                                                if score == decision.score else "")
+        note = "  <- chosen" if rank == 1 else (tie if score == decision.score else "")
         out.append(f"  {rank}. {layout!s:<16} score {score}{note}")
     out.append("")
 

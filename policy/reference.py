@@ -40,9 +40,16 @@ version: 1
 connector: OffloadingConnector
 rules:
   - id: offloading-requires-lbhnc
-    description: OffloadingConnector's get_required_kvcache_layout asks for LBHNC
-    reference: vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py
-    when: {field: attention.hisparse, eq: false}
+    description: >-
+      OffloadingConnector asks for LBHNC (one host transfer per layer and block)
+      when HiSparse is off
+    reference: >-
+      vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py
+      OffloadingConnector.get_required_kvcache_layout
+    when:
+      all:
+        - {field: env.VLLM_KV_CACHE_LAYOUT, exists: false}
+        - {field: attention.hisparse, eq: false}
     prefer: {layout: LBHNC}
     weight: 10
 ```
@@ -53,8 +60,9 @@ rules:
 2. Active scopes: global, and `connector:OffloadingConnector`.
 3. No `forbid` or `require` matches (the KV cache is not extensible, the
    groups have one shape, no `VLLM_KV_CACHE_LAYOUT` is set): all six survive.
-4. `offloading-requires-lbhnc` matches (`attention.hisparse` is false) and
-   adds 10 to LBHNC.
+4. `offloading-requires-lbhnc` matches (`VLLM_KV_CACHE_LAYOUT` is unset and
+   `attention.hisparse` is false: vLLM asks the connector only when the
+   variable is unset) and adds 10 to LBHNC.
 5. LBHNC ranks first with 10; the others tie at 0 in the preference order.
    The decision is **LBHNC** (per_layer, HND), as vLLM 0.34 resolves it.
 6. The counterfactuals: LBNHC would be chosen if `env.VLLM_KV_CACHE_LAYOUT`

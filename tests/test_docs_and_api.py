@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 import kvpolicy.engine as engine
 import kvpolicy.policy as policy
 from kvpolicy.policy.reference import render_reference
+from kvpolicy.policy.rule_model import RuleFile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,6 +69,14 @@ def test_worked_example_is_the_default_dry_run() -> None:
     for rid in ("extensible-kv-cache-with-connector-needs-block-compact", "offloading-requires-lbhnc"):
         assert rid in rules, rid
     assert str(rules["offloading-requires-lbhnc"].rule.prefer) == "{layout: LBHNC}"
+    # each quoted file's rules are the shipped rules word for word (a shipped edit must update the quote)
+    example = render_reference().split("## Worked example", 1)[1]
+    block = example.split("```yaml\n", 1)[1].split("```", 1)[0]
+    quoted = [part for part in re.split(r"^# rules/\S+.*$", block, flags=re.M) if part.strip()]
+    assert len(quoted) == 2
+    for part in quoted:
+        for rule in RuleFile.model_validate(yaml.safe_load(part)).rules:
+            assert rule == rules[rule.id].rule, f"the worked example quotes `{rule.id}` unlike its shipped file"
     d = engine.decide(**DEFAULT_EXAMPLE)
     assert str(d.layout) == "LBHNC" and d.score == 10
     assert [str(x) for x in d.context.candidates] == ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]

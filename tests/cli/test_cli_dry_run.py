@@ -55,6 +55,15 @@ def test_default_example_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == ""
 
 
+def test_ties_name_what_breaks_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """A rule set without `defaults.layout_order` breaks ties by the release's preference order, and says so."""
+    code, out, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--connector", "none",
+                         "--kv-cache-dtype", "auto")
+    assert code == 0, err
+    assert "  2. LBHNC            score 0  (tie: the release's preference order)" in out.splitlines()
+    assert "rule set's default order" not in out
+
+
 def test_default_example_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(capsys, "dry-run", "--format", "json")
     assert code == 0
