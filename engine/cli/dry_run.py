@@ -629,6 +629,16 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
 DECIDED_NOT_PLANNED = ("unplanned-kv-cache-dtype", "release-fails-at-write")
 
 
+def _plan_error_located(exc: InputError, args: argparse.Namespace) -> InputError:
+    """A plan refusal about the kv_cache_dtype, under where the user gave it: ``--kv-cache-dtype`` when
+    typed, else the --spec file (or --model, or the built-in example), with or without --num-blocks."""
+    where = ("--kv-cache-dtype" if args.kv_cache_dtype is not None else args.spec if args.spec is not None
+             else "--model" if args.model is not None else "--spec (built-in example)")
+    diags = [Diagnostic(where, 0, 0, d.code, d.message, d.help)
+             if d.line == 0 and d.file in ("kv_cache_dtype", "--kv-cache-dtype") else d for d in exc.diagnostics]
+    return type(exc)(exc.message, diags)
+
+
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
     try:
@@ -651,6 +661,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
         report, checked, drawn = _geometry(decision, args, plan)
     except InputError as exc:
+        exc = _plan_error_located(exc, args)
         if not (exc.diagnostics and exc.diagnostics[0].code in DECIDED_NOT_PLANNED):
             report_error(exc, args.format)
             return exit_code_for(exc)
