@@ -526,7 +526,7 @@ def match_version(version: str) -> VersionMatch | None:
     version = version.strip()
     if _parse(version) is None:
         return None
-    base = version.split("+")[0]
+    base = version.split("+")[0].removeprefix("v").removeprefix("V")  # `v0.30.0` is 0.30.0
     for profile in released:
         if version in profile.vllm_versions or base in profile.vllm_versions:
             return VersionMatch(version, profile, by_series=False)
