@@ -795,3 +795,20 @@ def test_register_from_many_threads_toggling_the_setting_restores_vllm(
         vllm_plugin.register()
         assert core.resolve_kv_cache_layout is original and utils.resolve_kv_cache_layout is original
         assert vllm_plugin._state["patches"] == []
+
+
+@pytest.mark.parametrize(("env", "variable"), [
+    ({"KVPOLICY_RULES": ":"}, "KVPOLICY_RULES"),  # a list of no directory is not the shipped rules
+    ({"KVPOLICY_RULES": " : : "}, "KVPOLICY_RULES"),
+    ({"KVPOLICY_RULES": "shipped", "KVPOLICY_SHIPPED_RULES": "0"}, "KVPOLICY_SHIPPED_RULES"),
+    ({"KVPOLICY_RULES": "SHIPPED", "KVPOLICY_SHIPPED_RULES": "off"}, "KVPOLICY_SHIPPED_RULES"),
+])
+def test_rule_settings_that_name_no_rules_stop_start_up_named(env: dict[str, str], variable: str) -> None:
+    """Never decided silently with the shipped rules alone when the operator's settings say otherwise."""
+    with pytest.raises(vllm_plugin.PluginError) as exc:
+        Settings.from_env(env)
+    [d] = exc.value.diagnostics
+    assert (d.file, d.code) == (variable, "invalid-setting") and "vLLM must not start" in exc.value.render()
+    # what stays valid: a list with an empty entry, and the shipped rules with the variable on
+    assert Settings.from_env({"KVPOLICY_RULES": "/etc/a::/etc/b"}).rules == "/etc/a::/etc/b"
+    assert Settings.from_env({"KVPOLICY_RULES": "shipped", "KVPOLICY_SHIPPED_RULES": "1"}).shipped_rules
