@@ -227,22 +227,26 @@ def device_of(args: argparse.Namespace) -> tuple[str, str | None]:
     ``cpu_platform_plugin``); else cuda. The built-in example stays on cuda unless ``--device`` says."""
     if args.device is not None:
         return args.device, None
-    if not is_example(args):
-        target = os.environ.get("VLLM_TARGET_DEVICE", "").strip().lower()
-        if target in DEVICES:
-            return target, f"VLLM_TARGET_DEVICE={target}, which vLLM reads to choose its platform"
-        if target:
-            return "cuda", (f"VLLM_TARGET_DEVICE={target} names a platform kvpolicy does not model; vLLM's CUDA "
-                            "platform assumed")
-        from kvpolicy.policy.releases import installed_vllm_distribution
+    return _platform_told() if not is_example(args) else ("cuda", None)
 
-        try:
-            found = installed_vllm_distribution()
-        except InputError:
-            found = None  # several installs that cannot be told apart: the version's own error says so
-        if found is not None and ("cpu" in found.distribution.lower() or "cpu" in found.version.lower()):
-            return "cpu", (f"the installed vLLM is a CPU build (`{found.distribution}` {found.version}), so vLLM "
-                           "runs its CPU platform")
+
+def _platform_told() -> tuple[str, str | None]:
+    """The device vLLM's own settings say, and why (`device_of` without ``--device``)."""
+    target = os.environ.get("VLLM_TARGET_DEVICE", "").strip().lower()
+    if target in DEVICES:
+        return target, f"VLLM_TARGET_DEVICE={target}, which vLLM reads to choose its platform"
+    if target:
+        return "cuda", (f"VLLM_TARGET_DEVICE={target} names a platform kvpolicy does not model; vLLM's CUDA "
+                        "platform assumed")
+    from kvpolicy.policy.releases import installed_vllm_distribution
+
+    try:
+        found = installed_vllm_distribution()
+    except InputError:
+        found = None  # several installs that cannot be told apart: the version's own error says so
+    if found is not None and ("cpu" in found.distribution.lower() or "cpu" in found.version.lower()):
+        return "cpu", (f"the installed vLLM is a CPU build (`{found.distribution}` {found.version}), so vLLM "
+                       "runs its CPU platform")
     return "cuda", None
 
 
@@ -271,6 +275,12 @@ def device_note(args: argparse.Namespace, ctx: Context) -> str | None:
     device, why = device_of(args)
     configured = _backend_configured(args, device)
     given = "--device " + device if args.device is not None else why
+    if is_example(args) and args.device is None:
+        told, reason = _platform_told()
+        # the example is a CUDA deployment whatever the environment says: say so rather than ignore it
+        return None if told == "cuda" else (f"note: {reason}, but the built-in example is a CUDA deployment and "
+                                            "is decided as one; pass --device cpu (or --spec / --model) to "
+                                            "decide for vLLM's CPU platform")
     if device == "cpu":
         return None if configured else (f"note: deciding for vLLM's CPU platform ({given}): backend "
                                          f"{ctx.backend.name}, the one it selects for this model")
