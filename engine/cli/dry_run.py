@@ -64,7 +64,7 @@ examples:
       --connector-config '{"enable_cross_layers_blocks": "true"}' --num-blocks 1024
   kvpolicy dry-run --connector MultiConnector --connector-config \\
       '{"connectors": [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]}'
-  kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \
+  kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \\
       --worker-attention-backends FLASHINFER --worker-attention-backends FLASH_ATTN,TRITON_ATTN
       two pipeline stages with different backends: the layouts both support
   kvpolicy dry-run --explain fails          # only what removed candidates and why the rest lost

@@ -107,3 +107,10 @@ def test_the_example_says_it_stays_on_cuda_when_vllm_target_device_says_cpu(
             "CUDA deployment and is decided as one; pass --device cpu") in err
     code, out, err = cli(capsys, "dry-run", *V034, "--device", "cpu")  # said: no such note
     assert code == 0 and "backend:   CPU_ATTN" in out and "is decided as one" not in err
+
+
+def test_the_help_example_with_a_capability_keeps_its_line_break(capsys: pytest.CaptureFixture[str]) -> None:
+    """A shell continuation in the epilog is printed as one, not joined into one line."""
+    code, out, _ = cli(capsys, "dry-run", "--help")
+    assert code == 0
+    assert "--device-capability 10.0 \\\n      --worker-attention-backends FLASHINFER" in out
