@@ -590,9 +590,18 @@ def plan_for(decision: Decision, num_blocks: int, spec_file: str | None = None) 
 
     ctx = decision.context
     try:
-        return plan_layout(decision.layout, ctx.kv, ctx.backend, num_blocks)
+        plan = plan_layout(decision.layout, ctx.kv, ctx.backend, num_blocks)
     except InputError as exc:
         raise _name_flags(exc, spec_file) from None
+    if plan.total_bytes > _INT64_MAX:  # no cache vLLM could allocate, nor sizes a JSON reader keeps exact
+        raise usage_error("--num-blocks", f"{num_blocks} blocks of this cache are {plan.total_bytes} bytes, beyond "
+                          "the 64-bit sizes vLLM allocates with (torch sizes and strides are int64)",
+                          "pass the number of blocks vLLM allocates on your device (at most "
+                          f"{_INT64_MAX // max(1, plan.total_bytes // num_blocks)} here)")
+    return plan
+
+
+_INT64_MAX = 2**63 - 1
 
 
 # ---------------------------------------------------------------------------------------------
