@@ -526,7 +526,7 @@ def match_version(version: str) -> VersionMatch | None:
     version = version.strip()
     if _parse(version) is None:
         return None
-    base = version.split("+")[0]
+    base = version.split("+")[0].removeprefix("v").removeprefix("V")  # `v0.30.0` is 0.30.0
     for profile in released:
         if version in profile.vllm_versions or base in profile.vllm_versions:
             return VersionMatch(version, profile, by_series=False)
@@ -639,16 +639,20 @@ def resolve_profile(name: str | ReleaseProfile | None = None) -> tuple[ReleasePr
         return _profiles()[choice.name], "; ".join((*choice.warnings, *choice.notes)) or None
     if isinstance(name, ReleaseProfile):
         return name, None
+    if not isinstance(name, str):  # 0.28 as a float reads as 0.28, and 0.280 as 0.28 too: never guessed
+        raise input_error("vllm_version", f"expected a version or profile name as a string, got "
+                          f"{type(name).__name__} `{name!r}`", "pass it quoted, e.g. \"0.28.1\" or \"vllm-0.28\"",
+                          code="unknown-vllm-version")
+    name = name.strip()  # as a version is read: ` vllm-0.28 ` is vllm-0.28
     profiles = _profiles()
-    if isinstance(name, str):
-        if name in profiles:
-            return profiles[name], None
-        if f"vllm-{name}" in profiles:
-            return profiles[f"vllm-{name}"], None
-        match = match_version(name)
-        if match is not None:
-            return match.profile, match.note
-    what = ("no profile for vLLM version" if isinstance(name, str) and _parse(name) is not None else
+    if name in profiles:
+        return profiles[name], None
+    if f"vllm-{name}" in profiles:
+        return profiles[f"vllm-{name}"], None
+    match = match_version(name)
+    if match is not None:
+        return match.profile, match.note
+    what = ("no profile for vLLM version" if _parse(name) is not None else
             "not a vLLM version (such as 0.34.0, 0.28.1 or 0.34.0rc1: ASCII digits, no leading zeros) nor a "
             "profile name:")
     raise input_error("vllm_version", f"{what} `{name}`",

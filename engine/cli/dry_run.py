@@ -64,7 +64,7 @@ examples:
       --connector-config '{"enable_cross_layers_blocks": "true"}' --num-blocks 1024
   kvpolicy dry-run --connector MultiConnector --connector-config \\
       '{"connectors": [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]}'
-  kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \
+  kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \\
       --worker-attention-backends FLASHINFER --worker-attention-backends FLASH_ATTN,TRITON_ATTN
       two pipeline stages with different backends: the layouts both support
   kvpolicy dry-run --explain fails          # only what removed candidates and why the rest lost
@@ -227,22 +227,26 @@ def device_of(args: argparse.Namespace) -> tuple[str, str | None]:
     ``cpu_platform_plugin``); else cuda. The built-in example stays on cuda unless ``--device`` says."""
     if args.device is not None:
         return args.device, None
-    if not is_example(args):
-        target = os.environ.get("VLLM_TARGET_DEVICE", "").strip().lower()
-        if target in DEVICES:
-            return target, f"VLLM_TARGET_DEVICE={target}, which vLLM reads to choose its platform"
-        if target:
-            return "cuda", (f"VLLM_TARGET_DEVICE={target} names a platform kvpolicy does not model; vLLM's CUDA "
-                            "platform assumed")
-        from kvpolicy.policy.releases import installed_vllm_distribution
+    return _platform_told() if not is_example(args) else ("cuda", None)
 
-        try:
-            found = installed_vllm_distribution()
-        except InputError:
-            found = None  # several installs that cannot be told apart: the version's own error says so
-        if found is not None and ("cpu" in found.distribution.lower() or "cpu" in found.version.lower()):
-            return "cpu", (f"the installed vLLM is a CPU build (`{found.distribution}` {found.version}), so vLLM "
-                           "runs its CPU platform")
+
+def _platform_told() -> tuple[str, str | None]:
+    """The device vLLM's own settings say, and why (`device_of` without ``--device``)."""
+    target = os.environ.get("VLLM_TARGET_DEVICE", "").strip().lower()
+    if target in DEVICES:
+        return target, f"VLLM_TARGET_DEVICE={target}, which vLLM reads to choose its platform"
+    if target:
+        return "cuda", (f"VLLM_TARGET_DEVICE={target} names a platform kvpolicy does not model; vLLM's CUDA "
+                        "platform assumed")
+    from kvpolicy.policy.releases import installed_vllm_distribution
+
+    try:
+        found = installed_vllm_distribution()
+    except InputError:
+        found = None  # several installs that cannot be told apart: the version's own error says so
+    if found is not None and ("cpu" in found.distribution.lower() or "cpu" in found.version.lower()):
+        return "cpu", (f"the installed vLLM is a CPU build (`{found.distribution}` {found.version}), so vLLM "
+                       "runs its CPU platform")
     return "cuda", None
 
 
@@ -271,6 +275,12 @@ def device_note(args: argparse.Namespace, ctx: Context) -> str | None:
     device, why = device_of(args)
     configured = _backend_configured(args, device)
     given = "--device " + device if args.device is not None else why
+    if is_example(args) and args.device is None:
+        told, reason = _platform_told()
+        # the example is a CUDA deployment whatever the environment says: say so rather than ignore it
+        return None if told == "cuda" else (f"note: {reason}, but the built-in example is a CUDA deployment and "
+                                            "is decided as one; pass --device cpu (or --spec / --model) to "
+                                            "decide for vLLM's CPU platform")
     if device == "cpu":
         return None if configured else (f"note: deciding for vLLM's CPU platform ({given}): backend "
                                          f"{ctx.backend.name}, the one it selects for this model")
@@ -580,9 +590,18 @@ def plan_for(decision: Decision, num_blocks: int, spec_file: str | None = None) 
 
     ctx = decision.context
     try:
-        return plan_layout(decision.layout, ctx.kv, ctx.backend, num_blocks)
+        plan = plan_layout(decision.layout, ctx.kv, ctx.backend, num_blocks)
     except InputError as exc:
         raise _name_flags(exc, spec_file) from None
+    if plan.total_bytes > _INT64_MAX:  # no cache vLLM could allocate, nor sizes a JSON reader keeps exact
+        raise usage_error("--num-blocks", f"{num_blocks} blocks of this cache are {plan.total_bytes} bytes, beyond "
+                          "the 64-bit sizes vLLM allocates with (torch sizes and strides are int64)",
+                          "pass the number of blocks vLLM allocates on your device (at most "
+                          f"{_INT64_MAX // max(1, plan.total_bytes // num_blocks)} here)")
+    return plan
+
+
+_INT64_MAX = 2**63 - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,6 +648,16 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
 DECIDED_NOT_PLANNED = ("unplanned-kv-cache-dtype", "release-fails-at-write")
 
 
+def _plan_error_located(exc: InputError, args: argparse.Namespace) -> InputError:
+    """A plan refusal about the kv_cache_dtype, under where the user gave it: ``--kv-cache-dtype`` when
+    typed, else the --spec file (or --model, or the built-in example), with or without --num-blocks."""
+    where = ("--kv-cache-dtype" if args.kv_cache_dtype is not None else args.spec if args.spec is not None
+             else "--model" if args.model is not None else "--spec (built-in example)")
+    diags = [Diagnostic(where, 0, 0, d.code, d.message, d.help)
+             if d.line == 0 and d.file in ("kv_cache_dtype", "--kv-cache-dtype") else d for d in exc.diagnostics]
+    return type(exc)(exc.message, diags)
+
+
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
     try:
@@ -651,6 +680,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
         report, checked, drawn = _geometry(decision, args, plan)
     except InputError as exc:
+        exc = _plan_error_located(exc, args)
         if not (exc.diagnostics and exc.diagnostics[0].code in DECIDED_NOT_PLANNED):
             report_error(exc, args.format)
             return exit_code_for(exc)

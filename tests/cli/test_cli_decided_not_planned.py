@@ -29,7 +29,7 @@ def test_the_decision_is_shown_then_why_there_is_no_plan(capsys: pytest.CaptureF
     status, out, err = cli(capsys, *argv)
     assert status == 2
     assert out.startswith("layout: ") and "layout fingerprint: sha256:" in out
-    assert f"kv_cache_dtype: error[{code}]" in err
+    assert err.startswith(f"--kv-cache-dtype: error[{code}]")  # the flag the user typed
     status, out, err = cli(capsys, *argv, "--format", "json")
     data = json.loads(out)
     assert status == 2 and data["layout"]["name"] and data["allocation"] is None
@@ -44,3 +44,19 @@ def test_int4_at_a_power_of_two_head_or_from_032_is_planned(capsys: pytest.Captu
                                "--format", "json")
         assert status == 0, err
         assert json.loads(out)["allocation"]["page_size_bytes"] > 0 and "plan_error" not in json.loads(out)
+
+
+@pytest.mark.parametrize("num_blocks", [(), ("--num-blocks", "4")])
+def test_the_plan_refusal_names_where_the_kv_cache_dtype_was_given(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path, num_blocks: tuple[str, ...]
+                                                                   ) -> None:
+    """The flag when typed, the --spec file when it holds the dtype: never a bare keyword, nor a flag the
+    user did not type."""
+    spec = _spec(tmp_path, 96)
+    base = ("dry-run", "--vllm-version", "0.26.0", "--backend", "TRITON_ATTN", *num_blocks)
+    status, _, err = cli(capsys, *base, "--kv-cache-dtype", "int4_per_token_head", "--spec", spec)
+    assert status == 2 and err.startswith("--kv-cache-dtype: error[release-fails-at-write]")
+    Path(spec).write_text("num_layers: 2\nnum_kv_heads: 2\nhead_size: 96\nkv_cache_dtype: int4_per_token_head\n")
+    status, out, err = cli(capsys, *base, "--spec", spec, "--format", "json")
+    assert status == 2 and err.startswith(f"{spec}: error[release-fails-at-write]")
+    assert json.loads(out)["plan_error"]["diagnostics"][0]["file"] == spec

@@ -93,3 +93,24 @@ def test_example_on_cpu(capsys: pytest.CaptureFixture[str], spec: str) -> None:
     assert code == 0, err
     assert "on vLLM's CPU platform: CPU_ATTN, kv_cache_dtype auto" in err or "CPU_ATTN, kv_cache_dtype auto" in out
     assert "backend:   CPU_ATTN" in out
+
+
+def test_the_example_says_it_stays_on_cuda_when_vllm_target_device_says_cpu(
+        capsys: pytest.CaptureFixture[str], spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in example is a CUDA deployment (TRITON_ATTN, #48412); VLLM_TARGET_DEVICE=cpu is not
+    followed there, and that is said rather than ignored."""
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    code, out, err = cli(capsys, "dry-run", *V034)
+    assert code == 0, err
+    assert "backend:   TRITON_ATTN" in out
+    assert ("note: VLLM_TARGET_DEVICE=cpu, which vLLM reads to choose its platform, but the built-in example is a "
+            "CUDA deployment and is decided as one; pass --device cpu") in err
+    code, out, err = cli(capsys, "dry-run", *V034, "--device", "cpu")  # said: no such note
+    assert code == 0 and "backend:   CPU_ATTN" in out and "is decided as one" not in err
+
+
+def test_the_help_example_with_a_capability_keeps_its_line_break(capsys: pytest.CaptureFixture[str]) -> None:
+    """A shell continuation in the epilog is printed as one, not joined into one line."""
+    code, out, _ = cli(capsys, "dry-run", "--help")
+    assert code == 0
+    assert "--device-capability 10.0 \\\n      --worker-attention-backends FLASHINFER" in out

@@ -113,3 +113,21 @@ def test_every_allocation_key_is_documented(capsys: pytest.CaptureFixture[str]) 
     keys = {"vllm_version", "profile", "allocation"} | set(alloc) | set(alloc["cell"])
     keys |= set(alloc["buffers"][0]) | set(alloc["layers"][0])
     assert sorted(k for k in keys if f"`{k}`" not in doc) == []
+
+
+
+def test_a_number_of_blocks_beyond_64_bit_sizes_is_a_located_usage_error(capsys: pytest.CaptureFixture[str],
+                                                                         tmp_path: Path) -> None:
+    """No plan of 10**30 blocks (bytes no torch size holds, integers JSON readers round): the flag is
+    named, with the most blocks that fit; that many still plan."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("num_layers: 24\nnum_kv_heads: 2\nhead_size: 64\nblock_size: 16\n")
+    argv = ["--vllm-version", "0.30.0", "--spec", str(spec), "--attention-backend", "FLASH_ATTN"]
+    code = main(["dry-run", "--format", "json", *argv, "--num-blocks", str(10**30)])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.startswith("--num-blocks: error[usage]: ") and "64-bit" in err
+    assert json.loads(out)["ok"] is False
+    most = (2**63 - 1) // (24 * 8192)  # 24 layers x 8192 B per block
+    assert f"(at most {most} here)" in err
+    data = dry_run_json(capsys, *argv, "--num-blocks", str(most))
+    assert data["allocation"]["total_bytes"] <= 2**63 - 1

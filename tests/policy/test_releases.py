@@ -140,9 +140,10 @@ def test_what_is_not_a_version_is_refused_not_read_as_a_series(said, asked: str)
 
 def test_a_listed_version_or_a_name_says_nothing(said) -> None:
     for name in profile_names():
-        for asked in (name, *get_profile(name).vllm_versions, *(f"{v}+cu129" for v in get_profile(name).vllm_versions)):
+        listed = get_profile(name).vllm_versions
+        for asked in (name, *listed, *(f"{v}+cu129" for v in listed), *(f"v{v}" for v in listed)):
             assert get_profile(asked).name == name
-    assert not said.records
+    assert not said.records  # `v0.30.0` is 0.30.0 (listed), not a patch release of its series
 
 
 @pytest.mark.parametrize("asked", ["0.99.0", "1.0", "0.280.0", "nightly", "", "vllm-0.99"])
@@ -266,3 +267,16 @@ def test_the_gate_family_is_one_forward_chain() -> None:
     chain = ["vllm-0.24", "vllm-0.25", "vllm-0.26", "vllm-0.27", "vllm-0.28"]
     assert [get_profile(n).extends for n in chain] == [None, *chain[:-1]]
     assert get_profile("0.25.1").name == "vllm-0.25" and get_profile("0.27.1").name == "vllm-0.27"
+
+
+def test_a_name_is_read_as_a_version_is_and_a_non_string_is_refused_as_such(said) -> None:
+    from kvpolicy.policy import InputError
+
+    assert get_profile(" vllm-0.28 ").name == get_profile(" 0.28.0 ").name == "vllm-0.28"
+    for asked in (0.28, 28, 0.280):  # 0.28 and 0.280 are one float: no release can be read from it
+        with pytest.raises(InputError) as info:
+            get_profile(asked)  # type: ignore[arg-type]
+        [d] = info.value.diagnostics
+        assert (d.file, d.code) == ("vllm_version", "unknown-vllm-version")
+        assert d.message.startswith(f"expected a version or profile name as a string, got {type(asked).__name__}")
+    assert not said.records

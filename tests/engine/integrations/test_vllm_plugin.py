@@ -795,3 +795,30 @@ def test_register_from_many_threads_toggling_the_setting_restores_vllm(
         vllm_plugin.register()
         assert core.resolve_kv_cache_layout is original and utils.resolve_kv_cache_layout is original
         assert vllm_plugin._state["patches"] == []
+
+
+@pytest.mark.parametrize(("env", "variable"), [
+    ({"KVPOLICY_RULES": ":"}, "KVPOLICY_RULES"),  # a list of no directory is not the shipped rules
+    ({"KVPOLICY_RULES": " : : "}, "KVPOLICY_RULES"),
+    ({"KVPOLICY_RULES": "shipped", "KVPOLICY_SHIPPED_RULES": "0"}, "KVPOLICY_SHIPPED_RULES"),
+    ({"KVPOLICY_RULES": "SHIPPED", "KVPOLICY_SHIPPED_RULES": "off"}, "KVPOLICY_SHIPPED_RULES"),
+])
+def test_rule_settings_that_name_no_rules_stop_start_up_named(env: dict[str, str], variable: str) -> None:
+    """Never decided silently with the shipped rules alone when the operator's settings say otherwise."""
+    with pytest.raises(vllm_plugin.PluginError) as exc:
+        Settings.from_env(env)
+    [d] = exc.value.diagnostics
+    assert (d.file, d.code) == (variable, "invalid-setting") and "vLLM must not start" in exc.value.render()
+    # what stays valid: a list with an empty entry, and the shipped rules with the variable on
+    assert Settings.from_env({"KVPOLICY_RULES": "/etc/a::/etc/b"}).rules == "/etc/a::/etc/b"
+    assert Settings.from_env({"KVPOLICY_RULES": "shipped", "KVPOLICY_SHIPPED_RULES": "1"}).shipped_rules
+
+
+def test_configured_without_an_importable_vllm_is_a_plugin_error_not_an_import_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    with caplog.at_level(logging.ERROR, logger="vllm.kvpolicy"), pytest.raises(vllm_plugin.PluginError) as exc:
+        vllm_plugin.register()
+    assert "vLLM cannot be imported here" in str(exc.value) and "kvpolicy dry-run --vllm-version" in str(exc.value)
+    assert "vLLM cannot be imported here" in caplog.text and vllm_plugin.status() == {"active": False}
