@@ -58,7 +58,7 @@ _EPILOG = """\
 examples:
   kvpolicy dry-run
       the built-in example: Qwen2.5-0.5B geometry, TRITON_ATTN, OffloadingConnector,
-      fp8_per_token_head (vLLM #48412): per_layer/NHD, and why cross-layer lost
+      fp8_per_token_head (vLLM #48412): LBHNC (per layer, HND), and why cross-layer lost
   kvpolicy dry-run --model ./Qwen2.5-0.5B --kv-cache-dtype auto --connector OffloadingConnector
   kvpolicy dry-run --spec spec.yaml --backend FLASHINFER --connector NixlConnector \\
       --connector-config '{"enable_cross_layers_blocks": "true"}' --num-blocks 1024
