@@ -157,7 +157,8 @@ def _cases() -> list[Case]:
                 if mode == "int4_per_token_head":  # and whether the release writes a head that is no power of two
                     combos.append((combos[0][0], INT4_ODD_HEAD))
             for i, (dtype, head) in enumerate(combos):
-                read = (head in READ_HEADS.get(mode, READ_HEADS["per_tensor"]) if full else head != INT4_ODD_HEAD)
+                read = (head in READ_HEADS.get(mode, READ_HEADS["per_tensor"]) if full
+                        else not (mode == "int4_per_token_head" and head == INT4_ODD_HEAD))
                 preferred = LAYOUTS[(i + m + _key(version)[1]) % 2]
                 for layout in (preferred, *[x for x in LAYOUTS if x is not preferred]):
                     case = Case(version, mode, dtype, head, layout, read)
