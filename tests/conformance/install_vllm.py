@@ -11,7 +11,7 @@ oracles run with the running interpreter's torch and only the small packages tha
 vLLM modules they import need, pinned per release below. Stdlib only.
 
 Triton (``TRITON_VERSION``) goes to its own ``triton-<version>/site`` in the same
-cache, shared by the releases: the kernel oracle (``oracles/triton_kernels.py``) puts
+cache, shared by the releases: the kernel oracle (``oracles/quantized_cells.py``) puts
 it after the release's site and runs vLLM's Triton kernels on the CPU with
 ``TRITON_INTERPRET=1``. It is kept out of the release sites so that the decision
 and geometry oracles keep running without Triton, as they always have.

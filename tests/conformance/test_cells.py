@@ -7,7 +7,7 @@ same K and V (random heads and the edge inputs of `edge_heads`) go
 - through ``KVCache.write`` (kvpolicy, on the plan of that release's profile: `plan_layout` with
   the profile's TRITON_ATTN, per-layer LBNHC or LBHNC) and through the release's own
   ``do_kv_cache_update`` and write kernels on a cache that release allocates with its own shape
-  and stride functions (``oracles/triton_kernels.py``): every byte of every written cell (data and
+  and stride functions (``oracles/quantized_cells.py``): every byte of every written cell (data and
   inline scale), read at kvpolicy's planned addresses from both buffers, must be identical; so the
   plan's geometry and kvpolicy's quantization are both the release's;
 - the other way: the cells vLLM's kernels wrote, put into a kvpolicy cache, read back by
@@ -300,7 +300,7 @@ def _answers(version: str) -> dict[Case, dict]:
                      block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, layout=c.layout.value, key=_b64(key),
                      value=_b64(value), slots=slots, k_scale=k_scale, v_scale=v_scale)
         asked.append({"write": write, "read_slots": _read_slots(slots) if c.read else []})
-    answers = run_oracle(version, "triton_kernels", [{"facts": True}, *asked], timeout=1800)
+    answers = run_oracle(version, "quantized_cells", [{"facts": True}, *asked], timeout=1800)
     facts, answers = answers[0], answers[1:]
     assert facts.get("vllm") == version and facts.get("patched") and facts.get("interpret") == "1", facts
     return dict(zip(cases, answers, strict=True))

@@ -176,3 +176,20 @@ def test_oracle_answers_are_kept_per_machine_and_asked_again_when_an_input_chang
     monkeypatch.setenv("KVPOLICY_ORACLE_CACHE", "0")
     with pytest.raises(AssertionError, match="asked again"):
         run_oracle("0.34.0", "backend_priority", cases)
+
+
+def test_no_oracle_module_shadows_a_module_vllm_imports(vllm_sites):
+    """An oracle runs as a script, so its directory is first on ``sys.path``: an oracle named like a
+    module vLLM imports (vLLM 0.34 tries ``import triton_kernels``, an optional package) would be
+    imported in its place by every oracle, and run its module-level code there. No oracle (nor a
+    helper beside them) may carry the name of a top-level module any installed release imports."""
+    import re
+
+    names = {p.stem for p in (Path(__file__).parent / "oracles").glob("*.py")}
+    pattern = re.compile(r"^\s*(?:import|from)\s+(" + "|".join(sorted(names)) + r")\b", re.MULTILINE)
+    clashes = set()
+    for version, site in vllm_sites.items():
+        for source in (site / "vllm").rglob("*.py"):
+            for match in pattern.finditer(source.read_text(encoding="utf-8", errors="replace")):
+                clashes.add((match[1], version, str(source.relative_to(site))))
+    assert not clashes, sorted(clashes)[:10]
