@@ -554,7 +554,8 @@ class Override(NamedTuple):
 def version_override(env: Mapping[str, str] | None = None) -> Override | None:
     """``KVPOLICY_VLLM_VERSION`` (a version such as ``0.28.1`` or a profile name), or its deprecated alias
     ``KVPOLICY_VLLM_PROFILE`` with a warning naming the new one; None when neither is set (or empty).
-    Both set to values that name different profiles: an `InputError` located at the alias."""
+    Both set to values that name different profiles: an `InputError` located at the alias; ``KVPOLICY_VLLM_VERSION``
+    naming no profile is the one to report (its resolution fails, located at it), whatever the alias holds."""
     env = os.environ if env is None else env
     new = (env.get(ENV_VAR) or "").strip()
     old = (env.get(ENV_ALIAS) or "").strip()
@@ -564,7 +565,9 @@ def version_override(env: Mapping[str, str] | None = None) -> Override | None:
     if not new:
         return Override(ENV_ALIAS, old, warning)
     same = _profile_or_none(new)
-    if new != old and (same is None or same is not _profile_or_none(old)):
+    if same is None:  # the variable in charge names nothing: that is the error to report, at that variable
+        return Override(ENV_VAR, new, f"{ENV_ALIAS} is deprecated and ignored while {ENV_VAR} is set; unset it")
+    if new != old and same is not _profile_or_none(old):
         raise input_error(ENV_ALIAS, f"{ENV_ALIAS}=`{old}` and {ENV_VAR}=`{new}` disagree",
                           f"unset {ENV_ALIAS} (deprecated): {ENV_VAR} alone chooses the vLLM version or profile",
                           code="conflicting-vllm-version")

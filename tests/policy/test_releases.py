@@ -200,7 +200,9 @@ def test_the_override_variable_and_its_deprecated_alias() -> None:
     assert old[:2] == ("KVPOLICY_VLLM_PROFILE", "vllm-0.28") and "set KVPOLICY_VLLM_VERSION instead" in old.warning
     same = override({"KVPOLICY_VLLM_PROFILE": "vllm-0.28", "KVPOLICY_VLLM_VERSION": "0.28.0"})  # one profile
     assert same[:2] == ("KVPOLICY_VLLM_VERSION", "0.28.0") and "deprecated" in same.warning
-    for new, old in (("vllm-0.34", "vllm-0.28"), ("0.99.0", "0.98.0")):
+    garbage = override({"KVPOLICY_VLLM_PROFILE": "0.30.0", "KVPOLICY_VLLM_VERSION": "zzz"})  # zzz is the error
+    assert garbage[:2] == ("KVPOLICY_VLLM_VERSION", "zzz") and "ignored" in garbage.warning
+    for new, old in (("vllm-0.34", "vllm-0.28"), ("0.34.0", "0.98.0")):
         with pytest.raises(InputError) as info:
             override({"KVPOLICY_VLLM_PROFILE": old, "KVPOLICY_VLLM_VERSION": new})
         [d] = info.value.diagnostics
@@ -220,7 +222,7 @@ def test_the_default_honours_the_variables_with_what_they_assume(monkeypatch, sa
     monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "0.99.0")
     with pytest.raises(InputError) as info:
         get_profile()
-    assert info.value.diagnostics[0].file == "KVPOLICY_VLLM_PROFILE"  # they disagree
+    assert info.value.diagnostics[0].file == "KVPOLICY_VLLM_VERSION"  # 0.99.0 names no profile: that is the error
     monkeypatch.delenv("KVPOLICY_VLLM_PROFILE")
     with pytest.raises(InputError) as info:  # an explicit input of no known series: refused, located
         get_profile()
