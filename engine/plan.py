@@ -434,6 +434,11 @@ def transfer_format(plan: LayoutPlan) -> str:
     )
 
 
+# The codes of a plan refused for a deployment kvpolicy decides (as vLLM does) but lays out no cache for:
+# a cell layout this release has that kvpolicy does not model, or one the release itself cannot write.
+DECIDED_NOT_PLANNED = ("unplanned-kv-cache-dtype", "release-fails-at-write")
+
+
 def _check_inputs(layout: Layout, spec: KVCacheSpec, backend: BackendProfile, num_blocks: int) -> None:
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise input_error("num_blocks", f"num_blocks must be a positive integer, got `{num_blocks!r}`",

@@ -50,7 +50,7 @@ from typing import Any
 
 from kvpolicy.engine.decide import Scope
 from kvpolicy.engine.inputs import build_context
-from kvpolicy.engine.plan import plan_layout
+from kvpolicy.engine.plan import DECIDED_NOT_PLANNED, plan_layout
 from kvpolicy.policy.backends import BackendProfile, ScaleViews, packed_backend
 from kvpolicy.policy.conditions import leaf_predicate, leaves_of
 from kvpolicy.policy.connectors import ConnectorConfig
@@ -406,8 +406,7 @@ def _plannable(backend: BackendProfile, spec: KVCacheSpec) -> bool:
     try:
         plan_layout(backend.layouts[0], spec, backend, 1)
     except PolicyError as exc:
-        return not exc.diagnostics or exc.diagnostics[0].code not in ("unplanned-kv-cache-dtype",
-                                                                      "release-fails-at-write")
+        return not exc.diagnostics or exc.diagnostics[0].code not in DECIDED_NOT_PLANNED
     return True
 
 

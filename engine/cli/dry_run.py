@@ -643,11 +643,6 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
     return report, checked, drawn
 
 
-# Plan refusals of a deployment kvpolicy decides (as vLLM does) but lays out no cache for: dry-run
-# still shows the decision, then the refusal.
-DECIDED_NOT_PLANNED = ("unplanned-kv-cache-dtype", "release-fails-at-write")
-
-
 def _plan_error_located(exc: InputError, args: argparse.Namespace) -> InputError:
     """A plan refusal about the kv_cache_dtype, under where the user gave it: ``--kv-cache-dtype`` when
     typed, else the --spec file (or --model, or the built-in example), with or without --num-blocks."""
@@ -681,6 +676,8 @@ def run(args: argparse.Namespace) -> int:
         report, checked, drawn = _geometry(decision, args, plan)
     except InputError as exc:
         exc = _plan_error_located(exc, args)
+        from kvpolicy.engine.plan import DECIDED_NOT_PLANNED
+
         if not (exc.diagnostics and exc.diagnostics[0].code in DECIDED_NOT_PLANNED):
             report_error(exc, args.format)
             return exit_code_for(exc)
