@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ahead
 import install_vllm
 from profiled_releases import RELEASES
 
@@ -22,3 +24,23 @@ def vllm_sites() -> dict[str, Path]:
         except install_vllm.InstallError as exc:
             pytest.fail(f"installing vLLM {version} failed: {exc}", pytrace=False)
     return sites
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the oracles the selected tests will read, each module's ``start_ahead`` (ahead.py)."""
+    try:
+        ahead.workers()
+    except ahead.AheadError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    selected: dict[Any, list[pytest.Item]] = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "start_ahead"):
+            selected.setdefault(module, []).append(item)
+    for module, items in selected.items():
+        module.start_ahead(items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The session is over: nothing queued runs, and no oracle outlives it."""
+    ahead.stop()

@@ -15,18 +15,13 @@ one of them asks the release again; nothing recorded elsewhere is ever replayed.
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
-import json
-import sys
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
-import install_vllm
 from v028_space import GATE_PATCHES, UNPLANNED_DTYPES, Deployment, deployments
-from vllm_release import ORACLES, run_oracle
+from vllm_release import run_oracle
 
 from kvpolicy.engine.plan import plan_layout
 from kvpolicy.engine.verify import verify_plan
@@ -105,25 +100,10 @@ def gate_answers(version: str) -> GateAnswers:
 
 
 def _answers(version: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The v028 oracle's answers to ``cases`` under ``version``: from this machine's cache when every
-    input they depend on is unchanged, else asked (and kept)."""
-    site = install_vllm.site_for(version)
-    key = hashlib.sha256()
-    for part in ((site.parent / "COMPLETE").read_bytes(), metadata.version("torch").encode(), sys.version.encode(),
-                 (ORACLES / "v028.py").read_bytes(), (ORACLES / "_common.py").read_bytes(),
-                 json.dumps(cases, sort_keys=True).encode()):
-        key.update(hashlib.sha256(part).digest())
-    path = site.parent / "answers" / f"v028-{key.hexdigest()[:32]}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    answers = run_oracle(version, "v028", cases)
-    path.parent.mkdir(exist_ok=True)
-    for stale in path.parent.glob("v028-*.json"):  # answers to inputs that changed: never read again
-        stale.unlink()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(answers))
-    tmp.replace(path)  # whole or not at all: a killed run leaves no half answer
-    return answers
+    """The v028 oracle's answers to ``cases`` under ``version``, kept per machine by `run_oracle` (a
+    second cache here once deleted run_oracle's answers of the same oracle and had its own deleted in
+    turn, so both were asked again on every run)."""
+    return run_oracle(version, "v028", cases)
 
 
 @functools.cache

@@ -19,13 +19,21 @@ and geometry oracles keep running without Triton, as they always have.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: installers of one process still take turns
+    fcntl = None  # type: ignore[assignment]
 
 # The packages that the oracles' vLLM imports need, found by importing and iterating
 # (vllm.config, v1.attention.backends.*, v1.kv_cache_interface, the KV connector
@@ -221,12 +229,38 @@ def _install(version: str) -> Path:
     return root / "site"
 
 
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _installing(name: str) -> Iterator[None]:
+    """One installer at a time for a cache entry: among this process's threads (the tests' oracles run
+    ahead in a pool) and among processes sharing the cache (an advisory lock file)."""
+    with _THREAD_LOCKS_GUARD:
+        lock = _THREAD_LOCKS.setdefault(name, threading.Lock())
+    with lock:
+        cache_root().mkdir(parents=True, exist_ok=True)
+        with open(cache_root() / f".{name}.lock", "w") as handle:
+            if fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+
+def _ensure(name: str, installed: Callable[[], Path], install: Callable[[], Path]) -> Path:
+    try:
+        return installed()
+    except InstallError:
+        with _installing(name):
+            try:
+                return installed()  # another installer finished while this one waited
+            except InstallError:
+                return install()
+
+
 def ensure(version: str) -> Path:
     """The installed site of a release, installing it first if needed."""
-    try:
-        return site_for(version)
-    except InstallError:
-        return _install(version)
+    return _ensure(version, lambda: site_for(version), lambda: _install(version))
 
 
 def triton_site() -> Path:
@@ -257,20 +291,15 @@ def _install_triton() -> Path:
 
 def ensure_triton() -> Path:
     """The installed Triton site, installing it first if needed."""
-    try:
-        return triton_site()
-    except InstallError:
-        return _install_triton()
+    return _ensure(f"triton-{TRITON_VERSION}", triton_site, _install_triton)
 
 
 def ensure_verbose(version: str) -> tuple[Path, str]:
-    installed, install = (triton_site, _install_triton) if version == "triton" else (
-        lambda: site_for(version), lambda: _install(version))
     try:
-        return installed(), "cached"
+        return (triton_site() if version == "triton" else site_for(version)), "cached"
     except InstallError:
         start = time.monotonic()
-        site = install()
+        site = ensure_triton() if version == "triton" else ensure(version)
         return site, f"installed in {time.monotonic() - start:.0f} s"
 
 

@@ -21,17 +21,28 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
+import ahead
 from vllm_release import HERE, ORACLES, OracleError, install_vllm, oracle_env
 
 ROOT = HERE.parents[1]
 
 
-@functools.cache
+_BUILDING = threading.Lock()
+
+
 def kvpolicy_site() -> Path:
-    """A site holding this checkout's wheel, unpacked (built once per test process)."""
+    """A site holding this checkout's wheel, unpacked (built once per test process, by whichever of the
+    threads running oracles ahead asks first: two builds at once would share setuptools' build/)."""
+    with _BUILDING:
+        return _built()
+
+
+@functools.cache
+def _built() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="kvpolicy-plugin-site-"))
     atexit.register(shutil.rmtree, tmp, True)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
@@ -44,13 +55,13 @@ def kvpolicy_site() -> Path:
 
 
 def run_plugin_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 900) -> list[dict]:
-    """`vllm_release.run_oracle`, with kvpolicy's installed site in front of vLLM's and no
-    ``KVPOLICY_*`` variable of this process (each case sets the ones it tests)."""
-    site = install_vllm.site_for(version)
+    """`vllm_release.run_oracle`, with kvpolicy's installed site in front of vLLM's (installed first if
+    need be) and no ``KVPOLICY_*`` variable of this process (each case sets the ones it tests)."""
+    site = install_vllm.ensure(version)
     env = {k: v for k, v in oracle_env(site).items() if not k.startswith("KVPOLICY_")}
     env["PYTHONPATH"] = os.pathsep.join([str(kvpolicy_site()), str(site)])
-    proc = subprocess.run([sys.executable, str(ORACLES / f"{oracle}.py")], input=json.dumps(cases),
-                          capture_output=True, text=True, env=env, timeout=timeout, cwd=str(HERE))
+    proc = ahead.run([sys.executable, str(ORACLES / f"{oracle}.py")], input=json.dumps(cases), env=env,
+                     timeout=timeout, cwd=str(HERE))
     tail = proc.stderr[-6000:]
     if proc.returncode != 0:
         raise OracleError(f"oracle {oracle} under vLLM {version} exited {proc.returncode}:\n{tail}")

@@ -20,12 +20,17 @@ from a wheel of this checkout (``plugin_site.py``). In order, it:
 
 from __future__ import annotations
 
+import atexit
+import functools
 import re
+import shutil
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import ahead
 import pytest
 from gate_oracle import PER_LAYER_SCALE_VIEWS, deliberate
 from gate_oracle import space as gate_space
@@ -145,10 +150,15 @@ def _plugin(env: dict[str, str], log_level: str = "ERROR", version: str | None =
     return case
 
 
-@pytest.fixture(scope="module", params=GATE_SERIES)
-def run(request: pytest.FixtureRequest, vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    version = request.param
-    tmp = tmp_path_factory.mktemp(f"site-rules-{version}")
+_RULE_DIRS = Path(tempfile.mkdtemp(prefix="kvpolicy-gate-plugin-rules-"))
+atexit.register(shutil.rmtree, _RULE_DIRS, True)
+
+
+@functools.cache
+def _prepared(version: str) -> dict[str, Any]:
+    """The operator rule directories and the oracle's cases for ``version``, made once (the same cases
+    whether the oracle runs ahead or when the fixture asks)."""
+    tmp = _RULE_DIRS / version
     dirs = {
         "offloading": _rule_dir(tmp, "offloading", "connectors/OffloadingConnector.yaml", SITE_OFFLOADING),
         "nixl": _rule_dir(tmp, "nixl", "global.yaml", SITE_NIXL),
@@ -194,9 +204,31 @@ def run(request: pytest.FixtureRequest, vllm_sites: Any, tmp_path_factory: pytes
         ("off-again", _plugin({})),
         *(("off-gate", {"gate": d.oracle_case(), "baseline": True}) for d in space[::2_000 // stride]),
     ]
+    return {"dirs": dirs, "third_party": third_party, "stride": stride, "space": space, "offloading": offloading,
+            "nixl": nixl, "nhd": nhd, "scratch": scratch, "plan": plan}
+
+
+def _ask(version: str) -> tuple[list[dict[str, Any]], float]:
+    """The oracle's answers to ``_prepared(version)``'s cases, and the seconds it took."""
     start = time.perf_counter()
-    answers = run_plugin_oracle(version, "v028_plugin", [case for _, case in plan])
-    seconds = time.perf_counter() - start
+    answers = run_plugin_oracle(version, "v028_plugin", [case for _, case in _prepared(version)["plan"]])
+    return answers, time.perf_counter() - start
+
+
+def start_ahead(items: list[pytest.Item]) -> None:
+    """Queue the oracle of each release the selected tests read (conftest.py, at the end of collection)."""
+    for version in ahead.params(items, "run"):
+        _prepared(version)
+        ahead.ahead(("v028_plugin", version), functools.partial(_ask, version))
+
+
+@pytest.fixture(scope="module", params=GATE_SERIES)
+def run(request: pytest.FixtureRequest, vllm_sites: Any) -> dict[str, Any]:
+    version = request.param
+    prepared = _prepared(version)
+    plan, space, stride, dirs, third_party = (prepared[k] for k in ("plan", "space", "stride", "dirs", "third_party"))
+    offloading, nixl, nhd, scratch = (prepared[k] for k in ("offloading", "nixl", "nhd", "scratch"))
+    answers, seconds = ahead.take(("v028_plugin", version), functools.partial(_ask, version))
     by: dict[str, list[Any]] = {}
     for (label, _), answer in zip(plan, answers):
         assert not answer.get("oracle"), (label, answer)

@@ -20,11 +20,17 @@ that the same decisions come out of the plugin inside each release.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import re
+import shutil
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import ahead
 import pytest
 from plugin_site import run_plugin_oracle
 from test_v034_decisions import RESOLVER_RELEASES, Release, _blamed, _shown, input_space, kvpolicy_inputs, oracle_case
@@ -46,10 +52,15 @@ def _expected(engine: LayoutEngine, case: dict[str, Any], release: Release) -> d
         return {"error": type(exc).__name__, "blamed": _blamed(exc)}
 
 
-@pytest.fixture(scope="module", params=OLDER)
-def run(request: Any, vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    release = Release(request.param)
-    tmp = tmp_path_factory.mktemp(f"site-rules-{release.version}")
+_RULE_DIRS = Path(tempfile.mkdtemp(prefix="kvpolicy-resolver-plugin-rules-"))
+atexit.register(shutil.rmtree, _RULE_DIRS, True)
+
+
+@functools.cache
+def _prepared(version: str) -> dict[str, Any]:
+    """The rule directories and the oracle's cases for ``version``, made once (ahead or not)."""
+    release = Release(version)
+    tmp = _RULE_DIRS / version
     dirs = {"lbhnc": _rule_dir(tmp, "lbhnc", "global.yaml", SITE_LBHNC),
             "broken": _rule_dir(tmp, "broken", "global.yaml", SITE_BROKEN)}
     space = input_space(release)
@@ -65,14 +76,34 @@ def run(request: Any, vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory)
         *(("site-lbhnc", {"decide": oracle_case(c)}) for c in site),
         ("broken", _plugin({"KVPOLICY_RULES": str(dirs["broken"])})),
     ]
+    return {"release": release, "dirs": dirs, "sample": sample, "core": core, "site": site, "plan": plan}
+
+
+def _ask(version: str) -> tuple[list[dict[str, Any]], float]:
     start = time.perf_counter()
-    answers = run_plugin_oracle(release.version, "v034_plugin", [case for _, case in plan])
+    answers = run_plugin_oracle(version, "v034_plugin", [case for _, case in _prepared(version)["plan"]])
+    return answers, time.perf_counter() - start
+
+
+def start_ahead(items: list[pytest.Item]) -> None:
+    """Queue the oracle of each release the selected tests read (conftest.py, at the end of collection)."""
+    for version in ahead.params(items, "run"):
+        _prepared(version)
+        ahead.ahead(("v034_plugin", version), functools.partial(_ask, version))
+
+
+@pytest.fixture(scope="module", params=OLDER)
+def run(request: Any, vllm_sites: Any) -> dict[str, Any]:
+    prepared = _prepared(request.param)
+    release, plan, dirs = prepared["release"], prepared["plan"], prepared["dirs"]
+    sample, core, site = prepared["sample"], prepared["core"], prepared["site"]
+    answers, seconds = ahead.take(("v034_plugin", release.version), functools.partial(_ask, release.version))
     by: dict[str, list[Any]] = {}
     for (label, _), answer in zip(plan, answers, strict=True):
         assert not answer.get("oracle"), (label, answer)
         by.setdefault(label, []).append(answer)
     return {"release": release, "by": by, "dirs": dirs, "sample": sample, "core": core, "site": site,
-            "seconds": time.perf_counter() - start}
+            "seconds": seconds}
 
 
 def test_off_changes_nothing(run: dict[str, Any]) -> None:

@@ -32,13 +32,17 @@ writes from pyproject.toml). In order, it:
 
 from __future__ import annotations
 
+import atexit
+import functools
 import re
 import shutil
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import ahead
 import pytest
 from plugin_site import ROOT, kvpolicy_site, run_plugin_oracle
 from test_v034_decisions import (
@@ -217,9 +221,14 @@ def _as_rules_say(expected: dict[str, Any], plugin: dict[str, Any]) -> str | Non
     return f"rules: {expected}, plugin: {plugin['error'][:160]}"
 
 
-@pytest.fixture(scope="module")
-def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("site-rules")
+_RULE_DIRS = Path(tempfile.mkdtemp(prefix="kvpolicy-v034-plugin-rules-"))
+atexit.register(shutil.rmtree, _RULE_DIRS, True)
+
+
+@functools.cache
+def _prepared() -> dict[str, Any]:
+    """The rule directories and the oracle's cases, made once (whether the oracle runs ahead or not)."""
+    tmp = _RULE_DIRS
     dirs = {
         "offloading": _rule_dir(tmp, "offloading", "connectors/OffloadingConnector.yaml", SITE_OFFLOADING),
         "lbhnc": _rule_dir(tmp, "lbhnc", "global.yaml", SITE_LBHNC),
@@ -278,16 +287,33 @@ def run(vllm_sites: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         ("off-again", _plugin({})),
         *(("off-decide", {"decide": oracle_case(c), "baseline": True}) for c in space[::4_000]),
     ]
+    return {"dirs": dirs, "space": space, "connector_planes": connector_planes, "third_party": third_party,
+            "scratch_sample": scratch_sample, "lbhnc_sample": lbhnc_sample, "core_sample": core_sample, "plan": plan}
+
+
+def _ask() -> tuple[list[dict[str, Any]], float]:
     start = time.perf_counter()
-    answers = run_plugin_oracle(VERSION, "v034_plugin", [case for _, case in plan])
-    seconds = time.perf_counter() - start
+    answers = run_plugin_oracle(VERSION, "v034_plugin", [case for _, case in _prepared()["plan"]])
+    return answers, time.perf_counter() - start
+
+
+def start_ahead(items: list[pytest.Item]) -> None:
+    """Queue the oracle the selected tests read (conftest.py, at the end of collection)."""
+    if any("run" in getattr(item, "fixturenames", ()) for item in items):
+        _prepared()
+        ahead.ahead(("v034_plugin", VERSION), _ask)
+
+
+@pytest.fixture(scope="module")
+def run(vllm_sites: Any) -> dict[str, Any]:
+    prepared = _prepared()
+    plan = prepared["plan"]
+    answers, seconds = ahead.take(("v034_plugin", VERSION), _ask)
     by: dict[str, list[Any]] = {}
     for (label, _), answer in zip(plan, answers):
         assert not answer.get("oracle"), (label, answer)
         by.setdefault(label, []).append(answer)
-    return {"by": by, "dirs": dirs, "space": space, "connector_planes": connector_planes, "third_party": third_party,
-            "scratch_sample": scratch_sample,
-            "lbhnc_sample": lbhnc_sample, "core_sample": core_sample, "seconds": seconds}
+    return {**{k: v for k, v in prepared.items() if k != "plan"}, "by": by, "seconds": seconds}
 
 
 def test_vllm_finds_kvpolicy_by_its_entry_point_and_unset_changes_nothing(run: dict[str, Any]) -> None:

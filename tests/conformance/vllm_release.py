@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import ahead  # noqa: E402
 import install_vllm  # noqa: E402
 
 ORACLES = HERE / "oracles"
@@ -101,15 +101,8 @@ def run_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 90
 
 
 def _ask(version: str, site: Path, script: Path, oracle: str, cases: list[dict], timeout: float) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        env=oracle_env(site),
-        timeout=timeout,
-        cwd=str(HERE),
-    )
+    proc = ahead.run([sys.executable, str(script)], input=json.dumps(cases), env=oracle_env(site), timeout=timeout,
+                     cwd=str(HERE))
     tail = proc.stderr[-6000:]
     if proc.returncode != 0:
         raise OracleError(f"oracle {oracle} under vLLM {version} exited {proc.returncode}:\n{tail}")

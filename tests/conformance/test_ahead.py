@@ -1,0 +1,107 @@
+"""Oracles run ahead (ahead.py): the answer a test takes is the job's own, whether it ran ahead or not,
+once; its failure is the test's; KVPOLICY_ORACLE_JOBS is read strictly; the session's end kills what
+still runs. And the answers run_oracle keeps per machine are found again, per case set."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ahead
+import pytest
+import vllm_release
+
+
+def test_a_queued_job_runs_once_and_its_answer_is_taken() -> None:
+    pool, calls = ahead.Ahead(jobs=2), []
+    pool.ahead("k", lambda: calls.append("ahead") or 41)
+    pool.ahead("k", lambda: calls.append("again") or 0)  # the same key is queued once
+    assert pool.take("k", lambda: calls.append("inline") or 0) == 41
+    assert calls == ["ahead"]
+    assert pool.take("k", lambda: calls.append("inline") or 7) == 7  # taken: the next take runs it itself
+
+
+def test_a_job_never_queued_runs_when_taken_and_none_runs_with_zero_jobs() -> None:
+    pool, calls = ahead.Ahead(jobs=0), []
+    pool.ahead("k", lambda: calls.append("ahead"))
+    assert pool.take("k", lambda: calls.append("inline") or 3) == 3
+    assert calls == ["inline"]
+
+
+def test_a_queued_jobs_failure_is_raised_where_it_is_taken() -> None:
+    pool = ahead.Ahead(jobs=1)
+
+    def broken() -> None:
+        raise vllm_release.OracleError("oracle v028 under vLLM 0.28.0 exited 1")
+
+    pool.ahead("k", broken)
+    with pytest.raises(vllm_release.OracleError, match="exited 1"):
+        pool.take("k", lambda: None)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("0", 0), ("3", 3), (" 2 ", 2), ("", None)])
+def test_the_number_of_jobs_comes_from_the_variable(raw: str, expected: int | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOLICY_ORACLE_JOBS", raw)
+    if expected is None:  # unset: the cores, at most 4
+        assert ahead.workers() == max(1, min(os.cpu_count() or 1, 4))
+    else:
+        assert ahead.workers() == expected
+
+
+@pytest.mark.parametrize("raw", ["two", "-1", "1.5"])
+def test_a_number_of_jobs_that_is_not_one_is_named(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOLICY_ORACLE_JOBS", raw)
+    with pytest.raises(ahead.AheadError, match=rf"KVPOLICY_ORACLE_JOBS='{raw}'"):
+        ahead.workers()
+
+
+def test_stop_kills_the_oracles_still_running_and_cancels_the_queued() -> None:
+    pool = ahead.Ahead(jobs=1)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    pool.ahead("running", lambda: pool.run(sleeper, input="", env=None, timeout=300))
+    pool.ahead("queued", lambda: pool.run(sleeper, input="", env=None, timeout=300))
+    deadline = time.monotonic() + 30
+    while not pool._running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    begin = time.monotonic()
+    pool.stop()
+    done = threading.Event()
+    result: list[object] = []
+    threading.Thread(target=lambda: (result.append(pool.take("running", lambda: "inline")), done.set())).start()
+    assert done.wait(30) and time.monotonic() - begin < 30
+    assert result[0] == "inline" or result[0].returncode != 0  # killed, or cancelled before it ran
+    assert pool.take("queued", lambda: "inline") == "inline"  # never ran: the taker runs it
+    pool.ahead("late", lambda: "x")  # a stopped pool queues nothing more
+    assert pool.take("late", lambda: "inline") == "inline"
+
+
+def test_run_oracle_keeps_answers_per_case_set_and_asks_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answers kept for one case set survive asking the same oracle other cases (a second cache of the
+    v028 oracle once deleted these, and had its own deleted, so both were asked on every run)."""
+    cache, oracles, log = tmp_path / "cache", tmp_path / "oracles", tmp_path / "asked"
+    site = cache / "9.9.9" / "site"
+    site.mkdir(parents=True)
+    (cache / "9.9.9" / "COMPLETE").write_text("vllm==9.9.9\n")
+    oracles.mkdir()
+    (oracles / "echo.py").write_text(
+        "import json, sys\ncases = json.load(sys.stdin)\n"
+        f"open({str(log)!r}, 'a').write(json.dumps(cases) + '\\n')\n"
+        "print(json.dumps([{'echo': c} for c in cases]))\n")
+    monkeypatch.setenv("KVPOLICY_VLLM_CACHE", str(cache))
+    monkeypatch.delenv("KVPOLICY_ORACLE_CACHE", raising=False)
+    monkeypatch.setattr(vllm_release, "ORACLES", oracles)
+    first, second = [{"n": 1}], [{"n": 2}, {"n": 3}]
+    for _ in range(2):
+        assert vllm_release.run_oracle("9.9.9", "echo", first) == [{"echo": {"n": 1}}]
+        assert vllm_release.run_oracle("9.9.9", "echo", second) == [{"echo": c} for c in second]
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [first, second]
+    (oracles / "echo.py").write_text((oracles / "echo.py").read_text() + "# changed\n")
+    vllm_release.run_oracle("9.9.9", "echo", first)  # the oracle's code changed: asked again, old answers gone
+    assert len(log.read_text().splitlines()) == 3
+    kept = sorted(p.name.rsplit("-", 1)[0] for p in (cache / "9.9.9" / "answers").glob("*.json"))
+    assert len(kept) == 1
