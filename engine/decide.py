@@ -43,6 +43,7 @@ __all__ = [
     "RELEASE_CANDIDATES",
     "Outcome",
     "Scope",
+    "connector_names_for",
     "connector_rules_for",
     "evaluate",
     "geometry_ref",
@@ -90,14 +91,22 @@ class Scope:
                      self.geometry, self.no_geometry)
 
 
-def connector_rules_for(ruleset: RuleSet, ctx: Context, name: str) -> tuple[CompiledRule, ...]:
-    """The rules of connector ``name``: its own file's, else those of the class the release loads
-    for that name (vLLM 0.28's ``NixlConnector`` is ``NixlPullConnector``)."""
-    own = ruleset.connector_rules(name)
-    if own:
-        return own
-    loads = get_profile(ctx.profile).connectors.get(name) if ctx.profile in profile_names() else None
-    return ruleset.connector_rules(loads) if loads and loads != name else own
+def connector_names_for(profile: str, name: str) -> tuple[str, ...]:
+    """The connector files whose rules apply to a connector configured as ``name``, in every layer: the
+    class the release loads for that name (vLLM 0.28's ``NixlConnector`` is ``NixlPullConnector``),
+    then the name itself.
+
+    Both always: a file for the name a deployment configures (an operator's ``NixlConnector.yaml``)
+    adds to the rules of the class vLLM runs, never hides them; otherwise an upper layer could lift a
+    lower layer's forbid by naming the connector by its alias.
+    """
+    loads = get_profile(profile).connectors.get(name) if profile in profile_names() else None
+    return (loads, name) if loads and loads != name else (name,)
+
+
+def connector_rules_for(ruleset: RuleSet, profile: str, name: str) -> tuple[CompiledRule, ...]:
+    """The rules of connector ``name`` under release profile ``profile`` (`connector_names_for`)."""
+    return tuple(r for n in connector_names_for(profile, name) for r in ruleset.connector_rules(n))
 
 
 def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, label: str, top: bool) -> Scope:
@@ -105,7 +114,8 @@ def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, labe
         _connector_scope(ruleset, ctx, m, f"{label}/{m.name}[{i}]", False) for i, m in enumerate(conn.connectors)
     )
     env = ctx.env() if top else ctx.env(conn)
-    return Scope(label, connector_rules_for(ruleset, ctx, conn.name), env, members, ruleset.combine_mode(conn.name))
+    rules = connector_rules_for(ruleset, ctx.profile, conn.name)
+    return Scope(label, rules, env, members, ruleset.combine_mode(conn.name))
 
 
 def scopes_for(ruleset: RuleSet, ctx: Context) -> tuple[Scope, Scope | None]:

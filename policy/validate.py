@@ -331,16 +331,19 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
             diags.append(src.diag(("member_preferences",), "misplaced-member-preferences",
                                   "`member_preferences` applies only to a connector file"))
         if header.defaults is not None:
-            seen: set[str] = set()
+            seen: dict[Layout, tuple[int, str]] = {}
             for i, text in enumerate(header.defaults.layout_order):
                 try:
-                    Layout.parse(text)
+                    layout = Layout.parse(text)
                 except ValueError as exc:
                     diags.append(src.diag(("defaults", "layout_order", i), "unknown-layout", str(exc)))
-                if text in seen:
+                    continue
+                if layout in seen:  # by meaning: `per_layer/HND` is LBHNC
+                    j, first = seen[layout]
+                    what = f"`{text}`" if text == first else f"`{text}` (layout {layout}, as `{first}` is)"
                     diags.append(src.diag(("defaults", "layout_order", i), "duplicate-layout",
-                                          f"layout `{text}` listed twice"))
-                seen.add(text)
+                                          f"{what} is already listed at layout_order[{j}]", "list each layout once"))
+                seen.setdefault(layout, (i, text))
 
     rules: list[Rule] = []
     for i, rule_data in enumerate(rules_data):

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.engine.decide import Scope
+from kvpolicy.engine.decide import Scope, connector_rules_for
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.plan import DECIDED_NOT_PLANNED, plan_layout
 from kvpolicy.policy.backends import BackendProfile, ScaleViews, packed_backend
@@ -165,7 +165,8 @@ class AnalysisInput:
             env = self.core.member_envs.get(id(conn))
             if env is None:
                 env = self.core.member_envs[id(conn)] = {**self.core.env, **conn.env}
-        return Scope(label, ruleset.connector_rules(name), env, members, ruleset.combine_mode(name))
+        rules = connector_rules_for(ruleset, self.core.context.profile, name)
+        return Scope(label, rules, env, members, ruleset.combine_mode(name))
 
 
 def _connector_env(c: ConnectorConfig | None) -> dict[str, Any]:
@@ -309,17 +310,17 @@ def _connector_label(c: ConnectorConfig | None) -> str:
     return text
 
 
-def _extra_variants(rulesets: Sequence[RuleSet], connector: str) -> list[dict[str, Any]]:
+def _extra_variants(rulesets: Sequence[RuleSet], connector: str, profile: str) -> list[dict[str, Any]]:
     """The ``extra`` dicts of ``connector`` that reach every answer its rules (and the global
     rules) can give on ``connector.extra.*``: none, then each key alone over its boundary values,
     then the keys one rule reads together."""
-    rules = [r for rs in rulesets for r in (*rs.global_rules, *rs.connector_rules(connector))]
+    rules = [r for rs in rulesets for r in (*rs.global_rules, *connector_rules_for(rs, profile, connector))]
     return _variants_of(_Leaves(rules=rules), {}, EXTRA_PREFIX,
                         lambda _k, v: isinstance(v, (str, bool, int, float)))
 
 
-def _variants(rulesets: Sequence[RuleSet], name: str, full: bool) -> list[ConnectorConfig]:
-    extras = _extra_variants(rulesets, name)
+def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str) -> list[ConnectorConfig]:
+    extras = _extra_variants(rulesets, name, profile)
     if not full:  # members of a composite: absent, or every tested key at its first other value
         merged: dict[str, Any] = {}
         for extra in extras[1:]:
@@ -329,16 +330,17 @@ def _variants(rulesets: Sequence[RuleSet], name: str, full: bool) -> list[Connec
     return [ConnectorConfig(name=name, extra=extra) for extra in extras]
 
 
-def connectors(rulesets: RuleSet | Sequence[RuleSet]) -> list[ConnectorConfig | None]:
+def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "") -> list[ConnectorConfig | None]:
     """None, an unknown connector, every connector with rules in each tested extra variant, and
-    MultiConnector pairs of those (the unknown one included: a member that asks for nothing)."""
+    MultiConnector pairs of those (the unknown one included: a member that asks for nothing). A
+    connector's rules are those ``profile``'s decisions apply to it (`connector_names_for`)."""
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     named = sorted({c for rs in sets for c in rs.connectors if c != "MultiConnector"})
     unknown = ConnectorConfig(name=UNKNOWN_CONNECTOR)
-    out: list[ConnectorConfig | None] = [None, *_variants(sets, UNKNOWN_CONNECTOR, full=True)]
+    out: list[ConnectorConfig | None] = [None, *_variants(sets, UNKNOWN_CONNECTOR, full=True, profile=profile)]
     for name in named:
-        out += _variants(sets, name, full=True)
-    members = [v for name in named for v in _variants(sets, name, full=False)] + [unknown]
+        out += _variants(sets, name, full=True, profile=profile)
+    members = [v for name in named for v in _variants(sets, name, full=False, profile=profile)] + [unknown]
     if any(PREFERS_CROSS_LAYER in _fields_read(rs.rules) for rs in sets):
         # the connector object's own prefer_cross_layer_blocks, as the plugin reads it: the unknown
         # connector's (default false) said true, and each named connector's (default: its rules) said
@@ -581,7 +583,7 @@ def build_space(
     if kv_cache_dtypes is not None:
         pairs = {m: [(k, d) for k, d in p if d in kv_cache_dtypes] for m, p in pairs.items()}
     combos, option_dims, option_stands = _option_values(profile, leaves)
-    conns = [_Conn.of(c) for c in connectors(sets)]
+    conns = [_Conn.of(c) for c in connectors(sets, profile.name)]
     no_connector = _connector_env(None)
     names = [n for n in profile.backend_names() if backends is None or n in backends]
     strategies: list[ScaleViews | None] = list(scale_views) if scale_views else [None]
@@ -621,7 +623,7 @@ def build_space(
     def conn_reads(c: ConnectorConfig | None) -> set[str]:
         if c is None:
             return set()
-        return _fields_read(r for rs in sets for r in rs.connector_rules(c.name)).union(
+        return _fields_read(r for rs in sets for r in connector_rules_for(rs, profile.name, c.name)).union(
             *(conn_reads(m) for m in c.connectors))
 
     reads = {id(c): conn_reads(c.config) for c in conns}

@@ -207,4 +207,4 @@ def test_shipped_034_policy_tests_pass_with_full_coverage(capsys: pytest.Capture
     code = main(["test", "--vllm-version", PROFILE, "--require-coverage"])
     out, err = capsys.readouterr()
     assert code == 0, out + err
-    assert "0 failed" in out and "coverage: 18/18 rules matched by some case" in out
+    assert "0 failed" in out and "coverage: 17/17 rules matched by some case" in out

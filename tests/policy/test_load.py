@@ -170,6 +170,18 @@ def test_defaults_layout_order_validated() -> None:
     assert "unknown layout `diagonal/NHD`" in d.message
 
 
+@pytest.mark.parametrize(("order", "col", "said"), [
+    ("[LBHNC, per_layer/HND]", 25, "`per_layer/HND` (layout LBHNC, as `LBHNC` is) is already listed at layout_order[0]"),
+    ("[per_layer/NHD, BLNHC, LBNHC]", 40, "`LBNHC` (layout LBNHC, as `per_layer/NHD` is) is already listed"),
+    ("[LBHNC, LBHNC]", 25, "`LBHNC` is already listed at layout_order[0]"),
+])
+def test_a_layout_listed_twice_is_refused_by_meaning_not_spelling(order: str, col: int, said: str) -> None:
+    """A tie-break order naming one layout twice (in two spellings) would rank it twice."""
+    d = only(f"version: 1\ndefaults:\n  layout_order: {order}\nrules: []\n")
+    assert (d.code, at(d)) == ("duplicate-layout", (3, col))
+    assert said in d.message and d.help == "list each layout once"
+
+
 def test_load_rules_from_directory(tmp_path) -> None:
     (tmp_path / "connectors").mkdir()
     (tmp_path / "global.yaml").write_text(rule("forbid: {placement: cross_layer}\n"))
