@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from kvpolicy.engine.peer_data import load_peer_json
+from kvpolicy.engine.peer_data import check_peer_value, load_peer_json
 from kvpolicy.policy.backends import BackendProfile, Dim, nvfp4_order
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.layouts import Layout
@@ -145,11 +145,14 @@ class LayoutFingerprint:
         """Rebuild from `to_dict`'s form (a peer's handshake); raises `InputError` if it is not one."""
         if not isinstance(data, dict):
             raise input_error("fingerprint", f"a fingerprint is a JSON object, got {type(data).__name__}")
+        check_peer_value(data, "fingerprint")  # a dict handed over is bounded as parsed JSON is
         version = data.get("format_version")
         if version != FORMAT_VERSION:
+            shown = json.dumps(version)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
             raise input_error(
                 "fingerprint.format_version",
-                f"fingerprint format `{version}` is not this kvpolicy's format `{FORMAT_VERSION}`",
+                f"fingerprint format `{shown}` is not this kvpolicy's format `{FORMAT_VERSION}`",
                 "run the same kvpolicy version on both sides",
                 code="fingerprint-format",
             )

@@ -62,6 +62,24 @@ def test_from_dict_refuses_a_placement_that_names_no_layout(placement: str, head
     assert "fingerprint.placement" in str(err.value)
 
 
+@pytest.mark.parametrize("field", ["format_version", "num_layers", "page_bytes"])
+def test_from_dict_refuses_an_integer_too_long_to_print_located(field: str) -> None:
+    """A dict handed to from_dict is bounded as parsed JSON is: an integer past 4,096 bits (Python cannot even
+    print one of 4,300 digits) is a located peer-data error, not a bare ValueError."""
+    data = _fingerprint().to_dict() | {field: 10**5000}
+    with pytest.raises(InputError) as err:
+        LayoutFingerprint.from_dict(data)
+    assert err.value.diagnostics[0].code == "peer-data" and "integer of 16610 bits" in str(err.value)
+
+
+def test_a_long_format_version_is_shown_cut_short() -> None:
+    data = _fingerprint().to_dict() | {"format_version": 10**1000}
+    with pytest.raises(InputError) as err:
+        LayoutFingerprint.from_dict(data)
+    message = str(err.value)
+    assert err.value.diagnostics[0].code == "fingerprint-format" and "..." in message and len(message) < 400
+
+
 @pytest.mark.parametrize(("backend", "layout"), _supported())
 def test_every_supported_layout_round_trips_through_from_json(backend: str, layout: Layout) -> None:
     fp = _fingerprint(layout, backend)
