@@ -15,6 +15,7 @@ from kvpolicy.engine.plan import LayoutPlan, naive_scale_view, plan_layout, tran
 from kvpolicy.policy.backends import BACKENDS, BackendProfile
 from kvpolicy.policy.errors import InputError
 from kvpolicy.policy.layouts import HeadOrder, Layout, Placement
+from kvpolicy.policy.releases import get_profile, profile_names
 from kvpolicy.policy.spec import AttentionKind, KVCacheSpec
 
 TRITON = BACKENDS["TRITON_ATTN"]
@@ -273,15 +274,48 @@ geometries = st.fixed_dictionaries(
 def test_cells_are_disjoint_in_bounds_and_transfers_cover_each_byte_once(
     geo: dict, backend: str, placement: Placement, head_order: HeadOrder, num_blocks: int
 ) -> None:
+    """The historical `issue-48412` backends (the unit suite's profile), per placement and head order."""
     profile = BACKENDS[backend]
     assume(head_order in profile.head_orders)
+    _check_geometry(geo, profile, Layout.parse(f"{placement.value}/{head_order.value}"), num_blocks)
+
+
+RELEASE_BACKENDS = sorted({(name, b) for name in profile_names() if name != "issue-48412"
+                           for b in get_profile(name).backends})
+
+
+@settings(max_examples=300, deadline=None)
+@given(geo=geometries, release_backend=st.sampled_from(RELEASE_BACKENDS), layout=st.sampled_from(list(Layout)),
+       num_blocks=st.integers(1, 3))
+def test_every_release_profiles_backends_keep_cells_disjoint_and_transfers_exact(
+    geo: dict, release_backend: tuple[str, str], layout: Layout, num_blocks: int
+) -> None:
+    """The same invariants for every release profile's backends (0.24-0.34: stride-aware scale views,
+    the six layouts of 0.29+, CPU_ATTN's kv-dim geometry), with the kv_cache_dtypes each backend takes."""
+    name, backend = release_backend
+    release = get_profile(name)
+    profile = release.backend(backend)
+    assume(layout in profile.orders and geo["kv_cache_dtype"] in release.backends[backend].kv_cache_dtypes)
+    _check_geometry(geo, profile, layout, num_blocks)
+
+
+def _check_geometry(geo: dict, profile: BackendProfile, layout: Layout, num_blocks: int) -> None:
+    """Cells disjoint and in bounds, each scale right after its cell's data, transfers covering each byte once."""
+    geo = dict(geo)
     pad = geo.pop("pad")
     # per-token-head heads need 4-byte aligned scales (head_size % 4, int4 % 8): odd cells come from the rest
     assume(not geo["kv_cache_dtype"].endswith("per_token_head")
            or geo["head_size"] % (8 if geo["kv_cache_dtype"].startswith("int4") else 4) == 0)
     base = make_spec(mla=profile.mla, **geo)
     spec = make_spec(mla=profile.mla, page_size_padded=base.real_page_size_bytes + pad, **geo) if pad else base
-    plan = plan_layout(Layout.parse(f"{placement.value}/{head_order.value}"), spec, profile, num_blocks)
+    try:
+        plan = plan_layout(layout, spec, profile, num_blocks)
+    except InputError as exc:  # vLLM's compute_layout_strides refuses padding a page the head dim leaves
+        order = layout.value
+        head_outside_page = order.index("H") < max(order.index("L"), order.index("B"))
+        assert pad and exc.diagnostics[0].code == "unpaddable-layout" and head_outside_page, exc
+        assert geo["num_kv_heads"] > 1, exc
+        return
 
     for buf, cells in _cells(plan).items():
         cells.sort()
