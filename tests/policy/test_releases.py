@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpolicy.policy import releases
+from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import get_profile, merge_patch, profile_facts, profile_names
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=3),
@@ -282,3 +283,26 @@ def test_a_name_is_read_as_a_version_is_and_a_non_string_is_refused_as_such(said
         assert (d.file, d.code) == ("vllm_version", "unknown-vllm-version")
         assert d.message.startswith(f"expected a version or profile name as a string, got {type(asked).__name__}")
     assert not said.records
+
+
+@pytest.mark.parametrize(("workers", "merged"), [
+    # one vote each: the tie goes to vLLM's KVCacheLayout order, not to the first worker's order
+    ([["BLHNC", "LBHNC"], ["LBHNC", "BLHNC"]], ["LBHNC", "BLHNC"]),
+    ([["BHLNC", "BLNHC", "LBNHC"], ["LBNHC", "BLNHC", "BHLNC"]], ["LBNHC", "BHLNC", "BLNHC"]),
+    # two first places for BLNHC beat one for LBNHC, which beats none for LBHNC
+    ([["BLNHC", "LBNHC", "LBHNC"], ["LBNHC", "BLNHC", "LBHNC"], ["BLNHC", "LBHNC", "LBNHC"]],
+     ["BLNHC", "LBNHC", "LBHNC"]),
+    # the layouts nobody puts first follow in enum order, whatever order the workers list them in
+    ([["BLNHC", "LBNHC", "LHBNC", "LBHNC"], ["BLNHC", "LHBNC", "LBHNC", "LBNHC"]],
+     ["BLNHC", "LBHNC", "LBNHC", "LHBNC"]),
+    ([["LBHNC", "LBNHC"], ["LBHNC", "LBNHC"]], ["LBHNC", "LBNHC"]),  # equal lists: as given
+])
+def test_pipeline_stages_merge_as_vllm_merges_them(workers: list[list[str]], merged: list[str]) -> None:
+    """vLLM 0.34's _merge_supported_layouts: layouts every worker supports, sorted by how many workers put
+    them first, ties in KVCacheLayout's declaration order (vLLM's own backends never tie; a pipeline of
+    out-of-tree backends can). That order is the profile's `layouts`, which the facts conformance holds
+    equal to the release's enum."""
+    from kvpolicy.policy.releases import _merge
+
+    assert [x.value for x in _merge([[Layout(n) for n in w] for w in workers])] == merged
+    assert tuple(Layout) == get_profile("vllm-0.34").layouts
