@@ -250,3 +250,27 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert ci[-1] == test_command
     install = next(b.text.strip() for b in readme if "kvpolicy dry-run" in b.text)
     assert 'pip install -q -e ".[torch]"' in install and "torch==2.13.0" in install
+
+
+def _table_keys(doc: str, heading: str) -> set[str]:
+    """The keys a docs table lists (first column, backticked; `a`, `b` rows give both) under ``heading``."""
+    text = (ROOT / "docs" / doc).read_text()
+    section = text[text.index(heading) + len(heading):]
+    section = section[:re.search(r"^#", section, flags=re.M).start()] if re.search(r"^#", section, flags=re.M) \
+        else section
+    return {key for cell in re.findall(r"^\| ([^|]+) \|", section, flags=re.M) for key in re.findall(r"`(\w+)`", cell)}
+
+
+def test_json_output_tables_name_every_key_of_the_real_documents(sandbox: Path) -> None:
+    """Each table of docs/json-output.md lists exactly the keys its document carries: a key added, renamed or
+    dropped in `to_dict` (the plan's, the allocation's, the context's) fails here until the docs say it."""
+    proc = _run("kvpolicy dry-run --format json --vllm-version 0.34.0 --num-blocks 4 --connector NixlConnector "
+                "--map", sandbox)
+    out = json.loads(proc.stdout)
+    optional = {"plan_error", "vllm_version"}  # a refusal's key; the profile's release
+    assert _table_keys("json-output.md", "### Top-level keys") - optional <= set(out) <= \
+        _table_keys("json-output.md", "### Top-level keys")
+    assert set(out["plan"]) == _table_keys("json-output.md", "### `plan` (with `--num-blocks N`)")
+    assert set(out["allocation"]) == _table_keys("json-output.md", "### `allocation`")
+    inputs = _table_keys("json-output.md", "#### `inputs`")
+    assert set(out["inputs"]) <= inputs and inputs - set(out["inputs"]) == {"worker_backends"}
