@@ -35,6 +35,8 @@ import pytest
 from gate_oracle import PER_LAYER_SCALE_VIEWS, deliberate
 from gate_oracle import space as gate_space
 from plugin_site import kvpolicy_site, run_plugin_oracle
+from test_v034_decisions import _vllm_error_kind
+from test_v034_plugin import _plugin_blamed
 from v028_space import GATE_SERIES, Deployment, vllm_layout
 
 from kvpolicy.engine import LayoutEngine
@@ -240,6 +242,21 @@ def run(request: pytest.FixtureRequest, vllm_sites: Any) -> dict[str, Any]:
             "runner_sample": runner_sample, "seconds": seconds, "facts": by["facts"][0]}
 
 
+def _same_refusal(vllm: dict[str, Any], plugin: dict[str, Any]) -> str | None:
+    """None when vLLM and the plugin refuse alike: vLLM's error mapped to the rule kvpolicy must name
+    (`test_v034_decisions._VLLM_ERRORS`) and the plugin's start-up error naming it; else what differs."""
+    if "error" not in vllm or "error" not in plugin:
+        return f"vLLM {vllm}, plugin {str(plugin)[:300]}"
+    kind = _vllm_error_kind(vllm["error"])
+    if kind is None:
+        return f"vLLM refused in a way the test does not map: {vllm['error'][:160]}"
+    blamed = _plugin_blamed(plugin["error"])
+    if not plugin["error"].startswith("StartupError: kvpolicy: no KV cache layout survives") or not any(
+            kind[2] in b for b in blamed):
+        return f"vLLM refuses ({kind[2]}); the plugin: {plugin['error'][:200]}"
+    return None
+
+
 def _layout(facts: dict[str, Any], d: Deployment, answer: dict[str, Any]) -> str:
     return vllm_layout(facts["backends"][d.backend], answer["head_order"], answer["uniform"])
 
@@ -271,14 +288,12 @@ def test_through_vllm_the_shipped_rules_answer_what_vllms_gate_answers(run: dict
     for d, a in zip(space, answers):
         vllm, plugin = a["vllm"], a["plugin"]
         if "error" in vllm:
-            if vllm.get("before"):
+            if vllm.get("before"):  # vLLM refused the config before any gate ran: not a comparison of answers
                 seen["refused before the gate"] += 1
                 ok = plugin == vllm
             else:  # MultiConnector members requiring different head orders: vLLM refuses after the gate
-                seen["refused"] += 1
-                ok = ("KV cache layout mismatch" in vllm["error"] and "error" in plugin
-                      and plugin["error"].startswith("StartupError: kvpolicy: no KV cache layout survives")
-                      and "rule `connector:MultiConnector:members-agree`" in plugin["error"])
+                seen["the same refusal"] += 1
+                ok = _same_refusal(vllm, plugin) is None
             if not ok:
                 diffs.append(f"{d.label()}: vLLM {vllm['error'][:80]}, plugin {plugin}")
             continue
@@ -288,13 +303,18 @@ def test_through_vllm_the_shipped_rules_answer_what_vllms_gate_answers(run: dict
             seen["deliberate: per-token-head kept per layer"] += 1  # test_gate_decisions.py's divergence
         elif plugin != vllm:
             diffs.append(f"{d.label()}: vLLM {vllm}, plugin {plugin}")
+    before = seen["refused before the gate"]
+    compared = len(space) - before
     with capsys.disabled():
         print(f"\nvLLM {run['version']} with the kvpolicy plugin (KVPOLICY_RULES=shipped), through "
-              f"GPUModelRunner.use_uniform_kv_cache: {len(space) - len(diffs)} of {len(space)} deployments "
-              f"(every {run['stride']}th of the space) answer "
-              f"what vLLM's gate answers, with the same head order ({len(diffs)} differ); oracle "
+              f"GPUModelRunner.use_uniform_kv_cache: {compared - len(diffs)} of the {compared} deployments vLLM's "
+              f"gate answers (every {run['stride']}th of the space; {before} more refused by vLLM before the gate, "
+              f"not a comparison) answer what vLLM's gate answers, with the same head order ({len(diffs)} differ, "
+              f"{seen['the same refusal']} of the agreements the same refusal); oracle "
               f"{run['seconds']:.0f} s for every phase\n  vLLM's layouts: {dict(sorted(seen.items()))}")
     assert not diffs, "\n".join(diffs[:25])
+    # most of the sample reaches the gate and gets a layout: the agreement is on answers, not on refusals
+    assert compared - seen["the same refusal"] >= len(space) // 2, dict(seen)
 
 
 def test_out_of_tree_connectors_get_what_vllms_gate_gives_them(run: dict[str, Any], capsys: Any) -> None:
@@ -309,9 +329,11 @@ def test_out_of_tree_connectors_get_what_vllms_gate_gives_them(run: dict[str, An
     for (label, _), answer in zip(cases, answers):
         vllm, plugin = answer["vllm"], answer["plugin"]
         if "error" in vllm or "error" in plugin:
-            seen["refused by both"] += "error" in vllm and "error" in plugin
-            if not ("error" in vllm and "error" in plugin):
-                diffs.append(f"{label}: vLLM {vllm}, plugin {str(plugin)[:300]}")
+            why = _same_refusal(vllm, plugin)
+            if why is None:
+                seen["the same refusal"] += 1
+            else:
+                diffs.append(f"{label}: {why}")
             continue
         seen[f"uniform={vllm['uniform']} {vllm['head_order']}"] += 1
         if plugin != vllm:

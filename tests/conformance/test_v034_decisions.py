@@ -605,9 +605,13 @@ def test_decisions_equal_vllms(oracle: dict[str, Any]) -> None:
     total_s = time.perf_counter() - start + oracle_s
 
     outcomes = Counter(a.get("layout") or (_vllm_error_kind(a["error"]) or ("unmapped",))[-1] for a in answers)
+    differing = {id(c) for c, *_ in diffs}
+    layouts = sum(1 for c, a in zip(cases, answers) if "layout" in a and id(c) not in differing)
+    refusals = len(cases) - len(diffs) - layouts
     print(f"\nvLLM {release.version} resolve_kv_cache_layout vs kvpolicy `{release.profile.name}`: "
-          f"{len(cases) - len(diffs)} of "
-          f"{len(cases)} cases agree ({len(diffs)} differ); oracle {oracle_s:.1f} s, total {total_s:.1f} s")
+          f"{len(cases) - len(diffs)} of {len(cases)} cases agree: {layouts} the same layout (and page sizes), "
+          f"{refusals} the same refusal (vLLM's error mapped to the rule kvpolicy names); {len(diffs)} differ; "
+          f"oracle {oracle_s:.1f} s, total {total_s:.1f} s")
     print(f"  space: {len(_non_mla_workers())} + {len(MLA_WORKERS)} worker sets, capabilities "
           f"{[None if c is None else f'{c[0]}.{c[1]}' for c in CAPABILITIES]}, "
           f"{len(SPEC_SETS)} + {len(MLA_SPEC_SETS)} spec sets, {len(ENV_LAYOUTS)} VLLM_KV_CACHE_LAYOUT values, "
@@ -624,3 +628,5 @@ def test_decisions_equal_vllms(oracle: dict[str, Any]) -> None:
         kinds = Counter(why.split(":")[0] for *_, why in diffs)
         lines.append("by kind: " + json.dumps(dict(kinds.most_common(10))))
         pytest.fail("\n".join(lines), pytrace=False)
+    # the agreement is mostly on layouts vLLM chose, not only on refusals (each release's space: 36-42 % layouts)
+    assert layouts >= len(cases) // 4, (layouts, refusals)

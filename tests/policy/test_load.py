@@ -171,7 +171,8 @@ def test_defaults_layout_order_validated() -> None:
 
 
 @pytest.mark.parametrize(("order", "col", "said"), [
-    ("[LBHNC, per_layer/HND]", 25, "`per_layer/HND` (layout LBHNC, as `LBHNC` is) is already listed at layout_order[0]"),
+    ("[LBHNC, per_layer/HND]", 25,
+     "`per_layer/HND` (layout LBHNC, as `LBHNC` is) is already listed at layout_order[0]"),
     ("[per_layer/NHD, BLNHC, LBNHC]", 40, "`LBNHC` (layout LBNHC, as `per_layer/NHD` is) is already listed"),
     ("[LBHNC, LBHNC]", 25, "`LBHNC` is already listed at layout_order[0]"),
 ])
