@@ -204,22 +204,23 @@ def test_inputs_on_another_device_are_refused_and_change_nothing(device: str) ->
 def test_offload_restore_is_byte_exact_on_the_device(device: str, dtype: str, layout: str) -> None:
     cpu, cache = random_cache(device, seed=5, kv_cache_dtype=dtype, layout=layout, pad=6)
     ids = [31, 0, 7, 39, 12]
-    data = cache.offload(ids)
+    blocks = cache.offload(ids)
+    data = blocks.data
     assert data.device.type == "cpu" and data.dtype == torch.uint8
     assert data.is_pinned() == (cache.device.type == "cuda"), "offload from a GPU returns pinned memory"
-    assert torch.equal(data, cpu.offload(ids))
+    assert torch.equal(data, cpu.offload(ids).data)
 
     for r in cache.raw:  # clear, restore from CPU (pinned) data: every byte comes back
         r.zero_()
-    cache.restore(ids, data, source_format=cpu.transfer_format)
+    cache.restore(ids, blocks)
     others = [b for b in range(NUM_BLOCKS) if b not in ids]
-    assert torch.equal(cache.offload(ids), data)
-    assert int(cache.offload(others).count_nonzero()) == 0, "restore wrote outside its blocks"
+    assert torch.equal(cache.offload(ids).data, data)
+    assert int(cache.offload(others).data.count_nonzero()) == 0, "restore wrote outside its blocks"
 
     for r in cache.raw:  # restore from data already on the device, into other blocks
         r.zero_()
-    cache.restore(torch.tensor([1, 2, 3, 4, 5]).to(device), data.to(device))
-    assert torch.equal(cache.offload([1, 2, 3, 4, 5]), data)
+    cache.restore(torch.tensor([1, 2, 3, 4, 5]).to(device), data.to(device), source=cpu.fingerprint)
+    assert torch.equal(cache.offload([1, 2, 3, 4, 5]).data, data)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -229,13 +230,14 @@ def test_offload_fills_a_preallocated_buffer_on_the_device(device: str) -> None:
     out = torch.zeros(3, cpu.plan.num_layers, cpu.plan.page_size_bytes, dtype=torch.uint8,
                       pin_memory=cache.device.type == "cuda")
     ids = torch.tensor([2, 38, 20], dtype=torch.int32)
-    assert cache.offload(ids.to(device), out=out) is out
-    assert torch.equal(out, cpu.offload(ids))
+    blocks = cache.offload(ids.to(device), out=out)
+    assert blocks.data is out
+    assert torch.equal(out, cpu.offload(ids).data)
     with pytest.raises(InputError, match="`out`"):
         cache.offload(ids, out=out[:2])
     # a restored block reads back the values the CPU cache reads from it
-    cache.restore([9, 10, 11], out)
-    cpu.restore([9, 10, 11], out)
+    cache.restore([9, 10, 11], blocks)
+    cpu.restore([9, 10, 11], blocks)
     slots = torch.arange(36, 48)
     got_k, got_v = cache.read(0, slots.to(device), dtype=torch.float32)
     want_k, want_v = cpu.read(0, slots, dtype=torch.float32)
