@@ -59,10 +59,10 @@ class BlockExchange:
     def error(self, where: str = "blocks") -> InputError:
         """The located `InputError` of a refusal (``cell-format-mismatch`` or ``transfer-geometry``)."""
         if self.cell_differences:
-            fields = ", ".join(f"`{d.field}`" for d in self.cell_differences)
-            body = "; ".join(str(d) for d in self.cell_differences)
-            return input_error(where, f"blocks cannot be restored into a cache whose cells differ in {fields} "
-                               f"({body}): no exact conversion exists",
+            n = len(self.cell_differences)
+            body = "".join(f"\n    {d}" for d in self.cell_differences)
+            return input_error(where, f"the blocks' cells differ from this cache's in {n} field{'s' if n > 1 else ''}"
+                               f", so no exact conversion exists:{body}",
                                "restore into a cache of the same kv_cache_dtype, heads, head size, block size "
                                "and layers; kvpolicy transcodes layouts, placements, head orders and padding, "
                                "never the values", code="cell-format-mismatch")

@@ -90,9 +90,9 @@ def test_restore_with_the_wrong_geometry_is_refused_and_writes_nothing() -> None
     cache = allocate(make_plan(layout="BHLNC", kv_cache_dtype="int8_per_token_head"))
     fill_random(cache)
     other_layers = allocate(make_plan(layout="BHLNC", kv_cache_dtype="int8_per_token_head", num_layers=2))
-    _refused(cache, [0], other_layers.offload([0]), "differ in `num_layers`")
+    _refused(cache, [0], other_layers.offload([0]), "num_layers: source 2, target 3")
     unquantized = allocate(make_plan(layout="BHLNC"))  # page without scales: another width
-    _refused(cache, [0], unquantized.offload([0]), "differ in `cache_dtype`")
+    _refused(cache, [0], unquantized.offload([0]), "cache_dtype: source bfloat16, target uint8")
     # bare bytes, vouched for, of another geometry: the shape check
     _refused(cache, [0], other_layers.offload([0]).data, "restore from uint8", assume_same_layout=True)
     good = cache.offload([0, 1]).data
