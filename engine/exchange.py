@@ -48,8 +48,8 @@ class BlockExchange:
     kind: ExchangeKind
     differences: tuple[Difference, ...]  # every fingerprint field that differs, in fingerprint order
     cell_differences: tuple[Difference, ...]  # those that change what a cell holds: a refusal's reasons
-    source: BlockFormat | None
-    target: BlockFormat | None
+    source_format: BlockFormat | None  # where each cell sits in the blocks' rows (None: no block format)
+    target_format: BlockFormat | None  # ... and in the cache's
     reason: str = ""  # a refusal's cause when it is not a cell field (no block format, another format version)
 
     @property
@@ -76,8 +76,8 @@ class BlockExchange:
             "differences": [str(d) for d in self.differences],
             "cell_differences": [d.field for d in self.cell_differences],
             "reason": self.reason,
-            "source": None if self.source is None else self.source.to_dict(),
-            "target": None if self.target is None else self.target.to_dict(),
+            "source_format": None if self.source_format is None else self.source_format.to_dict(),
+            "target_format": None if self.target_format is None else self.target_format.to_dict(),
         }
 
 

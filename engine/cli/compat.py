@@ -132,8 +132,8 @@ def _report(src: Side, dst: Side, exchange: BlockExchange) -> dict[str, Any]:
                            "cell_differences": [str(d) for d in exchange.cell_differences], "reason": exchange.reason}
     if exchange.ok:
         out["cost"] = {
-            "bytes_per_block": {"from": exchange.source.row_bytes, "to": exchange.target.row_bytes}
-            if exchange.source and exchange.target else None,
+            "bytes_per_block": {"from": exchange.source_format.row_bytes, "to": exchange.target_format.row_bytes}
+            if exchange.source_format and exchange.target_format else None,
             "descriptors_per_block": {"from": descriptors_per_block(plan_of(src.fingerprint)),
                                       "to": descriptors_per_block(plan_of(dst.fingerprint))},
         }

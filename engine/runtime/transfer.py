@@ -122,7 +122,7 @@ def restore(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], data: Of
     ids = check_block_ids(block_ids, plan.num_blocks, cache.device, unique=True)
     tensor, exchange = _bind(cache, data, source, assume_same_layout, source_format)
     n = ids.numel()
-    fmt = exchange.source or cache.block_format
+    fmt = exchange.source_format or cache.block_format
     want = (n, fmt.num_layers, fmt.page_bytes)
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tuple(tensor.shape) != want:
         got = (f"`{tensor.dtype}` {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
@@ -143,8 +143,8 @@ def restore(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], data: Of
             src = src.clone()
         rows = src.view(n, fmt.row_bytes)
         if exchange.kind is ExchangeKind.transcode:
-            assert exchange.source is not None and exchange.target is not None
-            rows = transcode_rows(rows, exchange.source, exchange.target)
+            assert exchange.source_format is not None and exchange.target_format is not None
+            rows = transcode_rows(rows, exchange.source_format, exchange.target_format)
         _scatter_rows(cache, ids, rows)
     return exchange
 
