@@ -244,6 +244,22 @@ def test_offload_fills_a_preallocated_buffer_on_the_device(device: str) -> None:
     assert torch.equal(_bits(got_k), _bits(want_k)) and torch.equal(_bits(got_v), _bits(want_v))
 
 
+@pytest.mark.parametrize(("source", "target"), [("BLNHC", "LBHNC"), ("LBHNC", "BHLNC"), ("BHLNC", "LBNHC")])
+@pytest.mark.parametrize("dtype", ["auto", "int8_per_token_head"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_transcoding_restore_on_the_device_writes_the_cpus_bytes(device: str, dtype: str, source: str,
+                                                                  target: str) -> None:
+    """Blocks of another layout (and page padding) restore on the device as on the CPU: the same strided copy."""
+    src = allocate(make_plan(layout=source, kv_cache_dtype=dtype, num_blocks=NUM_BLOCKS))
+    fill_random(src, seed=7)
+    cpu, cache = random_cache(device, seed=8, kv_cache_dtype=dtype, layout=target, pad=4)
+    ids, into = [3, 17, 0, 39], [5, 6, 30, 1]
+    blocks = src.offload(ids)
+    assert cache.restore(torch.tensor(into).to(device), blocks).kind.value == "transcode"
+    assert cpu.restore(into, blocks).kind.value == "transcode"
+    assert_same_bytes(cache, cpu)
+
+
 # ---- meta ---------------------------------------------------------------------------------------
 
 
