@@ -18,23 +18,28 @@ import torch
 from kvpolicy.engine.block_format import BlockFormat
 from kvpolicy.engine.runtime.words import SCATTER_WIDTHS, widest_word, word_dtype
 
-__all__ = ["transcode_rows"]
+__all__ = ["transcode_into", "transcode_rows"]
 
 
 def transcode_rows(rows: torch.Tensor, source: BlockFormat, target: BlockFormat) -> torch.Tensor:
     """``rows`` (n, source.row_bytes), contiguous uint8, as a new (n, target.row_bytes) tensor on its device."""
+    make = torch.zeros if target.padding_bytes else torch.empty
+    out = make((rows.shape[0], target.row_bytes), dtype=torch.uint8, device=rows.device)
+    transcode_into(rows, source, target, out)
+    return out
+
+
+def transcode_into(rows: torch.Tensor, source: BlockFormat, target: BlockFormat, out: torch.Tensor) -> None:
+    """Write the cells of ``rows`` (n, source.row_bytes) into ``out`` (n, target.row_bytes), both contiguous
+    uint8 on one device; the padding bytes of ``out`` are left as they are."""
     # INVARIANT: both formats hold the same cells (kvpolicy.engine.exchange compared the cell formats).
     assert source.cell_shape == target.cell_shape and source.cell_bytes == target.cell_bytes, (source, target)
-    n = rows.shape[0]
-    make = torch.zeros if target.padding_bytes else torch.empty
-    out = make((n, target.row_bytes), dtype=torch.uint8, device=rows.device)
-    if n == 0:
-        return out
+    if rows.shape[0] == 0:
+        return
     sizes = [source.cell_bytes, source.row_bytes, target.row_bytes, *source.cell_strides, *target.cell_strides,
-             rows.storage_offset()]
+             rows.storage_offset(), out.storage_offset()]
     word = widest_word(sizes, SCATTER_WIDTHS)
     _cells(out, target, word).copy_(_cells(rows, source, word))
-    return out
 
 
 def _cells(rows: torch.Tensor, fmt: BlockFormat, word: int) -> torch.Tensor:

@@ -34,12 +34,13 @@ from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.engine.plan import ByteView, LayoutPlan
 from kvpolicy.engine.runtime.blocks import FingerprintLike, OffloadedBlocks, as_fingerprint
 from kvpolicy.engine.runtime.checks import check_block_ids, check_device
-from kvpolicy.engine.runtime.transcode import transcode_rows
+from kvpolicy.engine.runtime.transcode import transcode_into
 from kvpolicy.engine.runtime.words import GATHER_WIDTHS, SCATTER_WIDTHS, widest_word, word_dtype
 from kvpolicy.policy.errors import input_error
 
 __all__ = ["BlockStore", "offload", "restore"]
 
+TRANSCODE_CHUNK_BYTES = 8 << 20  # staging of a transcoding restore (bench/bench_transcode.py)
 _UNBOUND_HELP = ("restore the `OffloadedBlocks` that `offload` returned; for bytes from a peer or a store, pass "
                  "the writer's fingerprint as `source=` (or bind them with `OffloadedBlocks.received`); "
                  "`assume_same_layout=True` if they surely come from a cache of this very layout")
@@ -144,8 +145,9 @@ def restore(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], data: Of
         rows = src.view(n, fmt.row_bytes)
         if exchange.kind is ExchangeKind.transcode:
             assert exchange.source_format is not None and exchange.target_format is not None
-            rows = transcode_rows(rows, exchange.source_format, exchange.target_format)
-        _scatter_rows(cache, ids, rows)
+            _scatter_transcoded(cache, ids, rows, exchange.source_format, exchange.target_format)
+        else:
+            _scatter_rows(cache, ids, rows)
     return exchange
 
 
@@ -208,6 +210,21 @@ def _scatter_rows(cache: BlockStore, ids: torch.Tensor, src: torch.Tensor) -> No
         width = math.prod(tv.shape[1:])
         rows.index_copy_(0, ids, src[:, col : col + width].view(word).view(n, *rows.shape[1:]))
         col += width
+
+
+def _scatter_transcoded(cache: BlockStore, ids: torch.Tensor, rows: torch.Tensor, source: BlockFormat,
+                        target: BlockFormat) -> None:
+    """`_scatter_rows` of ``rows`` (n, source.row_bytes) transcoded into the cache's format, a chunk of
+    blocks at a time through one staging tensor (its padding zeroed once: no cell writes it). A chunk
+    of at most `TRANSCODE_CHUNK_BYTES` is still in the CPU's cache when it is scattered."""
+    n = ids.numel()
+    per = max(1, TRANSCODE_CHUNK_BYTES // target.row_bytes)
+    make = torch.zeros if target.padding_bytes else torch.empty
+    stage = make((min(per, n), target.row_bytes), dtype=torch.uint8, device=rows.device)
+    for start in range(0, n, per):
+        k = min(per, n - start)
+        transcode_into(rows[start : start + k], source, target, stage[:k])
+        _scatter_rows(cache, ids[start : start + k], stage[:k])
 
 
 def _shares_memory(t: torch.Tensor, cache: BlockStore) -> bool:

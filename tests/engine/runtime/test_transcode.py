@@ -27,7 +27,7 @@ from kvpolicy.engine import LayoutEngine
 from kvpolicy.engine.block_format import CELL_FIELDS
 from kvpolicy.engine.exchange import ExchangeKind, compare_blocks
 from kvpolicy.engine.plan import LayoutPlan, plan_layout
-from kvpolicy.engine.runtime import KVCache, OffloadedBlocks, allocate
+from kvpolicy.engine.runtime import KVCache, OffloadedBlocks, allocate, transfer
 from kvpolicy.policy.errors import InputError
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import get_profile
@@ -211,6 +211,19 @@ def test_the_reproduction_issue_48412_blocks_restore_into_a_vllm_034_cache() -> 
     received = OffloadedBlocks.received(blocks.data, src.fingerprint.to_dict())
     assert received.format == blocks.format
     assert all(torch.equal(a, b) for a, b in zip(peer.raw, dst.raw, strict=True))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_a_restore_transcodes_a_chunk_of_blocks_at_a_time(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """Blocks staged ``chunk`` at a time (the staging's zeroed padding reused across chunks) land as at once."""
+    src = written(Deployment("issue-48412", "TRITON_ATTN", Layout.BLNHC).plan("int8_per_token_head"), seed=5)
+    dst = allocate(Deployment("vllm-0.34", "TRITON_ATTN", Layout.LBHNC).plan("int8_per_token_head", pad=12))
+    monkeypatch.setattr(transfer, "TRANSCODE_CHUNK_BYTES", chunk * dst.plan.block_row_bytes)
+    for r in dst.raw:
+        r.fill_(7)
+    assert check_moved(src, dst, ([5, 1, 0, 4, 2], [0, 3, 5, 2, 4])) is ExchangeKind.transcode
+    pages = dst.offload([0, 3, 5, 2, 4]).data  # LBHNC pads each page at its end: those 12 bytes are zero
+    assert not pages[:, :, -12:].any() and pages[:, :, :-12].any()
 
 
 # ---- sampled: every backend, random geometry, padding, block ids -----------------------------------
