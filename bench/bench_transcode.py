@@ -17,8 +17,9 @@ round, median of the per-round ratios:
   (132-byte cells, inline scales) from ``vllm-0.28``'s per-layer LBNHC into
   ``vllm-0.34``'s LBHNC. 1.03 MiB a block.
 - Context: ``transcode_{bf16,int8}_gbps`` and ``restore_plain_{bf16,int8}_gbps`` (bytes
-  restored per second), ``transcode_{bf16,int8}_vs_copy`` (the permuting ``copy_`` alone
-  over a contiguous ``copy_`` of the same bytes, time).
+  restored per second), ``transcode_{bf16,int8}_vs_copy`` (the permuting ``copy_`` alone, of
+  one staging chunk of blocks into a preallocated tensor, over a contiguous ``copy_`` of the
+  same bytes, time).
 
 With ``--device cuda`` the caches are on the GPU and the blocks in pinned host memory,
 as `KVCache.offload` returns them there.
@@ -42,7 +43,8 @@ from bench_runtime import BLOCK, HEAD, HEADS, LAYERS, _compare, _sync, resolve_d
 
 from kvpolicy.engine.plan import plan_layout  # noqa: E402
 from kvpolicy.engine.runtime import KVCache, allocate  # noqa: E402
-from kvpolicy.engine.runtime.transcode import transcode_rows  # noqa: E402
+from kvpolicy.engine.runtime.transcode import transcode_into  # noqa: E402
+from kvpolicy.engine.runtime.transfer import TRANSCODE_CHUNK_BYTES  # noqa: E402
 from kvpolicy.policy.layouts import Layout  # noqa: E402
 from kvpolicy.policy.releases import get_profile  # noqa: E402
 from kvpolicy.policy.spec import KVCacheSpec  # noqa: E402
@@ -70,6 +72,7 @@ def run(quick: bool = False, device: str | torch.device = "cpu") -> dict[str, fl
     out: dict[str, float] = {}
     for short, dtype, (src_profile, src_layout), (dst_profile, dst_layout) in CASES:
         src = _cache(src_profile, src_layout, dtype, n, dev)
+        chunk = max(1, TRANSCODE_CHUNK_BYTES // src.plan.block_row_bytes)  # the blocks a restore stages at once
         dst = _cache(dst_profile, dst_layout, dtype, n + n // 4, dev)
         for r in src.raw:
             r.random_(0, 256)
@@ -85,10 +88,11 @@ def run(quick: bool = False, device: str | torch.device = "cpu") -> dict[str, fl
         out[f"restore_plain_{short}_gbps"] = own.nbytes / t_plain / 1e9
         if not torch.equal(dst.offload(ids).data, own.data):
             raise AssertionError("the transcoding restore and the plain one left different bytes")
-        rows = foreign.data.to(dev).view(n, -1)
-        flat = torch.empty_like(rows)
-        _, _, ratio = _compare(lambda r=rows, f=foreign.format, t=dst.block_format: transcode_rows(r, f, t),
-                               lambda r=rows, f=flat: f.copy_(r), rounds, warmup=1, sync=sync)
+        rows = foreign.data.to(dev).view(n, -1)[:chunk]
+        flat, staged = torch.empty_like(rows), torch.empty_like(rows)
+        fmts = (foreign.format, dst.block_format)
+        _, _, ratio = _compare(lambda r=rows, o=staged, fm=fmts: transcode_into(r, *fm, o),
+                               lambda r=rows, f=flat: f.copy_(r), rounds * 4, warmup=1, sync=sync)
         out[f"transcode_{short}_vs_copy"] = 1 / ratio
         del src, dst, foreign, own, rows, flat
     return out
