@@ -331,17 +331,18 @@ def bench_offload(quick: bool, device: torch.device = CPU) -> dict[str, float]:
         out[f"offload_{short}_vs_copy"] = ratio
         out[f"offload_{short}_gbps"] = buf.nbytes / t_off / 1e9
         out.setdefault("offload_copy_gbps", buf.nbytes / t_copy / 1e9)
-        if cuda and not torch.equal(buf, cache.offload(ids)):
+        if cuda and not torch.equal(buf, cache.offload(ids).data):
             raise AssertionError("offload into a pinned buffer and a fresh offload disagree")
+        blocks = cache.offload(ids, out=buf)  # the bytes in `buf`, bound to the cache's layout
         before = [r.clone() for r in cache.raw]
-        t_res, _, ratio = _compare(lambda c=cache, b=buf: c.restore(ids, b),
+        t_res, _, ratio = _compare(lambda c=cache, b=blocks: c.restore(ids, b),
                                    lambda s=host, d=dev_buf: d.copy_(s, non_blocking=cuda), rounds, warmup=1,
                                    sync=sync)
         out[f"restore_{short}_vs_copy"] = ratio
         out[f"restore_{short}_gbps"] = buf.nbytes / t_res / 1e9
         if not all(torch.equal(a, b) for a, b in zip(before, cache.raw, strict=True)):
             raise AssertionError("restoring the offloaded blocks changed the cache")
-        del cache, buf, before
+        del cache, buf, before, blocks
     out["offload_cross_over_per_layer"] = out["offload_cross_gbps"] / out["offload_per_layer_gbps"]
     out["restore_cross_over_per_layer"] = out["restore_cross_gbps"] / out["restore_per_layer_gbps"]
     return out

@@ -86,6 +86,11 @@ def run(quick: bool, device: str = "cpu") -> dict[str, float]:
         results.update(bench_decide.run(quick))
         results.update(bench_cli.run(quick))
     results.update(bench_runtime.run(quick, device))
+    import bench_transcode
+    import torch
+
+    with torch.no_grad():
+        results.update(bench_transcode.run(quick, device))  # context: restores across layouts (issue 24)
     return results
 
 

@@ -290,6 +290,17 @@ class LayoutPlan:
         buffer, offset = self.cell_offset(layer, kv, block, token, head)
         return buffer, offset + spec.data_bytes_per_head
 
+    def block_row_offset(self, layer: int) -> int:
+        """Where layer ``layer``'s cell (kv 0, token 0, head 0) sits inside a transferred block row, in bytes.
+
+        A block row is the plan's transfer rows of one block concatenated in layer order
+        (``block_row_bytes``); a cell of the layer is at this offset plus its kv, token and
+        head byte strides. Defined for every layout, also those that offer no transfer
+        (LHBNC: the layer's place in layer order).
+        """
+        layer = _check_layer(self, layer)
+        return _row_position(self, layer, self.layers[layer].view)
+
     @cached_property
     def vllm_allocation(self) -> VllmAllocation:
         """This plan's bytes as vLLM allocates and views them (see `VllmAllocation`)."""

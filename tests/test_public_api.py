@@ -33,7 +33,7 @@ PUBLIC = {
         "KV_CACHE_DTYPES", "LayoutPattern", "ModelDtype", "Rule", "RuleFile", "ScaleViews", "get_backend",
         "load_rules_from_texts", "parse_kv_cache_dtype"},
     "kvpolicy.engine": DECISION | AGREEMENT,
-    "kvpolicy.engine.runtime": {"KVCache", "allocate", "decode_cells", "encode_cells"},
+    "kvpolicy.engine.runtime": {"KVCache", "OffloadedBlocks", "allocate", "decode_cells", "encode_cells"},
 }
 
 

@@ -30,7 +30,8 @@ from kvpolicy.engine.cli.main import main
 
 codes = {}
 for argv in (["validate"], ["test"], ["lint"], ["dry-run"], ["dry-run", "--num-blocks", "8", "--map"],
-             ["diff", "RULES", "RULES", "--no-shipped-rules"], ["schema"]):
+             ["diff", "RULES", "RULES", "--no-shipped-rules"], ["schema"],
+             ["compat", "issue-48412", "vllm-0.34", "--block-size", "16"]):
     argv = [str(RULES) if a == "RULES" else a for a in argv]
     with contextlib.redirect_stdout(io.StringIO()):
         codes[" ".join(argv[:1] + argv[3:])] = main(argv)
@@ -87,7 +88,7 @@ def test_decisions_work_and_the_runtime_names_the_extra_without_torch() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["codes"] == {"validate": 0, "test": 0, "lint": 0, "dry-run": 0, "dry-run --map": 0,
                             "diff --no-shipped-rules": 0,
-                            "schema": 0}
+                            "schema": 0, "compat --block-size 16": 0}
     assert out["layout"] == "LBHNC" and out["plugin"] == "LBHNC"
     assert out["error"] == {"type": "MissingDependencyError", "import_error": True,
                             "text": "torch: error[missing-dependency]: kvpolicy's runtime needs torch, which cannot "

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvpolicy.engine.cli import analyze, dry_run, releases, schema, testing, validate
+from kvpolicy.engine.cli import analyze, compat, dry_run, releases, schema, testing, validate
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -36,6 +36,7 @@ examples:
   kvpolicy schema > rule-file.schema.json
   kvpolicy lint my-rules/                           # every input checked against the geometry verifier
   kvpolicy diff rules/ my-rules/                    # every decision an edit changes, and why
+  kvpolicy compat vllm-0.28 vllm-0.34 --block-size 16   # can blocks move between two releases' caches
 
 exit codes: 0 ok, 1 the policy said no / a test or validation failed, 2 usage error
 """
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
-    for module in (dry_run, validate, testing, schema, analyze, releases):
+    for module in (dry_run, validate, testing, schema, analyze, releases, compat):
         module.register(verbs)
     return parser
 

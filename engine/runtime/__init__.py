@@ -1,4 +1,4 @@
-"""The torch runtime: allocate a `LayoutPlan`, write and read quantized K/V, move blocks.
+"""The torch runtime: allocate a `LayoutPlan`, write and read quantized K/V, move blocks (`OffloadedBlocks`).
 
 Importing `engine` or `kvpolicy.engine.plan` never imports torch; this package does, and
 without torch it raises `MissingDependencyError` naming the extra to install
@@ -15,7 +15,8 @@ except ImportError as exc:
         "pip install 'kvpolicy[torch]'")]) from None
 
 from kvpolicy.engine.runtime.allocate import allocate
+from kvpolicy.engine.runtime.blocks import OffloadedBlocks
 from kvpolicy.engine.runtime.cache import KVCache
 from kvpolicy.engine.runtime.quantize import decode_cells, encode_cells
 
-__all__ = ["KVCache", "allocate", "decode_cells", "encode_cells"]
+__all__ = ["KVCache", "OffloadedBlocks", "allocate", "decode_cells", "encode_cells"]

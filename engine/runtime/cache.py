@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvpolicy.engine.block_format import BlockFormat, block_format
+from kvpolicy.engine.exchange import BlockExchange
+from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
 from kvpolicy.engine.plan import LayoutPlan, transfer_format
+from kvpolicy.engine.runtime.blocks import FingerprintLike, OffloadedBlocks
 from kvpolicy.engine.runtime.cells import CellRows
 from kvpolicy.engine.runtime.checks import check_device, check_layer, check_slots, check_slots_on_device, check_values
 from kvpolicy.engine.runtime.quantize import decode_cells, encode_chunks, torch_dtype
@@ -59,6 +63,8 @@ class KVCache:
         self.device: torch.device = raw[0].device
         self.cells = CellRows(plan, raw)
         self.transfer_format: str = transfer_format(plan)
+        self._block_format: BlockFormat | None = None
+        self._fingerprint: tuple[object, LayoutFingerprint] | None = None  # (the decision it was made for, it)
         spec = plan.spec
         self._mode = spec.quant_mode
         self._cache_dtype = torch_dtype(spec.cache_dtype.value)
@@ -265,22 +271,47 @@ class KVCache:
 
     # transfers ---------------------------------------------------------------------------------
 
-    def offload(self, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy blocks to a CPU uint8 tensor (n, L, page_size_bytes); pinned when the cache is on CUDA.
+    @property
+    def fingerprint(self) -> LayoutFingerprint:
+        """The layout fingerprint of this cache's bytes (its decision's groups once ``decision`` is attached)."""
+        decision = self.decision
+        made = self._fingerprint
+        if made is None or made[0] is not decision:
+            groups = decision.context.groups if decision is not None else None
+            made = self._fingerprint = (decision, fingerprint_of(self.plan.layout, self.plan.spec, self.plan.backend,
+                                                                 groups))
+        return made[1]
 
-        ``out``: a preallocated contiguous CPU tensor of that shape to fill instead.
+    @property
+    def block_format(self) -> BlockFormat:
+        """Where each cell sits in an offloaded block row; an `InputError` for a layout without block transfers."""
+        if self._block_format is None:
+            self._block_format = block_format(self.plan)
+        return self._block_format
+
+    def offload(self, block_ids: torch.Tensor | Sequence[int], out: torch.Tensor | None = None) -> OffloadedBlocks:
+        """Copy blocks out: `OffloadedBlocks` whose ``data`` is a CPU uint8 tensor (n, L, page_size_bytes),
+        pinned when the cache is on CUDA, bound to this cache's ``fingerprint`` and ``block_format``.
+
+        ``out``: a preallocated contiguous CPU tensor of that shape to fill instead (then ``data``).
         """
         return offload_blocks(self, block_ids, out)
 
-    def restore(self, block_ids: torch.Tensor | Sequence[int], data: torch.Tensor, *,
-                source_format: str | None = None) -> None:
-        """Write offloaded ``data`` back into ``block_ids``; refuses data of another geometry.
+    def restore(self, block_ids: torch.Tensor | Sequence[int], data: OffloadedBlocks | torch.Tensor, *,
+                source: FingerprintLike | None = None, assume_same_layout: bool = False,
+                source_format: str | None = None) -> BlockExchange:
+        """Write offloaded blocks back into ``block_ids``: as is, transcoded, or refused.
 
-        The shape (n, L, page_size_bytes) is always checked. Pass the offloading
-        cache's ``transfer_format`` as ``source_format`` to also refuse a cache
-        whose rows mean something else (NHD data into HND, say).
+        ``data`` from `offload` carries its writer's layout: blocks of this cache's format
+        are copied as they are; the same cells in another layout, placement, head order
+        or padding are transcoded byte for byte; other cells (dtype, quantization,
+        heads, head size, block size, layers) are an `InputError` naming every field
+        that differs. A bare tensor needs ``source=`` (the writer's fingerprint, object,
+        dict or JSON) or ``assume_same_layout=True``; ``source_format=`` (the writer's
+        ``transfer_format``) still works, deprecated. Returns the `BlockExchange` it acted on.
         """
-        restore_blocks(self, block_ids, data, source_format=source_format)
+        return restore_blocks(self, block_ids, data, source=source, assume_same_layout=assume_same_layout,
+                              source_format=source_format)
 
     # geometry ----------------------------------------------------------------------------------
 

@@ -191,6 +191,7 @@ def test_the_public_surface_is_explicit() -> None:
     import kvpolicy.engine.plan
     import kvpolicy.engine.runtime
 
-    assert sorted(kvpolicy.engine.runtime.__all__) == ["KVCache", "allocate", "decode_cells", "encode_cells"]
+    assert sorted(kvpolicy.engine.runtime.__all__) == ["KVCache", "OffloadedBlocks", "allocate", "decode_cells",
+                                                       "encode_cells"]
     assert {"LayoutPlan", "plan_layout", "transfer_format"} <= set(kvpolicy.engine.plan.__all__)
     assert "naive_scale_view" not in kvpolicy.engine.plan.__all__  # a model of old backends, used by the verifier

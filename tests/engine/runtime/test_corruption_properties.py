@@ -31,8 +31,8 @@ def test_any_blocks_offload_and_restore_exactly(backend: str, layout: str, dtype
     ids = data.draw(st.lists(st.integers(0, BLOCKS - 1), min_size=1, max_size=BLOCKS, unique=True))
     saved = cache.offload(ids)
     # scribble over the chosen blocks (through another transfer of random bytes), then restore them
-    cache.restore(ids, torch.randint(0, 256, saved.shape, dtype=torch.uint8))
-    cache.restore(ids, saved, source_format=cache.transfer_format)
+    cache.restore(ids, torch.randint(0, 256, saved.data.shape, dtype=torch.uint8), assume_same_layout=True)
+    cache.restore(ids, saved)
     for r, b in zip(cache.raw, before, strict=True):
         assert torch.equal(r, b)
     cache.verify(geometry=False)  # tensors still match the plan after transfers
@@ -46,6 +46,6 @@ def test_restore_into_another_geometry_is_refused_and_writes_nothing(backend: st
     fill_random(other_layers, seed=2)
     before = [r.clone() for r in other_layers.raw]
     with pytest.raises(PolicyError):
-        other_layers.restore([0, 1], src.offload([0, 1]), source_format=src.transfer_format)
+        other_layers.restore([0, 1], src.offload([0, 1]))
     for r, b in zip(other_layers.raw, before, strict=True):
         assert torch.equal(r, b)

@@ -204,22 +204,23 @@ def test_inputs_on_another_device_are_refused_and_change_nothing(device: str) ->
 def test_offload_restore_is_byte_exact_on_the_device(device: str, dtype: str, layout: str) -> None:
     cpu, cache = random_cache(device, seed=5, kv_cache_dtype=dtype, layout=layout, pad=6)
     ids = [31, 0, 7, 39, 12]
-    data = cache.offload(ids)
+    blocks = cache.offload(ids)
+    data = blocks.data
     assert data.device.type == "cpu" and data.dtype == torch.uint8
     assert data.is_pinned() == (cache.device.type == "cuda"), "offload from a GPU returns pinned memory"
-    assert torch.equal(data, cpu.offload(ids))
+    assert torch.equal(data, cpu.offload(ids).data)
 
     for r in cache.raw:  # clear, restore from CPU (pinned) data: every byte comes back
         r.zero_()
-    cache.restore(ids, data, source_format=cpu.transfer_format)
+    cache.restore(ids, blocks)
     others = [b for b in range(NUM_BLOCKS) if b not in ids]
-    assert torch.equal(cache.offload(ids), data)
-    assert int(cache.offload(others).count_nonzero()) == 0, "restore wrote outside its blocks"
+    assert torch.equal(cache.offload(ids).data, data)
+    assert int(cache.offload(others).data.count_nonzero()) == 0, "restore wrote outside its blocks"
 
     for r in cache.raw:  # restore from data already on the device, into other blocks
         r.zero_()
-    cache.restore(torch.tensor([1, 2, 3, 4, 5]).to(device), data.to(device))
-    assert torch.equal(cache.offload([1, 2, 3, 4, 5]), data)
+    cache.restore(torch.tensor([1, 2, 3, 4, 5]).to(device), data.to(device), source=cpu.fingerprint)
+    assert torch.equal(cache.offload([1, 2, 3, 4, 5]).data, data)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -229,17 +230,34 @@ def test_offload_fills_a_preallocated_buffer_on_the_device(device: str) -> None:
     out = torch.zeros(3, cpu.plan.num_layers, cpu.plan.page_size_bytes, dtype=torch.uint8,
                       pin_memory=cache.device.type == "cuda")
     ids = torch.tensor([2, 38, 20], dtype=torch.int32)
-    assert cache.offload(ids.to(device), out=out) is out
-    assert torch.equal(out, cpu.offload(ids))
+    blocks = cache.offload(ids.to(device), out=out)
+    assert blocks.data is out
+    assert torch.equal(out, cpu.offload(ids).data)
     with pytest.raises(InputError, match="`out`"):
         cache.offload(ids, out=out[:2])
     # a restored block reads back the values the CPU cache reads from it
-    cache.restore([9, 10, 11], out)
-    cpu.restore([9, 10, 11], out)
+    cache.restore([9, 10, 11], blocks)
+    cpu.restore([9, 10, 11], blocks)
     slots = torch.arange(36, 48)
     got_k, got_v = cache.read(0, slots.to(device), dtype=torch.float32)
     want_k, want_v = cpu.read(0, slots, dtype=torch.float32)
     assert torch.equal(_bits(got_k), _bits(want_k)) and torch.equal(_bits(got_v), _bits(want_v))
+
+
+@pytest.mark.parametrize(("source", "target"), [("BLNHC", "LBHNC"), ("LBHNC", "BHLNC"), ("BHLNC", "LBNHC")])
+@pytest.mark.parametrize("dtype", ["auto", "int8_per_token_head"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_transcoding_restore_on_the_device_writes_the_cpus_bytes(device: str, dtype: str, source: str,
+                                                                  target: str) -> None:
+    """Blocks of another layout (and page padding) restore on the device as on the CPU: the same strided copy."""
+    src = allocate(make_plan(layout=source, kv_cache_dtype=dtype, num_blocks=NUM_BLOCKS))
+    fill_random(src, seed=7)
+    cpu, cache = random_cache(device, seed=8, kv_cache_dtype=dtype, layout=target, pad=4)
+    ids, into = [3, 17, 0, 39], [5, 6, 30, 1]
+    blocks = src.offload(ids)
+    assert cache.restore(torch.tensor(into).to(device), blocks).kind.value == "transcode"
+    assert cpu.restore(into, blocks).kind.value == "transcode"
+    assert_same_bytes(cache, cpu)
 
 
 # ---- meta ---------------------------------------------------------------------------------------

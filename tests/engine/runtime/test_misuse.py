@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from test_allocate import fill_random, make_plan
+from test_allocate import fill_random, make_plan, make_spec
 
-from kvpolicy.engine import LayoutEngine
+from kvpolicy.engine import LayoutEngine, fingerprint_of
 from kvpolicy.engine.runtime import KVCache, allocate
+from kvpolicy.policy.backends import BACKENDS
 from kvpolicy.policy.errors import InputError
+from kvpolicy.policy.layouts import Layout
 
 PAGE = make_plan(layout="LBNHC", kv_cache_dtype="fp8").page_size_bytes
 
@@ -53,16 +55,27 @@ CASES: list[tuple[str, Call, str]] = [
     ("block ids 2-D", lambda c: c.offload(torch.tensor([[1]])), "block_ids"),
     ("block id 2**62 in a tensor", lambda c: c.offload(torch.tensor([2**62])), "block_ids"),
     ("block ids on meta", lambda c: c.offload(torch.tensor([0], device="meta")), "block_ids"),
-    ("restore a block twice", lambda c: c.restore([1, 1], data(2)), "block_ids"),
+    ("restore a block twice", lambda c: c.restore([1, 1], data(2), assume_same_layout=True), "block_ids"),
     # transfer data
-    ("restore data of another page size", lambda c: c.restore([0], torch.zeros(1, 3, PAGE + 1, dtype=torch.uint8)),
+    ("restore data of another page size", lambda c: c.restore([0], torch.zeros(1, 3, PAGE + 1, dtype=torch.uint8),
+                                                              assume_same_layout=True),
      "data"),
-    ("restore float data", lambda c: c.restore([0], data().float()), "data"),
+    ("restore float data", lambda c: c.restore([0], data().float(), assume_same_layout=True), "data"),
+    ("restore bytes nothing binds to a layout", lambda c: c.restore([0], data()), "data"),
+    ("restore bytes with two bindings", lambda c: c.restore([0], data(), source=c.fingerprint,
+                                                            assume_same_layout=True), "source"),
+    ("restore offloaded blocks with a source", lambda c: c.restore([0], c.offload([0]), source=c.fingerprint),
+     "source"),
+    ("restore bytes with a source that is no fingerprint", lambda c: c.restore([0], data(), source=["x"]),
+     "source"),
+    ("restore bytes of another cell format", lambda c: c.restore([0], data(), source=fingerprint_of(
+        Layout.LBNHC, make_spec(kv_cache_dtype="int8_per_token_head"), BACKENDS["TRITON_ATTN"])), "data"),
     ("restore a list", lambda c: c.restore([0], [0] * PAGE), "data"),
-    ("restore data on meta", lambda c: c.restore([0], data().to("meta")), "data"),
+    ("restore data on meta", lambda c: c.restore([0], data().to("meta"), assume_same_layout=True), "data"),
     ("offload into a wrong shape", lambda c: c.offload([0], out=data(2)), "out"),
     ("offload into a string", lambda c: c.offload([0], out="x"), "out"),
-    ("restore another format", lambda c: c.restore([0], data(), source_format="other"), "source_format"),
+    ("restore another format (deprecated)", lambda c: c.restore([0], data(), source_format="other"),
+     "source_format"),
     # slots
     ("slots a list", lambda c: c.write(0, kv(), kv(), [0]), "slot_mapping"),
     ("slots float", lambda c: c.write(0, kv(), kv(), torch.tensor([0.0])), "slot_mapping"),
@@ -106,6 +119,7 @@ CASES: list[tuple[str, Call, str]] = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:restore.*source_format.*deprecated:DeprecationWarning")
 @pytest.mark.parametrize(("note", "call", "argument"), CASES, ids=[c[0] for c in CASES])
 def test_misuse_is_an_input_error_naming_the_argument(note: str, call: Call, argument: str) -> None:
     c = cache()

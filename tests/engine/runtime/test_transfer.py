@@ -29,14 +29,16 @@ def check_round_trip(cache: KVCache) -> None:
     fill_random(cache, seed=3)
     before = [r.clone() for r in cache.raw]
     ids = [3, 0, 4, 1, 2]
-    data = cache.offload(ids)
+    blocks = cache.offload(ids)
+    assert blocks.fingerprint == cache.fingerprint and blocks.format == cache.block_format
+    data = blocks.data
     assert data.shape == (len(ids), cache.plan.num_layers, cache.plan.page_size_bytes)
     assert data.dtype == torch.uint8 and data.device.type == "cpu"
     for j, b in enumerate(ids):
         assert torch.equal(data[j], expected_rows(cache, b)), f"block {b}"
     for r in cache.raw:
         r.zero_()
-    cache.restore(ids, data, source_format=cache.transfer_format)
+    assert cache.restore(ids, blocks).kind.value == "as_is"
     for r, b in zip(cache.raw, before, strict=True):
         assert torch.equal(r, b), "offload -> clear -> restore must give back every byte"
 
@@ -55,10 +57,11 @@ def test_padded_and_odd_pages_round_trip_with_their_padding(layout: str, geo: di
 def test_offloaded_blocks_restore_into_another_cache_of_the_same_format() -> None:
     src = allocate(make_plan(layout="BLNHC", kv_cache_dtype="int8_per_token_head"))
     dst = allocate(make_plan(layout="LBNHC", kv_cache_dtype="int8_per_token_head", num_blocks=9))
-    assert src.transfer_format == dst.transfer_format
+    assert src.transfer_format == dst.transfer_format and src.block_format == dst.block_format
     key = torch.randn(3, 2, 8)
     src.write(2, key, -key, torch.tensor([4, 5, 6]))  # block 1
-    dst.restore(torch.tensor([7]), src.offload(torch.tensor([1])), source_format=src.transfer_format)
+    exchange = dst.restore(torch.tensor([7]), src.offload(torch.tensor([1])))
+    assert exchange.kind.value == "as_is", "per_layer and cross_layer NHD rows mean the same: no transcoding"
     got_k, got_v = dst.read(2, torch.tensor([28, 29, 30]), dtype=torch.float32)  # block 7
     want_k, want_v = src.read(2, torch.tensor([4, 5, 6]), dtype=torch.float32)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
@@ -67,9 +70,9 @@ def test_offloaded_blocks_restore_into_another_cache_of_the_same_format() -> Non
 def test_offload_accepts_int32_tensors_and_repeats() -> None:
     cache = allocate(make_plan(kv_cache_dtype="fp8"))
     fill_random(cache)
-    data = cache.offload(torch.tensor([2, 2], dtype=torch.int32))
+    data = cache.offload(torch.tensor([2, 2], dtype=torch.int32)).data
     assert torch.equal(data[0], data[1]) and torch.equal(data[0], expected_rows(cache, 2))
-    assert cache.offload([]).shape == (0, 3, cache.plan.page_size_bytes)
+    assert cache.offload([]).data.shape == (0, 3, cache.plan.page_size_bytes)
 
 
 # ---- restore refuses data of another geometry, and then writes nothing -------------------------
@@ -87,21 +90,26 @@ def test_restore_with_the_wrong_geometry_is_refused_and_writes_nothing() -> None
     cache = allocate(make_plan(layout="BHLNC", kv_cache_dtype="int8_per_token_head"))
     fill_random(cache)
     other_layers = allocate(make_plan(layout="BHLNC", kv_cache_dtype="int8_per_token_head", num_layers=2))
-    _refused(cache, [0], other_layers.offload([0]), "this cache restores uint8")
+    _refused(cache, [0], other_layers.offload([0]), "num_layers: source 2, target 3")
     unquantized = allocate(make_plan(layout="BHLNC"))  # page without scales: another width
-    _refused(cache, [0], unquantized.offload([0]), "this cache restores uint8")
-    good = cache.offload([0, 1])
-    _refused(cache, [0], good, r"\(1, 3, ")  # two blocks of data for one id
-    _refused(cache, [0, 1], good.view(torch.int8), "int8")
+    _refused(cache, [0], unquantized.offload([0]), "cache_dtype: source bfloat16, target uint8")
+    # bare bytes, vouched for, of another geometry: the shape check
+    _refused(cache, [0], other_layers.offload([0]).data, "restore from uint8", assume_same_layout=True)
+    good = cache.offload([0, 1]).data
+    _refused(cache, [0], good, r"\(1, 3, ", assume_same_layout=True)  # two blocks of data for one id
+    _refused(cache, [0, 1], good.view(torch.int8), "int8", assume_same_layout=True)
     _refused(cache, [0, 1], good.tolist(), "list")
 
 
-def test_restore_refuses_same_shaped_data_of_another_format() -> None:
+def test_restore_refuses_same_shaped_data_of_another_format_named_by_its_deprecated_transfer_format() -> None:
     nhd = allocate(make_plan(layout="LBNHC", kv_cache_dtype="int8_per_token_head"))
     hnd = allocate(make_plan(layout="LBHNC", kv_cache_dtype="int8_per_token_head"))
-    data = nhd.offload([1])
-    assert data.shape == hnd.offload([1]).shape
-    _refused(hnd, [1], data, "cannot be restored", source_format=nhd.transfer_format)
+    data = nhd.offload([1]).data
+    assert data.shape == hnd.offload([1]).data.shape
+    with pytest.warns(DeprecationWarning, match="source_format"):
+        _refused(hnd, [1], data, "cannot be restored", source_format=nhd.transfer_format)
+    with pytest.warns(DeprecationWarning, match="source_format"):
+        hnd.restore([1], hnd.offload([1]).data, source_format=hnd.transfer_format)  # still restores its own
 
 
 @pytest.mark.parametrize(("block_ids", "match"), [([0, 5], "out of range"), ([-1], "out of range"),
@@ -126,7 +134,7 @@ def test_offload_fills_a_preallocated_buffer_and_checks_it() -> None:
     cache = allocate(make_plan(layout="LBHNC", kv_cache_dtype="int4_per_token_head"))
     fill_random(cache)
     out = torch.zeros(2, 3, cache.plan.page_size_bytes, dtype=torch.uint8)
-    assert cache.offload([4, 1], out=out) is out
+    assert cache.offload([4, 1], out=out).data is out
     assert torch.equal(out[0], expected_rows(cache, 4)) and torch.equal(out[1], expected_rows(cache, 1))
     with pytest.raises(InputError, match="`out`"):
         cache.offload([4], out=out)
@@ -147,5 +155,5 @@ def test_transfers_through_the_caches_own_memory() -> None:
         cache.offload([2], out=inside)
     assert all(torch.equal(r, b) for r, b in zip(cache.raw, before, strict=True))
     want = inside.clone()
-    cache.restore([3], inside)
-    assert torch.equal(cache.offload([3]), want)
+    cache.restore([3], inside, assume_same_layout=True)
+    assert torch.equal(cache.offload([3]).data, want)

@@ -1,0 +1,134 @@
+"""Block exchange: whether blocks written under one layout fingerprint can be restored under another.
+
+Three answers, from the two fingerprints (pure Python, no torch):
+
+1. ``as_is``: every byte of a block row means the same on both sides (equal
+   fingerprints, or fingerprints that differ only where no byte moves, e.g.
+   two backends with one geometry).
+2. ``transcode``: the cells are the same format (`kvpolicy.engine.block_format.cell_format`)
+   but sit elsewhere in the row (layout, placement, head order, padding): a
+   restore permutes them, byte for byte (`kvpolicy.engine.runtime.transcode`).
+3. ``refused``: the cells differ (dtype, quantization, scales, heads, head size,
+   block size, layers, the model's groups), or a side has no block format; no
+   exact conversion exists, and `BlockExchange.error` names every field that differs.
+
+`KVCache.restore` acts on the answer; ``kvpolicy compat`` prints it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from kvpolicy.engine.agreement import Difference, check_compatible
+from kvpolicy.engine.block_format import BlockFormat, block_format, cell_format, plan_of
+from kvpolicy.engine.fingerprint import LayoutFingerprint
+from kvpolicy.policy.errors import InputError, input_error
+
+__all__ = ["BlockExchange", "ExchangeKind", "compare_blocks"]
+
+
+class ExchangeKind(str, Enum):
+    """How blocks move from one cache to another."""
+
+    as_is = "as_is"
+    transcode = "transcode"
+    refused = "refused"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class BlockExchange:
+    """The answer of `compare_blocks`: the kind, every differing field, and why a refusal refuses."""
+
+    kind: ExchangeKind
+    differences: tuple[Difference, ...]  # every fingerprint field that differs, in fingerprint order
+    cell_differences: tuple[Difference, ...]  # those that change what a cell holds: a refusal's reasons
+    source_format: BlockFormat | None  # where each cell sits in the blocks' rows (None: no block format)
+    target_format: BlockFormat | None  # ... and in the cache's
+    reason: str = ""  # a refusal's cause when it is not a cell field (no block format, another format version)
+
+    @property
+    def ok(self) -> bool:
+        return self.kind is not ExchangeKind.refused
+
+    def error(self, where: str = "blocks") -> InputError:
+        """The located `InputError` of a refusal (``cell-format-mismatch`` or ``transfer-geometry``)."""
+        if self.cell_differences:
+            n = len(self.cell_differences)
+            body = "".join(f"\n    {d}" for d in self.cell_differences)
+            return input_error(where, f"the blocks' cells differ from this cache's in {n} field{'s' if n > 1 else ''}"
+                               f", so no exact conversion exists:{body}",
+                               "restore into a cache of the same kv_cache_dtype, heads, head size, block size "
+                               "and layers; kvpolicy transcodes layouts, placements, head orders and padding, "
+                               "never the values", code="cell-format-mismatch")
+        return input_error(where, f"blocks cannot be restored: {self.reason}",
+                           "restore blocks between caches that offer block transfers, with one kvpolicy version",
+                           code="transfer-geometry")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "differences": [str(d) for d in self.differences],
+            "cell_differences": [d.field for d in self.cell_differences],
+            "reason": self.reason,
+            "source_format": None if self.source_format is None else self.source_format.to_dict(),
+            "target_format": None if self.target_format is None else self.target_format.to_dict(),
+        }
+
+
+def compare_blocks(source: LayoutFingerprint, target: LayoutFingerprint, *, source_format: BlockFormat | None = None,
+                   target_format: BlockFormat | None = None) -> BlockExchange:
+    """How blocks written under ``source`` restore into a cache of ``target``.
+
+    A side's block format, when given, is used as is; otherwise it is recovered from its
+    fingerprint (`kvpolicy.engine.block_format.plan_of`). Answers are cached: a restore asks once
+    per pair of layouts.
+    """
+    return _compare(source, target, source_format, target_format)
+
+
+@functools.lru_cache(maxsize=256)
+def _compare(source: LayoutFingerprint, target: LayoutFingerprint, source_format: BlockFormat | None,
+             target_format: BlockFormat | None) -> BlockExchange:
+    names = {"local_name": "source", "remote_name": "target"}
+    result = check_compatible(source, target, **names)
+    if result.format_mismatch:
+        return BlockExchange(ExchangeKind.refused, result.differences, (), None, None,
+                             "the fingerprints are of different formats (`format_version`)")
+    cells = _cell_differences(source, target)
+    try:
+        src = source_format or block_format(plan_of(source))
+        dst = target_format or block_format(plan_of(target))
+    except InputError as exc:
+        if cells:
+            return BlockExchange(ExchangeKind.refused, result.differences, cells, None, None)
+        return BlockExchange(ExchangeKind.refused, result.differences, (), None, None,
+                             exc.diagnostics[0].message)
+    if cells:
+        return BlockExchange(ExchangeKind.refused, result.differences, cells, src, dst)
+    kind = ExchangeKind.as_is if src == dst else ExchangeKind.transcode
+    return BlockExchange(kind, result.differences, (), src, dst)
+
+
+def _cell_differences(source: LayoutFingerprint, target: LayoutFingerprint) -> tuple[Difference, ...]:
+    """The cell-format fields that differ between ``source`` and ``target``, each a `Difference`."""
+    a, b = cell_format(source), cell_format(target)
+    out = []
+    for key in a:
+        if a[key] == b[key]:
+            continue
+        if key == "code_dtype":  # derived: named only when it alone differs, by the field it comes from
+            if not out:
+                out.append(Difference("backend", source.backend, target.backend, "source", "target"))
+            continue
+        if key == "groups" and len(a[key]) == len(b[key]):
+            out += [Difference(f"groups[{i}].{k}", ga[k], gb[k], "source", "target")
+                    for i, (ga, gb) in enumerate(zip(a[key], b[key], strict=True)) for k in ga if ga[k] != gb[k]]
+        else:
+            out.append(Difference(key, a[key], b[key], "source", "target"))
+    return tuple(out)
