@@ -32,6 +32,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         ahead.workers()
     except ahead.AheadError as exc:
         raise pytest.UsageError(str(exc)) from None
+    if session.config.option.collectonly:
+        return  # nothing will read an answer
     selected: dict[Any, list[pytest.Item]] = {}
     for item in session.items:
         module = getattr(item, "module", None)
