@@ -22,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import ahead
@@ -72,3 +74,22 @@ def run_plugin_oracle(version: str, oracle: str, cases: list[dict], timeout: flo
     if not isinstance(results, list) or len(results) != len(cases):
         raise OracleError(f"oracle {oracle} answered {len(results)} results for {len(cases)} cases")
     return results
+
+
+def _timed(version: str, oracle: str, cases: Callable[[str], list[dict]]) -> tuple[list[dict], float]:
+    start = time.perf_counter()
+    answers = run_plugin_oracle(version, oracle, cases(version))
+    return answers, time.perf_counter() - start
+
+
+def start_ahead(versions: Iterable[str], oracle: str, cases: Callable[[str], list[dict]]) -> None:
+    """Queue ``oracle`` under each of ``versions`` for ``cases(version)`` (ahead.py); `take` collects it."""
+    for version in versions:
+        cases(version)  # made here, in the main thread: the job only runs the subprocess
+        ahead.ahead((oracle, version), functools.partial(_timed, version, oracle, cases))
+
+
+def take(version: str, oracle: str, cases: Callable[[str], list[dict]]) -> tuple[list[dict], float]:
+    """The answers of ``oracle`` under ``version`` to ``cases(version)`` and the seconds the oracle took:
+    queued ahead (`start_ahead`), or run now."""
+    return ahead.take((oracle, version), functools.partial(_timed, version, oracle, cases))

@@ -25,16 +25,16 @@ import functools
 import re
 import shutil
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import ahead
+import plugin_site
 import pytest
 from gate_oracle import PER_LAYER_SCALE_VIEWS, deliberate
 from gate_oracle import space as gate_space
-from plugin_site import kvpolicy_site, run_plugin_oracle
+from plugin_site import kvpolicy_site
 from test_v034_decisions import _vllm_error_kind
 from test_v034_plugin import _plugin_blamed
 from v028_space import GATE_SERIES, Deployment, vllm_layout
@@ -210,18 +210,13 @@ def _prepared(version: str) -> dict[str, Any]:
             "nixl": nixl, "nhd": nhd, "scratch": scratch, "plan": plan}
 
 
-def _ask(version: str) -> tuple[list[dict[str, Any]], float]:
-    """The oracle's answers to ``_prepared(version)``'s cases, and the seconds it took."""
-    start = time.perf_counter()
-    answers = run_plugin_oracle(version, "v028_plugin", [case for _, case in _prepared(version)["plan"]])
-    return answers, time.perf_counter() - start
+def _cases(version: str) -> list[dict[str, Any]]:
+    return [case for _, case in _prepared(version)["plan"]]
 
 
 def start_ahead(items: list[pytest.Item]) -> None:
     """Queue the oracle of each release the selected tests read (conftest.py, at the end of collection)."""
-    for version in ahead.params(items, "run"):
-        _prepared(version)
-        ahead.ahead(("v028_plugin", version), functools.partial(_ask, version))
+    plugin_site.start_ahead(ahead.params(items, "run"), "v028_plugin", _cases)
 
 
 @pytest.fixture(scope="module", params=GATE_SERIES)
@@ -230,7 +225,7 @@ def run(request: pytest.FixtureRequest, vllm_sites: Any) -> dict[str, Any]:
     prepared = _prepared(version)
     plan, space, stride, dirs, third_party = (prepared[k] for k in ("plan", "space", "stride", "dirs", "third_party"))
     offloading, nixl, nhd, scratch = (prepared[k] for k in ("offloading", "nixl", "nhd", "scratch"))
-    answers, seconds = ahead.take(("v028_plugin", version), functools.partial(_ask, version))
+    answers, seconds = plugin_site.take(version, "v028_plugin", _cases)
     by: dict[str, list[Any]] = {}
     for (label, _), answer in zip(plan, answers):
         assert not answer.get("oracle"), (label, answer)

@@ -25,14 +25,13 @@ import functools
 import re
 import shutil
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import ahead
+import plugin_site
 import pytest
-from plugin_site import run_plugin_oracle
 from test_v034_decisions import RESOLVER_RELEASES, Release, _blamed, _shown, input_space, kvpolicy_inputs, oracle_case
 from test_v034_plugin import SITE_BROKEN, SITE_LBHNC, _as_rules_say, _plugin, _plugin_blamed, _rule_dir, _same_as_vllm
 
@@ -79,17 +78,13 @@ def _prepared(version: str) -> dict[str, Any]:
     return {"release": release, "dirs": dirs, "sample": sample, "core": core, "site": site, "plan": plan}
 
 
-def _ask(version: str) -> tuple[list[dict[str, Any]], float]:
-    start = time.perf_counter()
-    answers = run_plugin_oracle(version, "v034_plugin", [case for _, case in _prepared(version)["plan"]])
-    return answers, time.perf_counter() - start
+def _cases(version: str) -> list[dict[str, Any]]:
+    return [case for _, case in _prepared(version)["plan"]]
 
 
 def start_ahead(items: list[pytest.Item]) -> None:
     """Queue the oracle of each release the selected tests read (conftest.py, at the end of collection)."""
-    for version in ahead.params(items, "run"):
-        _prepared(version)
-        ahead.ahead(("v034_plugin", version), functools.partial(_ask, version))
+    plugin_site.start_ahead(ahead.params(items, "run"), "v034_plugin", _cases)
 
 
 @pytest.fixture(scope="module", params=OLDER)
@@ -97,7 +92,7 @@ def run(request: Any, vllm_sites: Any) -> dict[str, Any]:
     prepared = _prepared(request.param)
     release, plan, dirs = prepared["release"], prepared["plan"], prepared["dirs"]
     sample, core, site = prepared["sample"], prepared["core"], prepared["site"]
-    answers, seconds = ahead.take(("v034_plugin", release.version), functools.partial(_ask, release.version))
+    answers, seconds = plugin_site.take(release.version, "v034_plugin", _cases)
     by: dict[str, list[Any]] = {}
     for (label, _), answer in zip(plan, answers, strict=True):
         assert not answer.get("oracle"), (label, answer)

@@ -37,14 +37,13 @@ import functools
 import re
 import shutil
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import ahead
+import plugin_site
 import pytest
-from plugin_site import ROOT, kvpolicy_site, run_plugin_oracle
+from plugin_site import ROOT, kvpolicy_site
 from test_v034_decisions import (
     EXPECTED_CASES,
     PROFILE,
@@ -291,24 +290,21 @@ def _prepared() -> dict[str, Any]:
             "scratch_sample": scratch_sample, "lbhnc_sample": lbhnc_sample, "core_sample": core_sample, "plan": plan}
 
 
-def _ask() -> tuple[list[dict[str, Any]], float]:
-    start = time.perf_counter()
-    answers = run_plugin_oracle(VERSION, "v034_plugin", [case for _, case in _prepared()["plan"]])
-    return answers, time.perf_counter() - start
+def _cases(version: str) -> list[dict[str, Any]]:
+    return [case for _, case in _prepared()["plan"]]
 
 
 def start_ahead(items: list[pytest.Item]) -> None:
     """Queue the oracle the selected tests read (conftest.py, at the end of collection)."""
     if any("run" in getattr(item, "fixturenames", ()) for item in items):
-        _prepared()
-        ahead.ahead(("v034_plugin", VERSION), _ask)
+        plugin_site.start_ahead([VERSION], "v034_plugin", _cases)
 
 
 @pytest.fixture(scope="module")
 def run(vllm_sites: Any) -> dict[str, Any]:
     prepared = _prepared()
     plan = prepared["plan"]
-    answers, seconds = ahead.take(("v034_plugin", VERSION), _ask)
+    answers, seconds = plugin_site.take(VERSION, "v034_plugin", _cases)
     by: dict[str, list[Any]] = {}
     for (label, _), answer in zip(plan, answers):
         assert not answer.get("oracle"), (label, answer)
