@@ -209,8 +209,21 @@ def _unprofiled(version: str) -> Diagnostic:
 def _rules_paths(rules: str) -> list[Path]:
     """``KVPOLICY_RULES`` as absolute paths (``os.pathsep``-separated, bottom layer first): a relative
     one is resolved against this process's working directory, so every message (and every vLLM
-    process's log) names the directory actually read."""
-    return [Path(r).expanduser().absolute() for r in rules.split(os.pathsep) if r.strip()]
+    process's log) names the directory actually read. A ``~user`` of no known user, or a NUL byte
+    (which no path can hold), is a `PluginError` at the variable."""
+    if "\0" in rules:
+        raise _setting_error(ENV_RULES, rules, "holds a NUL byte, which no path can hold",
+                             f"set it to `{SHIPPED}` or to rule directories separated by `{os.pathsep}`")
+    paths = []
+    for r in rules.split(os.pathsep):
+        if not r.strip():
+            continue
+        try:
+            paths.append(Path(r).expanduser().absolute())
+        except RuntimeError:  # Path.expanduser: no home directory for `~user`
+            raise _setting_error(ENV_RULES, rules, f"`{r}` starts with `~` but names no user's home directory",
+                                 "write the directory's absolute path") from None
+    return paths
 
 
 def _rules_path(rules: str) -> str:
