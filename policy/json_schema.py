@@ -40,8 +40,8 @@ from kvpolicy.policy.layouts import LEGACY_NAMES, HeadOrder, Layout, LayoutPatte
 from kvpolicy.policy.rule_model import OPERATORS, Defaults, Effect, MemberPreferences, Rule, RuleFile
 from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
 
-__all__ = ["DRAFT", "LOADER_ONLY_CHECKS", "RULE_FILE_ID", "LoaderOnly", "layout_names", "layout_pattern_schema",
-           "rule_file_schema"]
+__all__ = ["DRAFT", "INT64_BOUNDS", "LOADER_ONLY_CHECKS", "RULE_FILE_ID", "LoaderOnly", "layout_names",
+           "layout_pattern_schema", "rule_file_schema", "whole_pattern"]
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 RULE_FILE_ID = "urn:kvpolicy:rule-file:1"  # stable: editors and CI pin it
@@ -56,10 +56,10 @@ CONNECTOR_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 CONNECTOR_NAME_MAX = 128
 # The loader reads no integer past 64 bits (kvpolicy.policy.yaml_source): where only an integer may stand,
 # the schema bounds it too.
-_INT64 = {"minimum": INT64_MIN, "maximum": INT64_MAX}
+INT64_BOUNDS = {"minimum": INT64_MIN, "maximum": INT64_MAX}
 
 
-def _whole(pattern: str) -> str:
+def whole_pattern(pattern: str) -> str:
     """A ``^...$`` pattern as the loader applies it, to the whole text, whatever the validator's regex engine:
     Python's ``re`` (the ``jsonschema`` package) also matches ``$`` before a final newline, so ``"r\\n"``
     passed the id pattern; ``(?!\\n)`` closes that, and ECMA-262 engines (editors) read it the same."""
@@ -202,7 +202,7 @@ def _value_schema(spec: FieldSpec) -> dict[str, Any]:
     if spec.type == "bool":
         return {"type": "boolean"}
     if spec.type == "int":
-        return {"type": "integer", **_INT64}
+        return {"type": "integer", **INT64_BOUNDS}
     if spec.choices is not None:
         return {"enum": list(spec.choices)}
     return {"type": "string"}
@@ -271,7 +271,7 @@ def _rule() -> dict[str, Any]:
     max_length = next(m.max_length for m in id_info.metadata if getattr(m, "max_length", None))
     effects = [e.value for e in Effect]
     props = {
-        "id": {"type": "string", "pattern": _whole(pattern), "maxLength": max_length},
+        "id": {"type": "string", "pattern": whole_pattern(pattern), "maxLength": max_length},
         "description": {"type": "string", "minLength": 1},
         "reference": _or_null({"type": "string"}),
         "when": _ref("Condition"),  # `when:` left empty is an error (`empty-condition`), not "always"
@@ -339,7 +339,7 @@ def rule_file_schema() -> dict[str, Any]:
             "NotOf": _combinator("not", "true when the condition is false", _ref("Condition")),
             "Leaf": _leaf(),
             "FieldPath": _field_path(),
-            "ConnectorName": {"type": "string", "pattern": _whole(CONNECTOR_NAME_PATTERN),
+            "ConnectorName": {"type": "string", "pattern": whole_pattern(CONNECTOR_NAME_PATTERN),
                               "maxLength": CONNECTOR_NAME_MAX,
                               "description": "a KV connector's class name, as vLLM's `kv_connector` names it"},
             "Scalar": {"anyOf": [{"type": ["string", "boolean"]}, {"type": "number", **_FINITE}]},

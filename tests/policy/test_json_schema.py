@@ -50,6 +50,8 @@ LOADER_ONLY = {
                                             "near miss of a known one (edit distance) is the loader's to judge",
     "loader-only-duplicate-case-name": "uniqueness of one key across list items (`uniqueItems` compares whole items)",
     "loader-only-backend-alias-differs": "comparing two values (`backend` vs `attention_backend`, case-insensitive)",
+    "loader-only-integer-past-64-bits-in-spec": "an integer literal past 64 bits in a free-form mapping (`spec`): "
+                                                "JSON has one number type, so it is the float 9.2e18",
     "loader-only-duplicate-rule-id-in-file": "uniqueness of one key across list items, in one file as across files",
     "loader-only-integer-past-64-bits-for-a-number": "an integer literal past 64 bits where any number may stand: "
                                                      "JSON has one number type, so it is the float 9.2e18",
