@@ -535,7 +535,7 @@ def vllm_context(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
         if not subgroups:
             raise input_error(f"attn_groups[{i}]", "a KV cache group without attention groups", code="no-kv-cache")
         spec_obj = subgroups[0].kv_cache_spec
-        num_layers = sum(len(getattr(g, "layer_names", None) or ()) for g in subgroups) or len(subgroups)
+        num_layers = sum(_layer_count(g, f"attn_groups[{i}]") for g in subgroups) or len(subgroups)
         spec = _spec(spec_obj, num_layers, cache_dtype)
         built.append((KVCacheGroup(spec=spec, num_attention_groups=len(subgroups)), subgroups[0].backend, spec_obj))
     groups = KVCacheGroups(groups=tuple(g for g, _, _ in built))
@@ -544,6 +544,17 @@ def vllm_context(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
     return build_context(groups=groups, attention_backend=_profile(backend, spec_obj, group.spec.kind, release),
                          connector=connector_config(transfer_group), vllm_kv_cache_layout=vllm_kv_cache_layout,
                          vllm_version=release)
+
+
+def _layer_count(group: Any, where: str) -> int:
+    """How many layers an attention group holds: its ``layer_names`` (vLLM's list), 0 when it has none."""
+    names = getattr(group, "layer_names", None)
+    if names is None:
+        return 0
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise input_error(f"{where}.layer_names", f"`layer_names` must be a list of layer names, got "
+                          f"{type(names).__name__}", code="unknown-spec")
+    return len(names)
 
 
 def decide(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *, engine: LayoutEngine | None = None,

@@ -106,9 +106,14 @@ class PluginError(PolicyError, RuntimeError):
     """The plugin's configuration is wrong (a profile that does not fit the running vLLM); start-up stops."""
 
 
+def _cut(value: str) -> str:
+    """A setting as messages show it: whole up to 60 characters, else its start and its length."""
+    return value if len(value) <= 60 else f"{value[:40]}... ({len(value)} characters)"
+
+
 def _setting_error(variable: str, value: str, message: str, help: str) -> PluginError:
     """A `PluginError` located at the environment variable that holds the wrong setting."""
-    return PluginError(f"kvpolicy: {variable}={value!r} is not a valid setting; vLLM must not start:",
+    return PluginError(f"kvpolicy: {variable}={_cut(value)!r} is not a valid setting; vLLM must not start:",
                        [Diagnostic(variable, 0, 0, "invalid-setting", message, help)])
 
 
@@ -179,7 +184,7 @@ def pick_profile(version: str, forced: str | None = None, variable: str = ENV_VE
         try:
             return resolve_profile(forced)[0]
         except PolicyError:
-            raise _setting_error(variable, forced, f"`{forced}` names no kvpolicy release profile",
+            raise _setting_error(variable, forced, f"`{_cut(forced)}` names no kvpolicy release profile",
                                  f"profiles: {known_profiles()}; a version of a profiled X.Y series (0.28.1) "
                                  f"takes that series' profile; or unset {variable} to pick the running vLLM's "
                                  "profile") from None
@@ -221,7 +226,7 @@ def _rules_paths(rules: str) -> list[Path]:
         try:
             paths.append(Path(r).expanduser().absolute())
         except RuntimeError:  # Path.expanduser: no home directory for `~user`
-            raise _setting_error(ENV_RULES, rules, f"`{r}` starts with `~` but names no user's home directory",
+            raise _setting_error(ENV_RULES, rules, f"`{_cut(r)}` starts with `~` but names no user's home directory",
                                  "write the directory's absolute path") from None
     return paths
 

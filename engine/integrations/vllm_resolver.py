@@ -108,6 +108,9 @@ def worker_candidates(release: ReleaseProfile, supported_layouts: Sequence[Seque
                           code="no-supported-layouts")
     reports = []
     for i, names in enumerate(supported_layouts):
+        if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+            raise input_error(f"supported_layouts[{i}]", f"worker {i} reported `{str(names)[:40]}`, not a list of "
+                              "layout names", code="unknown-layout")
         if not names:
             raise input_error(f"supported_layouts[{i}]", f"worker {i} reported no supported KV cache layouts",
                               code="no-supported-layouts")

@@ -639,3 +639,11 @@ def test_cli_connector_config_integers_past_64_bits_are_refused_said_so(capsys: 
                  "--connector-config", '{"a": ' + "1" * digits + "}"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err) < 2000, err[-300:]
+
+
+def test_cli_a_version_too_long_to_convert_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpolicy.engine.cli.main import main
+
+    assert main(["validate", "--vllm-version", "0." + "9" * 5000]) == 2
+    err = capsys.readouterr().err
+    assert "error[unknown-vllm-version]" in err and "(5002 characters)" in err and "Traceback" not in err

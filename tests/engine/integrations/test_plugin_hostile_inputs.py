@@ -324,3 +324,34 @@ def test_rule_settings_no_path_can_hold_stop_start_up_at_the_variable(rules: str
         Settings.from_env({"KVPOLICY_RULES": rules})
     [d] = exc.value.diagnostics
     assert (d.file, d.code) == ("KVPOLICY_RULES", "invalid-setting") and message in d.message
+
+
+# ---------------------------------------------------------------- vLLM's other objects, and its version
+
+
+def test_vllm_objects_of_the_wrong_shape_are_located_not_type_errors(caplog: pytest.LogCaptureFixture) -> None:
+    """A TypeError escaped for an attention group whose layer_names is no list (the gate: kvpolicy cannot
+    describe the KV cache, so per-layer buffers and a warning, as for any such spec) and for a worker report
+    that is no list of layout names (the resolver: start-up stops, located)."""
+    from test_vllm import group
+
+    bad = group()
+    bad.layer_names = 5
+    assert use_uniform_kv_cache([[bad]], OffloadingConnector(), engine=GATE) is False
+    assert "attn_groups[0].layer_names: error[unknown-spec]" in caplog.text
+    for reports in ([5], [FLASHINFER, None], "LBHNC"):
+        with pytest.raises(StartupError) as exc:
+            resolve(RESOLVER, config(), reports, [FullAttentionSpec()])
+        assert exc.value.diagnostics[0].file.startswith("supported_layouts[")
+
+
+def test_a_version_whose_numbers_cannot_be_converted_is_no_version() -> None:
+    """`vllm.__version__` or KVPOLICY_VLLM_VERSION with a number of 5,000 digits raised ValueError (Python
+    converts at most 4,300): it is no version, and a forced one is located at the variable."""
+    from kvpolicy.engine.integrations.vllm_plugin import pick_profile
+
+    huge = "0." + "9" * 5000
+    assert pick_profile(huge) is None and pick_profile("0.34." + "1" * 18).name == "vllm-0.34"
+    with pytest.raises(vllm_plugin.PluginError) as exc:
+        pick_profile("0.34.0", huge)
+    assert exc.value.diagnostics[0].file == "KVPOLICY_VLLM_VERSION" and len(exc.value.render()) < 2000
