@@ -354,11 +354,11 @@ def _connector_config(connector: Any, where: str, holders: tuple[int, ...]) -> C
                           "list the member connectors in one MultiConnector", code="too-deep")
     name = connector_name(connector)
     extra = _extra_config(connector, where)
-    instances = _members(connector) if name in COMPOSITE_CONNECTORS else None
     if name not in COMPOSITE_CONNECTORS:  # only a composite's `connectors` key lists members
         own = name not in KNOWN_CONNECTORS and hasattr(type(connector), "prefer_cross_layer_blocks")
         return ConnectorConfig.from_vllm(name, extra, where=where).model_copy(
             update={"prefers_cross_layer_blocks": _own_preference(connector) if own else None})
+    instances = _members(connector)
     if instances is None:  # no live member objects: vLLM's configuration form
         return ConnectorConfig.from_vllm(name, extra, where=where)
     extra.pop("connectors", None)
@@ -399,7 +399,6 @@ def own_rule_id(kind: str, name: str) -> str:
         return rule_id
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     return f"{rule_id[:_RULE_ID_MAX - 9].rstrip('.-')}-{digest}"
-
 
 
 def has_rules(ruleset: RuleSet, release: ReleaseProfile, name: str) -> bool:
