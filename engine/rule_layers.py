@@ -79,6 +79,15 @@ def shipped_rules_dir(vllm_version: str | ReleaseProfile | None = None) -> Path:
     return dirs[0]
 
 
+def _layer_key(path: Path) -> Path:
+    """The directory ``path`` reads, to spot one given twice. A path the system refuses to look up (longer
+    than it allows, a NUL byte) is its own key: loading it reports why, located, never an OSError here."""
+    try:
+        return path.resolve() if path.exists() else path.absolute()
+    except (OSError, RuntimeError, ValueError):  # RuntimeError: a symlink loop (Python < 3.13)
+        return path.absolute()
+
+
 def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | None = None,
                 shipped_rules: bool = True, limits: Limits = Limits(),
                 display: Sequence[str] | None = None, where: str = NO_SHIPPED_FLAG) -> RuleSet:
@@ -106,7 +115,7 @@ def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | 
     layers: list[tuple[RuleSet, bool]] = []
     diags: list[Diagnostic] = []
     for path, name, shipped in todo:
-        key = path.resolve() if path.exists() else path.absolute()
+        key = _layer_key(path)
         if key in seen:  # the same directory twice is one layer, at its first position
             continue
         seen.add(key)

@@ -19,12 +19,14 @@ from pydantic import Field, field_validator
 
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.spec import Frozen
+from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
 
 __all__ = [
     "COMPOSITE_CONNECTORS",
     "CONNECTOR_NAME_MAX",
     "KNOWN_CONNECTORS",
     "ConnectorConfig",
+    "check_extra_config",
     "connector_name_problem",
     "flatten_extra",
     "near_connector",
@@ -119,16 +121,12 @@ class ConnectorConfig(Frozen):
         ``extra["connectors"]`` as ``{"kv_connector": NAME, "kv_connector_extra_config": {...}}``;
         for any other connector that key is ordinary extra config, as vLLM reads it.
         """
-        if _depth(extra) > MAX_CONFIG_DEPTH:  # a RecursionError in flattening, or a member chain, otherwise
-            raise input_error(where, f"`kv_connector_extra_config` is nested deeper than {MAX_CONFIG_DEPTH} levels",
-                              "flatten the configuration; vLLM's connectors read a few levels at most",
-                              code="too-deep")
         if not isinstance(name, str) or not name:
             raise input_error(where, f"a connector name must be a non-empty string, got `{name!r}`")
         if not _is_text(name):
             raise input_error(where, f"the connector name `{name!r}` is not valid Unicode text (a lone surrogate)",
                               "give the class name as plain text")
-        _check_json(extra, where)
+        check_extra_config(extra, where)
         extra = dict(extra or {})
         subs: list[ConnectorConfig] = []
         if name in COMPOSITE_CONNECTORS and "connectors" in extra:
@@ -148,11 +146,6 @@ class ConnectorConfig(Frozen):
                                       f"member {i}'s `kv_connector_extra_config` must be a mapping, "
                                       f"got {type(member_extra).__name__}")
                 subs.append(cls.from_vllm(m["kv_connector"], member_extra, where=at))
-        for key, value in flatten_extra(extra).items():
-            if isinstance(value, float) and not math.isfinite(value):
-                # a rule cannot compare NaN, and the JSON output would not be JSON
-                raise input_error(f"{where}.{key}", f"`{key}` is `{value}`, not a number a rule can compare",
-                                  "give a finite number, or a string")
         return cls(name=name, extra=extra, connectors=tuple(subs))
 
 
@@ -169,12 +162,31 @@ def _is_text(text: str) -> bool:
     return True
 
 
-def _check_json(value: Any, where: str) -> None:
-    """``value`` holds only what JSON (and so vLLM's ``--kv-transfer-config``) can: string keys, and
-    strings, numbers, booleans, nulls, lists and mappings (iterative: depth is checked before)."""
-    stack: list[tuple[Any, str]] = [(value, where)]
+MAX_CONFIG_VALUES = 100_000  # values in one extra config: a shared or self-referring object is refused, not walked
+
+
+def check_extra_config(value: Any, where: str) -> None:
+    """Raise an `InputError` located at the key (``where.key[2].sub``) unless ``value`` (a connector's
+    ``kv_connector_extra_config``) holds only what JSON, and so vLLM's ``--kv-transfer-config``, can:
+    string keys of valid Unicode; strings, finite numbers (integers within 64 bits), booleans, nulls,
+    lists and mappings; at most `MAX_CONFIG_DEPTH` levels and `MAX_CONFIG_VALUES` values (so an object
+    that contains itself is refused, not walked forever). Iterative: no recursion limit to hit.
+
+    The CLI's ``--kv-transfer-config`` and ``--connector-config`` and the vLLM plugin's objects
+    (whose Python API takes any dict) are checked by this one function."""
+    stack: list[tuple[Any, str, int]] = [(value, where, 1)]
+    seen = 0
     while stack:
-        item, at = stack.pop()
+        item, at, level = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_VALUES:
+            raise input_error(where, f"`kv_connector_extra_config` holds more than {MAX_CONFIG_VALUES:,} values "
+                              "(or an object that contains itself)", "vLLM's connectors read a few keys",
+                              code="too-large")
+        if isinstance(item, (dict, list, tuple)) and level > MAX_CONFIG_DEPTH:
+            raise input_error(where, f"`kv_connector_extra_config` is nested deeper than {MAX_CONFIG_DEPTH} levels "
+                              "(or contains itself)", "flatten the configuration; vLLM's connectors read a few "
+                              "levels at most", code="too-deep")
         if isinstance(item, dict):
             for key, child in item.items():
                 if not isinstance(key, str):
@@ -183,32 +195,24 @@ def _check_json(value: Any, where: str) -> None:
                 if not _is_text(key):
                     raise input_error(at, f"key `{key!r}` is not valid Unicode text (a lone surrogate)",
                                       "write the key as plain text; JSON's `\\ud800` escapes cannot be printed")
-                stack.append((child, f"{at}.{key}"))
+                stack.append((child, f"{at}.{key}", level + 1))
         elif isinstance(item, (list, tuple)):
-            stack += [(child, f"{at}[{i}]") for i, child in enumerate(item)]
-        elif isinstance(item, str) and not _is_text(item):
-            raise input_error(at, f"the string `{item[:40]!r}` is not valid Unicode text (a lone surrogate)",
-                              "write the value as plain text; JSON's `\\ud800` escapes cannot be printed")
-        elif item is not None and not isinstance(item, (str, bool, int, float)):
+            stack += [(child, f"{at}[{i}]", level + 1) for i, child in enumerate(item)]
+        elif isinstance(item, str):
+            if not _is_text(item):
+                raise input_error(at, f"the string `{item[:40]!r}` is not valid Unicode text (a lone surrogate)",
+                                  "write the value as plain text; JSON's `\\ud800` escapes cannot be printed")
+        elif isinstance(item, float):
+            if not math.isfinite(item):  # a rule cannot compare NaN, and the JSON output would not be JSON
+                raise input_error(at, f"`{at.rsplit('.', 1)[-1]}` is `{item}`, not a number a rule can compare",
+                                  "give a finite number, or a string")
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if not INT64_MIN <= item <= INT64_MAX:  # past 4,300 digits Python cannot even print it
+                raise input_error(at, f"an integer of {item.bit_length()} bits, outside the 64-bit range",
+                                  "give a number within 64 bits, or a string")
+        elif item is not None and not isinstance(item, bool):
             raise input_error(at, f"a {type(item).__name__} is no JSON value", "use strings, numbers, booleans, "
                               "null, lists and mappings, as vLLM's --kv-transfer-config takes them")
-
-
-def _depth(value: Any) -> int:
-    """How deeply mappings and lists nest in ``value`` (iterative: no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, dict):
-            children = list(item.values())
-        elif isinstance(item, (list, tuple)):
-            children = list(item)
-        else:
-            continue
-        deepest = max(deepest, level)
-        if level <= MAX_CONFIG_DEPTH:
-            stack += [(c, level + 1) for c in children]
-    return deepest
 
 
 def flatten_extra(extra: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:

@@ -28,7 +28,38 @@ __all__ = [
     "NoLayoutError",
     "PolicyError",
     "RuleLoadError",
+    "shown",
+    "shown_file",
 ]
+
+
+def _shown_char(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8, as Python decodes file names (PEP 383)
+        return f"\\x{code - 0xDC00:02x}"
+    if 0xD800 <= code <= 0xDFFF:  # any other lone surrogate (JSON's "\ud800" escape)
+        return f"\\u{code:04x}"
+    return char
+
+
+def shown(text: str) -> str:
+    """``text`` as every output can carry it (a UTF-8 terminal or pipe, JSON, SARIF, GitHub annotations):
+    a byte of a file name that is not UTF-8, which Python holds as a lone surrogate (``surrogateescape``,
+    PEP 383), as ``\\xNN`` (``bad\\xff.yaml``); any other lone surrogate as ``\\udNNN``; else unchanged."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join(map(_shown_char, text))
+    return text
+
+
+def shown_file(path: str) -> str:
+    """A file name as a ``file:line:col`` location shows it: `shown`, and its control characters
+    (a newline, a tab, an escape) escaped as Python writes them, so that a location stays one line."""
+    text = shown(path)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 @dataclass(frozen=True, order=True)
@@ -48,9 +79,10 @@ class Diagnostic:
 
     @property
     def location(self) -> str:
+        """``file:line:col`` as printed: the file name `shown_file` (one line, valid text whatever its bytes)."""
         if self.line <= 0:
-            return self.file
-        return f"{self.file}:{self.line}:{self.col}"
+            return shown_file(self.file)
+        return f"{shown_file(self.file)}:{self.line}:{self.col}"
 
     def render(self) -> str:
         text = f"{self.location}: error[{self.code}]: {self.message}"

@@ -12,19 +12,25 @@ the same sources the loader reads, so the two cannot drift:
 - the layouts (`Layout`, `LEGACY_NAMES`) and their derived properties, so a
   pattern that no layout matches is refused here as by `kvpolicy validate`.
 
-What JSON Schema cannot say stays with the loader alone (docs/cli.md lists it):
-YAML-level problems (duplicate keys, tags, several documents), where a file
-lies (``connectors/`` or not), anything across files (duplicate rule ids,
-one file per connector, one ``defaults``), whether a connector name is known
-(a "did you mean" over the release profiles), ``8.0`` for an integer (JSON
-numbers have no integer type, so ``8.0`` *is* the integer 8 to JSON Schema)
-and NaN. `tests/policy/test_json_schema.py` runs a corpus of broken files
-through both and holds them to the same verdict.
+What JSON Schema cannot say stays with the loader alone: `LOADER_ONLY_CHECKS`
+lists it by diagnostic code (docs/cli.md says the same): YAML-level problems
+(duplicate keys, tags, several documents, limits), where a file lies
+(``connectors/`` or not), uniqueness of a key across items (duplicate rule ids,
+in one file or across files; one file per connector, one ``defaults``), whether
+a connector name is known (a "did you mean" over the release profiles), ``8.0``
+for an integer and an integer literal past 64 bits where any number may stand
+(JSON numbers have no integer type: ``8.0`` *is* the integer 8, and
+``10000000000000000000`` the float ``1e19``, to JSON Schema) and NaN.
+`tests/policy/test_json_schema.py` runs a corpus of broken files through both
+and holds them to the same verdict, and generates documents that the schema
+accepts: each loads, or fails only with a check listed here.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -32,8 +38,10 @@ from pydantic import BaseModel
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec
 from kvpolicy.policy.layouts import LEGACY_NAMES, HeadOrder, Layout, LayoutPattern, Placement
 from kvpolicy.policy.rule_model import OPERATORS, Defaults, Effect, MemberPreferences, Rule, RuleFile
+from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
 
-__all__ = ["DRAFT", "RULE_FILE_ID", "layout_names", "layout_pattern_schema", "rule_file_schema"]
+__all__ = ["DRAFT", "INT64_BOUNDS", "LOADER_ONLY_CHECKS", "RULE_FILE_ID", "LoaderOnly", "layout_names",
+           "layout_pattern_schema", "rule_file_schema", "whole_pattern"]
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 RULE_FILE_ID = "urn:kvpolicy:rule-file:1"  # stable: editors and CI pin it
@@ -46,6 +54,56 @@ _FINITE = {"minimum": -sys.float_info.max, "maximum": sys.float_info.max}
 # class loaded by `kv_connector_module_path`).
 CONNECTOR_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 CONNECTOR_NAME_MAX = 128
+# The loader reads no integer past 64 bits (kvpolicy.policy.yaml_source): where only an integer may stand,
+# the schema bounds it too.
+INT64_BOUNDS = {"minimum": INT64_MIN, "maximum": INT64_MAX}
+
+
+def whole_pattern(pattern: str) -> str:
+    """A ``^...$`` pattern as the loader applies it, to the whole text, whatever the validator's regex engine:
+    Python's ``re`` (the ``jsonschema`` package) also matches ``$`` before a final newline, so ``"r\\n"``
+    passed the id pattern; ``(?!\\n)`` closes that, and ECMA-262 engines (editors) read it the same."""
+    return pattern + r"(?!\n)" if pattern.endswith("$") else pattern
+
+
+@dataclass(frozen=True)
+class LoaderOnly:
+    """A check of the loader that JSON Schema cannot express: its diagnostic ``code``, a ``message``
+    pattern where the code also names checks the schema makes, and why the schema cannot say it."""
+
+    code: str
+    why: str
+    message: str = ""
+
+    def covers(self, code: str, message: str) -> bool:
+        return code == self.code and re.search(self.message, message) is not None
+
+
+LOADER_ONLY_CHECKS: tuple[LoaderOnly, ...] = (
+    *(LoaderOnly(code, "the YAML itself: a schema sees the parsed data, after the parser kept one of two "
+                 "duplicate keys, read tags and anchors, and before any size or depth limit")
+      for code in ("yaml-syntax", "duplicate-key", "unsafe-tag", "unsupported-merge", "bad-key", "yaml-value",
+                   "ambiguous-number", "too-deep", "too-large", "too-many-rules")),
+    LoaderOnly("missing-connector", "where the file lies (`connectors/` or not) is not in the data"),
+    LoaderOnly("misplaced-connector-file", "where the file lies (`connectors/` or not) is not in the data"),
+    LoaderOnly("duplicate-rule-id", "uniqueness of one key across list items (`uniqueItems` compares whole "
+               "items), in one file or across files"),
+    LoaderOnly("duplicate-connector-file", "two files for one connector: across files"),
+    LoaderOnly("duplicate-defaults", "`defaults` declared twice: across files"),
+    *(LoaderOnly(code, "whether vLLM knows a connector: `connector.name` takes any class name (third-party "
+                 "connectors); a near miss of a known one (edit distance) is the loader's to judge",
+                 r"is not a value of `connector\.name`")
+      for code in ("unknown-value", "type-mismatch")),  # `eq`, or an item of `in`/`not_in`
+    LoaderOnly("type-mismatch", "`8.0` for an integer: JSON has one number type, so 8.0 is the integer 8",
+               r"is an integer, got number"),
+    LoaderOnly("invalid-value", "`2.0` for an integer (`weight`): JSON has one number type",
+               r"expected a valid integer, got number"),
+    LoaderOnly("number-out-of-range", "an integer literal past 64 bits where any number may stand "
+               "(`connector.extra.*`, `lt`/`le`/`gt`/`ge`): JSON has one number type, so it is the float "
+               "of the same value, which the loader takes", r"^the integer"),
+    LoaderOnly("invalid-value", "`.nan`: JSON has no NaN, and NaN passes every numeric bound",
+               r"\bnan\b|NaN"),
+)
 _PATTERN_BOOLS = ("layer_compact", "block_outermost", "block_compact", "block_contiguous")
 
 
@@ -144,7 +202,7 @@ def _value_schema(spec: FieldSpec) -> dict[str, Any]:
     if spec.type == "bool":
         return {"type": "boolean"}
     if spec.type == "int":
-        return {"type": "integer"}
+        return {"type": "integer", **INT64_BOUNDS}
     if spec.choices is not None:
         return {"enum": list(spec.choices)}
     return {"type": "string"}
@@ -213,7 +271,7 @@ def _rule() -> dict[str, Any]:
     max_length = next(m.max_length for m in id_info.metadata if getattr(m, "max_length", None))
     effects = [e.value for e in Effect]
     props = {
-        "id": {"type": "string", "pattern": pattern, "maxLength": max_length},
+        "id": {"type": "string", "pattern": whole_pattern(pattern), "maxLength": max_length},
         "description": {"type": "string", "minLength": 1},
         "reference": _or_null({"type": "string"}),
         "when": _ref("Condition"),  # `when:` left empty is an error (`empty-condition`), not "always"
@@ -234,8 +292,10 @@ def _rule() -> dict[str, Any]:
 
 
 def _defaults() -> dict[str, Any]:
+    # each layout at most once, in any of its spellings (`per_layer/HND` is LBHNC): `duplicate-layout`
+    once = [{"contains": {"enum": layout_names(x)}, "minContains": 0, "maxContains": 1} for x in Layout]
     props = {"layout_order": {"type": "array", "minItems": 1, "uniqueItems": True,
-                              "items": {"enum": layout_names()}}}
+                              "items": {"enum": layout_names()}, "allOf": once}}
     props = {k: _described(Defaults, k, v) for k, v in _check_keys(Defaults, props).items()}
     return {"type": "object", "required": ["layout_order"], "additionalProperties": False, "properties": props}
 
@@ -279,7 +339,8 @@ def rule_file_schema() -> dict[str, Any]:
             "NotOf": _combinator("not", "true when the condition is false", _ref("Condition")),
             "Leaf": _leaf(),
             "FieldPath": _field_path(),
-            "ConnectorName": {"type": "string", "pattern": CONNECTOR_NAME_PATTERN, "maxLength": CONNECTOR_NAME_MAX,
+            "ConnectorName": {"type": "string", "pattern": whole_pattern(CONNECTOR_NAME_PATTERN),
+                              "maxLength": CONNECTOR_NAME_MAX,
                               "description": "a KV connector's class name, as vLLM's `kv_connector` names it"},
             "Scalar": {"anyOf": [{"type": ["string", "boolean"]}, {"type": "number", **_FINITE}]},
             "LayoutPattern": layout_pattern_schema(),

@@ -198,7 +198,12 @@ def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), displ
                                             "pass the directory holding global.yaml and connectors/")])
     root = Path(path)
     shown_root = display if display is not None else str(path)
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except OSError as exc:  # is_dir answers False for most errors, not for a name longer than the system allows
+        raise RuleLoadError("", [Diagnostic(shown_root, 0, 0, "unreadable", f"cannot look the directory up: "
+                                            f"{exc.strerror or exc}", "check the path")]) from None
+    if not is_dir:
         raise RuleLoadError("", [Diagnostic(shown_root, 0, 0, "no-rules-dir", "not a directory",
                                             "pass the directory holding global.yaml and connectors/")])
     located: list[tuple[Located, bool]] = []

@@ -460,10 +460,12 @@ def _log_once(message: str) -> None:
     logging.getLogger("kvpolicy").warning(message)
 
 
-# A vLLM version as its packages spell it (PEP 440, ASCII digits, no leading zeros): ``0.28.1``,
-# ``v0.28.1``, ``0.34.0rc1``, ``0.34.0.dev3``, ``0.28.0.post1+cu121``. Anything else is not a version.
-_VERSION = re.compile(r"v?(?P<release>(?:0|[1-9]\d*)(?:\.(?:0|[1-9]\d*))+)(?P<pre>(?:a|b|rc)(?:0|[1-9]\d*))?"
-                      r"(?P<post>\.post(?:0|[1-9]\d*))?(?P<dev>\.dev(?:0|[1-9]\d*))?(?P<local>\+[a-z0-9]+(?:\.[a-z0-9]+)*)?",
+# A vLLM version as its packages spell it (PEP 440, ASCII digits, no leading zeros, each number of at most
+# 18 digits, so that it converts and prints): ``0.28.1``, ``v0.28.1``, ``0.34.0rc1``, ``0.34.0.dev3``,
+# ``0.28.0.post1+cu121``. Anything else is not a version (a number of 5,000 digits raised ValueError).
+_N = r"(?:0|[1-9]\d{0,17})"
+_VERSION = re.compile(rf"v?(?P<release>{_N}(?:\.{_N})+)(?P<pre>(?:a|b|rc){_N})?"
+                      rf"(?P<post>\.post{_N})?(?P<dev>\.dev{_N})?(?P<local>\+[a-z0-9]+(?:\.[a-z0-9]+)*)?",
                       re.ASCII | re.IGNORECASE)
 
 
@@ -658,7 +660,8 @@ def resolve_profile(name: str | ReleaseProfile | None = None) -> tuple[ReleasePr
     what = ("no profile for vLLM version" if _parse(name) is not None else
             "not a vLLM version (such as 0.34.0, 0.28.1 or 0.34.0rc1: ASCII digits, no leading zeros) nor a "
             "profile name:")
-    raise input_error("vllm_version", f"{what} `{name}`",
+    shown = name if len(name) <= 60 else f"{name[:40]}... ({len(name)} characters)"
+    raise input_error("vllm_version", f"{what} `{shown}`",
                       f"known profiles: {known_profiles()}; a patch release (e.g. 0.28.1) decides with the "
                       "profile of its X.Y series", code="unknown-vllm-version")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.policy.conditions import CompiledCondition, compile_condition
+from kvpolicy.policy.errors import shown_file
 from kvpolicy.policy.layouts import ALL_LAYOUTS, Layout, LayoutPattern
 from kvpolicy.policy.rule_model import Effect, MemberPreferences, Rule
 
@@ -27,7 +28,7 @@ class Source:
     col: int = 1
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}"
+        return f"{shown_file(self.file)}:{self.line}"  # one line of valid text, whatever the file's name
 
 
 # Effect codes of the hot loop (`CompiledRule.fast[1]`): ints compare faster than enum members.

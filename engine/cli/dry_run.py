@@ -94,6 +94,9 @@ def _json_object(text: str) -> dict[str, Any]:
     except RecursionError:  # Python's JSON decoder recurses once per level
         raise argparse.ArgumentTypeError("the JSON is nested too deeply to read; "
                                          "vLLM's connectors read a few levels at most") from None
+    except ValueError:  # an integer of more than 4,300 digits, which Python refuses to convert
+        raise argparse.ArgumentTypeError("the JSON holds an integer too long to read; give a number within "
+                                         "64 bits, or a string") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
     return value

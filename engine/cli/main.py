@@ -22,7 +22,7 @@ from kvpolicy.engine.cli.common import (
     settle_vllm_version,
     tool_version,
 )
-from kvpolicy.policy.errors import PolicyError
+from kvpolicy.policy.errors import PolicyError, shown
 
 __all__ = ["build_parser", "main"]
 
@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvpolicy``; returns the exit code (argparse's own exits included)."""
-    real_stderr = sys.stderr
+    real_stdout, real_stderr = sys.stdout, sys.stderr
+    # a file name that is not UTF-8 is printed, not a UnicodeEncodeError
+    sys.stdout = _Shown(real_stdout) if real_stdout is not None else None
     sys.stderr = _BestEffort(real_stderr)  # a message that cannot be shown must not change the exit code
     try:
         code = _dispatch(argv)
@@ -101,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        sys.stderr = real_stderr
+        sys.stdout, sys.stderr = real_stdout, real_stderr
 
 
 def _dispatch(argv: Sequence[str] | None) -> int:
@@ -121,17 +123,34 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return exit_code_for(exc)
 
 
+class _Shown:
+    """stdout for one run: every text `shown` (a file name's bytes that are not UTF-8 as ``\\xNN``), so any
+    UTF-8 stream can carry it; everything else is the stream's own."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(shown(text))  # type: ignore[attr-defined]
+        return len(text)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
 class _BestEffort:
-    """stderr for one run: what cannot be written there (a closed or full stream) is dropped."""
+    """stderr for one run: what cannot be written there (a closed or full stream) is dropped; texts `shown`."""
 
     def __init__(self, stream: object) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
         try:
-            return self._stream.write(text) if self._stream is not None else len(text)  # type: ignore[attr-defined]
+            if self._stream is not None:
+                self._stream.write(shown(text))  # type: ignore[attr-defined]
         except (OSError, ValueError):
-            return len(text)
+            pass
+        return len(text)
 
     def flush(self) -> None:
         try:

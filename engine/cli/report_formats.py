@@ -9,10 +9,15 @@ Every verb's ``--format json`` document starts with ``format_version``
   Values are escaped as the Actions runner unescapes them (actions/toolkit
   ``command.ts``): ``%``, CR and LF in the message; also ``:`` and ``,`` in
   properties. A diagnostic without a position (``line`` 0) names no line.
-- SARIF 2.1.0 (OASIS), one run whose rules are the diagnostic codes.
+- SARIF 2.1.0 (OASIS), one run whose rules are the diagnostic codes; a file's
+  ``artifactLocation.uri`` is its name's bytes percent-encoded (RFC 3986), so a
+  name that is not UTF-8 keeps every byte.
 
 JSON never holds NaN or infinities (``allow_nan=False``): a value JSON cannot
-carry is a bug to surface, not a document other parsers reject.
+carry is a bug to surface, not a document other parsers reject. Nor does it hold
+lone surrogates: a file name that is not UTF-8 (a legal name on Linux) reaches
+every document, SARIF's and GitHub's texts as `kvpolicy.policy.errors.shown`
+writes it (``bad\\xff.yaml``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 from urllib.parse import quote
 
-from kvpolicy.policy.errors import Diagnostic
+from kvpolicy.policy.errors import Diagnostic, shown
 
 __all__ = [
     "FORMAT_VERSION",
@@ -47,8 +52,20 @@ def json_document(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def json_text(data: Any) -> str:
-    """2-space indented JSON; raises ValueError on NaN or an infinity instead of writing invalid JSON."""
-    return json.dumps(data, indent=2, allow_nan=False)
+    """2-space indented JSON; raises ValueError on NaN or an infinity instead of writing invalid JSON. Every
+    string is `shown`: a file name that is not UTF-8 would otherwise be a lone surrogate, which strict JSON
+    readers refuse and no UTF-8 stream can carry."""
+    return json.dumps(_shown_strings(data), indent=2, allow_nan=False)
+
+
+def _shown_strings(data: Any) -> Any:
+    if isinstance(data, str):
+        return shown(data)
+    if isinstance(data, dict):
+        return {shown(k) if isinstance(k, str) else k: _shown_strings(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_shown_strings(v) for v in data]
+    return data
 
 
 def _escape_data(text: str) -> str:
@@ -63,22 +80,31 @@ def github_annotations(findings: Iterable[tuple[Severity, Diagnostic]]) -> str:
     """One GitHub Actions workflow command per diagnostic (``::error``, ``::warning``, ``::notice``)."""
     lines = []
     for severity, d in findings:
-        props = [f"file={_escape_property(d.file)}"] if d.file else []
+        props = [f"file={_escape_property(shown(d.file))}"] if d.file else []
         if d.line > 0:
             props.append(f"line={d.line}")
             if d.col > 0:
                 props.append(f"col={d.col}")
-        props.append(f"title={_escape_property(d.code)}")
+        props.append(f"title={_escape_property(shown(d.code))}")
         message = d.message + (f"\nhelp: {d.help}" if d.help else "")
-        lines.append(f"::{_GITHUB_COMMAND[severity]} {','.join(props)}::{_escape_data(message)}")
+        lines.append(f"::{_GITHUB_COMMAND[severity]} {','.join(props)}::{_escape_data(shown(message))}")
     return "\n".join(lines)
+
+
+def _name_bytes(path: str) -> bytes:
+    """The bytes of a file name as the file system holds them (``os.fsencode`` on Linux): those that are not
+    UTF-8 come back from their lone surrogates; any other lone surrogate as UTF-8 would write it."""
+    try:
+        return path.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "surrogatepass")
 
 
 def _sarif_result(severity: Severity, d: Diagnostic) -> dict[str, Any]:
     result: dict[str, Any] = {"ruleId": d.code, "level": severity,
                               "message": {"text": d.message + (f"\nhelp: {d.help}" if d.help else "")}}
     if d.file:
-        where: dict[str, Any] = {"artifactLocation": {"uri": quote(d.file, safe="/-._~")}}  # a URI reference
+        where: dict[str, Any] = {"artifactLocation": {"uri": quote(_name_bytes(d.file), safe="/-._~")}}
         if d.line > 0:
             where["region"] = {"startLine": d.line, **({"startColumn": d.col} if d.col > 0 else {})}
         result["locations"] = [{"physicalLocation": where}]

@@ -46,6 +46,7 @@ conservative or defers to the object:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +57,7 @@ from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.policy.backends import BackendProfile, Dim
-from kvpolicy.policy.connectors import COMPOSITE_CONNECTORS, KNOWN_CONNECTORS, ConnectorConfig
+from kvpolicy.policy.connectors import COMPOSITE_CONNECTORS, KNOWN_CONNECTORS, MAX_CONFIG_DEPTH, ConnectorConfig
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError, input_error
 from kvpolicy.policy.layouts import HeadOrder, LayoutPattern, Placement
@@ -67,6 +68,7 @@ from kvpolicy.policy.ruleset import RuleSet, Source
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = [
+    "KV_TRANSFER_EXTRA",
     "OWN_HEAD_ORDER_WEIGHT",
     "OWN_PREFERENCE_WEIGHT",
     "StartupError",
@@ -77,6 +79,7 @@ __all__ = [
     "decide",
     "has_rules",
     "make_gate",
+    "own_rule_id",
     "use_uniform_kv_cache",
     "vllm_context",
 ]
@@ -281,11 +284,18 @@ def _profile(backend: Any, spec_obj: Any, kind: AttentionKind, release: ReleaseP
 # ---------------------------------------------------------------- connectors
 
 
-def _extra_config(connector: Any) -> dict[str, Any]:
+# Where a connector object's configuration came from, as the operator wrote it (vLLM's --kv-transfer-config).
+KV_TRANSFER_EXTRA = "kv_transfer_config.kv_connector_extra_config"
+
+
+def _extra_config(connector: Any, where: str = KV_TRANSFER_EXTRA) -> dict[str, Any]:
     extra = getattr(connector, "kv_connector_extra_config", None)
     if extra is None:
         extra = getattr(getattr(connector, "_kv_transfer_config", None), "kv_connector_extra_config", None)
-    return dict(extra) if isinstance(extra, Mapping) else {}
+    if extra is not None and not isinstance(extra, Mapping):
+        raise input_error(where, f"`kv_connector_extra_config` must be a mapping, got {type(extra).__name__}",
+                          'e.g. {"enable_cross_layers_blocks": "true"}')
+    return dict(extra or {})
 
 
 def _members(connector: Any) -> list[Any] | None:
@@ -323,21 +333,38 @@ def connector_config(connector: Any) -> ConnectorConfig | None:
     own ``prefer_cross_layer_blocks``, the fact vLLM's gate asks the object: it becomes the rules'
     ``connector.prefers_cross_layer_blocks``. A registered connector's rules model that property
     (conditions included, checked against the release), and a composite's is its members', so the
-    decision is the one ``kvpolicy dry-run`` makes for the same deployment."""
-    if connector is None:
-        return None
+    decision is the one ``kvpolicy dry-run`` makes for the same deployment.
+
+    Every connector's configuration is checked as the CLI's ``--kv-transfer-config`` is
+    (`ConnectorConfig.from_vllm`: what JSON cannot hold, NaN, nesting past `MAX_CONFIG_DEPTH`), and so
+    are the member objects (one that contains itself, or members nested past that depth): an
+    `InputError` located at ``kv_transfer_config.kv_connector_extra_config...``, never a pydantic or
+    recursion error."""
+    return None if connector is None else _connector_config(connector, KV_TRANSFER_EXTRA, ())
+
+
+def _connector_config(connector: Any, where: str, holders: tuple[int, ...]) -> ConnectorConfig:
+    """`connector_config` of one object; ``holders``: the ids of the composites that hold it."""
+    if id(connector) in holders:
+        raise input_error(where, f"MultiConnector `{connector_name(connector)}` is its own member (its members "
+                          "contain each other)", "list each member connector once, none holding its holder",
+                          code="connector-cycle")
+    if len(holders) >= MAX_CONFIG_DEPTH:
+        raise input_error(where, f"MultiConnector members are nested deeper than {MAX_CONFIG_DEPTH} levels",
+                          "list the member connectors in one MultiConnector", code="too-deep")
     name = connector_name(connector)
-    extra = _extra_config(connector)
+    extra = _extra_config(connector, where)
     if name not in COMPOSITE_CONNECTORS:  # only a composite's `connectors` key lists members
         own = name not in KNOWN_CONNECTORS and hasattr(type(connector), "prefer_cross_layer_blocks")
-        return ConnectorConfig(name=name, extra=extra,
-                               prefers_cross_layer_blocks=_own_preference(connector) if own else None)
+        return ConnectorConfig.from_vllm(name, extra, where=where).model_copy(
+            update={"prefers_cross_layer_blocks": _own_preference(connector) if own else None})
     instances = _members(connector)
     if instances is None:  # no live member objects: vLLM's configuration form
-        return ConnectorConfig.from_vllm(name, extra)
+        return ConnectorConfig.from_vllm(name, extra, where=where)
     extra.pop("connectors", None)
-    members = tuple(c for c in (connector_config(m) for m in instances) if c is not None)
-    return ConnectorConfig(name=name, extra=extra, connectors=members)
+    members = tuple(_connector_config(m, f"{where}.connectors[{i}]", (*holders, id(connector)))
+                    for i, m in enumerate(instances) if m is not None)
+    return ConnectorConfig.from_vllm(name, extra, where=where).model_copy(update={"connectors": members})
 
 
 def _own_preferences(connector: Any, out: dict[str, bool] | None = None) -> dict[str, bool]:
@@ -356,8 +383,22 @@ def _own_preferences(connector: Any, out: dict[str, bool] | None = None) -> dict
     return out
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "connector"
+_RULE_ID_MAX: int = next(m.max_length for m in Rule.model_fields["id"].metadata if hasattr(m, "max_length"))
+
+
+def own_rule_id(kind: str, name: str) -> str:
+    """The id of the synthetic rule of ``kind`` (``vllm-own-preference``, ``vllm-own-layout``) standing for
+    connector ``name``: ``kind.<name in lower case>``. A name that does not spell itself so (spaces, dots of
+    a module path, non-ASCII letters) or that would make an id longer than a rule id may be (100: a class
+    name may be 128) is cut and suffixed with 8 hex digits of its hash, so that every name gets a valid id
+    and two names share one only where they differ in case alone (each rule's source names its connector)."""
+    lower = name.lower()
+    slug = re.sub(r"[^a-z0-9._-]+", "-", lower).strip("-") or "connector"
+    rule_id = f"{kind}.{slug}"
+    if slug == lower and len(rule_id) <= _RULE_ID_MAX:
+        return rule_id
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{rule_id[:_RULE_ID_MAX - 9].rstrip('.-')}-{digest}"
 
 
 def has_rules(ruleset: RuleSet, release: ReleaseProfile, name: str) -> bool:
@@ -433,7 +474,7 @@ def _with_own_preferences(ruleset: RuleSet, release: ReleaseProfile, preferences
             pass  # see above: the rule set's global cross-layer preference stands for it
         elif preferences[name]:
             rule = Rule(
-                id=f"vllm-own-preference.{_slug(name)}",
+                id=own_rule_id("vllm-own-preference", name),
                 description=(f"`{name}` has no rules in this rule set; its own prefer_cross_layer_blocks is true, "
                              "so kvpolicy prefers the cross-layer placement for it as vLLM would"),
                 prefer=LayoutPattern(placement=Placement.cross_layer),
@@ -441,7 +482,7 @@ def _with_own_preferences(ruleset: RuleSet, release: ReleaseProfile, preferences
             )
         else:
             rule = Rule(
-                id=f"vllm-own-preference.{_slug(name)}",
+                id=own_rule_id("vllm-own-preference", name),
                 description=(f"`{name}` has no rules in this rule set; its own prefer_cross_layer_blocks is false, "
                              "so vLLM's gate keeps per-layer buffers for it, and so does kvpolicy"),
                 forbid=LayoutPattern(placement=Placement.cross_layer),
@@ -452,7 +493,7 @@ def _with_own_preferences(ruleset: RuleSet, release: ReleaseProfile, preferences
         if len(orders) == 1:  # two objects of one name asking for different ones: vLLM refuses before the gate
             order = HeadOrder(next(iter(orders)))
             entries.append((Rule.model_validate({
-                "id": f"vllm-own-layout.{_slug(name)}",
+                "id": own_rule_id("vllm-own-layout", name),
                 "description": (f"`{name}` has no rules in this rule set; its get_required_kvcache_layout asks for "
                                 f"{order.value}, which vLLM's get_kv_cache_layout() uses when VLLM_KV_CACHE_LAYOUT "
                                 "is unset, and so does kvpolicy"),
@@ -493,7 +534,7 @@ def vllm_context(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
         if not subgroups:
             raise input_error(f"attn_groups[{i}]", "a KV cache group without attention groups", code="no-kv-cache")
         spec_obj = subgroups[0].kv_cache_spec
-        num_layers = sum(len(getattr(g, "layer_names", None) or ()) for g in subgroups) or len(subgroups)
+        num_layers = sum(_layer_count(g, f"attn_groups[{i}]") for g in subgroups) or len(subgroups)
         spec = _spec(spec_obj, num_layers, cache_dtype)
         built.append((KVCacheGroup(spec=spec, num_attention_groups=len(subgroups)), subgroups[0].backend, spec_obj))
     groups = KVCacheGroups(groups=tuple(g for g, _, _ in built))
@@ -502,6 +543,17 @@ def vllm_context(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *,
     return build_context(groups=groups, attention_backend=_profile(backend, spec_obj, group.spec.kind, release),
                          connector=connector_config(transfer_group), vllm_kv_cache_layout=vllm_kv_cache_layout,
                          vllm_version=release)
+
+
+def _layer_count(group: Any, where: str) -> int:
+    """How many layers an attention group holds: its ``layer_names`` (vLLM's list), 0 when it has none."""
+    names = getattr(group, "layer_names", None)
+    if names is None:
+        return 0
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise input_error(f"{where}.layer_names", f"`layer_names` must be a list of layer names, got "
+                          f"{type(names).__name__}", code="unknown-spec")
+    return len(names)
 
 
 def decide(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, *, engine: LayoutEngine | None = None,
@@ -619,7 +671,14 @@ def check_cross_layer(decision: Decision) -> None:
 def _gate_decision(attn_groups: Sequence[Sequence[Any]], transfer_group: Any, engine: LayoutEngine | None,
                    cache_dtype: str | None, vllm_kv_cache_layout: str | None = None) -> Decision | None:
     """`decide`, or None (and a warning) when kvpolicy cannot describe the KV cache; `StartupError` for a
-    cross-layer decision vLLM cannot allocate (`check_cross_layer`)."""
+    cross-layer decision vLLM cannot allocate (`check_cross_layer`) and for a connector configuration the
+    rules cannot read (`connector_config`: the operator's to fix, refused as the CLI refuses it)."""
+    try:
+        connector_config(transfer_group)
+    except InputError as exc:
+        raise StartupError("kvpolicy: the KV connector's configuration cannot be read as the rules read it; "
+                           "vLLM must not start (fix kv_transfer_config, or unset KVPOLICY_RULES to let vLLM "
+                           "decide):", exc.diagnostics) from None
     try:
         decision = decide(attn_groups, transfer_group, engine=engine, cache_dtype=cache_dtype,
                           vllm_kv_cache_layout=vllm_kv_cache_layout)
@@ -645,7 +704,9 @@ def use_uniform_kv_cache(attn_groups: Sequence[Sequence[Any]], transfer_group: A
     None when no connector is configured. True exactly when the decision's
     placement is ``cross_layer``. A KV cache kvpolicy cannot describe gets
     False (per-layer buffers) and a warning; rules that leave no layout raise
-    `NoLayoutError`, since the operator's policy forbids every layout.
+    `NoLayoutError`, since the operator's policy forbids every layout; a connector
+    configuration the rules cannot read (a set, NaN, members that contain each
+    other...) raises `StartupError` located at its ``kv_transfer_config`` field.
     """
     decision = _gate_decision(attn_groups, transfer_group, engine, cache_dtype, vllm_kv_cache_layout)
     return decision is not None and decision.layout.placement is Placement.cross_layer

@@ -106,9 +106,14 @@ class PluginError(PolicyError, RuntimeError):
     """The plugin's configuration is wrong (a profile that does not fit the running vLLM); start-up stops."""
 
 
+def _cut(value: str) -> str:
+    """A setting as messages show it: whole up to 60 characters, else its start and its length."""
+    return value if len(value) <= 60 else f"{value[:40]}... ({len(value)} characters)"
+
+
 def _setting_error(variable: str, value: str, message: str, help: str) -> PluginError:
     """A `PluginError` located at the environment variable that holds the wrong setting."""
-    return PluginError(f"kvpolicy: {variable}={value!r} is not a valid setting; vLLM must not start:",
+    return PluginError(f"kvpolicy: {variable}={_cut(value)!r} is not a valid setting; vLLM must not start:",
                        [Diagnostic(variable, 0, 0, "invalid-setting", message, help)])
 
 
@@ -179,7 +184,7 @@ def pick_profile(version: str, forced: str | None = None, variable: str = ENV_VE
         try:
             return resolve_profile(forced)[0]
         except PolicyError:
-            raise _setting_error(variable, forced, f"`{forced}` names no kvpolicy release profile",
+            raise _setting_error(variable, forced, f"`{_cut(forced)}` names no kvpolicy release profile",
                                  f"profiles: {known_profiles()}; a version of a profiled X.Y series (0.28.1) "
                                  f"takes that series' profile; or unset {variable} to pick the running vLLM's "
                                  "profile") from None
@@ -209,8 +214,21 @@ def _unprofiled(version: str) -> Diagnostic:
 def _rules_paths(rules: str) -> list[Path]:
     """``KVPOLICY_RULES`` as absolute paths (``os.pathsep``-separated, bottom layer first): a relative
     one is resolved against this process's working directory, so every message (and every vLLM
-    process's log) names the directory actually read."""
-    return [Path(r).expanduser().absolute() for r in rules.split(os.pathsep) if r.strip()]
+    process's log) names the directory actually read. A ``~user`` of no known user, or a NUL byte
+    (which no path can hold), is a `PluginError` at the variable."""
+    if "\0" in rules:
+        raise _setting_error(ENV_RULES, rules, "holds a NUL byte, which no path can hold",
+                             f"set it to `{SHIPPED}` or to rule directories separated by `{os.pathsep}`")
+    paths = []
+    for r in rules.split(os.pathsep):
+        if not r.strip():
+            continue
+        try:
+            paths.append(Path(r).expanduser().absolute())
+        except RuntimeError:  # Path.expanduser: no home directory for `~user`
+            raise _setting_error(ENV_RULES, rules, f"`{_cut(r)}` starts with `~` but names no user's home directory",
+                                 "write the directory's absolute path") from None
+    return paths
 
 
 def _rules_path(rules: str) -> str:

@@ -35,7 +35,7 @@ never falls back silently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -43,13 +43,14 @@ from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.integrations.vllm import (
     _MODEL_DTYPES,
+    KV_TRANSFER_EXTRA,
     StartupError,
     _dtype_name,
     _kind,
     _kv_cache_dtype,
-    _slug,
     attention_fields,
     has_rules,
+    own_rule_id,
 )
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.policy.backends import BackendProfile, packed_backend
@@ -107,6 +108,9 @@ def worker_candidates(release: ReleaseProfile, supported_layouts: Sequence[Seque
                           code="no-supported-layouts")
     reports = []
     for i, names in enumerate(supported_layouts):
+        if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+            raise input_error(f"supported_layouts[{i}]", f"worker {i} reported `{str(names)[:40]}`, not a list of "
+                              "layout names", code="unknown-layout")
         if not names:
             raise input_error(f"supported_layouts[{i}]", f"worker {i} reported no supported KV cache layouts",
                               code="no-supported-layouts")
@@ -218,13 +222,20 @@ def _enum_name(value: Any) -> str | None:
 
 
 def _connector(vllm_config: Any) -> ConnectorConfig | None:
+    """The configured connector (None without one), checked as the CLI's ``--kv-transfer-config`` is
+    (`ConnectorConfig.from_vllm`); what it cannot read is an `InputError` at the field."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     name = getattr(ktc, "kv_connector", None)
-    if ktc is None or not isinstance(name, str) or not name:
+    if ktc is None or name is None:
         return None
+    if not isinstance(name, str) or not name:
+        raise input_error("kv_transfer_config.kv_connector", f"`kv_connector` must be a connector name, got "
+                          f"`{name!r}`")
     extra = getattr(ktc, "kv_connector_extra_config", None)
-    return ConnectorConfig.from_vllm(name, dict(extra) if isinstance(extra, dict) else None,
-                                     where="kv_transfer_config.kv_connector_extra_config")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise input_error(KV_TRANSFER_EXTRA, f"`kv_connector_extra_config` must be a mapping, got "
+                          f"{type(extra).__name__}")
+    return ConnectorConfig.from_vllm(name, None if extra is None else dict(extra), where=KV_TRANSFER_EXTRA)
 
 
 def _backend(release: ReleaseProfile, vllm_config: Any, mla: bool, candidates: tuple[Layout, ...],
@@ -332,7 +343,7 @@ def _with_connector_layouts(ruleset: RuleSet, wanted: dict[str, Layout]) -> Rule
     entries = [(r.rule, r.source, r.scope) for r in ruleset.rules]
     for name, layout in sorted(wanted.items()):
         rule = Rule.model_validate({
-            "id": f"vllm-own-layout.{_slug(name)}"[:100],
+            "id": own_rule_id("vllm-own-layout", name),
             "description": (f"`{name}` has no rules in this rule set; vLLM's get_required_kvcache_layout "
                             f"asks for {layout}, so kvpolicy prefers it as vLLM would"),
             "when": {"field": "env.VLLM_KV_CACHE_LAYOUT", "exists": False},

@@ -31,7 +31,7 @@ from kvpolicy.engine.decide import BACKEND_GEOMETRY, RELEASE_CANDIDATES
 from kvpolicy.engine.inputs import build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
-from kvpolicy.policy.errors import Diagnostic, PolicyError
+from kvpolicy.policy.errors import Diagnostic, PolicyError, shown_file
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layouts import Layout, LayoutName, LayoutPattern
 from kvpolicy.policy.load import RULE_FILE_SUFFIXES
@@ -283,7 +283,7 @@ class LoadedCase:
 
     @property
     def location(self) -> str:
-        return f"{self.file}:{self.line}"
+        return f"{shown_file(self.file)}:{self.line}"  # one line of valid text, whatever the file's name
 
     @property
     def base_dir(self) -> Path:

@@ -8,9 +8,13 @@ the loader parses them, CUDA capabilities as the loader reads them.
 
 Loader-only (docs/cli.md): duplicate case names, rule ids that must exist in
 the rule set, ``backend`` and ``attention_backend`` naming different backends
-(JSON Schema cannot compare two values), and everything `kvpolicy test` finds
-when it builds the input (an unknown backend or dtype is a case's business:
-``expect: {error: ...}`` may test exactly that).
+(JSON Schema cannot compare two values), an integer literal past 64 bits inside
+the free-form mappings (``spec``, ``connector_config``, ...) and for
+``device_capability`` (the float of that value is the same JSON number, and
+accepted there), and everything `kvpolicy test` finds when it
+builds the input (an unknown backend or dtype is a case's business:
+``expect: {error: ...}`` may test exactly that). Integer keys are bounded to 64
+bits as the loader reads them, and patterns hold for the whole text.
 """
 
 from __future__ import annotations
@@ -22,14 +26,14 @@ from pydantic import BaseModel
 
 from kvpolicy.engine.policy_tests.cases import CaseFile, CaseInput, Expect, GroupInput, PolicyCase
 from kvpolicy.policy.backends import ScaleViews
-from kvpolicy.policy.json_schema import DRAFT, layout_names, layout_pattern_schema
+from kvpolicy.policy.json_schema import DRAFT, INT64_BOUNDS, layout_names, layout_pattern_schema, whole_pattern
 
 __all__ = ["CASE_FILE_ID", "case_file_schema"]
 
 CASE_FILE_ID = "urn:kvpolicy:policy-test-file:1"  # stable: editors and CI pin it
 
 # `parse_device_capability`: ASCII digits, major 1..99, an optional `.minor`.
-_CAPABILITY = r"^0*[1-9][0-9]?(\.[0-9]*)?$"
+_CAPABILITY = whole_pattern(r"^0*[1-9][0-9]?(\.[0-9]*)?$")
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -66,7 +70,7 @@ def _input() -> dict[str, Any]:
         "spec": _or_null(mapping),
         "groups": _or_null({"type": "array", "minItems": 1, "items": _ref("GroupInput")}),
         "kv_cache_dtype": _or_null(string),
-        "block_size": _or_null({"type": "integer", "exclusiveMinimum": 0}),
+        "block_size": _or_null({"type": "integer", "exclusiveMinimum": 0, "maximum": INT64_BOUNDS["maximum"]}),
         "attention_backend": _or_null(string),
         "backend": _or_null(string),
         "worker_attention_backends": _or_null({"type": "array", "items": {"type": "array", "items": string}}),
@@ -74,14 +78,14 @@ def _input() -> dict[str, Any]:
         "connector": _or_null(string),
         "connector_config": _or_null(mapping),
         "kv_transfer_config": _or_null(mapping),
-        "tensor_parallel_size": {"type": "integer", "minimum": 1},
+        "tensor_parallel_size": {"type": "integer", "minimum": 1, "maximum": INT64_BOUNDS["maximum"]},
         "vllm_version": _or_null({"type": "string", "minLength": 1}),
         "vllm_kv_cache_layout": _or_null(string),
         "enable_extensible_kv_cache": {"type": "boolean"},
         "hisparse": {"type": "boolean"},
         "device": _or_null({"enum": ["cuda", "cpu"]}),
         "device_capability": _or_null({"anyOf": [
-            {"type": "integer"},
+            {"type": "integer"},  # past 64 bits: as a float it is accepted, as an integer literal not (loader-only)
             {"type": "number", "minimum": 1, "maximum": sys.float_info.max},  # finite, >= 1: its major
             {"type": "string", "pattern": _CAPABILITY}]}),
         "use_v2_model_runner": {"type": "boolean"},
@@ -131,7 +135,8 @@ def case_file_schema() -> dict[str, Any]:
                                                "input": _ref("CaseInput"), "expect": _ref("Expect")}),
             "CaseInput": _input(),
             "GroupInput": _object(GroupInput, {"spec": {"type": "object"},
-                                               "num_attention_groups": {"type": "integer", "minimum": 1},
+                                               "num_attention_groups": {"type": "integer", "minimum": 1,
+                                                                        "maximum": INT64_BOUNDS["maximum"]},
                                                "dcp_sharded": {"type": "boolean"}}),
             "Expect": _expect(),
             "LayoutPattern": layout_pattern_schema(),

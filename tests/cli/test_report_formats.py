@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from urllib.parse import unquote_to_bytes
 
 import jsonschema
 import pytest
@@ -12,7 +14,7 @@ from cli_capture import cli
 
 from kvpolicy.engine.cli.main import main
 from kvpolicy.engine.cli.report_formats import FORMAT_VERSION, github_annotations, json_text, sarif_log
-from kvpolicy.policy.errors import Diagnostic
+from kvpolicy.policy.errors import Diagnostic, shown, shown_file
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "rules" / "issue-48412"
@@ -188,3 +190,120 @@ def test_lint_sarif(no_pth: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_text_only_verbs_refuse_ci_formats(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["dry-run", "--format", "sarif"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- legal but awkward file names
+
+# Linux file names are bytes: any but NUL and `/`. Python holds those that are not UTF-8 as lone surrogates
+# (PEP 383), which a UTF-8 stdout refuses: `validate --format sarif` was a UnicodeEncodeError traceback and
+# `--format github` exited 1 on clean rules. Newlines, `%`, `:` and `,` are what the formats must escape.
+AWKWARD = {"not UTF-8": b"bad\xff\xfe", "newline": b"new\nline", "percent": b"p%41ct%", "colon": b"co:lon",
+           "comma": b"com,ma", "space": b"sp ace"}
+_TWICE = ("version: 1\nrules:\n  - id: site-no-cross\n    description: a site rule\n"
+          "    forbid: {placement: cross_layer}\n  - id: site-no-cross-again\n    description: the same again\n"
+          "    forbid: {placement: cross_layer}\n")
+_BROKEN = "version: 1\nrules:\n  - id: site-bad\n    descriptio: typo\n    forbid: {placement: cross_layer}\n"
+_CASE = ("version: 1\ncases:\n  - name: a case that fails\n    input:\n      spec: {num_layers: 32, block_size: 16, "
+         "num_kv_heads: 8, head_size: 128}\n      backend: FLASH_ATTN\n    expect:\n      layout: cross_layer/NHD\n")
+_V = ("--vllm-version", "issue-48412")
+
+
+def _awkward_dir(tmp_path: Path, name: bytes, text: str) -> tuple[str, str]:
+    """``<tmp>/dir-<name>/<name>.yaml`` holding ``text`` and ``tests/<name>.yaml`` a failing case; returns the
+    directory and the rule file as the CLI takes and names them (relative to the working directory)."""
+    directory = b"dir-" + name
+    os.makedirs(os.path.join(os.fsencode(tmp_path), directory, b"tests"))
+    for path, content in ((os.path.join(directory, name + b".yaml"), text),
+                          (os.path.join(directory, b"tests", name + b".yaml"), _CASE)):
+        with open(os.path.join(os.fsencode(tmp_path), path), "wb") as f:
+            f.write(content.encode())
+    return os.fsdecode(directory), os.fsdecode(os.path.join(directory, name + b".yaml"))
+
+
+def _github_unescape(value: str) -> str:
+    """A property as the Actions runner unescapes it (actions/toolkit command.ts)."""
+    for escaped, char in (("%2C", ","), ("%3A", ":"), ("%0A", "\n"), ("%0D", "\r"), ("%25", "%")):
+        value = value.replace(escaped, char)
+    return value
+
+
+@pytest.mark.parametrize("verb", ["validate", "lint"])
+@pytest.mark.parametrize("fmt", ["text", "json", "sarif", "github"])
+@pytest.mark.parametrize("name", AWKWARD, ids=list(AWKWARD))
+@pytest.mark.parametrize("broken", [False, True], ids=["clean", "broken"])
+def test_a_rule_file_of_any_legal_name_is_reported_in_every_format(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], verb: str, fmt: str,
+        name: str, broken: bool) -> None:
+    """capsys's stdout is strict UTF-8, as Python's is under a UTF-8 locale: the output is written, the exit
+    code is the one a plain name gets, and the file is named as each format names it (`shown` text; SARIF's
+    URI from the name's bytes; GitHub's property escaped as the runner unescapes it)."""
+    monkeypatch.chdir(tmp_path)
+    directory, file = _awkward_dir(tmp_path, AWKWARD[name], _BROKEN if broken else _TWICE)
+    code, out, err = cli(capsys, verb, directory, *_V, "--format", fmt)
+    assert code == (1 if broken else 0) and "Traceback" not in err
+    at = [(f"{file}", 3, 5, "missing-key"), (file, 4, 5, "unknown-key")] if broken else [(file, 3, 0, None),
+                                                                                           (file, 6, 0, None)]
+    if verb == "validate" and not broken:
+        at = []  # clean rules: validate names no file
+    if fmt == "text":
+        lines = (out + err).splitlines()
+        for path, line, col, code_ in at:  # one line per finding, starting with its location
+            start = f"{shown_file(path)}:{line}" + (f":{col}: error[{code_}]" if code_ else ": note[")
+            assert any(text.startswith(start) for text in lines), start
+    elif fmt == "json":
+        doc = json.loads(out)
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")  # no lone surrogate in any string
+        sources = [f["rule"]["source"].rsplit(":", 1) for f in doc.get("findings", []) if f.get("rule")]
+        found = ({(d["file"], d["line"]) for d in doc["error"]["diagnostics"]} if broken else
+                 {(path, int(line)) for path, line in sources})
+        # a diagnostic's `file` is the name (`shown`); a rule's `source` a location, one line (`shown_file`)
+        assert found >= {((shown if broken else shown_file)(path), line) for path, line, _, _ in at}
+    elif fmt == "sarif":
+        log = json.loads(out)
+        jsonschema.validate(log, SARIF_REQUIRED)
+        uris = {unquote_to_bytes(loc["physicalLocation"]["artifactLocation"]["uri"])
+                for r in log["runs"][0]["results"] for loc in r.get("locations", [])}
+        assert {os.fsencode(path) for path, *_ in at} <= uris  # every byte of the name, percent-encoded
+    else:
+        files = []
+        for command in out.splitlines():
+            assert command.startswith("::") and "::" in command[2:], command
+            props = command[2:].split("::", 1)[0].split(" ", 1)[1]
+            files += [_github_unescape(p[5:]) for p in props.split(",") if p.startswith("file=")]
+        assert {shown(path) for path, *_ in at} <= set(files)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+@pytest.mark.parametrize("name", AWKWARD, ids=list(AWKWARD))
+def test_test_dry_run_and_diff_name_any_legal_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str], fmt: str, name: str) -> None:
+    """The verbs that print rule sources and case locations: a failing case (exit 1), a decision's explanation
+    and a diff, each naming the file as a location shows it, on one line."""
+    monkeypatch.chdir(tmp_path)
+    directory, file = _awkward_dir(tmp_path, AWKWARD[name], _TWICE)
+    case = os.path.join(directory, "tests", os.path.basename(file))
+    for argv, expected in ((["test", "--rules", directory, os.path.join(directory, "tests")], 1),
+                           (["dry-run", "--rules", directory], 0),
+                           (["diff", str(RULES), directory], 1)):  # exit 1: decisions change
+        code, out, err = cli(capsys, *argv, *_V, "--format", fmt)
+        assert code == expected and "Traceback" not in err, (argv, err)
+        if fmt == "json":
+            text = json.dumps(json.loads(out), ensure_ascii=False)
+            text.encode("utf-8")
+            assert (json.dumps(shown_file(case))[1:-1] if argv[0] == "test" else
+                    json.dumps(f"{shown_file(file)}:3")[1:-1]) in text
+        else:
+            assert any((f"FAIL {shown_file(case)}:3: a case that fails" if argv[0] == "test" else
+                        f"{shown_file(file)}:3") in line for line in out.splitlines())
+
+
+def test_shown_writes_only_what_no_output_could_carry() -> None:
+    name = os.fsdecode(b"bad\xff.yaml")  # as os.listdir returns it
+    assert shown(name) == "bad\\xff.yaml" and shown("\ud800x") == "\\ud800x"
+    assert shown("sp ace é,%:.yaml") == "sp ace é,%:.yaml" and shown("new\nline") == "new\nline"
+    assert shown_file("new\nline\t\x1b.yaml") == "new\\nline\\t\\x1b.yaml" and shown_file(name) == "bad\\xff.yaml"
+    d = Diagnostic(name, 3, 5, "c", "m")
+    assert d.render() == "bad\\xff.yaml:3:5: error[c]: m"
+    assert github_annotations([("error", d)]).startswith("::error file=bad\\xff.yaml,line=3,col=5,")
+    [result] = sarif_log([("error", d)], tool_version="0")["runs"][0]["results"]
+    assert result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "bad%FF.yaml"

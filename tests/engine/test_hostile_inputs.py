@@ -625,3 +625,25 @@ def test_api_deep_or_cyclic_connector_config_is_an_error() -> None:
         with pytest.raises(InputError) as info:
             engine.decide(spec=_SPEC, connector=name, connector_config=config)
         assert info.value.diagnostics[0].code == "too-deep"
+
+
+@pytest.mark.parametrize(("digits", "message"), [(26, "an integer of 84 bits, outside the 64-bit range"),
+                                                 (5000, "the JSON holds an integer too long to read")])
+def test_cli_connector_config_integers_past_64_bits_are_refused_said_so(capsys: pytest.CaptureFixture[str],
+                                                                        digits: int, message: str) -> None:
+    """Past 4,300 digits Python cannot even print the number (a decision's explanation raised ValueError); past
+    64 bits the plugin refuses it as well (kvpolicy.policy.connectors.check_extra_config)."""
+    from kvpolicy.engine.cli.main import main
+
+    assert main(["dry-run", "--vllm-version", "0.34.0", "--connector", "NixlConnector",
+                 "--connector-config", '{"a": ' + "1" * digits + "}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err) < 2000, err[-300:]
+
+
+def test_cli_a_version_too_long_to_convert_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpolicy.engine.cli.main import main
+
+    assert main(["validate", "--vllm-version", "0." + "9" * 5000]) == 2
+    err = capsys.readouterr().err
+    assert "error[unknown-vllm-version]" in err and "(5002 characters)" in err and "Traceback" not in err

@@ -25,6 +25,7 @@ from kvpolicy.engine.cli.schema import case_file_schema, rule_file_schema
 from kvpolicy.engine.policy_tests import PolicyTestError, load_cases
 from kvpolicy.policy.context import FIELDS
 from kvpolicy.policy.errors import RuleLoadError
+from kvpolicy.policy.json_schema import LOADER_ONLY_CHECKS
 from kvpolicy.policy.layouts import LEGACY_NAMES, Layout, LayoutPattern
 from kvpolicy.policy.load import load_rules_from_texts
 from kvpolicy.policy.rule_model import OPERATORS
@@ -49,6 +50,11 @@ LOADER_ONLY = {
                                             "near miss of a known one (edit distance) is the loader's to judge",
     "loader-only-duplicate-case-name": "uniqueness of one key across list items (`uniqueItems` compares whole items)",
     "loader-only-backend-alias-differs": "comparing two values (`backend` vs `attention_backend`, case-insensitive)",
+    "loader-only-integer-past-64-bits-in-spec": "an integer literal past 64 bits in a free-form mapping (`spec`): "
+                                                "JSON has one number type, so it is the float 9.2e18",
+    "loader-only-duplicate-rule-id-in-file": "uniqueness of one key across list items, in one file as across files",
+    "loader-only-integer-past-64-bits-for-a-number": "an integer literal past 64 bits where any number may stand: "
+                                                     "JSON has one number type, so it is the float 9.2e18",
 }
 
 # An unknown connector name is an error today and a "did you mean" warning once any connector may have
@@ -326,3 +332,84 @@ def test_editors_are_pointed_at_the_mistake(stem: str, path: list[Any], says: st
     data = yaml.safe_load((CORPUS / "global" / f"{stem}.yaml").read_text())
     best = jsonschema.exceptions.best_match(RULES.iter_errors(data))
     assert list(best.absolute_path) == path and says in best.message
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated documents the schema accepts: each loads, or fails only with a listed loader-only check
+
+
+def _edits(value: Any) -> list[Any]:
+    """What a hostile writer puts in place of ``value``: integers at and past 64 bits, floats of integers,
+    strings with a newline (before, inside, after), control characters, blanks, case changes, a list with an
+    item twice or a layout named twice by its alias, nulls and empties."""
+    out: list[Any] = [None, True, 0, -1, 2**63 - 1, 2**63, -(2**63) - 1, 10**30, 1e300, -0.0, "", "x"]
+    if isinstance(value, str):
+        out += [value + "\n", "\n" + value, value[:1] + "\n" + value[1:], value + " ", value + "\t",
+                value + "\x07", value + "\x85", value.upper(), value.lower(), value + "\u00e9", value * 40]
+    if isinstance(value, int) and not isinstance(value, bool):
+        out += [float(value), value + 2**64]
+    if isinstance(value, list) and value:
+        out += [value + value[:1], [*value, "per_layer/HND", "LBHNC"], [], value[::-1]]
+    if isinstance(value, dict):
+        out += [{}, {**value, "x": 1}]
+    return out
+
+
+def _nodes(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    out = [(path, doc)] if path else []
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, child in items:
+        out += _nodes(child, (*path, key))
+    return out
+
+
+def _replaced(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
+    doc = json.loads(json.dumps(doc))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return doc
+
+
+@st.composite
+def edited_documents(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A valid document (`rule_documents`) with one to three values replaced by hostile ones (`_edits`),
+    or a rule repeated, or a connector file's `connector` replaced."""
+    name, doc = draw(rule_documents())
+    for _ in range(draw(st.integers(1, 3))):
+        nodes = _nodes(doc)
+        path, value = draw(st.sampled_from(nodes))
+        doc = _replaced(doc, path, draw(st.sampled_from(_edits(value))))
+    return name, doc
+
+
+def _loader_only(code: str, message: str) -> bool:
+    return any(check.covers(code, message) for check in LOADER_ONLY_CHECKS)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(edited_documents())
+def test_any_document_the_schema_accepts_loads_or_fails_only_a_loader_only_check(
+        named: tuple[str, dict[str, Any]]) -> None:
+    """What an editor or CI validating against docs/rule-file.schema.json passes, `kvpolicy validate` passes
+    too, but for the checks JSON Schema cannot express (`LOADER_ONLY_CHECKS`, listed in docs/cli.md). The
+    schema accepted a rule id or a connector name ending in a newline (Python's `$`), integers past 64 bits
+    for integer fields, and a layout listed twice in `layout_order` by its alias."""
+    name, doc = named
+    text = yaml.safe_dump(doc, allow_unicode=True, sort_keys=False)
+    data = yaml.safe_load(text)
+    if _schema_errors(RULES, data):
+        return
+    try:
+        load_rules_from_texts({name: text})
+    except RuleLoadError as exc:
+        unlisted = [d for d in exc.diagnostics if not _loader_only(d.code, d.message)]
+        assert not unlisted, f"the schema accepts what the loader refuses: {[d.render() for d in unlisted]}"
+
+
+def test_every_loader_only_check_is_documented() -> None:
+    text = (ROOT / "docs" / "cli.md").read_text()
+    listed = text[text.index("Only `kvpolicy validate` checks"):text.index("The policy test schema refuses")]
+    for check in LOADER_ONLY_CHECKS:
+        assert f"`{check.code}`" in listed, check
