@@ -41,6 +41,7 @@ shared part of its context and its connector's part, never copied per input.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -48,6 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS, Cut, SizeCost, plan_cut, tier_of_override
 from kvpolicy.engine.decide import Scope, connector_rules_for
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.plan import DECIDED_NOT_PLANNED, plan_layout
@@ -55,7 +57,7 @@ from kvpolicy.policy.backends import BackendProfile, ScaleViews, packed_backend
 from kvpolicy.policy.conditions import leaf_predicate, leaves_of
 from kvpolicy.policy.connectors import ConnectorConfig
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, MISSING, Context, VllmOptions
-from kvpolicy.policy.errors import PolicyError
+from kvpolicy.policy.errors import PolicyError, input_error
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import KV_CACHE_DTYPES
 from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile
@@ -369,6 +371,7 @@ class Space:
     dimensions: dict[str, list[str]] = field(default_factory=dict)
     stands_for: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     left_out: dict[str, list[str]] = field(default_factory=dict)
+    cut: Cut | None = None  # how the space was bounded, when it was (`kvpolicy.engine.analysis.budget`)
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -382,11 +385,14 @@ class Space:
         text = f"{len(self.inputs)} inputs of `{self.profile.name}` ({dims})"
         for what, items in self.left_out.items():
             text += f"; left out {len(items)} {what}: {', '.join(items)}"
+        if self.cut is not None:
+            text += f"; {self.cut.describe()}"
         return text
 
     def to_dict(self) -> dict[str, Any]:
         return {"profile": self.profile.name, "size": len(self.inputs), "dimensions": self.dimensions,
-                "stands_for": self.stands_for, "left_out": self.left_out}
+                "stands_for": self.stands_for, "left_out": self.left_out,
+                "cut": self.cut.to_dict() if self.cut is not None else None}
 
 
 def _names_any(conn: ConnectorConfig | None, names: Sequence[str]) -> bool:
@@ -568,13 +574,19 @@ def build_space(
     scale_views: Sequence[ScaleViews] | None = None,
     backends: Sequence[str] | None = None,
     kv_cache_dtypes: Sequence[str] | None = None,
+    max_inputs: int = DEFAULT_MAX_INPUTS,
 ) -> Space:
     """The space of ``vllm_version``'s profile (default: the default profile) that ``rulesets`` read.
 
     ``scale_views`` overrides the backends' own strategy (a what-if: the
     released backends build stride-aware views, the #48412 state did not);
-    ``backends`` and ``kv_cache_dtypes`` restrict those dimensions.
+    ``backends`` and ``kv_cache_dtypes`` restrict those dimensions. At most
+    ``max_inputs`` inputs are built; past that the space is cut as
+    `kvpolicy.engine.analysis.budget` says, and ``Space.cut`` tells how.
     """
+    if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or max_inputs < 1:
+        raise input_error("max_inputs", f"`max_inputs` must be a positive int, got `{max_inputs!r:.40}`",
+                          f"pass the most inputs the space may hold (default {DEFAULT_MAX_INPUTS})")
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     profile = get_profile(vllm_version)
     leaves = _Leaves(sets)
@@ -644,24 +656,47 @@ def build_space(
     arounds = {_size_label(o): around(o) for mla in (False, True) for o in sizes[mla] if o}
     thin_done: set[tuple[Any, ...]] = set()
 
+    # What each backend decides over (the loop below skips the rest), and the group shapes of each spec.
+    caps = {name: _capabilities(profile, name, leaves) for name in names}
+    kv_for: dict[str, list[tuple[AttentionKind, str]]] = {}
     for name in names:
         facts = profile.backends[name]
+        kv_for[name] = []
+        for kind, dtype in pairs[facts.mla]:
+            if facts.kv_cache_dtypes is not None and dtype not in facts.kv_cache_dtypes:
+                continue
+            spec = _spec(kind, dtype)
+            if not _plannable(profile.backend(name), spec):
+                if f"{name}/{dtype}" not in unplanned:
+                    unplanned.append(f"{name}/{dtype}")
+                continue
+            kv_for[name].append((kind, dtype))
+            if (kind, dtype) not in shapes:  # a Mamba spec stands for a model of Mamba layers only
+                own = ("1x1",) if kind is AttentionKind.mamba else group_shapes
+                shapes[(kind, dtype)] = list(_distinct(own, lambda s, spec=spec: leaves.signature(
+                    {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
+    # how many of vLLM's option combinations each connector pairs with (HiSparse splits them), over all or the first
+    member_sets = {wide: [{id(m) for m in members} for combo in (combos if wide else combos[:1])
+                          for _, members in conns_by_hisparse(combo[2])] for wide in (True, False)}
+    weights = {wide: tuple(sum(id(c) in ids for ids in member_sets[wide]) for c in conns) for wide in (True, False)}
+    sizes, conns, cut = _bounded(sizes, conns, max_inputs, caps, kv_for, shapes, len(strategies), weights,
+                                 arounds, profile)
+    with_hisparse = [c for c in conns if derived and _names_any(c.config, derived)]
+    without = [c for c in conns if c not in with_hisparse]
+    stopped = False
+
+    for name in names:
+        if stopped:
+            break
+        facts = profile.backends[name]
         own_views = profile.backend(name).scale_views
-        for strategy, cap in itertools.product(strategies, _capabilities(profile, name, leaves)):
+        for strategy, cap in itertools.product(strategies, caps[name]):
             views = (strategy or own_views).value
-            for kind, dtype in pairs[facts.mla]:
-                if facts.kv_cache_dtypes is not None and dtype not in facts.kv_cache_dtypes:
-                    continue
+            for kind, dtype in kv_for[name]:
                 spec = _spec(kind, dtype)
-                if not _plannable(profile.backend(name), spec):
-                    if f"{name}/{dtype}" not in unplanned:
-                        unplanned.append(f"{name}/{dtype}")
-                    continue
-                if (kind, dtype) not in shapes:  # a Mamba spec stands for a model of Mamba layers only
-                    own = ("1x1",) if kind is AttentionKind.mamba else group_shapes
-                    shapes[(kind, dtype)] = list(_distinct(own, lambda s, spec=spec: leaves.signature(
-                        {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
                 for shape, over in itertools.product(shapes[(kind, dtype)], sizes[facts.mla]):
+                    if stopped:
+                        break
                     size_label = _size_label(over)
                     allowed, wide = arounds[size_label] if over else (None, "kv groups options")
                     if allowed is not None and not allowed:
@@ -713,8 +748,14 @@ def build_space(
                                 ((("use_v2_model_runner", "true"),) if combo[3] else ())
                             core = _Core(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
                                          geometry)
-                            inputs += [AnalysisInput(core, c) for c in members
-                                       if allowed is None or id(c) in allowed]
+                            batch = [AnalysisInput(core, c) for c in members if allowed is None or id(c) in allowed]
+                            if len(inputs) + len(batch) > max_inputs:  # tier 0 alone is over the bound
+                                inputs += batch[: max_inputs - len(inputs)]
+                                stopped = True
+                                break
+                            inputs += batch
+                        if stopped:
+                            break
                     seen("kv_cache_dtype", dtype)
                     seen("sizes", size_label)
                     seen("kind", kind.value)
@@ -734,7 +775,52 @@ def build_space(
         left_out["size variants no spec of that kind can have"] = invalid
     for message, where in refused.items():
         left_out[f"inputs the release refuses ({message})"] = where
-    return Space(profile, inputs, out_dims, stands, left_out)
+    cut = dataclasses.replace(cut, stopped=stopped)
+    told = stopped or cut.size_variants_left_out or cut.connectors_left_out
+    return Space(profile, inputs, out_dims, stands, left_out, cut if told else None)
+
+
+def _bounded(sizes: dict[bool, list[dict[str, Any]]], conns: list[_Conn], max_inputs: int,
+             caps: dict[str, list[int | None]], kv_for: dict[str, list[tuple[AttentionKind, str]]],
+             shapes: dict[tuple[AttentionKind, str], list[str]], n_strategies: int,
+             weights: dict[bool, tuple[int, ...]],
+             arounds: dict[str, tuple[set[int] | None, str]], profile: ReleaseProfile
+             ) -> tuple[dict[bool, list[dict[str, Any]]], list[_Conn], Cut]:
+    """The size variants and connectors `build_space` explores within ``max_inputs`` (see `budget`), and the
+    `Cut` that says what was left out (nothing, when the estimate fits); estimated from the dimensions
+    before any input is built."""
+    index = {id(c): i for i, c in enumerate(conns)}
+    costs: list[SizeCost] = []
+    where: list[tuple[bool, int]] = []
+    for mla in (False, True):
+        backends = [n for n in kv_for if profile.backends[n].mla is mla]
+        for j, over in enumerate(sizes[mla]):
+            allowed, wide = arounds[_size_label(over)] if over else (None, "kv groups options")
+            per_kv = [(len(shapes[kd]) if "groups" in wide else 1) for n in backends for kd in kv_for[n]]
+            if "kv" in wide:
+                cores = n_strategies * sum(len(caps[n]) * sum((len(shapes[kd]) if "groups" in wide else 1)
+                                                               for kd in kv_for[n]) for n in backends)
+            else:  # the first backend that accepts it stands for the rest
+                cores = max(per_kv, default=0)
+            costs.append(SizeCost(cores, None if allowed is None else frozenset(index[a] for a in allowed),
+                                  tier_of_override(over), weights["options" in wide]))
+            where.append((mla, j))
+    keep_size, keep_conn, full, _ = plan_cut(costs, [_connector_tier(c.config) for c in conns], max_inputs)
+    position = {w: i for i, w in enumerate(where)}
+    kept = {mla: [over for j, over in enumerate(sizes[mla]) if keep_size[position[(mla, j)]]]
+            for mla in (False, True)}
+    return kept, [c for c, k in zip(conns, keep_conn) if k], Cut(
+        max_inputs, full, keep_size.count(False), len(costs), keep_conn.count(False), len(conns))
+
+
+def _connector_tier(c: ConnectorConfig | None) -> int:
+    """0: no connector, or one as plainly configured; 1: one extra key or its cross-layer preference set;
+    2: more set together, or a MultiConnector pair."""
+    if c is None:
+        return 0
+    if c.connectors:
+        return 2
+    return min(len(c.extra) + (c.prefers_cross_layer_blocks is not None), 2)
 
 
 def enumerate_inputs(

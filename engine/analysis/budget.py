@@ -1,0 +1,137 @@
+"""The bound on a lint/diff space: how many inputs it may hold, and what is left out past it.
+
+The literal-aware space (`kvpolicy.engine.analysis.space`) is a product where
+rules read fields together: every size variant a rule reads with the backend,
+dtype, groups or options is paired with all of them, and every connector variant
+with every shared part. A hostile rule directory (20 sizes compared with the
+dtype and groups, 40 ``connector.extra`` keys in one condition, 10 connector
+files and their MultiConnector pairs) reaches millions of inputs. So the space
+holds at most ``max_inputs`` (`DEFAULT_MAX_INPUTS`, ``--max-space``):
+
+1. Before any input is built, its size is estimated from the dimensions: for
+   each size variant, the shared parts it pairs with times the connectors it
+   pairs with (an upper bound: inputs the release refuses are counted).
+2. Over the bound, variants are left out, least telling first: those that set
+   two or more fields together (tier 2: sizes read together, extras read together,
+   MultiConnector pairs), then those that set one (tier 1: one literal's
+   boundary value, a connector said to prefer cross-layer blocks or not). Within
+   a tier the costliest variant (size or connector) goes first, so the fewest
+   go. Tier 0 (the default sizes, every connector as configured plainly)
+   always stays.
+3. If tier 0 alone is over the bound, inputs are built in order up to the bound
+   and the rest are not (`Cut.stopped`).
+
+A cut space is reported (`Cut.describe`): lint's findings then hold for the
+explored inputs only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_MAX_INPUTS", "Cut", "SizeCost", "plan_cut", "tier_of_override"]
+
+# INVARIANT: above every shipped profile's space (the largest: vllm-0.27's 256,854 inputs, then 0.25/0.26's 239,538);
+# tests/engine/analysis/test_space_budget.py fails when a profile outgrows it. Lint costs about 100 us and 2 KiB
+# of peak memory per input on a hostile rule set, so this is about 30 s and 600 MB on the 2-core CI machine.
+DEFAULT_MAX_INPUTS = 300_000
+
+
+def tier_of_override(over: dict[str, Any]) -> int:
+    """0: nothing set; 1: one field set; 2: two or more set together."""
+    return min(len(over), 2)
+
+
+@dataclass(frozen=True)
+class SizeCost:
+    """One size variant's share of the estimate: the shared parts it pairs with, which connectors
+    (indices; None: all), and how many of those parts each connector pairs with (``weights[c]``: a
+    connector that only some of vLLM's option combinations allow counts in those only)."""
+
+    cores: int
+    allowed: frozenset[int] | None
+    tier: int
+    weights: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a space was bounded: the bound, the estimated full size, and what was left out."""
+
+    max_inputs: int
+    estimated: int
+    size_variants_left_out: int
+    size_variants: int
+    connectors_left_out: int
+    connectors: int
+    stopped: bool = False  # tier 0 alone was over the bound: inputs were built up to it, no further
+
+    def describe(self) -> str:
+        parts = []
+        if self.size_variants_left_out:
+            parts.append(f"{self.size_variants_left_out} of {self.size_variants} size variants")
+        if self.connectors_left_out:
+            parts.append(f"{self.connectors_left_out} of {self.connectors} connector variants")
+        text = f"cut to at most {self.max_inputs} inputs (--max-space) from about {self.estimated}"
+        if parts:
+            text += ": left out " + " and ".join(parts) + " (fields set together first, then single literals)"
+        if self.stopped:
+            text += ("; the default sizes with each plain connector alone exceed the bound, so inputs were built "
+                     "in order up to it and the rest left out")
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_inputs": self.max_inputs, "estimated_inputs": self.estimated,
+                "size_variants": self.size_variants, "size_variants_left_out": self.size_variants_left_out,
+                "connectors": self.connectors, "connectors_left_out": self.connectors_left_out,
+                "stopped_at_bound": self.stopped}
+
+
+def plan_cut(sizes: Sequence[SizeCost], conn_tiers: Sequence[int], max_inputs: int
+             ) -> tuple[list[bool], list[bool], int, int]:
+    """Which size variants and connectors to keep so that the estimate fits ``max_inputs``.
+
+    Returns (keep each size variant, keep each connector, the full estimate, the kept estimate).
+    Within tier 2, then tier 1, drops the variant (size or connector) that costs the most inputs
+    at that point (ties: the one listed last), so the fewest variants go; never tier 0.
+    """
+    n_conns = len(conn_tiers)
+    keep_size = [True] * len(sizes)
+    keep_conn = [True] * n_conns
+
+    def allowed(s: SizeCost) -> Iterable[int]:
+        return range(n_conns) if s.allowed is None else s.allowed
+
+    per_size = [s.cores * sum(s.weights[c] for c in allowed(s)) for s in sizes]
+    conn_cost = [0] * n_conns  # what each connector adds over the kept size variants
+    for s in sizes:
+        for c in allowed(s):
+            conn_cost[c] += s.cores * s.weights[c]
+    full = total = sum(per_size)
+    for tier in (2, 1):
+        if total <= max_inputs:
+            break
+        # a max-heap of (cost, position) with stale entries skipped: costs only ever go down
+        heap = [(-per_size[i], -i, "size", i) for i in range(len(sizes)) if sizes[i].tier == tier]
+        heap += [(-conn_cost[c], -(len(sizes) + c), "conn", c) for c in range(n_conns) if conn_tiers[c] == tier]
+        heapq.heapify(heap)
+        while total > max_inputs and heap:
+            cost, order, what, i = heapq.heappop(heap)
+            now = per_size[i] if what == "size" else conn_cost[i]
+            if -cost != now:
+                heapq.heappush(heap, (-now, order, what, i))
+                continue
+            total -= now
+            if what == "size":
+                keep_size[i] = False
+                for c in allowed(sizes[i]):
+                    conn_cost[c] -= sizes[i].cores * sizes[i].weights[c]
+            else:
+                keep_conn[i] = False
+                for j, s in enumerate(sizes):
+                    if keep_size[j] and (s.allowed is None or i in s.allowed):
+                        per_size[j] -= s.cores * s.weights[i]
+    return keep_size, keep_conn, full, total

@@ -1,0 +1,162 @@
+"""The lint/diff space is bounded (issue 23, class 3): hostile rule directories whose literal-aware space is a
+product of millions of inputs are cut to ``max_inputs`` before any input is built, the cut is reported, and no
+shipped profile's space is cut.
+
+Asserts on the number of inputs and on the reported bound, never on time. Before the bound, building these
+spaces took minutes and gigabytes (size rules read with the dtype, groups and options: 4.1 million inputs
+for 2 rules, past 6 GB for 10); each test here builds at most a few hundred thousand small objects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpolicy.engine.analysis import build_space, lint
+from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS, SizeCost, plan_cut
+from kvpolicy.engine.analysis.lint import shipped_ruleset
+from kvpolicy.engine.rule_layers import load_layers
+from kvpolicy.policy.errors import InputError
+from kvpolicy.policy.releases import profile_names
+
+V034 = "vllm-0.34"
+SIZES = ("kv.num_layers", "kv.block_size", "kv.num_kv_heads", "kv.head_size")
+
+
+def sizes_read_together(d: Path, rules: int = 10) -> Path:
+    """Rules each comparing the four sizes (their own literals) together with the dtype, groups and an option."""
+    body = ""
+    for i in range(rules):
+        leaves = ", ".join(f"{{field: {SIZES[j]}, gt: {3 + 4 * i + j}}}" for j in range(4))
+        body += (f"  - id: sizes-{i}\n    description: sizes {i}\n    when: {{all: [{leaves}, "
+                 "{field: kv.kv_cache_dtype, eq: fp8}, {field: groups.count, eq: 1}, "
+                 "{field: env.VLLM_KV_CACHE_LAYOUT, exists: false}]}\n    forbid: {placement: cross_layer}\n")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sizes.yaml").write_text("version: 1\nrules:\n" + body)
+    return d
+
+
+def extras_read_together(d: Path, keys: int = 40) -> Path:
+    """One NixlConnector rule reading ``keys`` connector.extra keys in one condition."""
+    leaves = ", ".join(f"{{field: connector.extra.k{i}, eq: {i}}}" for i in range(keys))
+    (d / "connectors").mkdir(parents=True, exist_ok=True)
+    (d / "connectors" / "NixlConnector.yaml").write_text(
+        "version: 1\nconnector: NixlConnector\nrules:\n  - id: many-extras\n    description: d\n"
+        f"    when: {{all: [{leaves}]}}\n    prefer: {{layout: per_layer/HND}}\n")
+    return d
+
+
+def connector_files(d: Path, files: int = 10) -> Path:
+    """``files`` connector files, each for its own connector, each reading one extra key."""
+    (d / "connectors").mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        (d / "connectors" / f"C{i}.yaml").write_text(
+            f"version: 1\nconnector: SiteConnector{i}\nrules:\n  - id: c{i}\n    description: d\n"
+            f"    when: {{field: connector.extra.mode{i}, eq: fast}}\n    prefer: {{layout: per_layer/HND}}\n")
+    return d
+
+
+HOSTILE = {"sizes-read-together": sizes_read_together, "extras-read-together": extras_read_together,
+           "connector-files": connector_files}
+
+
+def rulesets(d: Path) -> list:
+    return [load_layers([str(d)], vllm_version=V034), shipped_ruleset(V034)]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_rule_directory_is_cut_to_the_bound_and_says_so(tmp_path: Path, name: str) -> None:
+    space = build_space(rulesets(HOSTILE[name](tmp_path / name)), vllm_version=V034)
+    assert space.cut is not None and not space.cut.stopped
+    assert len(space) <= DEFAULT_MAX_INPUTS < space.cut.estimated
+    assert space.cut.size_variants_left_out + space.cut.connectors_left_out > 0
+    text = space.describe()
+    assert f"cut to at most {DEFAULT_MAX_INPUTS} inputs (--max-space) from about {space.cut.estimated}" in text
+    assert space.to_dict()["cut"]["estimated_inputs"] == space.cut.estimated
+
+
+def test_the_figures_of_the_three_hostile_directories(tmp_path: Path) -> None:
+    """The estimates the bound works from (what the space would have held): ten size rules about 44.6
+    million inputs, 40 extras in one condition 727,440, ten connector files 357,840."""
+    estimates = {name: build_space(rulesets(make(tmp_path / name)), vllm_version=V034, max_inputs=1000).cut
+                 for name, make in HOSTILE.items()}
+    assert estimates["extras-read-together"].estimated == 727_440
+    assert estimates["connector-files"].estimated == 357_840
+    assert estimates["sizes-read-together"].estimated > 40_000_000
+    for cut in estimates.values():
+        assert cut.max_inputs == 1000
+
+
+def test_lint_of_a_cut_space_warns_and_qualifies_its_dead_rules(tmp_path: Path) -> None:
+    layer = extras_read_together(tmp_path / "extras")
+    report = lint(load_layers([str(layer)], vllm_version=V034), vllm_version=V034, max_inputs=5000)
+    assert report.inputs_checked <= 5000
+    cut = [f for f in report.findings if f.code == "space-cut"]
+    assert len(cut) == 1 and cut[0].severity == "warning" and report.findings[0] is cut[0]
+    assert "every finding holds for the explored inputs only" in cut[0].message
+    assert "raise --max-space" in cut[0].message
+    dead = [f for f in report.findings if f.code == "dead-rule"]
+    assert dead and all(f.message.endswith("(as cut: see space-cut)") for f in dead)
+    assert report.to_dict()["space"]["cut"]["max_inputs"] == 5000
+
+
+def test_a_bound_below_the_base_space_stops_building_at_the_bound() -> None:
+    space = build_space(shipped_ruleset(V034), vllm_version=V034, max_inputs=777)
+    assert len(space) == 777 and space.cut is not None and space.cut.stopped
+    assert "inputs were built in order up to it" in space.describe()
+
+
+@pytest.mark.parametrize("profile", profile_names())
+def test_no_shipped_profile_is_cut(profile: str) -> None:
+    """The estimate bounds the space from above (next test), so a profile estimated within the bound is never cut."""
+    estimate = build_space(shipped_ruleset(profile), vllm_version=profile, max_inputs=1).cut
+    assert estimate is not None and estimate.estimated <= DEFAULT_MAX_INPUTS
+
+
+@pytest.mark.parametrize("profile", ["vllm-0.34", "vllm-0.28", "vllm-0.24", "issue-48412"])
+def test_the_estimate_bounds_the_space_it_describes(profile: str) -> None:
+    rules = shipped_ruleset(profile)
+    space = build_space(rules, vllm_version=profile)
+    estimate = build_space(rules, vllm_version=profile, max_inputs=1).cut
+    assert space.cut is None and estimate is not None and estimate.estimated >= len(space)
+
+
+def test_the_cli_help_states_the_default_bound(capsys) -> None:
+    from kvpolicy.engine.cli.main import main
+
+    assert main(["lint", "--help"]) == 0
+    assert f"(default {DEFAULT_MAX_INPUTS}:" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "10"])
+def test_max_inputs_must_be_a_positive_int(bad: object) -> None:
+    with pytest.raises(InputError) as err:
+        build_space(shipped_ruleset(V034), vllm_version=V034, max_inputs=bad)  # type: ignore[arg-type]
+    assert err.value.diagnostics[0].file == "max_inputs"
+
+
+def _size(cores: int, tier: int, conns: int, allowed: frozenset[int] | None = None) -> SizeCost:
+    return SizeCost(cores, allowed, tier, (1,) * conns)
+
+
+def test_plan_cut_keeps_everything_within_the_bound() -> None:
+    sizes = [_size(10, 0, 3), _size(10, 1, 3)]
+    assert plan_cut(sizes, [0, 1, 2], 60) == ([True, True], [True, True, True], 60, 60)
+
+
+def test_plan_cut_drops_combinations_before_single_literals_and_never_the_base() -> None:
+    sizes = [_size(10, 0, 3), _size(10, 1, 3), _size(10, 2, 3)]
+    keep_size, keep_conn, full, kept = plan_cut(sizes, [0, 1, 2], 45)
+    assert full == 90 and kept <= 45
+    assert keep_size[0] and keep_conn[0]  # tier 0
+    assert not keep_size[2] and not keep_conn[2]  # tier 2 went first
+    keep_size, keep_conn, _, kept = plan_cut(sizes, [0, 1, 2], 1)
+    assert keep_size == [True, False, False] and keep_conn == [True, False, False] and kept == 10
+
+
+def test_plan_cut_drops_the_costliest_variant_of_a_tier_first() -> None:
+    """Fewest variants go: a size variant paired with every connector before a connector few sizes reach."""
+    sizes = [_size(1, 0, 4, frozenset({0})), _size(100, 2, 4), _size(1, 2, 4, frozenset({3}))]
+    keep_size, keep_conn, full, kept = plan_cut(sizes, [0, 0, 0, 2], 60)
+    assert full == 1 + 400 + 1 and keep_size == [True, False, True] and all(keep_conn) and kept == 2
