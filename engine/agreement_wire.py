@@ -128,9 +128,12 @@ def _reason(exc: Exception) -> str:
 
 
 def _received(buf: Any) -> bytes:
-    """The bytes of a zero-filled receive buffer up to its last nonzero byte."""
+    """The bytes of a zero-filled receive buffer up to its last nonzero byte (a whole header at least,
+    when it starts with one: a header-only frame's length may end in zero bytes)."""
     nonzero = buf.nonzero()
     end = int(nonzero[-1].item()) + 1 if nonzero.numel() else 0
+    if end < HEADER_BYTES and bytes(buf[:8].cpu().tolist()) == MAGIC:
+        end = HEADER_BYTES
     return bytes(buf[:end].cpu().tolist())
 
 
