@@ -70,6 +70,7 @@ SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 16}
 MLA_SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 1, "head_size": 32}
 GROUP_SHAPES = ("1x1", "1x2", "2x1", "mamba-hybrid", "mixed-hnc", "dcp-mixed")
 UNKNOWN_CONNECTOR = "ThirdPartyConnector"
+_LISTED = 20  # items of each left-out list `Space.describe` names
 _OPTION_PREFIXES = ("env.", "cache.", "attention.", "platform.", "worker.")
 _CONNECTOR_PREFIX = "connector."
 
@@ -384,7 +385,10 @@ class Space:
         dims = ", ".join(f"{len(v)} {k}" for k, v in self.dimensions.items())
         text = f"{len(self.inputs)} inputs of `{self.profile.name}` ({dims})"
         for what, items in self.left_out.items():
-            text += f"; left out {len(items)} {what}: {', '.join(items)}"
+            shown = ", ".join(items[:_LISTED])
+            if len(items) > _LISTED:  # a hostile rule set's variants could make this line megabytes long
+                shown += f", and {len(items) - _LISTED} more (--format json lists all)"
+            text += f"; left out {len(items)} {what}: {shown}"
         if self.cut is not None:
             text += f"; {self.cut.describe()}"
         return text

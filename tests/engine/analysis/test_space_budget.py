@@ -160,3 +160,14 @@ def test_plan_cut_drops_the_costliest_variant_of_a_tier_first() -> None:
     sizes = [_size(1, 0, 4, frozenset({0})), _size(100, 2, 4), _size(1, 2, 4, frozenset({3}))]
     keep_size, keep_conn, full, kept = plan_cut(sizes, [0, 0, 0, 2], 60)
     assert full == 1 + 400 + 1 and keep_size == [True, False, True] and all(keep_conn) and kept == 2
+
+
+def test_the_space_line_names_at_most_20_items_of_a_left_out_list(tmp_path: Path) -> None:
+    """Size variants an MLA spec cannot have are listed: hundreds for a hostile directory, in one line."""
+    space = build_space(rulesets(sizes_read_together(tmp_path / "sizes", rules=3)), vllm_version=V034,
+                        max_inputs=50_000)
+    invalid = space.left_out["size variants no spec of that kind can have"]
+    assert len(invalid) > 20
+    text = space.describe()
+    assert f"left out {len(invalid)} size variants no spec of that kind can have: " in text
+    assert f"{invalid[19]}, and {len(invalid) - 20} more (--format json lists all)" in text
