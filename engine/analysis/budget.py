@@ -21,6 +21,10 @@ holds at most ``max_inputs`` (`DEFAULT_MAX_INPUTS`, ``--max-space``):
 3. If tier 0 alone is over the bound, inputs are built in order up to the bound
    and the rest are not (`Cut.stopped`).
 
+Before all that, no list of variants is built longer than the bound could keep
+(`kvpolicy.engine.analysis.space`: ``max(1000, max_inputs // 50)`` per list); the
+variants past it are counted as left out, unbuilt.
+
 A cut space is reported (`Cut.describe`): lint's findings then hold for the
 explored inputs only.
 """

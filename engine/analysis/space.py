@@ -244,12 +244,14 @@ class _Leaves:
 
 
 def _variants_of(leaves: _Leaves, base: dict[str, Any], prefix: str, valid: Callable[[str, Any], bool],
-                 cap: int = 256) -> list[dict[str, Any]]:
+                 cap: int = 256, limit: int | None = None, skipped: list[int] | None = None) -> list[dict[str, Any]]:
     """Overrides of ``base`` (field -> value, None: absent) reaching every answer the rules can give.
 
     One field at a time over the classes of its boundary values, the others at ``base``; and for the
     fields one rule reads together, their product (pairs only, beyond ``cap`` combinations). So the
-    count grows with the distinct literals, not exponentially in the number of fields.
+    count grows with the distinct literals, not exponentially in the number of fields. At most ``limit``
+    are made (a rule reading 500 extra keys together has 500,000 pairs); those past it are counted into
+    ``skipped[0]`` (an upper bound: some would have been duplicates) without being built.
     """
     kept: dict[str, list[Any]] = {}
     for path in sorted(p for p in leaves.literals if p.startswith(prefix)):
@@ -261,25 +263,42 @@ def _variants_of(leaves: _Leaves, base: dict[str, Any], prefix: str, valid: Call
         kept[key] = leaves.classes(path, [start, *values])  # the base's class first
     out: list[dict[str, Any]] = [{}]
     seen: set[tuple[tuple[str, str], ...]] = {()}
+    over = 0
 
-    def add(over: dict[str, Any]) -> None:
-        over = {k: v for k, v in over.items() if v != base.get(k) or type(v) is not type(base.get(k))}
-        mark = tuple(sorted((k, repr(v)) for k, v in over.items()))
+    def full() -> bool:
+        return limit is not None and len(out) >= limit
+
+    def add(change: dict[str, Any]) -> None:
+        nonlocal over
+        change = {k: v for k, v in change.items() if v != base.get(k) or type(v) is not type(base.get(k))}
+        mark = tuple(sorted((k, repr(v)) for k, v in change.items()))
         if mark not in seen:
+            if full():
+                over += 1
+                return
             seen.add(mark)
-            out.append(over)
+            out.append(change)
 
     for key, values in kept.items():
         for v in values[1:]:
             add({key: v})
-    for fields in leaves.together:
+    for fields in dict.fromkeys(leaves.together):  # rules reading the same fields add the same variants
         keys = [f[len(prefix):] for f in fields if f.startswith(prefix) and f[len(prefix):] in kept]
         if len(keys) < 2:
             continue
-        groups = [keys] if math.prod(len(kept[k]) for k in keys) <= cap else list(itertools.combinations(keys, 2))
-        for group in groups:
+        counts = [len(kept[k]) for k in keys]
+        whole = math.prod(counts) <= cap
+        total = math.prod(counts) if whole else (sum(counts) ** 2 - sum(n * n for n in counts)) // 2
+        done = 0
+        for group in ([keys] if whole else itertools.combinations(keys, 2)):
+            if full():  # the rest is counted, not enumerated
+                over += total - done
+                break
             for combo in itertools.product(*(kept[k] for k in group)):
                 add(dict(zip(group, combo)))
+            done += math.prod(len(kept[k]) for k in group)
+    if skipped is not None:
+        skipped[0] += over
     return out
 
 
@@ -313,17 +332,19 @@ def _connector_label(c: ConnectorConfig | None) -> str:
     return text
 
 
-def _extra_variants(rulesets: Sequence[RuleSet], connector: str, profile: str) -> list[dict[str, Any]]:
+def _extra_variants(rulesets: Sequence[RuleSet], connector: str, profile: str, limit: int | None = None,
+                    skipped: list[int] | None = None) -> list[dict[str, Any]]:
     """The ``extra`` dicts of ``connector`` that reach every answer its rules (and the global
     rules) can give on ``connector.extra.*``: none, then each key alone over its boundary values,
-    then the keys one rule reads together."""
+    then the keys one rule reads together (at most ``limit``: see `_variants_of`)."""
     rules = [r for rs in rulesets for r in (*rs.global_rules, *connector_rules_for(rs, profile, connector))]
     return _variants_of(_Leaves(rules=rules), {}, EXTRA_PREFIX,
-                        lambda _k, v: isinstance(v, (str, bool, int, float)))
+                        lambda _k, v: isinstance(v, (str, bool, int, float)), limit=limit, skipped=skipped)
 
 
-def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str) -> list[ConnectorConfig]:
-    extras = _extra_variants(rulesets, name, profile)
+def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str, limit: int | None = None,
+              skipped: list[int] | None = None) -> list[ConnectorConfig]:
+    extras = _extra_variants(rulesets, name, profile, limit, skipped if full else None)
     if not full:  # members of a composite: absent, or every tested key at its first other value
         merged: dict[str, Any] = {}
         for extra in extras[1:]:
@@ -333,17 +354,24 @@ def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str) 
     return [ConnectorConfig(name=name, extra=extra) for extra in extras]
 
 
-def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "") -> list[ConnectorConfig | None]:
+def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "", limit: int | None = None,
+               skipped: list[int] | None = None) -> list[ConnectorConfig | None]:
     """None, an unknown connector, every connector with rules in each tested extra variant, and
     MultiConnector pairs of those (the unknown one included: a member that asks for nothing). A
-    connector's rules are those ``profile``'s decisions apply to it (`connector_names_for`)."""
+    connector's rules are those ``profile``'s decisions apply to it (`connector_names_for`).
+
+    With ``limit``, at most that many extra variants per connector and that many MultiConnector
+    pairs are built; the others are counted into ``skipped[0]``.
+    """
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     named = sorted({c for rs in sets for c in rs.connectors if c != "MultiConnector"})
     unknown = ConnectorConfig(name=UNKNOWN_CONNECTOR)
-    out: list[ConnectorConfig | None] = [None, *_variants(sets, UNKNOWN_CONNECTOR, full=True, profile=profile)]
+    out: list[ConnectorConfig | None] = [None, *_variants(sets, UNKNOWN_CONNECTOR, full=True, profile=profile,
+                                                          limit=limit, skipped=skipped)]
     for name in named:
-        out += _variants(sets, name, full=True, profile=profile)
-    members = [v for name in named for v in _variants(sets, name, full=False, profile=profile)] + [unknown]
+        out += _variants(sets, name, full=True, profile=profile, limit=limit, skipped=skipped)
+    members = [v for name in named for v in _variants(sets, name, full=False, profile=profile, limit=limit)]
+    members.append(unknown)
     if any(PREFERS_CROSS_LAYER in _fields_read(rs.rules) for rs in sets):
         # the connector object's own prefer_cross_layer_blocks, as the plugin reads it: the unknown
         # connector's (default false) said true, and each named connector's (default: its rules) said
@@ -351,9 +379,16 @@ def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "") -> list
         out.append(unknown.model_copy(update={"prefers_cross_layer_blocks": True}))
         out += [ConnectorConfig(name=name, prefers_cross_layer_blocks=v) for name in named for v in (True, False)]
         members.append(unknown.model_copy(update={"prefers_cross_layer_blocks": True}))
-    for a, b in itertools.combinations(members, 2):
-        if a.name != b.name:
-            out.append(ConnectorConfig(name="MultiConnector", connectors=(a, b)))
+    pairs = 0
+    for i, a in enumerate(members):
+        if limit is not None and pairs >= limit:  # the rest counted, not built (an upper bound)
+            if skipped is not None:
+                skipped[0] += sum(len(members) - 1 - j for j in range(i, len(members)))
+            break
+        for b in members[i + 1:]:
+            if a.name != b.name:
+                out.append(ConnectorConfig(name="MultiConnector", connectors=(a, b)))
+                pairs += 1
     if any("MultiConnector" in rs.connectors for rs in sets):
         out.append(ConnectorConfig(name="MultiConnector"))  # configured without members
     return out
@@ -431,11 +466,13 @@ def _fits(kind: AttentionKind, dtype: str) -> bool:
     return True
 
 
-def _size_variants(leaves: _Leaves, mla: bool) -> list[dict[str, Any]]:
+def _size_variants(leaves: _Leaves, mla: bool, limit: int | None = None,
+                   skipped: list[int] | None = None) -> list[dict[str, Any]]:
     """The size overrides (``{}``: the default sizes) reaching every answer the rules give on
-    ``kv.num_layers``, ``kv.block_size``, ``kv.num_kv_heads``, ``kv.head_size``."""
+    ``kv.num_layers``, ``kv.block_size``, ``kv.num_kv_heads``, ``kv.head_size`` (at most ``limit``)."""
     return _variants_of(leaves, MLA_SIZES if mla else SIZES, "kv.",
-                        lambda _k, v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+                        lambda _k, v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                        limit=limit, skipped=skipped)
 
 
 def _size_label(sizes: dict[str, Any]) -> str:
@@ -599,7 +636,11 @@ def build_space(
     if kv_cache_dtypes is not None:
         pairs = {m: [(k, d) for k, d in p if d in kv_cache_dtypes] for m, p in pairs.items()}
     combos, option_dims, option_stands = _option_values(profile, leaves)
-    conns = [_Conn.of(c) for c in connectors(sets, profile.name)]
+    # No list of variants is built longer than the bound could ever keep (each costs at least one input,
+    # and thousands in practice): the rest are counted as left out.
+    limit = max(1_000, max_inputs // 50)
+    skipped_conns, skipped_sizes = [0], [0]
+    conns = [_Conn.of(c) for c in connectors(sets, profile.name, limit=limit, skipped=skipped_conns)]
     no_connector = _connector_env(None)
     names = [n for n in profile.backend_names() if backends is None or n in backends]
     strategies: list[ScaleViews | None] = list(scale_views) if scale_views else [None]
@@ -632,7 +673,7 @@ def build_space(
 
     # A size other than the default is paired only with the connectors whose rules (or the global
     # rules) read that size: for the others it decides as the default does.
-    sizes = {mla: _size_variants(leaves, mla) for mla in (False, True)}
+    sizes = {mla: _size_variants(leaves, mla, limit, skipped_sizes) for mla in (False, True)}
     dims["sizes"] = []
     global_reads = _fields_read(r for rs in sets for r in rs.global_rules)
 
@@ -684,7 +725,7 @@ def build_space(
                           for _, members in conns_by_hisparse(combo[2])] for wide in (True, False)}
     weights = {wide: tuple(sum(id(c) in ids for ids in member_sets[wide]) for c in conns) for wide in (True, False)}
     sizes, conns, cut = _bounded(sizes, conns, max_inputs, caps, kv_for, shapes, len(strategies), weights,
-                                 arounds, profile)
+                                 arounds, profile, skipped_sizes[0], skipped_conns[0])
     with_hisparse = [c for c in conns if derived and _names_any(c.config, derived)]
     without = [c for c in conns if c not in with_hisparse]
     stopped = False
@@ -788,11 +829,13 @@ def _bounded(sizes: dict[bool, list[dict[str, Any]]], conns: list[_Conn], max_in
              caps: dict[str, list[int | None]], kv_for: dict[str, list[tuple[AttentionKind, str]]],
              shapes: dict[tuple[AttentionKind, str], list[str]], n_strategies: int,
              weights: dict[bool, tuple[int, ...]],
-             arounds: dict[str, tuple[set[int] | None, str]], profile: ReleaseProfile
+             arounds: dict[str, tuple[set[int] | None, str]], profile: ReleaseProfile,
+             unbuilt_sizes: int = 0, unbuilt_conns: int = 0
              ) -> tuple[dict[bool, list[dict[str, Any]]], list[_Conn], Cut]:
     """The size variants and connectors `build_space` explores within ``max_inputs`` (see `budget`), and the
     `Cut` that says what was left out (nothing, when the estimate fits); estimated from the dimensions
-    before any input is built."""
+    before any input is built. ``unbuilt_*``: variants past the generation limit, left out unbuilt (each
+    counted in the estimate at the cost of the cheapest one built of its tier 2)."""
     index = {id(c): i for i, c in enumerate(conns)}
     costs: list[SizeCost] = []
     where: list[tuple[bool, int]] = []
@@ -809,12 +852,19 @@ def _bounded(sizes: dict[bool, list[dict[str, Any]]], conns: list[_Conn], max_in
             costs.append(SizeCost(cores, None if allowed is None else frozenset(index[a] for a in allowed),
                                   tier_of_override(over), weights["options" in wide]))
             where.append((mla, j))
-    keep_size, keep_conn, full, _ = plan_cut(costs, [_connector_tier(c.config) for c in conns], max_inputs)
+    tiers = [_connector_tier(c.config) for c in conns]
+    keep_size, keep_conn, full, _ = plan_cut(costs, tiers, max_inputs)
+    if unbuilt_sizes:
+        full += unbuilt_sizes * min((c.cores for c in costs if c.tier), default=0)
+    if unbuilt_conns:
+        base = sum(c.cores * c.weights[0] for c in costs if c.allowed is None)  # what `none` pairs with
+        full += unbuilt_conns * base
     position = {w: i for i, w in enumerate(where)}
     kept = {mla: [over for j, over in enumerate(sizes[mla]) if keep_size[position[(mla, j)]]]
             for mla in (False, True)}
     return kept, [c for c, k in zip(conns, keep_conn) if k], Cut(
-        max_inputs, full, keep_size.count(False), len(costs), keep_conn.count(False), len(conns))
+        max_inputs, full, keep_size.count(False) + unbuilt_sizes, len(costs) + unbuilt_sizes,
+        keep_conn.count(False) + unbuilt_conns, len(conns) + unbuilt_conns)
 
 
 def _connector_tier(c: ConnectorConfig | None) -> int:

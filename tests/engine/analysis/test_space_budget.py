@@ -88,6 +88,20 @@ def test_the_figures_of_the_three_hostile_directories(tmp_path: Path) -> None:
         assert cut.max_inputs == 1000
 
 
+def test_variants_past_what_the_bound_could_keep_are_counted_not_built(tmp_path: Path) -> None:
+    """One rule reading 500 extra keys together has about 500,000 pairs of values: building them took 44 s and
+    2.4 GB before any bound applied. At most ``max(1000, max_inputs // 50)`` variants of a list are built."""
+    from kvpolicy.engine.analysis.space import connectors
+
+    sets = rulesets(extras_read_together(tmp_path / "extras", keys=500))
+    skipped = [0]
+    built = connectors(sets, V034, limit=1000, skipped=skipped)
+    assert len(built) < 1100 and skipped[0] > 400_000
+    space = build_space(sets, vllm_version=V034, max_inputs=20_000)
+    assert space.cut is not None and space.cut.connectors > 400_000
+    assert len(space.dimensions["connector"]) <= 1000 and len(space) <= 20_000
+
+
 def test_lint_of_a_cut_space_warns_and_qualifies_its_dead_rules(tmp_path: Path) -> None:
     layer = extras_read_together(tmp_path / "extras")
     report = lint(load_layers([str(layer)], vllm_version=V034), vllm_version=V034, max_inputs=5000)
