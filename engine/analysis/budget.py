@@ -32,7 +32,7 @@ explored inputs only.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,42 +100,63 @@ def plan_cut(sizes: Sequence[SizeCost], conn_tiers: Sequence[int], max_inputs: i
 
     Returns (keep each size variant, keep each connector, the full estimate, the kept estimate).
     Within tier 2, then tier 1, drops the variant (size or connector) that costs the most inputs
-    at that point (ties: the one listed last), so the fewest variants go; never tier 0.
+    at that point (ties: the one listed last), so the fewest variants go; never tier 0. Costs are
+    kept in sums (size variants that pair with every connector share one), so dropping one
+    variant costs time in the connectors it names, not in the whole list.
     """
     n_conns = len(conn_tiers)
     keep_size = [True] * len(sizes)
     keep_conn = [True] * n_conns
+    vectors = {id(s.weights): s.weights for s in sizes}
+    weight_sum = {k: sum(w) for k, w in vectors.items()}  # over the kept connectors
+    cores_sum = dict.fromkeys(vectors, 0)  # kept size variants that pair with every connector
+    named_weight = [0] * len(sizes)  # a size variant naming its connectors: their weight, kept ones
+    named_cost = [0] * n_conns  # what such size variants add to each connector
+    naming: list[list[int]] = [[] for _ in range(n_conns)]  # connector -> the size variants naming it
+    for j, s in enumerate(sizes):
+        if s.allowed is None:
+            cores_sum[id(s.weights)] += s.cores
+            continue
+        for c in s.allowed:
+            named_weight[j] += s.weights[c]
+            named_cost[c] += s.cores * s.weights[c]
+            naming[c].append(j)
 
-    def allowed(s: SizeCost) -> Iterable[int]:
-        return range(n_conns) if s.allowed is None else s.allowed
+    def size_cost(j: int) -> int:
+        s = sizes[j]
+        return s.cores * (weight_sum[id(s.weights)] if s.allowed is None else named_weight[j])
 
-    per_size = [s.cores * sum(s.weights[c] for c in allowed(s)) for s in sizes]
-    conn_cost = [0] * n_conns  # what each connector adds over the kept size variants
-    for s in sizes:
-        for c in allowed(s):
-            conn_cost[c] += s.cores * s.weights[c]
-    full = total = sum(per_size)
+    def conn_cost(c: int) -> int:
+        return named_cost[c] + sum(vectors[k][c] * cores_sum[k] for k in vectors)
+
+    full = total = sum(size_cost(j) for j in range(len(sizes)))
     for tier in (2, 1):
         if total <= max_inputs:
             break
-        # a max-heap of (cost, position) with stale entries skipped: costs only ever go down
-        heap = [(-per_size[i], -i, "size", i) for i in range(len(sizes)) if sizes[i].tier == tier]
-        heap += [(-conn_cost[c], -(len(sizes) + c), "conn", c) for c in range(n_conns) if conn_tiers[c] == tier]
+        # a max-heap of (cost, position) with stale entries pushed back: costs only ever go down
+        heap = [(-size_cost(j), -j, True, j) for j in range(len(sizes)) if sizes[j].tier == tier]
+        heap += [(-conn_cost(c), -(len(sizes) + c), False, c) for c in range(n_conns) if conn_tiers[c] == tier]
         heapq.heapify(heap)
         while total > max_inputs and heap:
-            cost, order, what, i = heapq.heappop(heap)
-            now = per_size[i] if what == "size" else conn_cost[i]
+            cost, order, is_size, i = heapq.heappop(heap)
+            now = size_cost(i) if is_size else conn_cost(i)
             if -cost != now:
-                heapq.heappush(heap, (-now, order, what, i))
+                heapq.heappush(heap, (-now, order, is_size, i))
                 continue
             total -= now
-            if what == "size":
+            if is_size:
                 keep_size[i] = False
-                for c in allowed(sizes[i]):
-                    conn_cost[c] -= sizes[i].cores * sizes[i].weights[c]
+                s = sizes[i]
+                if s.allowed is None:
+                    cores_sum[id(s.weights)] -= s.cores
+                else:
+                    for c in s.allowed:
+                        named_cost[c] -= s.cores * s.weights[c]
             else:
                 keep_conn[i] = False
-                for j, s in enumerate(sizes):
-                    if keep_size[j] and (s.allowed is None or i in s.allowed):
-                        per_size[j] -= s.cores * s.weights[i]
+                for k, w in vectors.items():
+                    weight_sum[k] -= w[i]
+                for j in naming[i]:
+                    if keep_size[j]:
+                        named_weight[j] -= sizes[j].weights[i]
     return keep_size, keep_conn, full, total
