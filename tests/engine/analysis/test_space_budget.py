@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpolicy.engine.analysis import build_space, lint
 from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS, SizeCost, plan_cut
@@ -185,3 +187,35 @@ def test_the_space_line_names_at_most_20_items_of_a_left_out_list(tmp_path: Path
     text = space.describe()
     assert f"left out {len(invalid)} size variants no spec of that kind can have: " in text
     assert f"{invalid[19]}, and {len(invalid) - 20} more (--format json lists all)" in text
+
+
+@st.composite
+def _cut_problems(draw: st.DrawFn) -> tuple[list[SizeCost], list[int], int]:
+    n_conns = draw(st.integers(1, 8))
+    conn_tiers = [0, *draw(st.lists(st.integers(0, 2), min_size=n_conns - 1, max_size=n_conns - 1))]
+    vectors = [tuple(draw(st.lists(st.integers(0, 3), min_size=n_conns, max_size=n_conns))) for _ in range(2)]
+    sizes = [SizeCost(draw(st.integers(0, 50)),
+                      draw(st.none() | st.frozensets(st.integers(0, n_conns - 1))),
+                      0 if j == 0 else draw(st.integers(0, 2)), draw(st.sampled_from(vectors)))
+             for j in range(draw(st.integers(1, 8)))]
+    return sizes, conn_tiers, draw(st.integers(1, 2000))
+
+
+def _estimate(sizes: list[SizeCost], keep_size: list[bool], keep_conn: list[bool]) -> int:
+    return sum(s.cores * s.weights[c] for s, k in zip(sizes, keep_size) if k
+               for c in (range(len(keep_conn)) if s.allowed is None else s.allowed) if keep_conn[c])
+
+
+@given(_cut_problems())
+@settings(max_examples=300, deadline=None)
+def test_plan_cut_fits_the_bound_whenever_tier_0_does_and_never_drops_tier_0(problem) -> None:
+    sizes, conn_tiers, bound = problem
+    keep_size, keep_conn, full, kept = plan_cut(sizes, conn_tiers, bound)
+    assert full == _estimate(sizes, [True] * len(sizes), [True] * len(conn_tiers))
+    assert kept == _estimate(sizes, keep_size, keep_conn)  # the running sums are the estimate of what is kept
+    assert all(k for s, k in zip(sizes, keep_size) if s.tier == 0)
+    assert all(k for t, k in zip(conn_tiers, keep_conn) if t == 0)
+    base = _estimate(sizes, [s.tier == 0 for s in sizes], [t == 0 for t in conn_tiers])
+    assert kept <= max(bound, base)
+    if full <= bound:
+        assert all(keep_size) and all(keep_conn)
