@@ -338,11 +338,13 @@ def test_two_ranks_agree_disagree_and_time_out(tmp_path: Path) -> None:
     scenarios = [
         {"name": "same", "inputs": {"*": CROSS}},
         {"name": "dtype", "inputs": {"*": CROSS, "1": {**CROSS, "kv_cache_dtype": "fp8_per_token_head"}}},
+        {"name": "group-timeout", "inputs": {"*": CROSS}, "timeout_s": None},  # no barrier: the group's timeout
         {"name": "absent", "inputs": {"*": CROSS}, "skip": [1], "timeout_s": 2},
     ]
     r0, r1 = run_world(tmp_path, 2, scenarios)
     expected = fingerprint(ENGINE.decide(**CROSS)).digest
     assert r0["same"]["ok"] and r1["same"]["ok"]
+    assert r0["group-timeout"]["ok"] and r1["group-timeout"]["digest"] == expected
     assert r0["same"]["digest"] == r1["same"]["digest"] == expected
     for r in (r0, r1):  # the mismatch is raised on every rank, with the same text
         assert r["dtype"]["error"] == "LayoutMismatchError"
