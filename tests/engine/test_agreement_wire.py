@@ -49,12 +49,10 @@ def test_a_bad_frame_is_a_fault_naming_the_rank_and_what_it_sent(data: bytes, co
 def test_a_header_only_frame_survives_the_zero_padding_of_its_receive_buffer() -> None:
     """A payload of 1 MiB announces 0x00100000: its header ends in zero bytes, which the receiver must not
     take for padding."""
-    import torch
-
     from kvpolicy.engine.agreement_wire import _received
 
     data = frame(b"x" * (1 << 20), 4)
-    buf = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = bytearray(FRAME_BYTES)
+    buf[: len(data)] = data
     fault = parse_frame(_received(buf), 1, 4)
     assert isinstance(fault, Fault) and "announced 1048576 bytes of fingerprint" in fault.message
