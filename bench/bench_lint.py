@@ -66,6 +66,7 @@ def run(quick: bool = False, profile: str | None = None) -> dict[str, float]:
         report = lint(rs, vllm_version=prof)
         out[f"lint_{name}_inputs"] = report.inputs_checked
         out[f"lint_{name}_dead"] = sum(1 for f in report.findings if f.code == "dead-rule")
+        out[f"lint_{name}_cut"] = int(report.space is not None and report.space.cut is not None)  # over --max-space
         out[f"lint_{name}_s"] = _time(lambda rs=rs: lint(rs, vllm_version=prof), runs)
     out["lint_1000_vs_shipped"] = out["lint_1000_s"] / out["lint_shipped_s"]
     out["lint_extras9_vs_extras3"] = out["lint_extras9_s"] / out["lint_extras3_s"]

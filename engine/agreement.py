@@ -7,14 +7,19 @@ garbage (vLLM issue #48412 is one way to get there). Peers therefore compare
 - `check_compatible(local, remote)` compares two fingerprints, in any form a
   handshake carries (the object, its dict, its JSON), and lists every field
   that differs; `require_compatible` raises `LayoutMismatchError` instead.
-- `agree(decision, group)` gathers every rank's fingerprint with
-  torch.distributed and raises on every rank, naming the ranks and fields,
-  unless all are identical. torch is imported inside the function only.
+- `agree(decision, group)` sends every rank's fingerprint to every other
+  rank over torch.distributed, in frames whose size no peer can change
+  (`kvpolicy.engine.agreement_wire`), and raises on every rank, naming the
+  ranks and fields, unless all are identical. torch is imported inside the
+  function only.
 
 Errors::
 
     PolicyError
-     +-- AgreementError          ranks could not compare layouts (one never arrived, no process group)
+     +-- InputError              a bad argument (``timeout_s`` NaN, infinite, not above 0, over a day)
+     +-- AgreementError          ranks could not compare layouts: one never arrived, no process group, or a
+     |                           peer sent no valid frame, stalled or died (one diagnostic per such rank:
+     |                           peer-data, peer-protocol, peer-timeout, peer-lost)
           +-- LayoutMismatchError   fingerprints differ; one diagnostic per differing field
 """
 
@@ -23,13 +28,15 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpolicy.engine.agreement_wire import Fault, exchange, frame, parse_frame
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.fingerprint import FORMAT_VERSION, LayoutFingerprint, fingerprint
-from kvpolicy.engine.peer_data import MAX_PEER_BYTES, check_peer_value, load_peer_json
+from kvpolicy.engine.peer_data import check_peer_value, load_peer_json
 from kvpolicy.policy.errors import Diagnostic, InputError, PolicyError, input_error
 
 __all__ = [
@@ -281,27 +288,63 @@ def compare_ranks(ranks: Sequence[RankFingerprint]) -> LayoutFingerprint:
     )
 
 
+MAX_TIMEOUT_S = 86_400  # a day: longer than any start-up, and far inside what timedelta and gloo's milliseconds hold
+_TIMEOUT_HELP = ("pass the seconds every rank may take to reach the agreement (e.g. 60), or None to wait for the "
+                 "process group's own timeout")
+
+
+def _checked_timeout(timeout_s: Any) -> float | None:
+    """``timeout_s`` if it is None or a number of seconds in (0, `MAX_TIMEOUT_S`]; `InputError` naming it otherwise.
+    Compared without converting, so neither NaN, an infinity nor an integer too large for a float gets through."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise input_error("timeout_s", f"`timeout_s` must be a number of seconds or None, got "
+                          f"`{type(timeout_s).__name__}`", _TIMEOUT_HELP)
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # False for NaN too
+        shown = f"{timeout_s:.6g}" if isinstance(timeout_s, float) else (
+            str(timeout_s) if timeout_s.bit_length() < 64 else f"an integer of {timeout_s.bit_length()} bits")
+        raise input_error("timeout_s", f"`timeout_s` must be finite, above 0 and at most {MAX_TIMEOUT_S} s, "
+                          f"got `{shown}`", _TIMEOUT_HELP)
+    return float(timeout_s)
+
+
+_numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _next_number(group: Any) -> int:
+    """This process's count of agreements on ``group`` (the frames carry it: a left-over frame is refused)."""
+    number = _numbers.get(group, 0) + 1
+    _numbers[group] = number
+    return number
+
+
 def agree(decision: Decision | LayoutFingerprint, group: Any = None, timeout_s: float | None = 60.0
           ) -> LayoutFingerprint:
     """Check that every rank of ``group`` (default: the whole world) decided the same layout.
 
-    Gathers each rank's fingerprint and rule-set digest with
-    ``torch.distributed.all_gather`` (JSON bytes; no pickle, no numpy) and returns the agreed fingerprint,
-    or raises `LayoutMismatchError` on every rank, naming the ranks and fields.
-    Every rank of the group must call it (it is a collective).
+    Sends each rank's fingerprint and rule-set digest to every other rank in a
+    frame of fixed capacity (canonical JSON bytes, no pickle, no numpy;
+    `kvpolicy.engine.agreement_wire`) and returns the agreed fingerprint, or
+    raises `LayoutMismatchError` on every rank, naming the ranks and fields. A
+    peer that sends something else, stalls or dies is an `AgreementError`
+    naming its rank and what it sent. Every rank of the group must call it
+    (it is a collective).
 
-    A process that never initialised torch.distributed is a world of one:
-    with ``group=None`` the local fingerprint is returned; with a ``group``
-    given, `AgreementError` is raised. On a gloo group (vLLM's ``cpu_group``)
-    a ``monitored_barrier`` first bounds the wait by ``timeout_s`` and names
-    the ranks that never arrived; other backends wait for the group's own
-    timeout.
+    ``timeout_s`` (seconds, in (0, `MAX_TIMEOUT_S`], or None: the group's own
+    timeout) bounds, on a gloo group (vLLM's ``cpu_group``), the wait for every
+    rank to arrive (a ``monitored_barrier`` that names the ranks that never
+    did), then the wait for their frames; other backends wait for the group's
+    own timeout. A process that never initialised torch.distributed is a world
+    of one: with ``group=None`` the local fingerprint is returned; with a
+    ``group`` given, `AgreementError` is raised.
     """
     if not isinstance(decision, LayoutFingerprint) and not all(
         hasattr(decision, a) for a in ("layout", "context", "ruleset")
     ):
         raise input_error("decision", f"`decision` must be a Decision or a LayoutFingerprint, got "
                           f"`{type(decision).__name__}`", "pass engine.decide(...) or its fingerprint")
+    timeout_s = _checked_timeout(timeout_s)
     local = decision if isinstance(decision, LayoutFingerprint) else fingerprint(decision)
     ruleset_digest = decision.ruleset.digest if isinstance(decision, Decision) else None
     try:
@@ -317,6 +360,7 @@ def agree(decision: Decision | LayoutFingerprint, group: Any = None, timeout_s: 
     world = dist.get_world_size(group)
     if world == 1:
         return local
+    number = _next_number(dist.group.WORLD if group is None else group)
     if timeout_s is not None and "gloo" in str(dist.get_backend(group)):
         try:
             dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -326,9 +370,37 @@ def agree(decision: Decision | LayoutFingerprint, group: Any = None, timeout_s: 
                 f"not every rank reached the layout agreement within {timeout_s:g} s: {exc}",
                 "every rank of the group must call agree(); check the named ranks' logs")]) from exc
     mine = RankFingerprint(dist.get_rank(), dist.get_rank(group), local.to_dict(), ruleset_digest)
-    gathered = _all_gather_bytes(dist, _encode(mine), world, group)
-    compare_ranks([_rank_from_bytes(data, i) for i, data in enumerate(gathered)])
+    received = exchange(dist, group, frame(_encode(mine), number), timeout_s)
+    ranks: list[RankFingerprint] = []
+    faults: list[Fault] = []
+    for i, data in enumerate(received):
+        payload = data if isinstance(data, Fault) else parse_frame(data, i, number)
+        if isinstance(payload, Fault):
+            faults.append(payload)
+            continue
+        try:
+            ranks.append(_rank_from_bytes(payload, i))
+        except AgreementError as exc:
+            faults.append(Fault(i, "peer-data", exc.diagnostics[0].message))
+    if faults:
+        named = ", ".join(f"group rank {f.group_rank}" for f in faults)
+        raise AgreementError(f"the KV cache layouts of the {world} ranks could not be compared: {named} sent no "
+                             "valid fingerprint", [_fault_diagnostic(f) for f in faults])
+    compare_ranks(ranks)
     return local
+
+
+_FAULT_HELP = {
+    "peer-data": "every rank must run the same kvpolicy version and call agree(); check that rank's logs",
+    "peer-protocol": "every rank must run the same kvpolicy version and call agree() as often; check that rank's logs",
+    "peer-timeout": "every rank must call agree() within `timeout_s` of the others; check that rank's logs (do not "
+                    "use this process group for more collectives: it is out of step)",
+    "peer-lost": "check that rank's logs: its process exited or crashed (do not use this process group any more)",
+}
+
+
+def _fault_diagnostic(fault: Fault) -> Diagnostic:
+    return Diagnostic(f"group rank {fault.group_rank}", 0, 0, fault.code, fault.message, _FAULT_HELP[fault.code])
 
 
 def _encode(rank: RankFingerprint) -> bytes:
@@ -368,33 +440,3 @@ def _rank_from_bytes(data: bytes, group_rank: int) -> RankFingerprint:
             raise _peer_error(group_rank, f"{name} sent an invalid fingerprint: "
                               f"{exc.diagnostics[0].message}") from None
     return RankFingerprint.from_dict(payload)
-
-
-def _all_gather_bytes(dist: Any, data: bytes, world: int, group: Any) -> list[bytes]:
-    """Every rank's ``data``, in group-rank order, through uint8 tensors.
-
-    Unlike ``all_gather_object`` (pickle, then ``tensor.numpy()``), this needs no
-    numpy and unpickles nothing a peer sent. First the lengths, then the bytes,
-    zero-padded to the longest; a length over `MAX_PEER_BYTES` (or negative) is
-    refused on every rank before the second gather, so no rank allocates what a
-    peer asked for and every rank leaves the collective at the same step.
-    """
-    import torch
-
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):
-        device = torch.device("cuda", torch.cuda.current_device())
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes_t = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes_t, size, group=group)
-    sizes = [int(s.item()) for s in sizes_t]
-    for i, n in enumerate(sizes):
-        if not 0 <= n <= MAX_PEER_BYTES:
-            raise _peer_error(i, f"group rank {i} announced {n} bytes of fingerprint; at most {MAX_PEER_BYTES} "
-                              "are accepted")
-    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
-    return [bytes(row[:n].cpu().tolist()) for row, n in zip(rows, sizes, strict=True)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS
 from kvpolicy.engine.analysis.decider import Decider
 from kvpolicy.engine.analysis.space import AnalysisInput, Space, build_space
 from kvpolicy.engine.trace import CandidateRemoved, PreferenceApplied
@@ -80,11 +81,13 @@ def diff_rulesets(
     *,
     vllm_version: str | ReleaseProfile | None = None,
     scale_views: list[ScaleViews] | None = None,
+    max_inputs: int = DEFAULT_MAX_INPUTS,
 ) -> DiffReport:
-    """Decide every input under both rule sets (in ``vllm_version``'s profile) and list what changed."""
+    """Decide every input under both rule sets (in ``vllm_version``'s profile) and list what changed;
+    the default space holds at most ``max_inputs`` inputs (``space.cut`` says what a cut left out)."""
     profile = get_profile(vllm_version)
     if inputs is None:
-        space = build_space([old, new], vllm_version=profile, scale_views=scale_views)
+        space = build_space([old, new], vllm_version=profile, scale_views=scale_views, max_inputs=max_inputs)
     elif isinstance(inputs, Space):
         space = inputs
     else:

@@ -17,7 +17,10 @@ Findings, by severity:
   different layouts, ...). The shipped rules reproduce the release, checked
   against it by ``tests/conformance/``;
 - note ``not-load-bearing``: a forbid/require whose removal changes no
-  decision of the space and lets no unsafe layout through: it can go.
+  decision of the space and lets no unsafe layout through: it can go;
+- warning ``space-cut``: the space was over its bound (``max_inputs``,
+  `kvpolicy.engine.analysis.budget`) and some of it was left out: every other
+  finding holds for the explored inputs only.
 
 Load-bearing, for every forbid and require: removing the rule lets an unsafe
 layout (overlapping views, or no geometry) survive the rules for some input
@@ -34,6 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS
 from kvpolicy.engine.analysis.connector_names import unknown_connector_findings
 from kvpolicy.engine.analysis.decider import Decider
 from kvpolicy.engine.analysis.space import AnalysisInput, Space, build_space
@@ -51,6 +55,9 @@ from kvpolicy.policy.ruleset import RuleSet
 __all__ = ["Finding", "LintReport", "LoadBearing", "fold", "lint", "shipped_ruleset"]
 
 VERIFY_BLOCKS = 2
+_CUT_MEANS = ("every finding holds for the explored inputs only: an unsafe permit or a conflict among the left-out "
+              "inputs goes unreported, and a `dead-rule` or `not-load-bearing` rule may be matched or bear load "
+              "there; raise --max-space (more time and memory), or split the rule set")
 _EXAMPLES = 3
 _REFUSALS_LISTED = 50  # a release's refusals are many and expected: a sample is listed, the count is exact
 
@@ -256,12 +263,15 @@ def lint(
     vllm_version: str | ReleaseProfile | None = None,
     scale_views: list[ScaleViews] | None = None,
     baseline: RuleSet | bool | None = True,
+    max_inputs: int = DEFAULT_MAX_INPUTS,
 ) -> LintReport:
     """Lint ``ruleset`` over ``inputs`` (default: the profile's space; see `kvpolicy.engine.analysis.space`).
 
     ``baseline``: the rule set whose conflicts are the release's own refusals
     (True: the profile's shipped rules; None/False: none, every conflict is an
-    error). Its fields are part of the default space.
+    error). Its fields are part of the default space, which holds at most
+    ``max_inputs`` inputs: a cut space is a ``space-cut`` warning, and the
+    findings hold for the explored inputs only.
     """
     profile = get_profile(vllm_version)
     base = shipped_ruleset(profile) if baseline is True else (baseline or None)
@@ -269,7 +279,7 @@ def lint(
         base = ruleset
     if inputs is None:
         space = build_space([ruleset] if base is None or base is ruleset else [ruleset, base],
-                            vllm_version=profile, scale_views=scale_views)
+                            vllm_version=profile, scale_views=scale_views, max_inputs=max_inputs)
     elif isinstance(inputs, Space):
         space = inputs
     else:
@@ -356,6 +366,8 @@ def lint(
                     why[reason].append(problem[1])
 
     findings: list[Finding] = []
+    if space.cut is not None:
+        findings.append(Finding("warning", "space-cut", f"the space was {space.cut.describe()}: {_CUT_MEANS}"))
     findings += [Finding(severity, code, message, rule_ref(rule))
                  for severity, code, message, rule in unknown_connector_findings(ruleset)]
     fails = {k: v for k, v in unsafe.items() if k[1] == "release-fails"}
@@ -378,8 +390,8 @@ def lint(
                                 groups=fold(conflicts[False])))
     for rule in sorted(ruleset.rules, key=lambda r: (r.source, r.id)):
         if not matched[rule.id]:
-            findings.append(Finding("warning", "dead-rule", f"rule `{rule.id}` matches no input of the space",
-                                    rule_ref(rule)))
+            findings.append(Finding("warning", "dead-rule", f"rule `{rule.id}` matches no input of the space"
+                                    + (" (as cut: see space-cut)" if space.cut is not None else ""), rule_ref(rule)))
         elif rule.id in bearing and bearing[rule.id].kind is None:
             findings.append(Finding(
                 "note", "not-load-bearing",

@@ -41,6 +41,7 @@ shared part of its context and its connector's part, never copied per input.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -48,6 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS, Cut, SizeCost, plan_cut, tier_of_override
 from kvpolicy.engine.decide import Scope, connector_rules_for
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.plan import DECIDED_NOT_PLANNED, plan_layout
@@ -55,7 +57,7 @@ from kvpolicy.policy.backends import BackendProfile, ScaleViews, packed_backend
 from kvpolicy.policy.conditions import leaf_predicate, leaves_of
 from kvpolicy.policy.connectors import ConnectorConfig
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, MISSING, Context, VllmOptions
-from kvpolicy.policy.errors import PolicyError
+from kvpolicy.policy.errors import PolicyError, input_error
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import KV_CACHE_DTYPES
 from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile
@@ -68,6 +70,7 @@ SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 16}
 MLA_SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 1, "head_size": 32}
 GROUP_SHAPES = ("1x1", "1x2", "2x1", "mamba-hybrid", "mixed-hnc", "dcp-mixed")
 UNKNOWN_CONNECTOR = "ThirdPartyConnector"
+_LISTED = 20  # items of each left-out list `Space.describe` names
 _OPTION_PREFIXES = ("env.", "cache.", "attention.", "platform.", "worker.")
 _CONNECTOR_PREFIX = "connector."
 
@@ -241,12 +244,14 @@ class _Leaves:
 
 
 def _variants_of(leaves: _Leaves, base: dict[str, Any], prefix: str, valid: Callable[[str, Any], bool],
-                 cap: int = 256) -> list[dict[str, Any]]:
+                 cap: int = 256, limit: int | None = None, skipped: list[int] | None = None) -> list[dict[str, Any]]:
     """Overrides of ``base`` (field -> value, None: absent) reaching every answer the rules can give.
 
     One field at a time over the classes of its boundary values, the others at ``base``; and for the
     fields one rule reads together, their product (pairs only, beyond ``cap`` combinations). So the
-    count grows with the distinct literals, not exponentially in the number of fields.
+    count grows with the distinct literals, not exponentially in the number of fields. At most ``limit``
+    are made (a rule reading 500 extra keys together has 500,000 pairs); those past it are counted into
+    ``skipped[0]`` (an upper bound: some would have been duplicates) without being built.
     """
     kept: dict[str, list[Any]] = {}
     for path in sorted(p for p in leaves.literals if p.startswith(prefix)):
@@ -258,25 +263,42 @@ def _variants_of(leaves: _Leaves, base: dict[str, Any], prefix: str, valid: Call
         kept[key] = leaves.classes(path, [start, *values])  # the base's class first
     out: list[dict[str, Any]] = [{}]
     seen: set[tuple[tuple[str, str], ...]] = {()}
+    over = 0
 
-    def add(over: dict[str, Any]) -> None:
-        over = {k: v for k, v in over.items() if v != base.get(k) or type(v) is not type(base.get(k))}
-        mark = tuple(sorted((k, repr(v)) for k, v in over.items()))
+    def full() -> bool:
+        return limit is not None and len(out) >= limit
+
+    def add(change: dict[str, Any]) -> None:
+        nonlocal over
+        change = {k: v for k, v in change.items() if v != base.get(k) or type(v) is not type(base.get(k))}
+        mark = tuple(sorted((k, repr(v)) for k, v in change.items()))
         if mark not in seen:
+            if full():
+                over += 1
+                return
             seen.add(mark)
-            out.append(over)
+            out.append(change)
 
     for key, values in kept.items():
         for v in values[1:]:
             add({key: v})
-    for fields in leaves.together:
+    for fields in dict.fromkeys(leaves.together):  # rules reading the same fields add the same variants
         keys = [f[len(prefix):] for f in fields if f.startswith(prefix) and f[len(prefix):] in kept]
         if len(keys) < 2:
             continue
-        groups = [keys] if math.prod(len(kept[k]) for k in keys) <= cap else list(itertools.combinations(keys, 2))
-        for group in groups:
+        counts = [len(kept[k]) for k in keys]
+        whole = math.prod(counts) <= cap
+        total = math.prod(counts) if whole else (sum(counts) ** 2 - sum(n * n for n in counts)) // 2
+        done = 0
+        for group in ([keys] if whole else itertools.combinations(keys, 2)):
+            if full():  # the rest is counted, not enumerated
+                over += total - done
+                break
             for combo in itertools.product(*(kept[k] for k in group)):
                 add(dict(zip(group, combo)))
+            done += math.prod(len(kept[k]) for k in group)
+    if skipped is not None:
+        skipped[0] += over
     return out
 
 
@@ -310,17 +332,19 @@ def _connector_label(c: ConnectorConfig | None) -> str:
     return text
 
 
-def _extra_variants(rulesets: Sequence[RuleSet], connector: str, profile: str) -> list[dict[str, Any]]:
+def _extra_variants(rulesets: Sequence[RuleSet], connector: str, profile: str, limit: int | None = None,
+                    skipped: list[int] | None = None) -> list[dict[str, Any]]:
     """The ``extra`` dicts of ``connector`` that reach every answer its rules (and the global
     rules) can give on ``connector.extra.*``: none, then each key alone over its boundary values,
-    then the keys one rule reads together."""
+    then the keys one rule reads together (at most ``limit``: see `_variants_of`)."""
     rules = [r for rs in rulesets for r in (*rs.global_rules, *connector_rules_for(rs, profile, connector))]
     return _variants_of(_Leaves(rules=rules), {}, EXTRA_PREFIX,
-                        lambda _k, v: isinstance(v, (str, bool, int, float)))
+                        lambda _k, v: isinstance(v, (str, bool, int, float)), limit=limit, skipped=skipped)
 
 
-def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str) -> list[ConnectorConfig]:
-    extras = _extra_variants(rulesets, name, profile)
+def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str, limit: int | None = None,
+              skipped: list[int] | None = None) -> list[ConnectorConfig]:
+    extras = _extra_variants(rulesets, name, profile, limit, skipped if full else None)
     if not full:  # members of a composite: absent, or every tested key at its first other value
         merged: dict[str, Any] = {}
         for extra in extras[1:]:
@@ -330,17 +354,24 @@ def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str) 
     return [ConnectorConfig(name=name, extra=extra) for extra in extras]
 
 
-def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "") -> list[ConnectorConfig | None]:
+def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "", limit: int | None = None,
+               skipped: list[int] | None = None) -> list[ConnectorConfig | None]:
     """None, an unknown connector, every connector with rules in each tested extra variant, and
     MultiConnector pairs of those (the unknown one included: a member that asks for nothing). A
-    connector's rules are those ``profile``'s decisions apply to it (`connector_names_for`)."""
+    connector's rules are those ``profile``'s decisions apply to it (`connector_names_for`).
+
+    With ``limit``, at most that many extra variants per connector and that many MultiConnector
+    pairs are built; the others are counted into ``skipped[0]``.
+    """
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     named = sorted({c for rs in sets for c in rs.connectors if c != "MultiConnector"})
     unknown = ConnectorConfig(name=UNKNOWN_CONNECTOR)
-    out: list[ConnectorConfig | None] = [None, *_variants(sets, UNKNOWN_CONNECTOR, full=True, profile=profile)]
+    out: list[ConnectorConfig | None] = [None, *_variants(sets, UNKNOWN_CONNECTOR, full=True, profile=profile,
+                                                          limit=limit, skipped=skipped)]
     for name in named:
-        out += _variants(sets, name, full=True, profile=profile)
-    members = [v for name in named for v in _variants(sets, name, full=False, profile=profile)] + [unknown]
+        out += _variants(sets, name, full=True, profile=profile, limit=limit, skipped=skipped)
+    members = [v for name in named for v in _variants(sets, name, full=False, profile=profile, limit=limit)]
+    members.append(unknown)
     if any(PREFERS_CROSS_LAYER in _fields_read(rs.rules) for rs in sets):
         # the connector object's own prefer_cross_layer_blocks, as the plugin reads it: the unknown
         # connector's (default false) said true, and each named connector's (default: its rules) said
@@ -348,9 +379,16 @@ def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "") -> list
         out.append(unknown.model_copy(update={"prefers_cross_layer_blocks": True}))
         out += [ConnectorConfig(name=name, prefers_cross_layer_blocks=v) for name in named for v in (True, False)]
         members.append(unknown.model_copy(update={"prefers_cross_layer_blocks": True}))
-    for a, b in itertools.combinations(members, 2):
-        if a.name != b.name:
-            out.append(ConnectorConfig(name="MultiConnector", connectors=(a, b)))
+    pairs = 0
+    for i, a in enumerate(members):
+        if limit is not None and pairs >= limit:  # the rest counted, not built (an upper bound)
+            if skipped is not None:
+                skipped[0] += sum(len(members) - 1 - j for j in range(i, len(members)))
+            break
+        for b in members[i + 1:]:
+            if a.name != b.name:
+                out.append(ConnectorConfig(name="MultiConnector", connectors=(a, b)))
+                pairs += 1
     if any("MultiConnector" in rs.connectors for rs in sets):
         out.append(ConnectorConfig(name="MultiConnector"))  # configured without members
     return out
@@ -369,6 +407,7 @@ class Space:
     dimensions: dict[str, list[str]] = field(default_factory=dict)
     stands_for: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     left_out: dict[str, list[str]] = field(default_factory=dict)
+    cut: Cut | None = None  # how the space was bounded, when it was (`kvpolicy.engine.analysis.budget`)
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -381,12 +420,18 @@ class Space:
         dims = ", ".join(f"{len(v)} {k}" for k, v in self.dimensions.items())
         text = f"{len(self.inputs)} inputs of `{self.profile.name}` ({dims})"
         for what, items in self.left_out.items():
-            text += f"; left out {len(items)} {what}: {', '.join(items)}"
+            shown = ", ".join(items[:_LISTED])
+            if len(items) > _LISTED:  # a hostile rule set's variants could make this line megabytes long
+                shown += f", and {len(items) - _LISTED} more (--format json lists all)"
+            text += f"; left out {len(items)} {what}: {shown}"
+        if self.cut is not None:
+            text += f"; {self.cut.describe()}"
         return text
 
     def to_dict(self) -> dict[str, Any]:
         return {"profile": self.profile.name, "size": len(self.inputs), "dimensions": self.dimensions,
-                "stands_for": self.stands_for, "left_out": self.left_out}
+                "stands_for": self.stands_for, "left_out": self.left_out,
+                "cut": self.cut.to_dict() if self.cut is not None else None}
 
 
 def _names_any(conn: ConnectorConfig | None, names: Sequence[str]) -> bool:
@@ -421,11 +466,13 @@ def _fits(kind: AttentionKind, dtype: str) -> bool:
     return True
 
 
-def _size_variants(leaves: _Leaves, mla: bool) -> list[dict[str, Any]]:
+def _size_variants(leaves: _Leaves, mla: bool, limit: int | None = None,
+                   skipped: list[int] | None = None) -> list[dict[str, Any]]:
     """The size overrides (``{}``: the default sizes) reaching every answer the rules give on
-    ``kv.num_layers``, ``kv.block_size``, ``kv.num_kv_heads``, ``kv.head_size``."""
+    ``kv.num_layers``, ``kv.block_size``, ``kv.num_kv_heads``, ``kv.head_size`` (at most ``limit``)."""
     return _variants_of(leaves, MLA_SIZES if mla else SIZES, "kv.",
-                        lambda _k, v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+                        lambda _k, v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                        limit=limit, skipped=skipped)
 
 
 def _size_label(sizes: dict[str, Any]) -> str:
@@ -568,13 +615,19 @@ def build_space(
     scale_views: Sequence[ScaleViews] | None = None,
     backends: Sequence[str] | None = None,
     kv_cache_dtypes: Sequence[str] | None = None,
+    max_inputs: int = DEFAULT_MAX_INPUTS,
 ) -> Space:
     """The space of ``vllm_version``'s profile (default: the default profile) that ``rulesets`` read.
 
     ``scale_views`` overrides the backends' own strategy (a what-if: the
     released backends build stride-aware views, the #48412 state did not);
-    ``backends`` and ``kv_cache_dtypes`` restrict those dimensions.
+    ``backends`` and ``kv_cache_dtypes`` restrict those dimensions. At most
+    ``max_inputs`` inputs are built; past that the space is cut as
+    `kvpolicy.engine.analysis.budget` says, and ``Space.cut`` tells how.
     """
+    if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or max_inputs < 1:
+        raise input_error("max_inputs", f"`max_inputs` must be a positive int, got `{max_inputs!r:.40}`",
+                          f"pass the most inputs the space may hold (default {DEFAULT_MAX_INPUTS})")
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     profile = get_profile(vllm_version)
     leaves = _Leaves(sets)
@@ -583,7 +636,11 @@ def build_space(
     if kv_cache_dtypes is not None:
         pairs = {m: [(k, d) for k, d in p if d in kv_cache_dtypes] for m, p in pairs.items()}
     combos, option_dims, option_stands = _option_values(profile, leaves)
-    conns = [_Conn.of(c) for c in connectors(sets, profile.name)]
+    # No list of variants is built longer than the bound could ever keep (each costs at least one input,
+    # and thousands in practice): the rest are counted as left out.
+    limit = max(1_000, max_inputs // 50)
+    skipped_conns, skipped_sizes = [0], [0]
+    conns = [_Conn.of(c) for c in connectors(sets, profile.name, limit=limit, skipped=skipped_conns)]
     no_connector = _connector_env(None)
     names = [n for n in profile.backend_names() if backends is None or n in backends]
     strategies: list[ScaleViews | None] = list(scale_views) if scale_views else [None]
@@ -616,7 +673,7 @@ def build_space(
 
     # A size other than the default is paired only with the connectors whose rules (or the global
     # rules) read that size: for the others it decides as the default does.
-    sizes = {mla: _size_variants(leaves, mla) for mla in (False, True)}
+    sizes = {mla: _size_variants(leaves, mla, limit, skipped_sizes) for mla in (False, True)}
     dims["sizes"] = []
     global_reads = _fields_read(r for rs in sets for r in rs.global_rules)
 
@@ -644,24 +701,47 @@ def build_space(
     arounds = {_size_label(o): around(o) for mla in (False, True) for o in sizes[mla] if o}
     thin_done: set[tuple[Any, ...]] = set()
 
+    # What each backend decides over (the loop below skips the rest), and the group shapes of each spec.
+    caps = {name: _capabilities(profile, name, leaves) for name in names}
+    kv_for: dict[str, list[tuple[AttentionKind, str]]] = {}
     for name in names:
         facts = profile.backends[name]
+        kv_for[name] = []
+        for kind, dtype in pairs[facts.mla]:
+            if facts.kv_cache_dtypes is not None and dtype not in facts.kv_cache_dtypes:
+                continue
+            spec = _spec(kind, dtype)
+            if not _plannable(profile.backend(name), spec):
+                if f"{name}/{dtype}" not in unplanned:
+                    unplanned.append(f"{name}/{dtype}")
+                continue
+            kv_for[name].append((kind, dtype))
+            if (kind, dtype) not in shapes:  # a Mamba spec stands for a model of Mamba layers only
+                own = ("1x1",) if kind is AttentionKind.mamba else group_shapes
+                shapes[(kind, dtype)] = list(_distinct(own, lambda s, spec=spec: leaves.signature(
+                    {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
+    # how many of vLLM's option combinations each connector pairs with (HiSparse splits them), over all or the first
+    member_sets = {wide: [{id(m) for m in members} for combo in (combos if wide else combos[:1])
+                          for _, members in conns_by_hisparse(combo[2])] for wide in (True, False)}
+    weights = {wide: tuple(sum(id(c) in ids for ids in member_sets[wide]) for c in conns) for wide in (True, False)}
+    sizes, conns, cut = _bounded(sizes, conns, max_inputs, caps, kv_for, shapes, len(strategies), weights,
+                                 arounds, profile, skipped_sizes[0], skipped_conns[0])
+    with_hisparse = [c for c in conns if derived and _names_any(c.config, derived)]
+    without = [c for c in conns if c not in with_hisparse]
+    stopped = False
+
+    for name in names:
+        if stopped:
+            break
+        facts = profile.backends[name]
         own_views = profile.backend(name).scale_views
-        for strategy, cap in itertools.product(strategies, _capabilities(profile, name, leaves)):
+        for strategy, cap in itertools.product(strategies, caps[name]):
             views = (strategy or own_views).value
-            for kind, dtype in pairs[facts.mla]:
-                if facts.kv_cache_dtypes is not None and dtype not in facts.kv_cache_dtypes:
-                    continue
+            for kind, dtype in kv_for[name]:
                 spec = _spec(kind, dtype)
-                if not _plannable(profile.backend(name), spec):
-                    if f"{name}/{dtype}" not in unplanned:
-                        unplanned.append(f"{name}/{dtype}")
-                    continue
-                if (kind, dtype) not in shapes:  # a Mamba spec stands for a model of Mamba layers only
-                    own = ("1x1",) if kind is AttentionKind.mamba else group_shapes
-                    shapes[(kind, dtype)] = list(_distinct(own, lambda s, spec=spec: leaves.signature(
-                        {k: v for k, v in _probe(spec, _groups(spec, s)).items() if k.startswith("groups.")})))
                 for shape, over in itertools.product(shapes[(kind, dtype)], sizes[facts.mla]):
+                    if stopped:
+                        break
                     size_label = _size_label(over)
                     allowed, wide = arounds[size_label] if over else (None, "kv groups options")
                     if allowed is not None and not allowed:
@@ -713,8 +793,14 @@ def build_space(
                                 ((("use_v2_model_runner", "true"),) if combo[3] else ())
                             core = _Core(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
                                          geometry)
-                            inputs += [AnalysisInput(core, c) for c in members
-                                       if allowed is None or id(c) in allowed]
+                            batch = [AnalysisInput(core, c) for c in members if allowed is None or id(c) in allowed]
+                            if len(inputs) + len(batch) > max_inputs:  # tier 0 alone is over the bound
+                                inputs += batch[: max_inputs - len(inputs)]
+                                stopped = True
+                                break
+                            inputs += batch
+                        if stopped:
+                            break
                     seen("kv_cache_dtype", dtype)
                     seen("sizes", size_label)
                     seen("kind", kind.value)
@@ -734,7 +820,61 @@ def build_space(
         left_out["size variants no spec of that kind can have"] = invalid
     for message, where in refused.items():
         left_out[f"inputs the release refuses ({message})"] = where
-    return Space(profile, inputs, out_dims, stands, left_out)
+    cut = dataclasses.replace(cut, stopped=stopped)
+    told = stopped or cut.size_variants_left_out or cut.connectors_left_out
+    return Space(profile, inputs, out_dims, stands, left_out, cut if told else None)
+
+
+def _bounded(sizes: dict[bool, list[dict[str, Any]]], conns: list[_Conn], max_inputs: int,
+             caps: dict[str, list[int | None]], kv_for: dict[str, list[tuple[AttentionKind, str]]],
+             shapes: dict[tuple[AttentionKind, str], list[str]], n_strategies: int,
+             weights: dict[bool, tuple[int, ...]],
+             arounds: dict[str, tuple[set[int] | None, str]], profile: ReleaseProfile,
+             unbuilt_sizes: int = 0, unbuilt_conns: int = 0
+             ) -> tuple[dict[bool, list[dict[str, Any]]], list[_Conn], Cut]:
+    """The size variants and connectors `build_space` explores within ``max_inputs`` (see `budget`), and the
+    `Cut` that says what was left out (nothing, when the estimate fits); estimated from the dimensions
+    before any input is built. ``unbuilt_*``: variants past the generation limit, left out unbuilt (each
+    counted in the estimate at the cost of the cheapest one built of its tier 2)."""
+    index = {id(c): i for i, c in enumerate(conns)}
+    costs: list[SizeCost] = []
+    where: list[tuple[bool, int]] = []
+    for mla in (False, True):
+        backends = [n for n in kv_for if profile.backends[n].mla is mla]
+        for j, over in enumerate(sizes[mla]):
+            allowed, wide = arounds[_size_label(over)] if over else (None, "kv groups options")
+            per_kv = [(len(shapes[kd]) if "groups" in wide else 1) for n in backends for kd in kv_for[n]]
+            if "kv" in wide:
+                cores = n_strategies * sum(len(caps[n]) * sum((len(shapes[kd]) if "groups" in wide else 1)
+                                                               for kd in kv_for[n]) for n in backends)
+            else:  # the first backend that accepts it stands for the rest
+                cores = max(per_kv, default=0)
+            costs.append(SizeCost(cores, None if allowed is None else frozenset(index[a] for a in allowed),
+                                  tier_of_override(over), weights["options" in wide]))
+            where.append((mla, j))
+    tiers = [_connector_tier(c.config) for c in conns]
+    keep_size, keep_conn, full, _ = plan_cut(costs, tiers, max_inputs)
+    if unbuilt_sizes:
+        full += unbuilt_sizes * min((c.cores for c in costs if c.tier), default=0)
+    if unbuilt_conns:
+        base = sum(c.cores * c.weights[0] for c in costs if c.allowed is None)  # what `none` pairs with
+        full += unbuilt_conns * base
+    position = {w: i for i, w in enumerate(where)}
+    kept = {mla: [over for j, over in enumerate(sizes[mla]) if keep_size[position[(mla, j)]]]
+            for mla in (False, True)}
+    return kept, [c for c, k in zip(conns, keep_conn) if k], Cut(
+        max_inputs, full, keep_size.count(False) + unbuilt_sizes, len(costs) + unbuilt_sizes,
+        keep_conn.count(False) + unbuilt_conns, len(conns) + unbuilt_conns)
+
+
+def _connector_tier(c: ConnectorConfig | None) -> int:
+    """0: no connector, or one as plainly configured; 1: one extra key or its cross-layer preference set;
+    2: more set together, or a MultiConnector pair."""
+    if c is None:
+        return 0
+    if c.connectors:
+        return 2
+    return min(len(c.extra) + (c.prefers_cross_layer_blocks is not None), 2)
 
 
 def enumerate_inputs(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="warnings fail the lint too")
     p.add_argument("--max-inputs", type=int_at_least(0), default=20, metavar="N",
                    help="inputs listed per finding in text output (default 20; JSON lists all)")
+    add_max_space_flag(p)
     add_format_flag(p, ci=True)
     p.set_defaults(run=run_lint)
 
@@ -108,8 +110,23 @@ def register(verbs: argparse._SubParsersAction) -> None:
     add_vllm_version_flag(d)
     d.add_argument("--max-changes", type=int_at_least(0), default=50, metavar="N",
                    help="changed inputs shown in text output (default 50; JSON lists all)")
+    add_max_space_flag(d)
     add_format_flag(d)
     d.set_defaults(run=run_diff)
+
+
+def add_max_space_flag(p: argparse.ArgumentParser) -> None:
+    # the default is resolved when the verb runs, so that building the parser imports no analysis module
+    p.add_argument("--max-space", type=int_at_least(1), default=None, metavar="N",
+                   help="the most inputs the space may hold (default 300000: "
+                        "kvpolicy.engine.analysis.budget.DEFAULT_MAX_INPUTS); past it, variants that set several "
+                        "fields together, then single literals, are left out, and the output says so (docs/cli.md)")
+
+
+def max_space(args: argparse.Namespace) -> int:
+    from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS
+
+    return DEFAULT_MAX_INPUTS if args.max_space is None else args.max_space
 
 
 def finding_diagnostic(finding: Finding, root: str) -> Diagnostic:
@@ -134,7 +151,7 @@ def run_lint(args: argparse.Namespace) -> int:
     profile = get_profile(args.vllm_version)
     start = time.perf_counter()
     views = [ScaleViews(v) for v in args.scale_views] if args.scale_views else None
-    report = lint(ruleset, vllm_version=profile, scale_views=views)
+    report = lint(ruleset, vllm_version=profile, scale_views=views, max_inputs=max_space(args))
     seconds = time.perf_counter() - start
     failed = bool(report.errors) or (args.strict and bool(report.warnings))
     if args.format in ("github", "sarif"):
@@ -173,7 +190,10 @@ def run_diff(args: argparse.Namespace) -> int:
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_USAGE
-    report = diff_rulesets(old, new, vllm_version=get_profile(args.vllm_version))
+    report = diff_rulesets(old, new, vllm_version=get_profile(args.vllm_version), max_inputs=max_space(args))
+    if report.space is not None and report.space.cut is not None:
+        print(f"warning: the space was {report.space.cut.describe()}: changes among the left-out inputs are not "
+              "listed; raise --max-space to explore more", file=sys.stderr)
     if args.format == "json":
         print_json(report.to_dict())
         return EXIT_FAILED if report.changes else EXIT_OK

@@ -217,3 +217,41 @@ def test_a_mamba_only_model_is_decided_without_a_geometry_check(capsys, tmp_path
     code, out, _ = cli(capsys, "dry-run", "--spec", str(spec), "--format", "json")
     data = json.loads(out)
     assert code == 0 and data["layout"]["name"] == "LBNHC" and "verification" not in data
+
+
+def test_lint_over_its_space_bound_warns_and_strict_fails(capsys) -> None:
+    """`--max-space N` bounds the space (issue 23): a cut is a `space-cut` warning, in the text, the JSON
+    and the space line; the other findings then hold for the explored inputs only."""
+    code, out, _ = cli(capsys, "lint", "--max-space", "1000")
+    assert code == 0
+    assert out.startswith("warning[space-cut]: the space was cut to at most 1000 inputs (--max-space) from about "
+                          "2565: left out 17 of 27 connector variants (fields set together first, then single "
+                          "literals): every finding holds for the explored inputs only")
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("lint: 950 inputs of issue-48412, 11 rules, ") and "1 warning(s)" in last
+    assert "; cut to at most 1000 inputs (--max-space) from about 2565" in out
+    code, out, _ = cli(capsys, "lint", "--max-space", "1000", "--strict")
+    assert code == 1
+    code, out, _ = cli(capsys, "lint", "--max-space", "50", "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["inputs_checked"] == 50 and data["findings"][0]["code"] == "space-cut"
+    assert all(f["message"].endswith("(as cut: see space-cut)") for f in data["findings"] if f["code"] == "dead-rule")
+    assert data["space"]["cut"] == {"max_inputs": 50, "estimated_inputs": 2565, "size_variants": 2,
+                                    "size_variants_left_out": 0, "connectors": 27, "connectors_left_out": 21,
+                                    "stopped_at_bound": True}
+    code, out, _ = cli(capsys, "lint")
+    assert code == 0 and "space-cut" not in out and '"cut"' not in out
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "many"])
+def test_max_space_must_be_a_positive_count(capsys, bad: str) -> None:
+    code, _, err = cli(capsys, "lint", "--max-space", bad)
+    assert code == 2 and "--max-space" in err
+
+
+def test_diff_over_its_space_bound_warns_on_stderr(capsys, no_pth: Path) -> None:
+    code, out, err = cli(capsys, "diff", str(RULES), str(no_pth), "--no-shipped-rules", "--max-space", "500")
+    assert code in (0, 1)
+    assert "\nwarning: the space was cut to at most 500 inputs (--max-space) from about 2565" in err
+    assert "changes among the left-out inputs are not listed; raise --max-space to explore more" in err
+    assert out.startswith("diff: 500 inputs of issue-48412 checked")

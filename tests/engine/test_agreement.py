@@ -198,12 +198,61 @@ if os.environ.get("KVPOLICY_TEST_BLOCK_NUMPY"):
     assert "numpy" not in sys.modules
     sys.meta_path.insert(0, NoNumpy())
 
+import struct
+import torch
 import torch.distributed as dist
 from kvpolicy.engine import LayoutEngine
-from kvpolicy.engine import agreement
+from kvpolicy.engine import agreement, agreement_wire
 from kvpolicy.engine.agreement import AgreementError, agree
 
 encode = agreement._encode
+honest_transport = agreement_wire._point_to_point
+HEADER = struct.Struct(">8sHII")
+previous = {}  # peer -> the frame this rank sent it last
+
+
+def remembered(data, peer):
+    previous[peer] = data
+    return data
+
+
+def hostile(kind, arg):
+    """What a hostile (or broken) rank sends each peer instead of its frame, after the barrier."""
+
+    def out(data, peer):
+        replayed = previous.get(peer, data)
+        previous[peer] = data
+        if kind == "replay":  # the frame it sent this peer in the previous agreement, again
+            return replayed
+        magic, version, number, n = HEADER.unpack_from(data)
+        payload = data[HEADER.size:]
+        head = lambda **kw: HEADER.pack(kw.get("magic", magic), kw.get("version", version),  # noqa: E731
+                                        kw.get("number", number), kw.get("n", n))
+        if kind == "short":  # announces its payload, sends 100 bytes less
+            return data[:-100]
+        if kind == "long":  # sends 100 bytes past what it announced
+            return data + b"x" * 100
+        if kind == "two-sizes":  # one size to rank 0, another to rank 1
+            return data[:-100] if peer == 0 else data + b"y" * 100
+        if kind == "announce-huge":
+            return head(n=2**31) + payload
+        if kind == "garbage":
+            return b"\x80\x04\x95 not a frame {{" * 10
+        if kind == "not-a-fingerprint":  # a well-formed frame of valid JSON that is no rank fingerprint
+            other = b'{"hello":[1,2,{"x":null}]}'
+            return head(n=len(other)) + other
+        if kind == "old-protocol":
+            return head(version=1)
+        if kind == "wrong-number":
+            return head(number=number + 5) + payload
+        if kind == "stall":  # passed the barrier, then hangs before sending (once, not per peer)
+            time.sleep(arg if peer == 0 else 0)
+            return data
+        if kind == "exit":  # passed the barrier, then its process exits
+            os._exit(0)
+        raise AssertionError(kind)
+
+    return out
 
 dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=world,
                         timeout=datetime.timedelta(seconds=30))
@@ -217,6 +266,10 @@ for sc in scenarios:
     decision = engine.decide(**sc["inputs"].get(str(rank), sc["inputs"]["*"]))
     sent = sc.get("send", {}).get(str(rank))  # this rank plays a hostile peer: it sends these bytes
     agreement._encode = encode if sent is None else (lambda _r, sent=sent: sent.encode("latin-1"))
+    wire = sc.get("wire", {}).get(str(rank))  # [kind, arg]: this rank breaks the protocol after the barrier
+    agreement_wire._outgoing = remembered if wire is None else hostile(*wire)
+    gather = sc.get("transport") == "all_gather"  # the fixed-frame all_gather of non-gloo backends, on gloo
+    agreement_wire._point_to_point = (lambda _d, _g: False) if gather else honest_transport
     start = time.monotonic()
     try:
         agreed = agree(decision, timeout_s=sc.get("timeout_s", 30))
@@ -226,7 +279,7 @@ for sc in scenarios:
     results[sc["name"]]["seconds"] = time.monotonic() - start
 results["numpy_imported"] = "numpy" in sys.modules
 (work / f"rank{rank}.json").write_text(json.dumps(results))
-if any(rank in sc.get("skip", []) for sc in scenarios):
+if any(rank in sc.get("skip", []) or str(rank) in sc.get("wire", {}) for sc in scenarios):
     # stay in the world until rank 0 has reported, so its timeout is a timeout and not a closed socket
     deadline = time.monotonic() + 20
     while not (work / "rank0.json").exists() and time.monotonic() < deadline:
@@ -263,7 +316,8 @@ def run_world(tmp_path: Path, world: int, scenarios: list[dict[str, Any]], deadl
                 p.wait()
     for r, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{out}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    gone = {int(r) for sc in scenarios for r, (kind, _) in sc.get("wire", {}).items() if kind == "exit"}
+    return [{} if r in gone else json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def rules_dir(tmp_path: Path, name: str, extra_rule: str) -> str:
@@ -284,11 +338,13 @@ def test_two_ranks_agree_disagree_and_time_out(tmp_path: Path) -> None:
     scenarios = [
         {"name": "same", "inputs": {"*": CROSS}},
         {"name": "dtype", "inputs": {"*": CROSS, "1": {**CROSS, "kv_cache_dtype": "fp8_per_token_head"}}},
+        {"name": "group-timeout", "inputs": {"*": CROSS}, "timeout_s": None},  # no barrier: the group's timeout
         {"name": "absent", "inputs": {"*": CROSS}, "skip": [1], "timeout_s": 2},
     ]
     r0, r1 = run_world(tmp_path, 2, scenarios)
     expected = fingerprint(ENGINE.decide(**CROSS)).digest
     assert r0["same"]["ok"] and r1["same"]["ok"]
+    assert r0["group-timeout"]["ok"] and r1["group-timeout"]["digest"] == expected
     assert r0["same"]["digest"] == r1["same"]["digest"] == expected
     for r in (r0, r1):  # the mismatch is raised on every rank, with the same text
         assert r["dtype"]["error"] == "LayoutMismatchError"
@@ -332,7 +388,7 @@ def test_four_ranks_one_odd_rule_set_or_dtype(tmp_path: Path) -> None:
 
 def test_ranks_agree_without_numpy_and_name_a_hostile_peer_on_every_rank(tmp_path: Path) -> None:
     """Three gloo ranks with numpy unimportable (a meta-path blocker in each child): agreement and
-    disagreement work, and a rank that sends garbage, an oversized payload, JSON nested 100,000 deep
+    disagreement work, and a rank that sends garbage, an oversized payload, JSON nested 30,000 deep
     or JSON that is not a rank fingerprint is named by the same `AgreementError` on every rank, with
     no rank unpickling, recursing or allocating what the peer asked for."""
     me = json.loads(agree_payload())
@@ -341,7 +397,7 @@ def test_ranks_agree_without_numpy_and_name_a_hostile_peer_on_every_rank(tmp_pat
         {"name": "dtype", "inputs": {"*": CROSS, "2": {**CROSS, "kv_cache_dtype": "fp8"}}},
         {"name": "garbage", "inputs": {"*": CROSS}, "send": {"1": "\x80\x04\x95 not json {{"}},
         {"name": "oversized", "inputs": {"*": CROSS}, "send": {"2": "[" + " " * (2 << 20) + "]"}},
-        {"name": "nested", "inputs": {"*": CROSS}, "send": {"1": "[" * 100_000 + "]" * 100_000}},
+        {"name": "nested", "inputs": {"*": CROSS}, "send": {"1": "[" * 30_000 + "]" * 30_000}},  # fits a frame
         {"name": "not-a-rank", "inputs": {"*": CROSS}, "send": {"2": json.dumps({"rank": 2})}},
         {"name": "bad-fingerprint", "inputs": {"*": CROSS},
          "send": {"1": json.dumps({**me, "group_rank": 1, "fingerprint": {**me["fingerprint"], "num_layers": "x"}})}},
@@ -405,3 +461,93 @@ def test_a_deep_or_cyclic_dict_is_refused_without_recursion() -> None:
             check_compatible(fp_for(), remote)
         with pytest.raises(InputError, match="peer-data"):
             compare_ranks([RankFingerprint(0, 0, fp_for().to_dict()), RankFingerprint(1, 1, remote)])
+
+
+# ---------------------------------------------------------------- agree, peers that break the wire protocol
+
+HONEST = ("0", "1")
+
+
+def _honest(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [results[int(r)] for r in HONEST]
+
+
+def test_a_rank_that_breaks_the_frames_is_named_and_the_world_survives(tmp_path: Path) -> None:
+    """Three gloo ranks; rank 2 sends, after the barrier, frames shorter or longer than they announce, a
+    different size to each peer, an impossible length, garbage, a frame of valid JSON that is no rank
+    fingerprint, another protocol version, a wrong agreement number, and its previous frame again. Each time
+    both honest ranks raise the same `AgreementError` naming group rank 2 and what it sent (these used
+    to abort the honest ranks inside gloo), and the world still agrees afterwards, over point to point
+    (gloo) and over the fixed-frame all_gather of other backends alike. About 6 s."""
+    n = len(agree_payload())  # group rank 2's payload is as long as rank 0's
+    bad = {
+        "short": ("peer-data", f"announced {n} bytes of fingerprint and sent {n - 100}"),
+        "long": ("peer-data", f"announced {n} bytes of fingerprint and sent {n + 100}, ending `xxxx"),
+        "announce-huge": ("peer-data", "announced 2147483648 bytes of fingerprint; a frame holds at most 65518"),
+        "garbage": ("peer-protocol", "sent 180 bytes starting `\\x80\\x04\\x95 not a frame {{"),
+        "not-a-fingerprint": ("peer-data", 'sent `{"hello":[1,2,{"x":null}]}`, not a rank fingerprint'),
+        "old-protocol": ("peer-protocol", "speaks agreement protocol 1, this rank 2"),
+        "wrong-number": ("peer-protocol", "sent the frame of agreement 13 on this group during agreement 8"),
+    }
+    scenarios: list[dict[str, Any]] = [{"name": "same", "inputs": {"*": CROSS}}]
+    scenarios += [{"name": kind, "inputs": {"*": CROSS}, "wire": {"2": [kind, None]}} for kind in bad]
+    scenarios += [
+        {"name": "two-sizes", "inputs": {"*": CROSS}, "wire": {"2": ["two-sizes", None]}},
+        {"name": "same-again", "inputs": {"*": CROSS}},
+        {"name": "replay", "inputs": {"*": CROSS}, "wire": {"2": ["replay", None]}},
+        {"name": "gather", "inputs": {"*": CROSS}, "transport": "all_gather"},
+        {"name": "gather-long", "inputs": {"*": CROSS}, "transport": "all_gather", "wire": {"2": ["long", None]}},
+        {"name": "gather-garbage", "inputs": {"*": CROSS}, "transport": "all_gather",
+         "wire": {"2": ["garbage", None]}},
+        {"name": "same-at-last", "inputs": {"*": CROSS}},
+    ]
+    results = run_world(tmp_path, 3, scenarios)
+    expected = fingerprint(ENGINE.decide(**CROSS)).digest
+    for r in results:
+        for name in ("same", "same-again", "gather", "same-at-last"):
+            assert r[name]["ok"] and r[name]["digest"] == expected, (name, r[name])
+    for r in _honest(results):
+        for name, (code, what) in bad.items():
+            assert r[name]["error"] == "AgreementError", (name, r[name])
+            assert f"group rank 2: error[{code}]: group rank 2 {what}" in r[name]["message"], (name, r[name])
+            assert "could not be compared: group rank 2 sent no valid fingerprint" in r[name]["message"]
+        assert f"announced {n} bytes of fingerprint and sent {n + 100}" in r["gather-long"]["message"]
+        assert "group rank 2: error[peer-protocol]" in r["gather-garbage"]["message"]
+        assert "group rank 2: error[peer-protocol]: group rank 2 sent the frame of agreement 10 on this group " \
+               "during agreement 11" in r["replay"]["message"], r["replay"]
+    r0, r1 = _honest(results)
+    assert f"announced {n} bytes of fingerprint and sent {n - 100}" in r0["two-sizes"]["message"]
+    assert f"announced {n} bytes of fingerprint and sent {n + 100}" in r1["two-sizes"]["message"]
+    for name in bad:
+        assert r0[name]["message"] == r1[name]["message"], name
+
+
+def test_a_rank_that_stalls_after_the_barrier_is_named_within_the_timeout(tmp_path: Path) -> None:
+    """Rank 2 reaches the barrier, then hangs for 3 s; with ``timeout_s=1`` both honest ranks raise an
+    `AgreementError` naming it (it was a raw RuntimeError after the group's timeout), and rank 2,
+    waking to closed connections, raises one too instead of crashing. About 8 s."""
+    scenarios = [{"name": "same", "inputs": {"*": CROSS}},
+                 {"name": "stall", "inputs": {"*": CROSS}, "wire": {"2": ["stall", 3]}, "timeout_s": 1}]
+    results = run_world(tmp_path, 3, scenarios)
+    for r in results:
+        assert r["same"]["ok"]
+    for r in _honest(results):
+        assert r["stall"]["error"] == "AgreementError", r["stall"]
+        assert "group rank 2: error[peer-timeout]: group rank 2 passed the barrier but sent no frame within 1 s" \
+            in r["stall"]["message"], r["stall"]
+    assert results[2]["stall"]["error"] == "AgreementError", results[2]["stall"]
+    assert "group rank 0: error[peer-" in results[2]["stall"]["message"]
+
+
+def test_a_rank_that_exits_after_the_barrier_is_named(tmp_path: Path) -> None:
+    """Rank 2 reaches the barrier, then its process exits: both honest ranks raise an `AgreementError`
+    naming it as lost, at once (not after the timeout). About 4 s."""
+    scenarios = [{"name": "same", "inputs": {"*": CROSS}},
+                 {"name": "exit", "inputs": {"*": CROSS}, "wire": {"2": ["exit", None]}, "timeout_s": 20}]
+    results = run_world(tmp_path, 3, scenarios)
+    assert results[2] == {}
+    for r in _honest(results):
+        assert r["same"]["ok"]
+        assert r["exit"]["error"] == "AgreementError", r["exit"]
+        assert "group rank 2: error[peer-lost]: group rank 2 was lost during the exchange" in r["exit"]["message"]
+        assert "group rank 2: error[peer-timeout]" not in r["exit"]["message"]

@@ -119,3 +119,23 @@ def test_a_peer_text_past_the_bound_is_refused_before_it_is_copied() -> None:
     with pytest.raises(InputError) as err:
         LayoutFingerprint.from_json(_NoCopyText(" " * (MAX_PEER_BYTES + 1)))
     assert err.value.diagnostics[0].code == "peer-data"
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), float("-inf"), -1, 0, 0.0, 86_401, 10**400, 1e300,
+                                     True, "60", [60], None.__class__],
+                         ids=["nan", "inf", "-inf", "-1", "0", "0.0", "over-a-day", "10**400", "1e300", "True",
+                              "str", "list", "type"])
+def test_agree_refuses_a_timeout_that_is_no_finite_positive_number_by_name(timeout: object) -> None:
+    """`timeout_s` is checked before anything waits on it (NaN and infinity were a bare ValueError and
+    OverflowError from timedelta), even in a world of one."""
+    with pytest.raises(InputError) as err:
+        agree(_fingerprint(), timeout_s=timeout)  # type: ignore[arg-type]
+    diag = err.value.diagnostics[0]
+    assert diag.file == "timeout_s" and "`timeout_s` must be" in diag.message and len(diag.message) < 200
+    assert "or None to wait for the process group's own timeout" in (diag.help or "")
+
+
+@pytest.mark.parametrize("timeout", [None, 0.001, 1, 60.0, 86_400])
+def test_agree_takes_none_or_seconds_up_to_a_day(timeout: float | None) -> None:
+    fp = _fingerprint()
+    assert agree(fp, timeout_s=timeout) == fp
