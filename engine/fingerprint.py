@@ -156,6 +156,8 @@ class LayoutFingerprint:
                 "run the same kvpolicy version on both sides",
                 code="fingerprint-format",
             )
+        stated = data.get("digest")  # dry-run's JSON writes the digest beside the fields: checked, not a field
+        data = {k: v for k, v in data.items() if k != "digest"}
         expected = [f.name for f in fields(cls)]
         missing = sorted(set(expected) - set(data))
         extra = sorted(set(data) - set(expected))
@@ -183,7 +185,13 @@ class LayoutFingerprint:
         for name in ("logical_dims", "physical_dims", "physical_shape"):
             values[name] = tuple(values[name])
         values["groups"] = tuple(GroupFingerprint(**g) for g in values["groups"])
-        return cls(**values)
+        fp = cls(**values)
+        if stated is not None and stated != fp.digest:
+            shown = json.dumps(stated)
+            raise input_error("fingerprint.digest", f"the stated digest {shown[:80]} is not these fields' digest "
+                              f"`{fp.digest}`: the fingerprint was changed after it was written",
+                              "pass the writer's fingerprint as it wrote it", code="fingerprint-digest")
+        return fp
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LayoutFingerprint:

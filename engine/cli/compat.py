@@ -12,7 +12,6 @@ transcoded), 1 when they cannot. Decision path only: no torch.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from kvpolicy.engine.cli.common import (
 from kvpolicy.engine.exchange import BlockExchange, ExchangeKind, compare_blocks
 from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.engine.inputs import DEFAULT_EXAMPLE
+from kvpolicy.engine.peer_data import load_peer_json
 from kvpolicy.policy.errors import InputError, PolicyError
 
 __all__ = ["register", "run"]
@@ -68,6 +68,11 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+# the flags of a release side's deployment, and their argparse dests
+_DEPLOYMENT_FLAGS = (("--spec", "spec"), ("--model", "model"), ("--kv-cache-dtype", "kv_cache_dtype"),
+                     ("--block-size", "block_size"), ("--attention-backend", "backend"), ("--connector", "connector"))
+
+
 @dataclass(frozen=True)
 class Side:
     """One deployment: where it came from (a file or a profile) and its fingerprint."""
@@ -94,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         return _table(args)
     if args.source is None or args.target is None:
         raise usage_error("FROM", "give the two deployments to compare (FROM TO), or --table")
+    given = [flag for flag, dest in _DEPLOYMENT_FLAGS if getattr(args, dest, None) is not None]
+    if given and Path(args.source).is_file() and Path(args.target).is_file():
+        raise usage_error(given[0], f"{given[0]} describes the deployment of a release side, and FROM and TO are "
+                          "both files: it would change nothing", f"drop {given[0]}, or name a release as FROM or TO")
     src, dst = _side(args.source, args, "FROM"), _side(args.target, args, "TO")
     exchange = compare_blocks(src.fingerprint, dst.fingerprint)
     report = _report(src, dst, exchange)
@@ -157,18 +166,26 @@ def _side(text: str, args: argparse.Namespace, where: str) -> Side:
 
 def _fingerprint_in(path: Path, where: str) -> LayoutFingerprint:
     """The fingerprint in a dry-run JSON, a describe() object, or a fingerprint's own JSON."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise usage_error(str(path), f"not JSON: {exc}", "give `kvpolicy dry-run --format json`'s output") from None
+    try:  # bounded as a peer's JSON is: size, nesting, integers too long to print
+        data = load_peer_json(path.read_bytes(), "fingerprint")
+    except InputError as exc:
+        raise usage_error(str(path), f"not a JSON fingerprint: {exc.diagnostics[0].message}",
+                          "give `kvpolicy dry-run --format json`'s output") from None
+    if isinstance(data, dict) and data.get("ok") is False:
+        error = data.get("error") if isinstance(data.get("error"), dict) else data
+        diags = error.get("diagnostics") if isinstance(error.get("diagnostics"), list) else []
+        said = "; ".join(f"{d.get('file')}: {d.get('message')}" for d in diags[:3] if isinstance(d, dict))
+        said = (said or str(error.get("message") or ""))[:300]
+        raise usage_error(str(path), f"{where} is the output of a command that failed: {said}",
+                          "give the output of a `kvpolicy dry-run --format json` that decided a layout")
     if isinstance(data, dict) and isinstance(data.get("fingerprint"), dict):
-        data = data["fingerprint"]
-    if not isinstance(data, dict) or "format_version" not in data:
-        raise usage_error(str(path), f"{where} holds no layout fingerprint",
+        data = {**data["fingerprint"], **({"digest": data["digest"]} if "digest" in data else {})}
+    if not isinstance(data, dict) or "placement" not in data or "physical_dims" not in data:
+        raise usage_error(str(path), f"{where} holds no layout fingerprint (it is not `kvpolicy dry-run --format "
+                          "json` output, nor a fingerprint's JSON)",
                           "give `kvpolicy dry-run --format json`'s output, or a fingerprint's to_json()")
-    fields = {k: v for k, v in data.items() if k != "digest"}
     try:
-        return LayoutFingerprint.from_dict(fields)
+        return LayoutFingerprint.from_dict(data)
     except InputError as exc:
         d = exc.diagnostics[0]
         raise usage_error(str(path), d.message, d.help) from None

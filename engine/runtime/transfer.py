@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from kvpolicy.engine.block_format import BlockFormat
+from kvpolicy.engine.block_format import BlockFormat, block_format, plan_of
 from kvpolicy.engine.exchange import BlockExchange, ExchangeKind, compare_blocks
 from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.engine.plan import ByteView, LayoutPlan
@@ -160,7 +160,14 @@ def _bind(cache: BlockStore, data: object, source: FingerprintLike | None, assum
             raise input_error("source", "`data` is `OffloadedBlocks`, which carry their writer's fingerprint: "
                               "`source`, `assume_same_layout` and `source_format` are for bare tensors",
                               "restore the `OffloadedBlocks` alone")
+        if data.format != block_format(plan_of(data.fingerprint)):  # a format from another cache: refuse
+            raise input_error("data", "these `OffloadedBlocks` carry a format that is not their fingerprint's: "
+                              "their bytes would be read as another layout's", "restore what `offload` (or "
+                              "`OffloadedBlocks.received`) returned, unchanged", code="unbound-blocks")
         exchange = _exchange(cache, data.fingerprint, data.format)
+    elif not isinstance(assume_same_layout, bool):
+        raise input_error("assume_same_layout", f"`assume_same_layout` must be True or False, got "
+                          f"`{type(assume_same_layout).__name__}`", "pass True only for bytes of this very layout")
     elif not isinstance(data, torch.Tensor):
         return data, _same(cache)  # refused by the shape check, naming the type
     elif sum((source is not None, bool(assume_same_layout), source_format is not None)) > 1:

@@ -67,3 +67,30 @@ def test_mistakes_are_usage_errors_naming_the_argument(capsys, tmp_path: Path) -
     assert code == 2 and "holds no layout fingerprint" in err
     code, _, err = cli(capsys, "compat", "--table", "vllm-0.34")
     assert code == 2 and err.startswith("--table: error[usage]")
+
+
+def _dry_run(capsys, tmp_path: Path, *flags: str) -> Path:
+    _, out, _ = cli(capsys, "dry-run", "--format", "json", *flags)
+    path = tmp_path / f"dry{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(out)
+    return path
+
+
+def test_files_that_are_not_a_decided_dry_run_are_named_for_what_they_are(capsys, tmp_path: Path) -> None:
+    """Hostile review: deep or huge-integer JSON gave a traceback; a lint document or a failed dry-run a dump
+    of missing fields with a library's help; flags beside two files were silently ignored."""
+    good = _dry_run(capsys, tmp_path)
+    deep, huge = tmp_path / "deep.json", tmp_path / "huge.json"
+    deep.write_text('{"a":' * 5000 + "1" + "}" * 5000)
+    huge.write_text('{"num_layers": ' + "9" * 5000 + "}")
+    lint = tmp_path / "lint.json"  # another verb's document: it has a format_version too
+    lint.write_text(json.dumps({"format_version": 1, "ok": True, "profile": "vllm-0.34", "findings": []}))
+    failed = _dry_run(capsys, tmp_path, "--attention-backend", "FLASHMLA")
+    for path, said in ((deep, "nests deeper"), (huge, "not a JSON fingerprint"), (lint, "holds no layout fingerprint"),
+                       (failed, "command that failed: --attention-backend: backend `FLASHMLA` does not fit")):
+        code, out, err = cli(capsys, "compat", str(path), str(good))
+        assert code == 2 and said in err and "Traceback" not in err, (path.name, err)
+    code, _, err = cli(capsys, "compat", str(good), str(good), "--block-size", "32")
+    assert code == 2 and err.startswith("--block-size: error[usage]: --block-size describes the deployment")
+    code, out, _ = cli(capsys, "compat", str(good), str(good))
+    assert code == 0 and "exchange: as is" in out

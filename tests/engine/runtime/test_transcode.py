@@ -330,3 +330,40 @@ def test_a_layout_without_block_transfers_is_refused_by_name() -> None:
         lhbnc.restore([0], src.offload([0]))
     exchange = compare_blocks(src.fingerprint, lhbnc.fingerprint)
     assert exchange.kind is ExchangeKind.refused and "no block transfer" in exchange.reason
+
+
+def _two_caches() -> tuple[KVCache, KVCache]:
+    inputs = {"spec": {"num_layers": 2, "num_kv_heads": 2, "head_size": 16, "block_size": 4},
+              "connector": "OffloadingConnector", "attention_backend": "TRITON_ATTN"}
+    return (LayoutEngine.default("issue-48412").build(num_blocks=3, **inputs),
+            LayoutEngine.default("vllm-0.34").build(num_blocks=3, **inputs))
+
+
+def test_blocks_whose_format_is_not_their_fingerprints_are_refused() -> None:
+    """Hostile review: `OffloadedBlocks(data, old.fingerprint, new.block_format)` restored as is, as garbage."""
+    old, new = _two_caches()
+    blocks = old.offload([0, 1, 2])
+    for mixed in (OffloadedBlocks(blocks.data, old.fingerprint, new.block_format),
+                  OffloadedBlocks(blocks.data, new.fingerprint, old.block_format)):
+        with pytest.raises(InputError, match="not their fingerprint's") as info:
+            new.restore([0, 1, 2], mixed)
+        assert info.value.diagnostics[0].code == "unbound-blocks"
+
+
+@pytest.mark.parametrize("value", ["no", 1, None, [True]])
+def test_assume_same_layout_takes_only_a_bool(value: object) -> None:
+    _, new = _two_caches()
+    with pytest.raises(InputError, match="must be True or False") as info:
+        new.restore([0], new.offload([0]).data, assume_same_layout=value)  # type: ignore[arg-type]
+    assert info.value.diagnostics[0].file == "assume_same_layout"
+
+
+def test_the_fingerprint_dry_run_prints_binds_blocks_digest_and_all() -> None:
+    """`dry-run --format json`'s `fingerprint` carries its digest beside the fields: accepted and checked."""
+    old, new = _two_caches()
+    printed = {**old.fingerprint.to_dict(), "digest": old.fingerprint.digest}
+    data = old.offload([0, 1]).data
+    assert new.restore([0, 1], data, source=printed).kind is ExchangeKind.transcode
+    assert OffloadedBlocks.received(data, printed).fingerprint == old.fingerprint
+    with pytest.raises(InputError, match="not these fields' digest"):
+        new.restore([0, 1], data, source={**printed, "num_layers": 2, "digest": "sha256:" + "0" * 64})
