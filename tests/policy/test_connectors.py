@@ -37,3 +37,23 @@ def test_malformed_members_are_located_input_errors(config: dict, where: str, me
         ConnectorConfig.from_vllm("MultiConnector", config)
     [d] = info.value.diagnostics
     assert d.file == where and message in d.message
+
+
+def test_extra_config_depth_bound_is_exact_and_every_refusal_says_what_to_do() -> None:
+    """Mutation survivors (issue 23): the depth bound off by one, and help texts nobody checked."""
+    from kvpolicy.policy.connectors import MAX_CONFIG_DEPTH, check_extra_config
+    from kvpolicy.policy.errors import InputError
+
+    def nested(levels: int) -> dict:
+        value: dict = {}
+        for _ in range(levels - 1):
+            value = {"k": value}
+        return value
+
+    check_extra_config(nested(MAX_CONFIG_DEPTH), "extra")  # exactly at the bound: accepted
+    with pytest.raises(InputError):
+        check_extra_config(nested(MAX_CONFIG_DEPTH + 1), "extra")
+    for bad in ({1: "x"}, {"\ud800": 1}, {"k": "\ud800"}):
+        with pytest.raises(InputError) as info:
+            check_extra_config(bad, "extra")
+        assert info.value.diagnostics[0].help, bad
