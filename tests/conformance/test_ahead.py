@@ -100,8 +100,14 @@ def test_run_oracle_keeps_answers_per_case_set_and_asks_once(tmp_path: Path, mon
         assert vllm_release.run_oracle("9.9.9", "echo", first) == [{"echo": {"n": 1}}]
         assert vllm_release.run_oracle("9.9.9", "echo", second) == [{"echo": c} for c in second]
     assert [json.loads(line) for line in log.read_text().splitlines()] == [first, second]
-    (oracles / "echo.py").write_text((oracles / "echo.py").read_text() + "# changed\n")
+    (oracles / "other.py").write_text("# another oracle, new or edited: echo's answers stay\n")
+    vllm_release.run_oracle("9.9.9", "echo", first)
+    assert len(log.read_text().splitlines()) == 2
+    (oracles / "echo.py").write_text((oracles / "echo.py").read_text() + "import helper\n")
+    (oracles / "helper.py").write_text("")
+    vllm_release.run_oracle("9.9.9", "echo", first)  # echo's own code changed: asked again
+    (oracles / "helper.py").write_text("# a module echo imports changed\n")
     vllm_release.run_oracle("9.9.9", "echo", first)  # the oracle's code changed: asked again, old answers gone
-    assert len(log.read_text().splitlines()) == 3
+    assert len(log.read_text().splitlines()) == 4
     kept = sorted(p.name.rsplit("-", 1)[0] for p in (cache / "9.9.9" / "answers").glob("*.json"))
     assert len(kept) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -54,6 +55,24 @@ def oracle_env(site: Path) -> dict[str, str]:
 _ORACLE_ENV = ("KVPOLICY_UNPATCHED_INTERPRETER",)
 
 
+_IMPORTED = re.compile(r"^\s*(?:from|import)\s+(\w+)", re.MULTILINE)
+
+
+def oracle_sources(script: Path) -> list[Path]:
+    """The files an oracle's answers depend on: its script, the oracle and harness modules it imports
+    (transitively), and this harness. Another oracle's edit keeps this one's answers (all answers
+    were once keyed on every oracle file, so adding one re-asked every release for ~36 minutes)."""
+    found = {script, HERE / "vllm_release.py", HERE / "install_vllm.py"}
+    todo = [script]
+    while todo:
+        for name in _IMPORTED.findall(todo.pop().read_text(encoding="utf-8")):
+            for module in (ORACLES / f"{name}.py", HERE / f"{name}.py"):
+                if module.is_file() and module not in found:
+                    found.add(module)
+                    todo.append(module)
+    return sorted(found)
+
+
 def _answers_file(version: str, oracle: str, cases: list[dict]) -> Path | None:
     if os.environ.get("KVPOLICY_ORACLE_CACHE", "1") == "0":
         return None
@@ -64,7 +83,7 @@ def _answers_file(version: str, oracle: str, cases: list[dict]) -> Path | None:
     digest = hashlib.sha256()
     marker = install_vllm.cache_root() / version / "COMPLETE"
     digest.update(marker.read_bytes())
-    for path in sorted([*ORACLES.glob("*.py"), HERE / "vllm_release.py", HERE / "install_vllm.py"]):
+    for path in oracle_sources(ORACLES / f"{oracle}.py"):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(f"torch {torch.__version__}".encode())
     digest.update(json.dumps({k: os.environ.get(k) for k in _ORACLE_ENV}).encode())
