@@ -110,8 +110,9 @@ def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | 
                                             "replaced and no rule directory is given",
                                             "give a rule directory (--rules DIR), or keep the shipped rules")])
     seen: set[Path] = set()
-    for d, s in zip(dirs, shown, strict=True):
-        todo.append((d, s, False))
+    shipped_keys = {_layer_key(p) for p in shipped_rules_dirs(profile)}
+    for d, s in zip(dirs, shown, strict=True):  # a shipped directory named as a layer is still the shipped one
+        todo.append((d, s, _layer_key(d) in shipped_keys))
     layers: list[tuple[RuleSet, bool]] = []
     diags: list[Diagnostic] = []
     for path, name, shipped in todo:

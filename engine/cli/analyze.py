@@ -23,6 +23,7 @@ from kvpolicy.engine.cli.common import (
     print_json,
     report_error,
 )
+from kvpolicy.engine.cli.operator_view import own_lint_report
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError
 
@@ -93,6 +94,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                    help="model the backends' inline-scale views with this strategy instead of the profile's "
                         "(repeatable: each is a copy of the space)")
     p.add_argument("--strict", action="store_true", help="warnings fail the lint too")
+    p.add_argument("--include-shipped", action="store_true",
+                   help="with DIR or --rules: report the shipped rules' findings and load-bearing lines too (default: "
+                        "only your layers'; a finding about the whole rule set is always reported)")
     p.add_argument("--max-inputs", type=int_at_least(0), default=20, metavar="N",
                    help="inputs listed per finding in text output (default 20; JSON lists all)")
     add_max_space_flag(p)
@@ -153,13 +157,16 @@ def run_lint(args: argparse.Namespace) -> int:
     views = [ScaleViews(v) for v in args.scale_views] if args.scale_views else None
     report = lint(ruleset, vllm_version=profile, scale_views=views, max_inputs=max_space(args))
     seconds = time.perf_counter() - start
+    report, left_out = own_lint_report(report, ruleset, args.include_shipped)
     failed = bool(report.errors) or (args.strict and bool(report.warnings))
     if args.format in ("github", "sarif"):
         root = ruleset.root or "rules"
-        print_diagnostics([(f.severity, finding_diagnostic(f, root)) for f in report.findings], args.format)
+        print_diagnostics([(f.severity, finding_diagnostic(f, root)) for f in report.findings], args.format,
+                          ruleset)
         return EXIT_FAILED if failed else EXIT_OK
     if args.format == "json":
-        print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed})
+        print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed,
+                    "shipped_findings_left_out": left_out})
         return EXIT_FAILED if failed else EXIT_OK
     for finding in report.findings:
         print(finding.render(args.max_inputs))
@@ -172,7 +179,8 @@ def run_lint(args: argparse.Namespace) -> int:
     counts = {sev: sum(1 for f in report.findings if f.severity == sev) for sev in ("error", "warning", "note")}
     print(f"lint: {report.inputs_checked} inputs of {report.profile}, {report.rules} rules, "
           f"{report.plans_verified} plans verified in {seconds:.2f}s: {counts['error']} error(s), "
-          f"{counts['warning']} warning(s), {counts['note']} note(s)")
+          f"{counts['warning']} warning(s), {counts['note']} note(s)"
+          + (f"; {left_out} about the shipped rules left out (--include-shipped)" if left_out else ""))
     return EXIT_FAILED if failed else EXIT_OK
 
 

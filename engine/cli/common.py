@@ -15,6 +15,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "SHIPPED",
     "HelpFormatter",
     "UsageError",
     "add_format_flag",
@@ -22,9 +23,11 @@ __all__ = [
     "add_vllm_version_flag",
     "error_dict",
     "exit_code_for",
+    "expand_rule_dirs",
     "int_at_least",
     "load_ruleset",
     "operator_dirs",
+    "operator_layer_roots",
     "print_diagnostics",
     "print_error",
     "print_json",
@@ -38,6 +41,10 @@ __all__ = [
 EXIT_OK = 0  # success; the policy said yes
 EXIT_FAILED = 1  # the policy said no, a test failed, the rules do not validate
 EXIT_USAGE = 2  # the command line or an input it names is wrong
+
+# The name of the release profile's shipped rules wherever a rule directory is accepted (DIR, OLD, NEW, --rules),
+# as in the plugin's KVPOLICY_RULES=shipped; a directory that is called so is `./shipped`.
+SHIPPED = "shipped"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -72,7 +79,8 @@ def add_rules_flag(parser: argparse.ArgumentParser) -> None:
     """``--rules DIR`` (repeatable: layers, bottom first, on the shipped rules) and ``--no-shipped-rules``."""
     parser.add_argument("--rules", metavar="DIR", action="append", default=None,
                         help="a rule directory (global *.yaml + connectors/), layered on the shipped rules of the "
-                             "release profile; repeat for more layers, bottom first (docs/rule-layers.md)")
+                             f"release profile; repeat for more layers, bottom first (docs/rule-layers.md); "
+                             f"`{SHIPPED}` names the profile's shipped rules")
     parser.add_argument("--no-shipped-rules", action="store_true",
                         help="replace the shipped rules instead of layering on them; warns for each "
                              "load-bearing shipped guard that goes")
@@ -99,6 +107,29 @@ def shipped_roots(vllm_version: str | None = None) -> tuple[Path, ...]:
     from kvpolicy.engine.rule_layers import shipped_rules_dirs
 
     return shipped_rules_dirs(vllm_version)
+
+
+def expand_rule_dirs(dirs: list[str], vllm_version: str | None = None) -> tuple[list[Path], list[str]]:
+    """The rule directories of ``dirs`` as (paths, how locations show them): the name `SHIPPED` stands for
+    the profile's shipped layers, shown as ``rules/<layer>`` (their stable names, installed or not)."""
+    from kvpolicy.policy.releases import get_profile
+
+    paths: list[Path] = []
+    display: list[str] = []
+    for d in dirs:
+        if d == SHIPPED:
+            profile = get_profile(vllm_version)
+            paths += shipped_roots(profile.name)
+            display += [f"rules/{sub}" for sub in profile.rules]
+        else:
+            paths.append(Path(d))
+            display.append(d)
+    return paths, display
+
+
+def operator_layer_roots(ruleset: RuleSet) -> list[str]:
+    """The roots (as shown) of the layers that are not shipped: what an operator's report is about."""
+    return [layer.root for layer in ruleset.layers if not layer.shipped]
 
 
 def operator_dirs(args: argparse.Namespace, positional: str | None = None) -> list[str]:
@@ -162,15 +193,18 @@ def load_ruleset(rules: str | list[str] | None, flag: str = "--rules", vllm_vers
     check_vllm_version(vllm_version)
     dirs = [rules] if isinstance(rules, str) else list(rules or [])
     for shown in dirs:
+        if shown == SHIPPED:
+            continue
         root = Path(shown)
         if shown == "" or not root.is_dir():  # `--rules ""` names nothing (Path("") would be the cwd)
             what = "does not exist" if shown == "" or not root.exists() else "is not a directory"
-            raise usage_error(flag, f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/")
+            raise usage_error(flag, f"`{shown}` {what}", "pass the rule directory: global *.yaml and connectors/, "
+                              f"or `{SHIPPED}` for the release profile's shipped rules")
     if not shipped_rules and not dirs:
         raise usage_error(NO_SHIPPED_FLAG, "no rules left: the shipped rules are replaced and no rule directory "
                           "is given", f"give a rule directory ({flag} DIR), or drop {NO_SHIPPED_FLAG}")
-    ruleset = load_checked([Path(d) for d in dirs], vllm_version=vllm_version, shipped_rules=shipped_rules,
-                           display=dirs)
+    paths, display = expand_rule_dirs(dirs, vllm_version)
+    ruleset = load_checked(paths, vllm_version=vllm_version, shipped_rules=shipped_rules, display=display)
     for diag in ruleset.warnings:
         print(render_warning(diag), file=stream or sys.stderr)
     return ruleset
@@ -208,15 +242,19 @@ def tool_version() -> str:
         return "0.1.0+source"
 
 
-def print_diagnostics(findings: list[tuple[Any, Diagnostic]], fmt: str) -> None:
-    """``--format github`` or ``sarif``: the findings on stdout, as CI systems read them."""
+def print_diagnostics(findings: list[tuple[Any, Diagnostic]], fmt: str, ruleset: RuleSet | None = None) -> None:
+    """``--format github`` or ``sarif``: the findings on stdout, as CI systems read them, located at repository
+    paths relative to the working directory (`kvpolicy.engine.cli.operator_view.ci_diagnostic`)."""
+    from kvpolicy.engine.cli.operator_view import ci_findings
     from kvpolicy.engine.cli.report_formats import github_annotations, json_text, sarif_log
 
+    located = ci_findings(findings, ruleset, fmt)
     if fmt == "github":
-        if findings:
-            print(github_annotations(findings))
+        if located:
+            print(github_annotations([(s, d) for s, d, _ in located]))
     else:
-        print(json_text(sarif_log(findings, tool_version=tool_version())))
+        print(json_text(sarif_log([(s, d) for s, d, _ in located], tool_version=tool_version(),
+                                  extras=[e for _, _, e in located])))
 
 
 def report_error(exc: PolicyError, fmt: str) -> None:

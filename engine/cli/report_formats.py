@@ -100,21 +100,31 @@ def _name_bytes(path: str) -> bytes:
         return path.encode("utf-8", "surrogatepass")
 
 
-def _sarif_result(severity: Severity, d: Diagnostic) -> dict[str, Any]:
+def _sarif_result(severity: Severity, d: Diagnostic, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"ruleId": d.code, "level": severity,
                               "message": {"text": d.message + (f"\nhelp: {d.help}" if d.help else "")}}
     if d.file:
-        where: dict[str, Any] = {"artifactLocation": {"uri": quote(_name_bytes(d.file), safe="/-._~")}}
+        where: dict[str, Any] = {"artifactLocation": {"uri": quote(_name_bytes(d.file), safe="/-._~"),
+                                                      **(extra or {})}}
         if d.line > 0:
             where["region"] = {"startLine": d.line, **({"startColumn": d.col} if d.col > 0 else {})}
         result["locations"] = [{"physicalLocation": where}]
     return result
 
 
-def sarif_log(findings: Sequence[tuple[Severity, Diagnostic]], *, tool_version: str) -> dict[str, Any]:
-    """A SARIF 2.1.0 log with one run of the ``kvpolicy`` tool; each distinct code is a reporting rule."""
+def sarif_log(findings: Sequence[tuple[Severity, Diagnostic]], *, tool_version: str,
+              extras: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A SARIF 2.1.0 log with one run of the ``kvpolicy`` tool; each distinct code is a reporting rule.
+    ``extras``, one per finding, add to its ``artifactLocation`` (``uriBaseId: KVPOLICY_SHIPPED`` for a
+    shipped rule file, which the run's ``originalUriBaseIds`` describes: it is not in the repository)."""
     codes = sorted({d.code for _, d in findings})
     driver = {"name": "kvpolicy", "version": tool_version, "rules": [{"id": code} for code in codes]}
-    return {"$schema": SARIF_SCHEMA, "version": "2.1.0",
-            "runs": [{"tool": {"driver": driver}, "columnKind": "unicodeCodePoints",
-                      "results": [_sarif_result(s, d) for s, d in findings]}]}
+    extra = list(extras) if extras is not None else [{} for _ in findings]
+    run: dict[str, Any] = {"tool": {"driver": driver}, "columnKind": "unicodeCodePoints",
+                           "results": [_sarif_result(s, d, e) for (s, d), e in zip(findings, extra, strict=True)]}
+    bases = sorted({e["uriBaseId"] for e in extra if "uriBaseId" in e})
+    if bases:
+        run["originalUriBaseIds"] = {b: {"description": {"text": "the rules shipped in the kvpolicy package "
+                                                                 "(kvpolicy/rules/ where it is installed)"}}
+                                     for b in bases}
+    return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvpolicy.engine.cli.common import (
@@ -19,7 +19,9 @@ from kvpolicy.engine.cli.common import (
     add_format_flag,
     add_rules_flag,
     add_vllm_version_flag,
+    expand_rule_dirs,
     load_ruleset,
+    operator_layer_roots,
     print_json,
     shipped_roots,
     usage_error,
@@ -73,6 +75,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
     add_vllm_version_flag(p)
     p.add_argument("--require-coverage", action="store_true",
                    help="fail (exit 1) when some rule is matched by no case")
+    p.add_argument("--include-shipped", action="store_true",
+                   help="with --rules: count the shipped rules' coverage too (default: only the rules of your "
+                        "layers count)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing cases too")
     add_format_flag(p)
     p.set_defaults(run=run)
@@ -105,7 +110,9 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
         out.append("")
     cov = run.coverage
     out.append(f"{run.passed} passed, {run.failed} failed")
-    out.append(f"coverage: {cov.total - len(cov.uncovered)}/{cov.total} rules matched by some case")
+    of = f" of {' + '.join(cov.layers)}" if cov.layers else ""
+    out.append(f"coverage: {cov.total - len(cov.uncovered)}/{cov.total} rules{of} matched by some case"
+               + (" (the shipped rules: --include-shipped)" if cov.layers else ""))
     for rule in cov.uncovered:
         out.append(f"  uncovered: {rule.id} at {rule.source}")
     return "\n".join(out)
@@ -113,16 +120,21 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from kvpolicy.engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
+    from kvpolicy.engine.policy_tests.runner import coverage_of
 
     ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
     # default cases: the tests/ of each operator layer; with no --rules the shipped layers' own
-    layers = [Path(d) / "tests" for d in args.rules or []]
+    layers = [d / "tests" for d in expand_rule_dirs(list(args.rules or []), args.vllm_version)[0]]
     shipped = [t for t in (d / "tests" for d in shipped_roots(args.vllm_version)) if t.is_dir()]
     paths = args.paths or [t for t in layers if t.is_dir()] or layers[-1:] or shipped
     missing = [str(p) for p in args.paths or [] if not os.path.lexists(p)]
     if missing:  # a path that names nothing is a usage error (2), as for every verb; a bad file is a failure (1)
         raise usage_error(missing[0], "no such file or directory", "pass policy test files or directories holding them")
     result = run_policy_tests(ruleset, paths, vllm_version=args.vllm_version)
+    own = operator_layer_roots(ruleset)
+    mine = any(layer.rule_ids for layer in ruleset.layers if not layer.shipped)  # a copy of shipped files owns none
+    if mine and not args.include_shipped:  # the operator's coverage: the rules of the layers they own
+        result = replace(result, coverage=coverage_of(ruleset, result.results, own))
     if args.format == "json":
         print_json(result.to_dict())
     else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
@@ -13,6 +12,7 @@ from kvpolicy.engine.cli.common import (
     add_rules_flag,
     add_vllm_version_flag,
     check_vllm_version,
+    expand_rule_dirs,
     load_ruleset,
     operator_dirs,
     print_diagnostics,
@@ -70,10 +70,11 @@ def run(args: argparse.Namespace) -> int:
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_FAILED
-    roots = (list(shipped_roots(args.vllm_version)) if not args.no_shipped_rules else []) + [Path(d) for d in dirs]
+    roots = (list(shipped_roots(args.vllm_version)) if not args.no_shipped_rules else []) + \
+        expand_rule_dirs(dirs, args.vllm_version)[0]
     files = sum(len(rule_files(r)) for r in dict.fromkeys(r.resolve() for r in roots))
     if args.format in ("github", "sarif"):
-        print_diagnostics([("warning", d) for d in ruleset.warnings], args.format)
+        print_diagnostics([("warning", d) for d in ruleset.warnings], args.format, ruleset)
     elif args.format == "json":
         print_json({"ok": True, "rules": len(ruleset.rules), "files": files, "digest": ruleset.digest,
                     "root": ruleset.root, "layers": [layer.to_dict() for layer in ruleset.layers],

@@ -68,13 +68,14 @@ class Coverage:
     total: int
     covered: frozenset[str]
     uncovered: tuple[CompiledRule, ...]
+    layers: tuple[str, ...] = ()  # the layers counted (as shown); empty: every rule of the set
 
     @property
     def complete(self) -> bool:
         return not self.uncovered
 
     def to_dict(self) -> dict[str, Any]:
-        return {"matched": self.total - len(self.uncovered), "total": self.total,
+        return {"matched": self.total - len(self.uncovered), "total": self.total, "layers": list(self.layers),
                 "uncovered": [{"rule": r.id, "source": str(r.source)} for r in self.uncovered]}
 
 
@@ -214,12 +215,17 @@ def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfil
     return CaseResult(lc, tuple(failures), frozenset(matched), layout, error, decision)
 
 
-def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult]) -> Coverage:
+def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult], layers: Iterable[str] | None = None) -> Coverage:
+    """Which rules some case made match; with ``layers`` (layer roots as shown), only those layers' rules
+    count: an operator's coverage is about the rules the operator owns, not the shipped ones under them."""
     covered: set[str] = set()
     for r in results:
         covered |= r.matched
     rules = sorted(ruleset.rules, key=lambda r: r.source)
-    return Coverage(len(rules), frozenset(covered), tuple(r for r in rules if r.id not in covered))
+    counted = tuple(layers) if layers is not None else ()
+    if layers is not None:
+        rules = [r for r in rules if (layer := ruleset.layer_of(r.id)) is not None and layer.root in counted]
+    return Coverage(len(rules), frozenset(covered), tuple(r for r in rules if r.id not in covered), counted)
 
 
 def run_policy_tests(ruleset: RuleSet, paths: Iterable[str | os.PathLike[str]], *,

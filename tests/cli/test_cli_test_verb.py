@@ -155,7 +155,7 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert code == 0
     assert data["failed"] == 0 and data["passed"] == len(data["cases"])
-    assert data["coverage"] == {"matched": N_RULES, "total": N_RULES, "uncovered": []}
+    assert data["coverage"] == {"matched": N_RULES, "total": N_RULES, "layers": [], "uncovered": []}
     assert data["cases"][0]["location"].startswith("rules/issue-48412/tests/")
 
 
