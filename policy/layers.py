@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, near_connector
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.literals import literal_warnings
 from kvpolicy.policy.rule_model import MemberPreferences, Rule
 from kvpolicy.policy.ruleset import RuleSet, Source
 
@@ -101,11 +102,12 @@ def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
     if diags:
         raise RuleLoadError(f"{len(diags)} error(s) across rule layers "
                             f"{' + '.join(m.root for m in metas)}", diags)
+    sources = {name: at for ruleset, _shipped in reversed(layers) for name, at in ruleset.connector_sources.items()}
     kwargs = {} if order is None else {"layout_order": order}
     composed = replace(RuleSet.build(entries, member_preferences={k: v[0] for k, v in modes.items()},
                                      root=" + ".join(m.root for m in metas), order_declared=declared, **kwargs),
-                       layers=tuple(metas))
-    return replace(composed, warnings=tuple(connector_warnings(composed)))
+                       layers=tuple(metas), connector_sources=sources)
+    return replace(composed, warnings=(*connector_warnings(composed), *literal_warnings(composed)))
 
 
 def connector_warnings(ruleset: RuleSet, known: frozenset[str] = KNOWN_CONNECTORS) -> list[Diagnostic]:
@@ -120,9 +122,9 @@ def connector_warnings(ruleset: RuleSet, known: frozenset[str] = KNOWN_CONNECTOR
         if near is None:
             continue
         rules = ruleset.connector_rules(name)
-        where = rules[0].source if rules else Source(ruleset.root, 0, 0)
+        where = ruleset.connector_sources.get(name) or (rules[0].source if rules else Source(ruleset.root, 0, 0))
         whose = "a connector vLLM registers" if near in known else f"the connector of {_file_of(ruleset, near)}"
-        out.append(Diagnostic(where.file, 0, 0, "near-connector-name",
+        out.append(Diagnostic(where.file, where.line, where.col, "near-connector-name",
                               f"connector `{name}` is no connector a release profile knows, and is close to "
                               f"`{near}` ({whose})",
                               f"did you mean `{near}`? rules for `{name}` apply only while a connector of "

@@ -16,6 +16,7 @@ import difflib
 import errno
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError
@@ -146,6 +147,7 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
     entries: list[tuple[Rule, Source, str | None]] = []
     first_id: dict[str, Source] = {}
     connector_file: dict[str, str] = {}
+    connector_at: dict[str, Source] = {}
     order: tuple[Layout, ...] | None = None
     order_file: str | None = None
     modes: dict[str, MemberPreferences] = {}
@@ -160,6 +162,7 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
                                       "keep one file per connector"))
                 continue
             connector_file[connector] = src.file
+            connector_at[connector] = Source(src.file, *src.position(("connector",)))
         if has_defaults:
             if order_file is not None:
                 diags.append(src.diag(("defaults",), "duplicate-defaults",
@@ -183,7 +186,8 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
             modes[model.connector] = model.member_preferences
     if diags:
         raise RuleLoadError(f"{len(diags)} error(s) in rule set `{root}`", diags)
-    return RuleSet.build(entries, order or ALL_LAYOUTS, modes, root, order_declared=order is not None)
+    return replace(RuleSet.build(entries, order or ALL_LAYOUTS, modes, root, order_declared=order is not None),
+                   connector_sources=connector_at)
 
 
 def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), display: str | None = None) -> RuleSet:

@@ -253,11 +253,11 @@ class ReleaseProfile(Frozen):
         """The geometry of backend ``name`` in this release; an `InputError` with the known names."""
         key = _backend_key(name, self.backends)
         if key is None:
-            import difflib
+            from kvpolicy.policy.near_names import nearest
 
-            close = difflib.get_close_matches(name.upper(), list(self.backends), n=1)
+            close = nearest(name, self.backends) if isinstance(name, str) else None
             raise input_error("attention_backend", f"unknown attention backend `{name}` in profile `{self.name}`",
-                              (f"did you mean `{close[0]}`? " if close else "")
+                              (f"did you mean `{close}`? " if close else "")
                               + "known backends: " + ", ".join(self.backends), code="unknown-backend")
         return _geometry(self, key)
 

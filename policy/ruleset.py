@@ -83,6 +83,8 @@ class RuleSet:
     layers: tuple[Any, ...] = ()
     # located warnings found while loading (a connector file whose name is near another's), never errors
     warnings: tuple[Any, ...] = ()
+    # where each connector file names its connector (its `connector:` key), for warnings about the name
+    connector_sources: dict[str, Source] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         by_scope: dict[str | None, list[CompiledRule]] = {}

@@ -16,6 +16,7 @@ from kvpolicy.policy.connectors import connector_name_problem, near_connector
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec, field_spec
 from kvpolicy.policy.errors import Diagnostic
 from kvpolicy.policy.layouts import Layout, LayoutPattern
+from kvpolicy.policy.near_names import nearest_operator
 from kvpolicy.policy.rule_model import (
     OPERATORS,
     AllOf,
@@ -87,8 +88,8 @@ def located_validation_errors(
         kind = err["type"]
         if src.is_invalid(path) and kind != "extra_forbidden":
             continue  # the parser already reported this value (an unreadable tag, a bad number)
-        if path in seen and kind != "extra_forbidden":
-            continue  # one message per value: a union (`int | float`) reports each branch
+        if path in seen and kind not in ("extra_forbidden", "missing"):
+            continue  # one message per value: a union (`int | float`) reports each branch (each missing key is one)
         seen.add(path)
         if kind == "extra_forbidden":
             key = str(err["loc"][-1])
@@ -119,8 +120,22 @@ def located_validation_errors(
             shown = err.get("input")
             if kind not in ("condition", "value_error") and isinstance(shown, (str, int, float, bool)):
                 msg += f", got {_type_name(shown)} `{str(shown).lower() if isinstance(shown, bool) else shown}`"
-            diags.append(src.diag(path, code, msg))
+            diags.append(src.diag(path, code, msg, _operator_hint(msg, shown)))
     return diags
+
+
+def _operator_hint(message: str, leaf: Any) -> str | None:
+    """For a leaf with no known operator: the operator its unknown key most likely means (``greater_than``
+    -> ``gt``), as the line to write."""
+    if not message.startswith("a leaf needs exactly one operator, found none") or not isinstance(leaf, dict):
+        return None
+    for key in leaf:
+        if key == "field" or not isinstance(key, str):
+            continue
+        op = nearest_operator(key, OPERATORS)
+        if op is not None:
+            return f"did you mean `{op}`? write `{op}: {_show(leaf[key])}` instead of `{key}: {_show(leaf[key])}`"
+    return None
 
 
 def _show(value: Any) -> str:

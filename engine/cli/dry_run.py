@@ -33,16 +33,15 @@ from kvpolicy.engine.cli.common import (
     report_error,
     usage_error,
 )
+from kvpolicy.engine.cli.connector_check import check_connectors
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
-from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
 from kvpolicy.policy.layouts import Layout
-from kvpolicy.policy.releases import Resolver, get_profile
-from kvpolicy.policy.ruleset import RuleSet
+from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.spec import KVCacheSpec
 from kvpolicy.policy.yaml_source import Limits, parse_yaml
 
@@ -136,6 +135,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                      help="how the backend builds inline-scale views (default: the backend's own)")
     dep.add_argument("--connector", metavar="NAME",
                      help="KV connector (vLLM's kv_connector), or `none`")
+    dep.add_argument("--connector-module-path", metavar="MODULE",
+                     help="vLLM's kv_connector_module_path: --connector is a class of your own in MODULE (without "
+                          "it, a connector the release does not register is refused, as vLLM refuses it)")
     dep.add_argument("--connector-config", type=_json_object, metavar="JSON",
                      help="vLLM's kv_connector_extra_config as a JSON object; for MultiConnector "
                           '{"connectors": [{"kv_connector": ..., "kv_connector_extra_config": {...}}]}')
@@ -325,7 +327,12 @@ def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: Valida
     def keys(path: tuple[Any, ...]) -> tuple[str, ...]:
         return tuple(GroupInput.model_fields if path and isinstance(path[-1], int) else KVCacheSpec.model_fields)
 
-    return located_validation_errors(src, base, data, exc, valid_keys=keys)
+    diags = located_validation_errors(src, base, data, exc, valid_keys=keys)
+    if isinstance(data, dict) and data.get("kind") == "mamba":
+        from kvpolicy.engine.cli.spec_help import mamba_help
+
+        diags = [mamba_help(d) for d in diags]
+    return diags
 
 
 def read_spec_file(path: str) -> dict[str, Any]:
@@ -527,26 +534,6 @@ def example_banner(args: argparse.Namespace) -> str:
     return text + " (pass --model PATH or --spec FILE for your own deployment; see --help)"
 
 
-def _gated(ctx: Context) -> bool:
-    """The release decides with vLLM 0.24-0.28's gate, which asks the connector's prefer_cross_layer_blocks."""
-    return get_profile(ctx.profile).resolver is Resolver.uniform_gate
-
-
-def _warn_unknown_connector(ctx: Context, ruleset: RuleSet) -> None:
-    conn = ctx.connector
-    nodes = [] if conn is None else [conn, *conn.connectors]
-    for node in nodes:
-        name = node.name
-        if name not in KNOWN_CONNECTORS and name not in ruleset.connectors:
-            near = suggest_connector(name)
-            print(f"warning: unknown connector `{name}`: no rules apply to it"
-                  + (f"; did you mean `{near}`?" if near else ""), file=sys.stderr)
-        if name not in KNOWN_CONNECTORS and node.prefers_cross_layer_blocks is None and _gated(ctx):
-            print(f"note: connector `{name}` is not one vLLM registers; its prefer_cross_layer_blocks is taken as "
-                  "KVConnectorBase_V1's default, false (if its class says otherwise: "
-                  f"--connector-prefers-cross-layer-blocks {name}=true)", file=sys.stderr)
-
-
 # ---------------------------------------------------------------------------------------------
 # The JSON output's release and allocation
 
@@ -664,7 +651,9 @@ def run(args: argparse.Namespace) -> int:
         note = device_note(args, ctx)
         if note is not None:
             print(note, file=sys.stderr)
-        _warn_unknown_connector(ctx, ruleset)
+        printed = check_connectors(ctx, ruleset, args)  # refuses a connector vLLM would refuse
+        for line in printed:
+            print(line, file=sys.stderr)
         from kvpolicy.engine.layout_engine import LayoutEngine
 
         decision = LayoutEngine(ruleset, vllm_version=ctx.profile).decide(ctx)
@@ -707,6 +696,7 @@ def run(args: argparse.Namespace) -> int:
             return exit_code_for(err)
     if args.format == "json":
         data = decision.to_dict()
+        data["warnings"] = [*data["warnings"], *printed]  # what stderr said, for programs too
         data.update(release_of(decision))
         data["device"] = device_summary(args, ctx)
         data["allocation"] = None if checked is None else allocation_summary(checked)

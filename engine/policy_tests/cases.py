@@ -403,9 +403,31 @@ def _check_rule_ids(refs: list[RuleRef], ruleset: RuleSet) -> list[Diagnostic]:
     for src, path, rule_id in refs:
         if rule_id not in known:
             close = difflib.get_close_matches(rule_id, known, n=1)
-            diags.append(src.diag(path, "unknown-rule", f"no rule `{rule_id}` in rule set `{ruleset.root}`",
-                                  f"did you mean `{close[0]}`?" if close else "`kvpolicy validate` lists the rules"))
+            elsewhere = _profiles_with_rule(rule_id)
+            if elsewhere:
+                hint = (f"`{rule_id}` is a shipped rule of {', '.join(f'`{p}`' for p in elsewhere)}: give the case "
+                        f"`vllm_version: {elsewhere[0]}`, or run with --vllm-version {elsewhere[0]}")
+            elif close:
+                hint = f"did you mean `{close[0]}`?"
+            else:
+                hint = "the rules of this rule set: " + ", ".join(r for r in known if r not in BUILTIN_RULE_IDS)
+            diags.append(src.diag(path, "unknown-rule", f"no rule `{rule_id}` in rule set `{ruleset.root}`", hint))
     return diags
+
+
+def _profiles_with_rule(rule_id: str) -> list[str]:
+    """The release profiles whose shipped rules hold ``rule_id`` (a case written for another release)."""
+    from kvpolicy.engine.rule_layers import load_layers
+    from kvpolicy.policy.releases import iter_profiles
+
+    found = []
+    for profile in iter_profiles():
+        try:
+            if any(r.id == rule_id for r in load_layers(vllm_version=profile).rules):
+                found.append(profile.name)
+        except PolicyError:  # a profile whose shipped rules do not load is not the user's problem here
+            continue
+    return found
 
 
 def load_cases(paths: Iterable[str | os.PathLike[str]], ruleset: RuleSet | None = None) -> list[LoadedCase]:

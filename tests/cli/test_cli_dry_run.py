@@ -192,10 +192,24 @@ def test_multiconnector_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and json.loads(out)["layout"]["name"] == "LBHNC"
 
 
-def test_unknown_connector_warns(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "dry-run", "--connector", "Offloading")
-    assert code == 0
-    assert "warning: unknown connector `Offloading`: no rules apply to it; did you mean `OffloadingConnector`?" in err
+def test_a_connector_the_release_does_not_register_is_refused_as_vllm_refuses(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's KVConnectorFactory refuses a name it does not register ("Unsupported connector type"): so does
+    dry-run, located at the flag, with the name meant; out-of-tree (--connector-module-path) it decides, and
+    the JSON carries the warning stderr printed (issue 22)."""
+    code, out, err = cli(capsys, "dry-run", "--connector", "Offloading", "--format", "json")
+    assert code == 2 and json.loads(out)["ok"] is False
+    assert "--connector: error[usage]: " in err and "registers no KV connector `Offloading`" in err
+    assert "did you mean `OffloadingConnector`?" in err
+    code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--connector", "NixlConector")
+    assert code == 2 and "did you mean `NixlConnector`?" in err
+    code, out, err = cli(capsys, "dry-run", "--connector", "MyConn", "--connector-module-path", "my.mod",
+                         "--format", "json")
+    assert code == 0 and "warning: connector `MyConn`" in err
+    assert any("MyConn" in w for w in json.loads(out)["warnings"])
+    ktc = '{"kv_connector": "MyConn", "kv_role": "kv_both", "kv_connector_module_path": "my.mod"}'
+    code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--kv-transfer-config", ktc)
+    assert code == 0, err
 
 
 # -- the plan -------------------------------------------------------------------------------
@@ -412,7 +426,7 @@ def test_a_third_party_connectors_own_preference_is_a_flag(capsys: pytest.Captur
     spec = tmp_path / "spec.yaml"
     spec.write_text("num_layers: 2\nnum_kv_heads: 2\nhead_size: 64\n")
     common = ("dry-run", "--vllm-version", "0.28.0", "--spec", str(spec), "--backend", "FLASH_ATTN",
-              "--connector", "MyConnector")
+              "--connector", "MyConnector", "--connector-module-path", "my_connectors")
     code, out, err = cli(capsys, *common, "--format", "json")
     assert code == 0 and json.loads(out)["layout"]["placement"] == "per_layer"
     assert ("note: connector `MyConnector` is not one vLLM registers; its prefer_cross_layer_blocks is taken as "
