@@ -5,10 +5,22 @@ changes the values rule conditions see, one field at a time, then pairs, then
 triples (bounded), re-running the fast decision for each. Candidate values
 come from each field's domain (booleans, enums) and from the literals the
 active rules compare it with (numbers, strings, connector extras).
+
+Two limits keep them honest advice:
+
+- A change the release itself refuses is never proposed: a setting the profile
+  does not have (`ReleaseProfile.options`), or HiSparse without one of the
+  profile's HiSparse connectors where it requires one (vLLM 0.34: "HiSparse
+  requires a KV transfer config with HiSparseConnector").
+- The operator's settings (dtype, connector, backend, environment, block size)
+  are searched first; a change of `FIXED` facts (the model's shape, the
+  backend's geometry, the hardware) is searched only for the layouts no
+  setting makes win, and is marked not actionable, so it is listed after them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import combinations, product
 from typing import Any
 
@@ -16,9 +28,20 @@ from kvpolicy.engine.decide import Scope, evaluate
 from kvpolicy.engine.trace import Counterfactual, FieldChange
 from kvpolicy.policy.conditions import leaves_of, same_value
 from kvpolicy.policy.context import MISSING, field_spec
+from kvpolicy.policy.releases import ReleaseProfile
 from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["counterfactuals"]
+__all__ = ["FIXED", "counterfactuals"]
+
+# Facts of the model, the backend's geometry or the hardware: no deployment setting changes them.
+FIXED = frozenset({
+    "kv.kind", "kv.num_layers", "kv.num_kv_heads", "kv.head_size", "kv.sliding_window", "kv.cell_bytes",
+    "kv.page_size_bytes", "groups.count", "groups.attention_groups", "groups.has_mamba", "groups.has_sliding_window",
+    "groups.mixed_hnc_shapes", "groups.dcp_mixed_page_sizes", "backend.mla", "backend.indexes_kv_by_block_stride",
+    "backend.scale_views", "backend.supports_hnd", "platform.device_capability", "vllm.profile",
+})
+# the rule fields of the release options a profile may lack (`ReleaseProfile.options`)
+_OPTION_FIELDS = {"cache.enable_extensible_kv_cache": "enable_extensible_kv_cache", "attention.hisparse": "hisparse"}
 
 MAX_CHANGES = 3
 MAX_EVALUATIONS = 4000
@@ -82,26 +105,63 @@ def _knobs(glob: Scope, conn: Scope | None) -> list[tuple[str, str, list[Any]]]:
     return knobs
 
 
+def _refused_by(profile: ReleaseProfile | None, connectors: tuple[str, ...]) -> Callable[[str, Any], bool]:
+    """Whether the release refuses to start with ``field`` set to ``value`` (the rest of the input as it is)."""
+
+    def refused(field: str, value: Any) -> bool:
+        if profile is None or value is not True:
+            return False
+        option = _OPTION_FIELDS.get(field)
+        if option is not None and option not in profile.options:
+            return True
+        return (field == "attention.hisparse" and profile.hisparse_requires_connector
+                and not set(connectors) & set(profile.hisparse_connectors))
+
+    return refused
+
+
 def counterfactuals(
-    ruleset: RuleSet, glob: Scope, conn: Scope | None, winner: int | None
+    ruleset: RuleSet, glob: Scope, conn: Scope | None, winner: int | None, *,
+    profile: ReleaseProfile | None = None, connectors: tuple[str, ...] = (),
 ) -> tuple[Counterfactual, ...]:
-    """One counterfactual per losing candidate, in default order."""
+    """One counterfactual per losing candidate: those an operator's setting makes win first (in default order),
+    then those only a `FIXED` fact does (``actionable`` False), then those nothing within the bound does.
+    With ``profile``, no change the release refuses is proposed (``connectors``: the configured ones)."""
     order = ruleset.layout_order
-    knobs = _knobs(glob, conn)
+    refused = _refused_by(profile, connectors)
+    knobs = [(label, field, [v for v in alts if not refused(field, v)]) for label, field, alts in _knobs(glob, conn)]
+    knobs = [k for k in knobs if k[2]]
     env_of = {s.label: s.env for s in glob.walk() + (conn.walk() if conn else [])}
     env_of[ALL_SCOPES] = glob.env
     targets = [i for i in range(len(order)) if i != winner]
     found: dict[int, tuple[FieldChange, ...]] = {}
-    budget = MAX_EVALUATIONS
+    fixed: set[int] = set()
+    budget = [MAX_EVALUATIONS]
     cost = max(1, (1 + (len(conn.walk()) if conn else 0)) // SCOPES_PER_EVALUATION)
+    settable = [k for k in knobs if k[1] not in FIXED]
+    for pass_knobs, actionable in ((settable, True), (knobs, False)):
+        before = set(found)
+        _search(ruleset, glob, conn, pass_knobs, targets, found, env_of, budget, cost)
+        if not actionable:
+            fixed |= set(found) - before
+        if len(settable) == len(knobs):
+            break  # no fixed fact is tested: the second pass would find nothing new
+    ranked = sorted(targets, key=lambda i: (i not in found, i in fixed, i))
+    return tuple(Counterfactual(order[i], found.get(i), actionable=i not in fixed) for i in ranked)
+
+
+def _search(ruleset: RuleSet, glob: Scope, conn: Scope | None, knobs: list[tuple[str, str, list[Any]]],
+            targets: list[int], found: dict[int, tuple[FieldChange, ...]], env_of: dict[str, dict[str, Any]],
+            budget: list[int], cost: int) -> None:
+    """Fill ``found`` with the smallest change of ``knobs`` under which each target wins, within ``budget``."""
     for size in range(1, MAX_CHANGES + 1):
-        if len(found) == len(targets) or budget <= 0:
-            break
+        if all(t in found for t in targets) or budget[0] <= 0:
+            return
         for combo in combinations(knobs, size):
             for values in product(*(alts for _, _, alts in combo)):
-                budget -= cost
-                if budget < 0:
-                    break
+                budget[0] -= cost
+                if budget[0] < 0:
+                    return
                 overrides: dict[str, dict[str, Any]] = {}
                 for (label, field, _), value in zip(combo, values):
                     overrides.setdefault(label, {})[field] = value
@@ -112,9 +172,6 @@ def counterfactuals(
                         FieldChange(label, field, env_of[label].get(field, MISSING), value)
                         for (label, field, _), value in zip(combo, values)
                     )
-            if budget < 0:
-                break
-    return tuple(Counterfactual(order[i], found.get(i)) for i in targets)
 
 
 def describe_change(change: FieldChange) -> str:
@@ -128,6 +185,7 @@ def describe_change(change: FieldChange) -> str:
 def describe(cf: Counterfactual) -> str:
     if cf.changes is None:
         return f"{cf.layout}: no change of up to {MAX_CHANGES} inputs the rules test would make it win"
-    return f"{cf.layout} would be chosen if " + " and ".join(describe_change(c) for c in cf.changes)
+    text = f"{cf.layout} would be chosen if " + " and ".join(describe_change(c) for c in cf.changes)
+    return text if cf.actionable else text + " (a fact of the model, backend or hardware, not a setting)"
 
 

@@ -26,7 +26,9 @@ from kvpolicy.engine.trace import (
     RuleRef,
 )
 from kvpolicy.policy.context import MISSING, Context
+from kvpolicy.policy.errors import PolicyError
 from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["JSON_FORMAT_VERSION", "Decision"]
@@ -68,7 +70,10 @@ class Decision:
     def counterfactuals(self) -> tuple[Counterfactual, ...]:
         """For each losing layout, the smallest input change that makes it win."""
         glob, conn = scopes_for(self.ruleset, self.context)
-        return counterfactuals(self.ruleset, glob, conn, self.ruleset.layout_order.index(self.layout))
+        c = self.context.connector
+        names = () if c is None else (c.name, *(m.name for m in c.connectors))
+        return counterfactuals(self.ruleset, glob, conn, self.ruleset.layout_order.index(self.layout),
+                               profile=_profile_or_none(self.context.profile), connectors=names)
 
     @cached_property
     def fingerprint(self) -> LayoutFingerprint:
@@ -148,7 +153,7 @@ class Decision:
                              "scope": p.scope, "weight": p.weight} for p in self.preferences],
             "warnings": list(self.warnings),
             "counterfactual": [
-                {"layout": str(cf.layout), "text": describe(cf),
+                {"layout": str(cf.layout), "text": describe(cf), "actionable": cf.actionable,
                  "changes": None if cf.changes is None else [
                      {"scope": c.scope, "field": c.field, "from": _jsonable(c.was), "to": _jsonable(c.becomes)}
                      for c in cf.changes]}
@@ -174,3 +179,11 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
+
+
+def _profile_or_none(name: str) -> ReleaseProfile | None:
+    """The context's release profile, or None for a name no profile has (a hand-built context)."""
+    try:
+        return get_profile(name)
+    except PolicyError:
+        return None

@@ -92,6 +92,20 @@ def _wrap(text: str, indent: str) -> list[str]:
     return textwrap.wrap(" ".join(text.split()), width=88, initial_indent=indent, subsequent_indent=indent)
 
 
+# what each `member_preferences` mode does with the members' scores (docs/rule-language.md, Ranking)
+_MEMBER_MODES = {"all": "the smallest member score, so every member must prefer a layout",
+                 "any": "the largest member score", "sum": "the members' scores added",
+                 "agree": "the largest member score, and members whose best layouts differ are a conflict"}
+
+
+def member_note(decision: Explainable) -> str:
+    """How the composite connector's members' weights combine, as its connector file says."""
+    conn = decision.context.connector
+    name = getattr(conn, "name", "the composite")
+    mode = decision.ruleset.combine_mode(name).value
+    return f"member connectors' weights combine by `{name}`'s `member_preferences: {mode}`: {_MEMBER_MODES[mode]}"
+
+
 def render_text(decision: Explainable, mode: str = "full") -> str:
     """``full``: everything; ``fails``: removals and counterfactuals; ``notes``: what decided."""
     events = explain_filter(decision.events, mode)  # type: ignore[arg-type]
@@ -132,8 +146,7 @@ def render_text(decision: Explainable, mode: str = "full") -> str:
         for p in decision.preferences:
             out.append(f"  +{p.weight} {p.layout!s:<16} {p.rule.id} ({p.scope}) at {p.rule.source}")
         if any("/" in p.scope for p in decision.preferences):
-            out.append("  (member connectors' weights combine by the composite's `member_preferences`, "
-                       "`all` = the smallest; the ranking shows the combined scores)")
+            out += _wrap(f"({member_note(decision)}; the ranking shows the combined scores)", "  ")
         out.append("")
 
     if mode in ("full", "fails"):

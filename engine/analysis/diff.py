@@ -23,6 +23,15 @@ from kvpolicy.policy.ruleset import RuleSet
 __all__ = ["DecisionChange", "DiffReport", "diff_rulesets"]
 
 
+TIE_RELEASE = "no rule decides: the release's preference order"
+TIE_DECLARED = "no rule decides: the rule set's defaults.layout_order"
+
+
+def tie_break(ruleset: RuleSet) -> str:
+    """What orders a tie under ``ruleset``: its declared ``defaults.layout_order``, else the release's."""
+    return TIE_DECLARED if ruleset.order_declared else TIE_RELEASE
+
+
 @dataclass(frozen=True)
 class DecisionChange:
     input: AnalysisInput
@@ -30,10 +39,13 @@ class DecisionChange:
     new: str
     old_because: tuple[str, ...]  # "rule-id (file:line)"
     new_because: tuple[str, ...]
+    # what breaks a tie on each side when no rule decides: a declared order, or the release's preference
+    old_tie: str = TIE_RELEASE
+    new_tie: str = TIE_RELEASE
 
     def render(self) -> str:
-        return (f"{self.input.label}\n    old: {self.old}  because {', '.join(self.old_because) or 'default order'}"
-                f"\n    new: {self.new}  because {', '.join(self.new_because) or 'default order'}")
+        return (f"{self.input.label}\n    old: {self.old}  because {', '.join(self.old_because) or self.old_tie}"
+                f"\n    new: {self.new}  because {', '.join(self.new_because) or self.new_tie}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"input": self.input.to_dict(), "old": self.old, "new": self.new,
@@ -101,5 +113,5 @@ def diff_rulesets(
             key = (a.key(inp), b.key(inp))
             if key not in because:
                 because[key] = (_because(a, inp, nb), _because(b, inp, na))
-            changes.append(DecisionChange(inp, na, nb, *because[key]))
+            changes.append(DecisionChange(inp, na, nb, *because[key], tie_break(old), tie_break(new)))
     return DiffReport(len(space), tuple(changes), space.profile.name, space)
