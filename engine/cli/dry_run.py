@@ -48,7 +48,8 @@ from kvpolicy.policy.yaml_source import Limits, parse_yaml
 if TYPE_CHECKING:
     from kvpolicy.engine.plan import LayoutPlan
 
-__all__ = ["allocation_summary", "context_from_args", "plan_for", "read_spec_file", "register", "release_of", "run"]
+__all__ = ["add_deployment_flags", "allocation_summary", "context_from_args", "plan_for", "read_spec_file",
+           "register", "release_of", "run"]
 
 # Errors of a write to the right path that the disk refused: not the user's mistake (exit 1, not 2).
 _DEVICE_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
@@ -109,6 +110,14 @@ def register(verbs: argparse._SubParsersAction) -> None:
                     "preferences, counterfactuals and every rule's result. Nothing is allocated; torch is "
                     "not imported.",
         epilog=_EPILOG, formatter_class=HelpFormatter)
+    add_deployment_flags(p)
+    _add_output_flags(p)
+    p.set_defaults(run=run)
+
+
+def add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that describe one deployment (its KV cache, vLLM release and settings): dry-run's, and
+    `kvpolicy doctor`'s, which decides the same inputs as the plugin would."""
     src = p.add_argument_group("the KV cache (default: the built-in example)")
     what = src.add_mutually_exclusive_group()
     what.add_argument("--model", metavar="PATH", help="a Hugging Face config.json, or the directory holding one")
@@ -167,6 +176,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
     dep.add_argument("--device-capability", type=_capability, metavar="MAJOR[.MINOR]",
                      help="the GPU's CUDA compute capability, e.g. 9.0 or 10.0 (FlashInfer's layouts depend on it); "
                           "--device cuda only")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     add_rules_flag(out)
     out.add_argument("--explain", choices=("full", "fails", "notes"), default="full",
@@ -179,7 +191,6 @@ def register(verbs: argparse._SubParsersAction) -> None:
     out.add_argument("--map-layout", type=_layout, metavar="LAYOUT",
                      help="draw this layout instead of the chosen one (what-if), e.g. cross_layer/NHD")
     out.add_argument("--svg", metavar="FILE", help="also write the block map as an SVG picture to FILE")
-    p.set_defaults(run=run)
 
 
 def _preference(text: str) -> tuple[str | None, bool]:

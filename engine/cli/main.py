@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvpolicy.engine.cli import analyze, compat, dry_run, releases, schema, testing, validate
+from kvpolicy.engine.cli import analyze, compat, doctor, dry_run, releases, schema, testing, validate
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -37,6 +37,7 @@ examples:
   kvpolicy lint my-rules/                           # every input checked against the geometry verifier
   kvpolicy diff rules/ my-rules/                    # every decision an edit changes, and why
   kvpolicy compat vllm-0.28 vllm-0.34 --block-size 16   # can blocks move between two releases' caches
+  KVPOLICY_RULES=shipped kvpolicy doctor --vllm-version 0.34.0   # the vLLM plugin's setup, checked without vLLM
 
 exit codes: 0 ok, 1 the policy said no / a test or validation failed, 2 usage error
 """
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
-    for module in (dry_run, validate, testing, schema, analyze, releases, compat):
+    for module in (dry_run, validate, testing, schema, analyze, releases, compat, doctor):
         module.register(verbs)
     return parser
 

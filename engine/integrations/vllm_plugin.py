@@ -169,7 +169,7 @@ class Settings:
 
 
 # What this process has installed: the settings, the engine, and each (owner, attribute, vLLM's value).
-_state: dict[str, Any] = {"key": None, "engine": None, "patches": [], "hook": None, "logged": set()}
+_state: dict[str, Any] = {"key": None, "engine": None, "patches": [], "hook": None, "logged": set(), "error": None}
 # register/unregister read and replace vLLM's attributes and _state together: one thread at a time, or two
 # threads' installs interleave and a replaced attribute is never recorded (nor put back).
 _lock = threading.RLock()
@@ -442,6 +442,15 @@ def register() -> None:
 
 def _register() -> None:
     try:
+        _register_checked()
+    except PolicyError as exc:
+        _state["error"] = exc.render()
+        raise
+    _state["error"] = None
+
+
+def _register_checked() -> None:
+    try:
         settings = Settings.from_env()
     except PluginError as exc:
         unregister()  # fail closed, as for rules that do not load
@@ -452,20 +461,23 @@ def _register() -> None:
             unregister()
         log.debug("kvpolicy: %s is not set; vLLM decides the KV cache layout", ENV_RULES)
         return
+    problems: list[Diagnostic] = []  # why no profile decides, reported together with the rules' problems
     try:
         version = _vllm_version()
     except PluginError as exc:
-        unregister()  # fail closed
-        log.error("%s", exc.render())
-        raise
-    problems: list[Diagnostic] = []  # why no profile decides, reported together with the rules' problems
+        # INVARIANT: the settings and rules are checked before vLLM is needed: an operator who calls register()
+        # by hand (or a broken vLLM install) hears about their rule directories first, then about vLLM
+        version = "unknown"
+        problems.append(Diagnostic("vllm", 0, 0, "no-vllm", exc.message.removeprefix("kvpolicy: "),
+                                   "run `kvpolicy doctor` to check the settings, rules and decision without vLLM"))
     try:
-        profile = pick_profile(version, settings.profile, settings.profile_variable)
+        profile = pick_profile(version, settings.profile, settings.profile_variable) if not problems else (
+            pick_profile("", settings.profile, settings.profile_variable) if settings.profile else None)
     except PluginError as exc:
         profile = None
         problems.extend(exc.diagnostics)
     else:
-        if profile is None:
+        if profile is None and not problems:
             problems.append(_unprofiled(version))
     key = (settings, profile.name if profile else None, version)
     if not problems and _state["key"] == key:
@@ -481,14 +493,20 @@ def _register() -> None:
         against = "" if profile else f" (checked against profile `{checked.name}`, the newest)"
         message = (f"kvpolicy: the rules in {ENV_RULES}={settings.rules}{where} do not load{against}; vLLM must "
                    "not start" + (f": {exc.message}" if exc.message else ""))
+        no_vllm = any(d.code == "no-vllm" for d in problems)
         error: PolicyError = (RuleLoadError(message, exc.diagnostics) if not problems else PluginError(
+            f"kvpolicy: the rules in {ENV_RULES}={settings.rules}{where} do not load{against}, and vLLM cannot be "
+            "imported here", [*exc.diagnostics, *problems]) if no_vllm else PluginError(
             f"kvpolicy: no release profile decides for vLLM {version}, and the rules in {ENV_RULES}="
             f"{settings.rules}{where} do not load{against}; vLLM must not start", [*problems, *exc.diagnostics]))
         log.error("%s", error.render())
         raise error from None
     if problems:
         unregister()
-        error = PluginError(f"kvpolicy: no release profile decides for vLLM {version} while {ENV_RULES}="
+        no_vllm = any(d.code == "no-vllm" for d in problems)
+        error = PluginError(f"kvpolicy: the settings and rules check out, but vLLM cannot be imported here while "
+                            f"{ENV_RULES}={settings.rules} is set" if no_vllm else
+                            f"kvpolicy: no release profile decides for vLLM {version} while {ENV_RULES}="
                             f"{settings.rules} is set; vLLM must not start", problems)
         log.error("%s", error.render())
         raise error
@@ -515,9 +533,24 @@ def _register() -> None:
 
 def status() -> dict[str, Any]:
     """What the plugin has installed in this process: ``active``, ``profile``, ``rules`` (the rule set's
-    root and digest) and ``hook`` (the vLLM function it answers); ``active`` False when not."""
+    root and digest) and ``hook`` (the vLLM function it answers); ``active`` False when not, with the
+    ``reason``: the last registration's error, ``KVPOLICY_RULES`` not set (or set wrong), or no
+    registration in this process yet."""
     engine: LayoutEngine | None = _state["engine"]
     if engine is None:
-        return {"active": False}
+        return {"active": False, "reason": _inactive_reason()}
     return {"active": True, "profile": engine.profile.name, "rules": engine.ruleset.root,
             "digest": engine.ruleset.digest, "hook": _state["hook"]}
+
+
+def _inactive_reason() -> str:
+    if _state.get("error"):
+        return f"register() failed: {_state['error']}"
+    try:
+        settings = Settings.from_env()
+    except PluginError as exc:
+        return f"the settings are wrong: {exc.render()}"
+    if settings.rules is None:
+        return f"{ENV_RULES} is not set (or is off): vLLM decides the KV cache layout as without kvpolicy"
+    return (f"{ENV_RULES} is set, but register() has not run in this process (vLLM calls it at start-up through "
+            "its vllm.general_plugins entry point); `kvpolicy doctor` checks the settings without vLLM")

@@ -15,7 +15,7 @@ import pytest
 from kvpolicy.engine.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
-VERBS = ("dry-run", "validate", "test", "schema", "lint", "diff", "releases", "compat")
+VERBS = ("dry-run", "validate", "test", "schema", "lint", "diff", "releases", "compat", "doctor")
 
 
 def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

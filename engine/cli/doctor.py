@@ -1,0 +1,194 @@
+"""``kvpolicy doctor``: check the vLLM plugin's setup before starting vLLM.
+
+What the plugin does at start-up, step by step, without vLLM: read its settings (``KVPOLICY_*`` in the
+environment), load the rule directories as it would (fail-closed), pick the release profile for the
+installed vLLM (read from package metadata, never imported) or for ``--vllm-version``, and decide the
+deployment given by dry-run's flags (default: the built-in example), printing the log line the plugin
+would print. Every problem found is reported, located, in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpolicy.engine.cli.common import EXIT_FAILED, EXIT_OK, HelpFormatter, add_format_flag, print_json
+from kvpolicy.policy.errors import Diagnostic, PolicyError
+
+__all__ = ["register", "run"]
+
+_EPILOG = """\
+examples:
+  kvpolicy doctor                                   # the settings in this environment, the built-in example
+  KVPOLICY_RULES=shipped kvpolicy doctor --vllm-version 0.34.0
+  KVPOLICY_RULES=my-rules/ kvpolicy doctor --vllm-version 0.28.0 --spec spec.yaml --connector NixlConnector
+  kvpolicy doctor --format json | jq .ok
+
+checks, in the plugin's order: the settings (KVPOLICY_RULES, KVPOLICY_SHIPPED_RULES,
+KVPOLICY_EXPLAIN, KVPOLICY_VLLM_VERSION), the rule directories (loaded as the plugin
+loads them), the release profile (--vllm-version, else the one the plugin picks for the
+installed vLLM), and the decision for the deployment (the same flags as dry-run)
+
+exit codes: 0 the plugin would start (or is off: KVPOLICY_RULES unset) and decide, 1 a check
+failed (every problem listed, located), 2 usage error
+"""
+
+_VARIABLES = ("KVPOLICY_RULES", "KVPOLICY_SHIPPED_RULES", "KVPOLICY_EXPLAIN", "KVPOLICY_VLLM_VERSION",
+              "KVPOLICY_VLLM_PROFILE")
+
+
+def register(verbs: argparse._SubParsersAction) -> None:
+    from kvpolicy.engine.cli.dry_run import add_deployment_flags
+
+    p = verbs.add_parser(
+        "doctor", help="check the vLLM plugin's settings, rules, profile and decision without starting vLLM",
+        description="Check what the vLLM plugin would do at start-up, without vLLM: its KVPOLICY_* settings, "
+                    "its rule directories, the release profile it would pick for the installed vLLM (or for "
+                    "--vllm-version), and the layout it would decide for a deployment (dry-run's flags).",
+        epilog=_EPILOG, formatter_class=HelpFormatter)
+    add_deployment_flags(p)
+    for action in p._actions:  # the profile is chosen here as the plugin chooses it, not by the CLI's default
+        if action.dest == "vllm_version":
+            action.dest = "doctor_vllm_version"
+    add_format_flag(p)
+    p.set_defaults(run=run)
+
+
+@dataclass
+class Checkup:
+    """What doctor found, check by check; ``problems`` are every located error."""
+
+    settings: dict[str, str | None] = field(default_factory=dict)
+    active: bool = False
+    vllm: dict[str, Any] = field(default_factory=dict)
+    profile: str | None = None
+    rules: dict[str, Any] | None = None
+    decision: dict[str, Any] | None = None
+    lines: list[str] = field(default_factory=list)
+    problems: list[Diagnostic] = field(default_factory=list)
+
+    def fail(self, exc: PolicyError) -> None:
+        self.problems += exc.diagnostics or [Diagnostic("kvpolicy", 0, 0, "error", exc.message)]
+        self.lines.append(f"  error: {exc.message or exc.diagnostics[0].message}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": not self.problems, "active": self.active, "settings": self.settings, "vllm": self.vllm,
+                "profile": self.profile, "rules": self.rules, "decision": self.decision,
+                "problems": [d.to_dict() for d in self.problems]}
+
+
+def _installed() -> dict[str, Any]:
+    from kvpolicy.policy.releases import installed_vllm_distribution
+
+    found = installed_vllm_distribution()
+    return {"installed": found is not None, "distribution": found.distribution if found else None,
+            "version": found.version if found else None}
+
+
+def checkup(args: argparse.Namespace) -> Checkup:
+    """Every check the plugin makes at start-up, in its order, for this environment and these flags."""
+    from kvpolicy.engine.integrations import vllm_plugin as plugin
+    from kvpolicy.policy.releases import get_profile, profile_names
+
+    c = Checkup(settings={name: os.environ.get(name) for name in _VARIABLES})
+    c.lines.append("settings:")
+    for name, value in c.settings.items():
+        c.lines.append(f"  {name}={value}" if value is not None else f"  {name}: unset")
+    try:
+        settings = plugin.Settings.from_env()
+    except PolicyError as exc:
+        c.fail(exc)
+        settings = None
+    if settings is not None and settings.rules is None:
+        c.lines.append(f"the plugin is off: {plugin.ENV_RULES} is not set (or is off), so vLLM decides the KV cache "
+                       f"layout as without kvpolicy; set {plugin.ENV_RULES}=shipped or to your rule directory")
+        return c
+    c.active = settings is not None
+    c.vllm = _installed()
+    c.lines.append("vLLM: " + (f"{c.vllm['version']} ({c.vllm['distribution']}, from its package metadata; not "
+                               "imported)" if c.vllm["installed"] else "not installed here"))
+    profile = None
+    forced = args.doctor_vllm_version or (settings.profile if settings else None)
+    try:
+        if forced:
+            profile = plugin.pick_profile("", forced, "--vllm-version" if args.doctor_vllm_version
+                                          else (settings.profile_variable if settings else plugin.ENV_VERSION))
+        elif c.vllm["installed"]:
+            profile = plugin.pick_profile(c.vllm["version"])
+            if profile is None:
+                c.problems.append(plugin._unprofiled(c.vllm["version"]))
+                c.lines.append(f"  error: no release profile decides for vLLM {c.vllm['version']}")
+        else:
+            c.lines.append(f"  (the plugin runs inside vLLM; checking against the newest profile, "
+                           f"{profile_names()[0]}: pass --vllm-version for the release you will run)")
+            profile = get_profile(profile_names()[0])
+    except PolicyError as exc:
+        c.fail(exc)
+    if profile is not None:
+        c.profile = profile.name
+        hook = "resolve_kv_cache_layout" if profile.resolver.value == "kv_cache_layout" else "use_uniform_kv_cache"
+        c.lines.append(f"profile: {profile.name} ({profile.version_label}), answering vLLM's {hook}")
+    if settings is None:
+        return c
+    checked = profile or get_profile(profile_names()[0])
+    try:
+        engine = plugin._engine(settings, checked)
+    except PolicyError as exc:
+        c.lines.append(f"rules: {settings.rules} do not load")
+        c.fail(exc)
+        return c
+    c.rules = {"root": engine.ruleset.root, "digest": engine.ruleset.digest,
+               "layers": [layer.to_dict() for layer in engine.ruleset.layers],
+               "warnings": [d.to_dict() for d in engine.ruleset.warnings]}
+    c.lines.append(f"rules: {engine.ruleset.root}: {len(engine.ruleset.rules)} rules, digest {engine.ruleset.digest}")
+    from kvpolicy.policy.layers import render_warning
+
+    c.lines += ["  " + render_warning(d).replace("\n", "\n  ") for d in engine.ruleset.warnings]
+    if profile is None:
+        return c
+    _decide(c, engine, args, profile.name, settings.explain)
+    return c
+
+
+def _decide(c: Checkup, engine: Any, args: argparse.Namespace, profile: str, explain: bool) -> None:
+    from kvpolicy.engine.cli.dry_run import context_from_args, is_example
+    from kvpolicy.engine.integrations.vllm_plugin import decided_by
+
+    args.vllm_version = profile
+    try:
+        ctx = context_from_args(args)
+        decision = engine.decide(ctx)
+    except PolicyError as exc:
+        c.lines.append("decision: none")
+        c.fail(exc)
+        return
+    what = " (the built-in example: pass --model or --spec for your deployment)" if is_example(args) else ""
+    c.decision = {"layout": str(decision.layout), "placement": decision.layout.placement.value,
+                  "head_order": decision.layout.head_order.value, "decided_by": decided_by(decision),
+                  "fingerprint": decision.fingerprint.digest, "warnings": list(decision.warnings)}
+    c.lines.append(f"decision{what}: {decision.layout} ({decision.layout.placement.value}, "
+                   f"{decision.layout.head_order.value}) decided by {decided_by(decision)}")
+    c.lines.append(f"  fingerprint {decision.fingerprint.digest}")
+    c.lines += [f"  warning: {w}" for w in decision.warnings]
+    if explain:
+        c.lines.append(decision.explain())
+
+
+def run(args: argparse.Namespace) -> int:
+    c = checkup(args)
+    if args.format == "json":
+        print_json(c.to_dict())
+    else:
+        print("\n".join(c.lines))
+        if c.problems:
+            from kvpolicy.policy.errors import RuleLoadError
+
+            print()
+            print(RuleLoadError(f"{len(c.problems)} problem(s): vLLM would not start with the plugin",
+                                c.problems).render())
+        else:
+            print("ok: " + ("the plugin would start and decide as above" if c.active
+                            else "nothing to check while the plugin is off"))
+    return EXIT_FAILED if c.problems else EXIT_OK

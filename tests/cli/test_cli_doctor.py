@@ -1,0 +1,87 @@
+"""``kvpolicy doctor`` and the plugin's own account of itself (issue 22, class 5): the plugin's setup is
+checked without vLLM; status() says why it is inactive; register() reports the settings first."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+from cli_capture import cli
+
+from kvpolicy.engine.integrations import vllm_plugin
+
+BROKEN = ("version: 1\nrules:\n  - id: x\n    description: y\n    when: {field: kv.nope, eq: 1}\n"
+          "    forbid: {layout: BHLNC}\n")
+
+
+@pytest.fixture(autouse=True)
+def _plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("KVPOLICY_RULES", "KVPOLICY_SHIPPED_RULES", "KVPOLICY_EXPLAIN", "KVPOLICY_VLLM_VERSION",
+                 "KVPOLICY_VLLM_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    vllm_plugin.unregister()
+    vllm_plugin._state["error"] = None
+
+
+def test_doctor_with_the_plugin_off_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "doctor")
+    assert code == 0 and "the plugin is off: KVPOLICY_RULES is not set" in out
+
+
+def test_doctor_decides_what_the_plugin_would(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0", "--kv-cache-dtype", "auto",
+                       "--connector", "NixlConnector", "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["ok"] and data["active"] and data["profile"] == "vllm-0.34"
+    _, dry, _ = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--kv-cache-dtype", "auto",
+                    "--connector", "NixlConnector", "--format", "json")
+    assert data["decision"]["layout"] == json.loads(dry)["layout"]["name"]
+    assert data["decision"]["fingerprint"] == json.loads(dry)["fingerprint"]["digest"]
+
+
+def test_doctor_lists_every_problem_located(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "global.yaml").write_text(BROKEN)
+    monkeypatch.setenv("KVPOLICY_RULES", str(tmp_path / "site"))
+    monkeypatch.setenv("KVPOLICY_EXPLAIN", "maybe")
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0")
+    assert code == 1 and "KVPOLICY_EXPLAIN: error[invalid-setting]" in out
+    monkeypatch.delenv("KVPOLICY_EXPLAIN")
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0")
+    assert code == 1 and f"{tmp_path}/site/global.yaml:5:" in out
+    assert "error[unknown-field]: unknown field `kv.nope`" in out
+    monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "0.99")
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    code, out, _ = cli(capsys, "doctor")
+    assert code == 1 and "KVPOLICY_VLLM_VERSION: error[invalid-setting]" in out
+
+
+def test_status_says_why_the_plugin_is_inactive(monkeypatch: pytest.MonkeyPatch) -> None:
+    status = vllm_plugin.status()
+    assert status["active"] is False and "KVPOLICY_RULES is not set" in status["reason"]
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    assert "register() has not run in this process" in vllm_plugin.status()["reason"]
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(vllm_plugin.PluginError):
+        vllm_plugin.register()
+    assert "register() failed" in vllm_plugin.status()["reason"]
+    assert "vLLM cannot be imported here" in vllm_plugin.status()["reason"]
+
+
+def test_register_reports_the_rules_before_the_missing_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "global.yaml").write_text(BROKEN)
+    monkeypatch.setenv("KVPOLICY_RULES", str(tmp_path / "site"))
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with caplog.at_level(logging.ERROR, logger="vllm.kvpolicy"), pytest.raises(vllm_plugin.PluginError) as exc:
+        vllm_plugin.register()
+    codes = [d.code for d in exc.value.diagnostics]
+    assert codes[0] == "unknown-field" and codes[-1] == "no-vllm"
+    assert "kvpolicy doctor" in exc.value.render()
