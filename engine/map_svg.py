@@ -175,6 +175,44 @@ def _overlap_marks(c: _Canvas, band: Band, x_of, y: float) -> int:
     return marks
 
 
+_TICK_FONT, _TICK_GAP = 11, 6
+
+
+def _tick_labels(extents: dict[int, list[int]], x_of) -> list[tuple[float, str]]:
+    """The layer labels under a lane, as (centre x, text), none overprinting another.
+
+    Layers whose byte extents overlap (interleaved layouts: a block-outermost row holds every layer's
+    heads in turn) are one label for the group, ``L0-31``; the others one label each, at the middle of
+    their bytes. Labels are placed left to right and one that would touch the previous is left out, so
+    a dense row shows every k-th layer; the first and last layers are kept where they fit.
+    """
+    groups: list[tuple[list[int], int, int]] = []  # (layers, start, end), by start
+    for layer, (s, e) in sorted(extents.items(), key=lambda kv: (kv[1][0], kv[0])):
+        if groups and s < groups[-1][2]:
+            layers, gs, ge = groups[-1]
+            groups[-1] = ([*layers, layer], gs, max(ge, e))
+        else:
+            groups.append(([layer], s, e))
+    labels = [((x_of(s) + x_of(e)) / 2, _layers([(layer, "") for layer in layers])) for layers, s, e in groups]
+    placed: list[tuple[float, str]] = []
+    right = -math.inf
+    for n, (x, text) in enumerate(labels):
+        half = _text_width(text, _TICK_FONT) / 2
+        if x - half < right + _TICK_GAP:
+            if n == len(labels) - 1 and placed and len(labels) > 2:  # keep the last one: drop the one before
+                px, pt = placed.pop()
+                right = px - _text_width(pt, _TICK_FONT) / 2 - _TICK_GAP if not placed else \
+                    placed[-1][0] + _text_width(placed[-1][1], _TICK_FONT) / 2
+                if x - half >= right + _TICK_GAP:
+                    placed.append((x, text))
+                else:
+                    placed.append((px, pt))
+            continue
+        placed.append((x, text))
+        right = x + half
+    return placed
+
+
 def _grouped(bands: list[Band]) -> tuple[list[list[Band]], int]:
     size = math.ceil(len(bands) / _MAX_BANDS)
     return [bands[i:i + size] for i in range(0, len(bands), size)], size
@@ -261,13 +299,8 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
                 e = extents.setdefault(layer, [b.start, b.end])
                 e[0], e[1] = min(e[0], b.start), max(e[1], b.end)
         ly = y + LANE + 28
-        if extents:
-            widest = max(_text_width(f"L{layer}", 11) for layer in extents) + 8
-            per = max(1, math.ceil(widest / max(0.1, width / max(1, len(extents)))))
-            for n, (layer, (s, e)) in enumerate(sorted(extents.items())):
-                if n % per == 0:
-                    c.text((x_of(s) + x_of(e)) / 2, ly, f"L{layer}", 'text-anchor="middle" font-size="11" '
-                           'data-kind="layer-tick"')
+        for x, label in _tick_labels(extents, x_of):
+            c.text(x, ly, label, 'text-anchor="middle" font-size="11" data-kind="layer-tick"')
         # byte axis
         ay = ly + 8
         c.body.append(f'<line x1="{LEFT}" y1="{ay}" x2="{LEFT + width}" y2="{ay}" stroke="#333" data-kind="axis"/>')
