@@ -1,21 +1,34 @@
-"""Every example in README.md and docs/*.md runs, so the docs cannot drift from the code.
+"""Every example in README.md, docs/*.md and every ``--help`` runs, from a directory outside the checkout,
+so the docs cannot drift from the code and a new user's first commands work.
 
 - ``$ kvpolicy ...`` lines in any fenced block are run; the lines after them, up to the
   next ``$`` or the end of the block, are the output they must print (stdout and stderr
   together). A line ``...`` stands for any number of lines, ``...`` inside a line for any
   text; timings (``0.10s``) are not compared. Shown lines must otherwise appear in order,
   adjacent where the doc shows them adjacent.
-- Lines starting with ``kvpolicy `` (or ``python -m kvpolicy``) in ``sh`` blocks are run;
-  they must exit 0 or 1 (1: the documented "no" of a verb) without a traceback.
+- Lines starting with ``kvpolicy `` (or ``python -m kvpolicy``, or ``VAR=value kvpolicy``) in
+  ``sh`` blocks are run; they must exit 0 or 1 (1: the documented "no" of a verb) without a
+  traceback.
+- Inline code spans that are a whole command (`` `kvpolicy lint --vllm-version 0.34.0` ``) run
+  the same way; spans with a placeholder (``FROM``, ``[DIR]``, ``<...>``) are no command, and
+  `USAGE_ERROR_SPANS` are the documented usage errors (exit 2).
+- Every verb's ``--help`` epilog (and the top-level one): each ``kvpolicy ...`` line of its
+  ``examples:`` runs as above (``validate``, ``test``, ``schema``, ``releases`` and ``doctor``
+  must exit 0); a sample file it shows (a policy test case file, a ``--spec`` file) is written
+  out and must pass (``kvpolicy test FILE``, ``kvpolicy dry-run --spec FILE``).
 - ``python`` blocks run, in a fresh interpreter per document, in order, sharing names.
 - A block preceded by ``<!-- not-run: reason -->`` is skipped, and the reason is
   required; `NOT_RUN` pins how many there are, so the list stays short.
 
-Everything runs in a scratch directory holding what the examples name: the repository's
-``rules/``, ``tests/`` and ``docs/``, ``spec.yaml`` (a 4-layer KV spec), ``config.json``
-and ``Qwen2.5-0.5B/config.json`` (Qwen2.5-0.5B's Hugging Face config), and ``my-rules/``
-(the ``issue-48412`` shipped rules without the per-token-head guard), under the default
-release profile (no ``KVPOLICY_VLLM_VERSION``, no vLLM installed).
+Everything runs in a scratch directory outside the checkout, with the installed package (no
+``rules/``, ``docs/`` or ``tests/`` of the checkout: `shipped` names the shipped rules), holding
+what the examples name: ``spec.yaml`` (a 4-layer KV spec), ``config.json`` and
+``Qwen2.5-0.5B/config.json`` (Qwen2.5-0.5B's Hugging Face config), ``my-rules/`` (an operator's
+layer: one prefer rule, its connector file and its tests), ``base/`` and ``site/`` (two small
+layers), ``cases/nixl.yaml`` (a case file for ``my-rules/``), ``no-guard/`` (the ``issue-48412``
+shipped rules without the per-token-head guard, a replacement of them), ``prefill.json`` and
+``decode.json`` (two dry-run documents), under the default release profile (no
+``KVPOLICY_VLLM_VERSION``, no vLLM installed).
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ NOT_RUN = 5  # blocks marked <!-- not-run: ... -->, all documents together
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 _NOT_RUN = re.compile(r"<!--\s*not-run:\s*(?P<reason>\S.*?)\s*-->")
 _TIMING = re.compile(r"\b\d+(\.\d+)?s\b")
+COMMAND = re.compile(r"((?:[A-Z_]+=\S* )*kvpolicy|python3? -m kvpolicy)\b")
 
 
 @dataclass(frozen=True)
@@ -87,7 +101,7 @@ def _commands(block: Block) -> list[tuple[str, list[str] | None]]:
     while i < len(lines):
         line = lines[i]
         prompt = line.startswith("$ ")
-        plain = block.lang in ("sh", "bash", "shell") and re.match(r"(kvpolicy|python3? -m kvpolicy)\b", line)
+        plain = block.lang in ("sh", "bash", "shell") and re.match(COMMAND, line)
         if not (prompt or plain):
             i += 1
             continue
@@ -134,26 +148,83 @@ def output_matches(shown: list[str], actual: list[str]) -> str | None:
     return "the output does not show these lines (in this order):\n" + "\n".join(shown)
 
 
+MY_RULES = """\
+version: 1
+rules:
+  - id: site-prefers-head-major
+    description: this site's transfer engine reads one head at a time
+    prefer: {head_order: HND}
+    weight: 2
+"""
+MY_CONNECTOR = """\
+version: 1
+connector: NixlConnector
+rules:
+  - id: site-nixl-stays-per-layer
+    description: this site's NIXL peers register one region per layer
+    forbid: {block_outermost: true}
+"""
+MY_CASES = """\
+version: 1
+cases:
+  - name: the site prefers head-major
+    input:
+      spec: {num_layers: 4, block_size: 16, num_kv_heads: 2, head_size: 64}
+      kv_cache_dtype: auto
+      attention_backend: TRITON_ATTN
+    expect: {matched: [site-prefers-head-major]}
+"""
+NIXL_CASES = """\
+version: 1
+cases:
+  - name: NIXL stays per-layer at this site
+    input:
+      spec: {num_layers: 4, block_size: 16, num_kv_heads: 2, head_size: 64}
+      kv_cache_dtype: auto
+      attention_backend: TRITON_ATTN
+      connector: NixlConnector
+    expect: {matched: [site-prefers-head-major, site-nixl-stays-per-layer]}
+"""
+
+
+def _layer(root: Path, text: str, connector: str | None = None) -> None:
+    root.mkdir(parents=True)
+    (root / "global.yaml").write_text(text)
+    if connector:
+        (root / "connectors").mkdir()
+        (root / "connectors" / "NixlConnector.yaml").write_text(connector)
+
+
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory outside the checkout holding what the examples name (the module docstring)."""
     box = tmp_path_factory.mktemp("docs")
-    for name in ("rules", "tests", "docs"):
-        (box / name).symlink_to(ROOT / name)
+    assert ROOT not in box.parents
     (box / "spec.yaml").write_text("num_layers: 4\nblock_size: 16\nnum_kv_heads: 2\nhead_size: 64\n")
     config = ROOT / "tests" / "fixtures" / "configs" / "qwen2.5-0.5b.json"
     shutil.copy(config, box / "config.json")
     (box / "Qwen2.5-0.5B").mkdir()
     shutil.copy(config, box / "Qwen2.5-0.5B" / "config.json")
-    shutil.copytree(ROOT / "rules" / "issue-48412", box / "my-rules")
-    text = (box / "my-rules" / "global.yaml").read_text()
+    _layer(box / "my-rules", MY_RULES, MY_CONNECTOR)
+    (box / "my-rules" / "tests").mkdir()
+    (box / "my-rules" / "tests" / "site.yaml").write_text(MY_CASES)
+    (box / "cases").mkdir()
+    (box / "cases" / "nixl.yaml").write_text(NIXL_CASES)
+    _layer(box / "base", MY_RULES.replace("site-prefers-head-major", "base-prefers-head-major"))
+    _layer(box / "site", MY_CONNECTOR.replace("connector: NixlConnector\n", ""))
+    shutil.copytree(ROOT / "rules" / "issue-48412", box / "no-guard", ignore=shutil.ignore_patterns("tests"))
+    text = (box / "no-guard" / "global.yaml").read_text()
     start = text.index("  - id: per-token-head-forbids-cross-layer")
     end = text.index("  - id: cross-layer-needs-block-stride-indexing")
-    (box / "my-rules" / "global.yaml").write_text(text[:start] + text[end:])
+    (box / "no-guard" / "global.yaml").write_text(text[:start] + text[end:])
+    for name, version in (("prefill.json", "0.33.0"), ("decode.json", "0.34.0")):
+        proc = _run(f"kvpolicy dry-run --vllm-version {version} --format json > {name}", box)
+        assert proc.returncode == 0, proc.stderr
     return box
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "KVPOLICY_VLLM_VERSION"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOLICY_")}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["COLUMNS"] = "200"
     return env
@@ -165,7 +236,8 @@ def _run(cmd: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     jq = None
     if "| jq " in cmd:
         cmd, jq = (part.strip() for part in cmd.split("| jq ", 1))
-    cmd = re.sub(r"^kvpolicy\b", shlex.quote(sys.executable) + " -m kvpolicy", cmd)
+    cmd = re.sub(r"^((?:[A-Z_]+=\S* )*)kvpolicy\b", lambda m: m[1] + shlex.quote(sys.executable) + " -m kvpolicy",
+                 cmd)
     cmd = re.sub(r"^python3? -m kvpolicy\b", shlex.quote(sys.executable) + " -m kvpolicy", cmd)
     proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=cwd, env=_env(), timeout=120)
     if jq is not None and proc.returncode in (0, 1):
@@ -177,6 +249,144 @@ def _run(cmd: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 RUNNABLE = [b for b in ALL if b.not_run is None and (b.lang == "python" or _commands(b))]
+
+# -- every --help epilog ------------------------------------------------------------------------
+
+MUST_PASS = ("validate", "test", "schema", "releases", "doctor")  # verbs whose examples have no "no" to say
+
+
+def _epilogs() -> dict[str, str]:
+    from kvpolicy.engine.cli.main import build_parser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if a.dest == "verb").choices
+    return {"kvpolicy --help": parser.epilog, **{f"kvpolicy {v} --help": p.epilog for v, p in verbs.items()}}
+
+
+def _sections(epilog: str) -> dict[str, list[str]]:
+    """An epilog's sections: a line ending with ``:`` (or ``examples:``) starts one, its indented lines follow."""
+    out: dict[str, list[str]] = {}
+    title = None
+    for line in epilog.splitlines():
+        if line and not line.startswith(" "):
+            title = line.split(":")[0] if ":" in line else None
+            out.setdefault(title or "", [])
+        elif title is not None and line.strip():
+            out[title].append(line)
+    return out
+
+
+def help_commands() -> list[tuple[str, str]]:
+    """(where, command) for every command of every epilog's ``examples:``, continuation lines joined."""
+    out = []
+    for where, epilog in _epilogs().items():
+        lines = _sections(epilog or "").get("examples", [])
+        i = 0
+        while i < len(lines):
+            line = lines[i].strip()
+            i += 1
+            if not COMMAND.match(line):
+                continue  # a description under the command above
+            while line.endswith("\\") and i < len(lines):
+                line = line[:-1].rstrip() + " " + lines[i].strip()
+                i += 1
+            out.append((where, line))
+    return out
+
+
+def help_samples() -> list[tuple[str, str, str]]:
+    """(where, kind, text) for every sample file an epilog shows: ``cases`` (a policy test file) or ``spec``."""
+    import textwrap
+
+    import yaml
+
+    out = []
+    for where, epilog in _epilogs().items():
+        for title, lines in _sections(epilog or "").items():
+            if title == "examples" or not lines:
+                continue
+            text = textwrap.dedent("\n".join(lines))
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError:
+                continue
+            if isinstance(data, dict) and "cases" in data:
+                out.append((where, "cases", text))
+            elif isinstance(data, dict) and "num_layers" in data:
+                out.append((where, "spec", text))
+    return out
+
+
+HELP_COMMANDS = help_commands()
+
+
+def test_the_harness_sees_every_help() -> None:
+    wheres = {w for w, _ in HELP_COMMANDS}
+    assert wheres == set(_epilogs()), set(_epilogs()) - wheres  # every verb's help has examples
+    assert len(HELP_COMMANDS) >= 40
+    assert {k for _, k, _ in help_samples()} == {"cases", "spec"}
+
+
+def _check(where: str, cmd: str, proc: subprocess.CompletedProcess[str], must_pass: bool) -> None:
+    output = proc.stdout + proc.stderr
+    assert "Traceback" not in output, f"{where}: `{cmd}`\n{output[-3000:]}"
+    allowed = (0,) if must_pass else (0, 1)
+    assert proc.returncode in allowed, f"{where}: `{cmd}` exited {proc.returncode}\n{output[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def ran(sandbox: Path) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every help and inline example run once, a few at a time (each is a process of its own; lint and diff
+    over a release's space take seconds each, so they run side by side)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cmds = list(dict.fromkeys(c for _, c in HELP_COMMANDS + INLINE))
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 2)) as pool:
+        return dict(zip(cmds, pool.map(lambda c: _run(c, sandbox), cmds)))
+
+
+@pytest.mark.parametrize(("where", "cmd"), HELP_COMMANDS, ids=[f"{w}: {c[:60]}" for w, c in HELP_COMMANDS])
+def test_help_example(where: str, cmd: str, ran: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    verb = next((v for v in MUST_PASS if f"kvpolicy {v}" in cmd), None)
+    _check(where, cmd, ran[cmd], must_pass=verb is not None)
+
+
+@pytest.mark.parametrize(("where", "kind", "text"), help_samples(), ids=lambda x: str(x)[:40])
+def test_help_sample_file(where: str, kind: str, text: str, sandbox: Path, tmp_path: Path) -> None:
+    path = tmp_path / f"{kind}.yaml"
+    path.write_text(text)
+    cmd = f"kvpolicy test {path}" if kind == "cases" else f"kvpolicy dry-run --spec {path}"
+    _check(where, cmd, _run(cmd, sandbox), must_pass=True)
+
+
+# -- inline `kvpolicy ...` spans of the docs ------------------------------------------------------
+
+_SPAN = re.compile(r"`((?:[A-Z_]+=\S+ )*kvpolicy [^`]*)`")
+_PLACEHOLDER = re.compile(r"\b(FROM|TO|OLD|NEW|DIR|PATH|FILE|N)\b|[\[<]|\.\.\.|kvpolicy [\w-]+:")
+USAGE_ERROR_SPANS = ("kvpolicy validate nope", "kvpolicy test nope")  # the exit-code table's usage errors
+FRAGMENT_SPANS = ("kvpolicy dry-run --kv-transfer-config",)  # a flag named in prose, no command
+
+
+def inline_commands() -> list[tuple[str, str]]:
+    out: dict[str, str] = {}
+    for doc in DOCS:
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for m in _SPAN.finditer(line):
+                if not _PLACEHOLDER.search(m[1]) and m[1] not in FRAGMENT_SPANS:
+                    out.setdefault(m[1], f"{doc.relative_to(ROOT)}:{n}")
+    return [(where, cmd) for cmd, where in out.items()]
+
+
+INLINE = inline_commands()
+
+
+@pytest.mark.parametrize(("where", "cmd"), INLINE, ids=[f"{w}: {c[:60]}" for w, c in INLINE])
+def test_inline_example(where: str, cmd: str, ran: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    proc = ran[cmd]
+    if cmd in USAGE_ERROR_SPANS:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, f"{where}: `{cmd}`"
+        return
+    _check(where, cmd, proc, must_pass=False)
 
 
 def test_the_harness_sees_the_examples() -> None:

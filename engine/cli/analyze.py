@@ -43,8 +43,9 @@ examples:
       two layers that replace the shipped rules
   kvpolicy lint --vllm-version issue-48412 --scale-views stride_aware
       what if the backends built stride-aware scale views: which forbids stop protecting bytes
-  kvpolicy lint my-rules/ --format github       # findings as annotations on the rule files in CI
+  kvpolicy lint my-rules/ --format github       # findings on your layer's files as CI annotations
   kvpolicy lint my-rules/ --format sarif > kvpolicy.sarif
+  kvpolicy lint my-rules/ --include-shipped     # the shipped rules' findings too
 
 the space: every input the profile's decision reads (its backends, kv_cache_dtypes,
 device capabilities, VLLM_KV_CACHE_LAYOUT, extensible KV cache, HiSparse, group shapes,
@@ -65,10 +66,11 @@ exit codes: 0 no errors, 1 errors (or warnings with --strict), 2 usage error
 
 _DIFF_EPILOG = """\
 examples:
-  kvpolicy diff rules/vllm-0.34 my-rules/                  # what my layer changes, and why
-      each side is the shipped rules + --rules DIR... + OLD (NEW); the shipped directory itself is no extra layer
-  kvpolicy diff rules/issue-48412 my-rules/ --vllm-version issue-48412
-  kvpolicy diff rules/vllm-0.34 my-rules/ --format json | jq .counts
+  kvpolicy diff shipped my-rules/                          # what my layer changes, and why
+      each side is the shipped rules + --rules DIR... + OLD (NEW); `shipped` names the
+      profile's shipped rules (wherever a rule directory is accepted) and adds no layer
+  kvpolicy diff shipped my-rules/ --vllm-version issue-48412
+  kvpolicy diff shipped my-rules/ --format json | jq .counts
 
 output: a summary (the profile, inputs checked, decisions changed, counts per old -> new),
 then each changed input with the rules responsible on each side

@@ -36,8 +36,8 @@ __all__ = ["register", "run"]
 
 _EPILOG = """\
 examples:
-  kvpolicy compat vllm-0.28 vllm-0.34 --block-size 16      the built-in example under two releases
-  kvpolicy compat prefill.json decode.json                 two `kvpolicy dry-run --format json` outputs
+  kvpolicy compat vllm-0.28 vllm-0.34 --block-size 16      # the built-in example under two releases
+  kvpolicy compat prefill.json decode.json                 # two `kvpolicy dry-run --format json` outputs
   kvpolicy compat --table --block-size 16 --kv-cache-dtype auto
 """
 _MARK = {ExchangeKind.as_is: "=", ExchangeKind.transcode: "T", ExchangeKind.refused: "x"}

@@ -57,13 +57,18 @@ _DEVICE_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 _EPILOG = """\
 examples:
   kvpolicy dry-run
-      the built-in example: Qwen2.5-0.5B geometry, TRITON_ATTN, OffloadingConnector,
-      fp8_per_token_head (vLLM #48412): LBHNC (per layer, HND), and why cross-layer lost
+      the built-in example (Qwen2.5-0.5B geometry, TRITON_ATTN, OffloadingConnector,
+      fp8_per_token_head: the combination of vLLM #48412) under the default profile:
+      LBHNC (per layer, HND), the layout OffloadingConnector asks for, and why the
+      others lost (under --vllm-version issue-48412: LBNHC, the per-token-head guard)
   kvpolicy dry-run --model ./Qwen2.5-0.5B --kv-cache-dtype auto --connector OffloadingConnector
   kvpolicy dry-run --spec spec.yaml --backend FLASHINFER --connector NixlConnector \\
       --connector-config '{"enable_cross_layers_blocks": "true"}' --num-blocks 1024
   kvpolicy dry-run --connector MultiConnector --connector-config \\
       '{"connectors": [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]}'
+  kvpolicy dry-run --connector MyConnector --connector-module-path my_connectors
+      a connector of your own (vLLM's kv_connector_module_path); an unregistered name without it
+      is refused, as vLLM refuses it
   kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \\
       --worker-attention-backends FLASHINFER --worker-attention-backends FLASH_ATTN,TRITON_ATTN
       two pipeline stages with different backends: the layouts both support

@@ -35,7 +35,7 @@ examples:
   kvpolicy test                                     # the shipped rules' policy tests
   kvpolicy schema > rule-file.schema.json
   kvpolicy lint my-rules/                           # every input checked against the geometry verifier
-  kvpolicy diff rules/ my-rules/                    # every decision an edit changes, and why
+  kvpolicy diff shipped my-rules/                   # every decision your layer changes, and why
   kvpolicy compat vllm-0.28 vllm-0.34 --block-size 16   # can blocks move between two releases' caches
   KVPOLICY_RULES=shipped kvpolicy doctor --vllm-version 0.34.0   # the vLLM plugin's setup, checked without vLLM
 

@@ -20,8 +20,8 @@ __all__ = ["register", "run"]
 
 _EPILOG = """\
 examples:
-  kvpolicy releases                      every profile, newest first
-  kvpolicy releases 0.33 0.34            what vLLM 0.34 changed from 0.33 (facts and shipped rules)
+  kvpolicy releases                      # every profile, newest first
+  kvpolicy releases 0.33 0.34            # what vLLM 0.34 changed from 0.33 (facts and shipped rules)
   kvpolicy releases vllm-0.28 vllm-0.29 --format json
 """
 

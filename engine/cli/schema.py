@@ -2,7 +2,8 @@
 
 The committed copy, docs/rule-file.schema.json, is what the shipped rule files
 name for editors (``# yaml-language-server: $schema=...``); a test keeps it
-equal to this output.
+equal to this output. Docs are not installed: an operator writes this output
+beside their rules and names it there.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ __all__ = ["case_file_schema", "register", "rule_file_schema", "run"]
 
 _EPILOG = """\
 examples:
-  kvpolicy schema > docs/rule-file.schema.json
+  kvpolicy schema > rule-file.schema.json           # beside your rules, for editors
   kvpolicy schema --cases > policy-test.schema.json
 
-editors: start a rule file with
-  # yaml-language-server: $schema=../docs/rule-file.schema.json
+editors: start a rule file with (the path relative to it; ../ in connectors/)
+  # yaml-language-server: $schema=./rule-file.schema.json
 """
 
 

@@ -40,22 +40,24 @@ examples:
   kvpolicy test --rules my-rules/                 # my-rules/tests/*.yaml against the shipped rules + my-rules/
                                                   (several --rules: the tests/ of each that has one)
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
+  kvpolicy test --rules my-rules/ --include-shipped   # the shipped rules count in the coverage too
 
-a case file (docs/cli.md has the full format):
+a case file (docs/cli.md has the full format; this one passes under the default profile):
   version: 1
   cases:
-    - name: offloading with fp8 per-token-head stays per-layer
+    - name: offloading with fp8 per-token-head takes the layout the connector asks for
       input:
         spec: {num_layers: 24, block_size: 16, num_kv_heads: 2, head_size: 64}
         kv_cache_dtype: fp8_per_token_head
         connector: OffloadingConnector
       expect:
-        layout: per_layer/NHD
-        removed: {cross_layer/NHD: [per-token-head-forbids-cross-layer]}
+        layout: LBHNC
+        matched: [offloading-requires-lbhnc]
 
 output: each failing case with expected vs actual and the decision's `fails` explanation,
-then `N passed, N failed`, then `coverage: X/Y rules matched by some case` and the
-rules no case made match, with their file:line.
+then `N passed, N failed`, then `coverage: X/Y rules matched by some case` (with --rules: of
+your layers' rules, unless --include-shipped) and the rules no case made match, with their
+file:line.
 
 exit codes: 0 every case passed, 1 a case failed (or, with --require-coverage, a rule is
             uncovered; or a test file does not load), 2 usage error
