@@ -40,6 +40,7 @@ from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES,
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
+from kvpolicy.policy.layers import render_warning
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.spec import KVCacheSpec
@@ -712,7 +713,8 @@ def run(args: argparse.Namespace) -> int:
             return exit_code_for(err)
     if args.format == "json":
         data = decision.to_dict()
-        data["warnings"] = [*data["warnings"], *printed]  # what stderr said, for programs too
+        # what stderr said (the rules' warnings, the connectors'), for programs too
+        data["warnings"] = [*data["warnings"], *(render_warning(d) for d in ruleset.warnings), *printed]
         data.update(release_of(decision))
         data["device"] = device_summary(args, ctx)
         data["allocation"] = None if checked is None else allocation_summary(checked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,8 @@ def test_a_literal_no_release_produces_warns_with_the_name_meant(tmp_path: Path,
            "`backend.name` with `flash_attn`, which no release profile produces" in err
     assert "did you mean `FLASH_ATTN`?" in err
     assert "TRITON_ATTN`, which" not in err
+    code, out, _ = cli(capsys, "dry-run", "--rules", str(tmp_path / "site"), "--format", "json")
+    assert code == 0 and any("warning[unknown-literal]" in w for w in json.loads(out)["warnings"])  # JSON says it too
 
 
 def test_an_unknown_backend_suggests_vllms_name(capsys: pytest.CaptureFixture[str]) -> None:
