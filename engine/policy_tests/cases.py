@@ -21,7 +21,7 @@ import difflib
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -384,13 +384,24 @@ def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic], list[Rul
         try:
             case = PolicyCase.model_validate(raw)
         except ValidationError as exc:
-            diags += located_validation_errors(src, ("cases", i), raw, exc, valid_keys=_keys_at)
+            diags += [_model_hint(d, raw) for d in located_validation_errors(src, ("cases", i), raw, exc,
+                                                                             valid_keys=_keys_at)]
             if isinstance(raw, dict):
                 refs += _rule_refs(src, i, raw.get("expect"))
             continue
         cases.append(LoadedCase(case, src, i))
         refs += [(src, ("cases", i, "expect", *p), r) for p, r in case.expect.rule_ids]
     return cases, diags, refs
+
+
+def _model_hint(diag: Diagnostic, raw: Any) -> Diagnostic:
+    """A case's ``model`` written as KV spec fields: say that ``model`` names a config.json and ``spec`` takes them."""
+    model = raw.get("input", {}).get("model") if isinstance(raw, dict) and isinstance(raw.get("input"), dict) else None
+    if isinstance(model, dict) and diag.code == "invalid-value" and diag.help is None:
+        return replace(diag, message=f"{diag.message}: `model` names a Hugging Face config.json (or its directory)",
+                       help="write KV cache spec fields under `spec:` instead (`spec: {num_layers: 32, ...}`), or "
+                            "give `model` the path of a config.json, relative to the case file")
+    return diag
 
 
 # What the engine itself names in removals, beside the rules: the release's candidate filter.

@@ -123,3 +123,13 @@ def test_a_mamba_group_says_what_head_fields_mean(tmp_path: Path, capsys: pytest
     # both missing fields at once, each with what it means for Mamba
     assert "missing required key `num_kv_heads`" in err and "missing required key `head_size`" in err
     assert err.count("a Mamba group has no heads") == 2 and "page_size_padded" in err
+
+
+def test_a_case_giving_model_spec_fields_says_to_use_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    case = tmp_path / "case.yaml"
+    case.write_text("version: 1\ncases:\n  - name: a spec under model\n    input:\n"
+                    "      model: {num_layers: 32, block_size: 16, num_kv_heads: 8, head_size: 128}\n"
+                    "    expect: {layout: LBNHC}\n")
+    code, _, err = cli(capsys, "test", str(case))
+    assert code == 1 and f"{case}:5:14: error[invalid-value]" in err
+    assert "write KV cache spec fields under `spec:`" in err
