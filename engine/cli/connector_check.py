@@ -47,8 +47,11 @@ def out_of_tree_names(args: argparse.Namespace) -> set[str]:
     return names
 
 
-def _flag(args: argparse.Namespace) -> str:
-    return "--kv-transfer-config" if getattr(args, "kv_transfer_config", None) is not None else "--connector"
+def _flag(args: argparse.Namespace, member: bool) -> str:
+    """The flag that named the connector: a MultiConnector member is in the connector's config."""
+    if getattr(args, "kv_transfer_config", None) is not None:
+        return "--kv-transfer-config"
+    return "--connector-config" if member else "--connector"
 
 
 def check_connectors(ctx: Context, ruleset: RuleSet, args: argparse.Namespace) -> list[str]:
@@ -69,7 +72,7 @@ def check_connectors(ctx: Context, ruleset: RuleSet, args: argparse.Namespace) -
             near = nearest(name, registered) or suggest_connector(name)
             known = ", ".join(sorted(registered))
             raise usage_error(
-                _flag(args),
+                _flag(args, node is not conn),
                 f"{profile.version_label} registers no KV connector `{name}`: it would refuse to start "
                 f"(KVConnectorFactory: \"Unsupported connector type: {name}\")",
                 (f"did you mean `{near}`? " if near else "")

@@ -210,6 +210,10 @@ def test_a_connector_the_release_does_not_register_is_refused_as_vllm_refuses(
     ktc = '{"kv_connector": "MyConn", "kv_role": "kv_both", "kv_connector_module_path": "my.mod"}'
     code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--kv-transfer-config", ktc)
     assert code == 0, err
+    members = '{"connectors": [{"kv_connector": "NixlConector"}, {"kv_connector": "OffloadingConnector"}]}'
+    code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--connector", "MultiConnector",
+                       "--connector-config", members)
+    assert code == 2 and "--connector-config: error[usage]" in err and "did you mean `NixlConnector`?" in err
 
 
 # -- the plan -------------------------------------------------------------------------------
