@@ -21,32 +21,44 @@ from kvpolicy.policy.errors import Diagnostic, ModelConfigError
 
 __all__ = ["CLASS_DEFAULTS", "ConfigReader", "is_int", "show"]
 
-# model_type -> {field: default}: constants of transformers 5.22.2's config classes
-_GEMMA = {"num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-          "hidden_size": 2304, "sliding_window": 4096}
+# model_type -> ((num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_size), others):
+# the constant defaults of transformers 5.22.2's config classes (`_`: none, or computed from other fields),
+# read off the classes by instantiating each with other inputs and keeping what did not change
+_ = None
+_COMMON = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+_TABLE: dict[str, tuple[tuple[int | None, ...], dict[str, Any]]] = {
+    "llama": ((32, 32, _, _, 4096), {}),
+    "mistral": ((32, 32, 8, _, 4096), {"sliding_window": 4096}),
+    "mixtral": ((32, 32, 8, _, 4096), {}),
+    "qwen2": ((32, 32, 32, _, 4096), {"use_sliding_window": False, "max_window_layers": 28}),
+    "qwen2_moe": ((24, 16, 16, _, 2048), {"sliding_window": 0, "use_sliding_window": False, "max_window_layers": 28}),
+    "qwen3": ((32, 32, 32, 128, 4096), {"use_sliding_window": False, "max_window_layers": 28}),
+    "qwen3_moe": ((24, 32, 4, _, 2048), {"use_sliding_window": False}),
+    "qwen3_next": ((48, 16, 2, 256, 2048), {"full_attention_interval": 4}),
+    "gemma": ((28, 16, 16, 256, 3072), {}),
+    "gemma2": ((26, 8, 4, 256, 2304), {"sliding_window": 4096}),
+    "gemma3_text": ((26, 8, 4, 256, 2304), {"sliding_window": 4096, "sliding_window_pattern": 6}),
+    "cohere2": ((40, 64, _, _, 8192), {"sliding_window": 4096, "sliding_window_pattern": 4}),
+    "exaone4": ((32, 32, 32, _, 4096), {"sliding_window": 4096, "sliding_window_pattern": 4}),
+    "gpt_oss": ((36, 64, 8, 64, 2880), {"sliding_window": 128}),
+    "llama4_text": ((48, 40, 8, 128, 5120), {"attention_chunk_size": 8192, "no_rope_layer_interval": 4}),
+    "deepseek_v2": ((32, 32, _, 64, 4096), {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
+    "deepseek_v3": ((61, 128, 128, 64, 7168), {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
+    "jamba": ((32, 32, 8, _, 4096), {"attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16}),
+    "bamba": ((32, 32, 8, _, 4096), {"mamba_d_state": 256}),
+    "nemotron_h": ((4, 32, 8, 128, 4096), {"ssm_state_size": 128}),
+    "granitemoehybrid": ((32, 32, 32, _, 4096), {"mamba_d_state": 256}),
+    "falcon_h1": ((32, 32, 8, _, 4096), {"mamba_d_state": 256}),
+    "zamba2": ((54, 32, 32, _, 2560), {"mamba_d_state": 64}),
+    "lfm2": ((32, 32, 8, _, 2560), {}),
+    "phi3": ((32, 32, _, _, 3072), {}),
+    "glm4": ((40, 32, 2, 128, 4096), {}),
+    "starcoder2": ((30, 24, 2, _, 3072), {}),
+    "olmo2": ((32, 32, _, _, 4096), {}),
+}
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma": {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
-              "hidden_size": 3072},
-    "gemma2": _GEMMA,
-    "gemma3_text": {**_GEMMA, "sliding_window_pattern": 6},
-    "cohere2": {"sliding_window": 4096, "sliding_window_pattern": 4},
-    "exaone4": {"sliding_window": 4096, "sliding_window_pattern": 4},
-    "gpt_oss": {"num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-                "hidden_size": 2880, "sliding_window": 128},
-    "llama4_text": {"num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
-                    "hidden_size": 5120, "attention_chunk_size": 8192, "no_rope_layer_interval": 4},
-    "mistral": {"sliding_window": 4096},
-    "qwen3": {"head_dim": 128},
-    "qwen3_next": {"num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-                   "hidden_size": 2048, "full_attention_interval": 4},
-    "deepseek_v2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
-    "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
-    "jamba": {"attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16},
-    "bamba": {"mamba_d_state": 256},
-    "nemotron_h": {"head_dim": 128, "ssm_state_size": 128},
-    "granitemoehybrid": {"mamba_d_state": 256},
-    "falcon_h1": {"mamba_d_state": 256},
-    "zamba2": {"mamba_d_state": 64},
+    model_type: {**{k: v for k, v in zip(_COMMON, common, strict=True) if v is not None}, **others}
+    for model_type, (common, others) in _TABLE.items()
 }
 
 

@@ -329,9 +329,13 @@ def only_diagnostic(exc: ModelConfigError | InputError) -> Diagnostic:
 
 
 CONFIG_ERRORS = [
-    pytest.param({"num_hidden_layers": DROP}, "missing-field", "num_hidden_layers", id="no-layers"),
+    # without a model_type there is no config class to default a field the file leaves out
+    pytest.param({"num_hidden_layers": DROP, "model_type": DROP}, "missing-field", "num_hidden_layers",
+                 id="no-layers"),
     pytest.param({"num_hidden_layers": None}, "missing-field", "num_hidden_layers", id="null-layers"),
-    pytest.param({"num_attention_heads": DROP}, "missing-field", "num_attention_heads", id="no-heads"),
+    pytest.param({"num_attention_heads": DROP, "model_type": DROP}, "missing-field", "num_attention_heads",
+                 id="no-heads"),
+    pytest.param({"num_attention_heads": None}, "missing-field", "num_attention_heads", id="null-heads"),
     pytest.param({"num_hidden_layers": 0}, "invalid-field", "num_hidden_layers", id="zero-layers"),
     pytest.param({"num_hidden_layers": "32"}, "invalid-field", "num_hidden_layers", id="string-layers"),
     pytest.param({"num_hidden_layers": 32.0}, "invalid-field", "num_hidden_layers", id="float-layers"),
@@ -342,7 +346,8 @@ CONFIG_ERRORS = [
     pytest.param({"num_key_value_heads": 3}, "invalid-field", "num_key_value_heads", id="heads-not-multiple"),
     pytest.param({"num_key_value_heads": 16}, "invalid-field", "num_key_value_heads", id="more-kv-than-q"),
     pytest.param({"hidden_size": 500}, "invalid-field", "hidden_size", id="hidden-not-divisible"),
-    pytest.param({"hidden_size": DROP}, "missing-field", "hidden_size", id="no-hidden-no-head-dim"),
+    pytest.param({"hidden_size": DROP, "model_type": DROP}, "missing-field", "hidden_size",
+                 id="no-hidden-no-head-dim"),
     pytest.param({"torch_dtype": "int8"}, "invalid-field", "torch_dtype", id="unknown-torch-dtype"),
     pytest.param({"torch_dtype": 16}, "invalid-field", "torch_dtype", id="non-string-torch-dtype"),
     pytest.param({"layer_types": ["full_attention"] * 3}, "invalid-field", "layer_types", id="layer-types-short"),
@@ -421,7 +426,8 @@ def test_every_config_problem_is_reported_at_once() -> None:
         ("invalid-field", "num_hidden_layers"),
         ("invalid-field", "torch_dtype"),
     }
-    config = make_config(num_attention_heads=DROP, hidden_size=DROP, layer_types=["sliding_attention"] * 4)
+    config = make_config(num_attention_heads=DROP, hidden_size=DROP, layer_types=["sliding_attention"] * 4,
+                         model_type=DROP)
     with pytest.raises(ModelConfigError) as exc:
         kv_groups_from_hf_config(config)
     assert sorted(d.message.split("`")[1] for d in exc.value.diagnostics) == [
