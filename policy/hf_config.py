@@ -60,7 +60,9 @@ _MLA_MODEL_TYPES = frozenset({
 # vLLM's CONFIG_FIELD_ALIASES["total_num_kv_heads"], first present wins
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
 
-# registry.py _PREVIOUSLY_SUPPORTED_MODELS, both releases: architectures they refuse to load
+# registry.py _PREVIOUSLY_SUPPORTED_MODELS, both releases: vLLM 0.28 refuses these architectures when it
+# builds the ModelConfig; 0.34 hands BambaForCausalLM to its Transformers backend, which refuses the Mamba
+# layers when it builds the model ("does not dispatch through the Transformers attention interface")
 _NO_LONGER_SERVED = {"BambaForCausalLM": "0.23.0", "MiniMaxText01ForCausalLM": "0.23.0",
                      "MiniMaxM1ForCausalLM": "0.23.0", "MllamaForConditionalGeneration": "0.10.2"}
 
@@ -221,14 +223,19 @@ def _check_served(r: ConfigReader) -> None:
         r.error("unsupported-model", "a speculative-decoding draft model: vLLM adds its layers to the target "
                 "model's KV cache groups, which kvpolicy does not model",
                 "read the target model's config; a draft's layers can be given as groups in a --spec file")
+    if r.has("block_configs") or r.get("is_heterogeneous") or r.top.get("is_heterogeneous"):
+        r.error("unsupported-model", "per-layer block configs (a heterogeneous model such as Nemotron-NAS): each "
+                "layer's heads and whether it has attention at all vary, which kvpolicy does not model",
+                "give the KV cache groups in a --spec file")
     if r.has("cross_attention_layers") or "whisper" in types:
         r.error("unsupported-model", "cross-attention layers (an encoder-decoder model): kvpolicy models "
                 "decoder-only KV caches, and the vLLM releases it profiles do not serve Mllama",
                 "give the KV cache groups in a --spec file")
     for name in names:
         if name in _NO_LONGER_SERVED and not r.diagnostics:
-            r.warn("unsupported-architecture", f"vLLM serves `{name}` only up to {_NO_LONGER_SERVED[name]}: the "
-                   "releases kvpolicy profiles refuse this model; read as its config describes it",
+            r.warn("unsupported-architecture", f"vLLM serves `{name}` natively only up to {_NO_LONGER_SERVED[name]}: "
+                   "vLLM 0.28 refuses it, and 0.34's Transformers backend fails on its Mamba layers; read as its "
+                   "config describes it",
                    "use vLLM <= " + _NO_LONGER_SERVED[name] + " for this model, or another model")
 
 
