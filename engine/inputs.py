@@ -188,10 +188,12 @@ def build_context(
     if model is not None:
         from kvpolicy.policy.hf_config import kv_groups_from_hf_config
 
+        # the served dtype follows the device (--dtype auto): a CUDA capability below 8 has no bfloat16
         groups = kv_groups_from_hf_config(
             model, kv_cache_dtype="auto" if kv_cache_dtype is None else kv_cache_dtype,
             block_size=release.default_block_size if block_size is None else block_size,
             tensor_parallel_size=tensor_parallel_size,
+            device_capability=options.device_capability if device == "cuda" else None,
         )
         if not groups.groups:
             raise input_error("model", "the model config describes no KV cache layers")

@@ -98,7 +98,7 @@ def served_dtype(r: ConfigReader, override: ModelDtype | None, device_capability
         return preferred
     if stated is ModelDtype.float32 and preferred is not ModelDtype.float32:
         r.warn("dtype-downcast", f"the config's dtype is float32; vLLM's --dtype auto serves a float32 checkpoint "
-               f"in {preferred.value}, and so does kvpolicy", "pass dtype= float32 (--dtype float32) to serve it in "
-               "float32")
+               f"in {preferred.value}, and so does kvpolicy",
+               "pass dtype=\"float32\" (the CLI's --dtype float32) to serve it in float32")
         return preferred
     return stated if stated in supported else preferred

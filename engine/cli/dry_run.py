@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -502,6 +503,20 @@ def context_from_args(args: argparse.Namespace) -> Context:
         raise _name_flags(exc, args.spec, args) from None
 
 
+def _context_saying_model_notes(args: argparse.Namespace) -> Context:
+    """`context_from_args`, with what reading --model assumed (the library's `ModelConfigWarning`s)
+    printed on stderr as located ``warning[code]`` lines; any other warning is shown as Python would."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx = context_from_args(args)
+    for w in caught:
+        if type(w.message).__name__ == "ModelConfigWarning":  # no import: hf_config may be absent
+            print(str(w.message), file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return ctx
+
+
 def example_banner(args: argparse.Namespace) -> str:
     ex = DEFAULT_EXAMPLE
     mine = [f for f, v in (("--kv-cache-dtype", args.kv_cache_dtype), ("--block-size", args.block_size),
@@ -660,7 +675,7 @@ def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
     try:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
-        ctx = context_from_args(args)
+        ctx = _context_saying_model_notes(args)
         note = device_note(args, ctx)
         if note is not None:
             print(note, file=sys.stderr)
