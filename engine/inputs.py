@@ -194,6 +194,7 @@ def build_context(
             block_size=release.default_block_size if block_size is None else block_size,
             tensor_parallel_size=tensor_parallel_size,
             device_capability=options.device_capability if device == "cuda" else None,
+            vllm_version=release.vllm_versions[0] if release.vllm_versions else None,
         )
         if not groups.groups:
             raise input_error("model", "the model config describes no KV cache layers")

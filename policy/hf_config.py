@@ -187,12 +187,13 @@ def _short(text: str) -> str:
 
 
 
-def _text_reader(raw: Mapping[str, Any], where: str, notes: list[Diagnostic]) -> ConfigReader:
+def _text_reader(raw: Mapping[str, Any], where: str, notes: list[Diagnostic],
+                 release: tuple[int, ...] | None) -> ConfigReader:
     """The text model's fields: ``text_config`` when the config has one (transformers'
     ``get_text_config``, which vLLM reads), else the top level."""
     top_type = raw.get("model_type")
     top_type = top_type if isinstance(top_type, str) else None
-    top = ConfigReader(raw, raw, where, "", top_type, notes)
+    top = ConfigReader(raw, raw, where, "", top_type, notes, release)
     nested = raw.get("text_config")
     if nested is None:
         if top_type is None:
@@ -205,7 +206,7 @@ def _text_reader(raw: Mapping[str, Any], where: str, notes: list[Diagnostic]) ->
         top.fail_if_any()
     text_type = nested.get("model_type")
     text_type = text_type if isinstance(text_type, str) else _TEXT_MODEL_TYPES.get(top_type or "", top_type)
-    text = ConfigReader(nested, raw, where, "text_config.", text_type, notes)
+    text = ConfigReader(nested, raw, where, "text_config.", text_type, notes, release)
     layers = raw.get("num_hidden_layers")
     if layers is not None and layers != text.get("num_hidden_layers"):
         text.warn("ambiguous-config", f"`num_hidden_layers` ({show(layers)}) and "
@@ -320,6 +321,17 @@ def _build(r: ConfigReader, fields: list[dict[str, Any]]) -> KVCacheGroups:
     return KVCacheGroups(groups=tuple(groups))
 
 
+def _release(vllm_version: str | None) -> tuple[int, ...] | None:
+    """``"0.28.0"`` (or ``"v0.28"``) -> ``(0, 28, 0)``; None stays None; anything else is an `InputError`."""
+    if vllm_version is None:
+        return None
+    parts = vllm_version.removeprefix("v").split(".") if isinstance(vllm_version, str) else []
+    if not 2 <= len(parts) <= 3 or not all(p.isascii() and p.isdigit() for p in parts):
+        raise input_error("vllm_version", f"`vllm_version` must be a vLLM release such as 0.34.0, "
+                          f"got `{show(vllm_version)}`")
+    return tuple(int(p) for p in parts)
+
+
 def _check_keywords(kv_cache_dtype: str, block_size: int, tensor_parallel_size: int,
                     dtype: str | None, device_capability: int | None) -> ModelDtype | None:
     """Validate the keyword inputs (`InputError`); return the dtype override, if any."""
@@ -358,6 +370,7 @@ def read_hf_config(
     tensor_parallel_size: int = 1,
     dtype: str | None = None,
     device_capability: int | None = None,
+    vllm_version: str | None = None,
 ) -> ModelReading:
     """Read a model config as vLLM 0.28 / 0.34 read it: the groups one tensor-parallel rank needs.
 
@@ -366,6 +379,9 @@ def read_hf_config(
     dtype vLLM's auto rules serve, `kvpolicy.policy.hf_dtype`; an explicit dtype
     wins). ``device_capability`` is the CUDA major version those rules consult
     (None: 8.0 or later, where bfloat16 is supported; a CPU decides the same).
+    ``vllm_version`` (``"0.28.0"``) is the release read for, where releases read a
+    field differently (Qwen3-Next's ``full_attention_interval``: 0.32 on); None
+    reads as the newest release does, with a note where that matters.
 
     Grouping, one `KVCacheGroup` per distinct cache kind, in order of each kind's
     first layer:
@@ -400,9 +416,10 @@ def read_hf_config(
     config's path or ``"<config>"``) and `InputError` for a bad keyword.
     """
     override = _check_keywords(kv_cache_dtype, block_size, tensor_parallel_size, dtype, device_capability)
+    release = _release(vllm_version)
     raw, where = _load(config)
     notes: list[Diagnostic] = []
-    r = _text_reader(raw, where, notes)
+    r = _text_reader(raw, where, notes, release)
     _check_served(r)
     num_layers = r.int_field("num_hidden_layers", required=True, maximum=MAX_LAYERS,
                              help="a decoder's config.json states its layer count in `num_hidden_layers`")
@@ -470,6 +487,7 @@ def kv_groups_from_hf_config(
     tensor_parallel_size: int = 1,
     dtype: str | None = None,
     device_capability: int | None = None,
+    vllm_version: str | None = None,
 ) -> KVCacheGroups:
     """The KV cache groups one tensor-parallel rank of this model needs (`read_hf_config`'s groups).
 
@@ -478,7 +496,7 @@ def kv_groups_from_hf_config(
     """
     reading = read_hf_config(config, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                              tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                             device_capability=device_capability)
+                             device_capability=device_capability, vllm_version=vllm_version)
     for note in reading.notes:
         warnings.warn(ModelConfigWarning(note), stacklevel=2)
     return reading.groups

@@ -16,7 +16,9 @@ layer). The first source the config has decides, in this order:
 7. Jamba's ``attn_layer_period``/``attn_layer_offset``: attention where
    ``i % period == offset``.
 8. Qwen3-Next's ``full_attention_interval`` (default 4): every n-th layer full,
-   the rest Gated DeltaNet (linear attention: a state, like Mamba).
+   the rest Gated DeltaNet (linear attention: a state, like Mamba). Releases differ:
+   vLLM 0.24-0.31 load Qwen3-Next with their own config class, which ignores the
+   interval and makes every 4th layer full; 0.32 on use transformers', which reads it.
 9. Llama-4's ``no_rope_layers``: a RoPE layer (1) is chunked-local when
    ``attention_chunk_size`` is set (``llama4.py``), a NoPE layer (0) full; the
    default puts a NoPE layer every ``no_rope_layer_interval`` (4).
@@ -134,10 +136,21 @@ def _jamba(r: ConfigReader, num_layers: int) -> LayerCaches | None:
     return [_F if i % period == offset else _M for i in range(num_layers)]
 
 
+# the first release that loads Qwen3-Next through transformers' config class (0.24-0.31: vLLM's own)
+_QWEN3_NEXT_READS_INTERVAL = (0, 32)
+
+
 def _qwen3_next(r: ConfigReader, num_layers: int) -> LayerCaches | None:
     interval = r.int_field("full_attention_interval")
     if interval is None:
         return None
+    if interval != 4 and r.model_type == "qwen3_next":
+        if r.release is None:
+            r.warn("release-dependent", f"`{r.name('full_attention_interval')}` ({interval}) is read by vLLM 0.32 "
+                   "on; 0.24-0.31 ignore it (every 4th layer full): read as 0.32 on",
+                   "pass vllm_version= (the CLI's --vllm-version) to read it as that release does")
+        elif r.release < _QWEN3_NEXT_READS_INTERVAL:
+            interval = 4
     return [_M if (i + 1) % interval else _F for i in range(num_layers)]
 
 

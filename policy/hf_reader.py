@@ -81,13 +81,16 @@ class ConfigReader:
     ``prefix`` is ``"text_config."`` when the text model's fields are nested, so
     messages name the field as it is spelled in the file. ``model_type`` selects the
     `CLASS_DEFAULTS` a field the file leaves out takes. ``notes`` collects warnings:
-    what was assumed where the config did not say.
+    what was assumed where the config did not say. ``release`` is the vLLM version
+    read for, where releases read a field differently.
     """
 
     def __init__(self, cfg: Mapping[str, Any], top: Mapping[str, Any], where: str, prefix: str,
-                 model_type: str | None, notes: list[Diagnostic] | None = None) -> None:
+                 model_type: str | None, notes: list[Diagnostic] | None = None,
+                 release: tuple[int, ...] | None = None) -> None:
         self.cfg, self.top, self.where, self.prefix = cfg, top, where, prefix
         self.model_type = model_type
+        self.release = release  # the vLLM release read for, (0, 28, 0); None: not said
         self.defaults = CLASS_DEFAULTS.get(model_type or "", {})
         self.diagnostics: list[Diagnostic] = []
         self.notes: list[Diagnostic] = [] if notes is None else notes

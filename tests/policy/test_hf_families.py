@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvpolicy.policy.errors import ModelConfigError
+from kvpolicy.policy.errors import InputError, ModelConfigError
 from kvpolicy.policy.hf_config import ModelConfigWarning, kv_groups_from_hf_config, read_hf_config
 from kvpolicy.policy.quant import ModelDtype
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
@@ -316,3 +316,38 @@ def test_a_plain_config_warns_nothing() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kv_groups_from_hf_config({**GEMMA2_9B, "torch_dtype": "bfloat16"})
+
+
+# --- where releases differ -------------------------------------------------------------------
+
+QWEN3_NEXT_INTERVAL_2 = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 8,
+                         "full_attention_interval": 2, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    ("version", "full_layers"),
+    [
+        # 0.24-0.31 load Qwen3-Next with vLLM's own config class: every 4th layer full, whatever the interval
+        pytest.param("0.28.0", [3, 7], id="0.28-ignores-the-interval"),
+        pytest.param("0.31.0", [3, 7], id="0.31-ignores-the-interval"),
+        pytest.param("0.32.0", [1, 3, 5, 7], id="0.32-reads-it"),
+        pytest.param("0.34.0", [1, 3, 5, 7], id="0.34-reads-it"),
+    ],
+)
+def test_qwen3_next_interval_by_release(version: str, full_layers: list[int]) -> None:
+    reading = read_hf_config(QWEN3_NEXT_INTERVAL_2, vllm_version=version)
+    assert [i for i, layer in enumerate(reading.layers) if layer == ("full",)] == full_layers
+    assert reading.notes == ()
+
+
+def test_qwen3_next_interval_without_a_release_reads_the_newest_and_says_so() -> None:
+    reading = read_hf_config(QWEN3_NEXT_INTERVAL_2)
+    assert [i for i, layer in enumerate(reading.layers) if layer == ("full",)] == [1, 3, 5, 7]
+    assert [n.code for n in reading.notes] == ["release-dependent"]
+
+
+@pytest.mark.parametrize("version", ["latest", "0", "0.x.1", "1.2.3.4", 34])
+def test_vllm_version_keyword_is_checked(version: Any) -> None:
+    with pytest.raises(InputError) as exc:
+        read_hf_config(QWEN3_NEXT_INTERVAL_2, vllm_version=version)
+    assert exc.value.diagnostics[0].file == "vllm_version"
