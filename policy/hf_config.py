@@ -228,6 +228,10 @@ def _check_served(r: ConfigReader) -> None:
         r.error("unsupported-model", "per-layer block configs (a heterogeneous model such as Nemotron-NAS): each "
                 "layer's heads and whether it has attention at all vary, which kvpolicy does not model",
                 "give the KV cache groups in a --spec file")
+    if r.has("compress_ratios") or r.has("compress_rates"):
+        r.error("unsupported-model", "compressed sparse attention (DeepSeek-V4's `compress_ratios`): its "
+                "sliding-window MLA and compressed caches are not modelled",
+                "give the KV cache groups in a --spec file")
     if r.has("cross_attention_layers") or "whisper" in types:
         r.error("unsupported-model", "cross-attention layers (an encoder-decoder model): kvpolicy models "
                 "decoder-only KV caches, and the vLLM releases it profiles do not serve Mllama",
@@ -434,6 +438,10 @@ def read_hf_config(
                            help="MLA caches the latent and the rope key: add `qk_rope_head_dim`")
         r.fail_if_any()
         assert lora is not None and rope is not None
+        if r.has("index_topk"):
+            r.warn("indexer-not-modelled", f"`{r.name('index_topk')}`: DeepSeek sparse attention, where vLLM adds an "
+                   "fp8 indexer key cache (its own MLA spec, uint8) beside each layer's latent; kvpolicy reads the "
+                   "latent only", "give the indexer's groups in a --spec file where they matter to the decision")
         groups = _build(r, [{**common, "kind": AttentionKind.mla, "num_layers": num_layers, "num_kv_heads": 1,
                              "head_size": lora + rope, "kv_cache_dtype": kv_cache_dtype}])
         return ModelReading(groups, ((AttentionKind.mla.value,),) * num_layers, model_dtype, tuple(notes))

@@ -264,6 +264,15 @@ def test_mla_on_the_model_types_vllm_lists() -> None:
     assert shape(read_hf_config(config, tensor_parallel_size=8).groups) == [G(MLA, 61, 1, 576)]
 
 
+def test_deepseek_sparse_attention_indexer_is_said_not_modelled() -> None:
+    config = {"model_type": "deepseek_v32", "num_hidden_layers": 61, "num_attention_heads": 128,
+              "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_topk": 2048,
+              "torch_dtype": "bfloat16"}
+    reading = read_hf_config(config)
+    assert shape(reading.groups) == [G(MLA, 61, 1, 576)]
+    assert [n.code for n in reading.notes] == ["indexer-not-modelled"]
+
+
 def test_kv_lora_rank_elsewhere_is_not_mla_and_says_so() -> None:
     config = {"model_type": "minicpm3", "num_hidden_layers": 2, "num_attention_heads": 40, "num_key_value_heads": 40,
               "hidden_size": 2560, "head_dim": 96, "kv_lora_rank": 256, "qk_rope_head_dim": 32,
@@ -287,6 +296,8 @@ def test_kv_lora_rank_elsewhere_is_not_mla_and_says_so() -> None:
         pytest.param({"architectures": ["DeepSeekMTPModel"], "model_type": "deepseek_mtp", "num_hidden_layers": 1},
                      id="mtp-draft"),
         pytest.param({"model_type": "whisper", "num_hidden_layers": 4}, id="whisper"),
+        pytest.param({"model_type": "deepseek_v4", "num_hidden_layers": 2, "head_dim": 512,
+                      "compress_ratios": [0, 4]}, id="deepseek-v4-compressed"),
         pytest.param({"model_type": "nemotron-nas", "num_hidden_layers": 2, "num_attention_heads": 8,
                       "hidden_size": 512, "block_configs": [{"attention": {"no_op": True}}] * 2},
                      id="nemotron-nas-block-configs"),
