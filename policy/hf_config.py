@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from kvpolicy.policy.errors import Diagnostic, ModelConfigError, input_error
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.hf_dtype import parse_dtype, served_dtype
-from kvpolicy.policy.hf_layer_kinds import MAMBA_ONLY, LayerCache, layer_caches
+from kvpolicy.policy.hf_layer_kinds import MAMBA_ONLY, LayerCache, layer_caches, window_tokens
 from kvpolicy.policy.hf_reader import ConfigReader, is_int, show
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
 from kvpolicy.policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
@@ -257,7 +257,11 @@ def _kv_heads(r: ConfigReader, heads: int | None) -> int | None:
 
 def _head_size(r: ConfigReader, heads: int | None) -> int | None:
     """vLLM's ``get_head_size``: ``head_dim`` when positive, ``hidden_size_per_head``, Zamba2's
-    ``attention_head_dim``, else ``hidden_size // num_attention_heads``."""
+    ``attention_head_dim``, else ``hidden_size // num_attention_heads``; a latent-attention model
+    vLLM does not cache as MLA (MiniCPM3) pages ``qk_nope_head_dim + qk_rope_head_dim`` per head."""
+    if r.has("kv_lora_rank") and r.has("qk_nope_head_dim") and r.has("qk_rope_head_dim"):
+        nope, rope = r.int_field("qk_nope_head_dim"), r.int_field("qk_rope_head_dim")
+        return None if nope is None or rope is None else nope + rope
     keys = ("attention_head_dim",) if r.model_type == "zamba2" else ("head_dim", "hidden_size_per_head")
     for key in keys:
         value = r.get(key)
@@ -395,10 +399,9 @@ def read_hf_config(
       ``kv_lora_rank + qk_rope_head_dim`` (576 on DeepSeek-V3), never split by
       tensor parallelism.
     - sliding-window layers form a ``sliding_window`` group, the rest a ``full`` one.
-    - chunked-local layers (Llama-4's RoPE layers) join the ``full`` group: vLLM
-      turns its hybrid KV cache manager off for chunked-local attention unless
-      ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1``, and then caches
-      them as full attention (a note says so).
+    - chunked-local layers (Llama-4's RoPE layers with ``attention_chunk_size``)
+      form a ``chunked_local`` group: vLLM keeps its hybrid KV cache manager on for
+      them by default (``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` is 1).
     - Mamba, Gated DeltaNet (linear attention) and short-convolution layers add a
       ``mamba`` group.
 
@@ -447,7 +450,8 @@ def read_hf_config(
         return ModelReading(groups, ((AttentionKind.mla.value,),) * num_layers, model_dtype, tuple(notes))
     if r.has("kv_lora_rank") and r.model_type not in MAMBA_ONLY:
         r.warn("not-mla", f"`{r.name('kv_lora_rank')}` is set, but vLLM reads only the model types its "
-               f"`is_deepseek_mla` lists as MLA, and `{r.model_type}` is not one: read as K/V attention",
+               f"`is_deepseek_mla` lists as MLA, and `{r.model_type}` is not one: read as K/V attention "
+               "(head size `qk_nope_head_dim + qk_rope_head_dim` where both are given)",
                "if vLLM caches this model's latent, name its model_type to kvpolicy's maintainers")
 
     caches = layer_caches(r, num_layers)
@@ -455,19 +459,13 @@ def read_hf_config(
     assert caches is not None
     layers = [tuple(c.value for c in layer) for layer in caches]
     counts = _counts(layers)
-    if LayerCache.chunked_local.value in counts:
-        r.warn("chunked-local-as-full", f"{counts[LayerCache.chunked_local.value]} chunked-local attention layers "
-               "(`attention_chunk_size`) are cached as full attention: vLLM turns its hybrid KV cache manager off "
-               "for them unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1, which kvpolicy does not model",
-               "leave that variable unset, or give the groups in a --spec file")
-        counts = _counts([tuple(LayerCache.full.value if c == LayerCache.chunked_local.value else c
-                                for c in layer) for layer in layers])
     has_attention = any(kind != LayerCache.mamba.value for kind in counts)
     geometry = _attention_geometry(r, tensor_parallel_size) if has_attention else None
     window = None
     if LayerCache.sliding_window.value in counts:
         window = r.int_field("sliding_window", required=True,
                              help="sliding-window layers need `sliding_window`, their window in tokens")
+        window = window and window_tokens(r, window)
     state = _mamba_state_size(r) if LayerCache.mamba.value in counts else None
     r.fail_if_any()
 

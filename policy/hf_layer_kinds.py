@@ -37,7 +37,7 @@ from enum import Enum
 
 from kvpolicy.policy.hf_reader import ConfigReader, is_int, show
 
-__all__ = ["LayerCache", "LayerCaches", "layer_caches"]
+__all__ = ["LayerCache", "LayerCaches", "layer_caches", "window_tokens"]
 
 
 class LayerCache(str, Enum):
@@ -237,6 +237,24 @@ def layer_caches(r: ConfigReader, num_layers: int) -> LayerCaches | None:
     if model_type == "bamba":  # attn_layer_indices null: transformers makes every layer Mamba
         return [_M] * num_layers
     return _sliding(r, num_layers)
+
+
+# vLLM's Cohere2 models (commandr.py, cohere2_moe.py) give a sliding layer `sliding_window + 1` tokens
+# from 0.29 on ("[pos - sliding_window, pos]", the training convention); 0.24-0.28 give `sliding_window`
+_WINDOW_PLUS_ONE = frozenset({"cohere2", "cohere2_moe"})
+_WINDOW_PLUS_ONE_FROM = (0, 29)
+
+
+def window_tokens(r: ConfigReader, window: int) -> int:
+    """The window vLLM's sliding layers keep for ``sliding_window`` tokens of config (see above)."""
+    if r.model_type not in _WINDOW_PLUS_ONE:
+        return window
+    if r.release is None:
+        r.warn("release-dependent", f"`{r.name('sliding_window')}` ({window}): vLLM 0.29 on keep {window + 1} "
+               f"tokens for {r.model_type}, 0.24-0.28 keep {window}; read as 0.29 on",
+               "pass vllm_version= (the CLI's --vllm-version) to read it as that release does")
+        return window + 1
+    return window + 1 if r.release >= _WINDOW_PLUS_ONE_FROM else window
 
 
 def _checked(r: ConfigReader, key: str, caches: LayerCaches | None) -> LayerCaches | None:

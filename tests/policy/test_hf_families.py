@@ -18,8 +18,8 @@ from kvpolicy.policy.hf_config import ModelConfigWarning, kv_groups_from_hf_conf
 from kvpolicy.policy.quant import ModelDtype
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
 
-FULL, SLIDING, MLA, MAMBA = (AttentionKind.full, AttentionKind.sliding_window, AttentionKind.mla,
-                             AttentionKind.mamba)
+FULL, SLIDING, CHUNKED, MLA, MAMBA = (AttentionKind.full, AttentionKind.sliding_window, AttentionKind.chunked_local,
+                                      AttentionKind.mla, AttentionKind.mamba)
 
 
 @dataclass(frozen=True)
@@ -169,12 +169,13 @@ def test_hybrids(config: dict[str, Any], expected: list[G]) -> None:
 # --- attention variants --------------------------------------------------------------------
 
 
-def test_llama4_chunked_local_layers_are_cached_as_full_with_a_note() -> None:
+def test_llama4_rope_layers_are_chunked_local() -> None:
+    # vLLM keeps its hybrid KV cache manager on for them: VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE
+    # defaults to 1 in 0.28 and 0.34 alike
     reading = read_hf_config(LLAMA4_SCOUT)
-    assert shape(reading.groups) == [G(FULL, 48, 8, 128)]
+    assert shape(reading.groups) == [G(CHUNKED, 36, 8, 128), G(FULL, 12, 8, 128)]
     assert reading.layers[:4] == (("chunked_local",),) * 3 + (("full",),)  # NoPE every 4th layer
-    assert [n.code for n in reading.notes] == ["chunked-local-as-full"]
-    assert "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE" in reading.notes[0].message
+    assert reading.notes == ()
 
 
 def test_llama4_without_a_chunk_size_is_full_attention() -> None:
@@ -232,8 +233,8 @@ def test_kv_heads_per_rank(fields: dict[str, Any], tp: int, heads: int) -> None:
         pytest.param({"model_type": "mistral", "sliding_window": 0}, [G(FULL, 4, 8, 64)], id="window-0-is-none"),
         pytest.param({"model_type": "qwen3", "sliding_window": 4096, "head_dim": 64}, [G(FULL, 4, 8, 64)],
                      id="qwen3-use-sliding-window-defaults-false"),
-        pytest.param({"model_type": "cohere2", "sliding_window": 4096, "head_dim": 64},
-                     [G(SLIDING, 3, 8, 64, 4096), G(FULL, 1, 8, 64)], id="cohere2-class-pattern-4"),
+        pytest.param({"model_type": "cohere2", "sliding_window": 4096, "head_dim": 64},  # 0.34 keeps window + 1
+                     [G(SLIDING, 3, 8, 64, 4097), G(FULL, 1, 8, 64)], id="cohere2-class-pattern-4"),
         pytest.param({"model_type": "gpt_oss", "sliding_window": 128, "head_dim": 64,
                       "layer_types": ["full_attention"] * 4},  # gpt_oss.py slides even layers whatever these say
                      [G(SLIDING, 2, 8, 64, 128), G(FULL, 2, 8, 64)], id="gpt-oss-even-layers"),
@@ -242,7 +243,7 @@ def test_kv_heads_per_rank(fields: dict[str, Any], tp: int, heads: int) -> None:
 def test_sliding_windows(fields: dict[str, Any], expected: list[G]) -> None:
     config = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 512,
               "torch_dtype": "bfloat16", **fields}
-    assert shape(read_hf_config(config).groups) == expected
+    assert shape(read_hf_config(config, vllm_version="0.34.0").groups) == expected
 
 
 def test_qwen2_with_a_partial_window_is_refused_as_vllm_refuses_it() -> None:
@@ -274,8 +275,9 @@ def test_deepseek_sparse_attention_indexer_is_said_not_modelled() -> None:
 
 
 def test_kv_lora_rank_elsewhere_is_not_mla_and_says_so() -> None:
+    # MiniCPM3: vLLM pages K/V of qk_nope_head_dim + qk_rope_head_dim per head (not hidden // heads = 64)
     config = {"model_type": "minicpm3", "num_hidden_layers": 2, "num_attention_heads": 40, "num_key_value_heads": 40,
-              "hidden_size": 2560, "head_dim": 96, "kv_lora_rank": 256, "qk_rope_head_dim": 32,
+              "hidden_size": 2560, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
               "torch_dtype": "bfloat16"}
     reading = read_hf_config(config)
     assert shape(reading.groups) == [G(FULL, 2, 40, 96)]
@@ -362,3 +364,17 @@ def test_vllm_version_keyword_is_checked(version: Any) -> None:
     with pytest.raises(InputError) as exc:
         read_hf_config(QWEN3_NEXT_INTERVAL_2, vllm_version=version)
     assert exc.value.diagnostics[0].file == "vllm_version"
+
+
+@pytest.mark.parametrize(("version", "window"), [("0.28.0", 4096), ("0.29.0", 4097), ("0.34.0", 4097)])
+def test_cohere2_window_by_release(version: str, window: int) -> None:
+    # commandr.py / cohere2_moe.py: a sliding layer sees [pos - sliding_window, pos] from 0.29 on
+    config = {"architectures": ["Cohere2ForCausalLM"], "model_type": "cohere2", "num_hidden_layers": 4,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096,
+              "sliding_window": 4096, "torch_dtype": "bfloat16"}
+    reading = read_hf_config(config, vllm_version=version)
+    assert reading.groups.groups[0].spec.sliding_window == window
+    assert reading.notes == ()
+    unsaid = read_hf_config(config)
+    assert unsaid.groups.groups[0].spec.sliding_window == 4097
+    assert [n.code for n in unsaid.notes] == ["release-dependent"]
