@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from kvpolicy.policy.errors import Diagnostic, ModelConfigError, input_error
 from kvpolicy.policy.files import read_capped
-from kvpolicy.policy.hf_dtype import parse_dtype, served_dtype
+from kvpolicy.policy.hf_dtype import checkpoint_kv_cache_dtype, parse_dtype, served_dtype
 from kvpolicy.policy.hf_layer_kinds import MAMBA_ONLY, LayerCache, layer_caches, window_tokens
 from kvpolicy.policy.hf_reader import ConfigReader, is_int, show
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
@@ -64,7 +64,7 @@ _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_quer
 # builds the ModelConfig; 0.34 hands BambaForCausalLM to its Transformers backend, which refuses the Mamba
 # layers when it builds the model ("does not dispatch through the Transformers attention interface")
 _NO_LONGER_SERVED = {"BambaForCausalLM": "0.23.0", "MiniMaxText01ForCausalLM": "0.23.0",
-                     "MiniMaxM1ForCausalLM": "0.23.0", "MllamaForConditionalGeneration": "0.10.2"}
+                     "MiniMaxM1ForCausalLM": "0.23.0"}
 
 # the text model of a multimodal config whose `text_config` states no model_type of its own
 _TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "llama4": "llama4_text", "mllama": "mllama_text_model"}
@@ -239,8 +239,8 @@ def _check_served(r: ConfigReader) -> None:
     for name in names:
         if name in _NO_LONGER_SERVED and not r.diagnostics:
             r.warn("unsupported-architecture", f"vLLM serves `{name}` natively only up to {_NO_LONGER_SERVED[name]}: "
-                   "vLLM 0.28 refuses it, and 0.34's Transformers backend fails on its Mamba layers; read as its "
-                   "config describes it",
+                   "vLLM 0.28 refuses it, and 0.34's Transformers backend fails on its layers that are not "
+                   "attention; read as its config describes it",
                    "use vLLM <= " + _NO_LONGER_SERVED[name] + " for this model, or another model")
 
 
@@ -431,6 +431,11 @@ def read_hf_config(
     num_layers = r.int_field("num_hidden_layers", required=True, maximum=MAX_LAYERS,
                              help="a decoder's config.json states its layer count in `num_hidden_layers`")
     model_dtype = served_dtype(r, override, device_capability)
+    if kv_cache_dtype == "auto" and (from_checkpoint := checkpoint_kv_cache_dtype(r)) is not None:
+        kv_cache_dtype = from_checkpoint
+        r.warn("checkpoint-kv-cache-dtype", f"kv_cache_dtype auto: the checkpoint's `quantization_config` names "
+               f"a {from_checkpoint} KV cache, which vLLM then allocates, and so does kvpolicy",
+               "pass kv_cache_dtype= (--kv-cache-dtype) to choose another")
     r.fail_if_any()
     assert num_layers is not None  # INVARIANT: fail_if_any raised otherwise
     common = {"block_size": block_size, "dtype": model_dtype}

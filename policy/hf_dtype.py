@@ -13,6 +13,10 @@ vLLM 0.28.0 and 0.34.0 decide alike (``config/model.py`` ``_get_and_verify_dtype
    downcast**: Gemma-2's ``torch_dtype: float32`` is served in bfloat16); a supported
    config dtype is kept; an unsupported one falls back to the preferred dtype.
 4. An explicit dtype wins, except float16 for the models in (2), which vLLM refuses.
+
+``--kv-cache-dtype auto`` is resolved from the checkpoint as well (`checkpoint_kv_cache_dtype`,
+vLLM's ``resolve_kv_cache_dtype_string``, alike in both): a ModelOpt checkpoint's KV cache
+quantization (``kv_cache_quant_algo`` or ``kv_cache_scheme``) names the cache's format.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 from kvpolicy.policy.hf_reader import ConfigReader, show
 from kvpolicy.policy.quant import ModelDtype
 
-__all__ = ["DTYPE_ALIASES", "FLOAT16_UNSUPPORTED", "parse_dtype", "served_dtype"]
+__all__ = ["DTYPE_ALIASES", "FLOAT16_UNSUPPORTED", "checkpoint_kv_cache_dtype", "parse_dtype", "served_dtype"]
 
 DTYPE_ALIASES: dict[str, ModelDtype] = {
     "bfloat16": ModelDtype.bfloat16,
@@ -40,6 +44,35 @@ FLOAT16_UNSUPPORTED = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
 # vLLM's architecture suffixes that select the pooling runner (config/model.py _SUFFIX_TO_DEFAULTS)
 _POOLING_SUFFIXES = ("ForTextEncoding", "EmbeddingModel", "ForSequenceClassification", "ForTokenClassification",
                      "ForRewardModeling", "RewardModel", "ClassificationModel")
+
+
+# utils/torch_utils.py MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP
+_MODELOPT_KV = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
+
+
+def checkpoint_kv_cache_dtype(r: ConfigReader) -> str | None:
+    """The KV cache dtype ``auto`` means for this checkpoint: a ModelOpt ``quantization_config``'s KV
+    cache algorithm (``fp8`` -> ``fp8_e4m3``, ``nvfp4``), else None (the model dtype)."""
+    quant = r.top.get("quantization_config")
+    if not isinstance(quant, dict) or not str(quant.get("quant_method", "")).startswith("modelopt"):
+        return None
+    inner = quant.get("quantization", quant)
+    inner = inner if isinstance(inner, dict) else quant
+    algo = (inner.get("kv_cache_scheme") or quant.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo")
+            or quant.get("kv_cache_quant_algo"))
+    if isinstance(algo, dict):
+        if algo.get("dynamic") is False and algo.get("num_bits") == 8 and algo.get("type") == "float":
+            algo = "fp8"
+        elif algo.get("num_bits") == 4 and algo.get("type") == "float":
+            algo = "nvfp4"
+    if algo is None:
+        return None
+    resolved = _MODELOPT_KV.get(algo.lower()) if isinstance(algo, str) else None
+    if resolved is None:  # vLLM logs a warning and keeps auto
+        r.warn("unknown-kv-cache-quant", f"`quantization_config`'s KV cache algorithm `{show(algo)}` is not one "
+               "vLLM knows (fp8, nvfp4): it keeps the model dtype, and so does kvpolicy",
+               "pass kv_cache_dtype= (--kv-cache-dtype) to choose the cache's format")
+    return resolved
 
 
 def parse_dtype(value: Any) -> ModelDtype | None:

@@ -378,3 +378,37 @@ def test_cohere2_window_by_release(version: str, window: int) -> None:
     unsaid = read_hf_config(config)
     assert unsaid.groups.groups[0].spec.sliding_window == 4097
     assert [n.code for n in unsaid.notes] == ["release-dependent"]
+
+
+# --- the KV cache dtype a checkpoint names ------------------------------------------------------
+
+LLAMA_FP8_MODELOPT = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2,
+                      "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+                      "torch_dtype": "bfloat16",
+                      "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                              "kv_cache_quant_algo": "FP8"}}
+
+
+def test_modelopt_checkpoint_names_its_kv_cache_dtype() -> None:
+    # vLLM's resolve_kv_cache_dtype_string: --kv-cache-dtype auto takes the checkpoint's fp8 (e4m3)
+    reading = read_hf_config(LLAMA_FP8_MODELOPT)
+    assert reading.groups.primary is not None and reading.groups.primary.kv_cache_dtype == "fp8_e4m3"
+    assert [n.code for n in reading.notes] == ["checkpoint-kv-cache-dtype"]
+    explicit = read_hf_config(LLAMA_FP8_MODELOPT, kv_cache_dtype="fp8_per_token_head").groups.primary
+    assert explicit is not None and explicit.kv_cache_dtype == "fp8_per_token_head"
+
+
+@pytest.mark.parametrize(
+    ("quant", "expected", "notes"),
+    [
+        pytest.param({"quant_method": "modelopt", "kv_cache_scheme": {"num_bits": 4, "type": "float"}}, "nvfp4",
+                     ["checkpoint-kv-cache-dtype"], id="scheme-nvfp4"),
+        pytest.param({"quant_method": "modelopt", "kv_cache_quant_algo": "int8"}, "auto", ["unknown-kv-cache-quant"],
+                     id="unknown-algo-keeps-auto"),
+        pytest.param({"quant_method": "fp8", "kv_cache_quant_algo": "FP8"}, "auto", [], id="not-modelopt"),
+    ],
+)
+def test_checkpoint_kv_cache_forms(quant: dict[str, Any], expected: str, notes: list[str]) -> None:
+    reading = read_hf_config({**LLAMA_FP8_MODELOPT, "quantization_config": quant})
+    assert reading.groups.primary is not None and reading.groups.primary.kv_cache_dtype == expected
+    assert [n.code for n in reading.notes] == notes
