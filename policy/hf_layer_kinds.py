@@ -79,10 +79,9 @@ MAMBA_ONLY = frozenset({"mamba", "mamba2", "falcon_mamba"})
 
 # model types whose config class alternates sliding and full layers without saying so
 _SLIDING_PATTERN = {"gemma2": 2, "gpt_oss": 2}
-# vLLM's Qwen2 model gives every layer the one global window (qwen2.py refuses a mix)
-_GLOBAL_WINDOW_ONLY = frozenset({"qwen2", "qwen2_moe"})
-# gpt_oss.py slides even layers whatever `layer_types` says; Qwen2 uses the global window
-_IGNORE_LAYER_TYPES = _GLOBAL_WINDOW_ONLY | {"gpt_oss"}
+# vLLM models that pass no per-layer window: every layer gets CacheConfig's, which vLLM's EngineArgs
+# sets only when transformers' `layer_types` are absent or all sliding (else no window at all)
+_GLOBAL_WINDOW = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 
 
 def _check_length(r: ConfigReader, key: str, items: list | str, num_layers: int) -> bool:
@@ -177,8 +176,8 @@ def _sliding(r: ConfigReader, num_layers: int) -> LayerCaches | None:
       (transformers clears the window).
     - ``sliding_window_pattern`` p (Gemma-3 default 6, Cohere2 and EXAONE-4 default 4): every p-th
       layer full, the rest slide; Gemma-2 and gpt-oss alternate (p = 2) without saying so.
-    - ``use_sliding_window: true`` with ``max_window_layers`` m (Qwen2): layers from m on slide;
-      vLLM's Qwen2 refuses a mix, so m must be 0 (all slide) or at least the layer count (none).
+    - ``use_sliding_window: true`` with ``max_window_layers`` m: layers from m on slide (Qwen2 and
+      Qwen3 themselves take `_global_window`).
     - otherwise a ``sliding_window`` (Mistral-7B v0.1) slides on every layer.
     """
     use = r.get("use_sliding_window")
@@ -199,14 +198,49 @@ def _sliding(r: ConfigReader, num_layers: int) -> LayerCaches | None:
         first = r.int_field("max_window_layers", minimum=0)
         if first is None:
             return None
-        caches = [_S if i >= first else _F for i in range(num_layers)]
-        if r.model_type in _GLOBAL_WINDOW_ONLY and 0 < first < num_layers:
-            r.error("unsupported-model", f"`{r.name('max_window_layers')}` ({first}) slides only some of the "
-                    f"{num_layers} layers, which vLLM's {r.model_type} model refuses (one window for every layer)",
-                    "set `use_sliding_window` false, or `max_window_layers` to 0 or the layer count")
-            return None
-        return caches
+        return [_S if i >= first else _F for i in range(num_layers)]
     return [_S] * num_layers
+
+
+def _global_window(r: ConfigReader, num_layers: int) -> LayerCaches | None:
+    """Qwen2/Qwen3 (and their MoE): one window for every layer, or none.
+
+    transformers clears the window unless ``use_sliding_window``, and derives ``layer_types``
+    (Qwen2, Qwen3: layers from ``max_window_layers`` slide; Qwen2-MoE: odd layers below it;
+    Qwen3-MoE: none). vLLM's models pass no per-layer window, so every layer slides when those
+    types are absent or all sliding, and none does otherwise (Qwen2 refuses that mix outright).
+    """
+    use = r.get("use_sliding_window")
+    if use is not None and not isinstance(use, bool):
+        r.invalid("use_sliding_window", f"`{r.name('use_sliding_window')}` must be true or false, got `{show(use)}`")
+        return None
+    if not use or not r.get("sliding_window"):
+        return [_F] * num_layers
+    if r.has("layer_types"):
+        caches = _from_table(r, "layer_types", num_layers, _LAYER_TYPES)
+    elif r.model_type == "qwen3_moe":
+        caches = None
+    else:
+        first = r.int_field("max_window_layers", minimum=0, required=True)
+        if first is None:
+            return None
+        if r.model_type == "qwen2_moe":
+            caches = [_S if i < first and (i + 1) % 2 else _F for i in range(num_layers)]
+        else:
+            caches = [_S if i >= first else _F for i in range(num_layers)]
+    if r.diagnostics:
+        return None
+    if caches is None or all(c == _S for c in caches):
+        return [_S] * num_layers
+    if r.model_type == "qwen2":
+        r.error("unsupported-model", f"`{r.name('max_window_layers')}` slides only some of the {num_layers} layers, "
+                "which vLLM's qwen2 model refuses (one window for every layer)",
+                "set `use_sliding_window` false, or `max_window_layers` to 0 or the layer count")
+        return None
+    r.warn("global-window", f"`{r.name('sliding_window')}` applies to some layers only, and vLLM's "
+           f"{r.model_type} model takes one window for every layer or none: every layer full, as vLLM runs it",
+           "set `use_sliding_window` false to say so")
+    return [_F] * num_layers
 
 
 def layer_caches(r: ConfigReader, num_layers: int) -> LayerCaches | None:
@@ -218,8 +252,10 @@ def layer_caches(r: ConfigReader, num_layers: int) -> LayerCaches | None:
         return [_HYBRID] * num_layers
     if model_type == "llama4_text":  # llama4.py reads no_rope_layers, not layer_types
         return _llama4(r, num_layers)
-    if model_type in _IGNORE_LAYER_TYPES:  # their vLLM models ignore layer_types
+    if model_type == "gpt_oss":  # gpt_oss.py slides even layers whatever `layer_types` says
         return _sliding(r, num_layers)
+    if model_type in _GLOBAL_WINDOW:
+        return _global_window(r, num_layers)
     sources: list[tuple[str, Callable[[], LayerCaches | None]]] = [
         ("layer_types", lambda: _from_table(r, "layer_types", num_layers, _LAYER_TYPES)),
         ("hybrid_override_pattern",

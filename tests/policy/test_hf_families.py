@@ -246,6 +246,30 @@ def test_sliding_windows(fields: dict[str, Any], expected: list[G]) -> None:
     assert shape(read_hf_config(config, vllm_version="0.34.0").groups) == expected
 
 
+@pytest.mark.parametrize(
+    ("fields", "kind", "notes"),
+    [
+        pytest.param({"model_type": "qwen3", "max_window_layers": 0}, SLIDING, [], id="qwen3-all-slide"),
+        pytest.param({"model_type": "qwen3", "max_window_layers": 2}, FULL, ["global-window"],
+                     id="qwen3-some-slide-so-none-does"),
+        pytest.param({"model_type": "qwen3", "max_window_layers": 4}, FULL, ["global-window"],
+                     id="qwen3-none-slides"),
+        pytest.param({"model_type": "qwen2_moe", "max_window_layers": 4}, FULL, ["global-window"],
+                     id="qwen2-moe-odd-layers-so-none"),
+        pytest.param({"model_type": "qwen3_moe"}, SLIDING, [], id="qwen3-moe-no-layer-types-all-slide"),
+        pytest.param({"model_type": "qwen3", "use_sliding_window": False}, FULL, [], id="qwen3-unused-window"),
+    ],
+)
+def test_qwen_global_window(fields: dict[str, Any], kind: AttentionKind, notes: list[str]) -> None:
+    # vLLM's Qwen models pass no per-layer window: CacheConfig's, set only when every layer slides
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+              "hidden_size": 512, "sliding_window": 4096, "use_sliding_window": True, "torch_dtype": "bfloat16",
+              **fields}
+    reading = read_hf_config(config)
+    assert [g.spec.kind for g in reading.groups.groups] == [kind]
+    assert [n.code for n in reading.notes] == notes
+
+
 def test_qwen2_with_a_partial_window_is_refused_as_vllm_refuses_it() -> None:
     config = {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
               "hidden_size": 512, "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 2,
