@@ -340,8 +340,8 @@ def _release(vllm_version: str | None) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts)
 
 
-def _check_keywords(kv_cache_dtype: str, block_size: int, tensor_parallel_size: int,
-                    dtype: str | None, device_capability: int | None) -> ModelDtype | None:
+def _check_keywords(kv_cache_dtype: str, block_size: int, tensor_parallel_size: int, dtype: str | None,
+                    device_capability: int | None, disable_sliding_window: bool) -> ModelDtype | None:
     """Validate the keyword inputs (`InputError`); return the dtype override, if any."""
     if not isinstance(kv_cache_dtype, str):
         raise input_error("kv_cache_dtype", f"`kv_cache_dtype` must be a string, got `{show(kv_cache_dtype)}`",
@@ -350,6 +350,9 @@ def _check_keywords(kv_cache_dtype: str, block_size: int, tensor_parallel_size: 
     for name, value in (("block_size", block_size), ("tensor_parallel_size", tensor_parallel_size)):
         if not is_int(value) or value < 1:
             raise input_error(name, f"`{name}` must be a positive integer, got `{show(value)}`")
+    if not isinstance(disable_sliding_window, bool):
+        raise input_error("disable_sliding_window", f"`disable_sliding_window` must be true or false, "
+                          f"got `{show(disable_sliding_window)}`")
     if device_capability is not None and not (is_int(device_capability) and 0 < device_capability < 100):
         raise input_error("device_capability", f"`device_capability` must be a CUDA major version such as 9, "
                           f"got `{show(device_capability)}`")
@@ -379,6 +382,7 @@ def read_hf_config(
     dtype: str | None = None,
     device_capability: int | None = None,
     vllm_version: str | None = None,
+    disable_sliding_window: bool = False,
 ) -> ModelReading:
     """Read a model config as vLLM 0.28 / 0.34 read it: the groups one tensor-parallel rank needs.
 
@@ -390,6 +394,8 @@ def read_hf_config(
     ``vllm_version`` (``"0.28.0"``) is the release read for, where releases read a
     field differently (Qwen3-Next's ``full_attention_interval``: 0.32 on); None
     reads as the newest release does, with a note where that matters.
+    ``disable_sliding_window`` is vLLM's ``--disable-sliding-window``: it clears the
+    config's window, so sliding layers are cached as full attention.
 
     Grouping, one `KVCacheGroup` per distinct cache kind, in order of each kind's
     first layer:
@@ -422,7 +428,8 @@ def read_hf_config(
     Raises `ModelConfigError` (every config problem at once, located at the
     config's path or ``"<config>"``) and `InputError` for a bad keyword.
     """
-    override = _check_keywords(kv_cache_dtype, block_size, tensor_parallel_size, dtype, device_capability)
+    override = _check_keywords(kv_cache_dtype, block_size, tensor_parallel_size, dtype, device_capability,
+                               disable_sliding_window)
     release = _release(vllm_version)
     raw, where = _load(config)
     notes: list[Diagnostic] = []
@@ -462,6 +469,8 @@ def read_hf_config(
     caches = layer_caches(r, num_layers)
     r.fail_if_any()
     assert caches is not None
+    if disable_sliding_window:  # vLLM sets hf_text_config.sliding_window = None: no layer keeps a window
+        caches = [tuple(LayerCache.full if c is LayerCache.sliding_window else c for c in layer) for layer in caches]
     layers = [tuple(c.value for c in layer) for layer in caches]
     counts = _counts(layers)
     has_attention = any(kind != LayerCache.mamba.value for kind in counts)
@@ -499,6 +508,7 @@ def kv_groups_from_hf_config(
     dtype: str | None = None,
     device_capability: int | None = None,
     vllm_version: str | None = None,
+    disable_sliding_window: bool = False,
 ) -> KVCacheGroups:
     """The KV cache groups one tensor-parallel rank of this model needs (`read_hf_config`'s groups).
 
@@ -507,7 +517,8 @@ def kv_groups_from_hf_config(
     """
     reading = read_hf_config(config, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                              tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                             device_capability=device_capability, vllm_version=vllm_version)
+                             device_capability=device_capability, vllm_version=vllm_version,
+                             disable_sliding_window=disable_sliding_window)
     for note in reading.notes:
         warnings.warn(ModelConfigWarning(note), stacklevel=2)
     return reading.groups

@@ -436,3 +436,12 @@ def test_checkpoint_kv_cache_forms(quant: dict[str, Any], expected: str, notes: 
     reading = read_hf_config({**LLAMA_FP8_MODELOPT, "quantization_config": quant})
     assert reading.groups.primary is not None and reading.groups.primary.kv_cache_dtype == expected
     assert [n.code for n in reading.notes] == notes
+
+
+def test_disable_sliding_window_caches_every_layer_as_full() -> None:
+    # vLLM's --disable-sliding-window clears hf_text_config.sliding_window: Gemma-2's sliding layers become full
+    reading = read_hf_config(GEMMA2_9B, disable_sliding_window=True)
+    assert shape(reading.groups) == [G(FULL, 42, 8, 256)]
+    assert set(reading.layers) == {("full",)}
+    with pytest.raises(InputError):
+        read_hf_config(GEMMA2_9B, disable_sliding_window="yes")  # type: ignore[arg-type]
