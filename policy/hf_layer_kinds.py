@@ -3,27 +3,32 @@
 One entry a layer: the caches that layer owns, empty for an MLP/MoE-only layer.
 Most layers own one; a Falcon-H1 layer and a Zamba2 ``hybrid`` layer own an
 attention cache and a Mamba state side by side (vLLM builds both modules in the
-layer). The first source the config has decides, in this order:
+layer). The model type decides first where vLLM's model code reads its own fields:
 
-1. Mamba-only model types (``mamba``, ``mamba2``, ``falcon_mamba``): a state a layer.
-2. ``falcon_h1``: attention and Mamba in every layer (``falcon_h1.py``).
-3. ``layer_types`` (transformers' per-layer names, legacy ``mamba``/``attention``
+- Mamba-only types (``mamba``, ``mamba2``, ``falcon_mamba``): a state a layer.
+- ``falcon_h1``: attention and Mamba in every layer (``falcon_h1.py``).
+- ``llama4_text``: ``no_rope_layers`` (``llama4.py``): a RoPE layer (1) is chunked-local
+  when ``attention_chunk_size`` is set, a NoPE layer (0) full; the default puts a NoPE
+  layer every ``no_rope_layer_interval`` (4).
+- ``gpt_oss``: even layers slide, whatever ``layer_types`` says (``gpt_oss.py``).
+- Qwen2/Qwen3 and their MoE: one global window or none (`_global_window`).
+
+Otherwise the first source the config has decides, in this order:
+
+1. ``layer_types`` (transformers' per-layer names, legacy ``mamba``/``attention``
    remapped as transformers does).
-4. NemotronH's ``hybrid_override_pattern``: ``M`` Mamba, ``*`` attention,
+2. NemotronH's ``hybrid_override_pattern``: ``M`` Mamba, ``*`` attention,
    ``-``/``E`` no cache.
-5. ``layers_block_type`` (Zamba2: ``hybrid`` is attention + Mamba; Jamba's written form).
-6. Bamba's ``attn_layer_indices``: attention there, Mamba elsewhere.
-7. Jamba's ``attn_layer_period``/``attn_layer_offset``: attention where
+3. ``layers_block_type`` (Zamba2: ``hybrid`` is attention + Mamba; Jamba's written form).
+4. Bamba's ``attn_layer_indices``: attention there, Mamba elsewhere (none: all Mamba).
+5. Jamba's ``attn_layer_period``/``attn_layer_offset``: attention where
    ``i % period == offset``.
-8. Qwen3-Next's ``full_attention_interval`` (default 4): every n-th layer full,
+6. Qwen3-Next's ``full_attention_interval`` (default 4): every n-th layer full,
    the rest Gated DeltaNet (linear attention: a state, like Mamba). Releases differ:
    vLLM 0.24-0.31 load Qwen3-Next with their own config class, which ignores the
    interval and makes every 4th layer full; 0.32 on use transformers', which reads it.
-9. Llama-4's ``no_rope_layers``: a RoPE layer (1) is chunked-local when
-   ``attention_chunk_size`` is set (``llama4.py``), a NoPE layer (0) full; the
-   default puts a NoPE layer every ``no_rope_layer_interval`` (4).
-10. LFM2's ``full_attn_idxs``: attention there, short convolution (a state) elsewhere.
-11. Sliding windows of attention-only models (`_sliding`).
+7. LFM2's ``full_attn_idxs``: attention there, short convolution (a state) elsewhere.
+8. Sliding windows of attention-only models (`_sliding`).
 
 Worked example, Gemma-3-4B (``text_config`` with 34 layers, ``sliding_window``
 1024, no ``sliding_window_pattern``): ``Gemma3TextConfig`` defaults the pattern
