@@ -34,8 +34,10 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
+from kvpolicy.engine.cli.serve_line import add_serve_flags, apply_serve_line, environment_inputs, print_notes
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
+from kvpolicy.engine.vllm_env import check_env_against
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from kvpolicy.policy.context import Context
@@ -120,6 +122,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     src.add_argument("--block-size", type=int_at_least(1), metavar="N", help="tokens per block (vLLM's --block-size)")
     src.add_argument("--tensor-parallel-size", type=int_at_least(1), metavar="N",
                      help="with --model: KV heads are split over N ranks (default 1)")
+    add_serve_flags(p, src)
     dep = p.add_argument_group("the deployment (named as vLLM names them)")
     add_vllm_version_flag(dep)
     dep.add_argument("--attention-backend", "--backend", dest="backend", metavar="NAME",
@@ -406,6 +409,7 @@ _FLAG_OF = {
     "tensor_parallel_size": "--tensor-parallel-size",
     "num_blocks": "--num-blocks",
     "connector_prefers_cross_layer_blocks": "--connector-prefers-cross-layer-blocks",
+    "dtype": "--dtype",
 }
 
 
@@ -430,6 +434,9 @@ def is_example(args: argparse.Namespace) -> bool:
 
 def context_from_args(args: argparse.Namespace) -> Context:
     """The decision context the flags describe; raises `InputError` naming the flag."""
+    print_notes(apply_serve_line(args))  # a serve line after `--` fills the flags not given
+    env_inputs, env_notes = environment_inputs(args)  # VLLM_* as the release reads them; flags win
+    print_notes(env_notes)
     if args.kv_transfer_config is not None:
         for flag, value in (("--connector", args.connector), ("--connector-config", args.connector_config)):
             if value is not None:
@@ -471,10 +478,12 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "device_capability": args.device_capability,
         "use_v2_model_runner": bool(args.use_v2_model_runner),
         "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
+        **env_inputs,
     }
     if args.model is not None:
         kwargs["model"] = args.model
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size or 1
+        kwargs["dtype"] = args.dtype
     elif args.spec is not None:
         source = read_spec_file(args.spec)
         if "groups" in source:
@@ -494,7 +503,9 @@ def context_from_args(args: argparse.Namespace) -> Context:
         kwargs["kv_cache_dtype"] = (args.kv_cache_dtype if args.kv_cache_dtype is not None
                                     else DEFAULT_EXAMPLE["kv_cache_dtype"] if device == "cuda" else "auto")
     try:
-        return build_context(**kwargs)
+        ctx = build_context(**kwargs)
+        check_env_against(os.environ, ctx)
+        return ctx
     except ModuleNotFoundError as exc:  # policy.hf_config not in this install
         raise usage_error("--model", f"reading model configs is not available here ({exc.name} is missing)",
                           "pass the KV geometry with --spec FILE instead") from None
