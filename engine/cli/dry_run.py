@@ -1,7 +1,9 @@
 """``kvpolicy dry-run``: decide one deployment's layout and explain why, without allocating.
 
 The flags mirror vLLM's (``--kv-cache-dtype``, ``--block-size``,
-``--tensor-parallel-size``, ``kv_connector`` / ``kv_connector_extra_config``).
+``--tensor-parallel-size``, ``--dtype``, ``kv_connector`` / ``kv_connector_extra_config``); a `vllm serve`
+line after ``--`` and the ``VLLM_*`` environment are read as the release reads them
+(`kvpolicy.engine.cli.serve_line`).
 Without ``--model`` or ``--spec`` the built-in example is decided
 (`kvpolicy.engine.inputs.DEFAULT_EXAMPLE`), and the output says so first.
 """
@@ -69,6 +71,13 @@ examples:
   kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \\
       --worker-attention-backends FLASHINFER --worker-attention-backends FLASH_ATTN,TRITON_ATTN
       two pipeline stages with different backends: the layouts both support
+  kvpolicy dry-run --vllm-version 0.34.0 -- ./Qwen2.5-0.5B -tp 2 --kv-cache-dtype fp8 --block-size 32 \\
+      --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}' --port 8000
+      a `vllm serve` line as is, after `--` (read with that release's parser; --port is ignored, and said)
+  kvpolicy dry-run -- --config serve.yaml -tp 1     vLLM's --config YAML, a flag overriding it
+  kvpolicy dry-run --model ./gemma-2-2b --dtype bfloat16
+  VLLM_KV_CACHE_LAYOUT=LBNHC kvpolicy dry-run
+      the environment as vLLM reads it (a note says so; --vllm-kv-cache-layout wins over it)
   kvpolicy dry-run --explain fails          # only what removed candidates and why the rest lost
   kvpolicy dry-run --format json | jq .layout
 
@@ -80,6 +89,10 @@ spec file (--spec, YAML or JSON): KVCacheSpec fields, or several KV cache groups
   kv_cache_dtype: fp8_per_token_head     # optional; --kv-cache-dtype overrides
   # or: groups: [{spec: {...}, num_attention_groups: 1}, {spec: {kind: mamba, ...}}]
   #     (a group's `dcp_sharded: false`: a replicated draft model's cache under DCP)
+
+environment: VLLM_KV_CACHE_LAYOUT (and VLLM_USE_V2_MODEL_RUNNER where the gate decides, 0.24-0.28) are
+  read as the release reads them; VLLM_MLA_DISABLE, VLLM_BATCH_INVARIANT and the other variables vLLM
+  reads on this decision's path are refused or said to be ignored, with why (docs/cli.md)
 
 exit codes: 0 a layout was chosen, 1 no layout survives the rules (or they do not load),
             2 usage error (a bad flag value, an unreadable or invalid --spec / --model)

@@ -102,8 +102,8 @@ def apply_serve_line(args: argparse.Namespace) -> list[str]:
             notes.append(f"note: --model {args.model} wins over the serve line's model `{model}`")
         elif not _is_local(model):
             raise usage_error(f"vllm serve {model}", f"`{model}` is not a local directory; kvpolicy does not "
-                              "download models from the hub", "download it first (huggingface-cli download "
-                              f"{model} --include config.json --local-dir DIR) and give DIR")
+                              "download models from the hub", "put its config.json in a local directory and give "
+                              "that directory (or the file) as the model")
         else:
             args.model = model
     if inputs.get("kv_transfer_config") is not None and (args.connector is not None
