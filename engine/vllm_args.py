@@ -156,16 +156,22 @@ def _config_args(path_text: str, option_strings: set[str]) -> list[str]:
     if path_text.split(".")[-1] not in ("yaml", "yml"):
         raise _error(f"vLLM reads a --config file only as YAML (.yaml or .yml), got `{path_text}`",
                      "rename the file to .yaml", where)
-    try:
-        text = Path(path_text).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise _error(f"cannot read the --config file `{path_text}`: {exc.strerror or exc}", None, where) from None
+    from kvpolicy.policy.files import read_capped
+    from kvpolicy.policy.yaml_source import Limits
+
+    text, problems = read_capped(Path(path_text), path_text, Limits().max_file_bytes)
+    if text is None:
+        d = problems[0]
+        raise InputError("unreadable --config file", [d.__class__(d.file, d.line, d.col, d.code,
+                                                                 "the --config file: " + d.message, d.help)])
     try:
         config = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f"{path_text}:{mark.line + 1}:{mark.column + 1}" if mark else path_text
         raise _error(f"the --config file is not YAML: {getattr(exc, 'problem', exc)}", None, at) from None
+    except RecursionError:
+        raise _error("the --config file is nested too deeply to read", None, path_text) from None
     if not isinstance(config, dict):
         raise _error("a --config file is a mapping of flag names to values (e.g. `tensor-parallel-size: 2`)",
                      None, path_text)
@@ -321,7 +327,8 @@ def _unrecognized(message: str, options: set[str], version: str) -> InputError:
     return _error(f"vLLM {version}'s `vllm serve` does not accept {' '.join(words)} (it would refuse this line: "
                   "\"unrecognized arguments\")",
                   (f"did you mean `{close[0]}`? " if close else "") + "remove it, or decide for the release that "
-                  "takes it (--vllm-version)", f"{WHERE} {first}", "unknown-serve-argument")
+                  "takes it (--vllm-version); kvpolicy's own flags go before `--`",
+                  f"{WHERE} {first}", "unknown-serve-argument")
 
 
 def parse_serve_args(argv: list[str], profile: str, version: str) -> ServeArgs:
