@@ -341,7 +341,10 @@ def parse_serve_args(argv: list[str], profile: str, version: str) -> ServeArgs:
                      "decide for a release profile (--vllm-version 0.34), or give the flags one by one") from None
     options = {o for a in actions.values() for o in a.get("options") or ()}
     notes: list[str] = []
-    words = _preprocess(list(argv), options, notes)
+    try:
+        words = _preprocess(list(argv), options, notes)
+    except RecursionError:  # dotted keys nested thousands deep: Python's JSON encoder recurses per level
+        raise _error("a dotted argument is nested too deeply to read", "vLLM's configs are a few levels deep") from None
     parser = _parser(actions)
     try:
         ns = parser.parse_args(words)

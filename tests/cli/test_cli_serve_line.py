@@ -206,3 +206,15 @@ def test_variables_not_modelled_are_said(capsys: pytest.CaptureFixture[str], mon
     monkeypatch.setenv(name, "1")
     _, err = _json(capsys, "--vllm-version", "0.34.0", "--model", TINY)
     assert text in err
+
+
+@pytest.mark.parametrize("line", [
+    [TINY, "--kv-transfer-config", "[" * 100_000],
+    [TINY, "--kv-transfer-config." + ".".join(["a"] * 5000), "1"],
+    [TINY, "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both", "x": ' + "9" * 5000 + "}"],
+    [TINY, "--config", "/dev/null.yaml"],
+    [TINY, "--config", "--config", "x.yaml"],
+])
+def test_hostile_lines_are_errors_not_tracebacks(capsys: pytest.CaptureFixture[str], line: list[str]) -> None:
+    code, out, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--", *line)
+    assert code == 2 and out == "" and "Traceback" not in err and "error[" in err, err
