@@ -209,6 +209,7 @@ def test_environment_variables_are_the_releases(version: str, vllm_sites) -> Non
     for name in DECISION_VARIABLES:
         assert reads(release, name) == (name in answer["variables"]), name
     assert sorted(answer["kv_cache_layout_accepts"]) == sorted(release.kv_cache_layout_values())
+    assert "VLLM_ATTENTION_BACKEND" not in answer["variables"]  # dry-run's note: vLLM does not read it
 
 
 def test_corpus_spells_every_layout_argument() -> None:
