@@ -2,6 +2,7 @@
 
     python3 tests/conformance/serve_args_facts.py --write      # (re)write engine/vllm_serve_args/*.json
     python3 tests/conformance/serve_args_facts.py 0.35.0 --write
+    python3 tests/conformance/serve_args_facts.py --check              # exit 1 unless the files are the releases'
 
 Runs ``oracles/engine_args.py``'s facts case (``"frontend": true``: the whole parser,
 ``ServeSubcommand().subparser_init``) under each release. The frontend arguments (--host, --port...) need the
@@ -75,7 +76,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("versions", nargs="*", help="releases (default: every profile's)")
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--check", action="store_true", help="compare each release's parser with its file")
     a = ap.parse_args()
+    differ = 0
     profiles = [(p.name, p.vllm_versions[0]) for p in iter_profiles() if p.vllm_versions]
     profiles.sort(key=lambda nv: tuple(int(x) for x in nv[1].split(".")))
     wanted = set(a.versions) or {v for _, v in profiles}
@@ -89,6 +92,16 @@ def main() -> int:
                 previous = (name, serve_actions(name))
             continue
         table = as_table(release_facts(version))
+        if a.check:
+            from kvpolicy.engine.vllm_serve_facts import serve_actions
+
+            try:
+                kept = serve_actions(name)
+            except KeyError:
+                kept = {}
+            wrong = sorted(k for k in set(table) | set(kept) if table.get(k) != kept.get(k))
+            differ += bool(wrong)
+            print(f"{name} ({version}): " + (f"differs in {', '.join(wrong[:12])}" if wrong else "the release's"))
         doc: dict = {"vllm_version": version}
         if previous is None:
             doc["actions"] = table
@@ -97,13 +110,14 @@ def main() -> int:
             doc["extends"] = base_name
             doc["actions"] = {k: v for k, v in table.items() if base.get(k) != v}
             doc["removed"] = sorted(k for k in base if k not in table)
-        print(f"{name} ({version}): {len(table)} arguments, {len(doc['actions'])} stated"
-              + (f", {len(doc.get('removed', []))} removed" if previous else ""))
+        if not a.check:
+            print(f"{name} ({version}): {len(table)} arguments, {len(doc['actions'])} stated"
+                  + (f", {len(doc.get('removed', []))} removed" if previous else ""))
         if a.write:
             FACTS_DIR.mkdir(exist_ok=True)
             path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         previous = (name, table)
-    return 0
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
