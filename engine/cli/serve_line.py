@@ -90,7 +90,14 @@ def apply_serve_line(args: argparse.Namespace) -> list[str]:
         raise usage_error("--spec", "--spec and a serve line both describe the KV cache",
                           "give the model on the serve line (its directory), or --spec without a serve line")
     version = release.vllm_versions[0] if release.vllm_versions else release.name
-    line = parse_serve_args(args.serve_args, release.name, version)
+    words = list(args.serve_args)
+    for head in (["vllm", "serve"], ["serve"]):  # the command itself, pasted with its arguments
+        if words[:len(head)] == head and not _is_local(words[0]):
+            words = words[len(head):]
+            notes.append(f"note: vllm serve: `{' '.join(head)}` at the start of the line is read as the command, "
+                         "not as arguments")
+            break
+    line = parse_serve_args(words, release.name, version)
     notes += line.notes
     inputs = dict(line.inputs)
     model = inputs.pop("model", None)

@@ -218,3 +218,12 @@ def test_variables_not_modelled_are_said(capsys: pytest.CaptureFixture[str], mon
 def test_hostile_lines_are_errors_not_tracebacks(capsys: pytest.CaptureFixture[str], line: list[str]) -> None:
     code, out, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--", *line)
     assert code == 2 and out == "" and "Traceback" not in err and "error[" in err, err
+
+
+@pytest.mark.parametrize("head", [["vllm", "serve"], ["serve"]])
+def test_the_command_pasted_with_its_line_is_read_as_the_command(capsys: pytest.CaptureFixture[str],
+                                                                 head: list[str]) -> None:
+    plain, _ = _json(capsys, "--vllm-version", "0.34.0", "--", *SERVE_LINE)
+    pasted, err = _json(capsys, "--vllm-version", "0.34.0", "--", *head, *SERVE_LINE)
+    assert pasted == plain
+    assert f"note: vllm serve: `{' '.join(head)}` at the start of the line is read as the command" in err
