@@ -47,7 +47,7 @@ CORPUS: list[tuple[str, list[str], dict[str, str], str | None]] = [
     ("block size not an int", [MODEL, "--block-size", "abc"], {}, None),
     ("-tp", [MODEL, "-tp", "4"], {}, None),
     ("tp with =", [MODEL, "--tensor-parallel-size=2"], {}, None),
-    ("tp underscores", [MODEL, "--tensor_parallel_size", "8"], {}, None),
+    ("tp underscores", [MODEL, "--tensor_parallel_size", "4"], {}, None),
     ("repeated: the last wins", [MODEL, "-tp", "2", "-tp", "4"], {}, None),
     ("abbreviated flag", [MODEL, "--tensor-parallel", "2"], {}, None),
     ("kv cache dtype", [MODEL, "--kv-cache-dtype", "fp8"], {}, None),
