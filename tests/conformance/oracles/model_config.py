@@ -47,9 +47,12 @@ STAND-INs, each needed only because this runs on a CPU without the CUDA stack:
     are inert stub module trees (`stub_missing_packages`): model, quantization and multimodal modules
     import names from them at import time; where one is called, the case answers the error;
   * the model registry inspects model classes in this process (`inspect_in_process`);
-  * the attention backend is the one the CPU platform selects (CPU_ATTN, or what the release
-    picks for MLA on CPU); it only customises page sizes, never the layer kinds, heads, head size
-    or dtype compared.
+  * ``torch.ops._C``, where vLLM's compiled extension cannot load, answers placeholders, refusing to
+    run, for the activation ops 0.28's layers look up at construction (`placeholder_compiled_ops`);
+  * attention layers get the CUDA platform's Triton backends, TRITON_ATTN or TRITON_MLA
+    (`triton_attention_backends`): the CPU platform's would answer for a CPU deployment (no fp8 MLA
+    cache, no page padding for hybrid models). The backend customises pages and the layouts the
+    KV cache layout is resolved among, never a layer's kind, heads, head size or dtype.
 """
 
 from __future__ import annotations
@@ -133,6 +136,53 @@ def stub_missing_packages() -> None:
 
 _DIRS: dict[str, str] = {}
 _DIST: dict[str, object] = {}
+
+
+# The ops activation layers look up at construction (``self.op = torch.ops._C.<name>`` in 0.28's
+# model_executor/layers/activation.py). Only these: other code asks `hasattr(torch.ops._C, ...)`
+# to choose a path, and must keep hearing no.
+_CONSTRUCTION_OPS = {"activation_lut_bf16", "fatrelu_and_mul", "gelu_and_mul", "gelu_fast", "gelu_new", "gelu_quick",
+                     "gelu_tanh", "gelu_tanh_and_mul", "mul_and_silu", "relu_squared", "silu_and_mul",
+                     "silu_and_mul_with_clamp", "situ_and_mul"}
+
+
+class _PlaceholderOps:
+    """Stands for ``torch.ops._C``: the construction ops give a function that refuses to run."""
+
+    def __getattr__(self, name):
+        if name not in _CONSTRUCTION_OPS:
+            raise AttributeError(name)
+
+        def op(*args, **kwargs):
+            raise RuntimeError(f"torch.ops._C.{name} is a placeholder (vLLM's compiled ops are not loadable here)")
+
+        return op
+
+
+def placeholder_compiled_ops() -> None:
+    """STAND-IN: where vLLM's compiled extension cannot load (a CUDA build on a machine without CUDA),
+    ``torch.ops._C`` answers placeholders for the activation ops (only those) that 0.28's layers look
+    up at construction; a model on the meta device never runs one."""
+    try:
+        import vllm._C  # noqa: F401
+    except ImportError:
+        torch.ops._C = _PlaceholderOps()
+
+
+def triton_attention_backends() -> None:
+    """STAND-IN: attention layers get the CUDA platform's Triton backends (TRITON_MLA for MLA layers,
+    TRITON_ATTN for the rest) instead of the CPU platform's. A GPU deployment is what is decided for:
+    the CPU backends refuse fp8 MLA caches and do not index KV by block stride, so vLLM cannot pad
+    a hybrid model's attention pages to the Mamba page with them; the Triton ones run on every
+    CUDA GPU, index by block stride, and change no layer kind, head count, head size or dtype."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    def choose(selected_backend, attn_selector_config, *args, **kwargs):
+        name = "TRITON_MLA" if attn_selector_config.use_mla else "TRITON_ATTN"
+        return AttentionBackendEnum[name].get_path()
+
+    current_platform.get_attn_backend_cls = choose
 
 
 def inspect_in_process() -> None:
@@ -287,6 +337,8 @@ def answer(case: dict) -> dict:
 
     stub_missing_packages()
     inspect_in_process()
+    placeholder_compiled_ops()
+    triton_attention_backends()
 
     tp = int(case.get("tensor_parallel_size", 1))
     out: dict = {"path": "instantiated"}
