@@ -272,10 +272,12 @@ def _table() -> Any:
         print(f"\n{'config':{width}}  case          release  outcome               why")
         for name, label, version, outcome, why in sorted(ROWS):
             print(f"{name:{width}}  {label:12}  {version:7}  {outcome:20}  {why}")
-        counts: dict[str, int] = {}
-        for row in ROWS:
-            counts[row[3]] = counts.get(row[3], 0) + 1
-        print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        for version in RELEASES:
+            counts: dict[str, int] = {}
+            for row in ROWS:
+                if row[2] == version:
+                    counts[row[3]] = counts.get(row[3], 0) + 1
+            print(f"vLLM {version}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
 
 @pytest.mark.parametrize("version", RELEASES)
