@@ -293,3 +293,24 @@ def test_corpus_is_large_and_complete() -> None:
     readme = (CORPUS / "README.md").read_text(encoding="utf-8")
     assert len(NAMES) >= 25
     assert [n for n in NAMES if f"`{n}`" not in readme] == []
+
+
+def test_the_comparison_sees_each_field(vllm_sites: Any) -> None:
+    """The comparison itself: vLLM's real Llama-3.1 answer equals kvpolicy's, and each field changed
+    in vLLM's answer is named (a comparison that cannot fail would make every row above 'equal')."""
+    import copy
+
+    real = _answers("0.34.0")[("llama-3.1-8b-instruct", "tp1")]
+    ours = _kvpolicy("llama-3.1-8b-instruct", 1, "auto", "auto")
+    assert isinstance(ours, KVCacheGroups) and _compare_instantiated(real, ours) == []
+    for field, value, named in (("num_kv_heads", 4, "full.num_kv_heads"), ("head_size", 64, "full.head_size"),
+                                ("page_size_bytes", 1, "full.page_size_bytes"), ("type", "SlidingWindowSpec", "kinds")):
+        changed = copy.deepcopy(real)
+        changed["specs"][0][field] = value
+        assert any(why.startswith(named) for why in _compare_instantiated(changed, ours)), field
+    served = {**real, "served_dtype": "float16"}
+    assert any(why.startswith("dtype") for why in _compare_instantiated(served, ours))
+    split = copy.deepcopy(real)
+    split["groups"] = [{"layers": g["layers"][:16], "spec": g["spec"]} for g in real["groups"]] + [
+        {"layers": g["layers"][16:], "spec": g["spec"]} for g in real["groups"]]
+    assert any(why.startswith("one group") for why in _compare_instantiated(split, ours))
