@@ -14,7 +14,7 @@ Kyverno's ``Audit`` mode is the model: a finding is reported, nothing is blocked
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpolicy.engine.decide import evaluate, rule_ref, scopes_for
@@ -64,8 +64,7 @@ def enforced(ruleset: RuleSet, rule: CompiledRule) -> RuleSet:
     promoted = RuleSet.build([(rule.rule.model_copy(update={"enforcement": None}), rule.source, rule.scope)],
                              ruleset.layout_order).rules[0]
     rest = tuple(r for r in ruleset.audit_rules if r.id != rule.id)
-    return RuleSet((*ruleset.rules, promoted), ruleset.layout_order, ruleset.member_preferences, ruleset.root,
-                   ruleset.order_declared, ruleset.layers, ruleset.warnings, rest)
+    return replace(ruleset, rules=(*ruleset.rules, promoted), audit_rules=rest)
 
 
 def _enforced_winner(ruleset: RuleSet, rule: CompiledRule, ctx: Context) -> Layout | None:

@@ -34,6 +34,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
+from kvpolicy.engine.cli.record_case import record_case
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
@@ -177,6 +178,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
     out.add_argument("--map-layout", type=_layout, metavar="LAYOUT",
                      help="draw this layout instead of the chosen one (what-if), e.g. cross_layer/NHD")
     out.add_argument("--svg", metavar="FILE", help="also write the block map as an SVG picture to FILE")
+    out.add_argument("--record-test", metavar="FILE",
+                     help="append this decision to FILE as a policy test case (created if absent; docs/cli.md)")
+    out.add_argument("--record-name", metavar="NAME", help="with --record-test: the case's name (default: derived)")
     p.set_defaults(run=run)
 
 
@@ -671,8 +675,12 @@ def run(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
             print(example_banner(args), file=sys.stderr)
+        if isinstance(exc, NoLayoutError) and args.record_test:
+            print(record_case(args, None, exc), file=sys.stderr)
         report_error(exc, args.format)
         return exit_code_for(exc)
+    if args.record_test:
+        print(record_case(args, decision), file=sys.stderr)
     unplanned: InputError | None = None
     try:
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None

@@ -1,0 +1,73 @@
+"""`kvpolicy dry-run ... --record-test FILE`: today's decision kept as a policy test case that `kvpolicy test` runs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_capture import cli
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+SPEC = "num_layers: 4\nnum_kv_heads: 2\nhead_size: 64\n"
+V = ("--vllm-version", "0.34.0")
+
+
+@pytest.fixture
+def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "spec.yaml").write_text(SPEC)
+    shutil.copy(CONFIGS / "llama-3.1-8b.json", tmp_path / "llama.json")
+    return tmp_path
+
+
+def test_a_recorded_decision_passes_today_and_fails_when_a_rule_changes_it(
+        capsys: pytest.CaptureFixture[str], here: Path) -> None:
+    code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", "--vllm-kv-cache-layout", "BLHNC",
+                       "--enable-extensible-kv-cache", "--connector", "OffloadingConnector",
+                       "--record-test", "tests/recorded.yaml")
+    assert code == 0 and "recorded: case `spec, OffloadingConnector, vllm-0.34 takes BLHNC` in tests/recorded.yaml" \
+        in err
+    (case,) = yaml.safe_load((here / "tests" / "recorded.yaml").read_text())["cases"]
+    assert case["input"] == {"spec": {"num_layers": 4, "num_kv_heads": 2, "head_size": 64},
+                             "connector": "OffloadingConnector", "vllm_version": "vllm-0.34",
+                             "vllm_kv_cache_layout": "BLHNC", "enable_extensible_kv_cache": True}
+    assert case["expect"]["layout"] == "BLHNC"
+    assert case["expect"]["removed"]["LBHNC"] == ["env-layout-blhnc"]
+    assert cli(capsys, "test", "tests/recorded.yaml", *V)[0] == 0
+    site = here / "site"
+    site.mkdir()
+    (site / "global.yaml").write_text("version: 1\nrules:\n  - id: no-outermost\n    description: x\n"
+                                      "    forbid: {block_outermost: true}\n")
+    code, out, _ = cli(capsys, "test", "tests/recorded.yaml", "--rules", str(site), *V)
+    assert code == 1 and "FAIL tests/recorded.yaml:3:" in out
+
+
+def test_a_model_is_recorded_relative_to_the_case_file_and_cases_append(
+        capsys: pytest.CaptureFixture[str], here: Path) -> None:
+    (here / "tests").mkdir()
+    (here / "tests" / "fleet.yaml").write_text("version: 1\n# our deployments\ncases:\n  - name: first\n"
+                                               "    input: {spec: {num_layers: 2, num_kv_heads: 2, head_size: 64}}\n"
+                                               "    expect: {layout: LBNHC}\n")
+    code, _, _ = cli(capsys, "dry-run", *V, "--model", "llama.json", "--kv-cache-dtype", "fp8",
+                     "--connector", "NixlConnector", "--record-test", "tests/fleet.yaml", "--record-name", "llama nixl")
+    text = (here / "tests" / "fleet.yaml").read_text()
+    assert code == 0 and "# our deployments" in text  # appended: what was there stays as written
+    cases = yaml.safe_load(text)["cases"]
+    assert [c["name"] for c in cases] == ["first", "llama nixl"]
+    assert cases[1]["input"]["model"] == "../llama.json"
+    assert cli(capsys, "test", "tests/fleet.yaml", *V)[0] == 0
+    code, _, err = cli(capsys, "dry-run", *V, "--model", "llama.json", "--record-test", "tests/fleet.yaml",
+                       "--record-name", "llama nixl")
+    assert code == 2 and "already has a case named `llama nixl`" in err
+    assert (here / "tests" / "fleet.yaml").read_text() == text
+
+
+def test_a_refused_deployment_is_recorded_as_a_no_layout_case(capsys: pytest.CaptureFixture[str], here: Path) -> None:
+    code, _, _ = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", "--vllm-kv-cache-layout", "LHBNC",
+                     "--enable-extensible-kv-cache", "--connector", "OffloadingConnector", "--record-test", "r.yaml")
+    assert code == 1
+    (case,) = yaml.safe_load((here / "r.yaml").read_text())["cases"]
+    assert case["expect"] == {"error": "no-layout"}
+    assert cli(capsys, "test", "r.yaml", *V)[0] == 0
