@@ -33,8 +33,9 @@ from kvpolicy.engine.cli.common import (
     report_error,
     usage_error,
 )
+from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
-from kvpolicy.engine.cli.record_case import record_case
+from kvpolicy.engine.cli.record_case import Resolved, record_case
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
@@ -181,6 +182,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     out.add_argument("--record-test", metavar="FILE",
                      help="append this decision to FILE as a policy test case (created if absent; docs/cli.md)")
     out.add_argument("--record-name", metavar="NAME", help="with --record-test: the case's name (default: derived)")
+    add_fleet_flag(out, dry_run=True)
     p.set_defaults(run=run)
 
 
@@ -660,8 +662,16 @@ def _plan_error_located(exc: InputError, args: argparse.Namespace) -> InputError
     return type(exc)(exc.message, diags)
 
 
+def _resolved(args: argparse.Namespace) -> Resolved:
+    """What --record-test records as the flags gave it (engine/cli/record_case.py)."""
+    return Resolved(device_of(args)[0], read_spec_file(args.spec) if args.spec is not None else None,
+                    _preferences(args.connector_prefers_cross_layer_blocks))
+
+
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
+    if args.fleet is not None or args.format == "junit":
+        return run_fleet(args)
     try:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
         ctx = context_from_args(args)
@@ -676,11 +686,11 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
             print(example_banner(args), file=sys.stderr)
         if isinstance(exc, NoLayoutError) and args.record_test:
-            print(record_case(args, None, exc), file=sys.stderr)
+            print(record_case(args, _resolved(args), None, exc), file=sys.stderr)
         report_error(exc, args.format)
         return exit_code_for(exc)
     if args.record_test:
-        print(record_case(args, decision), file=sys.stderr)
+        print(record_case(args, _resolved(args), decision), file=sys.stderr)
     unplanned: InputError | None = None
     try:
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +22,30 @@ import yaml
 from kvpolicy.engine.cli.common import usage_error
 from kvpolicy.policy.errors import PolicyError
 
-__all__ = ["case_input", "record_case"]
+__all__ = ["Resolved", "case_input", "record_case"]
 
 
 def _none_free(data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if v is not None and v is not False}
 
 
-def case_input(args: argparse.Namespace, case_file: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Resolved:
+    """What dry-run worked out from its flags, that a case records as given: the platform, the --spec
+    file's content, --connector-prefers-cross-layer-blocks as build_context takes it."""
+
+    device: str
+    spec_source: dict[str, Any] | None
+    preferences: bool | dict[str, bool] | None
+
+
+def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) -> dict[str, Any]:
     """The ``input`` mapping of a case for the deployment dry-run's flags describe (the built-in example's
     values where it stands in)."""
-    from kvpolicy.engine.cli.dry_run import _preferences, device_of, is_example, read_spec_file
     from kvpolicy.engine.inputs import DEFAULT_EXAMPLE
 
-    device, _ = device_of(args)
-    example = is_example(args)
+    device = resolved.device
+    example = args.model is None and args.spec is None
     data: dict[str, Any] = {}
     if args.model is not None:
         model = Path(args.model).resolve()
@@ -44,8 +54,8 @@ def case_input(args: argparse.Namespace, case_file: Path) -> dict[str, Any]:
         data["model"] = os.path.relpath(model, case_file.resolve().parent) if inside else str(model)
         data["tensor_parallel_size"] = args.tensor_parallel_size if args.tensor_parallel_size not in (None, 1) \
             else None
-    elif args.spec is not None:
-        source = read_spec_file(args.spec)
+    elif resolved.spec_source is not None:
+        source = resolved.spec_source
         if "groups" in source:
             data["groups"] = [g.model_dump(mode="json") if hasattr(g, "model_dump") else g for g in source["groups"]]
         else:
@@ -77,7 +87,7 @@ def case_input(args: argparse.Namespace, case_file: Path) -> dict[str, Any]:
         "device": args.device,
         "device_capability": args.device_capability,
         "use_v2_model_runner": bool(args.use_v2_model_runner),
-        "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
+        "connector_prefers_cross_layer_blocks": resolved.preferences,
     })
     return _none_free(data)
 
@@ -99,12 +109,12 @@ def _name(data: dict[str, Any], expect: dict[str, Any]) -> str:
     return ", ".join(str(p) for p in parts if p) + " " + outcome
 
 
-def record_case(args: argparse.Namespace, decision: Any, error: PolicyError | None = None) -> str:
+def record_case(args: argparse.Namespace, resolved: Resolved, decision: Any, error: PolicyError | None = None) -> str:
     """Append the case for this dry-run to ``args.record_test``; returns the note to print (on stderr)."""
     from kvpolicy.engine.policy_tests.cases import PolicyTestError, load_cases
 
     path = Path(args.record_test)
-    data = case_input(args, path)
+    data = case_input(args, path, resolved)
     expect = _expect(decision, error)
     name = args.record_name or _name(data, expect)
     before = path.read_text() if path.exists() else None
