@@ -82,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
     if args.format in ("github", "sarif"):
         print_diagnostics([("warning", d) for d in ruleset.warnings], args.format)
     elif args.format == "json":
-        print_json({"ok": True, "rules": len(ruleset.rules), "files": files, "digest": ruleset.digest,
+        print_json({"ok": True, "rules": len(ruleset.all_rules), "files": files, "digest": ruleset.digest,
                     "root": ruleset.root, "layers": [layer.to_dict() for layer in ruleset.layers],
                     "warnings": [d.to_dict() for d in ruleset.warnings]})
     else:
-        print(f"ok: {len(ruleset.rules)} rules in {files} files (digest {ruleset.digest})")
+        print(f"ok: {len(ruleset.all_rules)} rules in {files} files (digest {ruleset.digest})")
         if len(ruleset.layers) > 1:
             for i, layer in enumerate(ruleset.layers):
                 kind = "shipped" if layer.shipped else "operator"

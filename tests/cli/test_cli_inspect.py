@@ -54,3 +54,8 @@ def test_inspect_of_rules_that_do_not_load_fails_located(capsys: pytest.CaptureF
     (tmp_path / "global.yaml").write_text(SITE.replace("    description: roll out first\n", ""))
     code, _, err = cli(capsys, "inspect", str(tmp_path))
     assert code == 1 and f"{tmp_path}/global.yaml:3:5: error[missing-key]" in err
+
+
+def test_validate_counts_audit_rules_as_rules(capsys: pytest.CaptureFixture[str], site: Path) -> None:
+    code, out, _ = cli(capsys, "validate", str(site), "--vllm-version", "0.34.0")
+    assert code == 0 and out.startswith("ok: 18 rules in ") and f"layer 1: {site} (operator, 1 rules" in out
