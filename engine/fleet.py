@@ -32,7 +32,7 @@ from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.engine.policy_tests.cases import CaseInput, context_for
 from kvpolicy.policy.context import Context
-from kvpolicy.policy.errors import Diagnostic, NoLayoutError, PolicyError, shown_file
+from kvpolicy.policy.errors import Diagnostic, GeometryError, InputError, NoLayoutError, PolicyError, shown_file
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import Frozen
@@ -158,6 +158,9 @@ class FleetResult:
     decision: Decision | None = None
     error: PolicyError | None = field(default=None)
     context: Context | None = field(default=None, compare=False)  # built also for a refused deployment
+    # the geometry check of the chosen layout, as dry-run's: None checked clean (or nothing to check), else
+    # the verifier's refusal (views that write the same bytes) or why the layout has no plan here
+    geometry: PolicyError | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -165,10 +168,28 @@ class FleetResult:
 
     @property
     def status(self) -> str:
-        """``decided``, ``refused`` (no layout survives the rules) or ``invalid`` (the inputs are wrong)."""
+        """``decided``, ``unsafe`` (decided, but the verifier finds views writing the same bytes), ``refused``
+        (no layout survives the rules) or ``invalid`` (the inputs are wrong)."""
         if self.decision is not None:
-            return "decided"
+            return "unsafe" if isinstance(self.geometry, GeometryError) else "decided"
         return "refused" if isinstance(self.error, NoLayoutError) else "invalid"
+
+
+def geometry_check(decision: Decision) -> PolicyError | None:
+    """dry-run's check of the chosen layout: planned for one more block than layers (so a view assuming one
+    page per block reaches across block 0's layers) and verified. None: clean, or no paged KV to check."""
+    from kvpolicy.engine.plan import plan_layout
+    from kvpolicy.engine.verify import refusal, verify_plan
+
+    ctx = decision.context
+    if not ctx.kv.kind.is_attention:
+        return None
+    try:
+        plan = plan_layout(decision.layout, ctx.kv, ctx.backend, ctx.kv.num_layers + 1)
+    except InputError as exc:  # decided as vLLM decides, but no plan (a dtype kvpolicy has no cells for, ...)
+        return exc
+    report = verify_plan(plan)
+    return None if report.ok else refusal(plan, report)
 
 
 RulesFor = Any  # Callable[[str], RuleSet]: the rule set of a profile name
@@ -188,7 +209,7 @@ def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = N
             ruleset: RuleSet = rules_for(profile)
             ctx = context_for(dep, fleet.base_dir, profile)
             decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx)
-            out.append(FleetResult(dep, location, profile, decision, context=ctx))
+            out.append(FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision)))
         except PolicyError as exc:
             out.append(FleetResult(dep, location, profile, None, exc, ctx))
     return out

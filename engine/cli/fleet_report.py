@@ -1,10 +1,11 @@
 """``kvpolicy dry-run --fleet FILE`` and ``kvpolicy diff OLD NEW --fleet FILE``: a fleet of deployments at once.
 
-dry-run: one report for every deployment of the fleet file (`kvpolicy.engine.fleet`): its decision,
+dry-run: one report for every deployment of the fleet file (`kvpolicy.engine.fleet`): its decision
+(with dry-run's geometry check: ``unsafe`` when views of the chosen layout write the same bytes),
 its refusal (no layout survives, with the rules that removed the candidates) or its input error,
 then the audit findings and other warnings, and the time it took; as text, JSON or JUnit XML (a
 deployment is a test case; a refusal or bad input a failure). Exit 1 when some deployment is
-refused or invalid. diff: each deployment decided with both rule stacks, each under its own
+unsafe, refused or invalid. diff: each deployment decided with both rule stacks, each under its own
 release's shipped rules; the deployments whose decision changes, with the rules that removed the
 old layout on the new side. Exit 1 when some decision changes.
 """
@@ -81,13 +82,16 @@ def result_dict(result: FleetResult) -> dict[str, Any]:
         out |= {"backend": d.context.backend.name, "layout": str(d.layout), "placement": d.layout.placement.value,
                 "head_order": d.layout.head_order.value,
                 "score": d.score, "removed": _removed(result), "warnings": list(d.warnings),
-                "audit": [f.to_dict() for f in d.audit], "fingerprint": d.fingerprint.digest, "error": None}
+                "audit": [f.to_dict() for f in d.audit], "fingerprint": d.fingerprint.digest, "error": None,
+                "geometry": None if result.geometry is None else _error(result.geometry)}
     else:
         out |= {"backend": None if result.context is None else result.context.backend.name, "layout": None,
-                "warnings": [], "audit": [],
-                "error": {"kind": type(result.error).__name__, "message": result.error.message,  # type: ignore[union-attr]
-                          "diagnostics": [x.to_dict() for x in result.error.diagnostics]}}  # type: ignore[union-attr]
+                "warnings": [], "audit": [], "error": _error(result.error), "geometry": None}  # type: ignore[arg-type]
     return out
+
+
+def _error(exc: PolicyError) -> dict[str, Any]:
+    return {"kind": type(exc).__name__, "message": exc.message, "diagnostics": [x.to_dict() for x in exc.diagnostics]}
 
 
 def _what(result: FleetResult) -> str:
@@ -100,7 +104,8 @@ def _what(result: FleetResult) -> str:
 def _outcome(result: FleetResult) -> str:
     d = result.decision
     if d is not None:
-        return f"{d.layout} ({d.layout.placement.value}, {d.layout.head_order.value})"
+        unsafe = " UNSAFE: views write the same bytes" if result.status == "unsafe" else ""
+        return f"{d.layout} ({d.layout.placement.value}, {d.layout.head_order.value}){unsafe}"
     if result.status == "refused":
         return "refused: no layout survives"
     first = result.error.diagnostics[0] if result.error and result.error.diagnostics else None  # type: ignore[union-attr]
@@ -113,10 +118,11 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def render_text(file: str, results: list[FleetResult], seconds: float) -> str:
-    counts = {s: sum(r.status == s for r in results) for s in ("decided", "refused", "invalid")}
+    counts = _counts(results)
     releases = sorted({r.profile for r in results if r.profile})
+    unsafe = f", {counts['unsafe']} unsafe" if counts["unsafe"] else ""
     lines = [f"fleet {file}: {len(results)} deployments over {len(releases)} release profile(s): "
-             f"{counts['decided']} decided, {counts['refused']} refused, {counts['invalid']} invalid", ""]
+             f"{counts['decided']} decided{unsafe}, {counts['refused']} refused, {counts['invalid']} invalid", ""]
     rows = [["NAME", "RELEASE", "MODEL", "BACKEND", "KV DTYPE", "CONNECTOR", "LAYOUT"]]
     for r in results:
         dep = r.deployment
@@ -124,13 +130,17 @@ def render_text(file: str, results: list[FleetResult], seconds: float) -> str:
         rows.append([r.name, r.profile or "?", _what(r), backend, dep.kv_cache_dtype or "auto",
                      dep.connector or ("(kv_transfer_config)" if dep.kv_transfer_config else "-"), _outcome(r)])
     lines += _table(rows)
-    refused = [r for r in results if r.decision is None]
-    if refused:
-        lines += ["", "refused and invalid:"]
-        for r in refused:
+    bad = [r for r in results if r.status != "decided"]
+    if bad:
+        lines += ["", "unsafe, refused and invalid:" if counts["unsafe"] else "refused and invalid:"]
+        for r in bad:
             lines.append(f"  {r.name} ({r.location}):")
-            lines += ["    " + line for line in r.error.render().splitlines()]  # type: ignore[union-attr]
+            why = r.geometry if r.status == "unsafe" else r.error
+            lines += ["    " + line for line in why.render().splitlines()]  # type: ignore[union-attr]
     warned = [(r, w) for r in results if r.decision is not None for w in r.decision.warnings]
+    warned += [(r, f"decided as the release decides, but not planned: {r.geometry.diagnostics[0].message}")
+               for r in results if r.decision is not None and r.status == "decided" and r.geometry is not None
+               and r.geometry.diagnostics]
     if warned:
         lines += ["", "warnings:"]
         lines += [f"  {r.name}: {w}" for r, w in warned]
@@ -138,9 +148,14 @@ def render_text(file: str, results: list[FleetResult], seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _counts(results: list[FleetResult]) -> dict[str, int]:
+    return {s: sum(r.status == s for r in results) for s in ("decided", "unsafe", "refused", "invalid")}
+
+
 def junit_xml(file: str, results: list[FleetResult], seconds: float) -> str:
-    """The fleet as JUnit XML: one testsuite, a testcase per deployment, a failure per refusal or bad input."""
-    bad = [r for r in results if r.decision is None]
+    """The fleet as JUnit XML: one testsuite, a testcase per deployment, a failure per unsafe, refused or
+    invalid one."""
+    bad = [r for r in results if r.status != "decided"]
     root = ET.Element("testsuites", name="kvpolicy fleet", tests=str(len(results)), failures=str(len(bad)),
                       errors="0", time=f"{seconds:.3f}")
     suite = ET.SubElement(root, "testsuite", name=file, tests=str(len(results)), failures=str(len(bad)),
@@ -149,9 +164,9 @@ def junit_xml(file: str, results: list[FleetResult], seconds: float) -> str:
         line = r.location.rsplit(":", 1)[1]
         case = ET.SubElement(suite, "testcase", name=r.name, classname=r.profile or "fleet", file=file, line=line,
                              time="0")
-        if r.decision is None:
+        if r.status != "decided":
             failure = ET.SubElement(case, "failure", message=_outcome(r), type=r.status)
-            failure.text = r.error.render()  # type: ignore[union-attr]
+            failure.text = (r.geometry if r.status == "unsafe" else r.error).render()  # type: ignore[union-attr]
         else:
             out = ET.SubElement(case, "system-out")
             out.text = "\n".join([f"layout: {_outcome(r)}", *r.decision.warnings])
@@ -183,7 +198,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     seconds = time.perf_counter() - start
     if args.format == "json":
-        counts = {s: sum(r.status == s for r in results) for s in ("decided", "refused", "invalid")}
+        counts = _counts(results)
         print_json({"fleet": args.fleet, "summary": {"deployments": len(results), **counts,
                                                      "seconds": round(seconds, 3)},
                     "deployments": [result_dict(r) for r in results]})
@@ -191,7 +206,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         print(junit_xml(args.fleet, results, seconds))
     else:
         print(render_text(args.fleet, results, seconds))
-    return EXIT_OK if all(r.decision is not None for r in results) else EXIT_FAILED
+    return EXIT_OK if all(r.status == "decided" for r in results) else EXIT_FAILED
 
 
 def _side(result: FleetResult) -> str:

@@ -93,3 +93,30 @@ def test_diff_over_a_fleet_lists_the_deployments_whose_decision_changes(
     assert "chat-qwen-plain" not in out
     code, out, _ = cli(capsys, "diff", str(old), str(old), "--fleet", str(FLEET), "--format", "json")
     assert code == 0 and json.loads(out)["changes"] == []
+
+
+def test_a_decision_whose_views_overlap_is_unsafe(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                  no_pth: Path) -> None:
+    """dry-run's geometry check, per deployment: vLLM #48412's combination without the guard."""
+    f = tmp_path / "fleet.yaml"
+    f.write_text(f"""version: 1
+deployments:
+  - name: seed-bug
+    vllm_version: issue-48412
+    model: {ROOT}/tests/fixtures/configs/qwen2.5-0.5b.json
+    kv_cache_dtype: fp8_per_token_head
+    attention_backend: TRITON_ATTN
+    connector: NixlConnector
+    connector_config: {{enable_cross_layers_blocks: "true"}}
+  - name: plain
+    vllm_version: issue-48412
+    spec: {{num_layers: 4, num_kv_heads: 2, head_size: 64}}
+""")
+    args = ("dry-run", "--fleet", str(f), "--rules", str(no_pth), "--no-shipped-rules", "--vllm-version", "issue-48412")
+    code, out, _ = cli(capsys, *args, "--format", "json")
+    deps = {d["name"]: d for d in json.loads(out)["deployments"]}
+    assert code == 1 and deps["seed-bug"]["status"] == "unsafe" and deps["plain"]["status"] == "decided"
+    assert deps["seed-bug"]["geometry"]["kind"] == "GeometryError"
+    assert {d["code"] for d in deps["seed-bug"]["geometry"]["diagnostics"]} == {"overlapping-views"}
+    code, out, _ = cli(capsys, *args)
+    assert "1 decided, 1 unsafe, 0 refused" in out and "UNSAFE: views write the same bytes" in out
