@@ -3,7 +3,8 @@
 OPA users write tests from real inputs (`opa eval --input` then a `test_` rule); here one flag turns
 a dry-run into a case of the existing format (`kvpolicy.engine.policy_tests.cases`): the deployment
 as ``input`` (a ``--model`` path relative to the case file, as case files resolve it), and as
-``expect`` the chosen ``layout`` and, for each removed layout, the rules that removed it; or, when no
+``expect`` the chosen ``layout``, for each removed layout the rules that removed it, and the audit-mode
+rules that report a finding (``audit``); or, when no
 layout survives, ``error: no-layout``. ``kvpolicy test`` then fails the day a rule edit changes that
 decision. The case is appended to FILE (created with ``version: 1``, and its directory, if absent), so the comments and
 cases already there stay as written; the file is loaded again and the append undone if it does not.
@@ -98,7 +99,9 @@ def _expect(decision: Any, error: PolicyError | None) -> dict[str, Any]:
 
         return {"error": error_codes(error)[0] if error is not None else "no-layout"}
     removed = {str(layout): sorted({rule.id for rule, _scope in hits}) for layout, hits in decision.eliminated.items()}
-    return {"layout": str(decision.layout), **({"removed": removed} if removed else {})}
+    audit = list(dict.fromkeys(f.rule.id for f in decision.audit))
+    return {"layout": str(decision.layout), **({"removed": removed} if removed else {}),
+            **({"audit": audit} if audit else {})}
 
 
 def _name(data: dict[str, Any], expect: dict[str, Any]) -> str:

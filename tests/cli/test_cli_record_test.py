@@ -71,3 +71,20 @@ def test_a_refused_deployment_is_recorded_as_a_no_layout_case(capsys: pytest.Cap
     (case,) = yaml.safe_load((here / "r.yaml").read_text())["cases"]
     assert case["expect"] == {"error": "no-layout"}
     assert cli(capsys, "test", "r.yaml", *V)[0] == 0
+
+
+def test_audit_findings_are_recorded_and_checked(capsys: pytest.CaptureFixture[str], here: Path) -> None:
+    rollout = str(Path(__file__).resolve().parents[2] / "docs" / "examples" / "rollout")
+    code, _, _ = cli(capsys, "dry-run", *V, "--rules", rollout, "--record-test", "a.yaml")
+    (case,) = yaml.safe_load((here / "a.yaml").read_text())["cases"]
+    assert code == 0 and case["expect"] == {"layout": "LBHNC", "audit": ["site-per-token-head-stays-nhd"]}
+    assert cli(capsys, "test", "a.yaml", "--rules", rollout, *V)[0] == 0
+    code, _, err = cli(capsys, "test", "a.yaml", *V)  # without the layer: the rule id is unknown
+    assert code == 1 and "a.yaml:12:15: error[unknown-rule]: no rule `site-per-token-head-stays-nhd`" in err
+    (here / "b.yaml").write_text("version: 1\ncases:\n  - name: no findings expected\n"
+                                 "    input: {spec: {num_layers: 24, num_kv_heads: 2, head_size: 64},"
+                                 " kv_cache_dtype: fp8_per_token_head, connector: OffloadingConnector}\n"
+                                 "    expect: {layout: LBHNC, audit: []}\n")
+    code, out, _ = cli(capsys, "test", "b.yaml", "--rules", rollout, *V)
+    assert code == 1
+    assert "  expected audit findings: nothing\n  actual audit findings:   `site-per-token-head-stays-nhd`" in out
