@@ -1,7 +1,9 @@
 """``kvpolicy dry-run``: decide one deployment's layout and explain why, without allocating.
 
 The flags mirror vLLM's (``--kv-cache-dtype``, ``--block-size``,
-``--tensor-parallel-size``, ``kv_connector`` / ``kv_connector_extra_config``).
+``--tensor-parallel-size``, ``--dtype``, ``kv_connector`` / ``kv_connector_extra_config``); a `vllm serve`
+line after ``--`` and the ``VLLM_*`` environment are read as the release reads them
+(`kvpolicy.engine.cli.serve_line`).
 Without ``--model`` or ``--spec`` the built-in example is decided
 (`kvpolicy.engine.inputs.DEFAULT_EXAMPLE`), and the output says so first.
 """
@@ -36,8 +38,10 @@ from kvpolicy.engine.cli.common import (
 from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
 from kvpolicy.engine.cli.record_case import Resolved, record_case
+from kvpolicy.engine.cli.serve_line import add_serve_flags, apply_serve_line, environment_inputs, print_notes
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
+from kvpolicy.engine.vllm_env import check_env_against
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
 from kvpolicy.policy.context import Context
@@ -69,6 +73,13 @@ examples:
   kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \\
       --worker-attention-backends FLASHINFER --worker-attention-backends FLASH_ATTN,TRITON_ATTN
       two pipeline stages with different backends: the layouts both support
+  kvpolicy dry-run --vllm-version 0.34.0 -- ./Qwen2.5-0.5B -tp 2 --kv-cache-dtype fp8 --block-size 32 \\
+      --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}' --port 8000
+      a `vllm serve` line as is, after `--` (read with that release's parser; --port is ignored, and said)
+  kvpolicy dry-run -- --config serve.yaml -tp 1     vLLM's --config YAML, a flag overriding it
+  kvpolicy dry-run --model ./gemma-2-2b --dtype bfloat16
+  VLLM_KV_CACHE_LAYOUT=LBNHC kvpolicy dry-run
+      the environment as vLLM reads it (a note says so; --vllm-kv-cache-layout wins over it)
   kvpolicy dry-run --explain fails          # only what removed candidates and why the rest lost
   kvpolicy dry-run --format json | jq .layout
 
@@ -80,6 +91,10 @@ spec file (--spec, YAML or JSON): KVCacheSpec fields, or several KV cache groups
   kv_cache_dtype: fp8_per_token_head     # optional; --kv-cache-dtype overrides
   # or: groups: [{spec: {...}, num_attention_groups: 1}, {spec: {kind: mamba, ...}}]
   #     (a group's `dcp_sharded: false`: a replicated draft model's cache under DCP)
+
+environment: VLLM_KV_CACHE_LAYOUT (and VLLM_USE_V2_MODEL_RUNNER where the gate decides, 0.24-0.28) are
+  read as the release reads them; VLLM_MLA_DISABLE, VLLM_BATCH_INVARIANT and the other variables vLLM
+  reads on this decision's path are refused or said to be ignored, with why (docs/cli.md)
 
 exit codes: 0 a layout was chosen, 1 no layout survives the rules (or they do not load),
             2 usage error (a bad flag value, an unreadable or invalid --spec / --model)
@@ -122,6 +137,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     src.add_argument("--block-size", type=int_at_least(1), metavar="N", help="tokens per block (vLLM's --block-size)")
     src.add_argument("--tensor-parallel-size", type=int_at_least(1), metavar="N",
                      help="with --model: KV heads are split over N ranks (default 1)")
+    add_serve_flags(p, src)
     dep = p.add_argument_group("the deployment (named as vLLM names them)")
     add_vllm_version_flag(dep)
     dep.add_argument("--attention-backend", "--backend", dest="backend", metavar="NAME",
@@ -412,6 +428,7 @@ _FLAG_OF = {
     "tensor_parallel_size": "--tensor-parallel-size",
     "num_blocks": "--num-blocks",
     "connector_prefers_cross_layer_blocks": "--connector-prefers-cross-layer-blocks",
+    "dtype": "--dtype",
 }
 
 
@@ -436,6 +453,9 @@ def is_example(args: argparse.Namespace) -> bool:
 
 def context_from_args(args: argparse.Namespace) -> Context:
     """The decision context the flags describe; raises `InputError` naming the flag."""
+    print_notes(apply_serve_line(args))  # a serve line after `--` fills the flags not given
+    env_inputs, env_notes = environment_inputs(args)  # VLLM_* as the release reads them; flags win
+    print_notes(env_notes)
     if args.kv_transfer_config is not None:
         for flag, value in (("--connector", args.connector), ("--connector-config", args.connector_config)):
             if value is not None:
@@ -477,10 +497,12 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "device_capability": args.device_capability,
         "use_v2_model_runner": bool(args.use_v2_model_runner),
         "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
+        **env_inputs,
     }
     if args.model is not None:
         kwargs["model"] = args.model
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size or 1
+        kwargs["dtype"] = args.dtype
     elif args.spec is not None:
         source = read_spec_file(args.spec)
         if "groups" in source:
@@ -500,7 +522,9 @@ def context_from_args(args: argparse.Namespace) -> Context:
         kwargs["kv_cache_dtype"] = (args.kv_cache_dtype if args.kv_cache_dtype is not None
                                     else DEFAULT_EXAMPLE["kv_cache_dtype"] if device == "cuda" else "auto")
     try:
-        return build_context(**kwargs)
+        ctx = build_context(**kwargs)
+        check_env_against(os.environ, ctx)
+        return ctx
     except ModuleNotFoundError as exc:  # policy.hf_config not in this install
         raise usage_error("--model", f"reading model configs is not available here ({exc.name} is missing)",
                           "pass the KV geometry with --spec FILE instead") from None
@@ -665,7 +689,7 @@ def _plan_error_located(exc: InputError, args: argparse.Namespace) -> InputError
 def _resolved(args: argparse.Namespace) -> Resolved:
     """What --record-test records as the flags gave it (engine/cli/record_case.py)."""
     return Resolved(device_of(args)[0], read_spec_file(args.spec) if args.spec is not None else None,
-                    _preferences(args.connector_prefers_cross_layer_blocks))
+                    _preferences(args.connector_prefers_cross_layer_blocks), environment_inputs(args)[0])
 
 
 def run(args: argparse.Namespace) -> int:

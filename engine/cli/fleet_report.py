@@ -36,11 +36,12 @@ if TYPE_CHECKING:  # engine.fleet builds the case models (~30 ms): imported when
 __all__ = ["add_fleet_flag", "result_dict", "run_fleet", "run_fleet_diff"]
 
 # dry-run flags that describe one deployment: the fleet file describes each instead
-_ONE_DEPLOYMENT = ("model", "spec", "kv_cache_dtype", "block_size", "tensor_parallel_size", "backend",
-                   "worker_attention_backends", "scale_views", "connector", "connector_config", "kv_transfer_config",
-                   "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout", "enable_extensible_kv_cache",
-                   "hisparse", "use_v2_model_runner", "device", "device_capability", "num_blocks", "map_layout",
-                   "svg", "record_test")
+_ONE_DEPLOYMENT = (
+    "model", "spec", "dtype", "serve_args", "kv_cache_dtype", "block_size", "tensor_parallel_size", "backend",
+    "worker_attention_backends", "scale_views", "connector", "connector_config", "kv_transfer_config",
+    "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout", "enable_extensible_kv_cache", "hisparse",
+    "use_v2_model_runner", "device", "device_capability", "num_blocks", "map_layout", "svg", "record_test",
+)
 
 
 def add_fleet_flag(parser: argparse.ArgumentParser, *, dry_run: bool) -> None:
@@ -178,7 +179,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     """``dry-run --fleet FILE``."""
     if args.fleet is None:
         raise usage_error("--format", "`junit` is a fleet report", "pass --fleet FILE, or --format text/json")
-    given = [name for name in _ONE_DEPLOYMENT if getattr(args, name, None) not in (None, False)]
+    given = [name for name in _ONE_DEPLOYMENT if getattr(args, name, None) not in (None, False, [])]
     if given or args.map:
         flag = "--" + (given[0] if given else "map").replace("_", "-")
         raise usage_error(flag, f"{flag} describes one deployment; the fleet file describes each of them",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class Resolved:
     device: str
     spec_source: dict[str, Any] | None
     preferences: bool | dict[str, bool] | None
+    env_inputs: dict[str, Any] = field(default_factory=dict)  # what the VLLM_* environment set (flags win)
 
 
 def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) -> dict[str, Any]:
@@ -55,6 +56,7 @@ def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) ->
         data["model"] = os.path.relpath(model, case_file.resolve().parent) if inside else str(model)
         data["tensor_parallel_size"] = args.tensor_parallel_size if args.tensor_parallel_size not in (None, 1) \
             else None
+        data["dtype"] = getattr(args, "dtype", None)
     elif resolved.spec_source is not None:
         source = resolved.spec_source
         if "groups" in source:
@@ -90,6 +92,8 @@ def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) ->
         "use_v2_model_runner": bool(args.use_v2_model_runner),
         "connector_prefers_cross_layer_blocks": resolved.preferences,
     })
+    # the VLLM_* environment's part of the decision, kept in the case (a test must not read the environment)
+    data.update({k: v for k, v in resolved.env_inputs.items() if data.get(k) in (None, False)})
     return _none_free(data)
 
 

@@ -99,6 +99,8 @@ class CaseInput(Frozen):
     kv_transfer_config: dict[str, Any] | None = Field(
         default=None, description="vLLM's whole --kv-transfer-config (instead of connector/connector_config)")
     tensor_parallel_size: StrictInt = Field(default=1, ge=1, description="with `model` only")
+    dtype: str | None = Field(default=None, description="vLLM's --dtype, with `model` only (auto: as vLLM serves "
+                              "the config's torch_dtype)")
     vllm_version: str | None = Field(
         default=None, min_length=1,
         description="the vLLM release profile (`vllm-0.34`, `0.34.0`, or a patch release such as `0.28.1`: its "

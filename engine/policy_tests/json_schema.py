@@ -79,6 +79,7 @@ def _input() -> dict[str, Any]:
         "connector_config": _or_null(mapping),
         "kv_transfer_config": _or_null(mapping),
         "tensor_parallel_size": {"type": "integer", "minimum": 1, "maximum": INT64_BOUNDS["maximum"]},
+        "dtype": _or_null(string),
         "vllm_version": _or_null({"type": "string", "minLength": 1}),
         "vllm_kv_cache_layout": _or_null(string),
         "enable_extensible_kv_cache": {"type": "boolean"},

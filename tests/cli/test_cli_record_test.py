@@ -88,3 +88,15 @@ def test_audit_findings_are_recorded_and_checked(capsys: pytest.CaptureFixture[s
     code, out, _ = cli(capsys, "test", "b.yaml", "--rules", rollout, *V)
     assert code == 1
     assert "  expected audit findings: nothing\n  actual audit findings:   `site-per-token-head-stays-nhd`" in out
+
+
+def test_a_serve_line_and_the_vllm_environment_are_recorded(capsys: pytest.CaptureFixture[str], here: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
+    code, _, _ = cli(capsys, "dry-run", *V, "--record-test", "s.yaml", "--", "vllm", "serve", "./llama.json",
+                     "--kv-cache-dtype", "fp8", "--dtype", "float16")
+    (case,) = yaml.safe_load((here / "s.yaml").read_text())["cases"]
+    assert code == 0 and case["input"] == {"model": "llama.json", "dtype": "float16", "kv_cache_dtype": "fp8",
+                                           "vllm_version": "vllm-0.34", "vllm_kv_cache_layout": "HND"}
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
+    assert cli(capsys, "test", "s.yaml", *V)[0] == 0  # the case carries the environment: it does not read it
