@@ -36,7 +36,9 @@ from kvpolicy.engine.cli.common import (
     report_error,
     usage_error,
 )
+from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
+from kvpolicy.engine.cli.record_case import Resolved, record_case
 from kvpolicy.engine.cli.serve_line import add_serve_flags, apply_serve_line, environment_inputs, print_notes
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
@@ -194,6 +196,10 @@ def register(verbs: argparse._SubParsersAction) -> None:
     out.add_argument("--map-layout", type=_layout, metavar="LAYOUT",
                      help="draw this layout instead of the chosen one (what-if), e.g. cross_layer/NHD")
     out.add_argument("--svg", metavar="FILE", help="also write the block map as an SVG picture to FILE")
+    out.add_argument("--record-test", metavar="FILE",
+                     help="append this decision to FILE as a policy test case (created if absent; docs/cli.md)")
+    out.add_argument("--record-name", metavar="NAME", help="with --record-test: the case's name (default: derived)")
+    add_fleet_flag(out, dry_run=True)
     p.set_defaults(run=run)
 
 
@@ -695,8 +701,16 @@ def _plan_error_located(exc: InputError, args: argparse.Namespace) -> InputError
     return type(exc)(exc.message, diags)
 
 
+def _resolved(args: argparse.Namespace) -> Resolved:
+    """What --record-test records as the flags gave it (engine/cli/record_case.py)."""
+    return Resolved(device_of(args)[0], read_spec_file(args.spec) if args.spec is not None else None,
+                    _preferences(args.connector_prefers_cross_layer_blocks), environment_inputs(args)[0])
+
+
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
+    if args.fleet is not None or args.format == "junit":
+        return run_fleet(args)
     try:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
         ctx = _context_saying_model_notes(args)
@@ -710,8 +724,12 @@ def run(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
             print(example_banner(args), file=sys.stderr)
+        if isinstance(exc, NoLayoutError) and args.record_test:
+            print(record_case(args, _resolved(args), None, exc), file=sys.stderr)
         report_error(exc, args.format)
         return exit_code_for(exc)
+    if args.record_test:
+        print(record_case(args, _resolved(args), decision), file=sys.stderr)
     unplanned: InputError | None = None
     try:
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None
