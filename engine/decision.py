@@ -97,11 +97,20 @@ class Decision:
     def preferences(self) -> tuple[PreferenceApplied, ...]:
         return tuple(e for e in self.events if isinstance(e, PreferenceApplied))
 
+    @cached_property
+    def audit(self) -> tuple[Any, ...]:
+        """The audit-mode rules that matched (`kvpolicy.engine.audit.AuditFinding`): what each would
+        remove if enforced. They never change ``layout``."""
+        from kvpolicy.engine.audit import audit_findings
+
+        return audit_findings(self.ruleset, self.context, self.layout, [layout for layout, _ in self.ranking])
+
     @property
     def warnings(self) -> tuple[str, ...]:
         """Preferences that came to nothing: every layout a matched ``prefer`` rule asked for was
         removed, so the ranking fell back to the candidates' order. (vLLM 0.34 warns the same way
-        when a connector's required layout is not a candidate, and uses its first candidate.)"""
+        when a connector's required layout is not a candidate, and uses its first candidate.)
+        Then one line per matched audit-mode rule (`audit`)."""
         surviving = {layout for layout, _ in self.ranking}
         eliminated = self.eliminated
         asked: dict[tuple[str, str], tuple[Any, list[Layout]]] = {}
@@ -117,7 +126,7 @@ class Decision:
                        + (f"{'was' if len(layouts) == 1 else 'were'} removed by {', '.join(removers)}"
                           if removers else "did not survive")
                        + f"; the preference is dropped and {self.layout} is used instead")
-        return tuple(out)
+        return tuple(out) + tuple(f.text() for f in self.audit)
 
     @property
     def matched_rules(self) -> dict[str, bool]:
@@ -152,6 +161,7 @@ class Decision:
             "preferences": [{"layout": str(p.layout), "rule": p.rule.id, "source": str(p.rule.source),
                              "scope": p.scope, "weight": p.weight} for p in self.preferences],
             "warnings": list(self.warnings),
+            "audit": [f.to_dict() for f in self.audit],
             "counterfactual": [
                 {"layout": str(cf.layout), "text": describe(cf), "actionable": cf.actionable,
                  "changes": None if cf.changes is None else [

@@ -114,6 +114,7 @@ def build_context(
     use_v2_model_runner: bool = False,
     worker_attention_backends: Sequence[Sequence[str]] | None = None,
     connector_prefers_cross_layer_blocks: bool | dict[str, bool] | None = None,
+    dtype: str | None = None,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -134,7 +135,8 @@ def build_context(
     is the connector class's own ``prefer_cross_layer_blocks`` (vLLM 0.24-0.28's gate asks the
     object vLLM loads, e.g. from ``kv_connector_module_path``): a bool for the connector, or a
     mapping of connector names (MultiConnector members) to theirs; the rules read it as
-    ``connector.prefers_cross_layer_blocks``.
+    ``connector.prefers_cross_layer_blocks``. ``dtype`` is vLLM's ``--dtype`` for ``model`` (None or
+    ``auto``: as vLLM serves the config's ``torch_dtype``); a ``spec`` states its own ``dtype``.
     """
     release = get_profile(vllm_version)
     device = _device(device, device_capability)
@@ -182,16 +184,22 @@ def build_context(
     if groups is not None and not isinstance(groups, KVCacheGroups):
         raise input_error("groups", f"`groups` must be a KVCacheGroups, got {type(groups).__name__}",
                           "build one with KVCacheGroups(groups=(KVCacheGroup(spec=...), ...))")
+    if dtype is not None and model is None:
+        raise input_error("dtype", "`dtype` applies to `model` only", "a `spec` states the model dtype in its "
+                          "`dtype` field")
     if tensor_parallel_size != 1 and model is None:
         raise input_error("tensor_parallel_size", "`tensor_parallel_size` applies to `model` only",
                           "a `spec` already gives the KV heads of one rank (`num_kv_heads`)")
     if model is not None:
         from kvpolicy.policy.hf_config import kv_groups_from_hf_config
 
+        # the served dtype follows the device (--dtype auto): a CUDA capability below 8 has no bfloat16
         groups = kv_groups_from_hf_config(
             model, kv_cache_dtype="auto" if kv_cache_dtype is None else kv_cache_dtype,
             block_size=release.default_block_size if block_size is None else block_size,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+            device_capability=options.device_capability if device == "cuda" else None,
+            vllm_version=release.vllm_versions[0] if release.vllm_versions else None,
         )
         if not groups.groups:
             raise input_error("model", "the model config describes no KV cache layers")

@@ -1,27 +1,34 @@
-"""Hugging Face ``config.json`` -> the KV cache groups a serving engine would build.
+"""Hugging Face ``config.json`` -> the KV cache groups vLLM would build, read as vLLM reads it.
 
-Turns the handful of fields that decide a model's KV cache (layer count, KV
-heads, head size, model dtype, per-layer attention kind) into `KVCacheGroups`,
-so that policy decisions can be made from a checkpoint's config alone, without
-torch or the model code. Worked example, Qwen2.5-0.5B (24 layers, 14 heads,
+Turns the fields that decide a model's KV cache (layer count, per-layer cache kind,
+KV heads per tensor-parallel rank, head size, the dtype vLLM serves) into
+`KVCacheGroups`, from a checkpoint's config alone, without torch, transformers or the
+model code. The config is read as transformers' config class for its ``model_type``
+would present it to vLLM (class defaults, `kvpolicy.policy.hf_reader`), the text model
+from ``text_config`` when there is one, each layer's cache as vLLM's model code builds
+it (`kvpolicy.policy.hf_layer_kinds`) and the dtype by ``--dtype auto``'s rules
+(`kvpolicy.policy.hf_dtype`). Worked example, Qwen2.5-0.5B (24 layers, 14 heads,
 2 KV heads, hidden 896, ``use_sliding_window: false``)::
 
     head_size = hidden_size // num_attention_heads = 896 // 14 = 64
     one group: kind full, 24 layers, 2 KV heads, head_size 64
     fp8_per_token_head, block 16: page_size_bytes = 2*16*2*(64+4) = 4352
 
-Config problems are collected and reported together in one
-`ModelConfigError` (fields others depend on, such as the layer count, are
-checked first); a bad keyword (``kv_cache_dtype``, ``block_size``,
-``tensor_parallel_size``, ``dtype``) is an `InputError`. No `KeyError`,
-`TypeError` or pydantic `ValidationError` escapes for bad input.
+Config problems are collected and reported together in one `ModelConfigError`
+(fields others depend on, such as the layer count, are checked first); a bad keyword
+(``kv_cache_dtype``, ``block_size``, ``tensor_parallel_size``, ``dtype``,
+``device_capability``) is an `InputError`. What kvpolicy had to assume, or where vLLM
+itself would not serve the model as read, is a note: `read_hf_config` returns them,
+`kv_groups_from_hf_config` issues each as a `ModelConfigWarning`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,118 +36,67 @@ from pydantic import ValidationError
 
 from kvpolicy.policy.errors import Diagnostic, ModelConfigError, input_error
 from kvpolicy.policy.files import read_capped
+from kvpolicy.policy.hf_dtype import checkpoint_kv_cache_dtype, parse_dtype, served_dtype
+from kvpolicy.policy.hf_layer_kinds import MAMBA_ONLY, LayerCache, layer_caches, window_tokens
+from kvpolicy.policy.hf_reader import ConfigReader, is_int, show
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
 from kvpolicy.policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
 
-__all__ = ["kv_groups_from_hf_config"]
+__all__ = ["ModelConfigWarning", "ModelReading", "kv_groups_from_hf_config", "read_hf_config"]
 
 _DICT_SOURCE = "<config>"
 _CONFIG_NAME = "config.json"
-
-_DTYPE_ALIASES: dict[str, ModelDtype] = {
-    "bfloat16": ModelDtype.bfloat16,
-    "bf16": ModelDtype.bfloat16,
-    "float16": ModelDtype.float16,
-    "fp16": ModelDtype.float16,
-    "half": ModelDtype.float16,
-    "float32": ModelDtype.float32,
-    "fp32": ModelDtype.float32,
-    "float": ModelDtype.float32,
-}
-
-# `layer_types` values written by transformers (Gemma-3, gpt-oss, Qwen3, Qwen3-Next,
-# Granite-4 hybrids, LFM2). Recurrent layers (Mamba, linear attention, short conv)
-# keep a state instead of paged K/V, which is all the policy needs to know.
-_LAYER_TYPES: dict[str, AttentionKind] = {
-    "full_attention": AttentionKind.full,
-    "attention": AttentionKind.full,
-    "sliding_attention": AttentionKind.sliding_window,
-    "mamba": AttentionKind.mamba,
-    "mamba2": AttentionKind.mamba,
-    "linear_attention": AttentionKind.mamba,
-    "conv": AttentionKind.mamba,
-}
-
-# NemotronH's `hybrid_override_pattern`: one character a layer; MLP and MoE
-# layers ("-", "E") hold no cache at all.
-_NEMOTRON_PATTERN: dict[str, AttentionKind | None] = {
-    "M": AttentionKind.mamba,
-    "*": AttentionKind.full,
-    "-": None,
-    "E": None,
-}
-
-_LAYERS_BLOCK_TYPE: dict[str, AttentionKind] = {"attention": AttentionKind.full, "mamba": AttentionKind.mamba}
-
 _DEFAULT_MAMBA_STATE = 16
 
-LayerKinds = list[AttentionKind | None]
+# vLLM's `is_deepseek_mla` (0.28.0 and 0.34.0 together): only these model types cache an MLA latent
+_MLA_MODEL_TYPES = frozenset({
+    "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots3_note",
+    "deepseek_mtp", "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite",
+    "glm4_moe_lite_mtp", "kimi_k2", "kimi_linear", "longcat_flash", "longcat_flash_ngram", "mistral_large_4",
+    "pangu_ultra_moe", "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp", "bailing_hybrid_v3_mtp",
+    "hy_v4", "hy_v4_mtp"})
+
+# vLLM's CONFIG_FIELD_ALIASES["total_num_kv_heads"], first present wins
+_KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
+
+# registry.py _PREVIOUSLY_SUPPORTED_MODELS, both releases: vLLM 0.28 refuses these architectures when it
+# builds the ModelConfig; 0.34 hands BambaForCausalLM to its Transformers backend, which refuses the Mamba
+# layers when it builds the model ("does not dispatch through the Transformers attention interface")
+_NO_LONGER_SERVED = {"BambaForCausalLM": "0.23.0", "MiniMaxText01ForCausalLM": "0.23.0",
+                     "MiniMaxM1ForCausalLM": "0.23.0"}
+
+# the text model of a multimodal config whose `text_config` states no model_type of its own
+_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "llama4": "llama4_text", "mllama": "mllama_text_model"}
+
+# draft models of speculative decoding: vLLM adds their layers to the target's KV cache
+_DRAFT_MODEL_TYPES = frozenset({"eagle", "medusa", "mlp_speculator", "speculators", "deepseek_mtp",
+                                "qwen3_next_mtp", "glm4_moe_mtp", "ernie_mtp", "longcat_flash_mtp"})
 
 
-def _show(value: Any) -> str:
-    """User input as it appeared in JSON, cut short."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+class ModelConfigWarning(UserWarning):
+    """A note on a model config (an assumption, or a model vLLM would not serve as read).
+
+    ``diagnostic`` is the located note; ``str()`` renders it like an error line."""
+
+    def __init__(self, diagnostic: Diagnostic) -> None:
+        super().__init__(diagnostic.render().replace(": error[", ": warning[", 1))
+        self.diagnostic = diagnostic
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+@dataclass(frozen=True)
+class ModelReading:
+    """What `read_hf_config` read: the groups, each layer's caches, the served dtype, and the notes.
 
-
-class _Reader:
-    """Typed access to one config mapping that records every problem instead of raising.
-
-    ``prefix`` is ``"text_config."`` when the text model's fields are nested, so
-    messages name the field as it is spelled in the file.
+    ``layers[i]`` names the caches layer ``i`` keeps as vLLM's model code builds them
+    (``full``, ``sliding_window``, ``chunked_local``, ``mamba``, or ``mla``; none for an
+    MLP-only layer; two for a Falcon-H1 layer). ``notes`` are warnings: what was assumed.
     """
 
-    def __init__(self, cfg: Mapping[str, Any], top: Mapping[str, Any], where: str, prefix: str) -> None:
-        self.cfg, self.top, self.where, self.prefix = cfg, top, where, prefix
-        self.diagnostics: list[Diagnostic] = []
-
-    def name(self, key: str) -> str:
-        return f"{self.prefix}{key}"
-
-    def get(self, key: str) -> Any:
-        """The value, with JSON ``null`` read as absent (configs write both)."""
-        return self.cfg.get(key)
-
-    def has(self, key: str) -> bool:
-        return self.cfg.get(key) is not None
-
-    def error(self, code: str, message: str, help: str | None = None) -> None:
-        self.diagnostics.append(Diagnostic(self.where, 0, 0, code, message, help))
-
-    def missing(self, key: str, help: str) -> None:
-        self.error("missing-field", f"missing field `{self.name(key)}`", help)
-
-    def invalid(self, key: str, message: str, help: str | None = None) -> None:
-        self.error("invalid-field", message, help or f"fix `{self.name(key)}` in the model's config.json")
-
-    def int_field(self, key: str, *, minimum: int = 1, maximum: int = 1 << 24, required: bool = False,
-                  help: str = "") -> int | None:
-        """An integer in [``minimum``, ``maximum``]; None (and a diagnostic where due) otherwise."""
-        value = self.get(key)
-        if value is None:
-            if required:
-                self.missing(key, help or f"add `{self.name(key)}` to the model's config.json")
-            return None
-        if not _is_int(value) or value < minimum:
-            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            self.invalid(key, f"`{self.name(key)}` must be {what}, got `{_show(value)}`")
-            return None
-        if value > maximum:
-            self.invalid(key, f"`{self.name(key)}` is {value}, over the sanity bound of {maximum}")
-            return None
-        return value
-
-    def fail_if_any(self) -> None:
-        if self.diagnostics:
-            raise ModelConfigError("invalid model config", self.diagnostics)
+    groups: KVCacheGroups
+    layers: tuple[tuple[str, ...], ...]
+    dtype: ModelDtype
+    notes: tuple[Diagnostic, ...] = ()
 
 
 def _encodable(path: str) -> bool:
@@ -230,174 +186,125 @@ def _short(text: str) -> str:
     return text if len(text) <= 24 else f"{text[:12]}...{text[-6:]} ({len(text)} characters)"
 
 
-def _text_reader(raw: Mapping[str, Any], where: str) -> _Reader:
-    """Read the text model's fields: top level, or ``text_config`` for multimodal models."""
-    top = _Reader(raw, raw, where, "")
-    if top.has("num_hidden_layers"):
-        return top
+
+def _text_reader(raw: Mapping[str, Any], where: str, notes: list[Diagnostic],
+                 release: tuple[int, ...] | None) -> ConfigReader:
+    """The text model's fields: ``text_config`` when the config has one (transformers'
+    ``get_text_config``, which vLLM reads), else the top level."""
+    top_type = raw.get("model_type")
+    top_type = top_type if isinstance(top_type, str) else None
+    top = ConfigReader(raw, raw, where, "", top_type, notes, release)
     nested = raw.get("text_config")
     if nested is None:
+        if top_type is None:
+            top.warn("assumed-model-type", "the config states no `model_type`, which vLLM needs to load it; "
+                     "read by its fields alone, without a config class's defaults",
+                     "add the model's `model_type` to config.json")
         return top
     if not isinstance(nested, Mapping):
-        top.invalid("text_config", f"`text_config` must be an object, got `{_show(nested)}`")
+        top.invalid("text_config", f"`text_config` must be an object, got `{show(nested)}`")
         top.fail_if_any()
-    return _Reader(nested, raw, where, "text_config.")
+    text_type = nested.get("model_type")
+    text_type = text_type if isinstance(text_type, str) else _TEXT_MODEL_TYPES.get(top_type or "", top_type)
+    text = ConfigReader(nested, raw, where, "text_config.", text_type, notes, release)
+    layers = raw.get("num_hidden_layers")
+    if layers is not None and layers != text.get("num_hidden_layers"):
+        text.warn("ambiguous-config", f"`num_hidden_layers` ({show(layers)}) and "
+                  f"`text_config.num_hidden_layers` ({show(text.get('num_hidden_layers'))}) differ: read the "
+                  "text_config, as transformers hands it to vLLM", "remove the field that does not describe the model")
+    return text
 
 
-def _parse_dtype(value: Any) -> ModelDtype | None:
-    if isinstance(value, str):
-        return _DTYPE_ALIASES.get(value.lower().removeprefix("torch."))
-    return None
+def _check_served(r: ConfigReader) -> None:
+    """What kvpolicy does not model (an error) and what vLLM would refuse to serve (a note)."""
+    architectures = r.top.get("architectures")
+    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+    types = {r.model_type, r.top.get("model_type")}
+    if types & _DRAFT_MODEL_TYPES or any("Eagle" in a or a.endswith(("MTP", "MTPModel", "Medusa")) for a in names):
+        r.error("unsupported-model", "a speculative-decoding draft model: vLLM adds its layers to the target "
+                "model's KV cache groups, which kvpolicy does not model",
+                "read the target model's config; a draft's layers can be given as groups in a --spec file")
+    if r.has("block_configs") or r.get("is_heterogeneous") or r.top.get("is_heterogeneous"):
+        r.error("unsupported-model", "per-layer block configs (a heterogeneous model such as Nemotron-NAS): each "
+                "layer's heads and whether it has attention at all vary, which kvpolicy does not model",
+                "give the KV cache groups in a --spec file")
+    if r.has("compress_ratios") or r.has("compress_rates"):
+        r.error("unsupported-model", "compressed sparse attention (DeepSeek-V4's `compress_ratios`): its "
+                "sliding-window MLA and compressed caches are not modelled",
+                "give the KV cache groups in a --spec file")
+    if r.has("cross_attention_layers") or "whisper" in types:
+        r.error("unsupported-model", "cross-attention layers (an encoder-decoder model): kvpolicy models "
+                "decoder-only KV caches, and the vLLM releases it profiles do not serve Mllama",
+                "give the KV cache groups in a --spec file")
+    for name in names:
+        if name in _NO_LONGER_SERVED and not r.diagnostics:
+            r.warn("unsupported-architecture", f"vLLM serves `{name}` natively only up to {_NO_LONGER_SERVED[name]}: "
+                   "vLLM 0.28 refuses it, and 0.34's Transformers backend fails on its layers that are not "
+                   "attention; read as its config describes it",
+                   "use vLLM <= " + _NO_LONGER_SERVED[name] + " for this model, or another model")
 
 
-def _config_dtype(r: _Reader) -> ModelDtype:
-    """The model dtype: ``torch_dtype`` (or transformers 5's ``dtype``), text config first."""
-    places = [(r.cfg, r.prefix)] + ([(r.top, "")] if r.prefix else [])
-    for cfg, prefix in places:
-        for key in ("torch_dtype", "dtype"):
-            value = cfg.get(key)
-            if value is None:
-                continue
-            parsed = _parse_dtype(value)
-            if parsed is None:
-                r.error("invalid-field", f"`{prefix}{key}` is `{_show(value)}`, not a dtype K/V are computed in",
-                        "use bfloat16, float16 or float32, or pass dtype= to override it")
-                return ModelDtype.bfloat16
-            return parsed
-    return ModelDtype.bfloat16
-
-
-def _check_length(r: _Reader, key: str, items: Any, num_layers: int) -> bool:
-    if len(items) != num_layers:
-        r.invalid(key, f"`{r.name(key)}` has {len(items)} entries but `{r.name('num_hidden_layers')}` "
-                       f"is {num_layers}", "give one entry per hidden layer")
-        return False
-    return True
-
-
-def _from_table(r: _Reader, key: str, num_layers: int, table: Mapping[str, AttentionKind | None],
-                *, chars: bool = False) -> LayerKinds | None:
-    """Per-layer kinds from a list of names (or a string of characters) looked up in ``table``."""
-    items = r.get(key)
-    if not (isinstance(items, str) if chars else isinstance(items, list)):
-        want = "a string" if chars else "a list of strings"
-        r.invalid(key, f"`{r.name(key)}` must be {want}, got `{_show(items)}`")
-        return None
-    if not _check_length(r, key, items, num_layers):
-        return None
-    kinds: LayerKinds = []
-    for i, item in enumerate(items):
-        if not isinstance(item, str) or item not in table:
-            known = ", ".join(f"`{k}`" for k in table)
-            r.invalid(key, f"`{r.name(key)}[{i}]` is `{_show(item)}`, which is not a known layer type",
-                      f"known values: {known}")
-            return None
-        kinds.append(table[item])
-    return kinds
-
-
-def _jamba_kinds(r: _Reader, num_layers: int) -> LayerKinds | None:
-    """Jamba: layer ``i`` is attention when ``i % attn_layer_period == attn_layer_offset``."""
-    period = r.int_field("attn_layer_period", required=True)
-    offset = r.int_field("attn_layer_offset", minimum=0)
-    if period is None or (offset is None and r.has("attn_layer_offset")):
-        return None
-    offset = offset or 0
-    if offset >= period:
-        r.invalid("attn_layer_offset", f"`{r.name('attn_layer_offset')}` ({offset}) must be smaller than "
-                                       f"`{r.name('attn_layer_period')}` ({period})")
-        return None
-    return [AttentionKind.full if i % period == offset else AttentionKind.mamba for i in range(num_layers)]
-
-
-def _sliding_kinds(r: _Reader, num_layers: int) -> LayerKinds | None:
-    """Attention-only models without `layer_types`: which layers use a sliding window.
-
-    - ``use_sliding_window: false`` (Qwen2/2.5): full attention everywhere, whatever
-      ``sliding_window`` says.
-    - ``sliding_window_pattern`` p (Gemma-3, Cohere2): every p-th layer is full, the rest slide.
-    - ``model_type: gemma2``: the same with p = 2 (its config states no pattern).
-    - ``use_sliding_window: true`` (Qwen2): layers from ``max_window_layers`` on slide.
-    - otherwise a ``sliding_window`` (Mistral-7B v0.1) slides on every layer.
-    """
-    full = AttentionKind.full
-    use = r.get("use_sliding_window")
-    if use is not None and not isinstance(use, bool):
-        r.invalid("use_sliding_window", f"`{r.name('use_sliding_window')}` must be true or false, "
-                                        f"got `{_show(use)}`")
-        return None
-    if use is False or not r.has("sliding_window"):
-        return [full] * num_layers
-    slide = AttentionKind.sliding_window
-    pattern: int | None = 2 if r.get("model_type") == "gemma2" else None
-    if r.has("sliding_window_pattern"):
-        pattern = r.int_field("sliding_window_pattern")
-        if pattern is None:
-            return None
-    if pattern is not None:
-        return [slide if (i + 1) % pattern else full for i in range(num_layers)]
-    if use is True and r.has("max_window_layers"):
-        first = r.int_field("max_window_layers", minimum=0)
-        if first is None:
-            return None
-        return [slide if i >= first else full for i in range(num_layers)]
-    return [slide] * num_layers
-
-
-def _layer_kinds(r: _Reader, num_layers: int) -> LayerKinds | None:
-    """Each layer's cache kind (None: no cache), from the first source the config has."""
-    sources: list[tuple[str, Callable[[], LayerKinds | None]]] = [
-        ("layer_types", lambda: _from_table(r, "layer_types", num_layers, _LAYER_TYPES)),
-        ("hybrid_override_pattern",
-         lambda: _from_table(r, "hybrid_override_pattern", num_layers, _NEMOTRON_PATTERN, chars=True)),
-        ("layers_block_type", lambda: _from_table(r, "layers_block_type", num_layers, _LAYERS_BLOCK_TYPE)),
-        ("attn_layer_period", lambda: _jamba_kinds(r, num_layers)),
-        ("attn_layer_offset", lambda: _jamba_kinds(r, num_layers)),
-    ]
-    for key, read in sources:
+def _kv_heads(r: ConfigReader, heads: int | None) -> int | None:
+    if r.model_type == "falcon" and not r.get("new_decoder_architecture") and r.get("multi_query"):
+        return 1  # Falcon's multi-query attention, as vLLM's FalconModelArchConfigConvertor reads it
+    if r.model_type == "zamba2":
+        return heads  # Zamba2's attention is multi-head: vLLM sizes it by num_attention_heads
+    for key in _KV_HEAD_KEYS:
         if r.has(key):
-            kinds = read()
-            if kinds is not None and all(kind is None for kind in kinds):
-                r.invalid(key, f"`{r.name(key)}` gives no layer a KV cache or a Mamba state",
-                          "a model needs at least one attention or Mamba layer")
-                return None
-            return kinds
-    return _sliding_kinds(r, num_layers)
+            return r.int_field(key)
+    return heads
 
 
-def _attention_geometry(r: _Reader, tp: int) -> tuple[int, int] | None:
-    """(KV heads on this rank, head size) for the attention layers."""
+def _head_size(r: ConfigReader, heads: int | None) -> int | None:
+    """vLLM's ``get_head_size``: ``head_dim`` when positive, ``hidden_size_per_head``, Zamba2's
+    ``attention_head_dim``, else ``hidden_size // num_attention_heads``; a latent-attention model
+    vLLM does not cache as MLA (MiniCPM3) pages ``qk_nope_head_dim + qk_rope_head_dim`` per head."""
+    if r.has("kv_lora_rank") and r.has("qk_nope_head_dim") and r.has("qk_rope_head_dim"):
+        nope, rope = r.int_field("qk_nope_head_dim"), r.int_field("qk_rope_head_dim")
+        return None if nope is None or rope is None else nope + rope
+    keys = ("attention_head_dim",) if r.model_type == "zamba2" else ("head_dim", "hidden_size_per_head")
+    for key in keys:
+        value = r.get(key)
+        if value is not None and not (key == "head_dim" and is_int(value) and value == 0):
+            return r.int_field(key)
+    hidden = r.int_field("hidden_size", required=True, help="add `head_dim`, or `hidden_size` to derive it from")
+    if r.model_type == "zamba2" and hidden is not None:
+        hidden *= 2  # Zamba2Config: attention_hidden_size = 2 * hidden_size
+    if hidden is None or heads is None:
+        return None
+    if hidden % heads:
+        r.invalid("hidden_size", f"`{r.name('hidden_size')}` ({hidden}) is not divisible by "
+                                 f"`{r.name('num_attention_heads')}` ({heads})",
+                  f"add `{r.name('head_dim')}` to state the head size explicitly")
+        return None
+    return hidden // heads
+
+
+def _attention_geometry(r: ConfigReader, tp: int) -> tuple[int, int] | None:
+    """(KV heads on this rank, head size) for the attention layers, as vLLM's ``get_num_kv_heads``."""
     heads = r.int_field("num_attention_heads", required=True,
                         help="attention models state their query heads in `num_attention_heads`")
-    kv_heads = r.int_field("num_key_value_heads") if r.has("num_key_value_heads") else heads
-    head_dim = r.int_field("head_dim")
-    if head_dim is None and not r.has("head_dim"):
-        hidden = r.int_field("hidden_size", required=True,
-                             help="add `head_dim`, or `hidden_size` to derive it from")
-        if hidden is not None and heads is not None:
-            if hidden % heads:
-                r.invalid("hidden_size", f"`{r.name('hidden_size')}` ({hidden}) is not divisible by "
-                                         f"`{r.name('num_attention_heads')}` ({heads})",
-                          f"add `{r.name('head_dim')}` to state the head size explicitly")
-            else:
-                head_dim = hidden // heads
+    kv_heads = _kv_heads(r, heads)
+    head_size = _head_size(r, heads)
     if heads is not None and kv_heads is not None and heads % kv_heads:
         r.invalid("num_key_value_heads", f"`{r.name('num_attention_heads')}` ({heads}) is not divisible by "
                                          f"`{r.name('num_key_value_heads')}` ({kv_heads})",
                   "grouped-query attention shares each KV head among a whole number of query heads")
-    if kv_heads is not None and tp > 1:
-        if (tp < kv_heads and kv_heads % tp) or (tp > kv_heads and tp % kv_heads):
-            r.error("invalid-field",
-                    f"`tensor_parallel_size` {tp} does not fit `{r.name('num_key_value_heads')}` ({kv_heads})",
-                    "tensor_parallel_size must divide the KV heads, or be a multiple of them "
-                    "(then each KV head is replicated)")
-    if r.diagnostics or kv_heads is None or head_dim is None:
+    if heads is not None and heads % tp:
+        r.error("invalid-field", f"`tensor_parallel_size` {tp} does not divide `{r.name('num_attention_heads')}` "
+                f"({heads}), which vLLM refuses", "choose a tensor_parallel_size that divides the attention heads")
+    elif kv_heads is not None and tp > 1 and ((tp < kv_heads and kv_heads % tp) or (tp > kv_heads and tp % kv_heads)):
+        r.error("invalid-field",
+                f"`tensor_parallel_size` {tp} does not fit `{r.name('num_key_value_heads')}` ({kv_heads})",
+                "tensor_parallel_size must divide the KV heads, or be a multiple of them "
+                "(then each KV head is replicated)")
+    if r.diagnostics or kv_heads is None or head_size is None:
         return None
     # vLLM replicates KV heads when there are more ranks than heads: one per rank.
-    return max(1, kv_heads // tp), head_dim
+    return max(1, kv_heads // tp), head_size
 
 
-def _mamba_state_size(r: _Reader) -> int:
+def _mamba_state_size(r: ConfigReader) -> int:
     """The Mamba stand-in's head size: the SSM state size, which is positive."""
     for key in ("mamba_d_state", "ssm_state_size"):
         if r.has(key):
@@ -405,7 +312,7 @@ def _mamba_state_size(r: _Reader) -> int:
     return _DEFAULT_MAMBA_STATE
 
 
-def _build(r: _Reader, fields: list[dict[str, Any]]) -> KVCacheGroups:
+def _build(r: ConfigReader, fields: list[dict[str, Any]]) -> KVCacheGroups:
     """Build the specs; the model validators' remaining cross-checks become a `ModelConfigError`."""
     groups = []
     for spec_fields in fields:
@@ -422,103 +329,163 @@ def _build(r: _Reader, fields: list[dict[str, Any]]) -> KVCacheGroups:
     return KVCacheGroups(groups=tuple(groups))
 
 
-def _check_keywords(kv_cache_dtype: str, block_size: int, tensor_parallel_size: int,
-                    dtype: str | None) -> ModelDtype | None:
+def _release(vllm_version: str | None) -> tuple[int, ...] | None:
+    """``"0.28.0"`` (or ``"v0.28"``) -> ``(0, 28, 0)``; None stays None; anything else is an `InputError`."""
+    if vllm_version is None:
+        return None
+    parts = vllm_version.removeprefix("v").split(".") if isinstance(vllm_version, str) else []
+    if not 2 <= len(parts) <= 3 or not all(p.isascii() and p.isdigit() for p in parts):
+        raise input_error("vllm_version", f"`vllm_version` must be a vLLM release such as 0.34.0, "
+                          f"got `{show(vllm_version)}`")
+    return tuple(int(p) for p in parts)
+
+
+def _check_keywords(kv_cache_dtype: str, block_size: int, tensor_parallel_size: int, dtype: str | None,
+                    device_capability: int | None, disable_sliding_window: bool) -> ModelDtype | None:
     """Validate the keyword inputs (`InputError`); return the dtype override, if any."""
     if not isinstance(kv_cache_dtype, str):
-        raise input_error("kv_cache_dtype", f"`kv_cache_dtype` must be a string, got `{_show(kv_cache_dtype)}`",
+        raise input_error("kv_cache_dtype", f"`kv_cache_dtype` must be a string, got `{show(kv_cache_dtype)}`",
                           f"valid values: {', '.join(KV_CACHE_DTYPES)}")
     parse_kv_cache_dtype(kv_cache_dtype, ModelDtype.bfloat16)  # raises InputError with a did-you-mean
     for name, value in (("block_size", block_size), ("tensor_parallel_size", tensor_parallel_size)):
-        if not _is_int(value) or value < 1:
-            raise input_error(name, f"`{name}` must be a positive integer, got `{_show(value)}`")
+        if not is_int(value) or value < 1:
+            raise input_error(name, f"`{name}` must be a positive integer, got `{show(value)}`")
+    if not isinstance(disable_sliding_window, bool):
+        raise input_error("disable_sliding_window", f"`disable_sliding_window` must be true or false, "
+                          f"got `{show(disable_sliding_window)}`")
+    if device_capability is not None and not (is_int(device_capability) and 0 < device_capability < 100):
+        raise input_error("device_capability", f"`device_capability` must be a CUDA major version such as 9, "
+                          f"got `{show(device_capability)}`")
     if dtype is None or dtype == "auto":
         return None
-    override = _parse_dtype(dtype)
+    override = parse_dtype(dtype)
     if override is None:
-        raise input_error("dtype", f"unknown dtype `{_show(dtype)}`",
+        raise input_error("dtype", f"unknown dtype `{show(dtype)}`",
                           "use auto, bfloat16, float16 or float32", code="unknown-dtype")
     return override
 
 
-def kv_groups_from_hf_config(
+def _counts(layers: list[tuple[str, ...]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for caches in layers:
+        for cache in caches:
+            counts[cache] = counts.get(cache, 0) + 1
+    return counts
+
+
+def read_hf_config(
     config: str | os.PathLike[str] | dict[str, Any],
     *,
     kv_cache_dtype: str = "auto",
     block_size: int = 16,
     tensor_parallel_size: int = 1,
     dtype: str | None = None,
-) -> KVCacheGroups:
-    """The KV cache groups one tensor-parallel rank of this model needs.
+    device_capability: int | None = None,
+    vllm_version: str | None = None,
+    disable_sliding_window: bool = False,
+) -> ModelReading:
+    """Read a model config as vLLM 0.28 / 0.34 read it: the groups one tensor-parallel rank needs.
 
     ``config`` is a path to ``config.json``, a directory holding one, or an
-    already-parsed dict. Multimodal configs (Gemma-3, Llama-4, Qwen2.5-VL) are
-    read from ``text_config`` when the top level has no ``num_hidden_layers``.
-    ``dtype`` overrides the config's ``torch_dtype`` (``"auto"`` keeps it).
+    already-parsed dict. ``dtype`` is vLLM's ``--dtype`` (None or ``"auto"``: the
+    dtype vLLM's auto rules serve, `kvpolicy.policy.hf_dtype`; an explicit dtype
+    wins). ``device_capability`` is the CUDA major version those rules consult
+    (None: 8.0 or later, where bfloat16 is supported; a CPU decides the same).
+    ``vllm_version`` (``"0.28.0"``) is the release read for, where releases read a
+    field differently (Qwen3-Next's ``full_attention_interval``: 0.32 on); None
+    reads as the newest release does, with a note where that matters.
+    ``disable_sliding_window`` is vLLM's ``--disable-sliding-window``: it clears the
+    config's window, so sliding layers are cached as full attention.
 
-    Grouping, one `KVCacheGroup` per distinct layer kind, in order of each
-    kind's first layer:
+    Grouping, one `KVCacheGroup` per distinct cache kind, in order of each kind's
+    first layer:
 
-    - MLA (``kv_lora_rank`` present, DeepSeek-V2/V3): one ``mla`` group, one
-      latent head of ``kv_lora_rank + qk_rope_head_dim`` (576 on DeepSeek-V3),
-      never split by tensor parallelism.
-    - sliding-window layers (``layer_types``, ``sliding_window_pattern``, or
-      ``sliding_window`` unless ``use_sliding_window`` is false) form a
-      ``sliding_window`` group, the rest a ``full`` one.
-    - Mamba hybrids (Jamba's ``attn_layer_period``/``attn_layer_offset``,
-      ``layers_block_type``, NemotronH's ``hybrid_override_pattern``, or
-      ``mamba``/``linear_attention`` in ``layer_types``) add a ``mamba`` group.
+    - MLA (``kv_lora_rank`` on a model type vLLM's ``is_deepseek_mla`` lists,
+      DeepSeek-V2/V3, Kimi-K2...): one ``mla`` group, one latent head of
+      ``kv_lora_rank + qk_rope_head_dim`` (576 on DeepSeek-V3), never split by
+      tensor parallelism.
+    - sliding-window layers form a ``sliding_window`` group, the rest a ``full`` one.
+    - chunked-local layers (Llama-4's RoPE layers with ``attention_chunk_size``)
+      form a ``chunked_local`` group: vLLM keeps its hybrid KV cache manager on for
+      them by default (``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` is 1).
+    - Mamba, Gated DeltaNet (linear attention) and short-convolution layers add a
+      ``mamba`` group.
 
-    vLLM balances hybrid groups to equal sizes (gpt-oss: 12 groups of 2
-    layers); here each kind is one group holding all its layers, which is what
-    the policy needs: the number of groups and their kinds. The ``mamba``
-    spec is a stand-in for the same reason: one head of the SSM state size
-    (``mamba_d_state`` or ``ssm_state_size``, default 16), ``kv_cache_dtype``
-    auto; its kind drives decisions, its bytes mean nothing.
+    vLLM balances hybrid groups to equal sizes (gpt-oss: 12 groups of 2 layers);
+    here each kind is one group holding all its layers, which is what the policy
+    needs: the number of groups and their kinds. The ``mamba`` spec is a stand-in
+    for the same reason: one head of the SSM state size (``mamba_d_state`` or
+    ``ssm_state_size``, default 16), ``kv_cache_dtype`` auto; its kind drives
+    decisions, its bytes mean nothing.
 
-    KV heads per rank are ``num_key_value_heads // tensor_parallel_size``, at
-    least 1 (vLLM replicates KV heads when there are more ranks than heads).
+    KV heads per rank are ``max(1, total KV heads // tensor_parallel_size)`` (vLLM
+    replicates KV heads when there are more ranks than heads); the attention heads
+    must divide by ``tensor_parallel_size``, as vLLM requires.
+
+    Not modelled (a `ModelConfigError` says so): speculative-decoding draft models
+    and encoder-decoder (cross-attention) models.
 
     Raises `ModelConfigError` (every config problem at once, located at the
     config's path or ``"<config>"``) and `InputError` for a bad keyword.
     """
-    override = _check_keywords(kv_cache_dtype, block_size, tensor_parallel_size, dtype)
+    override = _check_keywords(kv_cache_dtype, block_size, tensor_parallel_size, dtype, device_capability,
+                               disable_sliding_window)
+    release = _release(vllm_version)
     raw, where = _load(config)
-    r = _text_reader(raw, where)
+    notes: list[Diagnostic] = []
+    r = _text_reader(raw, where, notes, release)
+    _check_served(r)
     num_layers = r.int_field("num_hidden_layers", required=True, maximum=MAX_LAYERS,
                              help="a decoder's config.json states its layer count in `num_hidden_layers`")
-    model_dtype = override or _config_dtype(r)
+    model_dtype = served_dtype(r, override, device_capability)
+    if kv_cache_dtype == "auto" and (from_checkpoint := checkpoint_kv_cache_dtype(r)) is not None:
+        kv_cache_dtype = from_checkpoint
+        r.warn("checkpoint-kv-cache-dtype", f"kv_cache_dtype auto: the checkpoint's `quantization_config` names "
+               f"a {from_checkpoint} KV cache, which vLLM then allocates, and so does kvpolicy",
+               "pass kv_cache_dtype= (--kv-cache-dtype) to choose another")
     r.fail_if_any()
     assert num_layers is not None  # INVARIANT: fail_if_any raised otherwise
     common = {"block_size": block_size, "dtype": model_dtype}
 
-    if r.has("kv_lora_rank"):
+    if r.has("kv_lora_rank") and (r.model_type in _MLA_MODEL_TYPES or r.model_type is None):
         lora = r.int_field("kv_lora_rank")
         rope = r.int_field("qk_rope_head_dim", required=True,
                            help="MLA caches the latent and the rope key: add `qk_rope_head_dim`")
         r.fail_if_any()
         assert lora is not None and rope is not None
-        return _build(r, [{**common, "kind": AttentionKind.mla, "num_layers": num_layers, "num_kv_heads": 1,
-                           "head_size": lora + rope, "kv_cache_dtype": kv_cache_dtype}])
+        if r.has("index_topk"):
+            r.warn("indexer-not-modelled", f"`{r.name('index_topk')}`: DeepSeek sparse attention, where vLLM adds an "
+                   "fp8 indexer key cache (its own MLA spec, uint8) beside each layer's latent; kvpolicy reads the "
+                   "latent only", "give the indexer's groups in a --spec file where they matter to the decision")
+        groups = _build(r, [{**common, "kind": AttentionKind.mla, "num_layers": num_layers, "num_kv_heads": 1,
+                             "head_size": lora + rope, "kv_cache_dtype": kv_cache_dtype}])
+        return ModelReading(groups, ((AttentionKind.mla.value,),) * num_layers, model_dtype, tuple(notes))
+    if r.has("kv_lora_rank") and r.model_type not in MAMBA_ONLY:
+        r.warn("not-mla", f"`{r.name('kv_lora_rank')}` is set, but vLLM reads only the model types its "
+               f"`is_deepseek_mla` lists as MLA, and `{r.model_type}` is not one: read as K/V attention "
+               "(head size `qk_nope_head_dim + qk_rope_head_dim` where both are given)",
+               "if vLLM caches this model's latent, name its model_type to kvpolicy's maintainers")
 
-    kinds = _layer_kinds(r, num_layers)
+    caches = layer_caches(r, num_layers)
     r.fail_if_any()
-    assert kinds is not None
-    counts: dict[AttentionKind, int] = {}
-    for kind in kinds:
-        if kind is not None:
-            counts[kind] = counts.get(kind, 0) + 1
-    has_attention = any(kind.is_attention for kind in counts)
+    assert caches is not None
+    if disable_sliding_window:  # vLLM sets hf_text_config.sliding_window = None: no layer keeps a window
+        caches = [tuple(LayerCache.full if c is LayerCache.sliding_window else c for c in layer) for layer in caches]
+    layers = [tuple(c.value for c in layer) for layer in caches]
+    counts = _counts(layers)
+    has_attention = any(kind != LayerCache.mamba.value for kind in counts)
     geometry = _attention_geometry(r, tensor_parallel_size) if has_attention else None
     window = None
-    if AttentionKind.sliding_window in counts:
+    if LayerCache.sliding_window.value in counts:
         window = r.int_field("sliding_window", required=True,
                              help="sliding-window layers need `sliding_window`, their window in tokens")
-    state = _mamba_state_size(r) if AttentionKind.mamba in counts else None
+        window = window and window_tokens(r, window)
+    state = _mamba_state_size(r) if LayerCache.mamba.value in counts else None
     r.fail_if_any()
 
     fields = []
-    for kind, count in counts.items():
+    for kind_name, count in counts.items():
+        kind = AttentionKind(kind_name)
         if kind is AttentionKind.mamba:
             assert state is not None
             fields.append({**common, "kind": kind, "num_layers": count, "num_kv_heads": 1,
@@ -529,4 +496,29 @@ def kv_groups_from_hf_config(
             fields.append({**common, "kind": kind, "num_layers": count, "num_kv_heads": kv_heads,
                            "head_size": head_size, "kv_cache_dtype": kv_cache_dtype,
                            "sliding_window": window if kind is AttentionKind.sliding_window else None})
-    return _build(r, fields)
+    return ModelReading(_build(r, fields), tuple(layers), model_dtype, tuple(notes))
+
+
+def kv_groups_from_hf_config(
+    config: str | os.PathLike[str] | dict[str, Any],
+    *,
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    dtype: str | None = None,
+    device_capability: int | None = None,
+    vllm_version: str | None = None,
+    disable_sliding_window: bool = False,
+) -> KVCacheGroups:
+    """The KV cache groups one tensor-parallel rank of this model needs (`read_hf_config`'s groups).
+
+    Each note of the reading is issued as a `ModelConfigWarning` (``warnings.warn``),
+    so that a caller that wants only the groups still hears what was assumed.
+    """
+    reading = read_hf_config(config, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                             tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                             device_capability=device_capability, vllm_version=vllm_version,
+                             disable_sliding_window=disable_sliding_window)
+    for note in reading.notes:
+        warnings.warn(ModelConfigWarning(note), stacklevel=2)
+    return reading.groups

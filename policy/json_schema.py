@@ -37,7 +37,7 @@ from pydantic import BaseModel
 
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec
 from kvpolicy.policy.layouts import LEGACY_NAMES, HeadOrder, Layout, LayoutPattern, Placement
-from kvpolicy.policy.rule_model import OPERATORS, Defaults, Effect, MemberPreferences, Rule, RuleFile
+from kvpolicy.policy.rule_model import OPERATORS, Defaults, Effect, Enforcement, MemberPreferences, Rule, RuleFile
 from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
 
 __all__ = ["DRAFT", "INT64_BOUNDS", "LOADER_ONLY_CHECKS", "RULE_FILE_ID", "LoaderOnly", "layout_names",
@@ -277,6 +277,7 @@ def _rule() -> dict[str, Any]:
         "when": _ref("Condition"),  # `when:` left empty is an error (`empty-condition`), not "always"
         **{e: _or_null(_ref("RulePattern")) for e in effects},
         "weight": _or_null({"type": "integer", "minimum": 1, "maximum": 1000}),
+        "enforcement": _or_null({"enum": [e.value for e in Enforcement]}),
     }
     props = {k: _described(Rule, k, v) for k, v in _check_keys(Rule, props).items()}
     return {
@@ -287,7 +288,9 @@ def _rule() -> dict[str, Any]:
         "properties": props,
         "oneOf": [{"required": [e], "properties": {e: {"type": "object"}}} for e in effects],
         "allOf": [{"if": _non_null("weight"), "then": _non_null("prefer"),
-                   "$comment": "`weight` applies only to a `prefer` rule"}],
+                   "$comment": "`weight` applies only to a `prefer` rule"},
+                  {"if": _non_null("enforcement"), "then": {"properties": {"prefer": _null()}},
+                   "$comment": "`enforcement` applies only to a `forbid` or `require` rule"}],
     }
 
 

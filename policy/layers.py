@@ -72,7 +72,7 @@ def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
     metas: list[RuleLayer] = []
     for ruleset, shipped in layers:
         ids = []
-        for rule in sorted(ruleset.rules, key=lambda r: (r.source, r.id)):
+        for rule in sorted(ruleset.all_rules, key=lambda r: (r.source, r.id)):
             if rule.id in first:
                 lower, lower_root = first[rule.id]
                 if same[rule.id] == (rule.scope, rule.rule):

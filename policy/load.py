@@ -27,7 +27,7 @@ from kvpolicy.policy.ruleset import RuleSet, Source
 from kvpolicy.policy.validate import validate_file
 from kvpolicy.policy.yaml_source import Limits, Located, parse_yaml
 
-__all__ = ["Limits", "load_rules", "load_rules_from_texts", "rule_files"]
+__all__ = ["Limits", "load_rule_file", "load_rules", "load_rules_from_texts", "rule_files"]
 
 RULE_FILE_SUFFIXES = (".yaml", ".yml")  # rule files, and policy test files beside them
 
@@ -257,4 +257,28 @@ def load_rules_from_texts(texts: dict[str, str], *, limits: Limits = Limits()) -
         diags += exc.diagnostics
     if diags:
         raise RuleLoadError(f"{len(diags)} error(s) in rule set", diags)
+    return ruleset
+
+
+def load_rule_file(text: str, shown: str, *, connector_file: bool | None = None,
+                   limits: Limits = Limits()) -> RuleSet:
+    """One rule file on its own (``kvpolicy validate FILE``, ``validate -``), located as ``shown``.
+
+    ``connector_file`` None: the file is a connector file when it declares ``connector:`` (on disk the
+    directory says so; a file alone has only its content). Raises `RuleLoadError` listing every problem.
+    """
+    if len(text.encode()) > limits.max_file_bytes:
+        raise RuleLoadError("", [Diagnostic(shown, 1, 1, "too-large", f"the file is over the "
+                                            f"{limits.max_file_bytes}-byte limit", "split it")])
+    src, diags = parse_yaml(text, shown, limits)
+    if src is None:
+        raise RuleLoadError(f"{len(diags)} error(s) in rule file `{shown}`", diags)
+    if connector_file is None:
+        connector_file = isinstance(src.data, dict) and src.data.get("connector") is not None
+    try:
+        ruleset = _assemble([(src, connector_file)], limits, shown)
+    except RuleLoadError as exc:
+        diags += exc.diagnostics
+    if diags:
+        raise RuleLoadError(f"{len(diags)} error(s) in rule file `{shown}`", diags)
     return ruleset

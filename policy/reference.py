@@ -106,6 +106,49 @@ the number 1.
 """
 
 
+# Audit mode (`Rule.enforcement`), with its example: `tests/test_doc_examples.py` runs the dry-run shown.
+_AUDIT_MODE = """\
+### Audit mode: `enforcement: audit`
+
+A `forbid` or `require` rule with `enforcement: audit` removes nothing. When it matches, the
+decision carries a finding that says what enforcing it would remove and what the decision would
+become (or that no layout would survive, so vLLM would refuse to start). The finding shows in
+`kvpolicy dry-run` (text `warnings:`, JSON `warnings` and `audit`), in the vLLM plugin's log (a
+WARNING line), in `kvpolicy lint` (a `note[audit]` with the inputs whose decision enforcing would
+change; a note, so `--strict` does not fail on it), in `kvpolicy dry-run --fleet` and in
+`kvpolicy inspect`. An audit rule never changes a layout and never blocks start-up: the decision
+procedure does not see it (a property test adds random audit rules and checks every decision).
+
+Why a key on `forbid`/`require` and not a fourth effect `warn:`: rolling a rule out is then a
+one-line change (delete `enforcement: audit`), the pattern keeps the meaning it will have when
+enforced, so the finding can say exactly what enforcing it changes (Kyverno's
+`validationFailureAction: Audit`/`Enforce` works the same way, per policy). A `prefer` rule
+removes nothing, so `enforcement` on it is an error.
+
+```yaml
+# docs/examples/rollout/global.yaml
+- id: site-per-token-head-stays-nhd
+  description: our offload readers expect NHD pages for per-token-head caches
+  enforcement: audit
+  when: {field: kv.per_token_head, eq: true}
+  forbid: {head_order: HND}
+```
+
+```
+$ kvpolicy dry-run --rules docs/examples/rollout/ --vllm-version 0.34.0 --explain notes
+...
+layout: LBHNC (per_layer, HND)
+...
+warnings:
+  audit rule `site-per-token-head-stays-nhd` (global,
+  docs/examples/rollout/global.yaml:5) matched; enforcing it would remove LBHNC, BLHNC,
+  BHLNC, LHBNC, the chosen LBHNC among them: the decision would become LBNHC
+...
+```
+
+"""
+
+
 def _model_keys(model: type, skip: tuple[str, ...] = ()) -> list[str]:
     rows = []
     for name, info in model.model_fields.items():  # type: ignore[attr-defined]
@@ -198,6 +241,7 @@ def render_reference() -> str:
         f"`placement` is one of {', '.join(f'`{p.value}`' for p in Placement)}; "
         f"`head_order` one of {', '.join(f'`{h.value}`' for h in HeadOrder)}.",
         "",
+        *_AUDIT_MODE.splitlines(),
         "## Layouts",
         "",
         "vLLM's `KVCacheLayout`s: each name spells the physical order of the logical",

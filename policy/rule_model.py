@@ -38,6 +38,7 @@ __all__ = [
     "Condition",
     "Defaults",
     "Effect",
+    "Enforcement",
     "Leaf",
     "MemberPreferences",
     "NotOf",
@@ -71,6 +72,19 @@ class Effect(str, Enum):
     forbid = "forbid"
     require = "require"
     prefer = "prefer"
+
+
+class Enforcement(str, Enum):
+    """What a matched ``forbid`` / ``require`` rule does (Kyverno's ``validationFailureAction``).
+
+    ``enforce`` (the default) removes candidates. ``audit`` removes nothing: the rule's finding (what it
+    would remove, and whether that would change the decision) is reported as a warning in dry-run, the
+    plugin's log, lint and ``kvpolicy inspect``, so a site can roll a new rule out before enforcing it by
+    deleting one line.
+    """
+
+    enforce = "enforce"
+    audit = "audit"
 
 
 class Leaf(Frozen):
@@ -172,6 +186,9 @@ class Rule(Frozen):
     require: LayoutPattern | None = Field(default=None, description="remove the layouts the pattern does not match")
     prefer: LayoutPattern | None = Field(default=None, description="add `weight` to the layouts the pattern matches")
     weight: StrictInt | None = Field(default=None, ge=1, le=1000, description="with `prefer` only; default 1")
+    enforcement: Enforcement | None = Field(
+        default=None, description="with `forbid` or `require` only: `enforce` (default) removes layouts; `audit` "
+                                  "only warns what enforcing would remove and change (roll a rule out first)")
 
     @model_validator(mode="after")
     def _one_effect(self) -> Rule:
@@ -181,7 +198,15 @@ class Rule(Frozen):
             raise ValueError(f"a rule needs exactly one effect of `forbid`, `require`, `prefer`; found {found}")
         if self.weight is not None and self.prefer is None:
             raise ValueError("`weight` applies only to a `prefer` rule")
+        if self.enforcement is not None and self.prefer is not None:
+            raise ValueError("`enforcement` applies only to a `forbid` or `require` rule: a preference removes "
+                             "nothing, so there is nothing to audit")
         return self
+
+    @property
+    def audit(self) -> bool:
+        """An audit-mode rule: it warns what it would remove and never removes anything."""
+        return self.enforcement is Enforcement.audit
 
     @property
     def effect(self) -> Effect:

@@ -85,13 +85,20 @@ class RuleSet:
     warnings: tuple[Any, ...] = ()
     # where each connector file names its connector (its `connector:` key), for warnings about the name
     connector_sources: dict[str, Source] = field(default_factory=dict, compare=False)
+    # `enforcement: audit` rules: never evaluated by the decision, only reported (kvpolicy.engine.audit)
+    audit_rules: tuple[CompiledRule, ...] = ()
 
     def __post_init__(self) -> None:
         by_scope: dict[str | None, list[CompiledRule]] = {}
         for rule in sorted(self.rules, key=lambda r: (r.scope or "", r.source, r.id)):
             by_scope.setdefault(rule.scope, []).append(rule)
         object.__setattr__(self, "_by_scope", {k: tuple(v) for k, v in by_scope.items()})
-        object.__setattr__(self, "_by_id", {r.id: r for r in self.rules})
+        object.__setattr__(self, "_by_id", {r.id: r for r in (*self.rules, *self.audit_rules)})
+
+    @property
+    def all_rules(self) -> tuple[CompiledRule, ...]:
+        """The enforced rules, then the audit-mode ones: every rule the files declare."""
+        return self.rules + self.audit_rules
 
     @property
     def global_rules(self) -> tuple[CompiledRule, ...]:
@@ -122,7 +129,7 @@ class RuleSet:
             "member_preferences": {k: v.value for k, v in sorted(self.member_preferences.items())},
             "rules": sorted(
                 ({"scope": r.scope, **r.rule.model_dump(mode="json", by_alias=True, exclude_none=True)}
-                 for r in self.rules),
+                 for r in self.all_rules),
                 key=lambda d: d["id"],
             ),
         }
@@ -139,13 +146,17 @@ class RuleSet:
         *,
         order_declared: bool = False,
     ) -> RuleSet:
-        """Compile validated rules. Unlisted layouts follow ``layout_order`` canonically."""
+        """Compile validated rules. Unlisted layouts follow ``layout_order`` canonically. Audit-mode rules
+        go to ``audit_rules``: the decision never sees them, so they cannot change a layout."""
         order = tuple(layout_order) + tuple(x for x in ALL_LAYOUTS if x not in layout_order)
-        compiled = []
+        compiled, audited = [], []
         for rule, source, scope in rules:
             mask = sum(1 << i for i, layout in enumerate(order) if rule.pattern.matches(layout))
             cond = compile_condition(rule.when)
             code = EFFECT_CODES[rule.effect]
             weights = tuple((rule.weight or 1) if mask >> i & 1 else 0 for i in range(len(order)))
-            compiled.append(CompiledRule(rule, source, scope, cond, mask, (cond.test, code, mask, weights)))
-        return cls(tuple(compiled), order, dict(member_preferences or {}), root, order_declared)
+            # INVARIANT: an audit rule never reaches `rules`, the only tuple decide.py evaluates
+            (audited if rule.audit else compiled).append(
+                CompiledRule(rule, source, scope, cond, mask, (cond.test, code, mask, weights)))
+        return cls(tuple(compiled), order, dict(member_preferences or {}), root, order_declared,
+                   audit_rules=tuple(audited))

@@ -62,10 +62,13 @@ MAX_HEAD_SIZE = 16384
 
 
 class AttentionKind(str, Enum):
-    """What a KV cache group stores."""
+    """What a KV cache group stores: vLLM's spec classes ``FullAttentionSpec``, ``SlidingWindowSpec``,
+    ``ChunkedLocalAttentionSpec`` (Llama-4's local layers: K/V paged as full attention's, kept per
+    chunk), ``MLAAttentionSpec`` and ``MambaSpec``."""
 
     full = "full"
     sliding_window = "sliding_window"
+    chunked_local = "chunked_local"
     mla = "mla"
     mamba = "mamba"
 

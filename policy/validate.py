@@ -248,6 +248,8 @@ def _effect_problem(data: dict[str, Any]) -> str | None:
         return f"a rule needs exactly one effect of `forbid`, `require`, `prefer`; found {found}"
     if data.get("weight") is not None and data.get("prefer") is None:
         return "`weight` applies only to a `prefer` rule"
+    if data.get("enforcement") is not None and data.get("prefer") is not None:
+        return "`enforcement` applies only to a `forbid` or `require` rule"
     return None
 
 

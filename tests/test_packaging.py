@@ -73,3 +73,21 @@ def test_wheel_needs_torch_only_for_its_extra(wheel: Path) -> None:
     assert torch and all('extra == "torch"' in r for r in torch), torch
     assert "Provides-Extra: torch" in meta
     assert any(r.startswith("kvpolicy[torch]") and 'extra == "test"' in r for r in requires), requires
+
+
+def test_wheel_ships_the_serve_argument_facts(wheel: Path, tmp_path: Path) -> None:
+    """`dry-run -- <vllm serve line>` reads each release's parser facts from the installed package."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    facts = sorted(ROOT.glob("engine/vllm_serve_args/*.json"))
+    assert len(facts) >= 11
+    for path in facts:
+        assert f"kvpolicy/engine/vllm_serve_args/{path.name}" in names, path
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    proc = subprocess.run([sys.executable, "-m", "kvpolicy.engine.cli.main", "dry-run", "--vllm-version", "0.28.0",
+                           "--explain", "notes", "--", str(ROOT / "tests" / "e2e" / "tiny-llama"), "-tp", "2",
+                           "--port", "8000"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 KV heads x 64" in proc.stdout
+    assert "ignored, they do not bear on the KV cache layout: --port" in proc.stderr

@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.analysis.audit_lint import audit_summaries, audit_view
 from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS
 from kvpolicy.engine.analysis.connector_names import unknown_connector_findings
 from kvpolicy.engine.analysis.decider import Decider
@@ -278,7 +279,8 @@ def lint(
     if base is not None and base.digest == ruleset.digest:
         base = ruleset
     if inputs is None:
-        space = build_space([ruleset] if base is None or base is ruleset else [ruleset, base],
+        audited = [view] if (view := audit_view(ruleset)) is not None else []  # the fields audit rules test too
+        space = build_space(([ruleset] if base is None or base is ruleset else [ruleset, base]) + audited,
                             vllm_version=profile, scale_views=scale_views, max_inputs=max_inputs)
     elif isinstance(inputs, Space):
         space = inputs
@@ -410,6 +412,8 @@ def lint(
                                 f"candidates: {named(conflict_rules[True])}",
                                 inputs=_labels(conflicts[True], _REFUSALS_LISTED), total=len(conflicts[True]),
                                 groups=fold(conflicts[True])))
+    findings += [Finding("note", "audit", s.message, rule_ref(s.rule), inputs=s.examples, total=s.changed)
+                 for s in audit_summaries(ruleset, space, decider)]
     summary = {"inputs": len(space), "unsafe_inputs": sum(len(v) for v in unsafe.values()),
                "conflicts": len(conflicts[False]), "release_refuses": len(conflicts[True]),
                "release_fails": sum(len(v) for v in fails.values())}

@@ -23,6 +23,7 @@ from kvpolicy.engine.cli.common import (
     print_json,
     report_error,
 )
+from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet_diff
 from kvpolicy.engine.cli.operator_view import own_lint_report
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError
@@ -118,6 +119,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
                    help="changed inputs shown in text output (default 50; JSON lists all)")
     add_max_space_flag(d)
     add_format_flag(d)
+    add_fleet_flag(d, dry_run=False)
     d.set_defaults(run=run_diff)
 
 
@@ -191,6 +193,8 @@ def run_diff(args: argparse.Namespace) -> int:
     from kvpolicy.policy.releases import get_profile
 
     check_vllm_version(args.vllm_version)
+    if args.fleet is not None:
+        return run_fleet_diff(args)
     try:  # exit 1 means "decisions change": a rule set that does not load is a usage error (2)
         shared = list(args.rules or [])  # layers under both sides, on the shipped rules
         old = load_ruleset([*shared, args.old], "OLD", vllm_version=args.vllm_version,

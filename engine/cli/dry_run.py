@@ -1,7 +1,9 @@
 """``kvpolicy dry-run``: decide one deployment's layout and explain why, without allocating.
 
 The flags mirror vLLM's (``--kv-cache-dtype``, ``--block-size``,
-``--tensor-parallel-size``, ``kv_connector`` / ``kv_connector_extra_config``).
+``--tensor-parallel-size``, ``--dtype``, ``kv_connector`` / ``kv_connector_extra_config``); a `vllm serve`
+line after ``--`` and the ``VLLM_*`` environment are read as the release reads them
+(`kvpolicy.engine.cli.serve_line`).
 Without ``--model`` or ``--spec`` the built-in example is decided
 (`kvpolicy.engine.inputs.DEFAULT_EXAMPLE`), and the output says so first.
 """
@@ -13,6 +15,7 @@ import errno
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +37,13 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.engine.cli.connector_check import check_connectors
+from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
+from kvpolicy.engine.cli.record_case import Resolved, record_case
+from kvpolicy.engine.cli.serve_line import add_serve_flags, apply_serve_line, environment_inputs, print_notes
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
+from kvpolicy.engine.vllm_env import check_env_against
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
@@ -73,6 +80,13 @@ examples:
   kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \\
       --worker-attention-backends FLASHINFER --worker-attention-backends FLASH_ATTN,TRITON_ATTN
       two pipeline stages with different backends: the layouts both support
+  kvpolicy dry-run --vllm-version 0.34.0 -- ./Qwen2.5-0.5B -tp 2 --kv-cache-dtype fp8 --block-size 32 \\
+      --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}' --port 8000
+      a `vllm serve` line as is, after `--` (read with that release's parser; --port is ignored, and said)
+  kvpolicy dry-run -- --config serve.yaml -tp 1     vLLM's --config YAML, a flag overriding it
+  kvpolicy dry-run --model ./gemma-2-2b --dtype bfloat16
+  VLLM_KV_CACHE_LAYOUT=LBNHC kvpolicy dry-run
+      the environment as vLLM reads it (a note says so; --vllm-kv-cache-layout wins over it)
   kvpolicy dry-run --explain fails          # only what removed candidates and why the rest lost
   kvpolicy dry-run --format json | jq .layout
 
@@ -84,6 +98,10 @@ spec file (--spec, YAML or JSON): KVCacheSpec fields, or several KV cache groups
   kv_cache_dtype: fp8_per_token_head     # optional; --kv-cache-dtype overrides
   # or: groups: [{spec: {...}, num_attention_groups: 1}, {spec: {kind: mamba, ...}}]
   #     (a group's `dcp_sharded: false`: a replicated draft model's cache under DCP)
+
+environment: VLLM_KV_CACHE_LAYOUT (and VLLM_USE_V2_MODEL_RUNNER where the gate decides, 0.24-0.28) are
+  read as the release reads them; VLLM_MLA_DISABLE, VLLM_BATCH_INVARIANT and the other variables vLLM
+  reads on this decision's path are refused or said to be ignored, with why (docs/cli.md)
 
 exit codes: 0 a layout was chosen, 1 no layout survives the rules (or they do not load),
             2 usage error (a bad flag value, an unreadable or invalid --spec / --model)
@@ -134,6 +152,7 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     src.add_argument("--block-size", type=int_at_least(1), metavar="N", help="tokens per block (vLLM's --block-size)")
     src.add_argument("--tensor-parallel-size", type=int_at_least(1), metavar="N",
                      help="with --model: KV heads are split over N ranks (default 1)")
+    add_serve_flags(p, src)
     dep = p.add_argument_group("the deployment (named as vLLM names them)")
     add_vllm_version_flag(dep)
     dep.add_argument("--attention-backend", "--backend", dest="backend", metavar="NAME",
@@ -197,6 +216,10 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     out.add_argument("--map-layout", type=_layout, metavar="LAYOUT",
                      help="draw this layout instead of the chosen one (what-if), e.g. cross_layer/NHD")
     out.add_argument("--svg", metavar="FILE", help="also write the block map as an SVG picture to FILE")
+    out.add_argument("--record-test", metavar="FILE",
+                     help="append this decision to FILE as a policy test case (created if absent; docs/cli.md)")
+    out.add_argument("--record-name", metavar="NAME", help="with --record-test: the case's name (default: derived)")
+    add_fleet_flag(out, dry_run=True)
 
 
 def _preference(text: str) -> tuple[str | None, bool]:
@@ -430,6 +453,7 @@ _FLAG_OF = {
     "tensor_parallel_size": "--tensor-parallel-size",
     "num_blocks": "--num-blocks",
     "connector_prefers_cross_layer_blocks": "--connector-prefers-cross-layer-blocks",
+    "dtype": "--dtype",
 }
 
 
@@ -454,6 +478,9 @@ def is_example(args: argparse.Namespace) -> bool:
 
 def context_from_args(args: argparse.Namespace) -> Context:
     """The decision context the flags describe; raises `InputError` naming the flag."""
+    print_notes(apply_serve_line(args))  # a serve line after `--` fills the flags not given
+    env_inputs, env_notes = environment_inputs(args)  # VLLM_* as the release reads them; flags win
+    print_notes(env_notes)
     if args.kv_transfer_config is not None:
         for flag, value in (("--connector", args.connector), ("--connector-config", args.connector_config)):
             if value is not None:
@@ -495,10 +522,12 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "device_capability": args.device_capability,
         "use_v2_model_runner": bool(args.use_v2_model_runner),
         "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
+        **env_inputs,
     }
     if args.model is not None:
         kwargs["model"] = args.model
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size or 1
+        kwargs["dtype"] = args.dtype
     elif args.spec is not None:
         source = read_spec_file(args.spec)
         if "groups" in source:
@@ -518,12 +547,28 @@ def context_from_args(args: argparse.Namespace) -> Context:
         kwargs["kv_cache_dtype"] = (args.kv_cache_dtype if args.kv_cache_dtype is not None
                                     else DEFAULT_EXAMPLE["kv_cache_dtype"] if device == "cuda" else "auto")
     try:
-        return build_context(**kwargs)
+        ctx = build_context(**kwargs)
+        check_env_against(os.environ, ctx)
+        return ctx
     except ModuleNotFoundError as exc:  # policy.hf_config not in this install
         raise usage_error("--model", f"reading model configs is not available here ({exc.name} is missing)",
                           "pass the KV geometry with --spec FILE instead") from None
     except InputError as exc:
         raise _name_flags(exc, args.spec, args) from None
+
+
+def _context_saying_model_notes(args: argparse.Namespace) -> Context:
+    """`context_from_args`, with what reading --model assumed (the library's `ModelConfigWarning`s)
+    printed on stderr as located ``warning[code]`` lines; any other warning is shown as Python would."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx = context_from_args(args)
+    for w in caught:
+        if type(w.message).__name__ == "ModelConfigWarning":  # no import: hf_config may be absent
+            print(str(w.message), file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return ctx
 
 
 def example_banner(args: argparse.Namespace) -> str:
@@ -660,11 +705,19 @@ def _plan_error_located(exc: InputError, args: argparse.Namespace) -> InputError
     return type(exc)(exc.message, diags)
 
 
+def _resolved(args: argparse.Namespace) -> Resolved:
+    """What --record-test records as the flags gave it (engine/cli/record_case.py)."""
+    return Resolved(device_of(args)[0], read_spec_file(args.spec) if args.spec is not None else None,
+                    _preferences(args.connector_prefers_cross_layer_blocks), environment_inputs(args)[0])
+
+
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
+    if args.fleet is not None or args.format == "junit":
+        return run_fleet(args)
     try:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
-        ctx = context_from_args(args)
+        ctx = _context_saying_model_notes(args)
         note = device_note(args, ctx)
         if note is not None:
             print(note, file=sys.stderr)
@@ -677,8 +730,12 @@ def run(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
             print(example_banner(args), file=sys.stderr)
+        if isinstance(exc, NoLayoutError) and args.record_test:
+            print(record_case(args, _resolved(args), None, exc), file=sys.stderr)
         report_error(exc, args.format)
         return exit_code_for(exc)
+    if args.record_test:
+        print(record_case(args, _resolved(args), decision), file=sys.stderr)
     unplanned: InputError | None = None
     try:
         plan = plan_for(decision, args.num_blocks, args.spec) if args.num_blocks else None

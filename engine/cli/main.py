@@ -12,7 +12,18 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvpolicy.engine.cli import analyze, compat, doctor, dry_run, releases, schema, testing, validate
+from kvpolicy.engine.cli import (
+    analyze,
+    compat,
+    doctor,
+    dry_run,
+    formatting,
+    releases,
+    rules_view,
+    schema,
+    testing,
+    validate,
+)
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -32,6 +43,8 @@ examples:
   kvpolicy dry-run --model ./Qwen2.5-0.5B --kv-cache-dtype fp8_per_token_head \\
       --connector OffloadingConnector --num-blocks 1024
   kvpolicy validate my-rules/                       # every error, located
+  kvpolicy inspect my-rules/                        # the rules in force: id, effect, scope, layer, file:line
+  kvpolicy fmt --check my-rules/                    # canonical formatting (--write to apply)
   kvpolicy test                                     # the shipped rules' policy tests
   kvpolicy schema > rule-file.schema.json
   kvpolicy lint my-rules/                           # every input checked against the geometry verifier
@@ -73,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
-    for module in (dry_run, validate, testing, schema, analyze, releases, compat, doctor):
+    for module in (dry_run, validate, testing, schema, analyze, releases, compat, rules_view, formatting, doctor):
         module.register(verbs)
     return parser
 

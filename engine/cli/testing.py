@@ -16,16 +16,17 @@ from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     HelpFormatter,
-    add_format_flag,
     add_rules_flag,
     add_vllm_version_flag,
     expand_rule_dirs,
     load_ruleset,
     operator_layer_roots,
+    print_diagnostics,
     print_json,
     shipped_roots,
     usage_error,
 )
+from kvpolicy.engine.cli.test_reports import case_diagnostics, coverage_breakdown, coverage_percent, junit_xml
 
 if TYPE_CHECKING:
     from kvpolicy.engine.policy_tests import CaseResult, TestRun
@@ -75,14 +76,28 @@ def register(verbs: argparse._SubParsersAction) -> None:
                    help="case files or directories of them (default: <rules dir>/tests/)")
     add_rules_flag(p)
     add_vllm_version_flag(p)
-    p.add_argument("--require-coverage", action="store_true",
-                   help="fail (exit 1) when some rule is matched by no case")
+    p.add_argument("--require-coverage", nargs="?", const=100.0, default=None, type=_percent, metavar="PERCENT",
+                   help="fail (exit 1) when fewer than PERCENT of the counted rules are matched by some case "
+                        "(alone: 100, every rule); put PATHs before it")
     p.add_argument("--include-shipped", action="store_true",
                    help="with --rules: count the shipped rules' coverage too (default: only the rules of your "
-                        "layers count)")
+                        "layers count, for the summary and --require-coverage)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing cases too")
-    add_format_flag(p)
+    p.add_argument("--format", choices=("text", "json", "junit", "github", "sarif"), default="text",
+                   help="text for people (default), json for programs (docs/json-output.md); junit: JUnit XML; "
+                        "github: GitHub Actions annotations; sarif: SARIF 2.1.0")
     p.set_defaults(run=run)
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage from 0 to 100, got `{text}` (case files go "
+                                         "before --require-coverage)") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage from 0 to 100, got `{text}`")
+    return value
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -117,6 +132,14 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
                + (" (the shipped rules: --include-shipped)" if cov.layers else ""))
     for rule in cov.uncovered:
         out.append(f"  uncovered: {rule.id} at {rule.source}")
+    by_layer, by_file = coverage_breakdown(run.ruleset, run.results)
+    if len(by_layer) > 1:
+        out.append("coverage by layer:")
+        out += [row.render() for row in by_layer]
+    files = by_file if verbose else [row for row in by_file if not row.shipped]  # the shipped files' with -v
+    if files:
+        out.append("coverage by file:")
+        out += [row.render() for row in files]
     return "\n".join(out)
 
 
@@ -137,10 +160,22 @@ def run(args: argparse.Namespace) -> int:
     mine = any(layer.rule_ids for layer in ruleset.layers if not layer.shipped)  # a copy of shipped files owns none
     if mine and not args.include_shipped:  # the operator's coverage: the rules of the layers they own
         result = replace(result, coverage=coverage_of(ruleset, result.results, own))
+    short = args.require_coverage is not None and coverage_percent(result) < args.require_coverage
     if args.format == "json":
-        print_json(result.to_dict())
+        by_layer, by_file = coverage_breakdown(result.ruleset, result.results)
+        data = result.to_dict()
+        data["coverage_summary"] = {"percent": round(coverage_percent(result), 1), "required": args.require_coverage,
+                                    "by_layer": [r.to_dict() for r in by_layer],
+                                    "by_file": [r.to_dict() for r in by_file]}
+        print_json(data)
+    elif args.format == "junit":
+        print(junit_xml(result, coverage_fails=short, render=render_case))
+    elif args.format in ("github", "sarif"):
+        print_diagnostics(case_diagnostics(result, coverage_fails=short), args.format)
     else:
         print(render_run(result, verbose=args.verbose))
-    if not result.ok or (args.require_coverage and not result.coverage.complete):
+        if short:
+            print(f"coverage {coverage_percent(result):.1f}% is under the required {args.require_coverage:g}%")
+    if not result.ok or short:
         return EXIT_FAILED
     return EXIT_OK

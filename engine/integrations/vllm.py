@@ -136,6 +136,8 @@ def _kind(spec: Any) -> AttentionKind:
         return AttentionKind.mla
     if any("SlidingWindow" in n for n in names):
         return AttentionKind.sliding_window
+    if any("ChunkedLocal" in n for n in names):
+        return AttentionKind.chunked_local
     if any(n.endswith("AttentionSpec") for n in names):
         return AttentionKind.full
     raise input_error("kv_cache_spec", f"`{type(spec).__name__}` is not a KV cache spec kvpolicy knows",

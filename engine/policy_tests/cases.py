@@ -99,6 +99,8 @@ class CaseInput(Frozen):
     kv_transfer_config: dict[str, Any] | None = Field(
         default=None, description="vLLM's whole --kv-transfer-config (instead of connector/connector_config)")
     tensor_parallel_size: StrictInt = Field(default=1, ge=1, description="with `model` only")
+    dtype: str | None = Field(default=None, description="vLLM's --dtype, with `model` only (auto: as vLLM serves "
+                              "the config's torch_dtype)")
     vllm_version: str | None = Field(
         default=None, min_length=1,
         description="the vLLM release profile (`vllm-0.34`, `0.34.0`, or a patch release such as `0.28.1`: its "
@@ -177,6 +179,8 @@ class Expect(Frozen):
     )
     matched: list[str] = Field(default_factory=list, description="rule ids that must match (in some scope)")
     not_matched: list[str] = Field(default_factory=list, description="rule ids that must not match in any scope")
+    audit: list[str] = Field(default_factory=list, description="audit-mode rules (`enforcement: audit`) that must "
+                             "report a finding for this input (exactly these: [] with another key, none)")
     error: str | None = Field(
         default=None, description="the decision must fail: `no-layout`, `invalid-input`, `invalid-model-config`, "
                                   "or the code of one of the error's diagnostics (e.g. `unknown-backend`)")
@@ -204,9 +208,9 @@ class Expect(Frozen):
         if self.error is not None and (self.layout is not None or self.survivors is not None):
             raise ValueError("`error` cannot be combined with `layout` or `survivors`: no layout is chosen")
         if not (self.layout or self.survivors is not None or self.removed or self.matched or self.not_matched
-                or self.error):
+                or self.error or self.audit):
             raise ValueError("`expect` needs at least one of `layout`, `survivors`, `removed`, `matched`, "
-                             "`not_matched`, `error`")
+                             "`not_matched`, `error`, `audit`")
         return self
 
     @property
@@ -214,6 +218,7 @@ class Expect(Frozen):
         """(path inside ``expect``, rule id) for every rule the expectation names."""
         out = [(("matched", i), r) for i, r in enumerate(self.matched)]
         out += [(("not_matched", i), r) for i, r in enumerate(self.not_matched)]
+        out += [(("audit", i), r) for i, r in enumerate(self.audit)]
         for layout, ids in (self.removed or {}).items():
             out += [(("removed", layout, i), r) for i, r in enumerate(ids)]
         return out
@@ -409,7 +414,7 @@ BUILTIN_RULE_IDS = (RELEASE_CANDIDATES, BACKEND_GEOMETRY)
 
 
 def _check_rule_ids(refs: list[RuleRef], ruleset: RuleSet) -> list[Diagnostic]:
-    known = sorted(r.id for r in ruleset.rules) + list(BUILTIN_RULE_IDS)
+    known = sorted(r.id for r in ruleset.all_rules) + list(BUILTIN_RULE_IDS)
     diags = []
     for src, path, rule_id in refs:
         if rule_id not in known:

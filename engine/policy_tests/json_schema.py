@@ -79,6 +79,7 @@ def _input() -> dict[str, Any]:
         "connector_config": _or_null(mapping),
         "kv_transfer_config": _or_null(mapping),
         "tensor_parallel_size": {"type": "integer", "minimum": 1, "maximum": INT64_BOUNDS["maximum"]},
+        "dtype": _or_null(string),
         "vllm_version": _or_null({"type": "string", "minLength": 1}),
         "vllm_kv_cache_layout": _or_null(string),
         "enable_extensible_kv_cache": {"type": "boolean"},
@@ -106,12 +107,14 @@ def _expect() -> dict[str, Any]:
                              "additionalProperties": _or_null({"type": "array", "items": {"type": "string"}})}),
         "matched": {"type": "array", "items": {"type": "string"}},
         "not_matched": {"type": "array", "items": {"type": "string"}},
+        "audit": {"type": "array", "items": {"type": "string"}},
         "error": _or_null({"type": "string"}),
     }
     asks = [_non_null("layout"), _non_null("survivors"),
             {"required": ["removed"], "properties": {"removed": {"type": "object", "minProperties": 1}}},
             {"required": ["matched"], "properties": {"matched": {"minItems": 1}}},
             {"required": ["not_matched"], "properties": {"not_matched": {"minItems": 1}}},
+            {"required": ["audit"], "properties": {"audit": {"minItems": 1}}},
             {"required": ["error"], "properties": {"error": {"type": "string", "minLength": 1}}}]
     no_layout = {"properties": {"layout": {"type": "null"}, "survivors": {"type": "null"}}}
     return _object(Expect, props, anyOf=asks, allOf=[

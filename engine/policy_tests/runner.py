@@ -212,7 +212,17 @@ def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfil
         decision = Decision(ruleset, ctx, outcome)
         layout = decision.layout
     failures = _check(expect, layout, error, survivors, removed, matched)
+    if "audit" in expect.model_fields_set:
+        failures += _check_audit(expect.audit, decision)
     return CaseResult(lc, tuple(failures), frozenset(matched), layout, error, decision)
+
+
+def _check_audit(expected: list[str], decision: Decision | None) -> list[str]:
+    """``expect.audit``: exactly these audit-mode rules report a finding (none without a decision)."""
+    got = [] if decision is None else list(dict.fromkeys(f.rule.id for f in decision.audit))
+    if sorted(got) == sorted(expected):
+        return []
+    return [f"expected audit findings: {_fmt_list(expected)}\nactual audit findings:   {_fmt_list(got)}"]
 
 
 def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult], layers: Iterable[str] | None = None) -> Coverage:

@@ -15,7 +15,8 @@ import pytest
 from kvpolicy.engine.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
-VERBS = ("dry-run", "validate", "test", "schema", "lint", "diff", "releases", "compat", "doctor")
+VERBS = ("dry-run", "validate", "test", "schema", "lint", "diff", "releases", "compat", "inspect", "fmt", "doctor")
+ALIASES = ("rules",)  # `kvpolicy rules` is `kvpolicy inspect`
 
 
 def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -102,7 +103,7 @@ def test_every_verb_has_help_with_an_example(capsys: pytest.CaptureFixture[str],
 
 def test_every_verb_is_registered() -> None:
     sub = next(a for a in build_parser()._actions if a.dest == "verb")
-    assert tuple(sub.choices) == VERBS
+    assert set(sub.choices) == {*VERBS, *ALIASES}
 
 
 def test_output_is_plain_text_without_color() -> None:

@@ -69,3 +69,15 @@ def test_kv_cache_dtype_the_release_accepts_but_kvpolicy_does_not_model(dtype: s
         (diag,) = exc.value.diagnostics
         assert diag.code == code and diag.file == "kv_cache_dtype"
         assert says in diag.message + " " + (diag.help or "")
+
+
+def test_dtype_is_vllms_dtype_for_a_model() -> None:
+    """``dtype=`` (vLLM's --dtype) reaches the model's KV dtype; a spec states its own."""
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[1] / "e2e" / "tiny-llama"
+    assert build_context(model=tiny, vllm_version="0.34.0").kv.dtype.value == "bfloat16"
+    assert build_context(model=tiny, dtype="half", vllm_version="0.34.0").kv.dtype.value == "float16"
+    assert build_context(model=tiny, dtype="auto", vllm_version="0.34.0").kv.dtype.value == "bfloat16"
+    with pytest.raises(InputError, match="`dtype` applies to `model` only"):
+        build_context(spec={"num_layers": 2, "num_kv_heads": 2, "head_size": 64}, dtype="float16")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import kvpolicy.policy.hf_config
 from kvpolicy.policy.errors import Diagnostic, InputError, ModelConfigError
-from kvpolicy.policy.hf_config import kv_groups_from_hf_config
+from kvpolicy.policy.hf_config import kv_groups_from_hf_config, read_hf_config
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
 
@@ -134,7 +134,6 @@ def test_mamba_stand_in_ignores_kv_cache_dtype() -> None:
         pytest.param("llama-3.1-8b", 8, 1, id="llama-tp8"),
         pytest.param("llama-3.1-8b", 16, 1, id="llama-tp16-replicates"),
         pytest.param("qwen2.5-0.5b", 2, 1, id="qwen-tp2"),
-        pytest.param("qwen2.5-0.5b", 4, 1, id="qwen-tp4-replicates"),
         pytest.param("deepseek-v2-lite", 8, 1, id="mla-not-split"),
     ],
 )
@@ -150,14 +149,25 @@ def test_tensor_parallel_leaves_mamba_and_mla_sizes() -> None:
     assert mla.primary is not None and mla.primary.head_size == 576
 
 
-@pytest.mark.parametrize("tp", [pytest.param(3, id="tp3-does-not-divide-8"), pytest.param(12, id="tp12-not-x8")])
+@pytest.mark.parametrize("tp", [pytest.param(8, id="tp8-does-not-divide-12"), pytest.param(16, id="tp16-not-x12")])
 def test_tensor_parallel_that_does_not_fit_the_kv_heads(tp: int) -> None:
     with pytest.raises(ModelConfigError) as exc:
-        kv_groups_from_hf_config(FIXTURES / "llama-3.1-8b.json", tensor_parallel_size=tp)
+        kv_groups_from_hf_config(make_config(num_attention_heads=48, num_key_value_heads=12, head_dim=64),
+                                 tensor_parallel_size=tp)
     diag = only_diagnostic(exc.value)
     assert diag.code == "invalid-field"
     assert "`tensor_parallel_size`" in diag.message
     assert "`num_key_value_heads`" in diag.message
+
+
+@pytest.mark.parametrize(("name", "tp"), [pytest.param("qwen2.5-0.5b", 4, id="qwen-14-heads-tp4"),
+                                          pytest.param("llama-3.1-8b", 3, id="llama-32-heads-tp3")])
+def test_tensor_parallel_must_divide_the_attention_heads(name: str, tp: int) -> None:
+    # vLLM's ModelConfig.verify_with_parallel_config refuses it before any KV head is replicated
+    with pytest.raises(ModelConfigError) as exc:
+        kv_groups_from_hf_config(FIXTURES / f"{name}.json", tensor_parallel_size=tp)
+    diag = only_diagnostic(exc.value)
+    assert "does not divide `num_attention_heads`" in diag.message
 
 
 # --- input forms -------------------------------------------------------------------------------
@@ -203,16 +213,25 @@ def test_text_config_with_sliding_window_pattern() -> None:
 
 def test_text_config_with_layer_types_and_own_dtype() -> None:
     types = ["sliding_attention"] * 5 + ["full_attention"]
-    config = gemma3_config(num_hidden_layers=12, layer_types=types * 2, torch_dtype="float32")
+    config = gemma3_config(num_hidden_layers=12, layer_types=types * 2, torch_dtype="float16")
     groups = kv_groups_from_hf_config(config)
     assert shape(groups) == [G(SLIDING, 10, 16, 128, 1024), G(FULL, 2, 16, 128)]
-    assert groups.primary is not None and groups.primary.dtype is ModelDtype.float32
+    # vLLM reads the top level's dtype first
+    assert groups.primary is not None and groups.primary.dtype is ModelDtype.bfloat16
+    del config["torch_dtype"]
+    config["text_config"]["torch_dtype"] = "float32"  # then the text config's: float32, served in bfloat16
+    reading = read_hf_config(config)
+    assert reading.dtype is ModelDtype.bfloat16
+    assert [n.code for n in reading.notes] == ["dtype-downcast"]
 
 
-def test_top_level_fields_win_over_text_config() -> None:
-    # Qwen2.5-VL states the text model at the top level and also carries a text_config
-    config = make_config(num_hidden_layers=28, text_config={"num_hidden_layers": 3})
-    assert kv_groups_from_hf_config(config).primary.num_layers == 28  # type: ignore[union-attr]
+def test_text_config_wins_over_top_level_fields_with_a_note() -> None:
+    # transformers' get_text_config hands vLLM the text_config, whatever the top level says
+    config = make_config(num_hidden_layers=28, text_config={**make_config(), "num_hidden_layers": 3})
+    reading = read_hf_config(config)
+    assert reading.groups.primary is not None and reading.groups.primary.num_layers == 3
+    assert [n.code for n in reading.notes] == ["ambiguous-config"]
+    assert "`text_config.num_hidden_layers`" in reading.notes[0].message
 
 
 # --- sliding-window variants -------------------------------------------------------------------
@@ -229,8 +248,8 @@ def test_top_level_fields_win_over_text_config() -> None:
                      id="use-sliding-window-true"),
         pytest.param({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 1},
                      [G(FULL, 1, 2, 64), G(SLIDING, 3, 2, 64, 4096)], id="qwen2-max-window-layers"),
-        pytest.param({"sliding_window": 4096, "model_type": "gemma2"},
-                     [G(SLIDING, 2, 2, 64, 4096), G(FULL, 2, 2, 64)], id="gemma2-alternates"),
+        pytest.param({"sliding_window": 4096, "model_type": "gemma2"},  # Gemma2Config's head_dim default: 256
+                     [G(SLIDING, 2, 2, 256, 4096), G(FULL, 2, 2, 256)], id="gemma2-alternates"),
         pytest.param({"sliding_window": 512, "sliding_window_pattern": 4},
                      [G(SLIDING, 3, 2, 64, 512), G(FULL, 1, 2, 64)], id="cohere2-pattern"),
         pytest.param({"layer_types": ["full_attention"] * 4, "sliding_window": None},
@@ -280,11 +299,12 @@ def test_mamba_hybrids(fields: dict[str, Any], expected: list[G]) -> None:
         pytest.param({"torch_dtype": "half"}, None, ModelDtype.float16, id="half"),
         pytest.param({"torch_dtype": "fp16"}, None, ModelDtype.float16, id="fp16"),
         pytest.param({"torch_dtype": "bf16"}, None, ModelDtype.bfloat16, id="bf16"),
-        pytest.param({"torch_dtype": "float"}, None, ModelDtype.float32, id="float"),
-        pytest.param({"torch_dtype": "float32"}, None, ModelDtype.float32, id="float32"),
+        pytest.param({"torch_dtype": "float"}, None, ModelDtype.bfloat16, id="float-downcast"),
+        pytest.param({"torch_dtype": "float32"}, None, ModelDtype.bfloat16, id="float32-downcast"),
         pytest.param({"torch_dtype": DROP, "dtype": "float16"}, None, ModelDtype.float16, id="transformers5-dtype"),
         pytest.param({"torch_dtype": "float32"}, "bfloat16", ModelDtype.bfloat16, id="keyword-overrides"),
-        pytest.param({"torch_dtype": "float32"}, "auto", ModelDtype.float32, id="keyword-auto-keeps-config"),
+        pytest.param({"torch_dtype": "float32"}, "auto", ModelDtype.bfloat16, id="keyword-auto-downcasts"),
+        pytest.param({"torch_dtype": "bfloat16"}, "float32", ModelDtype.float32, id="keyword-upcasts"),
         pytest.param({"torch_dtype": "int8"}, "fp16", ModelDtype.float16, id="keyword-skips-bad-config-dtype"),
     ],
 )
@@ -295,7 +315,7 @@ def test_model_dtype(fields: dict[str, Any], keyword: str | None, expected: Mode
 
 def test_float32_doubles_the_page() -> None:
     bf16 = kv_groups_from_hf_config(make_config()).primary
-    fp32 = kv_groups_from_hf_config(make_config(torch_dtype="float32")).primary
+    fp32 = kv_groups_from_hf_config(make_config(), dtype="float32").primary
     assert bf16 is not None and fp32 is not None
     assert fp32.page_size_bytes == 2 * bf16.page_size_bytes
 
@@ -309,9 +329,13 @@ def only_diagnostic(exc: ModelConfigError | InputError) -> Diagnostic:
 
 
 CONFIG_ERRORS = [
-    pytest.param({"num_hidden_layers": DROP}, "missing-field", "num_hidden_layers", id="no-layers"),
+    # without a model_type there is no config class to default a field the file leaves out
+    pytest.param({"num_hidden_layers": DROP, "model_type": DROP}, "missing-field", "num_hidden_layers",
+                 id="no-layers"),
     pytest.param({"num_hidden_layers": None}, "missing-field", "num_hidden_layers", id="null-layers"),
-    pytest.param({"num_attention_heads": DROP}, "missing-field", "num_attention_heads", id="no-heads"),
+    pytest.param({"num_attention_heads": DROP, "model_type": DROP}, "missing-field", "num_attention_heads",
+                 id="no-heads"),
+    pytest.param({"num_attention_heads": None}, "missing-field", "num_attention_heads", id="null-heads"),
     pytest.param({"num_hidden_layers": 0}, "invalid-field", "num_hidden_layers", id="zero-layers"),
     pytest.param({"num_hidden_layers": "32"}, "invalid-field", "num_hidden_layers", id="string-layers"),
     pytest.param({"num_hidden_layers": 32.0}, "invalid-field", "num_hidden_layers", id="float-layers"),
@@ -322,7 +346,8 @@ CONFIG_ERRORS = [
     pytest.param({"num_key_value_heads": 3}, "invalid-field", "num_key_value_heads", id="heads-not-multiple"),
     pytest.param({"num_key_value_heads": 16}, "invalid-field", "num_key_value_heads", id="more-kv-than-q"),
     pytest.param({"hidden_size": 500}, "invalid-field", "hidden_size", id="hidden-not-divisible"),
-    pytest.param({"hidden_size": DROP}, "missing-field", "hidden_size", id="no-hidden-no-head-dim"),
+    pytest.param({"hidden_size": DROP, "model_type": DROP}, "missing-field", "hidden_size",
+                 id="no-hidden-no-head-dim"),
     pytest.param({"torch_dtype": "int8"}, "invalid-field", "torch_dtype", id="unknown-torch-dtype"),
     pytest.param({"torch_dtype": 16}, "invalid-field", "torch_dtype", id="non-string-torch-dtype"),
     pytest.param({"layer_types": ["full_attention"] * 3}, "invalid-field", "layer_types", id="layer-types-short"),
@@ -339,8 +364,10 @@ CONFIG_ERRORS = [
                  id="zero-pattern"),
     pytest.param({"sliding_window": 128, "use_sliding_window": True, "max_window_layers": -1}, "invalid-field",
                  "max_window_layers", id="negative-max-window-layers"),
-    pytest.param({"kv_lora_rank": 512}, "missing-field", "qk_rope_head_dim", id="mla-without-rope-dim"),
-    pytest.param({"kv_lora_rank": 0, "qk_rope_head_dim": 64}, "invalid-field", "kv_lora_rank", id="mla-zero-rank"),
+    pytest.param({"model_type": "deepseek_v2", "kv_lora_rank": 512, "qk_rope_head_dim": None}, "missing-field",
+                 "qk_rope_head_dim", id="mla-without-rope-dim"),
+    pytest.param({"model_type": "deepseek_v3", "kv_lora_rank": 0, "qk_rope_head_dim": 64}, "invalid-field",
+                 "kv_lora_rank", id="mla-zero-rank"),
     pytest.param({"attn_layer_period": 4, "attn_layer_offset": 4}, "invalid-field", "attn_layer_offset",
                  id="jamba-offset-too-big"),
     pytest.param({"attn_layer_offset": 1}, "missing-field", "attn_layer_period", id="jamba-offset-only"),
@@ -353,7 +380,7 @@ CONFIG_ERRORS = [
                  id="nemotron-short"),
     pytest.param({"hybrid_override_pattern": "----"}, "invalid-field", "hybrid_override_pattern",
                  id="nemotron-no-cache-layer"),
-    pytest.param({"layers_block_type": ["mamba", "attention", "hybrid", "mamba"]}, "invalid-field",
+    pytest.param({"layers_block_type": ["mamba", "attention", "bogus", "mamba"]}, "invalid-field",
                  "layers_block_type[2]", id="block-type-unknown"),
 ]
 
@@ -377,8 +404,8 @@ def test_config_errors(fields: dict[str, Any], code: str, field: str) -> None:
         pytest.param({"text_config": "oops"}, "invalid-field", "text_config", id="text-config-not-object"),
         pytest.param(gemma3_config(num_attention_heads=None), "missing-field", "text_config.num_attention_heads",
                      id="nested-field-named-with-prefix"),
-        pytest.param(gemma3_config(num_hidden_layers=DROP), "missing-field", "text_config.num_hidden_layers",
-                     id="nested-layers-missing"),
+        pytest.param(gemma3_config(num_hidden_layers=None), "missing-field", "text_config.num_hidden_layers",
+                     id="nested-layers-null"),
         pytest.param({}, "missing-field", "num_hidden_layers", id="empty-dict"),
     ],
 )
@@ -399,7 +426,8 @@ def test_every_config_problem_is_reported_at_once() -> None:
         ("invalid-field", "num_hidden_layers"),
         ("invalid-field", "torch_dtype"),
     }
-    config = make_config(num_attention_heads=DROP, hidden_size=DROP, layer_types=["sliding_attention"] * 4)
+    config = make_config(num_attention_heads=DROP, hidden_size=DROP, layer_types=["sliding_attention"] * 4,
+                         model_type=DROP)
     with pytest.raises(ModelConfigError) as exc:
         kv_groups_from_hf_config(config)
     assert sorted(d.message.split("`")[1] for d in exc.value.diagnostics) == [
@@ -582,25 +610,26 @@ def test_any_config_loads_or_raises_model_config_error(
     config: dict[str, Any], kv_cache_dtype: str, tp: int, block_size: int
 ) -> None:
     try:
-        groups = kv_groups_from_hf_config(config, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp,
-                                          block_size=block_size)
+        reading = read_hf_config(config, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp,
+                                 block_size=block_size)
     except ModelConfigError as exc:
         assert exc.diagnostics
         assert all(d.file == "<config>" and d.message and d.help for d in exc.diagnostics)
         return
+    groups = reading.groups
     assert groups.count >= 1
-    layers = config.get("num_hidden_layers")
-    if layers is None:
-        layers = config["text_config"]["num_hidden_layers"]
-    assert sum(g.spec.num_layers for g in groups.groups) <= layers
+    # every cache of every layer is in exactly one group
+    assert sum(g.spec.num_layers for g in groups.groups) == sum(len(layer) for layer in reading.layers)
     assert all(g.spec.page_size_bytes > 0 for g in groups.groups)
+    assert all(n.file == "<config>" and n.message and n.help for n in reading.notes)
 
 
 # --- public surface ----------------------------------------------------------------------------
 
 
 def test_public_api() -> None:
-    assert kvpolicy.policy.hf_config.__all__ == ["kv_groups_from_hf_config"]
+    assert kvpolicy.policy.hf_config.__all__ == [
+        "ModelConfigWarning", "ModelReading", "kv_groups_from_hf_config", "read_hf_config"]
 
 
 def test_module_never_imports_torch() -> None:

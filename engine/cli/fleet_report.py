@@ -1,0 +1,254 @@
+"""``kvpolicy dry-run --fleet FILE`` and ``kvpolicy diff OLD NEW --fleet FILE``: a fleet of deployments at once.
+
+dry-run: one report for every deployment of the fleet file (`kvpolicy.engine.fleet`): its decision
+(with dry-run's geometry check: ``unsafe`` when views of the chosen layout write the same bytes),
+its refusal (no layout survives, with the rules that removed the candidates) or its input error,
+then the audit findings and other warnings, and the time it took; as text, JSON or JUnit XML (a
+deployment is a test case; a refusal or bad input a failure). Exit 1 when some deployment is
+unsafe, refused or invalid. diff: each deployment decided with both rule stacks, each under its own
+release's shipped rules; the deployments whose decision changes, with the rules that removed the
+old layout on the new side. Exit 1 when some decision changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvpolicy.engine.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    load_ruleset,
+    print_json,
+    report_error,
+    usage_error,
+)
+from kvpolicy.policy.errors import PolicyError, RuleLoadError
+
+if TYPE_CHECKING:  # engine.fleet builds the case models (~30 ms): imported when a fleet is read, not per CLI start
+    from kvpolicy.engine.fleet import FleetResult
+    from kvpolicy.policy.ruleset import RuleSet
+
+__all__ = ["add_fleet_flag", "result_dict", "run_fleet", "run_fleet_diff"]
+
+# dry-run flags that describe one deployment: the fleet file describes each instead
+_ONE_DEPLOYMENT = (
+    "model", "spec", "dtype", "serve_args", "kv_cache_dtype", "block_size", "tensor_parallel_size", "backend",
+    "worker_attention_backends", "scale_views", "connector", "connector_config", "kv_transfer_config",
+    "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout", "enable_extensible_kv_cache", "hisparse",
+    "use_v2_model_runner", "device", "device_capability", "num_blocks", "map_layout", "svg", "record_test",
+)
+
+
+def add_fleet_flag(parser: argparse.ArgumentParser, *, dry_run: bool) -> None:
+    """``--fleet FILE`` on dry-run (which also gets ``--format junit``) or diff."""
+    parser.add_argument("--fleet", metavar="FILE", default=None,
+                        help="a fleet file of deployments (docs/cli.md): decide each of them, one report" if dry_run
+                        else "compare the two rule stacks over the deployments of this fleet file, each under its "
+                             "own release, instead of over the profile's space")
+    if dry_run:
+        fmt = next(a for a in parser._actions if a.dest == "format")
+        fmt.choices = (*fmt.choices, "junit")  # type: ignore[operator]
+        fmt.help = (fmt.help or "") + "; junit (with --fleet): JUnit XML, a test case per deployment"
+
+
+def _rules_for(args: argparse.Namespace, layers: list[str], flag: str) -> Callable[[str], RuleSet]:
+    cache: dict[str, RuleSet] = {}
+
+    def rules(profile: str) -> RuleSet:
+        if profile not in cache:
+            cache[profile] = load_ruleset(layers, flag, vllm_version=profile, shipped_rules=not args.no_shipped_rules)
+        return cache[profile]
+
+    return rules
+
+
+def _removed(result: FleetResult) -> dict[str, list[str]]:
+    d = result.decision
+    if d is None:
+        return {}
+    return {str(layout): sorted({r.id for r, _ in hits}) for layout, hits in d.eliminated.items()}
+
+
+def result_dict(result: FleetResult) -> dict[str, Any]:
+    """One deployment in the JSON report."""
+    d = result.decision
+    out: dict[str, Any] = {"name": result.name, "location": result.location, "profile": result.profile,
+                           "status": result.status}
+    if d is not None:
+        out |= {"backend": d.context.backend.name, "layout": str(d.layout), "placement": d.layout.placement.value,
+                "head_order": d.layout.head_order.value,
+                "score": d.score, "removed": _removed(result), "warnings": list(d.warnings),
+                "audit": [f.to_dict() for f in d.audit], "fingerprint": d.fingerprint.digest, "error": None,
+                "geometry": None if result.geometry is None else _error(result.geometry)}
+    else:
+        out |= {"backend": None if result.context is None else result.context.backend.name, "layout": None,
+                "warnings": [], "audit": [], "error": _error(result.error), "geometry": None}  # type: ignore[arg-type]
+    return out
+
+
+def _error(exc: PolicyError) -> dict[str, Any]:
+    return {"kind": type(exc).__name__, "message": exc.message, "diagnostics": [x.to_dict() for x in exc.diagnostics]}
+
+
+def _what(result: FleetResult) -> str:
+    dep = result.deployment
+    if dep.model is not None:
+        return dep.model.rsplit("/", 1)[-1].removesuffix(".json").removesuffix("/config")
+    return "groups" if dep.groups is not None else "spec"
+
+
+def _outcome(result: FleetResult) -> str:
+    d = result.decision
+    if d is not None:
+        unsafe = " UNSAFE: views write the same bytes" if result.status == "unsafe" else ""
+        return f"{d.layout} ({d.layout.placement.value}, {d.layout.head_order.value}){unsafe}"
+    if result.status == "refused":
+        return "refused: no layout survives"
+    first = result.error.diagnostics[0] if result.error and result.error.diagnostics else None  # type: ignore[union-attr]
+    return "invalid: " + (f"error[{first.code}]" if first else "input error")
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def render_text(file: str, results: list[FleetResult], seconds: float) -> str:
+    counts = _counts(results)
+    releases = sorted({r.profile for r in results if r.profile})
+    unsafe = f", {counts['unsafe']} unsafe" if counts["unsafe"] else ""
+    lines = [f"fleet {file}: {len(results)} deployments over {len(releases)} release profile(s): "
+             f"{counts['decided']} decided{unsafe}, {counts['refused']} refused, {counts['invalid']} invalid", ""]
+    rows = [["NAME", "RELEASE", "MODEL", "BACKEND", "KV DTYPE", "CONNECTOR", "LAYOUT"]]
+    for r in results:
+        dep = r.deployment
+        backend = r.context.backend.name if r.context is not None else "?"
+        rows.append([r.name, r.profile or "?", _what(r), backend, dep.kv_cache_dtype or "auto",
+                     dep.connector or ("(kv_transfer_config)" if dep.kv_transfer_config else "-"), _outcome(r)])
+    lines += _table(rows)
+    bad = [r for r in results if r.status != "decided"]
+    if bad:
+        lines += ["", "unsafe, refused and invalid:" if counts["unsafe"] else "refused and invalid:"]
+        for r in bad:
+            lines.append(f"  {r.name} ({r.location}):")
+            why = r.geometry if r.status == "unsafe" else r.error
+            lines += ["    " + line for line in why.render().splitlines()]  # type: ignore[union-attr]
+    warned = [(r, w) for r in results if r.decision is not None for w in r.decision.warnings]
+    warned += [(r, f"decided as the release decides, but not planned: {r.geometry.diagnostics[0].message}")
+               for r in results if r.decision is not None and r.status == "decided" and r.geometry is not None
+               and r.geometry.diagnostics]
+    if warned:
+        lines += ["", "warnings:"]
+        lines += [f"  {r.name}: {w}" for r, w in warned]
+    lines += ["", f"{len(results)} deployments decided in {seconds:.2f}s"]
+    return "\n".join(lines)
+
+
+def _counts(results: list[FleetResult]) -> dict[str, int]:
+    return {s: sum(r.status == s for r in results) for s in ("decided", "unsafe", "refused", "invalid")}
+
+
+def junit_xml(file: str, results: list[FleetResult], seconds: float) -> str:
+    """The fleet as JUnit XML: one testsuite, a testcase per deployment, a failure per unsafe, refused or
+    invalid one."""
+    bad = [r for r in results if r.status != "decided"]
+    root = ET.Element("testsuites", name="kvpolicy fleet", tests=str(len(results)), failures=str(len(bad)),
+                      errors="0", time=f"{seconds:.3f}")
+    suite = ET.SubElement(root, "testsuite", name=file, tests=str(len(results)), failures=str(len(bad)),
+                          errors="0", skipped="0", time=f"{seconds:.3f}")
+    for r in results:
+        line = r.location.rsplit(":", 1)[1]
+        case = ET.SubElement(suite, "testcase", name=r.name, classname=r.profile or "fleet", file=file, line=line,
+                             time="0")
+        if r.status != "decided":
+            failure = ET.SubElement(case, "failure", message=_outcome(r), type=r.status)
+            failure.text = (r.geometry if r.status == "unsafe" else r.error).render()  # type: ignore[union-attr]
+        else:
+            out = ET.SubElement(case, "system-out")
+            out.text = "\n".join([f"layout: {_outcome(r)}", *r.decision.warnings])
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    """``dry-run --fleet FILE``."""
+    if args.fleet is None:
+        raise usage_error("--format", "`junit` is a fleet report", "pass --fleet FILE, or --format text/json")
+    given = [name for name in _ONE_DEPLOYMENT if getattr(args, name, None) not in (None, False, [])]
+    if given or args.map:
+        flag = "--" + (given[0] if given else "map").replace("_", "-")
+        raise usage_error(flag, f"{flag} describes one deployment; the fleet file describes each of them",
+                          "set it in the fleet file (on a deployment, or under `defaults:`)")
+    from kvpolicy.engine.fleet import FleetError, decide_fleet, load_fleet
+
+    try:
+        fleet = load_fleet(args.fleet)
+    except FleetError as exc:
+        report_error(exc, "json" if args.format == "json" else "text")
+        return EXIT_USAGE
+    start = time.perf_counter()
+    try:
+        results = decide_fleet(fleet, _rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
+    except RuleLoadError as exc:
+        report_error(exc, "json" if args.format == "json" else "text")
+        return EXIT_FAILED
+    seconds = time.perf_counter() - start
+    if args.format == "json":
+        counts = _counts(results)
+        print_json({"fleet": args.fleet, "summary": {"deployments": len(results), **counts,
+                                                     "seconds": round(seconds, 3)},
+                    "deployments": [result_dict(r) for r in results]})
+    elif args.format == "junit":
+        print(junit_xml(args.fleet, results, seconds))
+    else:
+        print(render_text(args.fleet, results, seconds))
+    return EXIT_OK if all(r.status == "decided" for r in results) else EXIT_FAILED
+
+
+def _side(result: FleetResult) -> str:
+    return str(result.decision.layout) if result.decision is not None else result.status
+
+
+def run_fleet_diff(args: argparse.Namespace) -> int:
+    """``diff OLD NEW --fleet FILE``: the deployments whose decision changes."""
+    from kvpolicy.engine.fleet import FleetError, decide_fleet, load_fleet
+
+    try:
+        fleet = load_fleet(args.fleet)
+    except FleetError as exc:
+        report_error(exc, args.format)
+        return EXIT_USAGE
+    shared = list(args.rules or [])
+    try:
+        old = decide_fleet(fleet, _rules_for(args, [*shared, args.old], "OLD"), args.vllm_version)
+        new = decide_fleet(fleet, _rules_for(args, [*shared, args.new], "NEW"), args.vllm_version)
+    except (RuleLoadError, PolicyError) as exc:
+        report_error(exc, args.format)
+        return EXIT_USAGE
+    changes = []
+    for a, b in zip(old, new):
+        if _side(a) == _side(b):
+            continue
+        why: list[str] = []
+        if a.decision is not None and b.decision is not None:
+            hits = b.decision.eliminated.get(a.decision.layout, [])
+            why = [f"{r.id} ({r.effect}, {scope}) at {r.source}" for r, scope in hits]
+        elif b.error is not None and b.error.diagnostics:
+            why = [d.message for d in b.error.diagnostics]
+        changes.append({"name": a.name, "location": a.location, "profile": b.profile, "old": _side(a),
+                        "new": _side(b), "why": why})
+    if args.format == "json":
+        print_json({"fleet": args.fleet, "old": args.old, "new": args.new, "deployments": len(old),
+                    "changes": changes})
+    else:
+        print(f"diff over fleet {args.fleet}: {len(old)} deployments, {len(changes)} decision(s) change")
+        for c in changes:
+            print(f"  {c['name']} ({c['location']}, {c['profile']}): {c['old']} -> {c['new']}")
+            for w in c["why"]:
+                print(f"      because of {w}" if " at " in w else f"      {w}")
+    return EXIT_FAILED if changes else EXIT_OK

@@ -1,0 +1,105 @@
+"""``kvpolicy fmt [PATH...]``: rule files in their canonical form (`kvpolicy.policy.fmt`), as ``opa fmt`` does.
+
+PATHs are rule files, rule directories (their ``*.yaml`` and ``connectors/*.yaml``; ``tests/`` holds
+case files and is left alone) or ``-`` (stdin). One file: the formatted text on stdout. ``--check``:
+exit 1 with a unified diff for each file that is not canonical (CI); ``--diff``: the diffs, exit 0;
+``--write``: rewrite the files that change. A file that is not one YAML document is an error, located,
+and the other files are still done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+
+from kvpolicy.engine.cli.common import EXIT_FAILED, EXIT_OK, HelpFormatter, print_error, usage_error
+from kvpolicy.policy.errors import PolicyError
+
+__all__ = ["register", "run"]
+
+_EPILOG = """\
+examples:
+  kvpolicy fmt my-rules/global.yaml            # the canonical form on stdout
+  kvpolicy fmt --check my-rules/               # CI: exit 1 and a diff when a file is not canonical
+  kvpolicy fmt --write my-rules/               # rewrite the files that change
+  kvpolicy fmt - < rule.yaml                   # stdin
+
+canonical: fixed key order (version, connector, member_preferences, defaults, rules; a rule's id,
+description, reference, enforcement, when, forbid/require/prefer, weight), block style for rules and
+all/any/not, one-line leaves and patterns, two-space indentation; comments and single blank lines
+are kept (docs/cli.md says where); the rules' meaning (their digest) never changes
+
+exit codes: 0 done (or every file canonical), 1 --check found a file to reformat or a file is not
+YAML, 2 usage error
+"""
+
+
+def register(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser("fmt", help="format rule files canonically (--check for CI, --write to rewrite)",
+                         description="Rewrite rule files in the canonical form: key order, styles, indentation; "
+                                     "comments kept, meaning unchanged.",
+                         epilog=_EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("paths", nargs="+", metavar="PATH", help="rule files, rule directories, or - for stdin")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1, with a diff, when some file is not canonical")
+    mode.add_argument("--diff", action="store_true", help="print a unified diff for each file that would change")
+    mode.add_argument("-w", "--write", action="store_true", help="rewrite the files that change, in place")
+    p.set_defaults(run=run)
+
+
+def _files(paths: list[str]) -> list[str]:
+    out: list[str] = []
+    for raw in paths:
+        p = Path(raw)
+        if raw == "-":
+            out.append(raw)
+        elif p.is_dir():
+            found = sorted([*p.glob("*.yaml"), *p.glob("*.yml"), *p.glob("connectors/*.yaml"),
+                            *p.glob("connectors/*.yml")])
+            if not found:
+                raise usage_error(raw, "no rule files (`*.yaml`, `connectors/*.yaml`) here", "pass a rule directory")
+            out += [str(f) for f in found]
+        elif p.is_file():
+            out.append(raw)
+        else:
+            raise usage_error(raw, "no such file or directory", "pass rule files, rule directories, or -")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpolicy.policy.fmt import format_rule_file
+
+    files = _files(args.paths)
+    if not (args.check or args.diff or args.write) and len(files) > 1:
+        raise usage_error("PATH", f"{len(files)} files: the formatted text of one file goes to stdout",
+                          "pass one file, or --check, --diff or --write")
+    if args.write and "-" in files:
+        raise usage_error("--write", "stdin cannot be rewritten", "drop --write to print the formatted text")
+    failed = changed = 0
+    for name in files:
+        text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8")
+        shown = "<stdin>" if name == "-" else name
+        try:
+            formatted = format_rule_file(text, shown)
+        except PolicyError as exc:
+            print_error(exc)
+            failed += 1
+            continue
+        if not (args.check or args.diff or args.write):
+            sys.stdout.write(formatted)
+            continue
+        if formatted == text:
+            continue
+        changed += 1
+        if args.write:
+            Path(name).write_text(formatted, encoding="utf-8")
+            print(f"formatted: {shown}", file=sys.stderr)
+        else:
+            sys.stdout.writelines(difflib.unified_diff(text.splitlines(keepends=True), formatted.splitlines(
+                keepends=True), fromfile=f"{shown} (as written)", tofile=f"{shown} (kvpolicy fmt)"))
+    if args.check and changed:
+        print(f"{changed} file(s) would be reformatted: kvpolicy fmt --write {' '.join(args.paths)}",
+              file=sys.stderr)
+    return EXIT_FAILED if failed or (args.check and changed) else EXIT_OK

@@ -1,0 +1,151 @@
+"""``kvpolicy dry-run ... --record-test FILE``: today's decision for a deployment, kept as a policy test case.
+
+OPA users write tests from real inputs (`opa eval --input` then a `test_` rule); here one flag turns
+a dry-run into a case of the existing format (`kvpolicy.engine.policy_tests.cases`): the deployment
+as ``input`` (a ``--model`` path relative to the case file, as case files resolve it), and as
+``expect`` the chosen ``layout``, for each removed layout the rules that removed it, and the audit-mode
+rules that report a finding (``audit``); or, when no
+layout survives, ``error: no-layout``. ``kvpolicy test`` then fails the day a rule edit changes that
+decision. The case is appended to FILE (created with ``version: 1``, and its directory, if absent), so the comments and
+cases already there stay as written; the file is loaded again and the append undone if it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpolicy.engine.cli.common import usage_error
+from kvpolicy.policy.errors import PolicyError
+
+__all__ = ["Resolved", "case_input", "record_case"]
+
+
+def _none_free(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if v is not None and v is not False}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What dry-run worked out from its flags, that a case records as given: the platform, the --spec
+    file's content, --connector-prefers-cross-layer-blocks as build_context takes it."""
+
+    device: str
+    spec_source: dict[str, Any] | None
+    preferences: bool | dict[str, bool] | None
+    env_inputs: dict[str, Any] = field(default_factory=dict)  # what the VLLM_* environment set (flags win)
+
+
+def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) -> dict[str, Any]:
+    """The ``input`` mapping of a case for the deployment dry-run's flags describe (the built-in example's
+    values where it stands in)."""
+    from kvpolicy.engine.inputs import DEFAULT_EXAMPLE
+
+    device = resolved.device
+    example = args.model is None and args.spec is None
+    data: dict[str, Any] = {}
+    if args.model is not None:
+        model = Path(args.model).resolve()
+        # relative to the case file (as cases resolve it) when both lie in the working tree, so the pair can move
+        inside = model.is_relative_to(Path.cwd().resolve()) and case_file.resolve().is_relative_to(Path.cwd().resolve())
+        data["model"] = os.path.relpath(model, case_file.resolve().parent) if inside else str(model)
+        data["tensor_parallel_size"] = args.tensor_parallel_size if args.tensor_parallel_size not in (None, 1) \
+            else None
+        data["dtype"] = getattr(args, "dtype", None)
+    elif resolved.spec_source is not None:
+        source = resolved.spec_source
+        if "groups" in source:
+            data["groups"] = [g.model_dump(mode="json") if hasattr(g, "model_dump") else g for g in source["groups"]]
+        else:
+            data["spec"] = dict(source["spec"])
+    else:
+        data["spec"] = dict(DEFAULT_EXAMPLE["spec"])
+    dtype = args.kv_cache_dtype
+    if example and dtype is None:
+        dtype = DEFAULT_EXAMPLE["kv_cache_dtype"] if device == "cuda" else "auto"
+    backend = args.backend
+    if example and backend is None and args.worker_attention_backends is None and device == "cuda":
+        backend = DEFAULT_EXAMPLE["backend"]
+    connector = args.connector
+    if example and connector is None and args.kv_transfer_config is None:
+        connector = DEFAULT_EXAMPLE["connector"]
+    data.update({
+        "kv_cache_dtype": dtype,
+        "block_size": args.block_size,
+        "attention_backend": backend,
+        "worker_attention_backends": args.worker_attention_backends,
+        "scale_views": args.scale_views,
+        "connector": connector,
+        "connector_config": args.connector_config,
+        "kv_transfer_config": args.kv_transfer_config,
+        "vllm_version": args.vllm_version,
+        "vllm_kv_cache_layout": args.vllm_kv_cache_layout,
+        "enable_extensible_kv_cache": bool(args.enable_extensible_kv_cache),
+        "hisparse": bool(args.hisparse),
+        "device": args.device,
+        "device_capability": args.device_capability,
+        "use_v2_model_runner": bool(args.use_v2_model_runner),
+        "connector_prefers_cross_layer_blocks": resolved.preferences,
+    })
+    # the VLLM_* environment's part of the decision, kept in the case (a test must not read the environment)
+    data.update({k: v for k, v in resolved.env_inputs.items() if data.get(k) in (None, False)})
+    return _none_free(data)
+
+
+def _expect(decision: Any, error: PolicyError | None) -> dict[str, Any]:
+    if decision is None:
+        from kvpolicy.engine.policy_tests.runner import error_codes
+
+        return {"error": error_codes(error)[0] if error is not None else "no-layout"}
+    removed = {str(layout): sorted({rule.id for rule, _scope in hits}) for layout, hits in decision.eliminated.items()}
+    audit = list(dict.fromkeys(f.rule.id for f in decision.audit))
+    return {"layout": str(decision.layout), **({"removed": removed} if removed else {}),
+            **({"audit": audit} if audit else {})}
+
+
+def _name(data: dict[str, Any], expect: dict[str, Any]) -> str:
+    what = data.get("model") or ("groups" if "groups" in data else "spec")
+    parts = [Path(str(what)).name if "model" in data else str(what), data.get("kv_cache_dtype"),
+             data.get("attention_backend"), data.get("connector"), data.get("vllm_version")]
+    outcome = f"takes {expect['layout']}" if "layout" in expect else f"is refused ({expect['error']})"
+    return ", ".join(str(p) for p in parts if p) + " " + outcome
+
+
+def record_case(args: argparse.Namespace, resolved: Resolved, decision: Any, error: PolicyError | None = None) -> str:
+    """Append the case for this dry-run to ``args.record_test``; returns the note to print (on stderr)."""
+    from kvpolicy.engine.policy_tests.cases import PolicyTestError, load_cases
+
+    path = Path(args.record_test)
+    data = case_input(args, path, resolved)
+    expect = _expect(decision, error)
+    name = args.record_name or _name(data, expect)
+    before = path.read_text() if path.exists() else None
+    if before is not None and name in {c.case.name for c in load_cases([path])}:
+        raise usage_error("--record-test", f"`{path}` already has a case named `{name}`",
+                          "pass --record-name NAME, or edit the case in the file")
+    case = yaml.safe_dump([{"name": name, "input": data, "expect": expect}], sort_keys=False,
+                          default_flow_style=None, width=100, allow_unicode=True)
+    indented = "".join("  " + line if line.strip() else line for line in case.splitlines(keepends=True))
+    text = (before if before is not None else "version: 1\ncases:\n")
+    if text and not text.endswith("\n"):
+        text += "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + indented)
+        load_cases([path])
+    except PolicyTestError as exc:
+        if before is None:
+            path.unlink()
+        else:
+            path.write_text(before)
+        raise usage_error("--record-test", f"cannot append a case to `{path}`: it does not load after the append "
+                          f"({exc.diagnostics[0].file}:{exc.diagnostics[0].line}: {exc.diagnostics[0].message})",
+                          "record into a case file whose `cases:` list is its last key, in block style") from None
+    except OSError as exc:
+        raise usage_error("--record-test", f"cannot write `{path}`: {exc.strerror or exc}") from None
+    return f"recorded: case `{name}` in {path} (`kvpolicy test {path}` checks it)"

@@ -1,0 +1,215 @@
+"""A fleet: the operator's deployments in one checked-in file, decided together (``kvpolicy dry-run --fleet``).
+
+conftest tests every manifest of a repository in one run; a serving site has a list of deployments
+(models, vLLM releases, connectors, cache dtypes), and an edit to its rules must be judged against all
+of them. A fleet file::
+
+    version: 1
+    defaults:                       # optional: keys every deployment has unless it sets them
+      vllm_version: "0.34.0"
+    deployments:
+      - name: chat-qwen-offload
+        model: ../../tests/fixtures/configs/qwen2.5-0.5b.json    # relative to the fleet file
+        kv_cache_dtype: fp8_per_token_head
+        connector: OffloadingConnector
+        tensor_parallel_size: 1
+
+A deployment is a policy test case's ``input`` (`kvpolicy.engine.policy_tests.cases.CaseInput`: one
+of ``model`` / ``spec`` / ``groups``, the release, backend, connector, dtype, block size, ...) with
+a ``name``. Loading reports every problem of the file, located; deciding never stops at a refusal:
+each deployment gets its decision, its refusal (no layout survives) or its input error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.layout_engine import LayoutEngine
+from kvpolicy.engine.policy_tests.cases import CaseInput, context_for
+from kvpolicy.policy.context import Context
+from kvpolicy.policy.errors import Diagnostic, GeometryError, InputError, NoLayoutError, PolicyError, shown_file
+from kvpolicy.policy.files import read_capped
+from kvpolicy.policy.ruleset import RuleSet
+from kvpolicy.policy.spec import Frozen
+from kvpolicy.policy.validate import located_validation_errors
+from kvpolicy.policy.yaml_source import Limits, Located, parse_yaml
+
+__all__ = ["Deployment", "Fleet", "FleetError", "FleetResult", "decide_fleet", "load_fleet"]
+
+
+class FleetError(PolicyError):
+    """A fleet file that cannot be read or does not validate (every problem, located)."""
+
+
+class Deployment(CaseInput):
+    """One deployment: a name and the inputs a policy test case takes."""
+
+    name: str = Field(min_length=1, description="unique within the fleet; shown in the report")
+    description: str | None = Field(default=None, description="what the deployment serves (not read)")
+
+
+class _FleetHeader(Frozen):
+    version: Literal[1] = Field(description="format version; currently 1")
+    defaults: dict[str, Any] = Field(default_factory=dict, description="keys every deployment has unless it sets them")
+    deployments: list[Any] = Field(min_length=1, description="the deployments")
+
+
+_DEPLOYMENT_KEYS = tuple(Deployment.model_fields)
+
+
+def _keys_at(path: tuple[Any, ...]) -> tuple[str, ...]:
+    if not path:
+        return tuple(_FleetHeader.model_fields)
+    if isinstance(path[-1], int) and len(path) >= 2 and path[-2] == "deployments":
+        return _DEPLOYMENT_KEYS
+    if path[-1] == "defaults":
+        return _DEPLOYMENT_KEYS
+    return ()
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A loaded fleet: its deployments with where each is written."""
+
+    file: str
+    deployments: tuple[tuple[Deployment, int], ...]  # (deployment, line)
+
+    @property
+    def base_dir(self) -> Path:
+        return Path(self.file).parent
+
+
+def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
+    """Read and validate a fleet file; raises `FleetError` listing every problem, located."""
+    shown = str(path)
+    text, diags = read_capped(Path(path), shown, limits.max_file_bytes)
+    if text is None:
+        raise FleetError(f"cannot read the fleet file `{shown}`", diags)
+    src, diags = parse_yaml(text, shown, limits)
+    if src is None or src.is_invalid(()):
+        raise FleetError(f"{len(diags)} error(s) in fleet file `{shown}`", diags)
+    if not isinstance(src.data, dict):
+        raise FleetError("", [src.diag((), "not-a-mapping", "a fleet file is a mapping",
+                                       "start it with `version: 1` and a `deployments:` list")])
+    try:
+        header = _FleetHeader.model_validate(src.data)
+    except ValidationError as exc:
+        raise FleetError(f"errors in fleet file `{shown}`",
+                         [*diags, *located_validation_errors(src, (), src.data, exc, valid_keys=_keys_at)]) from None
+    bad_defaults = _check_defaults(src, header.defaults, diags)
+    out: list[tuple[Deployment, int]] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(header.deployments):
+        where = ("deployments", i)
+        line = src.position(where)[0]
+        if not isinstance(raw, dict):
+            diags.append(src.diag(where, "not-a-mapping", "a deployment is a mapping", "give it a `name:` and inputs"))
+            continue
+        name = raw.get("name")
+        if isinstance(name, str) and name in seen:
+            diags.append(src.diag((*where, "name"), "duplicate-deployment",
+                                  f"deployment `{name}` is already defined at line {seen[name]}",
+                                  "give each deployment its own name"))
+        elif isinstance(name, str):
+            seen[name] = line
+        merged = {**{k: v for k, v in header.defaults.items() if k not in bad_defaults}, **raw}
+        if "model" in raw or "spec" in raw or "groups" in raw:  # a deployment's own source replaces the default's
+            merged = {k: v for k, v in merged.items() if k not in ("model", "spec", "groups") or k in raw}
+        try:
+            out.append((Deployment.model_validate(merged), line))
+        except ValidationError as exc:
+            diags += located_validation_errors(src, where, merged, exc, valid_keys=_keys_at)
+    if diags:
+        raise FleetError(f"{len(diags)} error(s) in fleet file `{shown}`", diags)
+    return Fleet(shown, tuple(out))
+
+
+_PROBE_SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_size": 64}
+
+
+def _check_defaults(src: Located, defaults: dict[str, Any], diags: list[Diagnostic]) -> set[str]:
+    """Check ``defaults`` once, located where they are written; returns the keys that are wrong (left out of
+    every deployment, so one mistake is reported once)."""
+    if not defaults:
+        return set()
+    probe = {"name": "defaults", **defaults}
+    if not any(k in defaults for k in ("model", "spec", "groups")):
+        probe["spec"] = _PROBE_SPEC  # a source is a deployment's own business
+    try:
+        Deployment.model_validate(probe)
+    except ValidationError as exc:
+        diags += located_validation_errors(src, ("defaults",), probe, exc, valid_keys=_keys_at)
+        return {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+    return set()
+
+
+@dataclass(frozen=True)
+class FleetResult:
+    """One deployment's outcome: a decision, a refusal (`NoLayoutError`) or an input error."""
+
+    deployment: Deployment
+    location: str
+    profile: str | None
+    decision: Decision | None = None
+    error: PolicyError | None = field(default=None)
+    context: Context | None = field(default=None, compare=False)  # built also for a refused deployment
+    # the geometry check of the chosen layout, as dry-run's: None checked clean (or nothing to check), else
+    # the verifier's refusal (views that write the same bytes) or why the layout has no plan here
+    geometry: PolicyError | None = field(default=None, compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.deployment.name
+
+    @property
+    def status(self) -> str:
+        """``decided``, ``unsafe`` (decided, but the verifier finds views writing the same bytes), ``refused``
+        (no layout survives the rules) or ``invalid`` (the inputs are wrong)."""
+        if self.decision is not None:
+            return "unsafe" if isinstance(self.geometry, GeometryError) else "decided"
+        return "refused" if isinstance(self.error, NoLayoutError) else "invalid"
+
+
+def geometry_check(decision: Decision) -> PolicyError | None:
+    """dry-run's check of the chosen layout: planned for one more block than layers (so a view assuming one
+    page per block reaches across block 0's layers) and verified. None: clean, or no paged KV to check."""
+    from kvpolicy.engine.plan import plan_layout
+    from kvpolicy.engine.verify import refusal, verify_plan
+
+    ctx = decision.context
+    if not ctx.kv.kind.is_attention:
+        return None
+    try:
+        plan = plan_layout(decision.layout, ctx.kv, ctx.backend, ctx.kv.num_layers + 1)
+    except InputError as exc:  # decided as vLLM decides, but no plan (a dtype kvpolicy has no cells for, ...)
+        return exc
+    report = verify_plan(plan)
+    return None if report.ok else refusal(plan, report)
+
+
+RulesFor = Any  # Callable[[str], RuleSet]: the rule set of a profile name
+
+
+def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = None) -> list[FleetResult]:
+    """Decide every deployment, each under its release's profile (``vllm_version`` for those naming none)
+    and ``rules_for(profile)``'s rules; never raises for one deployment's refusal or bad input."""
+    from kvpolicy.policy.releases import resolve_profile
+
+    out = []
+    for dep, line in fleet.deployments:
+        location = f"{shown_file(fleet.file)}:{line}"
+        profile, ctx = None, None
+        try:
+            profile = resolve_profile(dep.vllm_version or vllm_version)[0].name
+            ruleset: RuleSet = rules_for(profile)
+            ctx = context_for(dep, fleet.base_dir, profile)
+            decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx)
+            out.append(FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision)))
+        except PolicyError as exc:
+            out.append(FleetResult(dep, location, profile, None, exc, ctx))
+    return out

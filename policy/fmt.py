@@ -1,0 +1,364 @@
+"""Canonical formatting of rule files (``kvpolicy fmt``), as ``opa fmt`` formats Rego.
+
+The canonical form:
+
+- keys in a fixed order: the file's ``version, connector, member_preferences, defaults, rules``; a
+  rule's ``id, description, reference, enforcement, when, forbid, require, prefer, weight``; a
+  leaf's ``field`` then its operator; a pattern's keys in `LayoutPattern`'s order; keys the format
+  does not know follow in their own order;
+- block style for the file, the rule list, rules, ``defaults`` and ``all`` / ``any`` / ``not``;
+  flow style (one line) for a leaf (``{field: kv.per_token_head, eq: true}``), an effect's
+  pattern and ``layout_order``; anything else keeps its style;
+- two spaces of indentation, a sequence indented under its key (``rules:\\n  - id: ...``);
+- scalars as written (``"0.34"`` stays quoted, ``>-`` descriptions stay folded, re-indented);
+  a scalar written over several lines without a block indicator becomes one line.
+
+What is preserved: every comment on a line of its own stays above the key or list item it
+preceded, at that item's indentation (a comment inside a flow collection written over several lines
+moves above the collection); a comment at the end of a line stays at the end of the line of the key
+or item it was on; comments after the last item stay at the end; one blank line before a key or item
+that had one or more. What is not: alignment inside lines, blank lines beyond one, anchors and
+aliases (a file with them is refused, not rewritten). The rules' meaning never changes:
+``RuleSet.digest`` of the formatted file equals the original's, and formatting twice is formatting
+once (both are property tests).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from kvpolicy.policy.errors import Diagnostic, PolicyError
+
+__all__ = ["FormatError", "format_rule_file"]
+
+
+class FormatError(PolicyError):
+    """A file ``kvpolicy fmt`` cannot format (not YAML, several documents, anchors), located."""
+
+
+_FILE_KEYS = ("version", "connector", "member_preferences", "defaults", "rules")
+_RULE_KEYS = ("id", "description", "reference", "enforcement", "when", "forbid", "require", "prefer", "weight")
+_PATTERN_KEYS = ("layout", "placement", "head_order", "layer_compact", "block_outermost", "block_compact",
+                 "block_contiguous")
+_EFFECTS = ("forbid", "require", "prefer")
+
+
+@dataclass
+class _Line:
+    """One output line; ``anchor``: the source line of the key or item it starts (None: a continuation),
+    ``span``: the source lines an inline (one-line) value covers; ``leads``: the source lines whose
+    preceding comments go above it (its anchor, and a list item's line for the item's first key)."""
+
+    text: str
+    anchor: int | None = None
+    span: tuple[int, int] | None = None
+    indent: int = 0
+    leads: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.leads is None:
+            self.leads = () if self.anchor is None else (self.anchor,)
+
+
+@dataclass
+class _Source:
+    text: str
+    lines: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lines = self.text.splitlines()
+
+    def slice(self, node: Node) -> str:
+        s, e = node.start_mark, node.end_mark
+        if s.line == e.line:
+            return self.lines[s.line][s.column:e.column]
+        return "\n".join([self.lines[s.line][s.column:], *self.lines[s.line + 1:e.line], self.lines[e.line][:e.column]])
+
+
+def _key(node: MappingNode, i: int) -> str:
+    k = node.value[i][0]
+    return k.value if isinstance(k, ScalarNode) else ""
+
+
+def _ordered(node: MappingNode, order: tuple[str, ...]) -> list[tuple[Node, Node]]:
+    """The pairs of ``node``: known keys in ``order``, then the others as written."""
+    rank = {k: i for i, k in enumerate(order)}
+    return [p for _, p in sorted(enumerate(node.value),
+                                 key=lambda ip: (rank.get(_key(node, ip[0]), len(order)), ip[0]))]
+
+
+class _Formatter:
+    def __init__(self, src: _Source) -> None:
+        self.src = src
+
+    # -- what goes where -------------------------------------------------------------------------
+
+    def _role_of_child(self, role: str, key: str) -> str:
+        """The role of the value under ``key`` in a mapping of ``role``."""
+        if role == "file":
+            return {"defaults": "defaults", "rules": "rules"}.get(key, "other")
+        if role == "rule":
+            if key == "when":
+                return "condition"
+            return "pattern" if key in _EFFECTS else "other"
+        if role == "defaults":
+            return "flow" if key == "layout_order" else "other"
+        if role == "condition":
+            return {"all": "conditions", "any": "conditions", "not": "condition"}.get(key, "other")
+        return "other"
+
+    def _order(self, role: str, node: MappingNode) -> list[tuple[Node, Node]]:
+        if role == "file":
+            return _ordered(node, _FILE_KEYS)
+        if role == "rule":
+            return _ordered(node, _RULE_KEYS)
+        if role == "leaf":
+            return _ordered(node, ("field",))
+        if role == "pattern":
+            return _ordered(node, _PATTERN_KEYS)
+        return list(node.value)
+
+    @staticmethod
+    def _is_leaf(node: Node) -> bool:
+        return isinstance(node, MappingNode) and any(_key(node, i) == "field" for i in range(len(node.value)))
+
+    def _inline(self, role: str, node: Node) -> bool:
+        if isinstance(node, ScalarNode):
+            return node.style not in ("|", ">")
+        if not node.value:  # `rules: []`: an empty block has no block form
+            return True
+        if role in ("pattern", "flow", "leaf"):
+            return True
+        if role in ("condition",) and self._is_leaf(node):
+            return True
+        if role in ("file", "rules", "rule", "defaults", "condition", "conditions"):
+            return False
+        return bool(node.flow_style)
+
+    # -- one-line values -------------------------------------------------------------------------
+
+    def _scalar(self, node: ScalarNode) -> str:
+        text = self.src.slice(node)
+        if "\n" in text:  # a plain or quoted scalar written over several lines: one line, same value
+            value = yaml.safe_load(text)
+            text = yaml.safe_dump(value, default_flow_style=True, width=10**9, allow_unicode=True)
+            text = text.removesuffix("\n").removesuffix("\n...").removesuffix("...").strip()
+        return text
+
+    def _flow(self, role: str, node: Node) -> str:
+        if isinstance(node, ScalarNode):
+            return self._scalar(node)
+        if isinstance(node, SequenceNode):
+            return "[" + ", ".join(self._flow("other", item) for item in node.value) + "]"
+        leaf = role == "leaf" or self._is_leaf(node)
+        pairs = self._order("leaf" if leaf else role, node)
+        return "{" + ", ".join(f"{self._flow('other', k)}: {self._flow('other', v)}" for k, v in pairs) + "}"
+
+    # -- blocks ----------------------------------------------------------------------------------
+
+    def _block_scalar(self, node: ScalarNode, indent: int) -> tuple[str, list[_Line]]:
+        """The header (``>-``) and the content lines, re-indented to ``indent``."""
+        s, e = node.start_mark, node.end_mark
+        header = self.src.lines[s.line][s.column:].split("#", 1)[0].rstrip()
+        if any(c.isdigit() for c in header):
+            raise FormatError("", [Diagnostic("", s.line + 1, s.column + 1, "unsupported",
+                                              "a block scalar with an indentation indicator is not formatted",
+                                              "drop the digit from the block header")])
+        end = e.line if e.column == 0 else e.line + 1
+        body = self.src.lines[s.line + 1:end]
+        if "+" not in header:
+            while body and not body[-1].strip():
+                body.pop()
+        current = min((len(x) - len(x.lstrip(" ")) for x in body if x.strip()), default=indent)
+        shift = indent - current
+        out = []
+        for x in body:
+            out.append(_Line("" if not x.strip() else (" " * shift + x if shift >= 0 else x[-shift:])))
+        return header, out
+
+    def _entry(self, prefix: str, indent: int, role: str, node: Node, anchor: int) -> list[_Line]:
+        """``prefix`` (``key:`` or ``-``) and its value at ``indent``."""
+        pad = " " * indent
+        span = (anchor, node.end_mark.line if node.end_mark.column > 0 else node.end_mark.line - 1)
+        if self._inline(role, node):
+            span = (min(anchor, node.start_mark.line), max(span[1], anchor))
+            return [_Line(f"{pad}{prefix} {self._flow(role, node)}", anchor, span, indent)]
+        if isinstance(node, ScalarNode):  # a block scalar
+            header, body = self._block_scalar(node, indent + 2)
+            return [_Line(f"{pad}{prefix} {header}", anchor, (anchor, anchor), indent), *body]
+        inner = self._block(role, node, indent + 2)
+        if prefix == "-" and isinstance(node, MappingNode) and inner:  # `- key: value` on one line
+            first = inner[0]
+            for x in inner[1:]:  # the item's line leads the item, not the key written first there
+                x.leads = tuple(ln for ln in x.leads or () if ln != anchor)
+            inner[0] = _Line(f"{pad}- {first.text.lstrip()}", first.anchor, first.span, indent,
+                             (anchor, *(ln for ln in first.leads or () if ln != anchor)))
+            return inner
+        return [_Line(f"{pad}{prefix}", anchor, (anchor, anchor), indent), *inner]
+
+    def _block(self, role: str, node: Node, indent: int) -> list[_Line]:
+        out: list[_Line] = []
+        if isinstance(node, MappingNode):
+            for k, v in self._order(role, node):
+                child = self._role_of_child(role, k.value if isinstance(k, ScalarNode) else "")
+                out += self._entry(f"{self._flow('other', k)}:", indent, child, v, k.start_mark.line)
+        elif isinstance(node, SequenceNode):
+            item_role = {"rules": "rule", "conditions": "condition"}.get(role, "other")
+            for item in node.value:
+                out += self._entry("-", indent, item_role, item, item.start_mark.line)
+        return out
+
+    def format(self, root: Node) -> list[_Line]:
+        if not isinstance(root, MappingNode):
+            return [_Line(self._flow("other", root), root.start_mark.line,
+                          (root.start_mark.line, root.end_mark.line))]
+        return self._block("file", root, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comments
+
+
+def _scalar_ranges(root: Node, n_lines: int) -> list[list[tuple[int, int]]]:
+    """Per source line, the column ranges scalars occupy (a ``#`` there is text, not a comment)."""
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(n_lines + 1)]
+    stack = [root]
+    big = 10**9
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ScalarNode):
+            s, e = node.start_mark, node.end_mark
+            if s.line == e.line:
+                ranges[s.line].append((s.column, e.column))
+            else:
+                ranges[s.line].append((s.column, big))
+                for line in range(s.line + 1, min(e.line, n_lines)):
+                    ranges[line].append((0, big))
+                if e.line <= n_lines:
+                    ranges[e.line].append((0, e.column))
+        elif isinstance(node, MappingNode):
+            for k, v in node.value:
+                stack += [k, v]
+        elif isinstance(node, SequenceNode):
+            stack += node.value
+    return ranges
+
+
+def _comments(lines: list[str], ranges: list[list[tuple[int, int]]]) -> dict[int, tuple[str, bool]]:
+    """Source line -> (the comment from its ``#``, whether the line holds nothing else)."""
+    out = {}
+    for i, line in enumerate(lines):
+        taken = ranges[i] if i < len(ranges) else []
+        quote = None
+        for col, ch in enumerate(line):
+            if any(a <= col < b for a, b in taken):
+                continue
+            if quote:
+                if ch == quote:
+                    quote = None
+                continue
+            if ch in "'\"" and (col == 0 or not line[col - 1].isalnum()):
+                quote = ch
+            if ch == "#" and (col == 0 or line[col - 1] in " \t"):
+                out[i] = (line[col:].rstrip(), not line[:col].strip())
+                break
+    return out
+
+
+def _with_comments(out: list[_Line], lines: list[str], comments: dict[int, tuple[str, bool]],
+                   first_key: int) -> list[str]:
+    claimed: set[int] = set()
+    for x in out:  # keys written on one source line (a flow mapping made block): the first output line leads
+        x.leads = tuple(ln for ln in x.leads or () if ln not in claimed)
+        claimed.update(x.leads)
+    leads = sorted({ln for x in out for ln in x.leads or ()})
+    by_anchor = {x.anchor for x in out if x.anchor is not None}
+    inline_spans = sorted((x.span, x.anchor) for x in out if x.anchor is not None and x.span is not None
+                          and x.span[1] > x.span[0])
+    header: list[str] = []
+    leading: dict[int, list[int]] = {}
+    trailing: dict[int, list[str]] = {}
+    tail: list[int] = []
+    for line, (text, alone) in sorted(comments.items()):
+        if alone and line < first_key:  # before the first key: the file's header, kept on top
+            header.append(text)
+            continue
+        inside = next((a for (s, e), a in inline_spans if s <= line <= e), None)
+        if not alone:
+            target = line if line in by_anchor else inside
+            if target is not None:
+                trailing.setdefault(target, []).append(text)
+                continue
+        if inside is not None and line > inside:
+            leading.setdefault(inside, []).append(line)
+            continue
+        i = bisect.bisect_right(leads, line)
+        if i < len(leads):
+            leading.setdefault(leads[i], []).append(line)
+        else:
+            tail.append(line)
+    result: list[str] = list(header)
+    for x in out:
+        notes = sorted(ln for lead in x.leads or () for ln in leading.get(lead, []))
+        first = min([*(x.leads or ()), *notes], default=None)
+        if first is not None and result and first > 0 and not lines[first - 1].strip():
+            result.append("")
+        result += [" " * x.indent + comments[ln][0] for ln in notes]
+        if x.anchor is not None and x.anchor in trailing:
+            result.append(x.text + "  " + " ".join(trailing.pop(x.anchor)))  # once, on the first such line
+        else:
+            result.append(x.text)
+    if tail:
+        if result and not lines[tail[0] - 1].strip():
+            result.append("")
+        result += [comments[ln][0] for ln in tail]
+    return result
+
+
+def format_rule_file(text: str, file: str = "<text>") -> str:
+    """``text`` (a rule file) in the canonical form; raises `FormatError` (located) when it is not one
+    YAML document, or uses anchors. Idempotent, and the rules' meaning is unchanged."""
+    try:
+        docs = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        raise FormatError("", [Diagnostic(file, line, col, "yaml-syntax", str(exc.problem or exc),
+                                          "fix the YAML first: `kvpolicy validate FILE` says more")]) from None
+    docs = [d for d in docs if d is not None]
+    if len(docs) != 1:
+        raise FormatError("", [Diagnostic(file, 1, 1, "not-one-document",
+                                          f"a rule file is one YAML document, found {len(docs)}",
+                                          "keep one document per file")])
+    if "&" in text or "*" in text:
+        _refuse_anchors(docs[0], file)
+    src = _Source(text)
+    try:
+        out = _Formatter(src).format(docs[0])
+    except FormatError as exc:
+        raise FormatError("", [Diagnostic(file, d.line, d.col, d.code, d.message, d.help)
+                               for d in exc.diagnostics]) from None
+    comments = _comments(src.lines, _scalar_ranges(docs[0], len(src.lines)))
+    return "\n".join(_with_comments(out, src.lines, comments, docs[0].start_mark.line)).rstrip("\n") + "\n"
+
+
+def _refuse_anchors(root: Node, file: str) -> None:
+    seen: set[int] = set()
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:  # a node reached twice: an alias
+            raise FormatError("", [Diagnostic(file, node.start_mark.line + 1, node.start_mark.column + 1,
+                                              "unsupported", "anchors and aliases are not formatted",
+                                              "write the value out where the alias is")])
+        seen.add(id(node))
+        if isinstance(node, MappingNode):
+            for k, v in node.value:
+                stack += [k, v]
+        elif isinstance(node, SequenceNode):
+            stack += node.value

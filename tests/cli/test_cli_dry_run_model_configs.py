@@ -1,0 +1,60 @@
+"""`kvpolicy dry-run --model`: configs read as vLLM reads them, and what was assumed said on stderr (issue 21)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cli_capture import cli
+
+NIXL_CROSS_LAYER = ("--connector", "NixlConnector", "--connector-config", '{"enable_cross_layers_blocks": "true"}')
+
+# Gemma-3-27B's text model: a window, and no sliding_window_pattern (Gemma3TextConfig's default, 6, applies)
+GEMMA3_27B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "torch_dtype": "bfloat16",
+              "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32,
+                              "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024}}
+GEMMA2_9B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_hidden_layers": 42,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "hidden_size": 3584,
+             "sliding_window": 4096, "torch_dtype": "float32"}
+BAMBA_9B = {"architectures": ["BambaForCausalLM"], "model_type": "bamba", "num_hidden_layers": 32,
+            "attn_layer_indices": [9, 18, 27], "num_attention_heads": 32, "num_key_value_heads": 8,
+            "hidden_size": 4096, "mamba_d_state": 128, "torch_dtype": "bfloat16"}
+
+
+def model_dir(tmp_path: Path, config: dict[str, Any]) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_gemma3_default_pattern_keeps_two_groups_per_layer(capsys: pytest.CaptureFixture[str],
+                                                           tmp_path: Path) -> None:
+    # read as all-sliding (one group), vLLM 0.28's gate let a cross-layer Nixl connector take BHLNC
+    code, out, err = cli(capsys, "dry-run", "--model", model_dir(tmp_path, GEMMA3_27B), "--vllm-version", "0.28.0",
+                         *NIXL_CROSS_LAYER, "--format", "json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["layout"]["placement"] == "per_layer"
+    groups = data["inputs"]["groups"]["groups"]
+    assert [(g["spec"]["kind"], g["spec"]["num_layers"]) for g in groups] == [("sliding_window", 52),
+                                                                              ("full", 10)]
+    assert "warning[" not in err
+
+
+def test_gemma2_float32_is_planned_in_bfloat16_and_said(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = cli(capsys, "dry-run", "--model", model_dir(tmp_path, GEMMA2_9B), "--vllm-version", "0.28.0",
+                         "--format", "json")
+    kv = json.loads(out)["inputs"]["kv"]
+    assert code == 0
+    assert kv["dtype"] == "bfloat16"
+    assert "config.json: warning[dtype-downcast]: the config's dtype is float32; vLLM's --dtype auto serves " in err
+
+
+def test_bamba_has_its_mamba_group_and_the_refusal_is_said(capsys: pytest.CaptureFixture[str],
+                                                           tmp_path: Path) -> None:
+    code, out, err = cli(capsys, "dry-run", "--model", model_dir(tmp_path, BAMBA_9B), "--format", "json")
+    assert code == 0
+    groups = json.loads(out)["inputs"]["groups"]["groups"]
+    assert [(g["spec"]["kind"], g["spec"]["num_layers"]) for g in groups] == [("mamba", 29), ("full", 3)]
+    assert "warning[unsupported-architecture]: vLLM serves `BambaForCausalLM` natively only up to 0.23.0" in err

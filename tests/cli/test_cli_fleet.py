@@ -1,0 +1,122 @@
+"""`kvpolicy dry-run --fleet FILE` and `kvpolicy diff OLD NEW --fleet FILE`: a fleet of deployments, one report."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from cli_capture import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+FLEET = ROOT / "docs" / "examples" / "fleet.yaml"
+ROLLOUT = ROOT / "docs" / "examples" / "rollout"
+
+
+def test_the_example_fleet_is_decided_in_one_report(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(FLEET), "--format", "json")
+    doc = json.loads(out)
+    assert code == 1  # one deployment is refused on purpose
+    deps = {d["name"]: d for d in doc["deployments"]}
+    assert len(deps) >= 20 and doc["summary"]["deployments"] == len(deps)
+    assert {d["profile"] for d in deps.values()} >= {"vllm-0.24", "vllm-0.28", "vllm-0.34"}
+    assert doc["summary"]["decided"] == len(deps) - 1 and doc["summary"]["refused"] == 1
+    assert deps["chat-qwen-offload-fp8pth"]["layout"] == "LBHNC"
+    assert deps["chat-qwen-offload-fp8pth"]["backend"] == "TRITON_ATTN"
+    assert deps["llama-8b-offload-0.28"]["placement"] == "cross_layer"  # the gate's uniform cache
+    refused = deps["mistral-env-lhbnc-extensible-offload"]
+    assert refused["status"] == "refused" and refused["location"].endswith("fleet.yaml:106")
+    assert {d["code"] for d in refused["error"]["diagnostics"]} == {"removed-candidates"}
+    code, text, _ = cli(capsys, "dry-run", "--fleet", str(FLEET))
+    assert f"fleet {FLEET}: {len(deps)} deployments over 9 release profile(s): {len(deps) - 1} decided, 1 refused" \
+        in text
+    assert "mistral-env-lhbnc-extensible-offload (" in text.split("refused and invalid:")[1]
+    assert text.rstrip().splitlines()[-1].startswith(f"{len(deps)} deployments decided in ")
+
+
+def test_junit_has_a_testcase_per_deployment_and_a_failure_per_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(FLEET), "--format", "junit")
+    root = ET.fromstring(out.split("\n", 1)[1])
+    (suite,) = root.findall("testsuite")
+    cases = suite.findall("testcase")
+    assert code == 1 and int(suite.get("tests")) == len(cases) >= 20
+    failed = [c for c in cases if c.find("failure") is not None]
+    assert [c.get("name") for c in failed] == ["mistral-env-lhbnc-extensible-offload"]
+    assert suite.get("failures") == root.get("failures") == "1"
+    assert failed[0].find("failure").get("type") == "refused" and failed[0].get("line") == "106"
+
+
+def test_audit_findings_show_per_deployment(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(FLEET), "--rules", str(ROLLOUT), "--format", "json")
+    deps = {d["name"]: d for d in json.loads(out)["deployments"]}
+    assert code == 1  # the deliberate refusal, not the audit findings
+    (finding,) = deps["chat-qwen-offload-fp8pth"]["audit"]
+    assert finding["rule"] == "site-per-token-head-stays-nhd" and finding["enforced_layout"] == "LBNHC"
+    assert deps["chat-qwen-offload-fp8pth"]["layout"] == "LBHNC"  # audit never changes a layout
+    assert deps["chat-qwen-plain"]["audit"] == []
+
+
+def test_a_fleet_file_with_mistakes_gets_every_one_located(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = tmp_path / "fleet.yaml"
+    f.write_text("version: 1\ndefaults:\n  vllm_version: 0.34\ndeployments:\n"
+                 "  - name: a\n    spec: {num_layers: 2, num_kv_heads: 2, head_size: 64}\n    conector: NixlConnector\n"
+                 "  - name: a\n    spec: {num_layers: 2, num_kv_heads: 2, head_size: 64}\n")
+    code, _, err = cli(capsys, "dry-run", "--fleet", str(f))
+    assert code == 2
+    assert f"{f}:7:5: error[unknown-key]" in err and "did you mean `connector`" in err
+    assert f"{f}:8:11: error[duplicate-deployment]: deployment `a` is already defined at line 5" in err
+    assert err.count("write the vLLM version as a string") == 1  # a bad default: once, where it is written
+    assert f"{f}:3:17: error[invalid-value]: write the vLLM version" in err
+
+
+def test_one_deployment_flags_do_not_mix_with_a_fleet(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "dry-run", "--fleet", str(FLEET), "--connector", "NixlConnector")
+    assert code == 2 and "--connector describes one deployment" in err
+    code, _, err = cli(capsys, "dry-run", "--format", "junit")
+    assert code == 2 and "pass --fleet FILE" in err
+
+
+def test_diff_over_a_fleet_lists_the_deployments_whose_decision_changes(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    (old / "global.yaml").write_text("version: 1\nrules: []\n")
+    (new / "global.yaml").write_text(ROLLOUT.joinpath("global.yaml").read_text().replace(
+        "    enforcement: audit\n", ""))
+    code, out, _ = cli(capsys, "diff", str(old), str(new), "--fleet", str(FLEET))
+    assert code == 1
+    assert out.startswith(f"diff over fleet {FLEET}: ")
+    assert "  chat-qwen-offload-fp8pth (" in out and "LBHNC -> LBNHC" in out
+    assert "because of site-per-token-head-stays-nhd (forbid, global) at " in out
+    assert "chat-qwen-plain" not in out
+    code, out, _ = cli(capsys, "diff", str(old), str(old), "--fleet", str(FLEET), "--format", "json")
+    assert code == 0 and json.loads(out)["changes"] == []
+
+
+def test_a_decision_whose_views_overlap_is_unsafe(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                  no_pth: Path) -> None:
+    """dry-run's geometry check, per deployment: vLLM #48412's combination without the guard."""
+    f = tmp_path / "fleet.yaml"
+    f.write_text(f"""version: 1
+deployments:
+  - name: seed-bug
+    vllm_version: issue-48412
+    model: {ROOT}/tests/fixtures/configs/qwen2.5-0.5b.json
+    kv_cache_dtype: fp8_per_token_head
+    attention_backend: TRITON_ATTN
+    connector: NixlConnector
+    connector_config: {{enable_cross_layers_blocks: "true"}}
+  - name: plain
+    vllm_version: issue-48412
+    spec: {{num_layers: 4, num_kv_heads: 2, head_size: 64}}
+""")
+    args = ("dry-run", "--fleet", str(f), "--rules", str(no_pth), "--no-shipped-rules", "--vllm-version", "issue-48412")
+    code, out, _ = cli(capsys, *args, "--format", "json")
+    deps = {d["name"]: d for d in json.loads(out)["deployments"]}
+    assert code == 1 and deps["seed-bug"]["status"] == "unsafe" and deps["plain"]["status"] == "decided"
+    assert deps["seed-bug"]["geometry"]["kind"] == "GeometryError"
+    assert {d["code"] for d in deps["seed-bug"]["geometry"]["diagnostics"]} == {"overlapping-views"}
+    code, out, _ = cli(capsys, *args)
+    assert "1 decided, 1 unsafe, 0 refused" in out and "UNSAFE: views write the same bytes" in out

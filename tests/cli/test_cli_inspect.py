@@ -1,0 +1,61 @@
+"""`kvpolicy inspect` / `kvpolicy rules`: the rules in force, with effect, scope, layer and file:line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_capture import cli
+
+SITE = """\
+version: 1
+rules:
+  - id: site-fp8-per-layer
+    description: roll out first
+    enforcement: audit
+    when: {field: kv.kv_cache_dtype, eq: fp8}
+    forbid: {placement: cross_layer}
+"""
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    (tmp_path / "global.yaml").write_text(SITE)
+    return tmp_path
+
+
+def test_inspect_lists_every_rule_with_its_layer_and_location(capsys: pytest.CaptureFixture[str], site: Path) -> None:
+    code, out, _ = cli(capsys, "inspect", str(site), "--vllm-version", "0.34.0")
+    assert code == 0
+    assert out.startswith("18 rules in force (vllm-0.34; rules/vllm-0.34 + ")
+    assert "  layer 0: rules/vllm-0.34 (shipped, 17 rules)" in out
+    line = next(x for x in out.splitlines() if x.startswith("site-fp8-per-layer"))
+    assert line.split() == ["site-fp8-per-layer", "forbid", "(audit)", "global", "1", f"{site}/global.yaml:3"]
+    rows = out.splitlines()[out.splitlines().index("") + 2:]
+    assert rows[0].startswith("mixed-hnc-shapes-need-block-compact ")  # shipped globals first, by file:line
+
+
+def test_inspect_json_and_the_connector_filter(capsys: pytest.CaptureFixture[str], site: Path) -> None:
+    code, out, _ = cli(capsys, "rules", str(site), "--vllm-version", "0.34.0", "--connector", "OffloadingConnector",
+                       "--format", "json")
+    doc = json.loads(out)
+    assert code == 0 and doc["connector"] == "OffloadingConnector"
+    scopes = {r["scope"] for r in doc["rules"]}
+    assert scopes == {"global", "OffloadingConnector"}
+    mine = next(r for r in doc["rules"] if r["id"] == "site-fp8-per-layer")
+    assert mine["enforcement"] == "audit" and mine["layer"] == {"index": 1, "root": str(site), "shipped": False}
+    assert mine["pattern"] == {"placement": "cross_layer"} and mine["source"] == f"{site}/global.yaml:3"
+    offload = next(r for r in doc["rules"] if r["id"] == "offloading-requires-lbhnc")
+    assert offload["effect"] == "prefer" and offload["weight"] == 10 and offload["layer"]["shipped"]
+
+
+def test_inspect_of_rules_that_do_not_load_fails_located(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "global.yaml").write_text(SITE.replace("    description: roll out first\n", ""))
+    code, _, err = cli(capsys, "inspect", str(tmp_path))
+    assert code == 1 and f"{tmp_path}/global.yaml:3:5: error[missing-key]" in err
+
+
+def test_validate_counts_audit_rules_as_rules(capsys: pytest.CaptureFixture[str], site: Path) -> None:
+    code, out, _ = cli(capsys, "validate", str(site), "--vllm-version", "0.34.0")
+    assert code == 0 and out.startswith("ok: 18 rules in ") and f"layer 1: {site} (operator, 1 rules" in out
