@@ -126,7 +126,7 @@ enforced, so the finding can say exactly what enforcing it changes (Kyverno's
 removes nothing, so `enforcement` on it is an error.
 
 ```yaml
-# docs/examples/rollout/global.yaml
+# rollout/global.yaml
 - id: site-per-token-head-stays-nhd
   description: our offload readers expect NHD pages for per-token-head caches
   enforcement: audit
@@ -135,14 +135,14 @@ removes nothing, so `enforcement` on it is an error.
 ```
 
 ```
-$ kvpolicy dry-run --rules docs/examples/rollout/ --vllm-version 0.34.0 --explain notes
+$ kvpolicy dry-run --rules rollout/ --vllm-version 0.34.0 --explain notes
 ...
 layout: LBHNC (per_layer, HND)
 ...
 warnings:
-  audit rule `site-per-token-head-stays-nhd` (global,
-  docs/examples/rollout/global.yaml:5) matched; enforcing it would remove LBHNC, BLHNC,
-  BHLNC, LHBNC, the chosen LBHNC among them: the decision would become LBNHC
+  audit rule `site-per-token-head-stays-nhd` (global, rollout/global.yaml:5) matched;
+  enforcing it would remove LBHNC, BLHNC, BHLNC, LHBNC, the chosen LBHNC among them: the
+  decision would become LBNHC
 ...
 ```
 

@@ -83,7 +83,7 @@ examples:
   kvpolicy dry-run --vllm-version 0.34.0 -- ./Qwen2.5-0.5B -tp 2 --kv-cache-dtype fp8 --block-size 32 \\
       --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}' --port 8000
       a `vllm serve` line as is, after `--` (read with that release's parser; --port is ignored, and said)
-  kvpolicy dry-run -- --config serve.yaml -tp 1     vLLM's --config YAML, a flag overriding it
+  kvpolicy dry-run -- --config serve.yaml -tp 1     # vLLM's --config YAML, a flag overriding it
   kvpolicy dry-run --model ./gemma-2-2b --dtype bfloat16
   VLLM_KV_CACHE_LAYOUT=LBNHC kvpolicy dry-run
       the environment as vLLM reads it (a note says so; --vllm-kv-cache-layout wins over it)

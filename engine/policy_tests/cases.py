@@ -422,11 +422,12 @@ def _check_rule_ids(refs: list[RuleRef], ruleset: RuleSet) -> list[Diagnostic]:
             elsewhere = _profiles_with_rule(rule_id)
             if elsewhere:
                 hint = (f"`{rule_id}` is a shipped rule of {', '.join(f'`{p}`' for p in elsewhere)}: give the case "
-                        f"`vllm_version: {elsewhere[0]}`, or run with --vllm-version {elsewhere[0]}")
+                        f"`vllm_version: {elsewhere[0]}`, or run with --vllm-version {elsewhere[0]} "
+                        f"(`kvpolicy inspect --vllm-version {elsewhere[0]}` lists that profile's rules)")
             elif close:
-                hint = f"did you mean `{close[0]}`?"
+                hint = f"did you mean `{close[0]}`? (`kvpolicy inspect` lists the rules in force)"
             else:
-                hint = "the rules of this rule set: " + ", ".join(r for r in known if r not in BUILTIN_RULE_IDS)
+                hint = "`kvpolicy inspect` lists the rules in force, with their layers and files"
             diags.append(src.diag(path, "unknown-rule", f"no rule `{rule_id}` in rule set `{ruleset.root}`", hint))
     return diags
 

@@ -113,6 +113,7 @@ def test_a_case_naming_another_profiles_rule_says_which(tmp_path: Path, capsys: 
     assert code == 1
     assert "error[unknown-rule]: no rule `env-layout-lbnhc`" in err
     assert "`env-layout-lbnhc` is a shipped rule of `vllm-0.34`" in err and "--vllm-version vllm-0.34" in err
+    assert "`kvpolicy inspect --vllm-version vllm-0.34` lists" in err
 
 
 def test_a_mamba_group_says_what_head_fields_mean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
