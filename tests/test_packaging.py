@@ -50,7 +50,9 @@ def test_installed_package_validates_and_tests_its_rules(wheel: Path, tmp_path: 
     run = [sys.executable, "-m", "kvpolicy.engine.cli.main"]
     for argv, expect in ((["validate"], "ok: 11 rules in 6 files"), (["test"], "0 failed"),
                          (["dry-run", "--explain", "notes"], "layout: LBNHC"),
-                         (["lint"], "0 error(s)")):
+                         (["lint"], "0 error(s)"),
+                         (["validate", "shipped"], "ok: 11 rules in 6 files"),  # the name works installed (issue 22)
+                         (["diff", "shipped", "shipped"], "0 decision(s) change")):
         proc = subprocess.run(run + argv, capture_output=True, text=True, cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr
         assert expect in proc.stdout
