@@ -76,7 +76,7 @@ def run_file(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     what = "connector file" if alone.connectors or connector else "global file"
     if args.format in ("github", "sarif"):
-        print_diagnostics([("warning", d) for d in layered.warnings], args.format)
+        print_diagnostics([("warning", d) for d in layered.warnings], args.format, layered)
     elif args.format == "json":
         print_json({"ok": True, "rules": len(alone.all_rules), "files": 1, "digest": alone.digest, "root": shown,
                     "kind": what.split()[0], "layers": [layer.to_dict() for layer in layered.layers],

@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.format == "junit":
         print(junit_xml(result, coverage_fails=short, render=render_case))
     elif args.format in ("github", "sarif"):
-        print_diagnostics(case_diagnostics(result, coverage_fails=short), args.format)
+        print_diagnostics(case_diagnostics(result, coverage_fails=short), args.format, ruleset)
     else:
         print(render_run(result, verbose=args.verbose))
         if short:

@@ -114,3 +114,12 @@ def test_ci_locations_are_repository_paths(layer: Path, capsys: pytest.CaptureFi
     code, out, _ = cli(capsys, "lint", "strict", "--include-shipped", "--format", "github")
     lines = [line for line in out.splitlines() if "shipped rule at rules/issue-48412/" in line]
     assert lines and not any("file=rules/" in line for line in lines)
+
+
+def test_test_annotations_name_no_shipped_file_as_the_repositorys(layer: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "test", "--rules", "site", "--include-shipped", "--format", "github")
+    assert code == 0  # every case passes; uncovered shipped rules are warnings
+    uncovered = [line for line in out.splitlines() if "uncovered-rule" in line]
+    assert uncovered and not any("file=rules/" in line for line in uncovered)
+    assert any("shipped rule at rules/issue-48412/" in line for line in uncovered)
