@@ -1,3 +1,4 @@
+# ruff: noqa  (hostile-pass scripts, not product code)
 """Class 1: no operator layer revives a layout a lower layer removed, whatever name it addresses a
 connector by; aliases resolve to the class vLLM loads. Run: python hostile/class1_layers.py"""
 from __future__ import annotations
