@@ -68,10 +68,12 @@ class LayoutMismatchError(AgreementError):
     """Fingerprints differ; ``diagnostics`` has one entry per differing field (and rank)."""
 
 
+_SHOWN_CHARS = 200  # of one value in a message: a peer's 500 KB string is not logged whole on every rank
+
+
 def _show(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)

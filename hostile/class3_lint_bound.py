@@ -1,6 +1,7 @@
 # ruff: noqa  (hostile-pass scripts, not product code)
 """Class 3: lint/diff on adversarial rule sets must finish bounded (--max-space) with the documented
-message. Each run is capped at 120 s and measured with /usr/bin/time -v (seconds, peak RSS).
+message. Each run is capped at 120 s of CPU (ulimit -t; the machine is shared) and measured with /usr/bin/time -v
+(user+sys seconds, peak RSS).
 Run: python hostile/class3_lint_bound.py [case ...]   (about 8 min for all on 2 busy cores)"""
 from __future__ import annotations
 
@@ -41,13 +42,17 @@ def rule(i: int, when: dict, effect: str = "prefer", tag: str = "r") -> dict:
 
 
 def timed(args: list[str]) -> tuple[int | None, float, int, str, str]:
-    """rc (None on the cap), seconds, peak RSS KiB, stdout, stderr."""
-    p = subprocess.run(["/usr/bin/time", "-v", "timeout", str(CAP), KVP, *args], capture_output=True, text=True)
-    secs = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", p.stderr)
-    s = (int(secs.group(1) or 0) * 3600 + int(secs.group(2)) * 60 + float(secs.group(3))) if secs else -1
+    """rc (None past the cap), CPU seconds (user+sys: the machine is shared, wall time is not the cost),
+    peak RSS KiB, stdout, stderr. The cap is CAP seconds of CPU (ulimit -t), 8x that of wall time."""
+    import shlex
+    cmd = f"ulimit -t {CAP}; exec {shlex.quote(KVP)} " + " ".join(shlex.quote(a) for a in args)
+    p = subprocess.run(["/usr/bin/time", "-v", "timeout", str(8 * CAP), "bash", "-c", cmd], capture_output=True,
+                       text=True)
+    user = float(re.search(r"User time \(seconds\): ([\d.]+)", p.stderr).group(1))
+    system = float(re.search(r"System time \(seconds\): ([\d.]+)", p.stderr).group(1))
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1))
-    rc = None if p.returncode == 124 else p.returncode
-    return rc, s, rss, p.stdout, p.stderr
+    rc = None if p.returncode in (124, 137, 152, -9, -24) or "Command terminated by signal" in p.stderr else p.returncode
+    return rc, user + system, rss, p.stdout, p.stderr
 
 
 def cases(tmp: Path) -> dict:
@@ -94,9 +99,9 @@ def main() -> None:
             continue
         rc, s, rss, out, err = timed(args)
         text = out + err
-        line = f"{s:.1f} s, {rss / 1024:.0f} MiB, rc {rc}"
+        line = f"{s:.1f} CPU s, {rss / 1024:.0f} MiB, rc {rc}"
         if rc is None:
-            ok, why = False, f"did not finish in {CAP} s ({line}); no bound message"
+            ok, why = False, f"did not finish within {CAP} CPU s ({line}); no bound message"
         elif expect == "refused":
             located = "--max-space" in err and "Traceback" not in err and rc == 2
             ok, why = located, f"{line}: {err.strip().splitlines()[0][:120] if err.strip() else '(no message)'}"

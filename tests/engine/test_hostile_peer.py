@@ -164,3 +164,27 @@ def test_a_timeout_just_past_a_day_is_not_shown_as_a_day() -> None:
     with pytest.raises(InputError) as err:
         agree(_fingerprint(), timeout_s=86_400.0000001)
     assert "got `86400.0000001`" in err.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("field", ["backend", "kv_cache_dtype", "format_version"])
+def test_a_peers_long_value_is_shown_cut_in_every_difference(field: str) -> None:
+    """A peer's 500,000-character string was printed whole in `check_compatible`'s differences and in the
+    `LayoutMismatchError` every rank logs (issue 23's hostile pass, class 7)."""
+    from kvpolicy.engine.agreement import AgreementError
+
+    fp = _fingerprint().to_dict()
+    peer = {**fp, field: "x" * 500_000}
+    [difference] = check_compatible(fp, peer).messages
+    assert len(difference) < 400 and "... (500000 characters)" in difference
+    if field != "format_version":  # a string format_version is compare_ranks' caller's InputError
+        with pytest.raises(AgreementError) as err:
+            compare_ranks([RankFingerprint(0, 0, fp), RankFingerprint(1, 1, peer)])
+        assert len(err.value.render()) < 2_000
+
+
+def test_a_peers_unknown_keys_are_shown_cut() -> None:
+    fp = _fingerprint().to_dict()
+    with pytest.raises(InputError) as err:
+        LayoutFingerprint.from_dict({**fp, **{f"{i}" + "e" * 50_000: 1 for i in range(12)}})
+    message = err.value.diagnostics[0].message
+    assert len(message) < 1_000 and message.endswith("and 2 more")
