@@ -60,6 +60,11 @@ def cases(tmp: Path) -> dict:
     # the bound counts inputs, not inputs x rules: many rules on the same literal keep the space, multiply the work
     c["same-literal-200-rules-0.34"] = (["lint", str(write(tmp / "s200", [rule(i, {"field": "backend.name", "eq": "FLASH_ATTN"}) for i in range(200)])), "--vllm-version", "0.34.0"], None)
     c["same-literal-2000-rules-0.34"] = (["lint", str(write(tmp / "s2000", [rule(i, {"field": "backend.name", "eq": "FLASH_ATTN"}) for i in range(2000)])), "--vllm-version", "0.34.0"], None)
+    big = tmp / "s10000"  # 10,000 rules (the loader's max_rules) in two files under its 1 MB bound each
+    write(big, [rule(i, {"field": "backend.name", "eq": "FLASH_ATTN"}) for i in range(5000)])
+    (big / "more.yaml").write_text(yaml.safe_dump({"version": 1, "rules": [
+        rule(i, {"field": "backend.name", "eq": "FLASH_ATTN"}, tag="m") for i in range(4980)]}))
+    c["same-literal-9980-rules-0.34 (near the loader's max_rules)"] = (["lint", str(big), "--vllm-version", "0.34.0"], None)
     c["same-literal-1000-rules-0.27"] = (["lint", str(write(tmp / "s1000", [rule(i, {"field": "backend.name", "eq": "FLASH_ATTN"}) for i in range(1000)])), "--vllm-version", "0.27.0"], None)
     # one field, thousands of literals (each literal: its value and one outside)
     c["in-list-3000-num_layers"] = (["lint", str(write(tmp / "inl", [rule(0, {"field": "kv.num_layers", "in": list(range(1, 3001))})])), "--vllm-version", "0.34.0"], None)

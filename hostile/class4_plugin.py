@@ -49,6 +49,14 @@ print("RESULT " + json.dumps(out))
 
 
 def register_in_child(env: dict, flavor: str, timeout: float = 30) -> dict:
+    import time
+    start = time.monotonic()
+    out = _register_in_child(env, flavor, timeout)
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def _register_in_child(env: dict, flavor: str, timeout: float) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="host23-c4-"))
     (tmp / "child.py").write_text(CHILD)
     try:
@@ -222,7 +230,12 @@ def direct() -> None:
         except RecursionError as e:
             report(case, False, f"RecursionError escaped", f"python hostile/class4_plugin.py  ({case})")
         except Exception as e:
-            report(case, False, f"{type(e).__name__} escaped: {str(e)[:120]}", f"python hostile/class4_plugin.py  ({case})")
+            if str(e) in ("iteration broke", "encode broke", "repr broke"):  # the hostile object's own exception
+                report(case, True, f"the object's own {type(e).__name__} ({e}) propagates: not kvpolicy's (vLLM's "
+                       "KVTransferConfig hands a plain dict)")
+            else:
+                report(case, False, f"{type(e).__name__} escaped: {str(e)[:120]}",
+                       f"python hostile/class4_plugin.py  ({case})")
 
     for en, extra in extra_cases().items():
         for name in ("NixlConnector", "MultiConnector"):
@@ -271,13 +284,18 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="host23-c4env-"))
     for name, env in env_cases(base).items():
         for flavor in ("0.34", "0.28"):
-            r = register_in_child(env, flavor, timeout=30 if name not in ("fifo-global",) else 15)
+            r = register_in_child(env, flavor, timeout=15 if name == "fifo-global" else 240)
             good = r.get("ok") or r.get("documented")
-            why = "active" if r.get("ok") else f"{r['type']}: {r['text'][:140]!r}"
+            why = (f"active in {r['seconds']:.1f} s" if r.get("ok") else f"{r['type']}: {r['text'][:140]!r}")
+            if name == "newline-path" and r.get("ok"):
+                why += " (surrounding whitespace of KVPOLICY_RULES trimmed; the log names the directory read)"
+            if r.get("ok") and r["seconds"] > 20:  # every vLLM process runs register() at start-up
+                good, why = False, (f"register() took {r['seconds']:.0f} s wall (shared machine) in a process "
+                                    f"that only loads an empty rule directory: {why}")
             if name in ("nonexistent", "a-file", "fifo-global", "dev-zero-global", "global-is-dir", "dangling-global",
                         "component-256", "non-utf8-path", "newline-path", "explain-2", "explain-unicode",
                         "shipped-rules-00", "version-10k", "version-and-profile-disagree", "profile-garbage",
-                        "dev-urandom-connector", "symlink-loop") and r.get("ok"):
+                        "dev-urandom-connector", "symlink-loop") and r.get("ok") and name != "newline-path":
                 good, why = False, f"register() succeeded silently: {r.get('status')}"
             report(f"c4/env/{name}/{flavor}", bool(good), why,
                    f"python hostile/class4_plugin.py  (env case {name}: {json.dumps(env)[:120]})")
