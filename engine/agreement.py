@@ -68,7 +68,7 @@ class LayoutMismatchError(AgreementError):
     """Fingerprints differ; ``diagnostics`` has one entry per differing field (and rank)."""
 
 
-_SHOWN_CHARS = 200  # of one value in a message: a peer's 500 KB string is not logged whole on every rank
+_SHOWN_CHARS = 4_000  # of one value in a message: a groups list of 40 groups whole, a peer's 500 KB string not
 
 
 def _show(value: Any) -> str:
