@@ -408,7 +408,7 @@ def _check_rule_ids(refs: list[RuleRef], ruleset: RuleSet) -> list[Diagnostic]:
     for src, path, rule_id in refs:
         if rule_id not in known:
             close = difflib.get_close_matches(rule_id, known, n=1)
-            diags.append(src.diag(path, "unknown-rule", f"no rule `{rule_id}` in rule set `{ruleset.root}`",
+            diags.append(src.diag(path, "unknown-rule", f"no rule `{rule_id}` in rule set `{shown_file(ruleset.root)}`",
                                   f"did you mean `{close[0]}`?" if close else "`kvpolicy validate` lists the rules"))
     return diags
 
