@@ -68,10 +68,12 @@ class LayoutMismatchError(AgreementError):
     """Fingerprints differ; ``diagnostics`` has one entry per differing field (and rank)."""
 
 
+_SHOWN_CHARS = 4_000  # of one value in a message: a groups list of 40 groups whole, a peer's 500 KB string not
+
+
 def _show(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -302,7 +304,8 @@ def _checked_timeout(timeout_s: Any) -> float | None:
         raise input_error("timeout_s", f"`timeout_s` must be a number of seconds or None, got "
                           f"`{type(timeout_s).__name__}`", _TIMEOUT_HELP)
     if not 0 < timeout_s <= MAX_TIMEOUT_S:  # False for NaN too
-        shown = f"{timeout_s:.6g}" if isinstance(timeout_s, float) else (
+        shown = (f"{timeout_s:.6g}" if f"{timeout_s:.6g}" != f"{MAX_TIMEOUT_S}" else repr(timeout_s)) \
+            if isinstance(timeout_s, float) else (
             str(timeout_s) if timeout_s.bit_length() < 64 else f"an integer of {timeout_s.bit_length()} bits")
         raise input_error("timeout_s", f"`timeout_s` must be finite, above 0 and at most {MAX_TIMEOUT_S} s, "
                           f"got `{shown}`", _TIMEOUT_HELP)
@@ -433,7 +436,11 @@ def _rank_from_bytes(data: bytes, group_rank: int) -> RankFingerprint:
         raise _peer_error(group_rank, f"{name} sent `{_show(payload)[:200]}`, not a rank fingerprint")
     if payload["group_rank"] != group_rank:
         raise _peer_error(group_rank, f"{name} claims to be group rank {payload['group_rank']}")
-    if payload["fingerprint"].get("format_version") == FORMAT_VERSION:
+    version = payload["fingerprint"].get("format_version")
+    if type(version) is not int:  # compare_ranks would refuse it as the caller's InputError, not the peer's fault
+        raise _peer_error(group_rank, f"{name} sent a fingerprint with no integer `format_version` "
+                          f"(got `{json.dumps(version)[:60]}`)")
+    if version == FORMAT_VERSION:
         try:
             LayoutFingerprint.from_dict(payload["fingerprint"])
         except InputError as exc:

@@ -163,7 +163,7 @@ class LayoutFingerprint:
         extra = sorted(set(data) - set(expected))
         if missing or extra:
             parts = ([f"missing {', '.join(f'`{k}`' for k in missing)}"] if missing else []) + (
-                [f"unknown {', '.join(f'`{k}`' for k in extra)}"] if extra else [])
+                [f"unknown {_keys_shown(extra)}"] if extra else [])
             raise input_error("fingerprint", "not a layout fingerprint: " + "; ".join(parts),
                               "pass LayoutFingerprint.to_dict() or to_json() from the peer")
         values = {name: data[name] for name in expected}
@@ -197,6 +197,12 @@ class LayoutFingerprint:
     def from_json(cls, text: str | bytes) -> LayoutFingerprint:
         """Parse a peer's JSON (bounded in size and nesting: `kvpolicy.engine.peer_data`) and `from_dict` it."""
         return cls.from_dict(load_peer_json(text, "fingerprint"))
+
+
+def _keys_shown(keys: list[str]) -> str:
+    """A peer's unknown keys as a message shows them: ten at most, each cut to 40 characters."""
+    shown = ", ".join(f"`{k if len(k) <= 40 else k[:40] + '...'}`" for k in keys[:10])
+    return shown + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
 
 
 _DIM_LETTERS = {"layer": "L", "block": "B", "head": "H", "token": "N"}

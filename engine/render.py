@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from kvpolicy.engine.counterfactual import describe
 from kvpolicy.engine.trace import Counterfactual, Event, PreferenceApplied, RuleEvaluated, explain_filter
 from kvpolicy.policy.context import Context
+from kvpolicy.policy.errors import shown_file
 from kvpolicy.policy.layouts import Layout
 
 __all__ = ["Explainable", "render_inputs", "render_text"]
@@ -165,5 +166,5 @@ def render_text(decision: Explainable, mode: str = "full") -> str:
                 out.append(f"        {leaf.describe()}")
         out.append("")
     out.append(f"layout fingerprint: {decision.fingerprint.digest[:23]}... (what ranks and peers must agree on)")
-    out.append(f"rule set: {decision.ruleset.root} ({decision.ruleset.digest[:23]}...)")
+    out.append(f"rule set: {shown_file(decision.ruleset.root)} ({decision.ruleset.digest[:23]}...)")
     return "\n".join(out)

@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
 from kvpolicy.policy.layers import compose_layers
 from kvpolicy.policy.load import Limits, load_rules
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
@@ -125,5 +125,6 @@ def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | 
         except RuleLoadError as exc:
             diags += exc.diagnostics
     if diags:
-        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{' + '.join(n for _p, n, _s in todo)}`", diags)
+        names = " + ".join(n for _p, n, _s in todo)
+        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(names)}`", diags)
     return compose_layers(layers)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, near_connector
-from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
 from kvpolicy.policy.literals import literal_warnings
 from kvpolicy.policy.rule_model import MemberPreferences, Rule
 from kvpolicy.policy.ruleset import RuleSet, Source
@@ -93,7 +93,7 @@ def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
                 diags.append(Diagnostic(
                     where, 0, 0, "conflicting-member-preferences",
                     f"`member_preferences: {mode.value}` for `{name}` disagrees with `{modes[name][0].value}` "
-                    f"in layer `{modes[name][1]}`",
+                    f"in layer `{shown_file(modes[name][1])}`",
                     "connector files for one connector in several layers must agree on member_preferences"))
             modes.setdefault(name, (mode, ruleset.root))
         if ruleset.order_declared:  # the topmost declaration wins
@@ -101,7 +101,7 @@ def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
         metas.append(RuleLayer(ruleset.root, shipped, ruleset.digest, frozenset(ids), ruleset.connectors))
     if diags:
         raise RuleLoadError(f"{len(diags)} error(s) across rule layers "
-                            f"{' + '.join(m.root for m in metas)}", diags)
+                            f"{shown_file(' + '.join(m.root for m in metas))}", diags)
     sources = {name: at for ruleset, _shipped in reversed(layers) for name, at in ruleset.connector_sources.items()}
     kwargs = {} if order is None else {"layout_order": order}
     composed = replace(RuleSet.build(entries, member_preferences={k: v[0] for k, v in modes.items()},

@@ -19,7 +19,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from kvpolicy.policy.errors import Diagnostic, RuleLoadError
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layouts import ALL_LAYOUTS, Layout
 from kvpolicy.policy.rule_model import MemberPreferences, Rule, RuleFile
@@ -185,7 +185,7 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
         if model.connector and model.member_preferences:
             modes[model.connector] = model.member_preferences
     if diags:
-        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{root}`", diags)
+        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(root)}`", diags)
     return replace(RuleSet.build(entries, order or ALL_LAYOUTS, modes, root, order_declared=order is not None),
                    connector_sources=connector_at)
 
@@ -231,7 +231,7 @@ def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), displ
     except RuleLoadError as exc:
         diags += exc.diagnostics
     if diags:
-        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_root}`", diags)
+        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(shown_root)}`", diags)
     return ruleset
 
 

@@ -21,7 +21,7 @@ from kvpolicy.engine.cli.common import (
     shipped_roots,
 )
 from kvpolicy.engine.cli.rule_file import is_single_file, run_file
-from kvpolicy.policy.errors import RuleLoadError
+from kvpolicy.policy.errors import RuleLoadError, shown_file
 from kvpolicy.policy.load import rule_files
 
 __all__ = ["register", "run"]
@@ -91,5 +91,6 @@ def run(args: argparse.Namespace) -> int:
         if len(ruleset.layers) > 1:
             for i, layer in enumerate(ruleset.layers):
                 kind = "shipped" if layer.shipped else "operator"
-                print(f"  layer {i}: {layer.root} ({kind}, {len(layer.rule_ids)} rules, digest {layer.digest})")
+                print(f"  layer {i}: {shown_file(layer.root)} ({kind}, {len(layer.rule_ids)} rules, "
+                      f"digest {layer.digest})")
     return EXIT_OK

@@ -428,7 +428,8 @@ def _check_rule_ids(refs: list[RuleRef], ruleset: RuleSet) -> list[Diagnostic]:
                 hint = f"did you mean `{close[0]}`? (`kvpolicy inspect` lists the rules in force)"
             else:
                 hint = "`kvpolicy inspect` lists the rules in force, with their layers and files"
-            diags.append(src.diag(path, "unknown-rule", f"no rule `{rule_id}` in rule set `{ruleset.root}`", hint))
+            diags.append(src.diag(path, "unknown-rule",
+                                  f"no rule `{rule_id}` in rule set `{shown_file(ruleset.root)}`", hint))
     return diags
 
 

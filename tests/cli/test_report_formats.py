@@ -307,3 +307,22 @@ def test_shown_writes_only_what_no_output_could_carry() -> None:
     assert github_annotations([("error", d)]).startswith("::error file=bad\\xff.yaml,line=3,col=5,")
     [result] = sarif_log([("error", d)], tool_version="0")["runs"][0]["results"]
     assert result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "bad%FF.yaml"
+
+
+@pytest.mark.parametrize("name", [b"red\x1b[31mX", b"car\rret", "ls\u2028x".encode(), b"b\x07d\x7f"],
+                         ids=["escape", "cr", "line-separator", "bell-del"])
+def test_a_rule_directory_of_any_legal_name_is_named_on_one_line_with_no_terminal_control(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: bytes) -> None:
+    """A layer's directory is named as a location names a file (`shown_file`) wherever text output names it:
+    validate's `layer N:` lines, the header of a load error, dry-run's `rule set:` line. They were written raw:
+    a directory name could move the cursor, recolour or rewrite the terminal, or split the line (issue 23's
+    hostile pass, class 5)."""
+    monkeypatch.chdir(tmp_path)
+    clean, _ = _awkward_dir(tmp_path, name, _TWICE)
+    broken, _ = _awkward_dir(tmp_path, name + b"-broken", _BROKEN)
+    runs = [(["validate", clean, *_V], 0), (["validate", broken, *_V], 1), (["dry-run", "--rules", clean, *_V], 0)]
+    for argv, expected in runs:
+        code, out, err = cli(capsys, *argv)
+        assert code == expected and "Traceback" not in err
+        assert not [c for c in "\x1b\r\x07\x7f\u2028" if c in out + err], (argv, out + err)
+        assert shown_file(argv[-3]) in out + err, argv

@@ -139,3 +139,53 @@ def test_agree_refuses_a_timeout_that_is_no_finite_positive_number_by_name(timeo
 def test_agree_takes_none_or_seconds_up_to_a_day(timeout: float | None) -> None:
     fp = _fingerprint()
     assert agree(fp, timeout_s=timeout) == fp
+
+
+@pytest.mark.parametrize("version", ["1", None, [1], {"v": 1}, "absent"])
+def test_a_peer_fingerprint_without_an_integer_format_version_is_the_peers_fault(version: object) -> None:
+    """What a peer sent is an `AgreementError` naming its group rank (peer-data), never the `InputError`
+    `compare_ranks` gives a caller who passed no fingerprint (issue 23's hostile pass: it escaped agree())."""
+    import json
+
+    from kvpolicy.engine.agreement import AgreementError, _rank_from_bytes
+
+    fp = _fingerprint().to_dict()
+    fp = {k: v for k, v in fp.items() if k != "format_version"} if version == "absent" else \
+        {**fp, "format_version": version}
+    data = json.dumps({"rank": 5, "group_rank": 2, "fingerprint": fp, "ruleset_digest": None}).encode()
+    with pytest.raises(AgreementError) as err:
+        _rank_from_bytes(data, 2)
+    diag = err.value.diagnostics[0]
+    assert diag.file == "group rank 2" and diag.code == "peer-data"
+    assert "group rank 2 sent a fingerprint with no integer `format_version`" in diag.message
+
+
+def test_a_timeout_just_past_a_day_is_not_shown_as_a_day() -> None:
+    with pytest.raises(InputError) as err:
+        agree(_fingerprint(), timeout_s=86_400.0000001)
+    assert "got `86400.0000001`" in err.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("field", ["backend", "kv_cache_dtype", "format_version"])
+def test_a_peers_long_value_is_shown_cut_in_every_difference(field: str) -> None:
+    """A peer's 500,000-character string (past the 4,000 characters that show a legitimate value, a list of
+    40 KV cache groups, whole) was printed whole in `check_compatible`'s differences and in the
+    `LayoutMismatchError` every rank logs (issue 23's hostile pass, class 7)."""
+    from kvpolicy.engine.agreement import AgreementError
+
+    fp = _fingerprint().to_dict()
+    peer = {**fp, field: "x" * 500_000}
+    [difference] = check_compatible(fp, peer).messages
+    assert len(difference) < 4_200 and "... (500000 characters)" in difference
+    if field != "format_version":  # a string format_version is compare_ranks' caller's InputError
+        with pytest.raises(AgreementError) as err:
+            compare_ranks([RankFingerprint(0, 0, fp), RankFingerprint(1, 1, peer)])
+        assert len(err.value.render()) < 6_000
+
+
+def test_a_peers_unknown_keys_are_shown_cut() -> None:
+    fp = _fingerprint().to_dict()
+    with pytest.raises(InputError) as err:
+        LayoutFingerprint.from_dict({**fp, **{f"{i}" + "e" * 50_000: 1 for i in range(12)}})
+    message = err.value.diagnostics[0].message
+    assert len(message) < 1_000 and message.endswith("and 2 more")
