@@ -248,6 +248,8 @@ def _check_removed(r: ConfigReader, names: list[str], vllm_version: str | None) 
 def _check_served(r: ConfigReader, vllm_version: str | None = None) -> None:
     """What vLLM refuses to serve and what kvpolicy does not model (errors)."""
     architectures = r.top.get("architectures")
+    if isinstance(architectures, str):
+        architectures = [architectures]  # vLLM's registry takes one name as a list of it
     names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
     if _check_removed(r, names, vllm_version):
         return

@@ -87,6 +87,12 @@ def test_bamba_is_refused_for_the_releases_that_dropped_it(version: str | None) 
     assert diag.help is not None and diag.help.startswith("run this model on vLLM <= 0.23.0")
 
 
+def test_a_removed_architecture_named_as_a_string_is_refused_too() -> None:
+    # `"architectures": "BambaForCausalLM"`: vLLM's registry takes a single name as [name]
+    with pytest.raises(ModelConfigError, match="removed-architecture"):
+        read_hf_config({**BAMBA_9B, "architectures": "BambaForCausalLM"}, vllm_version="0.34.0")
+
+
 def test_mllama_is_refused_as_the_registry_says() -> None:
     mllama = {"architectures": ["MllamaForConditionalGeneration"], "model_type": "mllama",
               "text_config": {"num_hidden_layers": 40, "cross_attention_layers": [3, 8, 13]}}
