@@ -160,6 +160,14 @@ def test_the_flag_wins_over_the_variable(capsys: pytest.CaptureFixture[str], mon
     assert "VLLM_KV_CACHE_LAYOUT=LBNHC is set, but --vllm-kv-cache-layout LBHNC wins" in err
 
 
+def test_the_help_says_the_variable_is_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help once said VLLM_KV_CACHE_LAYOUT was not read from the environment; it is (the epilog says so)."""
+    code, out, _ = cli(capsys, "dry-run", "--help")
+    assert code == 0
+    assert "not read from the environment" not in out
+    assert "Default: the variable as exported" in " ".join(out.split())
+
+
 @pytest.mark.parametrize(("version", "value", "valid"), [
     ("0.34.0", "lbnhc", "LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC, NHD, HND"),
     ("0.28.0", "LBNHC", "NHD, HND"),  # the gate releases take the head order only
