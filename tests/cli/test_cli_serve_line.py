@@ -81,6 +81,10 @@ def test_a_kvpolicy_flag_wins_over_the_line_and_says_so(capsys: pytest.CaptureFi
      "does not accept --tensor-paralel-size"),
     ([TINY, "--dtype", "bf16"], "vllm serve --dtype", "invalid choice: 'bf16'"),
     ([TINY, "-pp", "2"], "vllm serve --pipeline-parallel-size", "kvpolicy does not model"),
+    # both change the KV cache groups vLLM builds from the config: once ignored, silently
+    ([TINY, "--hf-overrides", '{"num_hidden_layers": 2}'], "vllm serve --hf-overrides", "kvpolicy does not model"),
+    ([TINY, "--disable-hybrid-kv-cache-manager"], "vllm serve --disable-hybrid-kv-cache-manager",
+     "kvpolicy does not model"),
     (["--served-model-name", "x"], "vllm serve", "without a positional model"),
     ([TINY, "--config", "serve.json"], "vllm serve --config", "only as YAML"),
 ])
