@@ -248,9 +248,13 @@ def _check_removed(r: ConfigReader, names: list[str], vllm_version: str | None) 
 def _check_served(r: ConfigReader, vllm_version: str | None = None) -> None:
     """What vLLM refuses to serve and what kvpolicy does not model (errors)."""
     architectures = r.top.get("architectures")
-    if isinstance(architectures, str):
-        architectures = [architectures]  # vLLM's registry takes one name as a list of it
-    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(a, str) for a in architectures)):
+        # vLLM 0.28 / 0.34's ModelConfig validates it as list[str] ("Input should be a valid list")
+        r.error("invalid-field", f"`architectures` must be a list of architecture names, got "
+                f"`{show(architectures)}`, which vLLM refuses", "write it as a list, e.g. [\"LlamaForCausalLM\"]")
+        return
+    names = list(architectures or [])
     if _check_removed(r, names, vllm_version):
         return
     types = {r.model_type, r.top.get("model_type")}

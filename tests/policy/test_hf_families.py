@@ -87,10 +87,14 @@ def test_bamba_is_refused_for_the_releases_that_dropped_it(version: str | None) 
     assert diag.help is not None and diag.help.startswith("run this model on vLLM <= 0.23.0")
 
 
-def test_a_removed_architecture_named_as_a_string_is_refused_too() -> None:
-    # `"architectures": "BambaForCausalLM"`: vLLM's registry takes a single name as [name]
-    with pytest.raises(ModelConfigError, match="removed-architecture"):
-        read_hf_config({**BAMBA_9B, "architectures": "BambaForCausalLM"}, vllm_version="0.34.0")
+@pytest.mark.parametrize("architectures", ["BambaForCausalLM", "LlamaForCausalLM", ["LlamaForCausalLM", 5]])
+def test_architectures_not_a_list_of_names_is_refused(architectures: Any) -> None:
+    # vLLM 0.28 and 0.34 refuse it in ModelConfig (list[str]: "Input should be a valid list"), asked of both
+    # releases by the hostile pass; a string once hid a Bamba config from the removed-architecture check
+    with pytest.raises(ModelConfigError) as exc:
+        read_hf_config({**BAMBA_9B, "architectures": architectures}, vllm_version="0.23.0")
+    (diag,) = exc.value.diagnostics
+    assert diag.code == "invalid-field" and "`architectures` must be a list of architecture names" in diag.message
 
 
 def test_mllama_is_refused_as_the_registry_says() -> None:
