@@ -60,11 +60,17 @@ NOT_MODELLED: dict[str, str] = {
                           "with VLLM_USE_SIMPLE_KV_OFFLOAD) that kvpolicy does not derive; pass the connector "
                           "with --kv-transfer-config instead",
     "speculative_config": "a draft model adds KV cache specs kvpolicy does not read from a serve line",
+    "hf_overrides": "it changes the model config vLLM reads (layer count, heads, windows...), and kvpolicy reads "
+                    "config.json as it is; apply the overrides to a copy of the config and give that",
+    "disable_hybrid_kv_cache_manager": "without the hybrid KV cache manager vLLM caches a model's sliding-window "
+                                       "layers as full attention in one group (and refuses Mamba hybrids), which "
+                                       "kvpolicy's reading of the model config does not follow",
 }
 
 _INT_ARGS = {"block_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}
 _JSON_ARGS = {"kv_transfer_config", "attention_config"}
-_DEFAULT_VALUE_MEANS_UNSET = {"kv_offloading_size": ("", "None"), "speculative_config": ("", "None")}
+_DEFAULT_VALUE_MEANS_UNSET = {"kv_offloading_size": ("", "None"), "speculative_config": ("", "None"),
+                              "hf_overrides": ("", "None", "{}", {}), "disable_hybrid_kv_cache_manager": (False,)}
 
 
 @dataclass(frozen=True)

@@ -60,12 +60,6 @@ _MLA_MODEL_TYPES = frozenset({
 # vLLM's CONFIG_FIELD_ALIASES["total_num_kv_heads"], first present wins
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
 
-# registry.py _PREVIOUSLY_SUPPORTED_MODELS, both releases: vLLM 0.28 refuses these architectures when it
-# builds the ModelConfig; 0.34 hands BambaForCausalLM to its Transformers backend, which refuses the Mamba
-# layers when it builds the model ("does not dispatch through the Transformers attention interface")
-_NO_LONGER_SERVED = {"BambaForCausalLM": "0.23.0", "MiniMaxText01ForCausalLM": "0.23.0",
-                     "MiniMaxM1ForCausalLM": "0.23.0"}
-
 # the text model of a multimodal config whose `text_config` states no model_type of its own
 _TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "llama4": "llama4_text", "mllama": "mllama_text_model"}
 
@@ -215,10 +209,54 @@ def _text_reader(raw: Mapping[str, Any], where: str, notes: list[Diagnostic],
     return text
 
 
-def _check_served(r: ConfigReader) -> None:
-    """What kvpolicy does not model (an error) and what vLLM would refuse to serve (a note)."""
+def _removed_architectures(vllm_version: str | None) -> tuple[str, dict[str, str]] | None:
+    """(``vLLM 0.34.0``, the architectures that release's model registry no longer implements, each with
+    the last version that served it): the release profile's `previously_supported_models`, the newest
+    profile's where no version is given; None for a version no profile answers for (before 0.24: Bamba
+    and the other architectures the registry later dropped are read as their configs describe them)."""
+    from kvpolicy.policy.releases import get_profile, match_version, profile_names
+
+    if vllm_version is None:
+        profile = get_profile(profile_names()[0])
+        return f"vLLM {profile.vllm_versions[-1]}", profile.previously_supported_models
+    match = match_version(vllm_version)
+    if match is None:
+        return None
+    return f"vLLM {vllm_version.strip().removeprefix('v')}", match.profile.previously_supported_models
+
+
+def _check_removed(r: ConfigReader, names: list[str], vllm_version: str | None) -> bool:
+    """An error when every architecture the config names is one the release's model registry dropped:
+    the release has no implementation of the model (0.28 refuses Bamba when it builds the ModelConfig,
+    "was supported in vLLM until v0.23.0"; 0.34 tries its Transformers backend, which fails on Bamba's
+    Mamba layers when it builds the model; kvpolicy does not model that backend). True when it did."""
+    removed = _removed_architectures(vllm_version)
+    if not names or removed is None or not all(n in removed[1] for n in names):
+        return False
+    release, last = removed[0], removed[1]
+    newest = max(last[n] for n in names)
+    r.error("removed-architecture", f"{release} does not serve `{'`, `'.join(names)}` (config.json "
+            f"`architectures`): its model registry says {'it was' if len(names) == 1 else 'they were'} supported "
+            f"until v{newest} and removed after that release; vLLM does not start this model, so no layout "
+            "is decided for it",
+            f"run this model on vLLM <= {newest} (kvpolicy profiles no release that old), or choose a model "
+            f"{release} serves; where vLLM's Transformers backend runs it (--model-impl transformers), give its "
+            "KV cache groups in a --spec file")
+    return True
+
+
+def _check_served(r: ConfigReader, vllm_version: str | None = None) -> None:
+    """What vLLM refuses to serve and what kvpolicy does not model (errors)."""
     architectures = r.top.get("architectures")
-    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(a, str) for a in architectures)):
+        # vLLM 0.28 / 0.34's ModelConfig validates it as list[str] ("Input should be a valid list")
+        r.error("invalid-field", f"`architectures` must be a list of architecture names, got "
+                f"`{show(architectures)}`, which vLLM refuses", "write it as a list, e.g. [\"LlamaForCausalLM\"]")
+        return
+    names = list(architectures or [])
+    if _check_removed(r, names, vllm_version):
+        return
     types = {r.model_type, r.top.get("model_type")}
     if types & _DRAFT_MODEL_TYPES or any("Eagle" in a or a.endswith(("MTP", "MTPModel", "Medusa")) for a in names):
         r.error("unsupported-model", "a speculative-decoding draft model: vLLM adds its layers to the target "
@@ -236,12 +274,6 @@ def _check_served(r: ConfigReader) -> None:
         r.error("unsupported-model", "cross-attention layers (an encoder-decoder model): kvpolicy models "
                 "decoder-only KV caches, and the vLLM releases it profiles do not serve Mllama",
                 "give the KV cache groups in a --spec file")
-    for name in names:
-        if name in _NO_LONGER_SERVED and not r.diagnostics:
-            r.warn("unsupported-architecture", f"vLLM serves `{name}` natively only up to {_NO_LONGER_SERVED[name]}: "
-                   "vLLM 0.28 refuses it, and 0.34's Transformers backend fails on its layers that are not "
-                   "attention; read as its config describes it",
-                   "use vLLM <= " + _NO_LONGER_SERVED[name] + " for this model, or another model")
 
 
 def _kv_heads(r: ConfigReader, heads: int | None) -> int | None:
@@ -434,7 +466,7 @@ def read_hf_config(
     raw, where = _load(config)
     notes: list[Diagnostic] = []
     r = _text_reader(raw, where, notes, release)
-    _check_served(r)
+    _check_served(r, vllm_version)
     num_layers = r.int_field("num_hidden_layers", required=True, maximum=MAX_LAYERS,
                              help="a decoder's config.json states its layer count in `num_hidden_layers`")
     model_dtype = served_dtype(r, override, device_capability)

@@ -214,6 +214,11 @@ class ReleaseProfile(Frozen):
     kv_transfer_config_fields: tuple[str, ...] = Field(
         default=(), description="the fields of this release's `KVTransferConfig` (vllm/config/kv_transfer.py), "
         "what `--kv-transfer-config` may hold; empty: not checked")
+    previously_supported_models: dict[str, str] = Field(
+        default_factory=dict, description="the model architectures this release's model registry no longer "
+        "implements, each with the last vLLM version that served it (vllm/model_executor/models/registry.py "
+        "`_PREVIOUSLY_SUPPORTED_MODELS`: \"was supported in vLLM until v<version>\"); a model config naming "
+        "only these is refused (`kvpolicy.policy.hf_config`)")
     backend_priority: dict[str, tuple[str, ...]] = Field(
         default_factory=dict, description="the backends vLLM's CUDA platform tries, in order, with no "
         "attention backend configured (platforms/cuda.py `_get_backend_priorities`), keyed `mla` / "

@@ -185,8 +185,9 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
                           "MultiConnector member, repeatable. Default: false for a connector vLLM does not "
                           "register, what its rules say for a registered one")
     dep.add_argument("--vllm-kv-cache-layout", metavar="LAYOUT",
-                     help="the VLLM_KV_CACHE_LAYOUT environment variable: one of the six layouts, or NHD/HND "
-                          "(not read from the environment: pass it)")
+                     help="the value of vLLM's VLLM_KV_CACHE_LAYOUT: one of the six layouts, or NHD/HND "
+                          "(0.24-0.28: NHD/HND only). Default: the variable as exported, read as the release "
+                          "reads it (a note says so); this flag wins over it")
     dep.add_argument("--enable-extensible-kv-cache", action="store_true", default=None,
                      help="vLLM's --enable-extensible-kv-cache (0.34: restricts layouts with a connector)")
     dep.add_argument("--hisparse", action="store_true", default=None,

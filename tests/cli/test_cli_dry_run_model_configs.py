@@ -51,10 +51,12 @@ def test_gemma2_float32_is_planned_in_bfloat16_and_said(capsys: pytest.CaptureFi
     assert "config.json: warning[dtype-downcast]: the config's dtype is float32; vLLM's --dtype auto serves " in err
 
 
-def test_bamba_has_its_mamba_group_and_the_refusal_is_said(capsys: pytest.CaptureFixture[str],
+def test_bamba_is_refused_naming_the_release_and_what_to_do(capsys: pytest.CaptureFixture[str],
                                                            tmp_path: Path) -> None:
-    code, out, err = cli(capsys, "dry-run", "--model", model_dir(tmp_path, BAMBA_9B), "--format", "json")
-    assert code == 0
-    groups = json.loads(out)["inputs"]["groups"]["groups"]
-    assert [(g["spec"]["kind"], g["spec"]["num_layers"]) for g in groups] == [("mamba", 29), ("full", 3)]
-    assert "warning[unsupported-architecture]: vLLM serves `BambaForCausalLM` natively only up to 0.23.0" in err
+    # vLLM 0.24-0.34 do not start BambaForCausalLM (their registry: supported until v0.23.0): no decision
+    code, out, err = cli(capsys, "dry-run", "--model", model_dir(tmp_path, BAMBA_9B), "--vllm-version", "0.28.0")
+    assert code == 2
+    assert out == ""
+    assert ("config.json: error[removed-architecture]: vLLM 0.28.0 does not serve `BambaForCausalLM` "
+            "(config.json `architectures`): its model registry says it was supported until v0.23.0") in err
+    assert "help: run this model on vLLM <= 0.23.0" in err

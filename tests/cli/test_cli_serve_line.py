@@ -81,6 +81,10 @@ def test_a_kvpolicy_flag_wins_over_the_line_and_says_so(capsys: pytest.CaptureFi
      "does not accept --tensor-paralel-size"),
     ([TINY, "--dtype", "bf16"], "vllm serve --dtype", "invalid choice: 'bf16'"),
     ([TINY, "-pp", "2"], "vllm serve --pipeline-parallel-size", "kvpolicy does not model"),
+    # both change the KV cache groups vLLM builds from the config: once ignored, silently
+    ([TINY, "--hf-overrides", '{"num_hidden_layers": 2}'], "vllm serve --hf-overrides", "kvpolicy does not model"),
+    ([TINY, "--disable-hybrid-kv-cache-manager"], "vllm serve --disable-hybrid-kv-cache-manager",
+     "kvpolicy does not model"),
     (["--served-model-name", "x"], "vllm serve", "without a positional model"),
     ([TINY, "--config", "serve.json"], "vllm serve --config", "only as YAML"),
 ])
@@ -158,6 +162,14 @@ def test_the_flag_wins_over_the_variable(capsys: pytest.CaptureFixture[str], mon
     data, err = _json(capsys, "--vllm-version", "0.34.0", "--vllm-kv-cache-layout", "LBHNC")
     assert data["layout"]["name"] == "LBHNC"
     assert "VLLM_KV_CACHE_LAYOUT=LBNHC is set, but --vllm-kv-cache-layout LBHNC wins" in err
+
+
+def test_the_help_says_the_variable_is_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help once said VLLM_KV_CACHE_LAYOUT was not read from the environment; it is (the epilog says so)."""
+    code, out, _ = cli(capsys, "dry-run", "--help")
+    assert code == 0
+    assert "not read from the environment" not in out
+    assert "Default: the variable as exported" in " ".join(out.split())
 
 
 @pytest.mark.parametrize(("version", "value", "valid"), [

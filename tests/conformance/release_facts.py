@@ -9,7 +9,8 @@ Following a new vLLM release is a command:
 
 The release is installed like the conformance releases (`install_vllm.py`, cached outside the
 repository); its facts oracle calls the release's own code (``oracles/v034.py`` from 0.29 on,
-``oracles/v028.py`` before) and ``oracles/backend_priority.py``. ``--write`` writes a profile that
+``oracles/v028.py`` before), ``oracles/backend_priority.py``, ``oracles/cpu_platform.py`` and
+``oracles/model_registry.py`` (the architectures its model registry no longer serves). ``--write`` writes a profile that
 ``extends`` the nearest older one and states only what differs (a merge patch: see
 ``policy/releases.py``), with a description for a person to finish; the conformance suite then
 proves the decisions, the geometry and the plugin. ``test_release_facts.py`` runs ``--check``'s
@@ -129,7 +130,17 @@ def release_facts(version: str) -> dict[str, Any]:
         (answer,) = run_oracle(version, "v028", [{"facts": True}])
         facts = {"resolver": "uniform_gate", **profile_facts_from_oracle(answer)}
     facts["backend_priority"] = {**backend_priority(version, list(facts["backends"])), **cpu_backends(version)}
+    facts["previously_supported_models"] = previously_supported_models(version)
     return facts
+
+
+def previously_supported_models(version: str) -> dict[str, str]:
+    """The architectures the release's model registry no longer serves, each with the last vLLM version
+    that did (``_PREVIOUSLY_SUPPORTED_MODELS``, ``oracles/model_registry.py``)."""
+    (answer,) = run_oracle(version, "model_registry", [{"previously_supported": True}])
+    if answer.get("version") != version:
+        raise RuntimeError(f"the oracle ran under vLLM {answer.get('version')}, not {version}: {answer}")
+    return answer["previously_supported"]
 
 
 def cpu_backends(version: str) -> dict[str, list[str]]:

@@ -24,13 +24,16 @@ How kvpolicy's groups map onto vLLM's (`KVCacheGroups`, policy/spec.py):
   (kvpolicy's Mamba spec is a stand-in: `kv_groups_from_hf_config`'s docstring).
 - **dtype**: the dtype vLLM serves (``ModelConfig.dtype``: ``--dtype`` rules, float32 downcast)
   against every kvpolicy spec's ``dtype``; the KV cache dtype shows in the page bytes.
-- **Refusals**: vLLM refusing a case kvpolicy also refuses is equal ("both refuse").
+- **Refusals**: vLLM refusing a case kvpolicy also refuses is equal ("both refuse"); for the
+  architectures a release's registry dropped (Bamba, Mllama) kvpolicy's refusal is the release
+  profile's ``previously_supported_models``, itself read from each release (`test_release_facts.py`).
 
 Where vLLM cannot be asked on this machine (`_NOT_BUILT`: a stage needs CUDA kernels or packages the
 release site lacks), the comparison falls back to ``ModelConfig``'s own methods the oracle answers
 (layer count by block type, KV heads per rank, head size, MLA, dtype), or, with no ModelConfig at all,
-is not made; configs vLLM itself refuses (`_VLLM_REFUSES`) are reported, not compared. Both tables
-are asserted: the error must still be the one recorded, so a release that stops refusing shows.
+is not made; configs vLLM itself refuses (`_VLLM_REFUSES`) must be refused by kvpolicy too ("both
+refuse"; kvpolicy answering is "different"). Both tables are asserted: the error must still be the one
+recorded, so a release that stops refusing shows.
 
 ``pytest -s`` prints the table (config, case, release, outcome, why). A ``different`` row is a
 failure: kvpolicy reads that config unlike vLLM.
@@ -65,10 +68,10 @@ BLOCK_SIZE = 16
 _VLLM_REFUSES: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
     "bamba-9b": ({"0.28.0": ("supported in vLLM until v0.23.0",),
                   "0.34.0": ("does not dispatch through the Transformers attention interface",)},
-                 "BambaForCausalLM was removed in vLLM 0.23 (0.28 says so; 0.34 falls back to the Transformers "
-                 "backend, which cannot run its Mamba layers)"),
+                 "BambaForCausalLM: supported until v0.23.0, removed after it (0.28 says so; 0.34 falls back to the "
+                 "Transformers backend, which cannot run its Mamba layers)"),
     "llama-3.2-11b-vision-instruct": ({v: ("until v0.10.2", "Can't load image processor") for v in RELEASES},
-                                      "MllamaForConditionalGeneration was removed in vLLM 0.10.2 (its image processor "
+                                      "MllamaForConditionalGeneration: supported until v0.10.2 (its image processor "
                                       "is asked for first when only config.json is present)"),
 }
 # Cases this machine cannot build (a CUDA kernel or a package missing from the release site), by config
@@ -253,10 +256,11 @@ def judge(name: str, label: str, version: str) -> tuple[str, str]:
             assert error and any(s in error for s in substrings), (
                 f"{name} {label} on {version}: recorded as '{kind}' ({reason}), but vLLM answered "
                 f"{error or 'without an error'}")
-    if refused is not None:
-        return "vllm refuses", f"{refused[1]}; kvpolicy: " + (
-            f"refuses ({_refusal(ours)})" if isinstance(ours, PolicyError)
-            else ", ".join(f"{k} x{v['layers']}" for k, v in _ours_kinds(ours).items()))
+    if refused is not None:  # a layout for a model vLLM does not start would look like an answer
+        if isinstance(ours, PolicyError):
+            return "both refuse", f"{refused[1]}; kvpolicy: {_refusal(ours)}"
+        return "different", f"{refused[1]}; kvpolicy answers " + ", ".join(
+            f"{k} x{v['layers']}" for k, v in _ours_kinds(ours).items())
     if not_built is not None:
         view = vllm.get("model_config")
         if not view:

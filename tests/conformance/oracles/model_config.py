@@ -13,11 +13,15 @@ The config is written to a fresh local directory (the corpus file's content trav
 so a changed file is a changed case) and read as an operator's ``vllm serve <dir>`` would, with
 ``HF_HUB_OFFLINE=1`` and ``trust_remote_code`` off. The path, each stage vLLM's own code:
 
-1. ``ModelConfig(model=dir, dtype=..., skip_tokenizer_init=True)``: the served dtype
-   (``--dtype auto`` rules, float32 downcast included), architecture resolution, HF config parsing;
-2. ``VllmConfig(model_config, CacheConfig(block_size, cache_dtype), ParallelConfig(tp), dummy
-   LoadConfig)``: its post-init runs the model's config hooks (``MODELS_CONFIG_MAP``, the hybrid
-   Mamba page alignment that may raise the attention block size);
+1. the engine arguments of ``vllm serve dir --dtype .. --kv-cache-dtype .. --block-size ..
+   --tensor-parallel-size .. --load-format dummy --skip-tokenizer-init`` (the release's
+   ``AsyncEngineArgs``); their ``create_model_config()``: the served dtype (``--dtype auto`` rules,
+   float32 downcast included), architecture resolution, HF config parsing;
+2. their ``create_engine_config()``, as the server builds its VllmConfig: the CacheConfig the engine
+   derives (``CacheConfig.sliding_window`` = ``ModelConfig.get_sliding_window()`` for a text config
+   without per-layer ``layer_types``: Mistral-7B-v0.1's and Phi-3's layers are all sliding; ``auto``
+   KV cache dtype resolved), then VllmConfig's post-init: the model's config hooks
+   (``MODELS_CONFIG_MAP``, the hybrid Mamba page alignment that may raise the attention block size);
 3. the model class, instantiated as a worker does (``model_loader.utils.initialize_model``) under
    ``set_default_torch_dtype(model dtype)`` on the ``meta`` device: every attention / Mamba layer
    registers in the config's static forward context with its own spec parameters;
@@ -332,8 +336,27 @@ def group_layers(vllm_config, specs):
     return kv_cache_utils.get_kv_cache_groups(vllm_config, merged)
 
 
+def serve_engine_args(case: dict):
+    """The engine arguments ``vllm serve <dir> --dtype .. --kv-cache-dtype .. --block-size ..
+    --tensor-parallel-size .. --load-format dummy --skip-tokenizer-init`` makes (the release's own
+    ``AsyncEngineArgs``). Its ``create_engine_config`` builds the VllmConfig as the server does,
+    CacheConfig included: the engine, not CacheConfig's defaults, sets ``CacheConfig.sliding_window``
+    to ``ModelConfig.get_sliding_window()`` when the text config has no per-layer ``layer_types``
+    (Mistral-7B-v0.1, Phi-3: every layer sliding), and resolves ``--kv-cache-dtype auto``."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs = {"model": config_dir(case["config"]), "dtype": case.get("dtype", "auto"),
+              "kv_cache_dtype": case.get("kv_cache_dtype", "auto"),
+              "tensor_parallel_size": int(case.get("tensor_parallel_size", 1)),
+              "skip_tokenizer_init": True, "trust_remote_code": False, "load_format": "dummy"}
+    if case.get("block_size") is not None:
+        kwargs["block_size"] = case["block_size"]
+    return AsyncEngineArgs(**kwargs)
+
+
 def answer(case: dict) -> dict:
-    from vllm.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.config import ParallelConfig
+    from vllm.usage.usage_lib import UsageContext
 
     stub_missing_packages()
     inspect_in_process()
@@ -344,22 +367,18 @@ def answer(case: dict) -> dict:
     out: dict = {"path": "instantiated"}
     with captured_warnings() as warnings:
         out["warnings"] = warnings
+        args = serve_engine_args(case)
         try:
-            mc = ModelConfig(model=config_dir(case["config"]), dtype=case.get("dtype", "auto"),
-                             skip_tokenizer_init=True, trust_remote_code=False)
+            mc = args.create_model_config()
         except Exception as exc:
             return {**out, "path": "refused", "stage": "model_config", "error": _error(exc)}
         out["served_dtype"] = _jsonable(mc.dtype)
-        cache = {"cache_dtype": case.get("kv_cache_dtype", "auto")}
-        if case.get("block_size") is not None:
-            cache["block_size"] = case["block_size"]
-        parallel = ParallelConfig(tensor_parallel_size=tp)
-        out["model_config"] = model_config_view(mc, parallel)
+        out["model_config"] = model_config_view(mc, ParallelConfig(tensor_parallel_size=tp))
         try:
             with gpu_platform_config():
-                vc = VllmConfig(model_config=mc, cache_config=CacheConfig(**cache), parallel_config=parallel,
-                                load_config=LoadConfig(load_format="dummy"))
+                vc = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
         except Exception as exc:
+            traceback.print_exc()
             return {**out, "path": "refused", "stage": "vllm_config", "error": _error(exc)}
         out["block_size"] = vc.cache_config.block_size
         out["max_model_len"] = vc.model_config.max_model_len
