@@ -199,8 +199,9 @@ def test_every_decision_is_vllm_s(answered: GateAnswers, capsys: pytest.CaptureF
             else:
                 refusals += 1
             continue
-        if d.shape == "mamba_only" and theirs != "error":
-            # no attention layer: only the placement is a decision (the head order has nothing to order)
+        if d.shape == "mamba_only" and "error" not in (ours, theirs):
+            # no attention layer: only the placement is a decision (the head order has nothing to order);
+            # a refusal on either side stays "error", a difference from the other side's answer
             ours, theirs = ours[:1] == "B", answer["uniform"]
         if ours != theirs:
             if deliberate(version, d, ours, theirs):

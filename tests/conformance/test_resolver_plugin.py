@@ -104,7 +104,10 @@ def run(request: Any, vllm_sites: Any) -> dict[str, Any]:
 def test_off_changes_nothing(run: dict[str, Any]) -> None:
     off = run["by"]["off"][0]
     assert off["error"] is None and off["core_is_vllms"] and off["status"] == {"active": False}
-    for answer in run["by"]["off-decide"]:
+    answers = run["by"]["off-decide"]
+    # not an empty loop: every 2,000th case, 10-18 a release, vLLM's layouts among them (3 of 0.29's 10)
+    assert len(answers) >= 10 and sum("layout" in a["vllm"] for a in answers) >= 3
+    for answer in answers:
         assert answer["plugin"] == answer["vllm"]
 
 
@@ -135,15 +138,18 @@ def test_the_shipped_rules_answer_what_vllm_answers(run: dict[str, Any], capsys:
 
 def test_the_engine_core_distributes_the_plugins_layout(run: dict[str, Any]) -> None:
     engine = LayoutEngine.default(vllm_version=run["release"].version)
-    distributed = 0
+    distributed = refused_later = 0
     for case, answer in zip(run["core"], run["by"]["engine-core"], strict=True):
         expected = _expected(engine, case, run["release"])
         if "layout" in expected and answer.get("distributed") is not None:
             assert answer["resolved"] == answer["distributed"] == expected["layout"], (_shown(case), answer)
             distributed += 1
-        elif "layout" not in expected:
+        elif "layout" in expected:  # resolved, then refused by a later start-up step (HiSparse, spec types)
+            assert answer.get("resolved") == expected["layout"] and "error" in answer, (_shown(case), answer)
+            refused_later += 1
+        else:
             assert answer.get("resolved") is None, (_shown(case), answer)
-    assert distributed >= 10
+    assert distributed >= 10, (distributed, refused_later)
 
 
 def test_a_site_rule_decides_through_vllm_and_stops_start_up_located(run: dict[str, Any]) -> None:

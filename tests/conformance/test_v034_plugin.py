@@ -190,6 +190,40 @@ def _same_as_vllm(vllm: dict[str, Any], plugin: dict[str, Any]) -> str | None:
     return None
 
 
+# vLLM's refusals of what out-of-tree connectors answer (no shipped rule stands for them): the layout name a
+# connector returns that vLLM cannot parse; MultiConnector members returning different layouts, as written
+_UNKNOWN_LAYOUT = re.compile(r"Unknown KV cache layout '(\w+)'")
+_MISMATCH = re.compile(r"KV cache layout mismatch: found \d+ different layouts \(([^)]*)\)")
+_RETURNED = re.compile(r"<vllm:\w+\.get_required_kvcache_layout>: error\[(unknown-layout|layout-mismatch)\]: "
+                       r"returned `(\w+)`")
+
+
+def _refusal_kind(error: str) -> str:
+    if _UNKNOWN_LAYOUT.search(error):
+        return "unknown-layout"
+    if (kind := _vllm_error_kind(error)) is not None:
+        return kind[2]
+    return "unmapped"
+
+
+def _same_refusal(vllm: dict[str, Any], plugin: dict[str, Any]) -> str | None:
+    """None when vLLM and the plugin refuse alike: a connector's layout name vLLM cannot parse, the same
+    name in the plugin's located error; members requiring different layouts, the same names in both; else
+    vLLM's error mapped to the rule the plugin's refusal must name (`_same_as_vllm`). Else what differs."""
+    if "error" not in vllm or "error" not in plugin:
+        return (f"vLLM {vllm.get('layout') or vllm['error'][:120]}, "
+                f"plugin {plugin.get('layout') or plugin['error'][:200]}")
+    returned = _RETURNED.findall(plugin["error"])
+    if unknown := _UNKNOWN_LAYOUT.search(vllm["error"]):
+        ok = ("unknown-layout", unknown[1]) in returned
+        return None if ok else f"vLLM cannot parse `{unknown[1]}`; the plugin: {plugin['error'][:200]}"
+    mismatch = _MISMATCH.search(vllm["error"])
+    if mismatch and any(code == "layout-mismatch" for code, _ in returned):
+        theirs, ours = set(mismatch[1].split(", ")), {name for code, name in returned if code == "layout-mismatch"}
+        return None if theirs == ours else f"vLLM's members require {sorted(theirs)}, the plugin names {sorted(ours)}"
+    return _same_as_vllm(vllm, plugin)
+
+
 def _expected(engine: LayoutEngine, case: dict[str, Any]) -> dict[str, Any]:
     try:
         return {"layout": str(engine.decide(explain=False, **kvpolicy_inputs(case)).layout)}
@@ -360,28 +394,28 @@ def test_out_of_tree_connectors_keep_the_layout_vllm_gives_them(run: dict[str, A
     or both refuse (an unknown layout name, members that disagree, a requested layout no worker has)."""
     cases, answers = run["third_party"], run["by"]["third-party"]
     assert len(cases) == len(answers) == len(THIRD_PARTY_CONNECTORS) * 4 * 2 * 4
-    diffs, same, refused = [], 0, 0
+    diffs, same, refused = [], 0, Counter()
     for case, answer in zip(cases, answers):
         vllm, plugin = answer["vllm"], answer["plugin"]
         if "error" in vllm or "error" in plugin:
-            if not ("error" in vllm and "error" in plugin):
-                diffs.append(f"{case['label']}: vLLM {vllm.get('layout') or vllm['error'][:120]}, "
-                             f"plugin {plugin.get('layout') or plugin['error'][:200]}")
-            refused += 1
+            if (why := _same_refusal(vllm, plugin)) is not None:
+                diffs.append(f"{case['label']}: {why}")
+            else:
+                refused[_refusal_kind(vllm["error"])] += 1
         elif vllm["layout"] != plugin["layout"] or plugin["recorded"] != plugin["layout"]:
             diffs.append(f"{case['label']}: vLLM {vllm['layout']}, plugin {plugin['layout']}")
         else:
             same += 1
     with capsys.disabled():
         print(f"\nout-of-tree connectors through the plugin (KVPOLICY_RULES=shipped): {same} cases answer vLLM's "
-              f"layout, {refused} refused by both, {len(diffs)} differ")
+              f"layout, {sum(refused.values())} the same refusal {dict(refused)}, {len(diffs)} differ")
     assert not diffs, "\n".join(diffs[:25])
     by_label = {c["label"]: a["plugin"] for c, a in zip(cases, answers)}
     assert by_label["RequiresHND [['FLASH_ATTN']] one env=None"]["layout"] == "LBHNC"
     assert by_label["Multi[RequiresBLHNC] [['FLASH_ATTN']] one env=None"]["layout"] == "BLHNC"
     unknown = by_label["RequiresUnknown [['FLASH_ATTN']] one env=None"]["error"]
     assert "<vllm:RequiresUnknown.get_required_kvcache_layout>: error[unknown-layout]: returned `XYZ`" in unknown
-    assert same > 200 and refused > 50
+    assert same > 200 and sum(refused.values()) > 50
 
 
 def test_the_engine_core_distributes_the_plugins_layout(run: dict[str, Any]) -> None:
@@ -506,7 +540,7 @@ def test_rules_without_vllms_own_checks_never_answer_outside_vllms_candidates(ru
     rule_file = str(run["dirs"]["scratch"] / "global.yaml")
     cases, answers = run["scratch_sample"], run["by"]["site-scratch"]
     assert len(cases) == len(answers) > 500
-    stopped, preferred, diffs = 0, 0, []
+    stopped, preferred, refused, diffs = 0, 0, 0, []
     for case, answer in zip(cases, answers):
         plugin, vllm = answer["plugin"], answer["vllm"]
         if plugin.get("before"):
@@ -530,9 +564,14 @@ def test_rules_without_vllms_own_checks_never_answer_outside_vllms_candidates(ru
                 diffs.append(f"{_shown(case)}: the refusal does not say what chose it: {plugin['error'][:300]}")
         elif "error" not in vllm:
             diffs.append(f"{_shown(case)}: vLLM {vllm['layout']}, plugin {plugin['error'][:300]}")
+        elif (why := _same_as_vllm(vllm, plugin)) is not None:  # both refuse, for no requirement the rules lack
+            diffs.append(f"{_shown(case)}: {why}")
+        else:
+            refused += 1
     with capsys.disabled():
         print(f"\na rule set written from scratch (prefer LHBNC, none of vLLM's checks): {len(cases)} cases, "
-              f"{preferred} get LHBNC where vLLM allows it, {stopped} stop start-up naming vLLM's requirement")
+              f"{preferred} get LHBNC where vLLM allows it, {stopped} stop start-up naming vLLM's requirement, "
+              f"{refused} refused as vLLM refuses")
     assert not diffs, "\n".join(diffs[:25])
     assert preferred > 20 and stopped > 500
     core = run["by"]["scratch-core"][0]
@@ -595,6 +634,9 @@ def test_versions_and_profiles(run: dict[str, Any]) -> None:
 def test_unset_again_vllm_decides(run: dict[str, Any]) -> None:
     off = run["by"]["off-again"][0]
     assert off["core_is_vllms"] and off["status"] == {"active": False}
-    for answer in run["by"]["off-decide"]:
+    answers = run["by"]["off-decide"]
+    assert len(answers) == len(run["space"][::4_000]) == 18  # not an empty loop: 10 layouts, 8 refusals
+    assert sum("layout" in a["vllm"] for a in answers) >= 8
+    for answer in answers:
         assert answer["plugin"] == answer["vllm"]
 
