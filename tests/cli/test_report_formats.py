@@ -164,6 +164,10 @@ def test_sarif_log_structure() -> None:
     assert first["locations"][0]["physicalLocation"]["region"] == {"startLine": 3, "startColumn": 7}
     assert second["locations"][0]["physicalLocation"]["region"] == {"startLine": 9}
     assert third["locations"][0]["physicalLocation"] == {"artifactLocation": {"uri": "my%20rules/--rules"}}
+    # column 1 is a column (a rule at the start of its line), only 0 means "no column"
+    log = sarif_log([("error", Diagnostic("rules/g.yaml", 2, 1, "x", "m"))], tool_version="9.9")
+    (at_one,) = log["runs"][0]["results"]
+    assert at_one["locations"][0]["physicalLocation"]["region"] == {"startLine": 2, "startColumn": 1}
 
 
 def test_validate_sarif(broken: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -97,6 +97,20 @@ def test_require_compatible_raises_a_policy_error_with_every_field() -> None:
         assert line in text
     assert "decode-0: error[layout-mismatch]: 6 fields differ from local" in text
     assert "kv_cache_dtype: local bfloat16, decode-0 fp8_e4m3" in text
+    (diag,) = err.diagnostics
+    assert (diag.file, diag.line, diag.col) == ("decode-0", 0, 0)  # the peer, not a place in a file
+    with pytest.raises(LayoutMismatchError, match=r"decode-0: error\[layout-mismatch\]: 1 field differs from local"):
+        require_compatible(local, {**local.to_dict(), "block_size": 32}, remote_name="decode-0")
+    with pytest.raises(LayoutMismatchError, match=r"2 fields differ from local"):
+        require_compatible(local, {**local.to_dict(), "block_size": 32, "page_bytes": 1})
+
+
+def test_a_differing_mapping_is_shown_with_sorted_keys() -> None:
+    """Both ranks print the same text for the same value, whatever order a peer's JSON had."""
+    from kvpolicy.engine.agreement import Difference
+
+    shown = str(Difference("x", {"b": 1, "a": 2}, {"a": 2, "c": 1}))
+    assert shown == 'x: local {"a":2,"b":1}, remote {"a":2,"c":1}'
 
 
 def test_compatibility_result_to_dict() -> None:
@@ -125,8 +139,9 @@ def test_compare_ranks_refuses_bad_rank_numbers_duplicates_and_garbage() -> None
     a, b = fp_for().to_dict(), fp_for(kv_cache_dtype="fp8").to_dict()
     with pytest.raises(InputError, match="rank numbers must be ints"):
         compare_ranks([RankFingerprint("a", "a", a), RankFingerprint(1, 1, b)])
-    with pytest.raises(InputError, match="rank numbers must be ints"):
+    with pytest.raises(InputError, match="rank numbers must be ints") as info:
         compare_ranks([RankFingerprint(0, None, a), RankFingerprint(1, 1, b)])
+    assert "help: build RankFingerprint(rank, group_rank, ...) from ints" in str(info.value)
     with pytest.raises(InputError, match="group rank 0 appears twice"):
         compare_ranks([RankFingerprint(0, 0, a), RankFingerprint(0, 0, b)])
     with pytest.raises(InputError, match="rank 0 sent something that is not a layout fingerprint"):

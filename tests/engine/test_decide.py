@@ -247,4 +247,6 @@ def test_a_candidate_without_geometry_never_wins_and_the_trace_says_why(tmp_path
     d = e.decide(ctx)
     assert d.layout == Layout.LBNHC
     assert [r.id for r, _ in d.eliminated[Layout.LBHNC]] == ["backend-geometry"]
+    (geometry, _), = d.eliminated[Layout.LBHNC]
+    assert str(geometry.source) == "policy/releases/issue-48412.yaml:1"  # located at the profile stating the facts
     assert d.fingerprint.placement == "per_layer" and "LBNHC" in d.explain()

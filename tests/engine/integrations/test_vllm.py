@@ -304,6 +304,9 @@ def test_context_from_vllm_objects() -> None:
     assert vllm_context(one(e5m2), None).kv.kv_cache_dtype == "fp8_e5m2"
     window = vllm_context(one(SlidingWindowSpec(sliding_window=1024)), None).kv
     assert (window.kind, window.sliding_window) == (AttentionKind.sliding_window, 1024)
+    # a Mamba group keeps vLLM's block size (its stand-in has no heads, but the block is vLLM's)
+    hybrid = vllm_context([[group()], [group(MambaSpec(block_size=64), backend("MAMBA2"))]], None)
+    assert [(g.spec.kind, g.spec.block_size) for g in hybrid.groups.groups][1] == (AttentionKind.mamba, 64)
     padded = vllm_context(one(FullAttentionSpec(page_size_padded=131072)), None).kv
     assert padded.page_size_bytes == 131072
 
