@@ -543,3 +543,23 @@ def test_the_adapter_imports_nothing_from_vllm() -> None:
     source = (ROOT / "engine" / "integrations" / "vllm.py").read_text()
     assert "import vllm" not in source and "from vllm" not in source
     assert adapter.__name__ == "kvpolicy.engine.integrations.vllm"
+
+
+def test_a_head_order_vllm_fixed_first_stops_start_up_naming_the_rule_and_vllm(tmp_path: Path) -> None:
+    """0.24-0.28 fix the head order before the gate: a decision vLLM would not allocate names the rule
+    that removed what vLLM allocates, and vLLM's own part (code, message, the variable to set)."""
+    (tmp_path / "global.yaml").write_text(
+        "version: 1\nrules:\n  - id: site-no-hnd\n    description: keep NHD\n    forbid: {layout: LBHNC}\n")
+    e = LayoutEngine.from_path(tmp_path, vllm_version="0.28.0")
+    d = e.decide(spec={"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64}, backend="TRITON_ATTN")
+    assert d.layout is Layout.LBNHC
+    adapter.check_head_order(d, "NHD")  # what vLLM allocates: nothing to say
+    with pytest.raises(StartupError) as info:
+        adapter.check_head_order(d, "HND")
+    rule, vllm = info.value.diagnostics
+    assert (rule.code, rule.line, rule.message) == ("head-order-fixed", 3,
+                                                    "rule `site-no-hnd` (forbid, global) removed LBHNC")
+    assert (vllm.file, vllm.code) == ("<vllm>", "head-order-fixed")
+    assert vllm.message.startswith("vLLM vllm-0.28 fixed the head order HND")
+    assert "allocate LBHNC, not LBNHC" in vllm.message
+    assert vllm.help is not None and "VLLM_KV_CACHE_LAYOUT=NHD" in vllm.help
