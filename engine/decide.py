@@ -50,6 +50,7 @@ __all__ = [
     "geometry_ref",
     "rule_ref",
     "scopes_for",
+    "unknown_connector_warnings",
 ]
 
 # The id under which the built-in candidate filter (step 1) appears in traces, errors and policy tests.
@@ -111,6 +112,27 @@ def connector_rules_for(ruleset: RuleSet, profile: str, name: str,
     """The rules of connector ``name`` configured with ``extra`` under release profile ``profile``
     (`connector_names_for`)."""
     return tuple(r for n in connector_names_for(profile, name, extra) for r in ruleset.connector_rules(n))
+
+
+def unknown_connector_warnings(ruleset: RuleSet, conn: ConnectorConfig | None) -> tuple[str, ...]:
+    """One warning per connector in ``conn``'s tree (members included) that no release profile registers
+    and no rule file names: no rules apply to it, which is most often a misspelling (``nixlconnector``).
+    The library's `Decision.warnings` and the CLI's dry-run say the same."""
+    from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
+
+    out: list[str] = []
+    for node in () if conn is None else _tree(conn):
+        if node.name not in KNOWN_CONNECTORS and node.name not in ruleset.connectors:
+            near = suggest_connector(node.name)
+            text = (f"unknown connector `{node.name}`: no rules apply to it"
+                    + (f"; did you mean `{near}`?" if near else ""))
+            if text not in out:
+                out.append(text)
+    return tuple(out)
+
+
+def _tree(conn: ConnectorConfig) -> list[ConnectorConfig]:
+    return [conn, *(n for m in conn.connectors for n in _tree(m))]
 
 
 def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, label: str, top: bool) -> Scope:

@@ -40,11 +40,12 @@ from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
 from kvpolicy.engine.cli.record_case import Resolved, record_case
 from kvpolicy.engine.cli.serve_line import add_serve_flags, apply_serve_line, environment_inputs, print_notes
+from kvpolicy.engine.decide import unknown_connector_warnings
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
 from kvpolicy.engine.vllm_env import check_env_against
 from kvpolicy.policy.backends import ScaleViews
-from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
+from kvpolicy.policy.connectors import KNOWN_CONNECTORS
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
 from kvpolicy.policy.layouts import Layout
@@ -579,13 +580,11 @@ def _gated(ctx: Context) -> bool:
 
 def _warn_unknown_connector(ctx: Context, ruleset: RuleSet) -> None:
     conn = ctx.connector
+    for text in unknown_connector_warnings(ruleset, conn):  # Decision.warnings holds them too
+        print(f"warning: {text}", file=sys.stderr)
     nodes = [] if conn is None else [conn, *conn.connectors]
     for node in nodes:
         name = node.name
-        if name not in KNOWN_CONNECTORS and name not in ruleset.connectors:
-            near = suggest_connector(name)
-            print(f"warning: unknown connector `{name}`: no rules apply to it"
-                  + (f"; did you mean `{near}`?" if near else ""), file=sys.stderr)
         if name not in KNOWN_CONNECTORS and node.prefers_cross_layer_blocks is None and _gated(ctx):
             print(f"note: connector `{name}` is not one vLLM registers; its prefer_cross_layer_blocks is taken as "
                   "KVConnectorBase_V1's default, false (if its class says otherwise: "
