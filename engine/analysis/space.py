@@ -49,7 +49,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS, Cut, SizeCost, plan_cut, tier_of_override
+from kvpolicy.engine.analysis.budget import (
+    DEFAULT_MAX_INPUTS,
+    Cut,
+    SizeCost,
+    inputs_for_rules,
+    plan_cut,
+    tier_of_override,
+)
 from kvpolicy.engine.decide import Scope, connector_rules_for
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.plan import DECIDED_NOT_PLANNED, plan_layout
@@ -354,16 +361,26 @@ def _extra_variants(rulesets: Sequence[RuleSet], connector: str, profile: str, l
                         lambda _k, v: isinstance(v, (str, bool, int, float)), limit=limit, skipped=skipped)
 
 
-def _with_modes(extras: list[dict[str, Any]], mode: tuple[str, tuple[str, ...]] | None) -> list[dict[str, Any]]:
-    """``extras``, each also with the mode key at each of its values (the key left as a variant has it)."""
+def _with_modes(extras: list[dict[str, Any]], mode: tuple[str, tuple[str, ...]] | None, limit: int | None = None,
+                skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """``extras``, each also with the mode key at each of its values (the key left as a variant has it); at
+    most ``limit`` of them, the rest counted into ``skipped[0]``."""
     if mode is None:
         return extras
     key, values = mode
     out: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for extra in extras:
         for e in (extra, *({**extra, key: v} for v in values)):
-            if e not in out:
-                out.append(e)
+            text = json.dumps(e, sort_keys=True, default=repr)
+            if text in seen:
+                continue
+            seen.add(text)
+            if limit is not None and len(out) >= limit:
+                if skipped is not None:
+                    skipped[0] += 1
+                continue
+            out.append(e)
     return out
 
 
@@ -377,7 +394,7 @@ def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str, 
             for k, v in extra.items():
                 merged.setdefault(k, v)
         return [ConnectorConfig(name=name, extra=e) for e in _with_modes([{}] + ([merged] if merged else []), mode)]
-    return [ConnectorConfig(name=name, extra=extra) for extra in _with_modes(extras, mode)]
+    return [ConnectorConfig(name=name, extra=extra) for extra in _with_modes(extras, mode, limit, skipped)]
 
 
 def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "", limit: int | None = None,
@@ -653,7 +670,8 @@ def build_space(
     ``scale_views`` overrides the backends' own strategy (a what-if: the
     released backends build stride-aware views, the #48412 state did not);
     ``backends`` and ``kv_cache_dtypes`` restrict those dimensions. At most
-    ``max_inputs`` inputs are built; past that the space is cut as
+    ``max_inputs`` inputs are built (fewer for more than `budget.WORK_RULES_PER_INPUT` rules in
+    ``rulesets``: the work is inputs x rules); past that the space is cut as
     `kvpolicy.engine.analysis.budget` says, and ``Space.cut`` tells how.
     """
     if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or max_inputs < 1:
@@ -661,6 +679,9 @@ def build_space(
                           f"pass the most inputs the space may hold (default {DEFAULT_MAX_INPUTS})")
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     profile = get_profile(vllm_version)
+    # the work is inputs x rules: many rules get fewer inputs (`budget.inputs_for_rules`)
+    max_space, rules = max_inputs, sum(len(rs.rules) for rs in {id(rs): rs for rs in sets}.values())
+    max_inputs = inputs_for_rules(max_space, rules)
     leaves = _Leaves(sets)
     no_geometry: list[str] = []
     pairs, dtype_for, kind_for = _kv_choices(profile, leaves, no_geometry)
@@ -851,7 +872,7 @@ def build_space(
         left_out["size variants no spec of that kind can have"] = invalid
     for message, where in refused.items():
         left_out[f"inputs the release refuses ({message})"] = where
-    cut = dataclasses.replace(cut, stopped=stopped)
+    cut = dataclasses.replace(cut, stopped=stopped, max_space=max_space, rules=rules)
     told = stopped or cut.size_variants_left_out or cut.connectors_left_out
     return Space(profile, inputs, out_dims, stands, left_out, cut if told else None)
 
