@@ -112,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvpolicy.policy.releases import profile_names
 
     parser = argparse.ArgumentParser(prog="python -m kvpolicy.engine.analysis.guards")
-    parser.add_argument("mode", choices=["--write", "--check"])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="lint every profile and write the table")
+    mode.add_argument("--check", action="store_true", help="exit 1 where the table differs from the live lint")
     args = parser.parse_args(argv)
     table = {name: {"key": guard_key(name), "guards": [list(row) for row in live_guards(name)]}
              for name in profile_names()}
     text = json.dumps(table, indent=1, sort_keys=True) + "\n"
-    if args.mode == "--write":
+    if args.write:
         GUARD_TABLE.write_text(text, encoding="utf-8")
         return 0
     stale = [name for name in table if _table().get(name) != table[name]]

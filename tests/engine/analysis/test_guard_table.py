@@ -76,3 +76,11 @@ def test_a_stale_entry_is_linted_live(monkeypatch) -> None:
     asked = []
     monkeypatch.setattr(guards, "live_guards", lambda name, shipped=None: asked.append(name) or [])
     assert guards.load_bearing_guards("issue-48412") == () and asked == ["issue-48412"]
+
+
+def test_the_check_command_names_a_stale_entry(monkeypatch, capsys) -> None:
+    """`python -m kvpolicy.engine.analysis.guards --check` (here over one profile) exits 1 naming it."""
+    monkeypatch.setattr(guards, "_table", lambda: {"issue-48412": {"key": "sha256:stale", "guards": []}})
+    monkeypatch.setattr("kvpolicy.policy.releases.profile_names", lambda: ("issue-48412",))
+    assert guards.main(["--check"]) == 1
+    assert "`issue-48412` differs from the live lint" in capsys.readouterr().err
