@@ -43,13 +43,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_INPUTS", "WORK_RULES_PER_INPUT", "Cut", "SizeCost", "inputs_for_rules", "plan_cut",
-           "tier_of_override"]
+__all__ = ["DEFAULT_MAX_INPUTS", "MAX_SPACE_LIMIT", "WORK_RULES_PER_INPUT", "Cut", "SizeCost", "inputs_for_rules",
+           "plan_cut", "tier_of_override"]
 
 # INVARIANT: above every shipped profile's space (the largest: vllm-0.27's 256,854 inputs, then 0.25/0.26's 239,538);
 # tests/engine/analysis/test_space_budget.py fails when a profile outgrows it. Lint costs about 100 us and 2 KiB
 # of peak memory per input on a hostile rule set, so this is about 30 s and 600 MB on the 2-core CI machine.
 DEFAULT_MAX_INPUTS = 300_000
+# The most ``max_inputs`` may be (--max-space): a bound, not a way to turn the bound off (about 3 hours of lint).
+MAX_SPACE_LIMIT = 100_000_000
 
 
 # The rules per input ``max_inputs`` is sized for: above every shipped profile's rule set with its baseline and

@@ -51,6 +51,7 @@ from typing import Any
 
 from kvpolicy.engine.analysis.budget import (
     DEFAULT_MAX_INPUTS,
+    MAX_SPACE_LIMIT,
     Cut,
     SizeCost,
     inputs_for_rules,
@@ -674,8 +675,9 @@ def build_space(
     ``rulesets``: the work is inputs x rules); past that the space is cut as
     `kvpolicy.engine.analysis.budget` says, and ``Space.cut`` tells how.
     """
-    if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or max_inputs < 1:
-        raise input_error("max_inputs", f"`max_inputs` must be a positive int, got `{max_inputs!r:.40}`",
+    if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or not 1 <= max_inputs <= MAX_SPACE_LIMIT:
+        raise input_error("max_inputs", f"`max_inputs` must be a positive int of at most {MAX_SPACE_LIMIT}, got "
+                          f"`{max_inputs!r:.40}`",
                           f"pass the most inputs the space may hold (default {DEFAULT_MAX_INPUTS})")
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     profile = get_profile(vllm_version)

@@ -164,7 +164,7 @@ def test_the_cli_help_states_the_default_bound(capsys) -> None:
     assert f"(default {DEFAULT_MAX_INPUTS}:" in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "10"])
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "10", 100_000_001, 10**40])
 def test_max_inputs_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(InputError) as err:
         build_space(shipped_ruleset(V034), vllm_version=V034, max_inputs=bad)  # type: ignore[arg-type]
@@ -238,3 +238,11 @@ def test_plan_cut_fits_the_bound_whenever_tier_0_does_and_never_drops_tier_0(pro
     assert kept <= max(bound, base)
     if full <= bound:
         assert all(keep_size) and all(keep_conn)
+
+
+def test_the_cli_refuses_a_max_space_past_its_limit(capsys) -> None:
+    """A 40-digit --max-space turned the bound off (issue 23's hostile pass: past 120 CPU s on 60 extras)."""
+    from kvpolicy.engine.cli.main import main
+
+    assert main(["lint", "--max-space", "9" * 40]) == 2
+    assert "of at most 100000000" in capsys.readouterr().err
