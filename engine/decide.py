@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -49,6 +50,7 @@ __all__ = [
     "geometry_ref",
     "rule_ref",
     "scopes_for",
+    "unknown_connector_warnings",
 ]
 
 # The id under which the built-in candidate filter (step 1) appears in traces, errors and policy tests.
@@ -91,22 +93,46 @@ class Scope:
                      self.geometry, self.no_geometry)
 
 
-def connector_names_for(profile: str, name: str) -> tuple[str, ...]:
-    """The connector files whose rules apply to a connector configured as ``name``, in every layer: the
-    class the release loads for that name (vLLM 0.28's ``NixlConnector`` is ``NixlPullConnector``),
-    then the name itself.
+def connector_names_for(profile: str, name: str, extra: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """The connector files whose rules apply to a connector configured as ``name`` with ``extra`` (its
+    ``kv_connector_extra_config``), in every layer: the class the release loads for that configuration
+    (vLLM 0.28's ``NixlConnector`` is ``NixlPullConnector``; 0.34's is ``NixlPushConnector`` with
+    ``transfer_mode: push``: `ReleaseProfile.connector_class`), then the name itself.
 
     Both always: a file for the name a deployment configures (an operator's ``NixlConnector.yaml``)
     adds to the rules of the class vLLM runs, never hides them; otherwise an upper layer could lift a
     lower layer's forbid by naming the connector by its alias.
     """
-    loads = get_profile(profile).connectors.get(name) if profile in profile_names() else None
+    loads = get_profile(profile).connector_class(name, extra) if profile in profile_names() else None
     return (loads, name) if loads and loads != name else (name,)
 
 
-def connector_rules_for(ruleset: RuleSet, profile: str, name: str) -> tuple[CompiledRule, ...]:
-    """The rules of connector ``name`` under release profile ``profile`` (`connector_names_for`)."""
-    return tuple(r for n in connector_names_for(profile, name) for r in ruleset.connector_rules(n))
+def connector_rules_for(ruleset: RuleSet, profile: str, name: str,
+                        extra: Mapping[str, Any] | None = None) -> tuple[CompiledRule, ...]:
+    """The rules of connector ``name`` configured with ``extra`` under release profile ``profile``
+    (`connector_names_for`)."""
+    return tuple(r for n in connector_names_for(profile, name, extra) for r in ruleset.connector_rules(n))
+
+
+def unknown_connector_warnings(ruleset: RuleSet, conn: ConnectorConfig | None) -> tuple[str, ...]:
+    """One warning per connector in ``conn``'s tree (members included) that no release profile registers
+    and no rule file names: no rules apply to it, which is most often a misspelling (``nixlconnector``).
+    The library's `Decision.warnings` and the CLI's dry-run say the same."""
+    from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
+
+    out: list[str] = []
+    for node in () if conn is None else _tree(conn):
+        if node.name not in KNOWN_CONNECTORS and node.name not in ruleset.connectors:
+            near = suggest_connector(node.name)
+            text = (f"unknown connector `{node.name}`: no rules apply to it"
+                    + (f"; did you mean `{near}`?" if near else ""))
+            if text not in out:
+                out.append(text)
+    return tuple(out)
+
+
+def _tree(conn: ConnectorConfig) -> list[ConnectorConfig]:
+    return [conn, *(n for m in conn.connectors for n in _tree(m))]
 
 
 def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, label: str, top: bool) -> Scope:
@@ -114,7 +140,7 @@ def _connector_scope(ruleset: RuleSet, ctx: Context, conn: ConnectorConfig, labe
         _connector_scope(ruleset, ctx, m, f"{label}/{m.name}[{i}]", False) for i, m in enumerate(conn.connectors)
     )
     env = ctx.env() if top else ctx.env(conn)
-    rules = connector_rules_for(ruleset, ctx.profile, conn.name)
+    rules = connector_rules_for(ruleset, ctx.profile, conn.name, conn.extra)
     return Scope(label, rules, env, members, ruleset.combine_mode(conn.name))
 
 

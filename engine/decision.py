@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Any
 
 from kvpolicy.engine.counterfactual import counterfactuals, describe
-from kvpolicy.engine.decide import Outcome, evaluate, scopes_for
+from kvpolicy.engine.decide import Outcome, evaluate, scopes_for, unknown_connector_warnings
 from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint
 from kvpolicy.engine.render import render_text
 from kvpolicy.engine.trace import (
@@ -110,7 +110,8 @@ class Decision:
         """Preferences that came to nothing: every layout a matched ``prefer`` rule asked for was
         removed, so the ranking fell back to the candidates' order. (vLLM 0.34 warns the same way
         when a connector's required layout is not a candidate, and uses its first candidate.)
-        Then one line per matched audit-mode rule (`audit`)."""
+        Then one line per matched audit-mode rule (`audit`). First, one line per configured connector
+        no profile registers and no rule names (`unknown_connector_warnings`): no rules applied to it."""
         surviving = {layout for layout, _ in self.ranking}
         eliminated = self.eliminated
         asked: dict[tuple[str, str], tuple[Any, list[Layout]]] = {}
@@ -126,7 +127,8 @@ class Decision:
                        + (f"{'was' if len(layouts) == 1 else 'were'} removed by {', '.join(removers)}"
                           if removers else "did not survive")
                        + f"; the preference is dropped and {self.layout} is used instead")
-        return tuple(out) + tuple(f.text() for f in self.audit)
+        return (unknown_connector_warnings(self.ruleset, self.context.connector) + tuple(out)
+                + tuple(f.text() for f in self.audit))
 
     @property
     def matched_rules(self) -> dict[str, bool]:

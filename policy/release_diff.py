@@ -22,8 +22,8 @@ __all__ = ["BACKEND_FACTS", "BACKEND_STATED_FACTS", "CAPABILITIES", "RELEASE_FAC
 
 # The profile fields a release's code determines, and within `backends`, the fields of a backend.
 RELEASE_FACTS = ("resolver", "layouts", "default_layout_preference", "default_block_size", "kv_cache_dtypes",
-                 "backends", "connectors", "kv_transfer_config_fields", "backend_priority", "options",
-                 "previously_supported_models")
+                 "backends", "connectors", "connector_modes", "kv_transfer_config_fields", "backend_priority",
+                 "options", "previously_supported_models")
 BACKEND_FACTS = ("mla", "supported_layouts", "supported_layouts_by_capability", "kv_cache_dtypes", "stride_orders",
                  "kv_dim")
 CAPABILITIES = (8, 9, 10, 12)  # the CUDA capability majors whose declarations and priorities profiles hold

@@ -175,6 +175,15 @@ class BackendFacts(Frozen):
         return self.supported_layouts
 
 
+class ConnectorMode(Frozen):
+    """A registered name whose class is chosen by a key of its ``kv_connector_extra_config`` (vLLM 0.34's
+    ``KVConnectorFactory.get_connector_class``: ``NixlConnector`` loads ``Nixl{transfer_mode}Connector``)."""
+
+    key: str = Field(description="the kv_connector_extra_config key that chooses the class")
+    classes: dict[str, str] = Field(description="each value the release takes -> the class it loads; without the "
+                                    "key, the class `connectors` names; any other value is refused by vLLM")
+
+
 class ReleaseProfile(Frozen):
     """The facts of one vLLM release (or of the #48412 development state)."""
 
@@ -194,6 +203,9 @@ class ReleaseProfile(Frozen):
     kv_cache_dtypes: tuple[str, ...]
     backends: dict[str, BackendFacts]
     connectors: dict[str, str] = Field(description="registered KV connector names -> the class each loads")
+    connector_modes: dict[str, ConnectorMode] = Field(
+        default_factory=dict, description="registered names whose class a kv_connector_extra_config key chooses "
+        "(0.34: NixlConnector's `transfer_mode`); `connectors` gives the class without the key")
     hisparse_connectors: tuple[str, ...] = Field(
         default=(), description="connectors whose presence in the KV transfer config turns HiSparse "
         "(`attention_config.hisparse_config`) on, and without one of which a HiSparse config is refused "
@@ -253,6 +265,18 @@ class ReleaseProfile(Frozen):
 
     def backend_names(self) -> tuple[str, ...]:
         return tuple(self.backends)
+
+    def connector_class(self, name: str, extra: Mapping[str, object] | None = None) -> str | None:
+        """The class this release loads for connector ``name`` configured with ``extra`` (its
+        ``kv_connector_extra_config``): a `connector_modes` key's value where it has one, else `connectors`
+        (None: not registered). A mode value vLLM refuses gives the plain class (the shipped rules refuse it:
+        rules/vllm-0.34/connectors/NixlConnector.yaml)."""
+        mode = self.connector_modes.get(name)
+        if mode is not None and extra:
+            value = extra.get(mode.key)
+            if isinstance(value, str) and value in mode.classes:
+                return mode.classes[value]
+        return self.connectors.get(name)
 
     def backend(self, name: str) -> BackendProfile:
         """The geometry of backend ``name`` in this release; an `InputError` with the known names."""

@@ -93,3 +93,8 @@ def test_wheel_ships_the_serve_argument_facts(wheel: Path, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr
     assert "1 KV heads x 64" in proc.stdout
     assert "ignored, they do not bear on the KV cache layout: --port" in proc.stderr
+
+
+def test_wheel_ships_the_load_bearing_guard_table(wheel: Path) -> None:
+    """The vLLM plugin's start-up reads which shipped guards bear load from the package, not from a lint."""
+    assert "kvpolicy/engine/analysis/guard_table.json" in set(zipfile.ZipFile(wheel).namelist())

@@ -25,6 +25,13 @@ Before all that, no list of variants is built longer than the bound could keep
 (`kvpolicy.engine.analysis.space`: ``max(1000, max_inputs // 50)`` per list); the
 variants past it are counted as left out, unbuilt.
 
+The work is inputs x rules, not inputs alone: each input's decision evaluates every
+rule of the analysed rule sets (lint: the rule set and its baseline; diff: both
+sides), about 0.4 us a rule on top of about 90 us an input. So the bound is on
+both (`inputs_for_rules`): ``max_inputs`` inputs of up to `WORK_RULES_PER_INPUT`
+rules each; a rule set with more rules gets proportionally fewer inputs (1,000
+rules: a fifth of the inputs), and the cut says so.
+
 A cut space is reported (`Cut.describe`): lint's findings then hold for the
 explored inputs only.
 """
@@ -36,12 +43,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_INPUTS", "Cut", "SizeCost", "plan_cut", "tier_of_override"]
+__all__ = ["DEFAULT_MAX_INPUTS", "MAX_SPACE_LIMIT", "WORK_RULES_PER_INPUT", "Cut", "SizeCost", "inputs_for_rules",
+           "plan_cut", "tier_of_override"]
 
 # INVARIANT: above every shipped profile's space (the largest: vllm-0.27's 256,854 inputs, then 0.25/0.26's 239,538);
 # tests/engine/analysis/test_space_budget.py fails when a profile outgrows it. Lint costs about 100 us and 2 KiB
 # of peak memory per input on a hostile rule set, so this is about 30 s and 600 MB on the 2-core CI machine.
 DEFAULT_MAX_INPUTS = 300_000
+# The most ``max_inputs`` may be (--max-space): a bound, not a way to turn the bound off (about 3 hours of lint).
+MAX_SPACE_LIMIT = 100_000_000
+
+
+# The rules per input ``max_inputs`` is sized for: above every shipped profile's rule set with its baseline and
+# a site layer of some dozens of rules (vllm-0.27's 256,854 inputs x 37 rules x 2). With the default bound,
+# at most 60 million rule evaluations: 9,980 rules (the loader's limit is 10,000) get 6,012 inputs.
+WORK_RULES_PER_INPUT = 200
+
+
+def inputs_for_rules(max_inputs: int, rules: int) -> int:
+    """The most inputs a space analysed with ``rules`` rules may hold: ``max_inputs`` up to
+    `WORK_RULES_PER_INPUT` rules, else so many that inputs x rules stays within
+    ``max_inputs`` x `WORK_RULES_PER_INPUT` (at least one)."""
+    return max(1, min(max_inputs, max_inputs * WORK_RULES_PER_INPUT // max(rules, 1)))
 
 
 def tier_of_override(over: dict[str, Any]) -> int:
@@ -72,6 +95,8 @@ class Cut:
     connectors_left_out: int
     connectors: int
     stopped: bool = False  # tier 0 alone was over the bound: inputs were built up to it, no further
+    max_space: int = 0  # the bound asked (--max-space); max_inputs is less where the rules are many
+    rules: int = 0  # the rules the space's inputs are decided with (`inputs_for_rules`)
 
     def describe(self) -> str:
         parts = []
@@ -80,6 +105,10 @@ class Cut:
         if self.connectors_left_out:
             parts.append(f"{self.connectors_left_out} of {self.connectors} connector variants")
         text = f"cut to at most {self.max_inputs} inputs (--max-space) from about {self.estimated}"
+        if self.max_space > self.max_inputs:
+            text = (f"cut to at most {self.max_inputs} inputs from about {self.estimated}: {self.rules} rules to "
+                    f"decide each input with, and --max-space {self.max_space} allows {self.max_space} inputs of up to "
+                    f"{WORK_RULES_PER_INPUT} rules ({self.max_space * WORK_RULES_PER_INPUT} rule evaluations)")
         if parts:
             text += ": left out " + " and ".join(parts) + " (fields set together first, then single literals)"
         if self.stopped:
@@ -91,7 +120,8 @@ class Cut:
         return {"max_inputs": self.max_inputs, "estimated_inputs": self.estimated,
                 "size_variants": self.size_variants, "size_variants_left_out": self.size_variants_left_out,
                 "connectors": self.connectors, "connectors_left_out": self.connectors_left_out,
-                "stopped_at_bound": self.stopped}
+                "stopped_at_bound": self.stopped, "max_space": self.max_space or self.max_inputs,
+                "rules": self.rules}
 
 
 def plan_cut(sizes: Sequence[SizeCost], conn_tiers: Sequence[int], max_inputs: int

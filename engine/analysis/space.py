@@ -49,7 +49,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS, Cut, SizeCost, plan_cut, tier_of_override
+from kvpolicy.engine.analysis.budget import (
+    DEFAULT_MAX_INPUTS,
+    MAX_SPACE_LIMIT,
+    Cut,
+    SizeCost,
+    inputs_for_rules,
+    plan_cut,
+    tier_of_override,
+)
 from kvpolicy.engine.decide import Scope, connector_rules_for
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.plan import DECIDED_NOT_PLANNED, plan_layout
@@ -60,7 +68,7 @@ from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, MISSING, Context, Vllm
 from kvpolicy.policy.errors import PolicyError, input_error
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import KV_CACHE_DTYPES
-from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile
+from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile, profile_names
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
@@ -168,7 +176,7 @@ class AnalysisInput:
             env = self.core.member_envs.get(id(conn))
             if env is None:
                 env = self.core.member_envs[id(conn)] = {**self.core.env, **conn.env}
-        rules = connector_rules_for(ruleset, self.core.context.profile, name)
+        rules = connector_rules_for(ruleset, self.core.context.profile, name, conn.config.extra)  # type: ignore
         return Scope(label, rules, env, members, ruleset.combine_mode(name))
 
 
@@ -332,26 +340,62 @@ def _connector_label(c: ConnectorConfig | None) -> str:
     return text
 
 
+def _modes(profile: str, name: str) -> tuple[str, tuple[str, ...]] | None:
+    """The extra-config key that chooses the class ``profile`` loads for ``name``, and its values
+    (`ReleaseProfile.connector_modes`), or None."""
+    release = get_profile(profile) if profile in profile_names() else None
+    mode = release.connector_modes.get(name) if release is not None else None
+    return None if mode is None else (mode.key, tuple(mode.classes))
+
+
 def _extra_variants(rulesets: Sequence[RuleSet], connector: str, profile: str, limit: int | None = None,
                     skipped: list[int] | None = None) -> list[dict[str, Any]]:
     """The ``extra`` dicts of ``connector`` that reach every answer its rules (and the global
     rules) can give on ``connector.extra.*``: none, then each key alone over its boundary values,
-    then the keys one rule reads together (at most ``limit``: see `_variants_of`)."""
-    rules = [r for rs in rulesets for r in (*rs.global_rules, *connector_rules_for(rs, profile, connector))]
+    then the keys one rule reads together (at most ``limit``: see `_variants_of`). The rules are
+    those of every class the connector can load (`_modes`)."""
+    mode = _modes(profile, connector)
+    extras: list[dict[str, Any] | None] = [None] + ([{mode[0]: v} for v in mode[1]] if mode else [])
+    rules = list({id(r): r for rs in rulesets for e in extras
+                  for r in (*rs.global_rules, *connector_rules_for(rs, profile, connector, e))}.values())
     return _variants_of(_Leaves(rules=rules), {}, EXTRA_PREFIX,
                         lambda _k, v: isinstance(v, (str, bool, int, float)), limit=limit, skipped=skipped)
+
+
+def _with_modes(extras: list[dict[str, Any]], mode: tuple[str, tuple[str, ...]] | None, limit: int | None = None,
+                skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """``extras``, each also with the mode key at each of its values (the key left as a variant has it); at
+    most ``limit`` of them, the rest counted into ``skipped[0]``."""
+    if mode is None:
+        return extras
+    key, values = mode
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for extra in extras:
+        for e in (extra, *({**extra, key: v} for v in values)):
+            text = json.dumps(e, sort_keys=True, default=repr)
+            if text in seen:
+                continue
+            seen.add(text)
+            if limit is not None and len(out) >= limit:
+                if skipped is not None:
+                    skipped[0] += 1
+                continue
+            out.append(e)
+    return out
 
 
 def _variants(rulesets: Sequence[RuleSet], name: str, full: bool, profile: str, limit: int | None = None,
               skipped: list[int] | None = None) -> list[ConnectorConfig]:
     extras = _extra_variants(rulesets, name, profile, limit, skipped if full else None)
+    mode = _modes(profile, name)
     if not full:  # members of a composite: absent, or every tested key at its first other value
         merged: dict[str, Any] = {}
         for extra in extras[1:]:
             for k, v in extra.items():
                 merged.setdefault(k, v)
-        return [ConnectorConfig(name=name)] + ([ConnectorConfig(name=name, extra=merged)] if merged else [])
-    return [ConnectorConfig(name=name, extra=extra) for extra in extras]
+        return [ConnectorConfig(name=name, extra=e) for e in _with_modes([{}] + ([merged] if merged else []), mode)]
+    return [ConnectorConfig(name=name, extra=extra) for extra in _with_modes(extras, mode, limit, skipped)]
 
 
 def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "", limit: int | None = None,
@@ -364,7 +408,12 @@ def connectors(rulesets: RuleSet | Sequence[RuleSet], profile: str = "", limit: 
     pairs are built; the others are counted into ``skipped[0]``.
     """
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
-    named = sorted({c for rs in sets for c in rs.connectors if c != "MultiConnector"})
+    files = {c for rs in sets for c in rs.connectors if c != "MultiConnector"}
+    # a name whose class an extra-config key chooses (0.34's NixlConnector) is tried where any class it
+    # can load has rules: its mode values reach them (`_with_modes`)
+    moded = get_profile(profile).connector_modes if profile in profile_names() else {}
+    named = sorted(files | {n for n, m in moded.items()
+                            if files & {*m.classes.values(), get_profile(profile).connectors.get(n)}})
     unknown = ConnectorConfig(name=UNKNOWN_CONNECTOR)
     out: list[ConnectorConfig | None] = [None, *_variants(sets, UNKNOWN_CONNECTOR, full=True, profile=profile,
                                                           limit=limit, skipped=skipped)]
@@ -622,14 +671,19 @@ def build_space(
     ``scale_views`` overrides the backends' own strategy (a what-if: the
     released backends build stride-aware views, the #48412 state did not);
     ``backends`` and ``kv_cache_dtypes`` restrict those dimensions. At most
-    ``max_inputs`` inputs are built; past that the space is cut as
+    ``max_inputs`` inputs are built (fewer for more than `budget.WORK_RULES_PER_INPUT` rules in
+    ``rulesets``: the work is inputs x rules); past that the space is cut as
     `kvpolicy.engine.analysis.budget` says, and ``Space.cut`` tells how.
     """
-    if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or max_inputs < 1:
-        raise input_error("max_inputs", f"`max_inputs` must be a positive int, got `{max_inputs!r:.40}`",
+    if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or not 1 <= max_inputs <= MAX_SPACE_LIMIT:
+        raise input_error("max_inputs", f"`max_inputs` must be a positive int of at most {MAX_SPACE_LIMIT}, got "
+                          f"`{max_inputs!r:.40}`",
                           f"pass the most inputs the space may hold (default {DEFAULT_MAX_INPUTS})")
     sets = [rulesets] if isinstance(rulesets, RuleSet) else list(rulesets)
     profile = get_profile(vllm_version)
+    # the work is inputs x rules: many rules get fewer inputs (`budget.inputs_for_rules`)
+    max_space, rules = max_inputs, sum(len(rs.rules) for rs in {id(rs): rs for rs in sets}.values())
+    max_inputs = inputs_for_rules(max_space, rules)
     leaves = _Leaves(sets)
     no_geometry: list[str] = []
     pairs, dtype_for, kind_for = _kv_choices(profile, leaves, no_geometry)
@@ -680,7 +734,7 @@ def build_space(
     def conn_reads(c: ConnectorConfig | None) -> set[str]:
         if c is None:
             return set()
-        return _fields_read(r for rs in sets for r in connector_rules_for(rs, profile.name, c.name)).union(
+        return _fields_read(r for rs in sets for r in connector_rules_for(rs, profile.name, c.name, c.extra)).union(
             *(conn_reads(m) for m in c.connectors))
 
     reads = {id(c): conn_reads(c.config) for c in conns}
@@ -820,7 +874,7 @@ def build_space(
         left_out["size variants no spec of that kind can have"] = invalid
     for message, where in refused.items():
         left_out[f"inputs the release refuses ({message})"] = where
-    cut = dataclasses.replace(cut, stopped=stopped)
+    cut = dataclasses.replace(cut, stopped=stopped, max_space=max_space, rules=rules)
     told = stopped or cut.size_variants_left_out or cut.connectors_left_out
     return Space(profile, inputs, out_dims, stands, left_out, cut if told else None)
 

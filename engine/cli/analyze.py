@@ -125,10 +125,13 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 def add_max_space_flag(p: argparse.ArgumentParser) -> None:
     # the default is resolved when the verb runs, so that building the parser imports no analysis module
-    p.add_argument("--max-space", type=int_at_least(1), default=None, metavar="N",
+    p.add_argument("--max-space", type=int_at_least(1, 100_000_000), default=None, metavar="N",
                    help="the most inputs the space may hold (default 300000: "
-                        "kvpolicy.engine.analysis.budget.DEFAULT_MAX_INPUTS); past it, variants that set several "
-                        "fields together, then single literals, are left out, and the output says so (docs/cli.md)")
+                        "kvpolicy.engine.analysis.budget.DEFAULT_MAX_INPUTS; at most 100000000), of up to 200 "
+                        "rules each: more rules "
+                        "get proportionally fewer inputs (the work is inputs x rules); past it, variants that set "
+                        "several fields together, then single literals, are left out, and the output says so "
+                        "(docs/cli.md)")
 
 
 def max_space(args: argparse.Namespace) -> int:

@@ -59,17 +59,19 @@ def usage_error(flag: str, message: str, help: str | None = None) -> UsageError:
     return UsageError("", [Diagnostic(flag, 0, 0, "usage", message, help)])
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum`` (1: a positive integer, 0: a count)."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (1: a positive integer, 0: a count), and <= ``maximum``."""
     what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if maximum is not None:
+        what += f" of at most {maximum}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got `{text}`") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, got `{text}`")
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {what}, got `{text:.40}`")
         return value
 
     return parse

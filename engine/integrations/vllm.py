@@ -403,9 +403,10 @@ def own_rule_id(kind: str, name: str) -> str:
     return f"{rule_id[:_RULE_ID_MAX - 9].rstrip('.-')}-{digest}"
 
 
-def has_rules(ruleset: RuleSet, release: ReleaseProfile, name: str) -> bool:
-    """Whether ``ruleset`` has a connector file for ``name``, or for the class the release registers it to."""
-    loads = release.connectors.get(name)
+def has_rules(ruleset: RuleSet, release: ReleaseProfile, name: str, extra: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``ruleset`` has a connector file for ``name``, or for the class the release loads for it
+    configured with ``extra`` (`ReleaseProfile.connector_class`)."""
+    loads = release.connector_class(name, extra)
     return name in ruleset.connectors or (loads is not None and loads in ruleset.connectors)
 
 

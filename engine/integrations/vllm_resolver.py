@@ -309,7 +309,7 @@ def _own_layouts(release: ReleaseProfile, ruleset: RuleSet, conn: ConnectorConfi
                                        f"returned `{answer}`", "vLLM's MultiConnector needs every member that "
                                        "requires a layout to name the same one, as written")
                             for name, answer in answers])
-    ruleless = {c.name for c in _tree(conn) if not c.is_composite and not has_rules(ruleset, release, c.name)}
+    ruleless = {c.name for c in _tree(conn) if not c.is_composite and not has_rules(ruleset, release, c.name, c.extra)}
     for name, answer in answers:
         if name not in ruleless:
             continue
@@ -421,7 +421,7 @@ def resolve(engine: LayoutEngine, vllm_config: Any, supported_layouts: Sequence[
         eng = engine
         conn = ctx.connector
         asks = vllm_kv_cache_layout is None and conn is not None and any(
-            not c.is_composite and not has_rules(engine.ruleset, engine.profile, c.name) for c in _tree(conn))
+            not c.is_composite and not has_rules(engine.ruleset, engine.profile, c.name, c.extra) for c in _tree(conn))
         reported: list[tuple[str, Any]] = []
         if asks and connector_layouts is not None:
             reported = list(connector_layouts())

@@ -238,7 +238,7 @@ def test_lint_over_its_space_bound_warns_and_strict_fails(capsys) -> None:
     assert all(f["message"].endswith("(as cut: see space-cut)") for f in data["findings"] if f["code"] == "dead-rule")
     assert data["space"]["cut"] == {"max_inputs": 50, "estimated_inputs": 2565, "size_variants": 2,
                                     "size_variants_left_out": 0, "connectors": 27, "connectors_left_out": 21,
-                                    "stopped_at_bound": True}
+                                    "stopped_at_bound": True, "max_space": 50, "rules": 11}
     code, out, _ = cli(capsys, "lint")
     assert code == 0 and "space-cut" not in out and '"cut"' not in out
 

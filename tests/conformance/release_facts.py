@@ -45,7 +45,13 @@ from kvpolicy.policy.release_diff import (  # noqa: E402
     canonical_facts,
     fact_differences,
 )
-from kvpolicy.policy.releases import BackendFacts, ReleaseProfile, profile_facts, profile_names  # noqa: E402
+from kvpolicy.policy.releases import (  # noqa: E402
+    BackendFacts,
+    ReleaseProfile,
+    get_profile,
+    profile_facts,
+    profile_names,
+)
 
 # The profile fields a release's code determines (`kvpolicy.policy.release_diff`).
 DETERMINED, BACKEND_DETERMINED = RELEASE_FACTS, BACKEND_FACTS
@@ -131,6 +137,7 @@ def release_facts(version: str) -> dict[str, Any]:
         facts = {"resolver": "uniform_gate", **profile_facts_from_oracle(answer)}
     facts["backend_priority"] = {**backend_priority(version, list(facts["backends"])), **cpu_backends(version)}
     facts["previously_supported_models"] = previously_supported_models(version)
+    facts["connector_modes"] = connector_modes(version)
     return facts
 
 
@@ -141,6 +148,32 @@ def previously_supported_models(version: str) -> dict[str, str]:
     if answer.get("version") != version:
         raise RuntimeError(f"the oracle ran under vLLM {answer.get('version')}, not {version}: {answer}")
     return answer["previously_supported"]
+
+
+# A value no release takes: where vLLM refuses it, the key chooses the class (a mode).
+PROBE_REFUSED = "kvpolicy-probe"
+
+
+def connector_modes(version: str) -> dict[str, Any]:
+    """The profile's ``connector_modes``: each registered name whose class a ``kv_connector_extra_config`` key
+    chooses, asked of ``KVConnectorFactory.get_connector_class`` (``oracles/connector_modes.py``) with every key
+    and value some profile states plus a value no release takes. A key is a mode of a name where a value loads
+    another class than none does, or is refused; its classes are the values vLLM takes. (A key no profile
+    states is not asked: a new release's new mode key shows as a decision difference, not here.)"""
+    probes: dict[str, set[str]] = {}
+    for name in profile_names():
+        for mode in get_profile(name).connector_modes.values():
+            probes.setdefault(mode.key, {PROBE_REFUSED}).update(mode.classes)
+    if not probes:
+        return {}
+    (answer,) = run_oracle(version, "connector_modes", [{"probes": {k: sorted(v) for k, v in sorted(probes.items())}}])
+    out: dict[str, Any] = {}
+    for name, entry in answer.items():
+        for key, by_value in entry["by_key"].items():
+            taken = {v: c for v, c in by_value.items() if not c.startswith("error: ")}
+            if any(c != entry["default"] for c in by_value.values()):
+                out[name] = {"key": key, "classes": dict(sorted(taken.items()))}
+    return dict(sorted(out.items()))
 
 
 def cpu_backends(version: str) -> dict[str, list[str]]:

@@ -250,3 +250,22 @@ def test_a_candidate_without_geometry_never_wins_and_the_trace_says_why(tmp_path
     (geometry, _), = d.eliminated[Layout.LBHNC]
     assert str(geometry.source) == "policy/releases/issue-48412.yaml:1"  # located at the profile stating the facts
     assert d.fingerprint.placement == "per_layer" and "LBNHC" in d.explain()
+
+
+@pytest.mark.parametrize("name", ["nixlconnector", " NixlConnector"])
+def test_the_library_warns_of_a_connector_no_rules_apply_to(name: str) -> None:
+    """Issue 23: `decide(connector="nixlconnector")` decided with no connector rules and no warning, while the
+    CLI's dry-run warned; `Decision.warnings` (and its JSON) now carries the CLI's warning, members included."""
+    engine = LayoutEngine.default("vllm-0.34")
+    spec = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
+    decision = engine.decide(spec=spec, connector=name)
+    expected = f"unknown connector `{name}`: no rules apply to it; did you mean `NixlConnector`?"
+    assert expected in decision.warnings
+    assert expected in json.loads(decision.to_json())["warnings"]
+    member = engine.decide(spec=spec, kv_transfer_config={
+        "kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+            {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
+                {"kv_connector": name, "kv_role": "kv_both"}]}}]}})
+    assert expected in member.warnings
+    assert not engine.decide(spec=spec, connector="NixlConnector").warnings

@@ -4,7 +4,9 @@ the shipped rules plus that layer survived the shipped rules alone.
 
 Property-based: hypothesis writes an operator layer (a global file and connector files named by class
 or by alias, holding forbids, requires and prefers) and a deployment, for the gate releases and the
-resolver releases; the surviving layouts with the layer are a subset of those without it.
+resolver releases; the surviving layouts with the layer are a subset of those without it. And the other
+way: a forbid in the file of the class vLLM loads for the deployment (0.34's ``NixlConnector`` with
+``transfer_mode: push`` is ``NixlPushConnector``) or of the name it configures always removes its layouts.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from kvpolicy.policy.errors import NoLayoutError, PolicyError
 from kvpolicy.policy.layouts import ALL_LAYOUTS
 
 PROFILES = ("vllm-0.24", "vllm-0.28", "vllm-0.34")
-# connectors as a deployment names them: NixlConnector is an alias of NixlPullConnector in every profile
+# connectors as a deployment names them: NixlConnector is an alias of NixlPullConnector in every profile, and in
+# vllm-0.34 of NixlPushConnector with kv_connector_extra_config `transfer_mode: push` (its factory's choice)
 CONNECTORS = (None, "NixlConnector", "NixlPullConnector", "OffloadingConnector", "MultiConnector")
 FILE_NAMES = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "OffloadingConnector", "MultiConnector")
 LAYOUTS = tuple(str(x) for x in ALL_LAYOUTS)
@@ -62,7 +65,21 @@ deployments = st.fixed_dictionaries({
     "kv_cache_dtype": st.sampled_from(["auto", "fp8", "fp8_per_token_head"]),
     "attention_backend": st.sampled_from(["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"]),
     "vllm_kv_cache_layout": st.sampled_from([None, "NHD", "HND"]),
+    "transfer_mode": st.sampled_from([None, "pull", "push"]),
 })
+
+
+def loaded_classes(d: dict[str, Any]) -> set[str]:
+    """The connector classes vLLM loads for the deployment (written from each release's factory.py, which
+    ``tests/conformance/test_release_facts.py`` checks the profiles against), and the names it configures."""
+    def loads(name: str) -> str:
+        if name != "NixlConnector":
+            return name
+        push = d["vllm_version"] == "vllm-0.34" and d.get("transfer_mode") == "push"
+        return "NixlPushConnector" if push else "NixlPullConnector"
+    names = {"MultiConnector", "OffloadingConnector", "NixlConnector"} if d["connector"] == "MultiConnector" else \
+        {d["connector"]} - {None}
+    return {*names, *(loads(n) for n in names)}
 
 
 def _write(root: Path, files: dict[str, list[dict[str, Any]]]) -> None:
@@ -79,7 +96,7 @@ def _write(root: Path, files: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def _inputs(d: dict[str, Any]) -> dict[str, Any]:
-    inputs = {k: v for k, v in d.items() if k not in ("connector", "enable_cross_layers_blocks")}
+    inputs = {k: v for k, v in d.items() if k not in ("connector", "enable_cross_layers_blocks", "transfer_mode")}
     inputs["spec"] = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64}
     if d["connector"] == "MultiConnector":
         inputs["kv_transfer_config"] = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
@@ -88,8 +105,13 @@ def _inputs(d: dict[str, Any]) -> dict[str, Any]:
                                             {"kv_connector": "NixlConnector", "kv_role": "kv_both"}]}}
     elif d["connector"] is not None:
         inputs["connector"] = d["connector"]
-        inputs["connector_config"] = {"enable_cross_layers_blocks": str(d["enable_cross_layers_blocks"]).lower()}
+        inputs["connector_config"] = {"enable_cross_layers_blocks": str(d["enable_cross_layers_blocks"]).lower(),
+                                      **_mode(d)}
     return inputs
+
+
+def _mode(d: dict[str, Any]) -> dict[str, Any]:
+    return {} if d.get("transfer_mode") is None else {"transfer_mode": d["transfer_mode"]}
 
 
 def _survivors(engine: LayoutEngine, inputs: dict[str, Any]) -> frozenset[str] | None:
@@ -121,6 +143,10 @@ def test_an_operator_layer_never_revives_a_layout_the_shipped_rules_removed(
         assert with_site is None
         return
     assert with_site is not None and with_site <= alone, (files, deployment, sorted(alone), sorted(with_site or ()))
+    applies = {"global", *loaded_classes(deployment)}
+    forbidden = {x for name, effects in files.items() if name in applies for e in effects
+                 for x in e.get("forbid", {}).get("layout", ())}
+    assert not with_site & forbidden, (files, deployment, sorted(with_site), sorted(forbidden))
 
 
 def test_the_alias_reproduction_keeps_the_shipped_nixl_rules(tmp_path: Path) -> None:
@@ -136,3 +162,24 @@ def test_the_alias_reproduction_keeps_the_shipped_nixl_rules(tmp_path: Path) -> 
     assert [str(x) for x, _ in layered.ranking] == [str(x) for x, _ in shipped.ranking] == ["LBHNC", "LBNHC"]
     removers = {e.rule.id for e in layered.events if getattr(e, "kind", None) == "removed"}
     assert "nixl-pull-cross-layer-needs-opt-in" in removers  # the shipped class's forbid, through the alias
+
+
+def test_a_push_deployment_takes_the_push_rules_not_the_pull_rules(tmp_path: Path) -> None:
+    """Issue 23's push alias: vLLM 0.34 loads NixlPushConnector for `NixlConnector` with `transfer_mode: push`;
+    a site's NixlPushConnector forbid applies to that deployment, a NixlPullConnector one does not (nor the
+    shipped pull rules), and a pull deployment is the other way round."""
+    _write(tmp_path / "site", {"global": [], "NixlPushConnector": [{"forbid": {"layout": ["LBHNC"]}}],
+                               "NixlPullConnector": [{"forbid": {"layout": ["LBNHC"]}}]})
+    engine = LayoutEngine.from_path(tmp_path / "site", vllm_version="vllm-0.34")
+    base = _inputs({"vllm_version": "vllm-0.34", "connector": "NixlConnector", "enable_cross_layers_blocks": False,
+                    "kv_cache_dtype": "auto", "attention_backend": "FLASH_ATTN", "vllm_kv_cache_layout": None,
+                    "transfer_mode": None})
+    for mode, gone, kept in (("push", "LBHNC", "LBNHC"), ("pull", "LBNHC", "LBHNC"), (None, "LBNHC", "LBHNC")):
+        extra = {} if mode is None else {"transfer_mode": mode}
+        decision = engine.decide(**{**base, "connector_config": {**base["connector_config"], **extra}})
+        survivors = {str(x) for x, _ in decision.ranking}
+        assert gone not in survivors and kept in survivors, (mode, survivors)
+        scopes = {Path(e.rule.source.file).name for e in decision.events if getattr(e, "rule", None)
+                  and Path(e.rule.source.file).parent.name == "connectors"}
+        assert scopes <= {f"Nixl{(mode or 'pull').capitalize()}Connector.yaml", "NixlConnector.yaml"}, (mode, scopes)
+

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.engine.analysis import build_space, lint
-from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS, SizeCost, plan_cut
+from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS, WORK_RULES_PER_INPUT, SizeCost, plan_cut
 from kvpolicy.engine.analysis.lint import shipped_ruleset
 from kvpolicy.engine.rule_layers import load_layers
 from kvpolicy.policy.errors import InputError
@@ -80,11 +80,12 @@ def test_a_hostile_rule_directory_is_cut_to_the_bound_and_says_so(tmp_path: Path
 
 def test_the_figures_of_the_three_hostile_directories(tmp_path: Path) -> None:
     """The estimates the bound works from (what the space would have held): ten size rules about 44.6
-    million inputs, 40 extras in one condition 727,440, ten connector files 357,840."""
+    million inputs, 40 extras in one NixlConnector condition 2,129,400 (each variant at each `transfer_mode`,
+    which chooses the class vLLM 0.34 loads), ten connector files 404,040."""
     estimates = {name: build_space(rulesets(make(tmp_path / name)), vllm_version=V034, max_inputs=1000).cut
                  for name, make in HOSTILE.items()}
-    assert estimates["extras-read-together"].estimated == 727_440
-    assert estimates["connector-files"].estimated == 357_840
+    assert estimates["extras-read-together"].estimated == 2_129_400
+    assert estimates["connector-files"].estimated == 404_040
     assert estimates["sizes-read-together"].estimated > 40_000_000
     for cut in estimates.values():
         assert cut.max_inputs == 1000
@@ -128,6 +129,24 @@ def test_no_shipped_profile_is_cut(profile: str) -> None:
     """The estimate bounds the space from above (next test), so a profile estimated within the bound is never cut."""
     estimate = build_space(shipped_ruleset(profile), vllm_version=profile, max_inputs=1).cut
     assert estimate is not None and estimate.estimated <= DEFAULT_MAX_INPUTS
+    # nor is a site layer of 50 rules, linted with the shipped rules as its baseline (the work bound)
+    rules = 2 * len(shipped_ruleset(profile).rules) + 50
+    assert estimate.estimated * rules <= DEFAULT_MAX_INPUTS * WORK_RULES_PER_INPUT, (estimate.estimated, rules)
+
+
+def test_many_rules_get_fewer_inputs_and_the_cut_says_why(tmp_path: Path) -> None:
+    """Issue 23: the work is inputs x rules; 1,000 rules on vllm-0.27 (9,980 on 0.34) ran past 120 CPU s with no
+    message. The bound now holds inputs x rules within --max-space x WORK_RULES_PER_INPUT, and the cut says so."""
+    body = "".join(f"  - id: same-{i}\n    description: d\n    when: {{field: backend.name, eq: FLASH_ATTN}}\n"
+                   f"    prefer: {{layout: LBHNC}}\n" for i in range(1000))
+    (tmp_path / "many.yaml").write_text("version: 1\nrules:\n" + body)
+    sets = [load_layers([str(tmp_path)], vllm_version="vllm-0.27"), shipped_ruleset("vllm-0.27")]
+    rules = sum(len(rs.rules) for rs in sets)
+    space = build_space(sets, vllm_version="vllm-0.27", max_inputs=20_000)
+    assert 0 < len(space) * rules <= 20_000 * WORK_RULES_PER_INPUT
+    assert space.cut is not None and space.cut.rules == rules and space.cut.max_space == 20_000
+    assert f"{rules} rules to decide each input with, and --max-space 20000 allows" in space.describe()
+    assert space.to_dict()["cut"]["rules"] == rules
 
 
 @pytest.mark.parametrize("profile", ["vllm-0.34", "vllm-0.28", "vllm-0.24", "issue-48412"])
@@ -145,7 +164,7 @@ def test_the_cli_help_states_the_default_bound(capsys) -> None:
     assert f"(default {DEFAULT_MAX_INPUTS}:" in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "10"])
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "10", 100_000_001, 10**40])
 def test_max_inputs_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(InputError) as err:
         build_space(shipped_ruleset(V034), vllm_version=V034, max_inputs=bad)  # type: ignore[arg-type]
@@ -219,3 +238,11 @@ def test_plan_cut_fits_the_bound_whenever_tier_0_does_and_never_drops_tier_0(pro
     assert kept <= max(bound, base)
     if full <= bound:
         assert all(keep_size) and all(keep_conn)
+
+
+def test_the_cli_refuses_a_max_space_past_its_limit(capsys) -> None:
+    """A 40-digit --max-space turned the bound off (issue 23's hostile pass: past 120 CPU s on 60 extras)."""
+    from kvpolicy.engine.cli.main import main
+
+    assert main(["lint", "--max-space", "9" * 40]) == 2
+    assert "of at most 100000000" in capsys.readouterr().err

@@ -149,3 +149,19 @@ def test_a_rule_some_case_matches_is_never_reported_dead(generated, cases) -> No
         for scope in glob.walk() + (conn.walk() if conn else []):
             matched |= {r.id for r in scope.rules if r.fast[0](scope.env)}
     assert dead(lint(rs, baseline=None)) & matched == set()
+
+
+def test_lint_tries_each_class_a_connector_mode_loads() -> None:
+    """vLLM 0.34 loads NixlPushConnector for NixlConnector with `transfer_mode: push` (issue 23): the space
+    holds NixlConnector at each transfer_mode, each with the rules of the class it loads."""
+    from kvpolicy.engine import LayoutEngine
+    from kvpolicy.engine.analysis.space import connectors
+    from kvpolicy.engine.decide import connector_rules_for
+
+    ruleset = LayoutEngine.default("vllm-0.34").ruleset
+    nixl = [c for c in connectors(ruleset, "vllm-0.34") if c is not None and c.name == "NixlConnector"]
+    modes = {c.extra.get("transfer_mode") for c in nixl}
+    assert {None, "pull", "push"} <= modes
+    push = next(c for c in nixl if c.extra.get("transfer_mode") == "push")
+    files = {r.scope for r in connector_rules_for(ruleset, "vllm-0.34", push.name, push.extra)}
+    assert files == {"NixlPushConnector", "NixlConnector"}
