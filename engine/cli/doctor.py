@@ -155,22 +155,27 @@ def checkup(args: argparse.Namespace) -> Checkup:
 def _decide(c: Checkup, engine: Any, args: argparse.Namespace, profile: str, explain: bool) -> None:
     from kvpolicy.engine.cli.dry_run import context_from_args, is_example
     from kvpolicy.engine.integrations.vllm_plugin import decided_by
+    from kvpolicy.engine.model_notes import model_config_notes
 
     args.vllm_version = profile
+    notes: list[str] = []
     try:
-        ctx = context_from_args(args)
+        with model_config_notes() as notes:  # what reading --model assumed: said as dry-run says it
+            ctx = context_from_args(args)
         decision = engine.decide(ctx)
     except PolicyError as exc:
         c.lines.append("decision: none")
+        c.lines += [f"  {n}" for n in notes]
         c.fail(exc)
         return
     what = " (the built-in example: pass --model or --spec for your deployment)" if is_example(args) else ""
     c.decision = {"layout": str(decision.layout), "placement": decision.layout.placement.value,
                   "head_order": decision.layout.head_order.value, "decided_by": decided_by(decision),
-                  "fingerprint": decision.fingerprint.digest, "warnings": list(decision.warnings)}
+                  "fingerprint": decision.fingerprint.digest, "warnings": [*notes, *decision.warnings]}
     c.lines.append(f"decision{what}: {decision.layout} ({decision.layout.placement.value}, "
                    f"{decision.layout.head_order.value}) decided by {decided_by(decision)}")
     c.lines.append(f"  fingerprint {decision.fingerprint.digest}")
+    c.lines += [f"  {n}".replace("\n", "\n  ") for n in notes]
     c.lines += [f"  warning: {w}" for w in decision.warnings]
     if explain:
         c.lines.append(decision.explain())

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvpolicy.engine.decide import evaluate, no_layout_error, scopes_for
 from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.model_notes import model_config_notes
 from kvpolicy.engine.policy_tests.cases import Expect, LoadedCase, context_for, load_cases
 from kvpolicy.engine.trace import CandidateRemoved, RuleEvaluated
 from kvpolicy.policy.errors import GeometryError, InputError, ModelConfigError, NoLayoutError, PolicyError
@@ -35,6 +36,7 @@ class CaseResult:
     layout: Layout | None  # the chosen layout (None on error)
     error: PolicyError | None  # the decision's error, if any
     decision: Decision | None = field(default=None, compare=False, repr=False)
+    notes: tuple[str, ...] = field(default=(), compare=False)  # what reading its model config assumed
 
     @property
     def name(self) -> str:
@@ -58,6 +60,7 @@ class CaseResult:
             "failures": list(self.failures),
             "layout": None if self.layout is None else str(self.layout),
             "error": None if self.error is None else [d.to_dict() for d in self.error.diagnostics],
+            "warnings": list(self.notes),
         }
 
 
@@ -187,11 +190,14 @@ def _located(exc: PolicyError, lc: LoadedCase) -> PolicyError:
 def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfile | None = None) -> CaseResult:
     """Decide one case (in ``vllm_version``'s profile) with the full trace and compare it with its expectation."""
     expect = lc.case.expect
+    notes: list[str] = []
     try:
-        ctx = context_for(lc.case.input, lc.base_dir, vllm_version)
+        with model_config_notes() as notes:
+            ctx = context_for(lc.case.input, lc.base_dir, vllm_version)
     except PolicyError as exc:
         exc = _located(exc, lc)
-        return CaseResult(lc, tuple(_check(expect, None, exc, [], {}, set())), frozenset(), None, exc)
+        return CaseResult(lc, tuple(_check(expect, None, exc, [], {}, set())), frozenset(), None, exc,
+                          notes=tuple(notes))
     glob, conn = scopes_for(ruleset, ctx)
     outcome = evaluate(ruleset, glob, conn, explain=True)
     matched = {e.rule.id for e in outcome.events if isinstance(e, RuleEvaluated) and e.matched}
@@ -214,7 +220,7 @@ def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfil
     failures = _check(expect, layout, error, survivors, removed, matched)
     if "audit" in expect.model_fields_set:
         failures += _check_audit(expect.audit, decision)
-    return CaseResult(lc, tuple(failures), frozenset(matched), layout, error, decision)
+    return CaseResult(lc, tuple(failures), frozenset(matched), layout, error, decision, notes=tuple(notes))
 
 
 def _check_audit(expected: list[str], decision: Decision | None) -> list[str]:
