@@ -142,7 +142,8 @@ def checkup(args: argparse.Namespace) -> Checkup:
     c.rules = {"root": engine.ruleset.root, "digest": engine.ruleset.digest,
                "layers": [layer.to_dict() for layer in engine.ruleset.layers],
                "warnings": [d.to_dict() for d in engine.ruleset.warnings]}
-    c.lines.append(f"rules: {engine.ruleset.root}: {len(engine.ruleset.rules)} rules, digest {engine.ruleset.digest}")
+    rules = engine.ruleset
+    c.lines.append(f"rules: {rules.root}: {len(rules.all_rules)} rules, digest {rules.digest}")  # audit ones too
     from kvpolicy.policy.layers import render_warning
 
     c.lines += ["  " + render_warning(d).replace("\n", "\n  ") for d in engine.ruleset.warnings]

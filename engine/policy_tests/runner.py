@@ -46,6 +46,12 @@ class CaseResult:
     def passed(self) -> bool:
         return not self.failures
 
+    @property
+    def covered(self) -> frozenset[str]:
+        """The rules this case tests: those that matched, and the audit-mode rules its ``expect.audit``
+        asserts (the decision never evaluates an audit rule, so it never "matches")."""
+        return self.matched | frozenset(self.loaded.case.expect.audit)
+
     def explanation(self) -> str:
         """The decision's ``fails`` explanation, or the rendered error."""
         if self.decision is not None:
@@ -232,12 +238,13 @@ def _check_audit(expected: list[str], decision: Decision | None) -> list[str]:
 
 
 def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult], layers: Iterable[str] | None = None) -> Coverage:
-    """Which rules some case made match; with ``layers`` (layer roots as shown), only those layers' rules
-    count: an operator's coverage is about the rules the operator owns, not the shipped ones under them."""
+    """Which rules some case tests (`CaseResult.covered`: audit-mode rules count, covered by a case's
+    ``expect.audit``); with ``layers`` (layer roots as shown), only those layers' rules count: an operator's
+    coverage is about the rules the operator owns, not the shipped ones under them."""
     covered: set[str] = set()
     for r in results:
-        covered |= r.matched
-    rules = sorted(ruleset.rules, key=lambda r: r.source)
+        covered |= r.covered
+    rules = sorted(ruleset.all_rules, key=lambda r: r.source)
     counted = tuple(layers) if layers is not None else ()
     if layers is not None:
         rules = [r for r in rules if (layer := ruleset.layer_of(r.id)) is not None and layer.root in counted]
