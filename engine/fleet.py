@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from kvpolicy.engine.connector_names import Refuse, check_connector_names, out_of_tree_names
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.engine.model_notes import model_config_notes
@@ -203,6 +204,15 @@ def geometry_check(decision: Decision) -> PolicyError | None:
 RulesFor = Any  # Callable[[str], RuleSet]: the rule set of a profile name
 
 
+def _refuse(location: str, file: str, line: int) -> Refuse:
+    """A connector vLLM would refuse makes the deployment invalid, located at it in the fleet file."""
+    def refuse(member: bool, message: str, help: str) -> PolicyError:
+        key = "connector_config" if member else "connector"
+        return InputError(f"deployment at {location}: `{key}`",
+                          [Diagnostic(shown_file(file), line, 0, "unknown-connector", message, help)])
+    return refuse
+
+
 def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = None) -> list[FleetResult]:
     """Decide every deployment, each under its release's profile (``vllm_version`` for those naming none)
     and ``rules_for(profile)``'s rules; never raises for one deployment's refusal or bad input."""
@@ -218,6 +228,7 @@ def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = N
             ruleset: RuleSet = rules_for(profile)
             with model_config_notes() as notes:
                 ctx = context_for(dep, fleet.base_dir, profile)
+            notes += check_connector_names(ctx, ruleset, out_of_tree_names(dep), _refuse(location, fleet.file, line))
             decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx)
             out.append(FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision),
                                    notes=tuple(notes)))

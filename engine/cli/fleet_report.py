@@ -39,7 +39,8 @@ __all__ = ["add_fleet_flag", "result_dict", "run_fleet", "run_fleet_diff"]
 _ONE_DEPLOYMENT = (
     "model", "spec", "dtype", "serve_args", "kv_cache_dtype", "block_size", "tensor_parallel_size", "backend",
     "worker_attention_backends", "scale_views", "connector", "connector_config", "kv_transfer_config",
-    "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout", "enable_extensible_kv_cache", "hisparse",
+    "connector_module_path", "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout",
+    "enable_extensible_kv_cache", "hisparse",
     "use_v2_model_runner", "device", "device_capability", "num_blocks", "map_layout", "svg", "record_test",
 )
 

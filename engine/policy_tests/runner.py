@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.connector_names import Refuse, check_connector_names, out_of_tree_names
 from kvpolicy.engine.decide import evaluate, no_layout_error, scopes_for
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.model_notes import model_config_notes
@@ -193,6 +194,17 @@ def _located(exc: PolicyError, lc: LoadedCase) -> PolicyError:
     return type(exc)(exc.message, diags)
 
 
+def _refuse(lc: LoadedCase) -> Refuse:
+    """A connector vLLM would refuse is a case error, located at the field that names it."""
+    def refuse(member: bool, message: str, help: str) -> PolicyError:
+        inp = lc.case.input
+        key = "kv_transfer_config" if inp.kv_transfer_config is not None else \
+            "connector_config" if member else "connector"
+        return InputError(f"case `{lc.case.name}`: `{key}`", [lc.diag(("input", key), "unknown-connector", message,
+                                                                       help)])
+    return refuse
+
+
 def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfile | None = None) -> CaseResult:
     """Decide one case (in ``vllm_version``'s profile) with the full trace and compare it with its expectation."""
     expect = lc.case.expect
@@ -200,6 +212,7 @@ def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfil
     try:
         with model_config_notes() as notes:
             ctx = context_for(lc.case.input, lc.base_dir, vllm_version)
+        notes += check_connector_names(ctx, ruleset, out_of_tree_names(lc.case.input), _refuse(lc))
     except PolicyError as exc:
         exc = _located(exc, lc)
         return CaseResult(lc, tuple(_check(expect, None, exc, [], {}, set())), frozenset(), None, exc,
