@@ -12,10 +12,13 @@ Two limits keep them honest advice:
   does not have (`ReleaseProfile.options`), or HiSparse without one of the
   profile's HiSparse connectors where it requires one (vLLM 0.34: "HiSparse
   requires a KV transfer config with HiSparseConnector").
+  Nor is a ``VLLM_KV_CACHE_LAYOUT`` value the release does not accept (0.28:
+  NHD or HND only).
 - The operator's settings (dtype, connector, backend, environment, block size)
   are searched first; a change of `FIXED` facts (the model's shape, the
-  backend's geometry, the hardware) is searched only for the layouts no
-  setting makes win, and is marked not actionable, so it is listed after them.
+  backend's geometry, the hardware) or of a `DERIVED` field (``kv.per_token_head``
+  follows from ``kv_cache_dtype``) is searched only for the layouts no setting
+  makes win, and is marked not actionable, so it is listed after them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from kvpolicy.policy.context import MISSING, field_spec
 from kvpolicy.policy.releases import ReleaseProfile
 from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["FIXED", "counterfactuals"]
+__all__ = ["DERIVED", "FIXED", "counterfactuals"]
 
 # Facts of the model, the backend's geometry or the hardware: no deployment setting changes them.
 FIXED = frozenset({
@@ -40,6 +43,10 @@ FIXED = frozenset({
     "groups.mixed_hnc_shapes", "groups.dcp_mixed_page_sizes", "backend.mla", "backend.indexes_kv_by_block_stride",
     "backend.scale_views", "backend.supports_hnd", "platform.device_capability", "vllm.profile",
 })
+# Fields derived from another input (the field an operator sets instead): no setting sets them directly,
+# so a change of one is searched with the facts and marked not actionable, naming what it derives from.
+DERIVED = {"kv.quant_mode": "kv.kv_cache_dtype", "kv.per_token_head": "kv.kv_cache_dtype",
+           "kv.quant_bits": "kv.kv_cache_dtype", "kv.cache_dtype": "kv.kv_cache_dtype"}
 # the rule fields of the release options a profile may lack (`ReleaseProfile.options`)
 _OPTION_FIELDS = {"cache.enable_extensible_kv_cache": "enable_extensible_kv_cache", "attention.hisparse": "hisparse"}
 
@@ -109,7 +116,11 @@ def _refused_by(profile: ReleaseProfile | None, connectors: tuple[str, ...]) -> 
     """Whether the release refuses to start with ``field`` set to ``value`` (the rest of the input as it is)."""
 
     def refused(field: str, value: Any) -> bool:
-        if profile is None or value is not True:
+        if profile is None:
+            return False
+        if field == "env.VLLM_KV_CACHE_LAYOUT":  # 0.28 takes NHD/HND only (`build_context` refuses the rest)
+            return value is not MISSING and str(value) not in profile.kv_cache_layout_values()
+        if value is not True:
             return False
         option = _OPTION_FIELDS.get(field)
         if option is not None and option not in profile.options:
@@ -138,7 +149,7 @@ def counterfactuals(
     fixed: set[int] = set()
     budget = [MAX_EVALUATIONS]
     cost = max(1, (1 + (len(conn.walk()) if conn else 0)) // SCOPES_PER_EVALUATION)
-    settable = [k for k in knobs if k[1] not in FIXED]
+    settable = [k for k in knobs if k[1] not in FIXED and k[1] not in DERIVED]
     for pass_knobs, actionable in ((settable, True), (knobs, False)):
         before = set(found)
         _search(ruleset, glob, conn, pass_knobs, targets, found, env_of, budget, cost)
@@ -186,6 +197,12 @@ def describe(cf: Counterfactual) -> str:
     if cf.changes is None:
         return f"{cf.layout}: no change of up to {MAX_CHANGES} inputs the rules test would make it win"
     text = f"{cf.layout} would be chosen if " + " and ".join(describe_change(c) for c in cf.changes)
-    return text if cf.actionable else text + " (a fact of the model, backend or hardware, not a setting)"
+    if cf.actionable:
+        return text
+    fields = {c.field for c in cf.changes}
+    why = [f"{f} is derived from {DERIVED[f]}, not a setting" for f in sorted(fields & DERIVED.keys())]
+    if (fields - DERIVED.keys()) & FIXED:
+        why.insert(0, "a fact of the model, backend or hardware, not a setting")
+    return text + f" ({'; '.join(why)})"
 
 

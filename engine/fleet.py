@@ -28,8 +28,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from kvpolicy.engine.connector_names import Refuse, check_connector_names, out_of_tree_names
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.layout_engine import LayoutEngine
+from kvpolicy.engine.model_notes import model_config_notes
 from kvpolicy.engine.policy_tests.cases import CaseInput, context_for
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, GeometryError, InputError, NoLayoutError, PolicyError, shown_file
@@ -161,6 +163,13 @@ class FleetResult:
     # the geometry check of the chosen layout, as dry-run's: None checked clean (or nothing to check), else
     # the verifier's refusal (views that write the same bytes) or why the layout has no plan here
     geometry: PolicyError | None = field(default=None, compare=False)
+    # what reading its model config assumed: `ModelConfigWarning` lines, located in the config file
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """The model config's notes, then the decision's warnings (none without a decision)."""
+        return self.notes + (self.decision.warnings if self.decision is not None else ())
 
     @property
     def name(self) -> str:
@@ -195,6 +204,15 @@ def geometry_check(decision: Decision) -> PolicyError | None:
 RulesFor = Any  # Callable[[str], RuleSet]: the rule set of a profile name
 
 
+def _refuse(location: str, file: str, line: int) -> Refuse:
+    """A connector vLLM would refuse makes the deployment invalid, located at it in the fleet file."""
+    def refuse(member: bool, message: str, help: str) -> PolicyError:
+        key = "connector_config" if member else "connector"
+        return InputError(f"deployment at {location}: `{key}`",
+                          [Diagnostic(shown_file(file), line, 0, "unknown-connector", message, help)])
+    return refuse
+
+
 def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = None) -> list[FleetResult]:
     """Decide every deployment, each under its release's profile (``vllm_version`` for those naming none)
     and ``rules_for(profile)``'s rules; never raises for one deployment's refusal or bad input."""
@@ -204,12 +222,16 @@ def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = N
     for dep, line in fleet.deployments:
         location = f"{shown_file(fleet.file)}:{line}"
         profile, ctx = None, None
+        notes: list[str] = []
         try:
             profile = resolve_profile(dep.vllm_version or vllm_version)[0].name
             ruleset: RuleSet = rules_for(profile)
-            ctx = context_for(dep, fleet.base_dir, profile)
+            with model_config_notes() as notes:
+                ctx = context_for(dep, fleet.base_dir, profile)
+            notes += check_connector_names(ctx, ruleset, out_of_tree_names(dep), _refuse(location, fleet.file, line))
             decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx)
-            out.append(FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision)))
+            out.append(FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision),
+                                   notes=tuple(notes)))
         except PolicyError as exc:
-            out.append(FleetResult(dep, location, profile, None, exc, ctx))
+            out.append(FleetResult(dep, location, profile, None, exc, ctx, notes=tuple(notes)))
     return out

@@ -99,7 +99,7 @@ class Counterfactual:
     layout: Layout
     changes: tuple[FieldChange, ...] | None  # None: no change within the search bound
     kind: Literal["counterfactual"] = "counterfactual"
-    actionable: bool = True  # False: only a fact of the model, backend or hardware changes (counterfactual.FIXED)
+    actionable: bool = True  # False: a fact (counterfactual.FIXED) or a derived field (DERIVED) changes
 
 
 Event = RuleEvaluated | CandidateRemoved | PreferenceApplied | LayoutChosen | Counterfactual

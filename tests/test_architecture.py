@@ -80,3 +80,13 @@ def test_policy_imports_nothing_of_engine() -> None:
     leaks = {m: sorted(d for d in deps if d.startswith("kvpolicy.engine")) for m, deps in graph.items()
              if m.startswith("kvpolicy.policy")}
     assert {m: d for m, d in leaks.items() if d} == {}
+
+
+def test_repository_root_holds_no_stray_files() -> None:
+    """A scratch file committed at the root (``bad.yaml``, issue 22) reaches every checkout and sdist:
+    the root holds only the project's own files; test inputs live in tests/fixtures or tmp_path."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {line for line in tracked.splitlines() if "/" not in line}
+    assert top <= {".gitignore", "README.md", "pyproject.toml", "LICENSE"}, sorted(top)

@@ -27,10 +27,10 @@ what the examples name: ``spec.yaml`` (a 4-layer KV spec), ``config.json`` and
 layer: one prefer rule, its connector file and its tests), ``base/`` and ``site/`` (two small
 layers), ``cases/nixl.yaml`` (a case file for ``my-rules/``), ``no-guard/`` (the ``issue-48412``
 shipped rules without the per-token-head guard, a replacement of them), ``prefill.json`` and
-``decode.json`` (two dry-run documents), ``serve.yaml`` (a ``vllm serve --config`` file),
-``gemma-2-2b/`` (a model's config), ``rule.yaml``, ``old-rules/`` and ``new-rules/`` (two layers) and
-``fleet.yaml`` (docs/examples/fleet.yaml with its configs beside it), ``rollout/``
-(docs/examples/rollout/), under the default release profile (no
+``decode.json`` (two dry-run documents), ``gemma-2-2b/`` (a model's config), ``rule.yaml``,
+``old-rules/`` and ``new-rules/`` (two layers) and docs/examples/ copied as it is (``fleet.yaml``,
+``serve.yaml``, ``rollout/``, ``models/``: it names nothing outside itself), under the default
+release profile (no
 ``KVPOLICY_VLLM_VERSION``, no vLLM installed).
 """
 
@@ -220,17 +220,11 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Path:
     start = text.index("  - id: per-token-head-forbids-cross-layer")
     end = text.index("  - id: cross-layer-needs-block-stride-indexing")
     (box / "no-guard" / "global.yaml").write_text(text[:start] + text[end:])
-    shutil.copy(ROOT / "docs" / "examples" / "serve.yaml", box / "serve.yaml")
     shutil.copytree(ROOT / "tests" / "fixtures" / "model_configs" / "gemma-2-2b-it", box / "gemma-2-2b")
     (box / "rule.yaml").write_text(MY_RULES)
-    shutil.copytree(ROOT / "docs" / "examples" / "rollout", box / "rollout")
     _layer(box / "old-rules", MY_RULES)
     _layer(box / "new-rules", MY_RULES.replace("HND", "NHD"))
-    (box / "configs").mkdir()
-    fleet = (ROOT / "docs" / "examples" / "fleet.yaml").read_text()
-    for config in sorted(set(re.findall(r"\.\./\.\./tests/fixtures/configs/([\w.-]+\.json)", fleet))):
-        shutil.copy(ROOT / "tests" / "fixtures" / "configs" / config, box / "configs" / config)
-    (box / "fleet.yaml").write_text(fleet.replace("../../tests/fixtures/configs/", "configs/"))
+    shutil.copytree(ROOT / "docs" / "examples", box, dirs_exist_ok=True)  # as a user copies it: nothing outside
     for name, version in (("prefill.json", "0.33.0"), ("decode.json", "0.34.0")):
         proc = _run(f"kvpolicy dry-run --vllm-version {version} --format json > {name}", box)
         assert proc.returncode == 0, proc.stderr

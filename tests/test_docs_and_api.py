@@ -81,3 +81,23 @@ def test_worked_example_is_the_default_dry_run() -> None:
     assert str(d.layout) == "LBHNC" and d.score == 10
     assert [str(x) for x in d.context.candidates] == ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
     assert "**LBHNC** (per_layer, HND)" in (ROOT / "docs" / "rule-language.md").read_text()
+
+
+def test_the_doc_examples_name_nothing_outside_docs_examples() -> None:
+    """Copying docs/examples/ anywhere must work (issue 22): every `model` a fleet deployment, a test case or
+    the serve config names is a model directory inside docs/examples/ that holds a config.json. Fleet and
+    case paths are relative to their file; serve.yaml's to where `vllm serve` runs (docs/examples/)."""
+    examples = ROOT / "docs" / "examples"
+    named: list[tuple[Path, Path]] = []
+    fleet = yaml.safe_load((examples / "fleet.yaml").read_text())
+    named += [(examples / "fleet.yaml", examples / d["model"]) for d in fleet["deployments"] if "model" in d]
+    for cases in examples.glob("*/tests/*.yaml"):
+        for case in yaml.safe_load(cases.read_text())["cases"]:
+            if "model" in case.get("input", {}):
+                named.append((cases, cases.parent / case["input"]["model"]))
+    named.append((examples / "serve.yaml", examples / yaml.safe_load((examples / "serve.yaml").read_text())["model"]))
+    assert len(named) >= 27
+    for where, path in named:
+        path = path.resolve()
+        assert examples in path.parents, f"{where}: {path} is outside docs/examples/"
+        assert (path / "config.json").is_file(), f"{where}: {path} holds no config.json"

@@ -418,5 +418,5 @@ def lint(
                "conflicts": len(conflicts[False]), "release_refuses": len(conflicts[True]),
                "release_fails": sum(len(v) for v in fails.values())}
     ordered = tuple(sorted(bearing.values(), key=lambda lb: (str(lb.rule.source), lb.rule.id)))
-    return LintReport(tuple(findings), len(space), len(ruleset.rules), len(verifier.cache), summary,
+    return LintReport(tuple(findings), len(space), len(ruleset.all_rules), len(verifier.cache), summary,
                       space.profile.name, space, ordered)

@@ -142,7 +142,8 @@ def checkup(args: argparse.Namespace) -> Checkup:
     c.rules = {"root": engine.ruleset.root, "digest": engine.ruleset.digest,
                "layers": [layer.to_dict() for layer in engine.ruleset.layers],
                "warnings": [d.to_dict() for d in engine.ruleset.warnings]}
-    c.lines.append(f"rules: {engine.ruleset.root}: {len(engine.ruleset.rules)} rules, digest {engine.ruleset.digest}")
+    rules = engine.ruleset
+    c.lines.append(f"rules: {rules.root}: {len(rules.all_rules)} rules, digest {rules.digest}")  # audit ones too
     from kvpolicy.policy.layers import render_warning
 
     c.lines += ["  " + render_warning(d).replace("\n", "\n  ") for d in engine.ruleset.warnings]
@@ -155,22 +156,27 @@ def checkup(args: argparse.Namespace) -> Checkup:
 def _decide(c: Checkup, engine: Any, args: argparse.Namespace, profile: str, explain: bool) -> None:
     from kvpolicy.engine.cli.dry_run import context_from_args, is_example
     from kvpolicy.engine.integrations.vllm_plugin import decided_by
+    from kvpolicy.engine.model_notes import model_config_notes
 
     args.vllm_version = profile
+    notes: list[str] = []
     try:
-        ctx = context_from_args(args)
+        with model_config_notes() as notes:  # what reading --model assumed: said as dry-run says it
+            ctx = context_from_args(args)
         decision = engine.decide(ctx)
     except PolicyError as exc:
         c.lines.append("decision: none")
+        c.lines += [f"  {n}" for n in notes]
         c.fail(exc)
         return
     what = " (the built-in example: pass --model or --spec for your deployment)" if is_example(args) else ""
     c.decision = {"layout": str(decision.layout), "placement": decision.layout.placement.value,
                   "head_order": decision.layout.head_order.value, "decided_by": decided_by(decision),
-                  "fingerprint": decision.fingerprint.digest, "warnings": list(decision.warnings)}
+                  "fingerprint": decision.fingerprint.digest, "warnings": [*notes, *decision.warnings]}
     c.lines.append(f"decision{what}: {decision.layout} ({decision.layout.placement.value}, "
                    f"{decision.layout.head_order.value}) decided by {decided_by(decision)}")
     c.lines.append(f"  fingerprint {decision.fingerprint.digest}")
+    c.lines += [f"  {n}".replace("\n", "\n  ") for n in notes]
     c.lines += [f"  warning: {w}" for w in decision.warnings]
     if explain:
         c.lines.append(decision.explain())

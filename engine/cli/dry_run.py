@@ -15,7 +15,6 @@ import errno
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -561,14 +560,12 @@ def context_from_args(args: argparse.Namespace) -> Context:
 def _context_saying_model_notes(args: argparse.Namespace) -> Context:
     """`context_from_args`, with what reading --model assumed (the library's `ModelConfigWarning`s)
     printed on stderr as located ``warning[code]`` lines; any other warning is shown as Python would."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    from kvpolicy.engine.model_notes import model_config_notes
+
+    with model_config_notes() as notes:
         ctx = context_from_args(args)
-    for w in caught:
-        if type(w.message).__name__ == "ModelConfigWarning":  # no import: hf_config may be absent
-            print(str(w.message), file=sys.stderr)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    for note in notes:
+        print(note, file=sys.stderr)
     return ctx
 
 

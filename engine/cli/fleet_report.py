@@ -39,7 +39,8 @@ __all__ = ["add_fleet_flag", "result_dict", "run_fleet", "run_fleet_diff"]
 _ONE_DEPLOYMENT = (
     "model", "spec", "dtype", "serve_args", "kv_cache_dtype", "block_size", "tensor_parallel_size", "backend",
     "worker_attention_backends", "scale_views", "connector", "connector_config", "kv_transfer_config",
-    "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout", "enable_extensible_kv_cache", "hisparse",
+    "connector_module_path", "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout",
+    "enable_extensible_kv_cache", "hisparse",
     "use_v2_model_runner", "device", "device_capability", "num_blocks", "map_layout", "svg", "record_test",
 )
 
@@ -82,12 +83,12 @@ def result_dict(result: FleetResult) -> dict[str, Any]:
     if d is not None:
         out |= {"backend": d.context.backend.name, "layout": str(d.layout), "placement": d.layout.placement.value,
                 "head_order": d.layout.head_order.value,
-                "score": d.score, "removed": _removed(result), "warnings": list(d.warnings),
+                "score": d.score, "removed": _removed(result), "warnings": list(result.warnings),
                 "audit": [f.to_dict() for f in d.audit], "fingerprint": d.fingerprint.digest, "error": None,
                 "geometry": None if result.geometry is None else _error(result.geometry)}
     else:
         out |= {"backend": None if result.context is None else result.context.backend.name, "layout": None,
-                "warnings": [], "audit": [], "error": _error(result.error), "geometry": None}  # type: ignore[arg-type]
+                "warnings": list(result.warnings), "audit": [], "error": _error(result.error), "geometry": None}  # type: ignore[arg-type]
     return out
 
 
@@ -138,13 +139,13 @@ def render_text(file: str, results: list[FleetResult], seconds: float) -> str:
             lines.append(f"  {r.name} ({r.location}):")
             why = r.geometry if r.status == "unsafe" else r.error
             lines += ["    " + line for line in why.render().splitlines()]  # type: ignore[union-attr]
-    warned = [(r, w) for r in results if r.decision is not None for w in r.decision.warnings]
+    warned = [(r, w) for r in results for w in r.warnings]
     warned += [(r, f"decided as the release decides, but not planned: {r.geometry.diagnostics[0].message}")
                for r in results if r.decision is not None and r.status == "decided" and r.geometry is not None
                and r.geometry.diagnostics]
     if warned:
         lines += ["", "warnings:"]
-        lines += [f"  {r.name}: {w}" for r, w in warned]
+        lines += [f"  {r.name}: {w}".replace("\n", "\n    ") for r, w in warned]
     lines += ["", f"{len(results)} deployments decided in {seconds:.2f}s"]
     return "\n".join(lines)
 
@@ -167,10 +168,11 @@ def junit_xml(file: str, results: list[FleetResult], seconds: float) -> str:
                              time="0")
         if r.status != "decided":
             failure = ET.SubElement(case, "failure", message=_outcome(r), type=r.status)
-            failure.text = (r.geometry if r.status == "unsafe" else r.error).render()  # type: ignore[union-attr]
+            failure.text = "\n".join([*r.notes, (r.geometry if r.status == "unsafe"  # type: ignore[union-attr]
+                                                   else r.error).render()])
         else:
             out = ET.SubElement(case, "system-out")
-            out.text = "\n".join([f"layout: {_outcome(r)}", *r.decision.warnings])
+            out.text = "\n".join([f"layout: {_outcome(r)}", *r.warnings])
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
 

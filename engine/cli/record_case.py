@@ -83,6 +83,7 @@ def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) ->
         "connector": connector,
         "connector_config": args.connector_config,
         "kv_transfer_config": args.kv_transfer_config,
+        "connector_module_path": getattr(args, "connector_module_path", None),
         "vllm_version": args.vllm_version,
         "vllm_kv_cache_layout": args.vllm_kv_cache_layout,
         "enable_extensible_kv_cache": bool(args.enable_extensible_kv_cache),

@@ -58,15 +58,15 @@ def coverage_percent(run: TestRun) -> float:
 
 
 def coverage_breakdown(ruleset: RuleSet, results: Iterable[CaseResult]) -> tuple[list[CoverageRow], list[CoverageRow]]:
-    """(by layer, bottom first; by file, sorted) over every enforced rule of ``ruleset``."""
+    """(by layer, bottom first; by file, sorted) over every rule of ``ruleset``, audit-mode ones included."""
     matched: set[str] = set()
     for r in results:
-        matched |= r.matched
+        matched |= r.covered
     layers: dict[str, list[int]] = {}
     kinds: dict[str, str] = {}
     files: dict[str, list[int]] = {}
     file_shipped: dict[str, bool] = {}
-    for rule in ruleset.rules:
+    for rule in ruleset.all_rules:
         layer = ruleset.layer_of(rule.id)
         root = layer.root if layer is not None else ruleset.root
         kinds[root] = "shipped" if layer is not None and layer.shipped else "operator"

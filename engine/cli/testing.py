@@ -125,6 +125,10 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
             out.append(f"PASS {r.loaded.location}: {r.name}")
     if verbose and run.failed == 0:
         out.append("")
+    noted = [(r, n) for r in run.results for n in r.notes]
+    if noted:  # what reading a case's model config assumed, tied to the case (as dry-run --model says it)
+        out += [f"{r.loaded.location}: {r.name}: {n}" for r, n in noted]
+        out.append("")
     cov = run.coverage
     out.append(f"{run.passed} passed, {run.failed} failed")
     of = f" of {' + '.join(cov.layers)}" if cov.layers else ""

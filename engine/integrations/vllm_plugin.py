@@ -9,8 +9,9 @@ times. It changes nothing unless ``KVPOLICY_RULES`` is set:
   (they reproduce vLLM's own decision, and add the log line and the checks);
 - ``KVPOLICY_RULES=/etc/kvpolicy``: an operator's rule directory (several:
   ``/etc/kvpolicy/base:/etc/kvpolicy/site``, ``os.pathsep``-separated, bottom
-  first), layered on the shipped rules of the running vLLM's profile and loaded
-  fail-closed (a rule set with any error stops start-up, every problem located);
+  first; an entry ``shipped`` places the shipped layers, as ``--rules shipped``
+  does: ``shipped:/etc/kvpolicy/site``), layered on the shipped rules of the
+  running vLLM's profile and loaded fail-closed (a rule set with any error stops start-up, every problem located);
   ``KVPOLICY_SHIPPED_RULES=0`` replaces the shipped rules instead, with a
   warning for each load-bearing shipped guard that goes;
 - unset, empty, ``off`` or ``0``: vLLM decides as if kvpolicy were not installed.
@@ -211,17 +212,22 @@ def _unprofiled(version: str) -> Diagnostic:
                       f"{ENV_RULES} to let vLLM decide without kvpolicy")
 
 
-def _rules_paths(rules: str) -> list[Path]:
+def _rules_paths(rules: str, profile: ReleaseProfile | None = None) -> list[Path]:
     """``KVPOLICY_RULES`` as absolute paths (``os.pathsep``-separated, bottom layer first): a relative
     one is resolved against this process's working directory, so every message (and every vLLM
-    process's log) names the directory actually read. A ``~user`` of no known user, or a NUL byte
-    (which no path can hold), is a `PluginError` at the variable."""
+    process's log) names the directory actually read. An entry `SHIPPED` stands for ``profile``'s
+    shipped rule layers, as ``--rules shipped`` does in the CLI (without a profile it is kept as the
+    word). A ``~user`` of no known user, or a NUL byte (which no path can hold), is a `PluginError`
+    at the variable."""
     if "\0" in rules:
         raise _setting_error(ENV_RULES, rules, "holds a NUL byte, which no path can hold",
                              f"set it to `{SHIPPED}` or to rule directories separated by `{os.pathsep}`")
     paths = []
     for r in rules.split(os.pathsep):
         if not r.strip():
+            continue
+        if r.strip().lower() == SHIPPED:
+            paths += shipped_rules_dirs(profile) if profile is not None else [Path(SHIPPED)]
             continue
         try:
             paths.append(Path(r).expanduser().absolute())
@@ -240,7 +246,7 @@ def _engine(settings: Settings, profile: ReleaseProfile) -> LayoutEngine:
     assert settings.rules is not None
     if settings.rules.lower() == SHIPPED:
         return LayoutEngine.default(profile)
-    return LayoutEngine.from_path(_rules_paths(settings.rules), vllm_version=profile,
+    return LayoutEngine.from_path(_rules_paths(settings.rules, profile), vllm_version=profile,
                                   shipped_rules=settings.shipped_rules)
 
 

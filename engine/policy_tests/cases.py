@@ -98,6 +98,9 @@ class CaseInput(Frozen):
     connector_config: dict[str, Any] | None = Field(default=None, description="vLLM's kv_connector_extra_config")
     kv_transfer_config: dict[str, Any] | None = Field(
         default=None, description="vLLM's whole --kv-transfer-config (instead of connector/connector_config)")
+    connector_module_path: str | None = Field(
+        default=None, min_length=1, description="vLLM's kv_connector_module_path: `connector` is a class of your own "
+        "in this module (not one the release registers); without it such a name is refused, as vLLM refuses it")
     tensor_parallel_size: StrictInt = Field(default=1, ge=1, description="with `model` only")
     dtype: str | None = Field(default=None, description="vLLM's --dtype, with `model` only (auto: as vLLM serves "
                               "the config's torch_dtype)")

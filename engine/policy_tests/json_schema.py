@@ -78,6 +78,7 @@ def _input() -> dict[str, Any]:
         "connector": _or_null(string),
         "connector_config": _or_null(mapping),
         "kv_transfer_config": _or_null(mapping),
+        "connector_module_path": _or_null({"type": "string", "minLength": 1}),
         "tensor_parallel_size": {"type": "integer", "minimum": 1, "maximum": INT64_BOUNDS["maximum"]},
         "dtype": _or_null(string),
         "vllm_version": _or_null({"type": "string", "minLength": 1}),

@@ -13,8 +13,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.engine.connector_names import Refuse, check_connector_names, out_of_tree_names
 from kvpolicy.engine.decide import evaluate, no_layout_error, scopes_for
 from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.model_notes import model_config_notes
 from kvpolicy.engine.policy_tests.cases import Expect, LoadedCase, context_for, load_cases
 from kvpolicy.engine.trace import CandidateRemoved, RuleEvaluated
 from kvpolicy.policy.errors import GeometryError, InputError, ModelConfigError, NoLayoutError, PolicyError
@@ -35,6 +37,7 @@ class CaseResult:
     layout: Layout | None  # the chosen layout (None on error)
     error: PolicyError | None  # the decision's error, if any
     decision: Decision | None = field(default=None, compare=False, repr=False)
+    notes: tuple[str, ...] = field(default=(), compare=False)  # what reading its model config assumed
 
     @property
     def name(self) -> str:
@@ -43,6 +46,12 @@ class CaseResult:
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    @property
+    def covered(self) -> frozenset[str]:
+        """The rules this case tests: those that matched, and the audit-mode rules its ``expect.audit``
+        asserts (the decision never evaluates an audit rule, so it never "matches")."""
+        return self.matched | frozenset(self.loaded.case.expect.audit)
 
     def explanation(self) -> str:
         """The decision's ``fails`` explanation, or the rendered error."""
@@ -58,6 +67,7 @@ class CaseResult:
             "failures": list(self.failures),
             "layout": None if self.layout is None else str(self.layout),
             "error": None if self.error is None else [d.to_dict() for d in self.error.diagnostics],
+            "warnings": list(self.notes),
         }
 
 
@@ -184,14 +194,29 @@ def _located(exc: PolicyError, lc: LoadedCase) -> PolicyError:
     return type(exc)(exc.message, diags)
 
 
+def _refuse(lc: LoadedCase) -> Refuse:
+    """A connector vLLM would refuse is a case error, located at the field that names it."""
+    def refuse(member: bool, message: str, help: str) -> PolicyError:
+        inp = lc.case.input
+        key = "kv_transfer_config" if inp.kv_transfer_config is not None else \
+            "connector_config" if member else "connector"
+        return InputError(f"case `{lc.case.name}`: `{key}`", [lc.diag(("input", key), "unknown-connector", message,
+                                                                       help)])
+    return refuse
+
+
 def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfile | None = None) -> CaseResult:
     """Decide one case (in ``vllm_version``'s profile) with the full trace and compare it with its expectation."""
     expect = lc.case.expect
+    notes: list[str] = []
     try:
-        ctx = context_for(lc.case.input, lc.base_dir, vllm_version)
+        with model_config_notes() as notes:
+            ctx = context_for(lc.case.input, lc.base_dir, vllm_version)
+        notes += check_connector_names(ctx, ruleset, out_of_tree_names(lc.case.input), _refuse(lc))
     except PolicyError as exc:
         exc = _located(exc, lc)
-        return CaseResult(lc, tuple(_check(expect, None, exc, [], {}, set())), frozenset(), None, exc)
+        return CaseResult(lc, tuple(_check(expect, None, exc, [], {}, set())), frozenset(), None, exc,
+                          notes=tuple(notes))
     glob, conn = scopes_for(ruleset, ctx)
     outcome = evaluate(ruleset, glob, conn, explain=True)
     matched = {e.rule.id for e in outcome.events if isinstance(e, RuleEvaluated) and e.matched}
@@ -214,7 +239,7 @@ def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfil
     failures = _check(expect, layout, error, survivors, removed, matched)
     if "audit" in expect.model_fields_set:
         failures += _check_audit(expect.audit, decision)
-    return CaseResult(lc, tuple(failures), frozenset(matched), layout, error, decision)
+    return CaseResult(lc, tuple(failures), frozenset(matched), layout, error, decision, notes=tuple(notes))
 
 
 def _check_audit(expected: list[str], decision: Decision | None) -> list[str]:
@@ -226,12 +251,13 @@ def _check_audit(expected: list[str], decision: Decision | None) -> list[str]:
 
 
 def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult], layers: Iterable[str] | None = None) -> Coverage:
-    """Which rules some case made match; with ``layers`` (layer roots as shown), only those layers' rules
-    count: an operator's coverage is about the rules the operator owns, not the shipped ones under them."""
+    """Which rules some case tests (`CaseResult.covered`: audit-mode rules count, covered by a case's
+    ``expect.audit``); with ``layers`` (layer roots as shown), only those layers' rules count: an operator's
+    coverage is about the rules the operator owns, not the shipped ones under them."""
     covered: set[str] = set()
     for r in results:
-        covered |= r.matched
-    rules = sorted(ruleset.rules, key=lambda r: r.source)
+        covered |= r.covered
+    rules = sorted(ruleset.all_rules, key=lambda r: r.source)
     counted = tuple(layers) if layers is not None else ()
     if layers is not None:
         rules = [r for r in rules if (layer := ruleset.layer_of(r.id)) is not None and layer.root in counted]

@@ -85,3 +85,23 @@ def test_register_reports_the_rules_before_the_missing_vllm(tmp_path: Path, monk
     codes = [d.code for d in exc.value.diagnostics]
     assert codes[0] == "unknown-field" and codes[-1] == "no-vllm"
     assert "kvpolicy doctor" in exc.value.render()
+
+
+def test_shipped_is_an_entry_of_the_rules_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`KVPOLICY_RULES=shipped:site` means what `--rules shipped --rules site/` means (docs/rule-layers.md):
+    the shipped layers, then the site's; not a directory called `shipped` (issue 22)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "site.yaml").write_text("version: 1\nrules:\n  - id: site-prefers-hnd\n    description: d\n"
+                                    "    prefer: {layout: LBHNC}\n")
+    monkeypatch.chdir(tmp_path)
+    import os
+    monkeypatch.setenv("KVPOLICY_RULES", os.pathsep.join(["shipped", "site"]))
+    code, out, err = cli(capsys, "doctor", "--vllm-version", "0.34.0", "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["ok"], (out, err)
+    assert "no-rules-dir" not in out + err
+    engine = vllm_plugin._engine(vllm_plugin.Settings.from_env(), vllm_plugin.get_profile("0.34.0"))
+    roots = [layer.root for layer in engine.ruleset.layers]
+    assert roots[0] == "rules/vllm-0.34" and roots[-1].endswith("site") and len(roots) == 2, roots

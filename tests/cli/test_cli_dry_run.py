@@ -48,7 +48,8 @@ def test_default_example_text(capsys: pytest.CaptureFixture[str]) -> None:
     i = lines.index("  BLNHC")
     at = f"at rules/issue-48412/global.yaml:{PTH_LINE}"
     assert lines[i + 1] == f"    by per-token-head-forbids-cross-layer (forbid, global) {at}"
-    assert "  BLNHC would be chosen if kv.per_token_head were false (it is true)" in lines
+    assert ("  BLNHC would be chosen if kv.per_token_head were false (it is true) "
+            "(kv.per_token_head is derived from kv.kv_cache_dtype, not a setting)") in lines
     assert f"  [x] per-token-head-forbids-cross-layer (forbid, global) {at}" in lines
     assert any(line.startswith("  +10 BLNHC            offloading-prefers-cross-layer") for line in lines)
     assert lines[-1].startswith("rule set: rules/issue-48412 (sha256:")

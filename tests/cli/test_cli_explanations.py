@@ -64,6 +64,21 @@ def test_no_counterfactual_proposes_what_the_release_refuses(spec: Path, capsys:
         assert not any(c["field"] == "attention.hisparse" for c in cf["changes"] or []), cf["text"]
 
 
+def test_counterfactuals_on_028_take_only_what_028_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    """0.28 takes VLLM_KV_CACHE_LAYOUT=NHD or HND only, and no operator sets kv.per_token_head (it follows
+    from kv_cache_dtype): neither is proposed as a setting (issue 22)."""
+    code, out, _ = cli(capsys, "dry-run", "--vllm-version", "0.28.0", "--format", "json")
+    assert code == 0
+    cfs = json.loads(out)["counterfactual"]
+    changes = [(cf, c) for cf in cfs for c in cf["changes"] or []]
+    assert any(c["field"] == "env.VLLM_KV_CACHE_LAYOUT" for _, c in changes)
+    for cf, c in changes:
+        if c["field"] == "env.VLLM_KV_CACHE_LAYOUT":
+            assert c["to"] in ("NHD", "HND", None), cf["text"]
+        if c["field"] == "kv.per_token_head":
+            assert not cf["actionable"] and "kv.per_token_head is derived from kv.kv_cache_dtype" in cf["text"]
+
+
 def test_settings_come_before_facts_no_operator_can_change(tmp_path: Path, spec: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     rules = _layer(tmp_path, "cf", FACT_AND_SETTING)

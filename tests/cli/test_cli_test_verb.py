@@ -162,3 +162,40 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
 def test_missing_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = cli(capsys, "test", str(tmp_path / "none.yaml"))
     assert code == 2 and "error[usage]: no such file or directory" in err  # a usage error, as for every verb
+
+
+def _rollout(tmp_path: Path) -> Path:
+    """docs/examples/rollout/ (one audit-mode rule, two cases asserting it) with its example models."""
+    shutil.copytree(ROOT / "docs" / "examples", tmp_path / "examples")
+    return tmp_path / "examples" / "rollout"
+
+
+def test_audit_rules_count_in_coverage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An audit-mode rule is covered by a case whose expect.audit names it, and uncovered otherwise; it was
+    left out of coverage altogether ("0/0 rules", --require-coverage 100 passing vacuously; issue 22)."""
+    rollout = _rollout(tmp_path)
+    code, out, err = cli(capsys, "test", "--rules", str(rollout), "--vllm-version", "0.34.0", "--require-coverage",
+                         "100")
+    assert code == 0, out + err
+    assert f"coverage: 1/1 rules of {rollout}" in out
+    (rollout / "tests" / "recorded.yaml").write_text(  # a case that asserts no audit finding
+        "version: 1\ncases:\n  - name: no audit asserted\n    input: {spec: " + SPEC + ", vllm_version: vllm-0.34}\n"
+        "    expect: {layout: LBNHC}\n")
+    code, out, _ = cli(capsys, "test", "--rules", str(rollout), "--vllm-version", "0.34.0", "--require-coverage",
+                       "100")
+    assert code != 0 and f"coverage: 0/1 rules of {rollout}" in out
+    assert "uncovered: site-per-token-head-stays-nhd at " in out
+
+
+def test_rule_counts_agree_across_verbs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """validate and doctor count the same rules for one stack, audit-mode rules included (lint too: its count
+    is `all_rules`, not run here: it enumerates the whole input space)."""
+    rollout = _rollout(tmp_path)
+    code, out, _ = cli(capsys, "validate", str(rollout), "--vllm-version", "0.34.0")
+    validated = int(re.search(r"ok: (\d+) rules", out)[1])  # type: ignore[index]
+    monkeypatch.setenv("KVPOLICY_RULES", str(rollout))
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0")
+    assert code == 0
+    doctored = int(re.search(r"^rules: .*: (\d+) rules,", out, re.M)[1])  # type: ignore[index]
+    assert validated == doctored == len(LayoutEngine.default("0.34.0").ruleset.all_rules) + 1

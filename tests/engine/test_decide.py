@@ -183,8 +183,8 @@ def test_counterfactual_names_the_smallest_change() -> None:
     assert cf.changes is not None and len(cf.changes) == 1
     assert (cf.changes[0].field, cf.changes[0].was, cf.changes[0].becomes) == ("kv.per_token_head", True, False)
     text = d.to_dict()["counterfactual"]
-    assert any(c["text"] == "BLNHC would be chosen if kv.per_token_head were false (it is true)"
-               for c in text)
+    assert any(c["text"] == "BLNHC would be chosen if kv.per_token_head were false (it is true) "
+               "(kv.per_token_head is derived from kv.kv_cache_dtype, not a setting)" for c in text)
 
 
 def test_counterfactual_for_no_connector() -> None:
