@@ -15,7 +15,7 @@ from collections import OrderedDict, UserDict, defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "integrations"))
 from _common import report, summary
