@@ -169,8 +169,10 @@ class LayoutFingerprint:
         values = {name: data[name] for name in expected}
         bad = [name for name in expected if not _FIELD_CHECKS[name](values[name])]
         if bad:
-            raise input_error("fingerprint", "not a layout fingerprint: wrong type for "
-                              + ", ".join(f"`{name}`" for name in bad))
+            raise input_error("fingerprint", "not a layout fingerprint: wrong type or value for "
+                              + ", ".join(f"`{name}`" for name in bad),
+                              "sizes are positive integers and there is at least one group: pass "
+                              "LayoutFingerprint.to_dict() or to_json() from the peer")
         try:  # `layout` parses these two: a peer's unknown pair must fail here, as an InputError
             Layout.parse(f"{values['placement']}/{values['head_order']}")
         except ValueError:
@@ -274,6 +276,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_count(v: Any) -> bool:
+    """A size every real layout has at least one of (a peer's 0 or -1 describes no cache at all)."""
+    return _is_int(v) and v > 0
+
+
 def _is_str(v: Any) -> bool:
     return isinstance(v, str)
 
@@ -286,8 +293,8 @@ def _is_list(check: Any) -> Any:
     return lambda v: isinstance(v, (list, tuple)) and all(check(x) for x in v)
 
 
-_GROUP_KEYS = {"kind": _is_str, "num_layers": _is_int, "block_size": _is_int, "page_bytes": _is_int,
-               "attention_groups": _is_int}
+_GROUP_KEYS = {"kind": _is_str, "num_layers": _is_count, "block_size": _is_count, "page_bytes": _is_count,
+               "attention_groups": _is_count}
 
 
 def _is_group(v: Any) -> bool:
@@ -298,14 +305,16 @@ def _is_group(v: Any) -> bool:
 _FIELD_CHECKS: dict[str, Any] = {
     **{name: _is_str for name in ("placement", "head_order", "backend", "kind", "cache_dtype", "quant_mode",
                                   "kv_cache_dtype", "scale_placement")},
-    **{name: _is_int for name in ("num_buffers", "kv_factor", "num_layers", "block_size", "num_kv_heads",
-                                  "head_size", "cell_bytes", "page_bytes", "scale_bytes", "format_version")},
+    **{name: _is_count for name in ("num_buffers", "kv_factor", "num_layers", "block_size", "num_kv_heads",
+                                    "head_size", "cell_bytes", "page_bytes")},
+    "scale_bytes": lambda v: _is_int(v) and v >= 0,
+    "format_version": _is_int,
     "logical_dims": _is_list(_is_str),
     "physical_dims": _is_list(_is_str),
     "physical_shape": _is_list(lambda x: _is_int(x) or x == NUM_BLOCKS_SYMBOL),
     "scale_dtype": _is_opt(_is_str),
-    "scale_offset": _is_opt(_is_int),
-    "groups": _is_list(_is_group),
+    "scale_offset": _is_opt(lambda v: _is_int(v) and v >= 0),
+    "groups": lambda v: _is_list(_is_group)(v) and len(v) > 0,
 }
 
 

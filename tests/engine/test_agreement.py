@@ -423,7 +423,7 @@ def test_ranks_agree_without_numpy_and_name_a_hostile_peer_on_every_rank(tmp_pat
     hostile = {"garbage": ("group rank 1", "not JSON"), "oversized": ("group rank 2", "announced 2097154 bytes"),
                "nested": ("group rank 1", "nests deeper than 16 levels"),
                "not-a-rank": ("group rank 2", "not a rank fingerprint"),
-               "bad-fingerprint": ("group rank 1", "wrong type for `num_layers`")}
+               "bad-fingerprint": ("group rank 1", "wrong type or value for `num_layers`")}
     for r in results:
         assert r["numpy_imported"] is False
         assert r["same"]["ok"] and r["same"]["digest"] == expected

@@ -154,9 +154,16 @@ def test_a_backend_no_profile_knows_is_checked_by_the_order_of_its_dims() -> Non
         (lambda d: d.update(format_version=2), "fingerprint format `2`"),
         (lambda d: d.pop("page_bytes"), "missing `page_bytes`"),
         (lambda d: d.update(num_blocks=10), "unknown `num_blocks`"),
-        (lambda d: d.update(block_size="16"), "wrong type for `block_size`"),
-        (lambda d: d.update(physical_shape=["B", 2, "x"]), "wrong type for `physical_shape`"),
-        (lambda d: d.update(groups=[{"kind": "full"}]), "wrong type for `groups`"),
+        (lambda d: d.update(block_size="16"), "wrong type or value for `block_size`"),
+        (lambda d: d.update(physical_shape=["B", 2, "x"]), "wrong type or value for `physical_shape`"),
+        (lambda d: d.update(groups=[{"kind": "full"}]), "wrong type or value for `groups`"),
+        # values no layout has: a peer's size of 0 or -1, no groups, a negative scale (hostile pass, issue 23)
+        (lambda d: d.update(num_layers=0), "wrong type or value for `num_layers`"),
+        (lambda d: d.update(block_size=-16), "wrong type or value for `block_size`"),
+        (lambda d: d.update(num_buffers=0, kv_factor=-1), "wrong type or value for `num_buffers`, `kv_factor`"),
+        (lambda d: d.update(groups=[]), "wrong type or value for `groups`"),
+        (lambda d: d["groups"][0].update(page_bytes=0), "wrong type or value for `groups`"),
+        (lambda d: d.update(scale_bytes=-4), "wrong type or value for `scale_bytes`"),
     ],
 )
 def test_from_dict_rejects_what_is_not_a_fingerprint(mutate, message: str) -> None:
