@@ -112,6 +112,11 @@ def test_json_never_holds_nan_or_infinity() -> None:
     assert json.loads(json_text({"x": 1.5})) == {"x": 1.5}
 
 
+def test_json_keys_that_are_not_strings_are_written_as_json_writes_them() -> None:
+    """Capability majors key some facts (`supported_layouts_by_capability`): ints become JSON's string keys."""
+    assert json.loads(json_text({8: ["LBHNC"], "name\udcff": 1})) == {"8": ["LBHNC"], "name\\xff": 1}
+
+
 # --------------------------------------------------------------------------- github
 
 

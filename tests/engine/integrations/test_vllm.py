@@ -563,3 +563,10 @@ def test_a_head_order_vllm_fixed_first_stops_start_up_naming_the_rule_and_vllm(t
     assert vllm.message.startswith("vLLM vllm-0.28 fixed the head order HND")
     assert "allocate LBHNC, not LBNHC" in vllm.message
     assert vllm.help is not None and "VLLM_KV_CACHE_LAYOUT=NHD" in vllm.help
+
+
+def test_without_a_version_the_gate_decides_with_the_newest_gate_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the default profile resolves layouts (0.29+), the gate adapter falls back to the newest release
+    that has the gate, never to a resolver release nor the historical seed."""
+    monkeypatch.setenv("KVPOLICY_VLLM_VERSION", "0.34.0")
+    assert vllm_context([[group()]], None).profile == "vllm-0.28"
