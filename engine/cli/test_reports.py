@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpolicy.policy.errors import Diagnostic, shown
+from kvpolicy.policy.errors import Diagnostic, shown, shown_file
 
 if TYPE_CHECKING:
     from kvpolicy.engine.policy_tests import CaseResult, TestRun
@@ -48,7 +48,7 @@ class CoverageRow:
 
     def render(self) -> str:
         what = f" ({self.kind})" if self.kind != "file" else ""
-        return f"  {self.name}{what}: {self.covered}/{self.total} ({self.percent:.0f}%)"
+        return f"  {shown_file(self.name)}{what}: {self.covered}/{self.total} ({self.percent:.0f}%)"
 
 
 def coverage_percent(run: TestRun) -> float:

@@ -27,6 +27,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.engine.cli.test_reports import case_diagnostics, coverage_breakdown, coverage_percent, junit_xml
+from kvpolicy.policy.errors import shown_file
 
 if TYPE_CHECKING:
     from kvpolicy.engine.policy_tests import CaseResult, TestRun
@@ -131,7 +132,7 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
         out.append("")
     cov = run.coverage
     out.append(f"{run.passed} passed, {run.failed} failed")
-    of = f" of {' + '.join(cov.layers)}" if cov.layers else ""
+    of = f" of {' + '.join(shown_file(layer) for layer in cov.layers)}" if cov.layers else ""
     out.append(f"coverage: {cov.total - len(cov.uncovered)}/{cov.total} rules{of} matched by some case"
                + (" (the shipped rules: --include-shipped)" if cov.layers else ""))
     for rule in cov.uncovered:

@@ -329,9 +329,10 @@ def test_a_rule_directory_of_any_legal_name_is_named_on_one_line_with_no_termina
     monkeypatch.chdir(tmp_path)
     clean, _ = _awkward_dir(tmp_path, name, _TWICE)
     broken, _ = _awkward_dir(tmp_path, name + b"-broken", _BROKEN)
-    runs = [(["validate", clean, *_V], 0), (["validate", broken, *_V], 1), (["dry-run", "--rules", clean, *_V], 0)]
+    runs = [(["validate", clean, *_V], 0), (["validate", broken, *_V], 1), (["dry-run", "--rules", clean, *_V], 0),
+            (["test", "--rules", clean, os.path.join(clean, "tests"), *_V], 1)]  # and the coverage lines
     for argv, expected in runs:
         code, out, err = cli(capsys, *argv)
         assert code == expected and "Traceback" not in err
-        assert not [c for c in "\x1b\r\x07\x7f\u2028" if c in out + err], (argv, out + err)
-        assert shown_file(argv[-3]) in out + err, argv
+        assert not [c for c in "\x1b\r\x07\x7f\u2028\x85\x9b" if c in out + err], (argv, out + err)
+        assert shown_file(clean if argv[0] == "test" else argv[-3]) in out + err, argv
