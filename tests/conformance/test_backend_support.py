@@ -64,7 +64,8 @@ def test_backend_dtypes_and_block_sizes_are_the_releases(version: str, vllm_site
         theirs = vllm[name]
         assert "error" not in theirs, f"{name} on {version}: {theirs}"
         if list(facts.supported_dtypes or ()) != theirs["supported_dtypes"]:
-            wrong.append(f"{name}.supported_dtypes: vLLM {theirs['supported_dtypes']}, profile {facts.supported_dtypes}")
+            wrong.append(f"{name}.supported_dtypes: vLLM {theirs['supported_dtypes']}, profile "
+                         f"{facts.supported_dtypes}")
         if _kernel_sizes(facts) != theirs["kernel_block_sizes"]:
             wrong.append(f"{name}.kernel_block_sizes: vLLM {theirs['kernel_block_sizes']}, profile "
                          f"{_kernel_sizes(facts)}")
