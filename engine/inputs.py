@@ -153,6 +153,7 @@ def build_context(
                                                                                    backend):
         raise input_error("backend", "give `attention_backend` or its alias `backend`, not both")
     backend = attention_backend if attention_backend is not None else backend
+    explicit = backend is not None  # the user's --attention-backend (not one a worker list names)
     backend_from = "backend"  # where a mismatch of the planned backend is reported
     workers = _workers(release, worker_attention_backends)
     if workers is not None:
@@ -199,6 +200,11 @@ def build_context(
     if tensor_parallel_size != 1 and model is None:
         raise input_error("tensor_parallel_size", "`tensor_parallel_size` applies to `model` only",
                           "a `spec` already gives the KV heads of one rank (`num_kv_heads`)")
+    # vLLM's selector checks a block size only when the user specified one (`user_specified_block_size`):
+    # the `block_size` keyword (--block-size). A `spec`'s own block_size describes the geometry vLLM built
+    # (the kernel block of a hybrid model, say), not necessarily a flag, so it is not checked.
+    requested = block_size if isinstance(block_size, int) and not isinstance(block_size, bool) else None
+    block_where = "block_size"
     if model is not None:
         from kvpolicy.policy.hf_config import kv_groups_from_hf_config
 
@@ -226,24 +232,18 @@ def build_context(
     groups = _hybrid_manager(release, groups, connector_config_model,
                              allow_chunked_local_attn_with_hybrid_kv_cache)
     kv = groups.primary or kv
-    # vLLM's selector checks a block size only when the user specified one (`user_specified_block_size`)
-    requested = block_size if block_size is not None else (
-        spec.get("block_size") if isinstance(spec, dict) else spec.block_size if isinstance(spec, KVCacheSpec)
-        else None)
-    requested = requested if isinstance(requested, int) and not isinstance(requested, bool) else None
     configured = backend is not None
     if backend is None:  # what vLLM's platform would select for this model (see `default_backend`)
         backend = default_backend(release, kv, device_capability if isinstance(device_capability, int) else None,
-                                  device=device, block_size=requested)
+                                  device=device, block_size=requested, block_where=block_where)
     if isinstance(backend, BackendProfile):
         profile = backend
     elif isinstance(backend, str):
         profile = release.backend(backend)
     else:
         raise input_error("attention_backend", f"`attention_backend` must be a name, got {type(backend).__name__}")
-    if configured and device == "cuda":
-        _check_configured_backend(release, kv, profile.name, requested,
-                                  "attention_backend" if backend_from == "backend" else backend_from)
+    if explicit and device == "cuda":
+        _check_configured_backend(release, kv, profile.name, requested, "attention_backend", block_where)
     if device == "cpu":
         where = "attention_backend" if backend_from == "backend" else backend_from
         named = [(profile.name, where)] if configured else []
@@ -330,7 +330,7 @@ def _check_cpu_backend(release: ReleaseProfile, kv: KVCacheSpec, name: str, wher
 
 
 def default_backend(release: ReleaseProfile, kv: KVCacheSpec, device_capability: int | None = None,
-                    device: str = "cuda", block_size: int | None = None) -> str:
+                    device: str = "cuda", block_size: int | None = None, block_where: str = "block_size") -> str:
     """The attention backend vLLM's platform selects when none is configured.
 
     ``cuda``: the first of the release's priority list for (MLA or not, capability; SM90 when
@@ -357,7 +357,7 @@ def default_backend(release: ReleaseProfile, kv: KVCacheSpec, device_capability:
     order = release.backend_priority.get(f"{kind}@{capability}", release.backend_priority.get(kind))
     if order is None:  # a profile without priorities (a development state): its first backend of the kind
         order = tuple(n for n, b in release.backends.items() if b.mla == (kind == "mla"))
-    return _first_supporting(release, kind, order, kv, block_size=block_size)
+    return _first_supporting(release, kind, order, kv, block_size=block_size, block_where=block_where)
 
 
 def _refusals(release: ReleaseProfile, name: str, kv: KVCacheSpec, block_size: int | None) -> list[str]:
@@ -373,7 +373,7 @@ def _refusals(release: ReleaseProfile, name: str, kv: KVCacheSpec, block_size: i
 
 
 def _first_supporting(release: ReleaseProfile, kind: str, order: Sequence[str], kv: KVCacheSpec,
-                      cpu: bool = False, block_size: int | None = None) -> str:
+                      cpu: bool = False, block_size: int | None = None, block_where: str = "block_size") -> str:
     """The first of ``order`` that supports ``kv.kv_cache_dtype`` (vLLM selects no backend without it) and,
     on CUDA, the model dtype and a requested block size (`_refusals`)."""
     skipped: dict[str, list[str]] = {}
@@ -385,7 +385,7 @@ def _first_supporting(release: ReleaseProfile, kind: str, order: Sequence[str], 
             reasons = _refusals(release, name, kv, block_size)
             if not reasons:
                 if any(r == ["block_size not supported"] for r in skipped.values()):
-                    _note("block_size", f"--block-size {block_size} precluded higher-priority backend(s) "
+                    _note(block_where, f"block size {block_size} precluded higher-priority backend(s) "
                           f"{', '.join(n for n, r in skipped.items() if r == ['block_size not supported'])}: "
                           f"{release.version_label} selects {name} instead (as vLLM logs it)",
                           "leave --block-size out to let vLLM choose a block size the first backend takes",
@@ -395,7 +395,7 @@ def _first_supporting(release: ReleaseProfile, kind: str, order: Sequence[str], 
     if skipped:
         why = "; ".join(f"{n}: {', '.join(r)}" for n, r in skipped.items())
         blocked = [n for n, r in skipped.items() if "block_size not supported" in r]
-        where = "block_size" if blocked and all("block_size not supported" in r for r in skipped.values()) else "dtype"
+        where = block_where if blocked and all("block_size not supported" in r for r in skipped.values()) else "dtype"
         rules = ", ".join(f"{n} takes {release.backends[n].block_size_rule()}" for n in blocked)
         raise input_error(where, f"no {kind} backend of {release.version_label} takes model dtype `{kv.dtype.value}`"
                           + (f" with block size {block_size}" if block_size is not None else "")
@@ -430,7 +430,7 @@ def _note(where: str, message: str, help: str, code: str) -> None:
 
 
 def _check_configured_backend(release: ReleaseProfile, kv: KVCacheSpec, name: str, block_size: int | None,
-                              where: str) -> None:
+                              where: str, block_where: str = "block_size") -> None:
     """A configured backend the model dtype or the requested block size does not fit: vLLM's CUDA platform
     refuses it at start-up (``get_attn_backend_cls``: "Selected backend ... is not valid for this
     configuration"), it does not fall back to another."""
@@ -442,13 +442,16 @@ def _check_configured_backend(release: ReleaseProfile, kv: KVCacheSpec, name: st
     facts = release.backends[name]
     refusal = f"(vLLM: \"Selected backend {name} is not valid for this configuration. Reason: {reasons}\")"
     if "dtype not supported" in reasons:
-        able = [n for n, b in release.backends.items() if b.mla == facts.mla and b.supports_dtype(kv.dtype.value)]
+        cuda = {n for k, names in release.backend_priority.items() if "@cpu" not in k for n in names}
+        able = [n for n, b in release.backends.items() if b.mla == facts.mla and b.supports_dtype(kv.dtype.value)
+                and (n in cuda or not cuda)]
         raise input_error(where, f"attention backend {name} on {release.version_label} does not run model dtype "
                           f"`{kv.dtype.value}` (its supported_dtypes: {', '.join(facts.supported_dtypes or ())}) "
                           f"{refusal}", f"serve the model in {' or '.join(facts.supported_dtypes or ())} (--dtype), "
                           f"or name a backend that runs {kv.dtype.value} ({', '.join(able) or 'none'}), or leave "
                           "the attention backend out", code="unsupported-dtype")
-    raise input_error("block_size", f"--block-size {block_size}: {name} on {release.version_label} takes block "
+    said = "--block-size" if block_where == "block_size" else "block_size"
+    raise input_error(block_where, f"{said} {block_size}: {name} on {release.version_label} takes block "
                       f"sizes that are {facts.block_size_rule()} {refusal}",
                       f"pass a block size {name} takes, or leave the attention backend out (vLLM then selects "
                       "the first backend of its priority list that takes this block size)",
