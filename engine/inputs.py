@@ -140,7 +140,8 @@ def build_context(
     ``auto``: as vLLM serves the config's ``torch_dtype``); a ``spec`` states its own ``dtype``.
     ``allow_chunked_local_attn_with_hybrid_kv_cache`` is ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE``
     (vLLM's default 1): with 0, a model with chunked local attention runs without the hybrid KV cache
-    manager, as it does with a connector that does not support it (`hybrid_manager_off`).
+    manager, as it does with a connector that does not support it (`hybrid_manager_off`); a ``model``'s
+    groups then follow (``groups`` given are vLLM's KV cache groups as its engine core made them).
 
     The backend is checked as vLLM's selector checks it: the model dtype against its
     ``supported_dtypes`` and a block size the user gave (``block_size``, or a ``spec``'s own) against
@@ -229,9 +230,13 @@ def build_context(
         kv = groups.primary
     else:
         raise input_error("spec", "no KV cache described", "pass `model` (a config.json) or `spec`")
-    groups = _hybrid_manager(release, groups, connector_config_model,
-                             allow_chunked_local_attn_with_hybrid_kv_cache)
-    kv = groups.primary or kv
+    if not isinstance(allow_chunked_local_attn_with_hybrid_kv_cache, bool):
+        raise input_error("allow_chunked_local_attn_with_hybrid_kv_cache", "`allow_chunked_local_attn_with_hybrid_"
+                          f"kv_cache` must be true or false, got `{allow_chunked_local_attn_with_hybrid_kv_cache!r}`")
+    if model is not None:  # `groups` are vLLM's KV cache groups as the engine core made them: already unified
+        groups = _hybrid_manager(release, groups, connector_config_model,
+                                 allow_chunked_local_attn_with_hybrid_kv_cache)
+        kv = groups.primary or kv
     configured = backend is not None
     if backend is None:  # what vLLM's platform would select for this model (see `default_backend`)
         backend = default_backend(release, kv, device_capability if isinstance(device_capability, int) else None,
@@ -498,13 +503,10 @@ def _connector_hma(release: ReleaseProfile, conn: ConnectorConfig) -> bool | Non
 
 
 def _hybrid_manager(release: ReleaseProfile, groups: KVCacheGroups, connector: ConnectorConfig | None,
-                    allow_chunked_local: Any) -> KVCacheGroups:
-    """The groups vLLM caches with its hybrid KV cache manager off (`hybrid_manager_off`): sliding-window
-    and chunked-local layers promoted to full attention, in one group with the full ones (vLLM's
+                    allow_chunked_local: bool) -> KVCacheGroups:
+    """A model's groups as vLLM caches them: with its hybrid KV cache manager off (`hybrid_manager_off`),
+    sliding-window and chunked-local layers promoted to full attention, in one group with the full ones (vLLM's
     ``unify_hybrid_kv_cache_specs``; the layers still compute as before), with a note saying so."""
-    if not isinstance(allow_chunked_local, bool):
-        raise input_error("allow_chunked_local_attn_with_hybrid_kv_cache", "`allow_chunked_local_attn_with_hybrid_"
-                          f"kv_cache` must be true or false, got `{allow_chunked_local!r}`")
     off = hybrid_manager_off(release, groups, connector, allow_chunked_local)
     kinds = {g.spec.kind for g in groups.groups}
     local = {AttentionKind.sliding_window, AttentionKind.chunked_local}
