@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from group_shapes import G, shape
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +17,7 @@ import kvpolicy.policy.hf_config
 from kvpolicy.policy.errors import Diagnostic, InputError, ModelConfigError
 from kvpolicy.policy.hf_config import kv_groups_from_hf_config, read_hf_config
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype
-from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
+from kvpolicy.policy.spec import AttentionKind
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 FULL, SLIDING, MLA, MAMBA = (AttentionKind.full, AttentionKind.sliding_window, AttentionKind.mla,
@@ -45,22 +45,6 @@ def make_config(**fields: Any) -> dict[str, Any]:
         else:
             config[key] = value
     return config
-
-
-@dataclass(frozen=True)
-class G:
-    """The expected shape of one KV cache group."""
-
-    kind: AttentionKind
-    layers: int
-    heads: int
-    head_size: int
-    window: int | None = None
-
-
-def shape(groups: KVCacheGroups) -> list[G]:
-    return [G(g.spec.kind, g.spec.num_layers, g.spec.num_kv_heads, g.spec.head_size, g.spec.sliding_window)
-            for g in groups.groups]
 
 
 # --- published configs -------------------------------------------------------------------------

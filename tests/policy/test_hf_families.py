@@ -8,34 +8,20 @@ config-class defaults included). The conformance corpus proves the same against 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from group_shapes import G, shape
 
 from kvpolicy.policy.errors import InputError, ModelConfigError
 from kvpolicy.policy.hf_config import ModelConfigWarning, kv_groups_from_hf_config, read_hf_config
 from kvpolicy.policy.quant import ModelDtype
-from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
+from kvpolicy.policy.spec import AttentionKind
 
 FULL, SLIDING, CHUNKED, MLA, MAMBA = (AttentionKind.full, AttentionKind.sliding_window, AttentionKind.chunked_local,
                                       AttentionKind.mla, AttentionKind.mamba)
 
 
-@dataclass(frozen=True)
-class G:
-    """The expected shape of one KV cache group."""
-
-    kind: AttentionKind
-    layers: int
-    heads: int
-    head_size: int
-    window: int | None = None
-
-
-def shape(groups: KVCacheGroups) -> list[G]:
-    return [G(g.spec.kind, g.spec.num_layers, g.spec.num_kv_heads, g.spec.head_size, g.spec.sliding_window)
-            for g in groups.groups]
 
 
 def codes(config: dict[str, Any], **kwargs: Any) -> list[str]:
