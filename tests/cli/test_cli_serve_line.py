@@ -86,6 +86,11 @@ def test_a_kvpolicy_flag_wins_over_the_line_and_says_so(capsys: pytest.CaptureFi
     ([TINY, "--disable-hybrid-kv-cache-manager"], "vllm serve --disable-hybrid-kv-cache-manager",
      "kvpolicy does not model"),
     (["--served-model-name", "x"], "vllm serve", "without a positional model"),
+    # arguments the decision ignores are still checked as the release's parser checks them (vLLM refuses these)
+    ([TINY, "--max-num-seqs", "abc"], "vllm serve --max-num-seqs", "invalid int value: 'abc'"),
+    ([TINY, "--gpu-memory-utilization=high"], "vllm serve --gpu-memory-utilization", "invalid float value"),
+    ([TINY, "--max-model-len", "1.5K"], "vllm serve --max-model-len", "invalid human_readable_int value"),
+    ([TINY, "--model-impl", "transformers"], "vllm serve --model-impl", "kvpolicy does not model"),
     ([TINY, "--config", "serve.json"], "vllm serve --config", "only as YAML"),
 ])
 def test_a_line_kvpolicy_cannot_take_is_a_located_error(capsys: pytest.CaptureFixture[str], line: list[str],
