@@ -123,7 +123,9 @@ class KVCacheSpec(Frozen):
                              "use it (vLLM's MLA format is `nvfp4_ds_mla`)")
         if self.kind is AttentionKind.mla and self.num_kv_heads != 1:
             raise ValueError("an MLA spec stores one latent head: num_kv_heads must be 1")
-        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+        # a Mamba spec's own bytes are a stand-in (`kv_groups_from_hf_config`): its padded page, vLLM's, stands
+        if (self.page_size_padded is not None and self.kind is not AttentionKind.mamba
+                and self.page_size_padded < self.real_page_size_bytes):
             raise ValueError(
                 f"page_size_padded {self.page_size_padded} is smaller than the page's "
                 f"{self.real_page_size_bytes} bytes"

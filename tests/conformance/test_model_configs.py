@@ -18,10 +18,14 @@ How kvpolicy's groups map onto vLLM's (`KVCacheGroups`, policy/spec.py):
   ``num_layers`` of a kind is compared with the number of vLLM *layers* of that kind, and the
   grouping with what the policy reads of it: the set of kinds among the groups and whether the
   model is one group (the cross-layer layout needs one).
-- **Per attention kind**: KV heads per rank, head size, sliding window, block size (vLLM raises the
-  attention block size of hybrid models to match the Mamba page) and page bytes, from vLLM's
-  per-layer spec before grouping (grouping pads pages). **Mamba**: the layer count only
-  (kvpolicy's Mamba spec is a stand-in: `kv_groups_from_hf_config`'s docstring).
+- **Per attention kind**: KV heads per rank, head size, sliding window, block size and page bytes,
+  from vLLM's per-layer spec before grouping (grouping pads pages), after the executor's
+  ``update_block_size_for_backend``: vLLM raises the attention block size of a hybrid attention +
+  Mamba model until a page holds a Mamba state, past an explicit ``--block-size`` too
+  (`kvpolicy.policy.hybrid_block`). **Mamba**: the layer count, the block size and the page bytes
+  (vLLM's Mamba page padded to the attention page; kvpolicy's Mamba spec is otherwise a stand-in:
+  `kv_groups_from_hf_config`'s docstring). Hybrid configs are asked at the release's default block
+  size too (``*-default-block``: no ``--block-size``; kvpolicy gets the profile's `default_block_size`).
 - **dtype**: the dtype vLLM serves (``ModelConfig.dtype``: ``--dtype`` rules, float32 downcast)
   against every kvpolicy spec's ``dtype``; the KV cache dtype shows in the page bytes.
 - **Refusals**: vLLM refusing a case kvpolicy also refuses is equal ("both refuse"); for the
@@ -50,19 +54,29 @@ from vllm_release import run_oracle
 
 from kvpolicy.policy.errors import PolicyError
 from kvpolicy.policy.hf_config import kv_groups_from_hf_config
+from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
 NAMES = sorted(p.name for p in CORPUS.iterdir() if (p / "config.json").is_file())
 RELEASES = ("0.34.0", "0.28.0")
 
-# (label, tensor_parallel_size, dtype, kv_cache_dtype); every config gets the first two.
-BASE_CASES = (("tp1", 1, "auto", "auto"), ("tp4-fp8", 4, "auto", "fp8"))
-EXTRA_CASES = {
-    "gemma-2-2b-it": (("tp1-float32", 1, "float32", "auto"),),  # an explicit --dtype float32 keeps fp32
-    "phi-2": (("tp1-bfloat16", 1, "bfloat16", "auto"),),  # a float16 checkpoint served in bf16
-}
+# (label, tensor_parallel_size, dtype, kv_cache_dtype, block_size); every config gets the first two. A
+# block size of None is no --block-size: the release's default (its profile's `default_block_size`).
+Case = tuple[str, int, str, str, "int | None"]
 BLOCK_SIZE = 16
+BASE_CASES: tuple[Case, ...] = (("tp1", 1, "auto", "auto", BLOCK_SIZE), ("tp4-fp8", 4, "auto", "fp8", BLOCK_SIZE))
+# hybrid attention + Mamba models: vLLM raises the attention block size until a page holds a Mamba state
+# (`update_block_size_for_backend`), from the default block size as from an explicit one
+HYBRID_CASES: tuple[Case, ...] = (("tp1-default-block", 1, "auto", "auto", None),
+                                  ("tp4-fp8-default-block", 4, "auto", "fp8", None))
+HYBRIDS = ("falcon-h1-0.5b-instruct", "granite-4.0-h-tiny", "jamba-v0.1", "nvidia-nemotron-nano-9b-v2",
+           "qwen3-next-80b-a3b-instruct", "zamba2-1.2b")
+EXTRA_CASES: dict[str, tuple[Case, ...]] = {
+    "gemma-2-2b-it": (("tp1-float32", 1, "float32", "auto", BLOCK_SIZE),),  # an explicit --dtype float32 keeps fp32
+    "phi-2": (("tp1-bfloat16", 1, "bfloat16", "auto", BLOCK_SIZE),),  # a float16 checkpoint served in bf16
+    **{name: HYBRID_CASES for name in HYBRIDS},
+}
 
 # Configs vLLM itself refuses (on any machine): release -> a substring of its error, and why.
 _VLLM_REFUSES: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
@@ -97,15 +111,17 @@ _NOT_BUILT: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
 _KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window", "MLAAttentionSpec": "mla",
           "MambaSpec": "mamba", "ChunkedLocalAttentionSpec": "chunked_local", "CrossAttentionSpec": "cross"}
 _ATTENTION_FIELDS = ("num_kv_heads", "head_size", "sliding_window", "block_size", "page_size_bytes")
+# a Mamba state's: the block size and the page (vLLM's padded to the attention page in a hybrid model)
+_MAMBA_FIELDS = ("block_size", "page_size_bytes")
 
 ROWS: list[tuple[str, str, str, str, str]] = []
 
 
-def _cases(name: str) -> list[tuple[str, int, str, str]]:
+def _cases(name: str) -> list[Case]:
     return [*BASE_CASES, *EXTRA_CASES.get(name, ())]
 
 
-def _plan() -> list[tuple[str, tuple[str, int, str, str]]]:
+def _plan() -> list[tuple[str, Case]]:
     return [(name, case) for name in NAMES for case in _cases(name)]
 
 
@@ -118,8 +134,8 @@ def _answers(version: str) -> dict[tuple[str, str], dict[str, Any]]:
     if version not in _ASKED:
         plan = _plan()
         cases = [{"config": json.loads((CORPUS / name / "config.json").read_text(encoding="utf-8")),
-                  "tensor_parallel_size": tp, "dtype": dtype, "kv_cache_dtype": kv, "block_size": BLOCK_SIZE}
-                 for name, (_, tp, dtype, kv) in plan]
+                  "tensor_parallel_size": tp, "dtype": dtype, "kv_cache_dtype": kv, "block_size": block}
+                 for name, (_, tp, dtype, kv, block) in plan]
         try:
             answers = run_oracle(version, "model_config", cases, timeout=1800)
             _ASKED[version] = {(name, case[0]): answer for (name, case), answer in zip(plan, answers, strict=True)}
@@ -141,9 +157,8 @@ def _vllm_kinds(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
             kind = "chunked_local"
         entry = out.setdefault(kind, {"layers": 0})
         entry["layers"] += 1
-        if kind != "mamba":
-            for field in _ATTENTION_FIELDS:
-                entry.setdefault(field, set()).add(spec.get(field))
+        for field in _MAMBA_FIELDS if kind == "mamba" else _ATTENTION_FIELDS:
+            entry.setdefault(field, set()).add(spec.get(field))
     for entry in out.values():
         for field in _ATTENTION_FIELDS:
             if field in entry:
@@ -165,9 +180,9 @@ def _ours_kinds(groups: KVCacheGroups) -> dict[str, dict[str, Any]]:
         spec = group.spec
         entry = out.setdefault(spec.kind.value, {"layers": 0})
         entry["layers"] += spec.num_layers
+        entry.update(block_size=spec.block_size, page_size_bytes=spec.page_size_bytes)
         if spec.kind is not AttentionKind.mamba:
-            entry.update(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, sliding_window=spec.sliding_window,
-                         block_size=spec.block_size, page_size_bytes=spec.page_size_bytes)
+            entry.update(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, sliding_window=spec.sliding_window)
     return out
 
 
@@ -233,9 +248,13 @@ def _refusal(error: PolicyError) -> str:
     return "; ".join(d.message for d in error.diagnostics) or error.message
 
 
-def _kvpolicy(name: str, tp: int, dtype: str, kv: str, version: str) -> KVCacheGroups | PolicyError:
+def _kvpolicy(name: str, tp: int, dtype: str, kv: str, version: str,
+              block: int | None = BLOCK_SIZE) -> KVCacheGroups | PolicyError:
+    """kvpolicy's reading; no block size is the release's default, as `dry-run` passes it."""
+    if block is None:
+        block = get_profile(version).default_block_size
     try:
-        return kv_groups_from_hf_config(CORPUS / name, kv_cache_dtype=kv, block_size=BLOCK_SIZE,
+        return kv_groups_from_hf_config(CORPUS / name, kv_cache_dtype=kv, block_size=block,
                                         tensor_parallel_size=tp, dtype=None if dtype == "auto" else dtype,
                                         vllm_version=version)
     except PolicyError as exc:
@@ -244,9 +263,9 @@ def _kvpolicy(name: str, tp: int, dtype: str, kv: str, version: str) -> KVCacheG
 
 def judge(name: str, label: str, version: str) -> tuple[str, str]:
     """(outcome, why) for one config, case and release."""
-    _, tp, dtype, kv = next(c for c in _cases(name) if c[0] == label)
+    _, tp, dtype, kv, block = next(c for c in _cases(name) if c[0] == label)
     vllm = _answers(version)[(name, label)]
-    ours = _kvpolicy(name, tp, dtype, kv, version)
+    ours = _kvpolicy(name, tp, dtype, kv, version, block)
     error = vllm.get("error")
     refused = _expected_error(_VLLM_REFUSES, name, label, version)
     not_built = _expected_error(_NOT_BUILT, name, label, version)

@@ -1,0 +1,62 @@
+"""The attention block size vLLM gives a hybrid attention + Mamba model, and its padded Mamba page.
+
+vLLM allocates every layer's pages from one pool, so an attention page must hold a whole Mamba
+state. After the workers load the model, the executor calls the platform's
+``update_block_size_for_backend`` (``vllm/platforms/interface.py``, 0.24-0.34): for a hybrid
+model its ``_align_hybrid_block_size`` raises the attention block size, even past an explicit
+``--block-size``, to the smallest multiple of the kernel block whose page holds the state, then
+pads the Mamba page to that attention page (``mamba_page_size_padded``). Worked example, Jamba-v0.1
+on one rank, bfloat16 (attention page 2 x 8 heads x 128 x 2 B = 4096 B a token, Mamba state
+311296 B, `kvpolicy.policy.hf_mamba_state`)::
+
+    kernel block  = max(16, block_size)              # vLLM 0.34's default 64 -> 64; --block-size 16 -> 16
+    tokens needed = cdiv(311296, 4096)               = 76
+    block_size    = kernel * cdiv(76, kernel)        # 64 -> 128; 16 -> 80
+    Mamba page    = block_size * 4096                # 128 -> 524288 B, padded from 311296
+
+The kernel block is the attention backend's smallest kernel block size (16 for CUDA's
+TRITON_ATTN, FLASH_ATTN and FLASHINFER: ``MultipleOf(16)`` or 16 first) or the block size when
+larger; for an MLA model vLLM makes it at least 128 (the TRTLLM/FlashInfer MLA decode kernels).
+The facts that differ per release are the default block size (the release profile's
+``default_block_size``: 16 until 0.33, 64 in 0.34), which the caller passes in. The arithmetic
+is held to each release's own ``update_block_size_for_backend`` by
+``tests/conformance/test_model_configs.py`` (every hybrid config of the corpus, at the release's
+default block size and at an explicit one).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["KERNEL_BLOCK", "MLA_KERNEL_BLOCK", "HybridBlock", "align_hybrid_block"]
+
+KERNEL_BLOCK = 16  # the smallest kernel block of vLLM's CUDA attention backends kvpolicy decides for
+MLA_KERNEL_BLOCK = 128  # _align_hybrid_block_size's floor for hybrid MLA models
+
+
+class HybridBlock(NamedTuple):
+    """What vLLM makes of a hybrid model's block size: the attention block size, the Mamba state's own
+    bytes and the page every layer then has (the attention page; the Mamba page padded to it)."""
+
+    block_size: int
+    mamba_state_bytes: int
+    page_size_bytes: int
+
+    def raised(self, asked: int) -> bool:
+        return self.block_size != asked
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align_hybrid_block(block_size: int, attention_page_per_token: int, mamba_state_bytes: int,
+                       mla: bool = False) -> HybridBlock:
+    """The attention block size vLLM's ``_align_hybrid_block_size`` sets, from the block size it starts
+    from (the operator's, else the release default), one token's attention page (backend packing
+    included) and one Mamba state's bytes."""
+    kernel = max(KERNEL_BLOCK, block_size)
+    if mla:
+        kernel = max(kernel, MLA_KERNEL_BLOCK)
+    aligned = max(block_size, kernel * _cdiv(mamba_state_bytes, kernel * attention_page_per_token))
+    return HybridBlock(aligned, mamba_state_bytes, aligned * attention_page_per_token)
