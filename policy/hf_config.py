@@ -38,11 +38,10 @@ from kvpolicy.policy.errors import Diagnostic, ModelConfigError, input_error
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.hf_dtype import checkpoint_kv_cache_dtype, parse_dtype, served_dtype
 from kvpolicy.policy.hf_layer_kinds import MAMBA_ONLY, LayerCache, layer_caches, window_tokens
-from kvpolicy.policy.hf_mamba_state import mamba_state
 from kvpolicy.policy.hf_reader import ConfigReader, is_int, show
-from kvpolicy.policy.hybrid_block import KERNEL_BLOCK, HybridBlock, align_hybrid_block
+from kvpolicy.policy.hybrid_block import hybrid_block_size
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
-from kvpolicy.policy.spec import MAX_BLOCK_SIZE, MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
+from kvpolicy.policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
 
 __all__ = ["ModelConfigWarning", "ModelReading", "kv_groups_from_hf_config", "read_hf_config"]
@@ -346,48 +345,6 @@ def _mamba_state_size(r: ConfigReader) -> int:
     return _DEFAULT_MAMBA_STATE
 
 
-def _hybrid_block_size(r: ConfigReader, counts: dict[str, int], geometry: tuple[int, int] | None,
-                       common: dict[str, Any], kv_cache_dtype: str, tp: int) -> HybridBlock | None:
-    """For an attention + Mamba model, the block size vLLM raises the attention pages to so that one holds a
-    Mamba state (`kvpolicy.policy.hybrid_block`), with a note when it differs from the one asked for; None
-    for other models, and where kvpolicy cannot size the state (a note says what that leaves out)."""
-    if LayerCache.mamba.value not in counts or geometry is None:
-        return None
-    asked = common["block_size"]
-    release = f"vLLM {'.'.join(map(str, r.release))}" if r.release else "vLLM"
-    state = mamba_state(r, tp)
-    if state is None:
-        r.warn("hybrid-block-not-aligned", f"{release} raises a hybrid model's attention block size until one page "
-               f"holds a Mamba state, but kvpolicy does not size the state of `{r.model_type}` (or the config "
-               f"lacks a field it needs): the block size stays {asked}, and pages may be smaller than vLLM's",
-               "give the groups in a --spec file with the block size vLLM logs (\"Setting attention block size "
-               "to N tokens\")")
-        return None
-    kv_heads, head_size = geometry
-    kind = AttentionKind.mla if AttentionKind.mla.value in counts else AttentionKind.full
-    try:
-        per_token = KVCacheSpec(kind=kind, num_layers=1, block_size=1, num_kv_heads=kv_heads, head_size=head_size,
-                                dtype=common["dtype"], kv_cache_dtype=kv_cache_dtype).page_size_bytes
-    except ValidationError:
-        return None  # the attention spec itself is invalid: _build reports it
-    aligned = align_hybrid_block(asked, per_token, state.page_size_bytes(common["dtype"].size_bytes),
-                                 mla=kind is AttentionKind.mla)
-    if aligned.block_size > MAX_BLOCK_SIZE:
-        r.error("invalid-spec", f"{release} would raise the attention block size to {aligned.block_size} tokens for "
-                f"this hybrid model's Mamba state ({aligned.mamba_state_bytes} B), over kvpolicy's bound of "
-                f"{MAX_BLOCK_SIZE}", "check the config's Mamba fields (state size, heads, expand)")
-        r.fail_if_any()
-    if aligned.raised(asked):
-        r.warn("hybrid-block-size", f"{release} aligns the attention block size to {aligned.block_size} for the Mamba "
-               f"state page: one {state.family} state is {aligned.mamba_state_bytes} B, one token of attention page "
-               f"{per_token} B, so a page of {aligned.block_size} tokens ({aligned.page_size_bytes} B) is the "
-               f"smallest multiple of the kernel block ({max(KERNEL_BLOCK, asked)}) that holds it; the block size "
-               f"asked for was {asked}. The Mamba page is padded to {aligned.page_size_bytes} B",
-               "nothing to do: vLLM raises it even past an explicit --block-size; pass a block size of "
-               f"{aligned.block_size} to silence this note")
-    return aligned
-
-
 def _build(r: ConfigReader, fields: list[dict[str, Any]]) -> KVCacheGroups:
     """Build the specs; the model validators' remaining cross-checks become a `ModelConfigError`."""
     groups = []
@@ -564,7 +521,11 @@ def read_hf_config(
     r.fail_if_any()
 
     fields = []
-    block_size = _hybrid_block_size(r, counts, geometry, common, kv_cache_dtype, tensor_parallel_size)
+    block_size = None
+    if LayerCache.mamba.value in counts and geometry is not None:  # attention + Mamba: vLLM raises the block size
+        kind = AttentionKind.mla if AttentionKind.mla.value in counts else AttentionKind.full
+        block_size = hybrid_block_size(r, kind, geometry, common["block_size"], common["dtype"], kv_cache_dtype,
+                                       tensor_parallel_size)
     common["block_size"] = block_size.block_size if block_size else common["block_size"]
     for kind_name, count in counts.items():
         kind = AttentionKind(kind_name)

@@ -28,7 +28,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["KERNEL_BLOCK", "MLA_KERNEL_BLOCK", "HybridBlock", "align_hybrid_block"]
+from pydantic import ValidationError
+
+from kvpolicy.policy.hf_mamba_state import mamba_state
+from kvpolicy.policy.hf_reader import ConfigReader
+from kvpolicy.policy.quant import ModelDtype
+from kvpolicy.policy.spec import MAX_BLOCK_SIZE, AttentionKind, KVCacheSpec
+
+__all__ = ["KERNEL_BLOCK", "MLA_KERNEL_BLOCK", "HybridBlock", "align_hybrid_block", "hybrid_block_size"]
 
 KERNEL_BLOCK = 16  # the smallest kernel block of vLLM's CUDA attention backends kvpolicy decides for
 MLA_KERNEL_BLOCK = 128  # _align_hybrid_block_size's floor for hybrid MLA models
@@ -60,3 +67,41 @@ def align_hybrid_block(block_size: int, attention_page_per_token: int, mamba_sta
         kernel = max(kernel, MLA_KERNEL_BLOCK)
     aligned = max(block_size, kernel * _cdiv(mamba_state_bytes, kernel * attention_page_per_token))
     return HybridBlock(aligned, mamba_state_bytes, aligned * attention_page_per_token)
+
+
+def hybrid_block_size(r: ConfigReader, kind: AttentionKind, geometry: tuple[int, int], asked: int,
+                      dtype: ModelDtype, kv_cache_dtype: str, tp: int) -> HybridBlock | None:
+    """For an attention + Mamba model read by ``r`` (attention ``kind``, (KV heads per rank, head size)
+    ``geometry``), the block size vLLM raises ``asked`` to so that a page holds a Mamba state, with a note
+    in ``r`` when it differs; None where kvpolicy cannot size the state (a note says what that leaves out)."""
+    release = f"vLLM {'.'.join(map(str, r.release))}" if r.release else "vLLM"
+    state = mamba_state(r, tp)
+    if state is None:
+        r.warn("hybrid-block-not-aligned", f"{release} raises a hybrid model's attention block size until one page "
+               f"holds a Mamba state, but kvpolicy does not size the state of `{r.model_type}` (or the config "
+               f"lacks a field it needs): the block size stays {asked}, and pages may be smaller than vLLM's",
+               "give the groups in a --spec file with the block size vLLM logs (\"Setting attention block size "
+               "to N tokens\")")
+        return None
+    kv_heads, head_size = geometry
+    try:
+        per_token = KVCacheSpec(kind=kind, num_layers=1, block_size=1, num_kv_heads=kv_heads, head_size=head_size,
+                                dtype=dtype, kv_cache_dtype=kv_cache_dtype).page_size_bytes
+    except ValidationError:
+        return None  # the attention spec itself is invalid: the caller's build reports it
+    aligned = align_hybrid_block(asked, per_token, state.page_size_bytes(dtype.size_bytes),
+                                 mla=kind is AttentionKind.mla)
+    if aligned.block_size > MAX_BLOCK_SIZE:
+        r.error("invalid-spec", f"{release} would raise the attention block size to {aligned.block_size} tokens for "
+                f"this hybrid model's Mamba state ({aligned.mamba_state_bytes} B), over kvpolicy's bound of "
+                f"{MAX_BLOCK_SIZE}", "check the config's Mamba fields (state size, heads, expand)")
+        r.fail_if_any()
+    if aligned.raised(asked):
+        r.warn("hybrid-block-size", f"{release} aligns the attention block size to {aligned.block_size} for the Mamba "
+               f"state page: one {state.family} state is {aligned.mamba_state_bytes} B, one token of attention page "
+               f"{per_token} B, so a page of {aligned.block_size} tokens ({aligned.page_size_bytes} B) is the "
+               f"smallest multiple of the kernel block ({max(KERNEL_BLOCK, asked)}) that holds it; the block size "
+               f"asked for was {asked}. The Mamba page is padded to {aligned.page_size_bytes} B",
+               "nothing to do: vLLM raises it even past an explicit --block-size; pass a block size of "
+               f"{aligned.block_size} to silence this note")
+    return aligned
