@@ -60,6 +60,9 @@ from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
 NAMES = sorted(p.name for p in CORPUS.iterdir() if (p / "config.json").is_file())
 RELEASES = ("0.34.0", "0.28.0")
+# releases asked about the hybrid configs only (each case of HYBRIDS): where vLLM's alignment code changed
+# (0.32: rounded to every backend's kernel block; 0.33: Mamba prefill checkpoints) and one before
+HYBRID_RELEASES = ("0.30.0", "0.32.0", "0.33.0")
 
 # (label, tensor_parallel_size, dtype, kv_cache_dtype, block_size); every config gets the first two. A
 # block size of None is no --block-size: the release's default (its profile's `default_block_size`).
@@ -121,8 +124,10 @@ def _cases(name: str) -> list[Case]:
     return [*BASE_CASES, *EXTRA_CASES.get(name, ())]
 
 
-def _plan() -> list[tuple[str, Case]]:
-    return [(name, case) for name in NAMES for case in _cases(name)]
+def _plan(version: str = RELEASES[0]) -> list[tuple[str, Case]]:
+    """The (config, case)s asked of ``version``: every one for `RELEASES`, the hybrids' for `HYBRID_RELEASES`."""
+    names = NAMES if version in RELEASES else HYBRIDS
+    return [(name, case) for name in names for case in _cases(name)]
 
 
 _ASKED: dict[str, dict[tuple[str, str], dict[str, Any]] | Exception] = {}
@@ -132,7 +137,7 @@ def _answers(version: str) -> dict[tuple[str, str], dict[str, Any]]:
     """The release's answer to every (config, case): one oracle call, all cases (a failed call is
     remembered too, so that the release's other tests do not ask again)."""
     if version not in _ASKED:
-        plan = _plan()
+        plan = _plan(version)
         cases = [{"config": json.loads((CORPUS / name / "config.json").read_text(encoding="utf-8")),
                   "tensor_parallel_size": tp, "dtype": dtype, "kv_cache_dtype": kv, "block_size": block}
                  for name, (_, tp, dtype, kv, block) in plan]
@@ -306,17 +311,27 @@ def _table() -> Any:
         print(f"\n{'config':{width}}  case          release  outcome               why")
         for name, label, version, outcome, why in sorted(ROWS):
             print(f"{name:{width}}  {label:12}  {version:7}  {outcome:20}  {why}")
-        for version in RELEASES:
+        for version in (*RELEASES, *HYBRID_RELEASES):
             counts: dict[str, int] = {}
             for row in ROWS:
                 if row[2] == version:
                     counts[row[3]] = counts.get(row[3], 0) + 1
-            print(f"vLLM {version}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+            if counts:
+                print(f"vLLM {version}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
 
 @pytest.mark.parametrize("version", RELEASES)
 @pytest.mark.parametrize(("name", "label"), [(n, c[0]) for n, c in _plan()])
 def test_kvpolicy_reads_the_config_as_vllm(name: str, label: str, version: str, vllm_sites: Any) -> None:
+    outcome, why = judge(name, label, version)
+    ROWS.append((name, label, version, outcome, why))
+    assert outcome != "different", f"{name} ({label}) on vLLM {version}: {why}"
+
+
+@pytest.mark.parametrize("version", HYBRID_RELEASES)
+@pytest.mark.parametrize(("name", "label"), [(n, c[0]) for n, c in _plan(HYBRID_RELEASES[0])])
+def test_hybrid_block_size_as_more_releases(name: str, label: str, version: str, vllm_sites: Any) -> None:
+    """The hybrid configs on releases beyond 0.28 and 0.34: block size and pages, specs and groups alike."""
     outcome, why = judge(name, label, version)
     ROWS.append((name, label, version, outcome, why))
     assert outcome != "different", f"{name} ({label}) on vLLM {version}: {why}"
