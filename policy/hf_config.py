@@ -444,9 +444,10 @@ def read_hf_config(
     - Mamba, Gated DeltaNet (linear attention) and short-convolution layers add a
       ``mamba`` group.
 
-    vLLM balances hybrid groups to equal sizes (gpt-oss: 12 groups of 2 layers);
-    here each kind is one group holding all its layers, which is what the policy
-    needs: the number of groups and their kinds. The ``mamba`` spec is a stand-in
+    vLLM splits each kind into groups of one size (Gemma-3-27B's 52 sliding and
+    10 full layers: 7 groups); here each kind is one group holding all its layers,
+    and `KVCacheGroups.count` (a rule's ``groups.count``) is vLLM's number of
+    groups, derived from them. The ``mamba`` spec is a stand-in
     for the same reason: one head of the SSM state size (``mamba_d_state`` or
     ``ssm_state_size``, default 16), ``kv_cache_dtype`` auto; its kind drives
     decisions. Its page is vLLM's where the model also has attention: vLLM raises

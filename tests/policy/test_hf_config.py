@@ -91,7 +91,8 @@ def test_fixture_groups(name: str, expected: list[G]) -> None:
 def test_fixture_counts_and_flags() -> None:
     assert kv_groups_from_hf_config(FIXTURES / "llama-3.1-8b.json").count == 1
     jamba = kv_groups_from_hf_config(FIXTURES / "jamba-v0.1.json")
-    assert jamba.count == 2
+    assert len(jamba.groups) == 2  # one group per kind of layer: full, Mamba
+    assert jamba.count == 8  # vLLM's: 4 full and 28 Mamba layers in groups of 4 (test_model_configs.py)
     assert jamba.has_mamba
     assert not kv_groups_from_hf_config(FIXTURES / "gpt-oss-20b.json").has_mamba
 

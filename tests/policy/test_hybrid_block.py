@@ -85,10 +85,3 @@ def test_a_state_no_block_size_kvpolicy_takes_could_hold_is_a_located_error() ->
     assert d.file == "<config>" and "would raise the attention block size to 16400 tokens" in d.message
 
 
-def test_dry_run_decides_with_vllms_block_size(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpolicy.engine.cli import main
-
-    code = main(["dry-run", "--model", str(JAMBA), "--vllm-version", "0.34.0", "--format", "json"])
-    out, err = capsys.readouterr()
-    assert code == 0 and json.loads(out)["inputs"]["kv"]["block_size"] == 128
-    assert "warning[hybrid-block-size]: vLLM 0.34.0 aligns the attention block size to 128" in err
