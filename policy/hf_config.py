@@ -226,6 +226,17 @@ def _removed_architectures(vllm_version: str | None) -> tuple[str, dict[str, str
     return f"vLLM {vllm_version.strip().removeprefix('v')}", match.profile.previously_supported_models
 
 
+def _rounds_hybrid_block(vllm_version: str | None) -> bool:
+    """The release profile's `hybrid_block_rounded` (the newest profile's where no version is given; False
+    for a version no profile answers for)."""
+    from kvpolicy.policy.releases import get_profile, match_version, profile_names
+
+    if vllm_version is None:
+        return get_profile(profile_names()[0]).hybrid_block_rounded
+    match = match_version(vllm_version)
+    return match is not None and match.profile.hybrid_block_rounded
+
+
 def _check_removed(r: ConfigReader, names: list[str], vllm_version: str | None) -> bool:
     """An error when every architecture the config names is one the release's model registry dropped:
     the release has no implementation of the model (0.28 refuses Bamba when it builds the ModelConfig,
@@ -526,7 +537,7 @@ def read_hf_config(
     if LayerCache.mamba.value in counts and geometry is not None:  # attention + Mamba: vLLM raises the block size
         kind = AttentionKind.mla if AttentionKind.mla.value in counts else AttentionKind.full
         block_size = hybrid_block_size(r, kind, geometry, common["block_size"], common["dtype"], kv_cache_dtype,
-                                       tensor_parallel_size)
+                                       tensor_parallel_size, rounded=_rounds_hybrid_block(vllm_version))
     common["block_size"] = block_size.block_size if block_size else common["block_size"]
     for kind_name, count in counts.items():
         kind = AttentionKind(kind_name)

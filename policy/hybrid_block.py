@@ -17,8 +17,11 @@ on one rank, bfloat16 (attention page 2 x 8 heads x 128 x 2 B = 4096 B a token, 
 The kernel block is the attention backend's smallest kernel block size (16 for CUDA's
 TRITON_ATTN, FLASH_ATTN and FLASHINFER: ``MultipleOf(16)`` or 16 first) or the block size when
 larger; for an MLA model vLLM makes it at least 128 (the TRTLLM/FlashInfer MLA decode kernels).
-The facts that differ per release are the default block size (the release profile's
-``default_block_size``: 16 until 0.33, 64 in 0.34), which the caller passes in. The arithmetic
+The facts that differ per release are in the release profiles: the default block size
+(``default_block_size``: 16 until 0.33, 64 in 0.34), which the caller passes in, and from 0.32 a
+rounding of the result up to a multiple of every backend's kernel block (``hybrid_block_rounded``;
+it changes only a block size that is not a multiple of 16: ``--block-size 24`` on Granite-4.0-H
+gives 408 on 0.28, 416 on 0.32-0.34). The arithmetic
 is held to each release's own ``update_block_size_for_backend`` by
 ``tests/conformance/test_model_configs.py`` (every hybrid config of the corpus, at the release's
 default block size and at an explicit one).
@@ -58,19 +61,23 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def align_hybrid_block(block_size: int, attention_page_per_token: int, mamba_state_bytes: int,
-                       mla: bool = False) -> HybridBlock:
+                       mla: bool = False, rounded: bool = False) -> HybridBlock:
     """The attention block size vLLM's ``_align_hybrid_block_size`` sets, from the block size it starts
     from (the operator's, else the release default), one token's attention page (backend packing
-    included) and one Mamba state's bytes."""
+    included) and one Mamba state's bytes; ``rounded`` (the profile's `hybrid_block_rounded`, 0.32 on):
+    then up to a multiple of the kernel block, which matters only for a block size that is not one."""
     kernel = max(KERNEL_BLOCK, block_size)
     if mla:
         kernel = max(kernel, MLA_KERNEL_BLOCK)
-    aligned = max(block_size, kernel * _cdiv(mamba_state_bytes, kernel * attention_page_per_token))
+    needed = kernel * _cdiv(mamba_state_bytes, kernel * attention_page_per_token)
+    if rounded:
+        needed = KERNEL_BLOCK * _cdiv(needed, KERNEL_BLOCK)
+    aligned = max(block_size, needed)
     return HybridBlock(aligned, mamba_state_bytes, aligned * attention_page_per_token)
 
 
 def hybrid_block_size(r: ConfigReader, kind: AttentionKind, geometry: tuple[int, int], asked: int,
-                      dtype: ModelDtype, kv_cache_dtype: str, tp: int) -> HybridBlock | None:
+                      dtype: ModelDtype, kv_cache_dtype: str, tp: int, rounded: bool = False) -> HybridBlock | None:
     """For an attention + Mamba model read by ``r`` (attention ``kind``, (KV heads per rank, head size)
     ``geometry``), the block size vLLM raises ``asked`` to so that a page holds a Mamba state, with a note
     in ``r`` when it differs; None where kvpolicy cannot size the state (a note says what that leaves out)."""
@@ -90,7 +97,7 @@ def hybrid_block_size(r: ConfigReader, kind: AttentionKind, geometry: tuple[int,
     except ValidationError:
         return None  # the attention spec itself is invalid: the caller's build reports it
     aligned = align_hybrid_block(asked, per_token, state.page_size_bytes(dtype.size_bytes),
-                                 mla=kind is AttentionKind.mla)
+                                 mla=kind is AttentionKind.mla, rounded=rounded)
     if aligned.block_size > MAX_BLOCK_SIZE:
         r.error("invalid-spec", f"{release} would raise the attention block size to {aligned.block_size} tokens for "
                 f"this hybrid model's Mamba state ({aligned.mamba_state_bytes} B), over kvpolicy's bound of "
@@ -100,7 +107,9 @@ def hybrid_block_size(r: ConfigReader, kind: AttentionKind, geometry: tuple[int,
         r.warn("hybrid-block-size", f"{release} aligns the attention block size to {aligned.block_size} for the Mamba "
                f"state page: one {state.family} state is {aligned.mamba_state_bytes} B, one token of attention page "
                f"{per_token} B, so a page of {aligned.block_size} tokens ({aligned.page_size_bytes} B) is the "
-               f"smallest multiple of the kernel block ({max(KERNEL_BLOCK, asked)}) that holds it; the block size "
+               f"smallest multiple of the kernel block ({max(KERNEL_BLOCK, asked)}) that holds it"
+               + (f", rounded up to a multiple of {KERNEL_BLOCK}" if rounded and asked % KERNEL_BLOCK else "")
+               + "; the block size "
                f"asked for was {asked}. The Mamba page is padded to {aligned.page_size_bytes} B",
                "nothing to do: vLLM raises it even past an explicit --block-size; pass a block size of "
                f"{aligned.block_size} to silence this note")

@@ -71,8 +71,10 @@ BLOCK_SIZE = 16
 BASE_CASES: tuple[Case, ...] = (("tp1", 1, "auto", "auto", BLOCK_SIZE), ("tp4-fp8", 4, "auto", "fp8", BLOCK_SIZE))
 # hybrid attention + Mamba models: vLLM raises the attention block size until a page holds a Mamba state
 # (`update_block_size_for_backend`), from the default block size as from an explicit one
+# and at a block size that is no multiple of the kernel block (0.32 on round the raised size up to one)
 HYBRID_CASES: tuple[Case, ...] = (("tp1-default-block", 1, "auto", "auto", None),
-                                  ("tp4-fp8-default-block", 4, "auto", "fp8", None))
+                                  ("tp4-fp8-default-block", 4, "auto", "fp8", None),
+                                  ("tp1-block-24", 1, "auto", "auto", 24))
 HYBRIDS = ("falcon-h1-0.5b-instruct", "granite-4.0-h-tiny", "jamba-v0.1", "nvidia-nemotron-nano-9b-v2",
            "qwen3-next-80b-a3b-instruct", "zamba2-1.2b")
 EXTRA_CASES: dict[str, tuple[Case, ...]] = {

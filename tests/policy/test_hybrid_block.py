@@ -85,3 +85,10 @@ def test_a_state_no_block_size_kvpolicy_takes_could_hold_is_a_located_error() ->
     assert d.file == "<config>" and "would raise the attention block size to 16400 tokens" in d.message
 
 
+
+
+@pytest.mark.parametrize(("version", "expected"), [("0.28.0", 408), ("0.31.0", 408), ("0.32.0", 416), ("0.34.0", 416)])
+def test_from_032_a_raised_block_size_is_rounded_to_the_kernel_block(version: str, expected: int) -> None:
+    # Granite-4.0-H at --block-size 24: 394 tokens hold a state, 17 x 24 = 408; 0.32 on round it to 26 x 16
+    reading = read_hf_config(CORPUS / "granite-4.0-h-tiny", block_size=24, vllm_version=version)
+    assert {g.spec.block_size for g in reading.groups.groups} == {expected}
