@@ -65,6 +65,15 @@ NOT_MODELLED: dict[str, str] = {
     "speculative_config": "a draft model adds KV cache specs kvpolicy does not read from a serve line",
     "hf_overrides": "it changes the model config vLLM reads (layer count, heads, windows...), and kvpolicy reads "
                     "config.json as it is; apply the overrides to a copy of the config and give that",
+    # the Mamba state's bytes, from which vLLM aligns a hybrid model's attention block size (policy/hybrid_block.py)
+    "mamba_cache_dtype": "it sets the Mamba state's dtype, whose bytes decide the attention block size vLLM aligns a "
+                         "hybrid model to; kvpolicy sizes the state in the model dtype (auto)",
+    "mamba_ssm_cache_dtype": "it sets the Mamba recurrent state's dtype, whose bytes decide the attention block size "
+                             "vLLM aligns a hybrid model to; kvpolicy sizes it as auto does",
+    "mamba_block_size": "it sets the Mamba block size, which vLLM's alignment of a hybrid model's attention block "
+                        "size then follows; kvpolicy aligns as without it",
+    "mamba_cache_mode": "with `all` (0.24-0.31) vLLM aligns a hybrid model's attention block size to the Mamba chunk "
+                        "size; kvpolicy aligns as with the default (`align` under prefix caching, else `none`)",
     "disable_hybrid_kv_cache_manager": "without the hybrid KV cache manager vLLM caches a model's sliding-window "
                                        "layers as full attention in one group (and refuses Mamba hybrids), which "
                                        "kvpolicy's reading of the model config does not follow",
@@ -74,7 +83,9 @@ _INT_ARGS = {"block_size", "tensor_parallel_size", "pipeline_parallel_size", "da
 _JSON_ARGS = {"kv_transfer_config", "attention_config"}
 _DEFAULT_VALUE_MEANS_UNSET = {"model_impl": ("auto", "vllm"), "kv_offloading_size": ("", "None"),
                               "speculative_config": ("", "None"),
-                              "hf_overrides": ("", "None", "{}", {}), "disable_hybrid_kv_cache_manager": (False,)}
+                              "hf_overrides": ("", "None", "{}", {}), "disable_hybrid_kv_cache_manager": (False,),
+                              "mamba_cache_dtype": ("auto",), "mamba_ssm_cache_dtype": ("auto",),
+                              "mamba_block_size": ("", "None"), "mamba_cache_mode": ("none", "align")}
 
 
 @dataclass(frozen=True)

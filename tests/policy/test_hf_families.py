@@ -52,7 +52,7 @@ def test_bamba_attention_at_its_indices_mamba_elsewhere() -> None:
     reading = read_hf_config(BAMBA_9B, vllm_version="0.23.0")
     assert shape(reading.groups) == [G(MAMBA, 29, 1, 128), G(FULL, 3, 8, 128)]
     assert [i for i, layer in enumerate(reading.layers) if layer == ("full",)] == [9, 18, 27]
-    assert reading.notes == ()
+    assert [n.code for n in reading.notes] == ["hybrid-block-size"]  # its attention block holds a Mamba state
 
 
 def test_bamba_without_attention_indices_is_all_mamba() -> None:
@@ -407,13 +407,13 @@ QWEN3_NEXT_INTERVAL_2 = {"architectures": ["Qwen3NextForCausalLM"], "model_type"
 def test_qwen3_next_interval_by_release(version: str, full_layers: list[int]) -> None:
     reading = read_hf_config(QWEN3_NEXT_INTERVAL_2, vllm_version=version)
     assert [i for i, layer in enumerate(reading.layers) if layer == ("full",)] == full_layers
-    assert reading.notes == ()
+    assert [n.code for n in reading.notes] == ["hybrid-block-size"]  # no release-dependent note
 
 
 def test_qwen3_next_interval_without_a_release_reads_the_newest_and_says_so() -> None:
     reading = read_hf_config(QWEN3_NEXT_INTERVAL_2)
     assert [i for i, layer in enumerate(reading.layers) if layer == ("full",)] == [1, 3, 5, 7]
-    assert [n.code for n in reading.notes] == ["release-dependent"]
+    assert [n.code for n in reading.notes] == ["release-dependent", "hybrid-block-size"]
 
 
 @pytest.mark.parametrize("version", ["latest", "0", "0.x.1", "1.2.3.4", 34])
