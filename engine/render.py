@@ -14,6 +14,7 @@ from kvpolicy.engine.trace import Counterfactual, Event, PreferenceApplied, Rule
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import shown_file
 from kvpolicy.policy.layouts import Layout
+from kvpolicy.policy.spec import KVCacheGroups
 
 __all__ = ["Explainable", "render_inputs", "render_text"]
 
@@ -42,6 +43,15 @@ class Explainable(Protocol):
     def fingerprint(self) -> Any: ...
 
 
+def _kinds_split(groups: KVCacheGroups) -> str:
+    """Where vLLM splits a kind into several groups: which kinds, into how many (`KVCacheGroups.count`)."""
+    if all(n == 1 for n in groups.vllm_splits):
+        return ""
+    parts = [f"{g.spec.kind.value} {g.spec.num_layers} layers -> {n}" for g, n in zip(groups.groups, groups.vllm_splits,
+                                                                                      strict=True)]
+    return " (vLLM's, each kind split into groups of equal size: " + ", ".join(parts) + ")"
+
+
 def render_inputs(decision: Explainable) -> list[str]:
     ctx = decision.context
     kv, b, c = ctx.kv, ctx.backend, ctx.connector
@@ -53,6 +63,7 @@ def render_inputs(decision: Explainable) -> list[str]:
         f"page {kv.page_size_bytes} B" + (f" ({kv.scale_bytes_per_page} B inline scales)"
                                           if kv.per_token_head else ""),
         f"  groups:    {ctx.groups.count} KV cache group(s), {ctx.groups.attention_groups} attention group(s)"
+        + _kinds_split(ctx.groups)
         + (", Mamba present" if ctx.groups.has_mamba else "")
         + (", DCP-replicated: " + ", ".join(str(i) for i, g in enumerate(ctx.groups.groups) if not g.dcp_sharded)
            if any(not g.dcp_sharded for g in ctx.groups.groups) else ""),

@@ -49,6 +49,9 @@ LAYOUT_ARGUMENTS: dict[str, str] = {
 
 # dest -> why kvpolicy refuses it (it changes the KV cache in a way the inputs cannot say)
 NOT_MODELLED: dict[str, str] = {
+    "model_impl": "the Transformers (or Terratorch) model implementation builds its own attention layers, whose KV "
+                  "cache specs kvpolicy does not derive from config.json; decide without it for vLLM's own "
+                  "implementation",
     "pipeline_parallel_size": "each pipeline stage holds a share of the layers, with its own backends; give one "
                               "stage's geometry with --spec and its backends with --worker-attention-backends",
     "decode_context_parallel_size": "decode context parallelism shards the KV cache (0.29+ then keeps only "
@@ -62,6 +65,15 @@ NOT_MODELLED: dict[str, str] = {
     "speculative_config": "a draft model adds KV cache specs kvpolicy does not read from a serve line",
     "hf_overrides": "it changes the model config vLLM reads (layer count, heads, windows...), and kvpolicy reads "
                     "config.json as it is; apply the overrides to a copy of the config and give that",
+    # the Mamba state's bytes, from which vLLM aligns a hybrid model's attention block size (policy/hybrid_block.py)
+    "mamba_cache_dtype": "it sets the Mamba state's dtype, whose bytes decide the attention block size vLLM aligns a "
+                         "hybrid model to; kvpolicy sizes the state in the model dtype (auto)",
+    "mamba_ssm_cache_dtype": "it sets the Mamba recurrent state's dtype, whose bytes decide the attention block size "
+                             "vLLM aligns a hybrid model to; kvpolicy sizes it as auto does",
+    "mamba_block_size": "it sets the Mamba block size, which vLLM's alignment of a hybrid model's attention block "
+                        "size then follows; kvpolicy aligns as without it",
+    "mamba_cache_mode": "with `all` (0.24-0.31) vLLM aligns a hybrid model's attention block size to the Mamba chunk "
+                        "size; kvpolicy aligns as with the default (`align` under prefix caching, else `none`)",
     "disable_hybrid_kv_cache_manager": "without the hybrid KV cache manager vLLM caches a model's sliding-window "
                                        "layers as full attention in one group (and refuses Mamba hybrids), which "
                                        "kvpolicy's reading of the model config does not follow",
@@ -69,8 +81,11 @@ NOT_MODELLED: dict[str, str] = {
 
 _INT_ARGS = {"block_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}
 _JSON_ARGS = {"kv_transfer_config", "attention_config"}
-_DEFAULT_VALUE_MEANS_UNSET = {"kv_offloading_size": ("", "None"), "speculative_config": ("", "None"),
-                              "hf_overrides": ("", "None", "{}", {}), "disable_hybrid_kv_cache_manager": (False,)}
+_DEFAULT_VALUE_MEANS_UNSET = {"model_impl": ("auto", "vllm"), "kv_offloading_size": ("", "None"),
+                              "speculative_config": ("", "None"),
+                              "hf_overrides": ("", "None", "{}", {}), "disable_hybrid_kv_cache_manager": (False,),
+                              "mamba_cache_dtype": ("auto",), "mamba_ssm_cache_dtype": ("auto",),
+                              "mamba_block_size": ("", "None"), "mamba_cache_mode": ("none", "align")}
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,40 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
 
 
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: '{text}'") from None
+
+
+def _optional(parse: Any) -> Any:
+    """vLLM's ``optional_type``: "" and "None" leave the argument unset."""
+    def check(text: str) -> Any:
+        return None if text in ("", "None") else parse(text)
+    return check
+
+
+def _human_int_checked(text: str) -> int:
+    value = _human_int(text)
+    if not isinstance(value, int):
+        raise argparse.ArgumentTypeError(f"invalid human_readable_int value: '{text}' (a number, or one with "
+                                         "a suffix such as 8k = 8,000 or 8K = 8,192)")
+    return value
+
+
+def _human_int_or_auto(text: str) -> int:
+    return -1 if text.strip() == "-1" or text.strip().lower() == "auto" else _human_int_checked(text)
+
+
+# the value types of the release's facts (``type``) checked as its parser checks them, so that a line vLLM
+# refuses is refused here too, even for an argument the decision ignores
+_VALUE_TYPES: dict[str, Any] = {
+    "int": _int, "float": _float, "int or None": _optional(_int), "float or None": _optional(_float),
+    "human_readable_int": _human_int_checked, "human_readable_int_or_auto": _human_int_or_auto,
+}
+
+
 def _json(text: str) -> Any:
     try:
         value = json.loads(text)
@@ -146,6 +195,8 @@ def _parser(actions: dict[str, dict[str, Any]]) -> _Parser:
                 kw["type"] = _int
             elif dest in _JSON_ARGS:
                 kw["type"] = _json
+            elif action.get("type") in _VALUE_TYPES:
+                kw["type"] = _VALUE_TYPES[action["type"]]
             parser.add_argument(*options, action="append" if kind in ("append", "extend") else "store", **kw)
     return parser
 

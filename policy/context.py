@@ -120,8 +120,11 @@ _FIELD_LIST: tuple[FieldSpec, ...] = (
     FieldSpec("kv.cell_bytes", "int", "bytes of one (token, head) cell, inline scale included", _kv("cell_bytes")),
     FieldSpec("kv.page_size_bytes", "int", "one layer's bytes for one block, padding included",
               _kv("page_size_bytes")),
-    FieldSpec("groups.count", "int", "number of KV cache groups", lambda ctx, _c: ctx.groups.count),
-    FieldSpec("groups.attention_groups", "int", "attention groups summed over all KV cache groups",
+    FieldSpec("groups.count", "int", "number of KV cache groups as vLLM's engine makes them "
+              "(`len(kv_cache_config.kv_cache_groups)`): each kind of layer split into groups of one size, so "
+              "Gemma-3-27B's 52 sliding + 10 full layers are 7 groups; vLLM's checks read whether it is 1",
+              lambda ctx, _c: ctx.groups.count),
+    FieldSpec("groups.attention_groups", "int", "attention groups summed over vLLM's KV cache groups",
               lambda ctx, _c: ctx.groups.attention_groups),
     FieldSpec("groups.has_mamba", "bool", "some group is a Mamba (state) group", lambda ctx, _c: ctx.groups.has_mamba),
     FieldSpec("groups.has_sliding_window", "bool", "some group is a sliding-window attention group",

@@ -39,6 +39,7 @@ from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.hf_dtype import checkpoint_kv_cache_dtype, parse_dtype, served_dtype
 from kvpolicy.policy.hf_layer_kinds import MAMBA_ONLY, LayerCache, layer_caches, window_tokens
 from kvpolicy.policy.hf_reader import ConfigReader, is_int, show
+from kvpolicy.policy.hybrid_block import hybrid_block_size
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
 from kvpolicy.policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
@@ -223,6 +224,17 @@ def _removed_architectures(vllm_version: str | None) -> tuple[str, dict[str, str
     if match is None:
         return None
     return f"vLLM {vllm_version.strip().removeprefix('v')}", match.profile.previously_supported_models
+
+
+def _rounds_hybrid_block(vllm_version: str | None) -> bool:
+    """The release profile's `hybrid_block_rounded` (the newest profile's where no version is given; False
+    for a version no profile answers for)."""
+    from kvpolicy.policy.releases import get_profile, match_version, profile_names
+
+    if vllm_version is None:
+        return get_profile(profile_names()[0]).hybrid_block_rounded
+    match = match_version(vllm_version)
+    return match is not None and match.profile.hybrid_block_rounded
 
 
 def _check_removed(r: ConfigReader, names: list[str], vllm_version: str | None) -> bool:
@@ -443,12 +455,17 @@ def read_hf_config(
     - Mamba, Gated DeltaNet (linear attention) and short-convolution layers add a
       ``mamba`` group.
 
-    vLLM balances hybrid groups to equal sizes (gpt-oss: 12 groups of 2 layers);
-    here each kind is one group holding all its layers, which is what the policy
-    needs: the number of groups and their kinds. The ``mamba`` spec is a stand-in
+    vLLM splits each kind into groups of one size (Gemma-3-27B's 52 sliding and
+    10 full layers: 7 groups); here each kind is one group holding all its layers,
+    and `KVCacheGroups.count` (a rule's ``groups.count``) is vLLM's number of
+    groups, derived from them. The ``mamba`` spec is a stand-in
     for the same reason: one head of the SSM state size (``mamba_d_state`` or
     ``ssm_state_size``, default 16), ``kv_cache_dtype`` auto; its kind drives
-    decisions, its bytes mean nothing.
+    decisions. Its page is vLLM's where the model also has attention: vLLM raises
+    the attention block size until one page holds a Mamba state and pads the
+    Mamba page to the attention page (`kvpolicy.policy.hybrid_block`, a
+    ``hybrid-block-size`` note when the block size changes; the state's bytes from
+    `kvpolicy.policy.hf_mamba_state`); every group then has that block size.
 
     KV heads per rank are ``max(1, total KV heads // tensor_parallel_size)`` (vLLM
     replicates KV heads when there are more ranks than heads); the attention heads
@@ -516,12 +533,19 @@ def read_hf_config(
     r.fail_if_any()
 
     fields = []
+    block_size = None
+    if LayerCache.mamba.value in counts and geometry is not None:  # attention + Mamba: vLLM raises the block size
+        kind = AttentionKind.mla if AttentionKind.mla.value in counts else AttentionKind.full
+        block_size = hybrid_block_size(r, kind, geometry, common["block_size"], common["dtype"], kv_cache_dtype,
+                                       tensor_parallel_size, rounded=_rounds_hybrid_block(vllm_version))
+    common["block_size"] = block_size.block_size if block_size else common["block_size"]
     for kind_name, count in counts.items():
         kind = AttentionKind(kind_name)
         if kind is AttentionKind.mamba:
             assert state is not None
             fields.append({**common, "kind": kind, "num_layers": count, "num_kv_heads": 1,
-                           "head_size": state, "kv_cache_dtype": "auto"})
+                           "head_size": state, "kv_cache_dtype": "auto",
+                           "page_size_padded": block_size.page_size_bytes if block_size else None})
         else:
             assert geometry is not None
             kv_heads, head_size = geometry

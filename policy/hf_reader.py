@@ -25,6 +25,7 @@ __all__ = ["CLASS_DEFAULTS", "ConfigReader", "is_int", "show"]
 # the constant defaults of transformers 5.22.2's config classes (`_`: none, or computed from other fields),
 # read off the classes by instantiating each with other inputs and keeping what did not change
 _ = None
+_MAMBA2 = {"mamba_expand": 2, "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_n_heads": 128}  # Bamba's, Granite's...
 _COMMON = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
 _TABLE: dict[str, tuple[tuple[int | None, ...], dict[str, Any]]] = {
     "llama": ((32, 32, _, _, 4096), {}),
@@ -34,7 +35,9 @@ _TABLE: dict[str, tuple[tuple[int | None, ...], dict[str, Any]]] = {
     "qwen2_moe": ((24, 16, 16, _, 2048), {"sliding_window": 0, "use_sliding_window": False, "max_window_layers": 28}),
     "qwen3": ((32, 32, 32, 128, 4096), {"use_sliding_window": False, "max_window_layers": 28}),
     "qwen3_moe": ((24, 32, 4, _, 2048), {"use_sliding_window": False}),
-    "qwen3_next": ((48, 16, 2, 256, 2048), {"full_attention_interval": 4}),
+    "qwen3_next": ((48, 16, 2, 256, 2048), {"full_attention_interval": 4, "linear_num_key_heads": 16,
+                                            "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                                            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}),
     "gemma": ((28, 16, 16, 256, 3072), {}),
     "gemma2": ((26, 8, 4, 256, 2304), {"sliding_window": 4096}),
     "gemma3_text": ((26, 8, 4, 256, 2304), {"sliding_window": 4096, "sliding_window_pattern": 6}),
@@ -44,12 +47,15 @@ _TABLE: dict[str, tuple[tuple[int | None, ...], dict[str, Any]]] = {
     "llama4_text": ((48, 40, 8, 128, 5120), {"attention_chunk_size": 8192, "no_rope_layer_interval": 4}),
     "deepseek_v2": ((32, 32, _, 64, 4096), {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
     "deepseek_v3": ((61, 128, 128, 64, 7168), {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
-    "jamba": ((32, 32, 8, _, 4096), {"attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16}),
-    "bamba": ((32, 32, 8, _, 4096), {"mamba_d_state": 256}),
-    "nemotron_h": ((4, 32, 8, 128, 4096), {"ssm_state_size": 128}),
-    "granitemoehybrid": ((32, 32, 32, _, 4096), {"mamba_d_state": 256}),
-    "falcon_h1": ((32, 32, 8, _, 4096), {"mamba_d_state": 256}),
-    "zamba2": ((54, 32, 32, _, 2560), {"mamba_d_state": 64}),
+    "jamba": ((32, 32, 8, _, 4096), {"attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16,
+                                     "mamba_expand": 2, "mamba_d_conv": 4}),
+    "bamba": ((32, 32, 8, _, 4096), {"mamba_d_state": 256, **_MAMBA2}),
+    "nemotron_h": ((4, 32, 8, 128, 4096), {"ssm_state_size": 128, "n_groups": 8, "mamba_num_heads": 128,
+                                           "mamba_head_dim": 64, "conv_kernel": 4}),
+    "granitemoehybrid": ((32, 32, 32, _, 4096), {"mamba_d_state": 256, **_MAMBA2}),
+    "falcon_h1": ((32, 32, 8, _, 4096), {"mamba_d_state": 256, "mamba_d_ssm": 1024, **_MAMBA2}),
+    "zamba2": ((54, 32, 32, _, 2560), {"mamba_d_state": 64, "mamba_expand": 2, "mamba_d_conv": 4, "mamba_ngroups": 1,
+                                       "n_mamba_heads": 8}),
     "lfm2": ((32, 32, 8, _, 2560), {}),
     "phi3": ((32, 32, _, _, 3072), {}),
     "glm4": ((40, 32, 2, 128, 4096), {}),

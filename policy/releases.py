@@ -259,6 +259,10 @@ class ReleaseProfile(Frozen):
     kv_transfer_config_fields: tuple[str, ...] = Field(
         default=(), description="the fields of this release's `KVTransferConfig` (vllm/config/kv_transfer.py), "
         "what `--kv-transfer-config` may hold; empty: not checked")
+    hybrid_block_rounded: bool = Field(
+        default=False, description="vllm/platforms/interface.py `_align_hybrid_block_size` rounds the attention block "
+        "size it raises a hybrid attention + Mamba model to up to a multiple of every backend's smallest kernel block "
+        "(0.32 on: `--block-size 24` on Granite-4.0-H gives 416, where 0.28 gives 408; `kvpolicy.policy.hybrid_block`)")
     previously_supported_models: dict[str, str] = Field(
         default_factory=dict, description="the model architectures this release's model registry no longer "
         "implements, each with the last vLLM version that served it (vllm/model_executor/models/registry.py "

@@ -123,7 +123,9 @@ class KVCacheSpec(Frozen):
                              "use it (vLLM's MLA format is `nvfp4_ds_mla`)")
         if self.kind is AttentionKind.mla and self.num_kv_heads != 1:
             raise ValueError("an MLA spec stores one latent head: num_kv_heads must be 1")
-        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+        # a Mamba spec's own bytes are a stand-in (`kv_groups_from_hf_config`): its padded page, vLLM's, stands
+        if (self.page_size_padded is not None and self.kind is not AttentionKind.mamba
+                and self.page_size_padded < self.real_page_size_bytes):
             raise ValueError(
                 f"page_size_padded {self.page_size_padded} is smaller than the page's "
                 f"{self.real_page_size_bytes} bytes"
@@ -214,18 +216,40 @@ class KVCacheGroup(Frozen):
 
 
 class KVCacheGroups(Frozen):
-    """All KV cache groups of a model; hybrid models have several."""
+    """All KV cache groups of a model; hybrid models have several.
+
+    ``groups`` may hold one group per kind of layer (what `kv_groups_from_hf_config` reads: Gemma-3-27B is
+    52 sliding-window layers and 10 full ones, two groups) or vLLM's own groups (what the plugin reads off
+    the engine). `count` is vLLM's number either way: its engine core splits every kind into groups of
+    one size (``_get_kv_cache_groups_uniform_page_size``: the smallest kind's layer count, or the largest's
+    when that is below 1.5 times it), so Gemma-3-27B's two become ``cdiv(52, 10) + cdiv(10, 10)`` = 7
+    (6 sliding + 1 full), Jamba's 4 full + 28 Mamba layers 1 + 7 = 8, gpt-oss-20b's 12 + 12 = 2.
+    """
 
     groups: tuple[KVCacheGroup, ...] = ()
 
     @property
+    def vllm_splits(self) -> tuple[int, ...]:
+        """How many of vLLM's KV cache groups each group here becomes: all 1 when they are vLLM's already
+        (a kind appears in several groups, as the 0.24-0.28 plugin reads vLLM's attention groups)."""
+        sizes = [g.spec.num_layers for g in self.groups]
+        if len(sizes) <= 1 or len({g.spec.kind for g in self.groups}) < len(sizes):
+            return tuple(1 for _ in sizes)
+        smallest, largest = min(sizes), max(sizes)
+        size = largest if largest < smallest * 1.5 else smallest
+        return tuple(-(-n // size) for n in sizes)
+
+    @property
     def count(self) -> int:
-        return len(self.groups)
+        """vLLM's number of KV cache groups (`vllm_splits` summed): what ``len(kv_cache_config.kv_cache_groups)``
+        is in the engine. vLLM's own checks read only whether it is 1 (0.24-0.28's cross-layer gate, the
+        connectors' ``> 1``); a kind split into several groups is still one kind (`groups` has one each)."""
+        return sum(self.vllm_splits)
 
     @property
     def attention_groups(self) -> int:
-        """Attention groups summed over every KV cache group."""
-        return sum(g.num_attention_groups for g in self.groups)
+        """Attention groups summed over vLLM's KV cache groups (each split keeps its group's attention groups)."""
+        return sum(n * g.num_attention_groups for n, g in zip(self.vllm_splits, self.groups, strict=True))
 
     @property
     def has_mamba(self) -> bool:

@@ -60,3 +60,23 @@ def test_bamba_is_refused_naming_the_release_and_what_to_do(capsys: pytest.Captu
     assert ("config.json: error[removed-architecture]: vLLM 0.28.0 does not serve `BambaForCausalLM` "
             "(config.json `architectures`): its model registry says it was supported until v0.23.0") in err
     assert "help: run this model on vLLM <= 0.23.0" in err
+
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
+
+
+def test_a_hybrid_is_decided_with_vllms_block_size(capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM 0.34 raises Jamba's attention block size from its default 64 to 128 to hold a Mamba state
+    code, out, err = cli(capsys, "dry-run", "--model", str(CORPUS / "jamba-v0.1"), "--vllm-version", "0.34.0",
+                         "--format", "json")
+    assert code == 0 and json.loads(out)["inputs"]["kv"]["block_size"] == 128
+    assert "warning[hybrid-block-size]: vLLM 0.34.0 aligns the attention block size to 128" in err
+
+
+def test_gemma3_groups_are_counted_as_vllm_counts_them(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # vLLM makes 7 KV cache groups of Gemma-3-27B's 52 sliding + 10 full layers: a rule's groups.count is 7
+    code, out, _ = cli(capsys, "dry-run", "--model", model_dir(tmp_path, GEMMA3_27B), "--vllm-version", "0.34.0")
+    assert code == 0
+    assert ("  groups:    7 KV cache group(s), 7 attention group(s) (vLLM's, each kind split into groups of equal "
+            "size: sliding_window 52 layers -> 6, full 10 layers -> 1)") in out
+

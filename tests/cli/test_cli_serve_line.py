@@ -85,7 +85,15 @@ def test_a_kvpolicy_flag_wins_over_the_line_and_says_so(capsys: pytest.CaptureFi
     ([TINY, "--hf-overrides", '{"num_hidden_layers": 2}'], "vllm serve --hf-overrides", "kvpolicy does not model"),
     ([TINY, "--disable-hybrid-kv-cache-manager"], "vllm serve --disable-hybrid-kv-cache-manager",
      "kvpolicy does not model"),
+    # the Mamba state's bytes decide a hybrid model's attention block size (kvpolicy sizes it as auto does)
+    ([TINY, "--mamba-ssm-cache-dtype", "float32"], "vllm serve --mamba-ssm-cache-dtype", "kvpolicy does not model"),
+    ([TINY, "--mamba-block-size", "64"], "vllm serve --mamba-block-size", "kvpolicy does not model"),
     (["--served-model-name", "x"], "vllm serve", "without a positional model"),
+    # arguments the decision ignores are still checked as the release's parser checks them (vLLM refuses these)
+    ([TINY, "--max-num-seqs", "abc"], "vllm serve --max-num-seqs", "invalid int value: 'abc'"),
+    ([TINY, "--gpu-memory-utilization=high"], "vllm serve --gpu-memory-utilization", "invalid float value"),
+    ([TINY, "--max-model-len", "1.5K"], "vllm serve --max-model-len", "invalid human_readable_int value"),
+    ([TINY, "--model-impl", "transformers"], "vllm serve --model-impl", "kvpolicy does not model"),
     ([TINY, "--config", "serve.json"], "vllm serve --config", "only as YAML"),
 ])
 def test_a_line_kvpolicy_cannot_take_is_a_located_error(capsys: pytest.CaptureFixture[str], line: list[str],

@@ -14,14 +14,18 @@ How kvpolicy's groups map onto vLLM's (`KVCacheGroups`, policy/spec.py):
   ``mamba``; ``ChunkedLocalAttentionSpec`` (``chunked_local``) and ``CrossAttentionSpec``
   (``cross``) have no kvpolicy kind, so a model with them can never be equal.
 - **One kvpolicy group per kind** holds every layer of that kind; vLLM's hybrid allocator splits
-  a kind into groups of equal size (Gemma-3: 5 sliding groups + 1 full one). So kvpolicy's
-  ``num_layers`` of a kind is compared with the number of vLLM *layers* of that kind, and the
-  grouping with what the policy reads of it: the set of kinds among the groups and whether the
-  model is one group (the cross-layer layout needs one).
-- **Per attention kind**: KV heads per rank, head size, sliding window, block size (vLLM raises the
-  attention block size of hybrid models to match the Mamba page) and page bytes, from vLLM's
-  per-layer spec before grouping (grouping pads pages). **Mamba**: the layer count only
-  (kvpolicy's Mamba spec is a stand-in: `kv_groups_from_hf_config`'s docstring).
+  a kind into groups of equal size (Gemma-3-27B: 6 sliding groups + 1 full one). So kvpolicy's
+  ``num_layers`` of a kind is compared with the number of vLLM *layers* of that kind, the set of
+  kinds among the groups with vLLM's, and `KVCacheGroups.count` (what a rule's ``groups.count``
+  reads: vLLM's split, ``vllm_splits``) with vLLM's number of groups, exactly.
+- **Per attention kind**: KV heads per rank, head size, sliding window, block size and page bytes,
+  from vLLM's per-layer spec before grouping (grouping pads pages), after the executor's
+  ``update_block_size_for_backend``: vLLM raises the attention block size of a hybrid attention +
+  Mamba model until a page holds a Mamba state, past an explicit ``--block-size`` too
+  (`kvpolicy.policy.hybrid_block`). **Mamba**: the layer count, the block size and the page bytes
+  (vLLM's Mamba page padded to the attention page; kvpolicy's Mamba spec is otherwise a stand-in:
+  `kv_groups_from_hf_config`'s docstring). Hybrid configs are asked at the release's default block
+  size too (``*-default-block``: no ``--block-size``; kvpolicy gets the profile's `default_block_size`).
 - **dtype**: the dtype vLLM serves (``ModelConfig.dtype``: ``--dtype`` rules, float32 downcast)
   against every kvpolicy spec's ``dtype``; the KV cache dtype shows in the page bytes.
 - **Refusals**: vLLM refusing a case kvpolicy also refuses is equal ("both refuse"); for the
@@ -50,19 +54,34 @@ from vllm_release import run_oracle
 
 from kvpolicy.policy.errors import PolicyError
 from kvpolicy.policy.hf_config import kv_groups_from_hf_config
+from kvpolicy.policy.releases import get_profile
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
 NAMES = sorted(p.name for p in CORPUS.iterdir() if (p / "config.json").is_file())
 RELEASES = ("0.34.0", "0.28.0")
+# releases asked about the hybrid configs only (each case of HYBRIDS): where vLLM's alignment code changed
+# (0.32: rounded to every backend's kernel block; 0.33: Mamba prefill checkpoints) and one before
+HYBRID_RELEASES = ("0.30.0", "0.32.0", "0.33.0")
 
-# (label, tensor_parallel_size, dtype, kv_cache_dtype); every config gets the first two.
-BASE_CASES = (("tp1", 1, "auto", "auto"), ("tp4-fp8", 4, "auto", "fp8"))
-EXTRA_CASES = {
-    "gemma-2-2b-it": (("tp1-float32", 1, "float32", "auto"),),  # an explicit --dtype float32 keeps fp32
-    "phi-2": (("tp1-bfloat16", 1, "bfloat16", "auto"),),  # a float16 checkpoint served in bf16
-}
+# (label, tensor_parallel_size, dtype, kv_cache_dtype, block_size); every config gets the first two. A
+# block size of None is no --block-size: the release's default (its profile's `default_block_size`).
+Case = tuple[str, int, str, str, "int | None"]
 BLOCK_SIZE = 16
+BASE_CASES: tuple[Case, ...] = (("tp1", 1, "auto", "auto", BLOCK_SIZE), ("tp4-fp8", 4, "auto", "fp8", BLOCK_SIZE))
+# hybrid attention + Mamba models: vLLM raises the attention block size until a page holds a Mamba state
+# (`update_block_size_for_backend`), from the default block size as from an explicit one
+# and at a block size that is no multiple of the kernel block (0.32 on round the raised size up to one)
+HYBRID_CASES: tuple[Case, ...] = (("tp1-default-block", 1, "auto", "auto", None),
+                                  ("tp4-fp8-default-block", 4, "auto", "fp8", None),
+                                  ("tp1-block-24", 1, "auto", "auto", 24))
+HYBRIDS = ("falcon-h1-0.5b-instruct", "granite-4.0-h-tiny", "jamba-v0.1", "nvidia-nemotron-nano-9b-v2",
+           "qwen3-next-80b-a3b-instruct", "zamba2-1.2b")
+EXTRA_CASES: dict[str, tuple[Case, ...]] = {
+    "gemma-2-2b-it": (("tp1-float32", 1, "float32", "auto", BLOCK_SIZE),),  # an explicit --dtype float32 keeps fp32
+    "phi-2": (("tp1-bfloat16", 1, "bfloat16", "auto", BLOCK_SIZE),),  # a float16 checkpoint served in bf16
+    **{name: HYBRID_CASES for name in HYBRIDS},
+}
 
 # Configs vLLM itself refuses (on any machine): release -> a substring of its error, and why.
 _VLLM_REFUSES: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
@@ -97,16 +116,20 @@ _NOT_BUILT: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
 _KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window", "MLAAttentionSpec": "mla",
           "MambaSpec": "mamba", "ChunkedLocalAttentionSpec": "chunked_local", "CrossAttentionSpec": "cross"}
 _ATTENTION_FIELDS = ("num_kv_heads", "head_size", "sliding_window", "block_size", "page_size_bytes")
+# a Mamba state's: the block size and the page (vLLM's padded to the attention page in a hybrid model)
+_MAMBA_FIELDS = ("block_size", "page_size_bytes")
 
 ROWS: list[tuple[str, str, str, str, str]] = []
 
 
-def _cases(name: str) -> list[tuple[str, int, str, str]]:
+def _cases(name: str) -> list[Case]:
     return [*BASE_CASES, *EXTRA_CASES.get(name, ())]
 
 
-def _plan() -> list[tuple[str, tuple[str, int, str, str]]]:
-    return [(name, case) for name in NAMES for case in _cases(name)]
+def _plan(version: str = RELEASES[0]) -> list[tuple[str, Case]]:
+    """The (config, case)s asked of ``version``: every one for `RELEASES`, the hybrids' for `HYBRID_RELEASES`."""
+    names = NAMES if version in RELEASES else HYBRIDS
+    return [(name, case) for name in names for case in _cases(name)]
 
 
 _ASKED: dict[str, dict[tuple[str, str], dict[str, Any]] | Exception] = {}
@@ -116,10 +139,10 @@ def _answers(version: str) -> dict[tuple[str, str], dict[str, Any]]:
     """The release's answer to every (config, case): one oracle call, all cases (a failed call is
     remembered too, so that the release's other tests do not ask again)."""
     if version not in _ASKED:
-        plan = _plan()
+        plan = _plan(version)
         cases = [{"config": json.loads((CORPUS / name / "config.json").read_text(encoding="utf-8")),
-                  "tensor_parallel_size": tp, "dtype": dtype, "kv_cache_dtype": kv, "block_size": BLOCK_SIZE}
-                 for name, (_, tp, dtype, kv) in plan]
+                  "tensor_parallel_size": tp, "dtype": dtype, "kv_cache_dtype": kv, "block_size": block}
+                 for name, (_, tp, dtype, kv, block) in plan]
         try:
             answers = run_oracle(version, "model_config", cases, timeout=1800)
             _ASKED[version] = {(name, case[0]): answer for (name, case), answer in zip(plan, answers, strict=True)}
@@ -141,9 +164,8 @@ def _vllm_kinds(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
             kind = "chunked_local"
         entry = out.setdefault(kind, {"layers": 0})
         entry["layers"] += 1
-        if kind != "mamba":
-            for field in _ATTENTION_FIELDS:
-                entry.setdefault(field, set()).add(spec.get(field))
+        for field in _MAMBA_FIELDS if kind == "mamba" else _ATTENTION_FIELDS:
+            entry.setdefault(field, set()).add(spec.get(field))
     for entry in out.values():
         for field in _ATTENTION_FIELDS:
             if field in entry:
@@ -165,9 +187,9 @@ def _ours_kinds(groups: KVCacheGroups) -> dict[str, dict[str, Any]]:
         spec = group.spec
         entry = out.setdefault(spec.kind.value, {"layers": 0})
         entry["layers"] += spec.num_layers
+        entry.update(block_size=spec.block_size, page_size_bytes=spec.page_size_bytes)
         if spec.kind is not AttentionKind.mamba:
-            entry.update(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, sliding_window=spec.sliding_window,
-                         block_size=spec.block_size, page_size_bytes=spec.page_size_bytes)
+            entry.update(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, sliding_window=spec.sliding_window)
     return out
 
 
@@ -189,8 +211,8 @@ def _compare_instantiated(vllm: dict[str, Any], ours: KVCacheGroups) -> list[str
         group_kinds = set().union(*(_group_kinds(g["spec"]) for g in vllm["groups"])) if vllm["groups"] else set()
         if group_kinds != set(mine):
             why.append(f"group kinds: vLLM {sorted(group_kinds)}, kvpolicy {sorted(mine)}")
-        if (len(vllm["groups"]) == 1) != (ours.count == 1):
-            why.append(f"one group: vLLM {len(vllm['groups'])} groups, kvpolicy {ours.count}")
+        if len(vllm["groups"]) != ours.count:
+            why.append(f"group count: vLLM {len(vllm['groups'])} groups, kvpolicy {ours.count}")
     else:
         why.append(f"vLLM could not group the layers: {vllm.get('error')}")
     return why
@@ -233,9 +255,13 @@ def _refusal(error: PolicyError) -> str:
     return "; ".join(d.message for d in error.diagnostics) or error.message
 
 
-def _kvpolicy(name: str, tp: int, dtype: str, kv: str, version: str) -> KVCacheGroups | PolicyError:
+def _kvpolicy(name: str, tp: int, dtype: str, kv: str, version: str,
+              block: int | None = BLOCK_SIZE) -> KVCacheGroups | PolicyError:
+    """kvpolicy's reading; no block size is the release's default, as `dry-run` passes it."""
+    if block is None:
+        block = get_profile(version).default_block_size
     try:
-        return kv_groups_from_hf_config(CORPUS / name, kv_cache_dtype=kv, block_size=BLOCK_SIZE,
+        return kv_groups_from_hf_config(CORPUS / name, kv_cache_dtype=kv, block_size=block,
                                         tensor_parallel_size=tp, dtype=None if dtype == "auto" else dtype,
                                         vllm_version=version)
     except PolicyError as exc:
@@ -244,9 +270,9 @@ def _kvpolicy(name: str, tp: int, dtype: str, kv: str, version: str) -> KVCacheG
 
 def judge(name: str, label: str, version: str) -> tuple[str, str]:
     """(outcome, why) for one config, case and release."""
-    _, tp, dtype, kv = next(c for c in _cases(name) if c[0] == label)
+    _, tp, dtype, kv, block = next(c for c in _cases(name) if c[0] == label)
     vllm = _answers(version)[(name, label)]
-    ours = _kvpolicy(name, tp, dtype, kv, version)
+    ours = _kvpolicy(name, tp, dtype, kv, version, block)
     error = vllm.get("error")
     refused = _expected_error(_VLLM_REFUSES, name, label, version)
     not_built = _expected_error(_NOT_BUILT, name, label, version)
@@ -287,17 +313,27 @@ def _table() -> Any:
         print(f"\n{'config':{width}}  case          release  outcome               why")
         for name, label, version, outcome, why in sorted(ROWS):
             print(f"{name:{width}}  {label:12}  {version:7}  {outcome:20}  {why}")
-        for version in RELEASES:
+        for version in (*RELEASES, *HYBRID_RELEASES):
             counts: dict[str, int] = {}
             for row in ROWS:
                 if row[2] == version:
                     counts[row[3]] = counts.get(row[3], 0) + 1
-            print(f"vLLM {version}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+            if counts:
+                print(f"vLLM {version}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
 
 @pytest.mark.parametrize("version", RELEASES)
 @pytest.mark.parametrize(("name", "label"), [(n, c[0]) for n, c in _plan()])
 def test_kvpolicy_reads_the_config_as_vllm(name: str, label: str, version: str, vllm_sites: Any) -> None:
+    outcome, why = judge(name, label, version)
+    ROWS.append((name, label, version, outcome, why))
+    assert outcome != "different", f"{name} ({label}) on vLLM {version}: {why}"
+
+
+@pytest.mark.parametrize("version", HYBRID_RELEASES)
+@pytest.mark.parametrize(("name", "label"), [(n, c[0]) for n, c in _plan(HYBRID_RELEASES[0])])
+def test_hybrid_block_size_as_more_releases(name: str, label: str, version: str, vllm_sites: Any) -> None:
+    """The hybrid configs on releases beyond 0.28 and 0.34: block size and pages, specs and groups alike."""
     outcome, why = judge(name, label, version)
     ROWS.append((name, label, version, outcome, why))
     assert outcome != "different", f"{name} ({label}) on vLLM {version}: {why}"
@@ -328,4 +364,4 @@ def test_the_comparison_sees_each_field(vllm_sites: Any) -> None:
     split = copy.deepcopy(real)
     split["groups"] = [{"layers": g["layers"][:16], "spec": g["spec"]} for g in real["groups"]] + [
         {"layers": g["layers"][16:], "spec": g["spec"]} for g in real["groups"]]
-    assert any(why.startswith("one group") for why in _compare_instantiated(split, ours))
+    assert any(why.startswith("group count") for why in _compare_instantiated(split, ours))

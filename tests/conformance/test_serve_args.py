@@ -87,6 +87,14 @@ CORPUS: list[tuple[str, list[str], dict[str, str], str | None]] = [
     ("--no- spelling of a bool", [MODEL, "--no-enable-prefix-caching", "--enable-chunked-prefill"], {}, None),
     ("extensible KV cache", [MODEL, "--enable-extensible-kv-cache"], {}, None),
     ("pipeline parallel", [MODEL, "-pp", "2"], {}, "unmodelled"),
+    ("Transformers model implementation", [MODEL, "--model-impl", "transformers"], {}, "unmodelled"),
+    ("vLLM's own model implementation", [MODEL, "--model-impl", "vllm"], {}, None),
+    ("an ignored int that is not one", [MODEL, "--max-num-seqs", "abc"], {}, None),
+    ("an ignored optional int left unset", [MODEL, "--max-num-seqs", "None"], {}, None),
+    ("an ignored float that is not one", [MODEL, "--gpu-memory-utilization", "high"], {}, None),
+    ("an ignored human-readable int that is not one", [MODEL, "--max-model-len", "8x"], {}, None),
+    ("a decimal with a binary suffix", [MODEL, "--max-model-len", "1.5K"], {}, None),
+    ("an ignored int with =", [MODEL, "--seed=abc"], {}, None),
     ("data parallel", [MODEL, "--data-parallel-size", "2", "-tp", "2"], {}, None),
 ]
 

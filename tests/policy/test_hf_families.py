@@ -8,34 +8,20 @@ config-class defaults included). The conformance corpus proves the same against 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from group_shapes import G, shape
 
 from kvpolicy.policy.errors import InputError, ModelConfigError
 from kvpolicy.policy.hf_config import ModelConfigWarning, kv_groups_from_hf_config, read_hf_config
 from kvpolicy.policy.quant import ModelDtype
-from kvpolicy.policy.spec import AttentionKind, KVCacheGroups
+from kvpolicy.policy.spec import AttentionKind
 
 FULL, SLIDING, CHUNKED, MLA, MAMBA = (AttentionKind.full, AttentionKind.sliding_window, AttentionKind.chunked_local,
                                       AttentionKind.mla, AttentionKind.mamba)
 
 
-@dataclass(frozen=True)
-class G:
-    """The expected shape of one KV cache group."""
-
-    kind: AttentionKind
-    layers: int
-    heads: int
-    head_size: int
-    window: int | None = None
-
-
-def shape(groups: KVCacheGroups) -> list[G]:
-    return [G(g.spec.kind, g.spec.num_layers, g.spec.num_kv_heads, g.spec.head_size, g.spec.sliding_window)
-            for g in groups.groups]
 
 
 def codes(config: dict[str, Any], **kwargs: Any) -> list[str]:
@@ -66,7 +52,7 @@ def test_bamba_attention_at_its_indices_mamba_elsewhere() -> None:
     reading = read_hf_config(BAMBA_9B, vllm_version="0.23.0")
     assert shape(reading.groups) == [G(MAMBA, 29, 1, 128), G(FULL, 3, 8, 128)]
     assert [i for i, layer in enumerate(reading.layers) if layer == ("full",)] == [9, 18, 27]
-    assert reading.notes == ()
+    assert [n.code for n in reading.notes] == ["hybrid-block-size"]  # its attention block holds a Mamba state
 
 
 def test_bamba_without_attention_indices_is_all_mamba() -> None:
@@ -421,13 +407,13 @@ QWEN3_NEXT_INTERVAL_2 = {"architectures": ["Qwen3NextForCausalLM"], "model_type"
 def test_qwen3_next_interval_by_release(version: str, full_layers: list[int]) -> None:
     reading = read_hf_config(QWEN3_NEXT_INTERVAL_2, vllm_version=version)
     assert [i for i, layer in enumerate(reading.layers) if layer == ("full",)] == full_layers
-    assert reading.notes == ()
+    assert [n.code for n in reading.notes] == ["hybrid-block-size"]  # no release-dependent note
 
 
 def test_qwen3_next_interval_without_a_release_reads_the_newest_and_says_so() -> None:
     reading = read_hf_config(QWEN3_NEXT_INTERVAL_2)
     assert [i for i, layer in enumerate(reading.layers) if layer == ("full",)] == [1, 3, 5, 7]
-    assert [n.code for n in reading.notes] == ["release-dependent"]
+    assert [n.code for n in reading.notes] == ["release-dependent", "hybrid-block-size"]
 
 
 @pytest.mark.parametrize("version", ["latest", "0", "0.x.1", "1.2.3.4", 34])

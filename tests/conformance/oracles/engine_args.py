@@ -3,7 +3,8 @@
 Reads a JSON list of cases on stdin, writes one JSON result per case on stdout.
 Case kinds:
   {"facts": true}                     the serve parser's arguments: each action's option strings, dest,
-                                      nargs, kind and choices, and every option string the parser accepts
+                                      nargs, kind, choices and value type (the int/float ones kvpolicy checks),
+                                      and every option string the parser accepts
                                       (hidden spellings such as --no-enable-x included); with
                                       "frontend": true the whole `vllm serve` parser
                                       (`ServeSubcommand().subparser_init`), else the engine-argument part
@@ -119,6 +120,19 @@ def _kind(action) -> str:
     }.get(name, name)
 
 
+def _value_type(parse):
+    """The argument's value type where kvpolicy can check it as vLLM's parser does (None: not checked)."""
+    if parse in (int, float):
+        return parse.__name__
+    name = getattr(parse, "__name__", "")
+    if name in ("human_readable_int", "human_readable_int_or_auto"):
+        return name
+    if name == "_optional_type":  # optional_type(int): "" and "None" mean unset, anything else the inner type
+        inner = [c.cell_contents for c in parse.__closure__ or () if c.cell_contents in (int, float)]
+        return f"{inner[0].__name__} or None" if inner else None
+    return None
+
+
 def _jsonable(value):
     try:
         json.dumps(value)
@@ -139,6 +153,7 @@ def facts(case):
             "nargs": action.nargs,
             "kind": _kind(action),
             "choices": None if action.choices is None else [_jsonable(c) for c in action.choices],
+            "type": _value_type(action.type),
         }
         if entry["kind"] == "bool":  # the value each spelling stores (EnableDisableAction: --disable-x is False)
             negative = getattr(action, "negative_option_strings", None)

@@ -25,13 +25,18 @@ so a changed file is a changed case) and read as an operator's ``vllm serve <dir
 3. the model class, instantiated as a worker does (``model_loader.utils.initialize_model``) under
    ``set_default_torch_dtype(model dtype)`` on the ``meta`` device: every attention / Mamba layer
    registers in the config's static forward context with its own spec parameters;
-4. ``v1/worker/gpu/attn_utils.get_kv_cache_spec(vllm_config)``: each layer's ``get_kv_cache_spec``
+4. the executor's step after the workers load the model: ``update_block_size_for_backend(vllm_config)``
+   (vLLM's base ``Platform``'s, which the CUDA platform inherits): the backends' preferred block size
+   without ``--block-size``, and for a hybrid attention + Mamba model the attention block size raised
+   until a page holds a Mamba state, the Mamba page padded to it (``_align_hybrid_block_size``);
+5. ``v1/worker/gpu/attn_utils.get_kv_cache_spec(vllm_config)``: each layer's ``get_kv_cache_spec``
    plus the backend's customisation (the runner's code);
-5. the engine core's grouping: ``get_global_kv_cache_groups`` where the release has it (0.34's
+6. the engine core's grouping: ``get_global_kv_cache_groups`` where the release has it (0.34's
    ``kv_cache_planning``), else ``kv_cache_utils.get_kv_cache_groups`` over the merged specs
    after the release's own registry check (0.28's ``get_kv_cache_configs`` steps 1-2).
 
-Answer: ``{"path": "instantiated", "served_dtype", "block_size", "max_model_len", "specs": [distinct
+Answer: ``{"path": "instantiated", "served_dtype", "block_size", "aligned_block_size",
+"mamba_page_size_padded", "mamba_cache_mode", "max_model_len", "specs": [distinct
 spec dicts], "layers": [[name, spec index], ...], "groups": [{"layers": [...], "spec": {...}}],
 "model_config": {ModelConfig's own view}, "warnings": [...]}``. A stage vLLM refuses answers
 ``{"error": "Type: message", "stage": ...}`` plus what the earlier stages gave. When only the
@@ -336,6 +341,18 @@ def group_layers(vllm_config, specs):
     return kv_cache_utils.get_kv_cache_groups(vllm_config, merged)
 
 
+def align_block_size(vllm_config) -> None:
+    """The executor's step after the workers load the model (``uniproc_executor``, ``multiproc_executor``:
+    ``current_platform.update_block_size_for_backend(vllm_config)``): the backends' preferred block size
+    where ``--block-size`` is not given, then, for hybrid attention + Mamba models, the attention block
+    size raised until its page holds a Mamba state, and the Mamba page padded to it
+    (``_align_hybrid_block_size``). Called on vLLM's base ``Platform`` class: the CUDA platform
+    inherits the method unchanged (the CPU platform, this process's, overrides it for CPU serving)."""
+    from vllm.platforms.interface import Platform
+
+    Platform.update_block_size_for_backend(vllm_config)
+
+
 def serve_engine_args(case: dict):
     """The engine arguments ``vllm serve <dir> --dtype .. --kv-cache-dtype .. --block-size ..
     --tensor-parallel-size .. --load-format dummy --skip-tokenizer-init`` makes (the release's own
@@ -394,6 +411,15 @@ def answer(case: dict) -> dict:
         except Exception as exc:
             traceback.print_exc()
             return {**out, "path": "model_config_only", "stage": "model", "error": _error(exc)}
+        try:
+            with tensor_parallel_size(tp):
+                align_block_size(vc)
+        except Exception as exc:
+            traceback.print_exc()
+            return {**out, "path": "model_config_only", "stage": "block_size", "error": _error(exc)}
+        out["aligned_block_size"] = vc.cache_config.block_size
+        out["mamba_page_size_padded"] = vc.cache_config.mamba_page_size_padded
+        out["mamba_cache_mode"] = _jsonable(getattr(vc.cache_config, "mamba_cache_mode", None))
         try:
             from vllm.config import set_current_vllm_config
             from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
