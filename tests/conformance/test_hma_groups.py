@@ -9,8 +9,9 @@ and 0.28.0 build the model's specs and groups (``oracles/hma_groups.py``, the mo
 path with the deployment's ``--kv-transfer-config`` and environment); `build_context` decides the same
 deployment. Compared: whether the manager is off (`hybrid_manager_off`; kvpolicy's note
 ``hybrid-manager-off`` only where vLLM turns it off), the layers of each kind among the groups, each
-attention group's heads, head size, block size and page bytes, and whether the model is one group;
-a deployment vLLM refuses must be refused by kvpolicy. ``pytest -s`` prints the table and the counts.
+attention group's heads, head size, block size and page bytes, and the number of KV cache groups
+(`KVCacheGroups.count`, vLLM's); a deployment vLLM refuses must be refused by kvpolicy. ``pytest -s``
+prints the table and the counts.
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ def judge(index: int, version: str) -> tuple[str, str]:
         for field in ("layers", *_FIELDS):
             if field in theirs[kind] and theirs[kind][field] != mine[kind].get(field):
                 why.append(f"{kind}.{field}: vLLM {theirs[kind][field]}, kvpolicy {mine[kind].get(field)}")
-    if (len(vllm["groups"]) == 1) != (ours.count == 1):
-        why.append(f"one group: vLLM {len(vllm['groups'])} groups, kvpolicy {ours.count}")
+    if len(vllm["groups"]) != ours.count:
+        why.append(f"groups: vLLM {len(vllm['groups'])}, kvpolicy {ours.count}")
     shown = ", ".join(f"{k} x{v['layers']}" for k, v in mine.items())
     return ("different" if why else "equal"), "; ".join(why) or f"manager {'off' if off else 'on'}: {shown}"
 
