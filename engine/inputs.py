@@ -35,6 +35,7 @@ __all__ = [
     "build_context",
     "context_from_inputs",
     "default_backend",
+    "hybrid_manager_off",
     "parse_device_capability",
 ]
 
