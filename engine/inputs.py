@@ -25,7 +25,7 @@ from kvpolicy.policy.errors import InputError, input_error
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
 from kvpolicy.policy.releases import ReleaseProfile, get_profile, iter_profiles
-from kvpolicy.policy.spec import AttentionKind, KVCacheGroups, KVCacheSpec, make_model
+from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec, make_model
 
 __all__ = [
     "ASSUMED_CAPABILITY",
@@ -35,6 +35,7 @@ __all__ = [
     "build_context",
     "context_from_inputs",
     "default_backend",
+    "hybrid_manager_off",
     "parse_device_capability",
 ]
 
@@ -115,6 +116,7 @@ def build_context(
     worker_attention_backends: Sequence[Sequence[str]] | None = None,
     connector_prefers_cross_layer_blocks: bool | dict[str, bool] | None = None,
     dtype: str | None = None,
+    allow_chunked_local_attn_with_hybrid_kv_cache: bool = True,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -137,6 +139,15 @@ def build_context(
     mapping of connector names (MultiConnector members) to theirs; the rules read it as
     ``connector.prefers_cross_layer_blocks``. ``dtype`` is vLLM's ``--dtype`` for ``model`` (None or
     ``auto``: as vLLM serves the config's ``torch_dtype``); a ``spec`` states its own ``dtype``.
+    ``allow_chunked_local_attn_with_hybrid_kv_cache`` is ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE``
+    (vLLM's default 1): with 0, a model with chunked local attention runs without the hybrid KV cache
+    manager, as it does with a connector that does not support it (`hybrid_manager_off`); a ``model``'s
+    groups then follow (``groups`` given are vLLM's KV cache groups as its engine core made them).
+
+    The backend is checked as vLLM's selector checks it: the model dtype against its
+    ``supported_dtypes`` and a block size the user gave (``block_size``, or a ``spec``'s own) against
+    its kernel block sizes; a configured backend failing either is refused, and with none configured
+    the first of the priority list that passes is taken (`default_backend`).
     """
     release = get_profile(vllm_version)
     device = _device(device, device_capability)
@@ -144,6 +155,7 @@ def build_context(
                                                                                    backend):
         raise input_error("backend", "give `attention_backend` or its alias `backend`, not both")
     backend = attention_backend if attention_backend is not None else backend
+    explicit = backend is not None  # the user's --attention-backend (not one a worker list names)
     backend_from = "backend"  # where a mismatch of the planned backend is reported
     workers = _workers(release, worker_attention_backends)
     if workers is not None:
@@ -190,6 +202,11 @@ def build_context(
     if tensor_parallel_size != 1 and model is None:
         raise input_error("tensor_parallel_size", "`tensor_parallel_size` applies to `model` only",
                           "a `spec` already gives the KV heads of one rank (`num_kv_heads`)")
+    # vLLM's selector checks a block size only when the user specified one (`user_specified_block_size`):
+    # the `block_size` keyword (--block-size). A `spec`'s own block_size describes the geometry vLLM built
+    # (the kernel block of a hybrid model, say), not necessarily a flag, so it is not checked.
+    requested = block_size if isinstance(block_size, int) and not isinstance(block_size, bool) else None
+    block_where = "block_size"
     if model is not None:
         from kvpolicy.policy.hf_config import kv_groups_from_hf_config
 
@@ -214,16 +231,25 @@ def build_context(
         kv = groups.primary
     else:
         raise input_error("spec", "no KV cache described", "pass `model` (a config.json) or `spec`")
+    if not isinstance(allow_chunked_local_attn_with_hybrid_kv_cache, bool):
+        raise input_error("allow_chunked_local_attn_with_hybrid_kv_cache", "`allow_chunked_local_attn_with_hybrid_"
+                          f"kv_cache` must be true or false, got `{allow_chunked_local_attn_with_hybrid_kv_cache!r}`")
+    if model is not None:  # `groups` are vLLM's KV cache groups as the engine core made them: already unified
+        groups = _hybrid_manager(release, groups, connector_config_model,
+                                 allow_chunked_local_attn_with_hybrid_kv_cache)
+        kv = groups.primary or kv
     configured = backend is not None
     if backend is None:  # what vLLM's platform would select for this model (see `default_backend`)
         backend = default_backend(release, kv, device_capability if isinstance(device_capability, int) else None,
-                                  device=device)
+                                  device=device, block_size=requested, block_where=block_where)
     if isinstance(backend, BackendProfile):
         profile = backend
     elif isinstance(backend, str):
         profile = release.backend(backend)
     else:
         raise input_error("attention_backend", f"`attention_backend` must be a name, got {type(backend).__name__}")
+    if explicit and device == "cuda":
+        _check_configured_backend(release, kv, profile.name, requested, "attention_backend", block_where)
     if device == "cpu":
         where = "attention_backend" if backend_from == "backend" else backend_from
         named = [(profile.name, where)] if configured else []
@@ -310,13 +336,15 @@ def _check_cpu_backend(release: ReleaseProfile, kv: KVCacheSpec, name: str, wher
 
 
 def default_backend(release: ReleaseProfile, kv: KVCacheSpec, device_capability: int | None = None,
-                    device: str = "cuda") -> str:
+                    device: str = "cuda", block_size: int | None = None, block_where: str = "block_size") -> str:
     """The attention backend vLLM's platform selects when none is configured.
 
     ``cuda``: the first of the release's priority list for (MLA or not, capability; SM90 when
-    ``device_capability`` is None) that supports ``kv.kv_cache_dtype``, among the backends the profile
-    models only: where vLLM would pick one kvpolicy does not model (FLASH_ATTN_MLA on SM90), the next
-    modelled one is taken. ``cpu``: the one backend vLLM's CPU platform selects (CPU_ATTN; for MLA,
+    ``device_capability`` is None) that supports ``kv.kv_cache_dtype``, the model dtype ``kv.dtype``
+    (``supported_dtypes``) and ``block_size`` where the user gave one (``supports_block_size``; vLLM's
+    selector skips a backend failing any, and logs which ones a ``--block-size`` precluded), among the
+    backends the profile models only: where vLLM would pick one kvpolicy does not model (FLASH_ATTN_MLA
+    on SM90), the next modelled one is taken. ``cpu``: the one backend vLLM's CPU platform selects (CPU_ATTN; for MLA,
     CPU_MLA, or AMX_MLA on a host with AMX tiles, which kvpolicy does not model: an `InputError`).
     """
     kind = "mla" if kv.kind is AttentionKind.mla else "attention"
@@ -335,16 +363,51 @@ def default_backend(release: ReleaseProfile, kv: KVCacheSpec, device_capability:
     order = release.backend_priority.get(f"{kind}@{capability}", release.backend_priority.get(kind))
     if order is None:  # a profile without priorities (a development state): its first backend of the kind
         order = tuple(n for n, b in release.backends.items() if b.mla == (kind == "mla"))
-    return _first_supporting(release, kind, order, kv)
+    return _first_supporting(release, kind, order, kv, block_size=block_size, block_where=block_where)
+
+
+def _refusals(release: ReleaseProfile, name: str, kv: KVCacheSpec, block_size: int | None) -> list[str]:
+    """What vLLM's ``validate_configuration`` of backend ``name`` says of the model dtype and a requested
+    block size, in its words (``dtype not supported``, ``block_size not supported``); empty: both fit."""
+    facts = release.backends[name]
+    reasons = []
+    if not facts.supports_dtype(kv.dtype.value):
+        reasons.append("dtype not supported")
+    if block_size is not None and not facts.supports_block_size(block_size):
+        reasons.append("block_size not supported")
+    return reasons
 
 
 def _first_supporting(release: ReleaseProfile, kind: str, order: Sequence[str], kv: KVCacheSpec,
-                      cpu: bool = False) -> str:
-    """The first of ``order`` that supports ``kv.kv_cache_dtype`` (vLLM selects no backend without it)."""
+                      cpu: bool = False, block_size: int | None = None, block_where: str = "block_size") -> str:
+    """The first of ``order`` that supports ``kv.kv_cache_dtype`` (vLLM selects no backend without it) and,
+    on CUDA, the model dtype and a requested block size (`_refusals`)."""
+    skipped: dict[str, list[str]] = {}
     for name in order:
         facts = release.backends.get(name)
         if facts is not None and (facts.kv_cache_dtypes is None or kv.kv_cache_dtype in facts.kv_cache_dtypes):
-            return name
+            if cpu:  # the CPU platform selects its backend without validating it
+                return name
+            reasons = _refusals(release, name, kv, block_size)
+            if not reasons:
+                if any(r == ["block_size not supported"] for r in skipped.values()):
+                    _note(block_where, f"block size {block_size} precluded higher-priority backend(s) "
+                          f"{', '.join(n for n, r in skipped.items() if r == ['block_size not supported'])}: "
+                          f"{release.version_label} selects {name} instead (as vLLM logs it)",
+                          "leave --block-size out to let vLLM choose a block size the first backend takes",
+                          "block-size-precluded-backend")
+                return name
+            skipped[name] = reasons
+    if skipped:
+        why = "; ".join(f"{n}: {', '.join(r)}" for n, r in skipped.items())
+        blocked = [n for n, r in skipped.items() if "block_size not supported" in r]
+        where = block_where if blocked and all("block_size not supported" in r for r in skipped.values()) else "dtype"
+        rules = ", ".join(f"{n} takes {release.backends[n].block_size_rule()}" for n in blocked)
+        raise input_error(where, f"no {kind} backend of {release.version_label} takes model dtype `{kv.dtype.value}`"
+                          + (f" with block size {block_size}" if block_size is not None else "")
+                          + f" (vLLM: \"No valid attention backend found\"; {why})",
+                          (f"{rules}; " if rules else "") + "choose a block size and a model dtype (--dtype) "
+                          "every backend of the priority list takes", code="no-valid-backend")
     if cpu:  # one backend, no fallback
         facts = release.backends[order[0]]
         raise input_error("kv_cache_dtype", f"{order[0]}, the backend vLLM's CPU platform selects, does not support "
@@ -354,6 +417,132 @@ def _first_supporting(release: ReleaseProfile, kind: str, order: Sequence[str], 
     raise input_error("attention_backend", f"no {kind} backend of vLLM profile `{release.name}` supports "
                       f"kv_cache_dtype `{kv.kv_cache_dtype}`", "choose another kv_cache_dtype",
                       code="unsupported-kv-cache-dtype")
+
+
+def _note(where: str, message: str, help: str, code: str) -> None:
+    """Say an assumption or a change vLLM makes as a located warning (a `ModelConfigWarning`, which
+    dry-run prints and the library's callers collect with `kvpolicy.engine.model_notes`)."""
+    import warnings
+
+    from kvpolicy.policy.errors import Diagnostic
+
+    diagnostic = Diagnostic(where, 0, 0, code, message, help)
+    try:
+        from kvpolicy.policy.hf_config import ModelConfigWarning
+    except ModuleNotFoundError:  # an install without the model-config reader
+        warnings.warn(diagnostic.render(), UserWarning, stacklevel=3)
+        return
+    warnings.warn(ModelConfigWarning(diagnostic), stacklevel=3)
+
+
+def _check_configured_backend(release: ReleaseProfile, kv: KVCacheSpec, name: str, block_size: int | None,
+                              where: str, block_where: str = "block_size") -> None:
+    """A configured backend the model dtype or the requested block size does not fit: vLLM's CUDA platform
+    refuses it at start-up (``get_attn_backend_cls``: "Selected backend ... is not valid for this
+    configuration"), it does not fall back to another."""
+    if name not in release.backends:
+        return
+    reasons = _refusals(release, name, kv, block_size)
+    if not reasons:
+        return
+    facts = release.backends[name]
+    refusal = f"(vLLM: \"Selected backend {name} is not valid for this configuration. Reason: {reasons}\")"
+    if "dtype not supported" in reasons:
+        cuda = {n for k, names in release.backend_priority.items() if "@cpu" not in k for n in names}
+        able = [n for n, b in release.backends.items() if b.mla == facts.mla and b.supports_dtype(kv.dtype.value)
+                and (n in cuda or not cuda)]
+        raise input_error(where, f"attention backend {name} on {release.version_label} does not run model dtype "
+                          f"`{kv.dtype.value}` (its supported_dtypes: {', '.join(facts.supported_dtypes or ())}) "
+                          f"{refusal}", f"serve the model in {' or '.join(facts.supported_dtypes or ())} (--dtype), "
+                          f"or name a backend that runs {kv.dtype.value} ({', '.join(able) or 'none'}), or leave "
+                          "the attention backend out", code="unsupported-dtype")
+    said = "--block-size" if block_where == "block_size" else "block_size"
+    raise input_error(block_where, f"{said} {block_size}: {name} on {release.version_label} takes block "
+                      f"sizes that are {facts.block_size_rule()} {refusal}",
+                      f"pass a block size {name} takes, or leave the attention backend out (vLLM then selects "
+                      "the first backend of its priority list that takes this block size)",
+                      code="unsupported-block-size")
+
+
+def hybrid_manager_off(release: ReleaseProfile, groups: KVCacheGroups, connector: ConnectorConfig | None,
+                       allow_chunked_local: bool = True) -> tuple[str, str] | None:
+    """Why vLLM turns its hybrid KV cache manager off for this deployment, as (where, why); None: it stays
+    on (or kvpolicy cannot tell: a connector class the profile does not know, said as a note).
+
+    ``VllmConfig.__post_init__``: a model with chunked local attention while
+    ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0``, or a KV connector that does not implement
+    ``SupportsHMA`` (`ReleaseProfile.connector_supports_hma`: MultiConnector by its members)."""
+    if not allow_chunked_local and any(g.spec.kind is AttentionKind.chunked_local for g in groups.groups):
+        return ("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "the model has chunked local attention and "
+                "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0 (\"There is a latency regression when using "
+                "chunked local attention with the hybrid KV cache manager. Disabling it\")")
+    if connector is None or not release.hma_connectors:
+        return None
+    supports = _connector_hma(release, connector)
+    if supports is False:
+        return ("connector", f"the KV connector `{connector.name}` does not support it (no `SupportsHMA`"
+                + ("; MultiConnector needs every member to" if connector.name == "MultiConnector" else "")
+                + "): \"Turning off hybrid kv cache manager because `--kv-transfer-config` selects a KV "
+                "connector that does not support it\"")
+    if supports is None and len({g.spec.kind for g in groups.groups}) > 1:
+        _note("connector", f"{release.version_label} turns its hybrid KV cache manager off for a connector class "
+              f"without `SupportsHMA`; kvpolicy does not know whether `{connector.name}`'s class has it and "
+              "assumed it does (the groups stay as the model has them)",
+              "if it does not, the sliding-window layers are cached as full attention in one group",
+              "hybrid-manager-assumed")
+    return None
+
+
+def _connector_hma(release: ReleaseProfile, conn: ConnectorConfig) -> bool | None:
+    """`ReleaseProfile.connector_supports_hma` for a parsed connector (MultiConnector: every member)."""
+    if conn.name != "MultiConnector":
+        return release.connector_supports_hma(conn.name, conn.extra)
+    answers = [_connector_hma(release, m) for m in conn.connectors]
+    if not answers or False in answers:
+        return False
+    return None if None in answers else True
+
+
+def _hybrid_manager(release: ReleaseProfile, groups: KVCacheGroups, connector: ConnectorConfig | None,
+                    allow_chunked_local: bool) -> KVCacheGroups:
+    """A model's groups as vLLM caches them: with its hybrid KV cache manager off (`hybrid_manager_off`),
+    sliding-window and chunked-local layers promoted to full attention, in one group with the full ones (vLLM's
+    ``unify_hybrid_kv_cache_specs``; the layers still compute as before), with a note saying so."""
+    off = hybrid_manager_off(release, groups, connector, allow_chunked_local)
+    kinds = {g.spec.kind for g in groups.groups}
+    local = {AttentionKind.sliding_window, AttentionKind.chunked_local}
+    if off is not None and AttentionKind.mamba in kinds and len(kinds) > 1:
+        raise input_error(off[0], f"{release.version_label} turns its hybrid KV cache manager off: {off[1]}; this "
+                          "model mixes Mamba and attention layers, which vLLM cannot cache without it (\"Failed to "
+                          "promote local KV cache specs to one unified type\")",
+                          "use a connector that supports the hybrid manager (SupportsHMA)", code="needs-hybrid-manager")
+    if off is None or not kinds & local or AttentionKind.full not in kinds:
+        return groups  # nothing to promote: vLLM's specs are uniform already
+    where, why = off
+    if AttentionKind.mla in kinds:
+        raise input_error(where, f"{release.version_label} turns its hybrid KV cache manager off: {why}; kvpolicy "
+                          "does not model how vLLM then caches MLA beside local attention",
+                          "use a connector that supports the hybrid manager (SupportsHMA)", code="unmodelled-groups")
+    full = next(g for g in groups.groups if g.spec.kind is AttentionKind.full)
+    same = {"num_kv_heads", "head_size", "dtype", "kv_cache_dtype", "block_size"}
+    promoted = [g for g in groups.groups if g.spec.kind in local]
+    for g in promoted:
+        if any(getattr(g.spec, f) != getattr(full.spec, f) for f in same):
+            raise input_error(where, f"{release.version_label} turns its hybrid KV cache manager off ({why}) and "
+                              f"caches the {g.spec.kind.value} layers as full attention, but their pages differ from "
+                              "the full-attention layers' (heads, head size or dtype): kvpolicy does not model the "
+                              "group vLLM then builds", "decide with a connector that supports the hybrid manager",
+                              code="unmodelled-groups")
+    layers = full.spec.num_layers + sum(g.spec.num_layers for g in promoted)
+    merged = KVCacheGroup(spec=full.spec.model_copy(update={"num_layers": layers}),
+                          num_attention_groups=full.num_attention_groups, dcp_sharded=full.dcp_sharded)
+    _note(where, f"{release.version_label} turns its hybrid KV cache manager off: {why}; it caches the "
+          f"{' and '.join(sorted(g.spec.kind.value for g in promoted))} layers as full attention, in one group of "
+          f"{layers} layers (\"Hybrid KV cache manager is disabled for this hybrid model\"): more KV cache memory, "
+          "the same compute", "use a connector that supports the hybrid manager (SupportsHMA) to keep the groups",
+          "hybrid-manager-off")
+    rest = [g for g in groups.groups if g.spec.kind not in local and g is not full]
+    return KVCacheGroups(groups=(merged, *rest))
 
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -16,8 +16,10 @@ config code (``v1/attention/backends/utils.py``, ``v1/kv_cache_layout.py``, ``v1
   (``ModelConfig.use_mla``); kvpolicy reads MLA from the config and refuses to guess the other geometry.
 - ``VLLM_BATCH_INVARIANT``: vLLM's backend selection skips backends without batch invariance;
   kvpolicy's default backend does not, so a configured backend is asked for.
-- ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE``: decides whether the hybrid KV cache manager
-  stays on for models with chunked local attention; kvpolicy's groups come from the model config alone.
+- ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` (every release, ``bool(int(value))``, default 1):
+  used as ``allow_chunked_local_attn_with_hybrid_kv_cache``. At 0, ``VllmConfig.__post_init__`` turns the
+  hybrid KV cache manager off for a model with chunked local attention (Llama-4), and its chunked-local
+  layers are cached as full attention in one group (`kvpolicy.engine.inputs.hybrid_manager_off`).
 - ``VLLM_USE_SIMPLE_KV_OFFLOAD``: which connector ``--kv-offloading-size`` configures; kvpolicy refuses
   that argument (`kvpolicy.engine.vllm_args.NOT_MODELLED`), so the variable has nothing to act on.
 
@@ -88,11 +90,12 @@ def _flag(environ: Mapping[str, str], name: str) -> bool | None:
 
 
 def read_vllm_env(environ: Mapping[str, str], release: ReleaseProfile, *, layout_flag: str | None,
-                  v2_runner_flag: bool | None) -> EnvReading:
+                  v2_runner_flag: bool | None, chunked_local_flag: int | None = None) -> EnvReading:
     """The keywords and notes of the variables vLLM ``release`` reads for this decision.
 
-    ``layout_flag`` / ``v2_runner_flag``: what the user passed explicitly (``--vllm-kv-cache-layout``,
-    ``--use-v2-model-runner``); an explicit flag wins over the variable, and the note says so."""
+    ``layout_flag`` / ``v2_runner_flag`` / ``chunked_local_flag``: what the user passed explicitly
+    (``--vllm-kv-cache-layout``, ``--use-v2-model-runner``, ``--allow-chunked-local-attn-with-hybrid-kv-cache``);
+    an explicit flag wins over the variable, and the note says so."""
     inputs: dict[str, Any] = {}
     notes: list[str] = []
     label = release.version_label
@@ -136,10 +139,18 @@ def read_vllm_env(environ: Mapping[str, str], release: ReleaseProfile, *, layout
                      "backends and checks the configured one; kvpolicy does not model that, so pass the backend "
                      "vLLM runs with --attention-backend")
     chunked = _flag(environ, "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE")
-    if chunked is not None:
-        notes.append(f"note: VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE={int(chunked)} is ignored: it "
-                     "decides whether vLLM keeps the hybrid KV cache manager for models with chunked local "
-                     "attention, and kvpolicy's groups come from the model config alone")
+    if chunked is not None and chunked_local_flag is not None:
+        if bool(chunked_local_flag) != chunked:
+            notes.append(f"note: VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE={int(chunked)} is set, but "
+                         f"--allow-chunked-local-attn-with-hybrid-kv-cache {chunked_local_flag} wins (the explicit "
+                         "flag; vLLM itself would read the variable)")
+    elif chunked is not None:
+        inputs["allow_chunked_local_attn_with_hybrid_kv_cache"] = chunked
+        notes.append(f"note: VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE={int(chunked)} read from the "
+                     f"environment as {label} reads it: " + ("a model with chunked local attention keeps the hybrid "
+                     "KV cache manager (vLLM's default)" if chunked else "a model with chunked local attention runs "
+                     "without the hybrid KV cache manager, its chunked-local layers cached as full attention in "
+                     "one group"))
     if _flag(environ, "VLLM_USE_SIMPLE_KV_OFFLOAD") is not None:
         notes.append("note: VLLM_USE_SIMPLE_KV_OFFLOAD is ignored: it only chooses the connector that "
                      "--kv-offloading-size configures, and kvpolicy takes the connector from --connector or "

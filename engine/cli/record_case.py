@@ -91,6 +91,9 @@ def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) ->
         "device": args.device,
         "device_capability": args.device_capability,
         "use_v2_model_runner": bool(args.use_v2_model_runner),
+        "allow_chunked_local_attn_with_hybrid_kv_cache": (
+            None if args.allow_chunked_local_attn_with_hybrid_kv_cache is None
+            else bool(args.allow_chunked_local_attn_with_hybrid_kv_cache)),
         "connector_prefers_cross_layer_blocks": resolved.preferences,
     })
     # the VLLM_* environment's part of the decision, kept in the case (a test must not read the environment)

@@ -144,7 +144,8 @@ def _show(value: Any) -> str:
 def environment_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """The keywords the ``VLLM_*`` environment gives the decision (flags win), and the notes."""
     reading = read_vllm_env(os.environ, _release(args), layout_flag=args.vllm_kv_cache_layout,
-                            v2_runner_flag=args.use_v2_model_runner)
+                            v2_runner_flag=args.use_v2_model_runner,
+                            chunked_local_flag=getattr(args, "allow_chunked_local_attn_with_hybrid_kv_cache", None))
     return reading.inputs, list(reading.notes)
 
 

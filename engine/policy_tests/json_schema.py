@@ -91,6 +91,7 @@ def _input() -> dict[str, Any]:
             {"type": "number", "minimum": 1, "maximum": sys.float_info.max},  # finite, >= 1: its major
             {"type": "string", "pattern": _CAPABILITY}]}),
         "use_v2_model_runner": {"type": "boolean"},
+        "allow_chunked_local_attn_with_hybrid_kv_cache": {"type": "boolean"},
         "connector_prefers_cross_layer_blocks": _or_null({"anyOf": [
             {"type": "boolean"}, {"type": "object", "minProperties": 1, "additionalProperties": {"type": "boolean"}}]}),
     }

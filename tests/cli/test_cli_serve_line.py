@@ -218,7 +218,7 @@ def test_mla_disable_with_an_mla_model_is_refused(capsys: pytest.CaptureFixture[
 
 @pytest.mark.parametrize(("name", "text"), [
     ("VLLM_BATCH_INVARIANT", "warning: VLLM_BATCH_INVARIANT=1"),
-    ("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "=1 is ignored"),
+    ("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "=1 read from the environment"),
     ("VLLM_USE_SIMPLE_KV_OFFLOAD", "VLLM_USE_SIMPLE_KV_OFFLOAD is ignored"),
 ])
 def test_variables_not_modelled_are_said(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,

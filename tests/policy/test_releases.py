@@ -260,6 +260,9 @@ def test_vllm_028_facts_are_unchanged_by_the_gate_family_chain() -> None:
     extends and its shipped rules, now layers shared by the gate family."""
     before = json.loads((Path(__file__).parent / "snapshots" / "vllm-0.28-facts-before-extends.json").read_text())
     after = get_profile("vllm-0.28").model_dump(mode="json")
+    for facts in after["backends"].values():  # facts profiles gained after the snapshot (issue 21)
+        for added in ("supported_dtypes", "kernel_block_sizes"):
+            facts.pop(added)
     assert {k for k in before if before[k] != after[k]} == {"extends", "rules"}
     assert (before["extends"], before["rules"]) == (None, "vllm-0.28")
     assert after["extends"] == "vllm-0.27"
