@@ -625,3 +625,14 @@ def test_module_never_imports_torch() -> None:
     code = "import sys, kvpolicy.policy.hf_config; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
+
+
+def test_both_entry_points_take_the_same_keywords() -> None:
+    """`kv_groups_from_hf_config` is `read_hf_config` without the notes: every keyword of one, with its
+    default, is the other's (a keyword added to one alone would be a TypeError for its callers)."""
+    import inspect
+
+    reading = inspect.signature(read_hf_config).parameters
+    groups = inspect.signature(kv_groups_from_hf_config).parameters
+    assert [(p.name, p.kind, p.default) for p in reading.values()] == \
+        [(p.name, p.kind, p.default) for p in groups.values()]
