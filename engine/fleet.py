@@ -80,10 +80,17 @@ class Fleet:
 
     file: str
     deployments: tuple[tuple[Deployment, int], ...]  # (deployment, line)
+    # per deployment, where each of its keys is written (line, col): its own, else the `defaults:` one
+    keys: tuple[dict[str, tuple[int, int]], ...] = ()
 
     @property
     def base_dir(self) -> Path:
         return Path(self.file).parent
+
+    def key_at(self, index: int, key: str) -> tuple[int, int]:
+        """Where deployment ``index`` sets ``key`` (its own line, column 1, when unknown)."""
+        found = self.keys[index].get(key) if index < len(self.keys) else None
+        return found if found is not None else (self.deployments[index][1], 1)
 
 
 def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
@@ -105,6 +112,7 @@ def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
                          [*diags, *located_validation_errors(src, (), src.data, exc, valid_keys=_keys_at)]) from None
     bad_defaults = _check_defaults(src, header.defaults, diags)
     out: list[tuple[Deployment, int]] = []
+    keys: list[dict[str, tuple[int, int]]] = []
     seen: dict[str, int] = {}
     for i, raw in enumerate(header.deployments):
         where = ("deployments", i)
@@ -126,9 +134,11 @@ def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
             out.append((Deployment.model_validate(merged), line))
         except ValidationError as exc:
             diags += located_validation_errors(src, where, merged, exc, valid_keys=_keys_at)
+            continue
+        keys.append({k: src.position((*where, k) if k in raw else ("defaults", k)) for k in merged})
     if diags:
         raise FleetError(f"{len(diags)} error(s) in fleet file `{shown}`", diags)
-    return Fleet(shown, tuple(out))
+    return Fleet(shown, tuple(out), tuple(keys))
 
 
 _PROBE_SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_size": 64}
@@ -204,12 +214,17 @@ def geometry_check(decision: Decision) -> PolicyError | None:
 RulesFor = Any  # Callable[[str], RuleSet]: the rule set of a profile name
 
 
-def _refuse(location: str, file: str, line: int) -> Refuse:
-    """A connector vLLM would refuse makes the deployment invalid, located at it in the fleet file."""
+def _refuse(location: str, fleet: Fleet, index: int) -> Refuse:
+    """A connector vLLM would refuse makes the deployment invalid, located at the key that names it in the
+    fleet file (``connector:``, a member in ``connector_config:``, or ``kv_transfer_config:``)."""
+    dep = fleet.deployments[index][0]
+
     def refuse(member: bool, message: str, help: str) -> PolicyError:
-        key = "connector_config" if member else "connector"
+        key = "kv_transfer_config" if dep.kv_transfer_config is not None else \
+            "connector_config" if member else "connector"
+        line, col = fleet.key_at(index, key)
         return InputError(f"deployment at {location}: `{key}`",
-                          [Diagnostic(shown_file(file), line, 0, "unknown-connector", message, help)])
+                          [Diagnostic(shown_file(fleet.file), line, col, "unknown-connector", message, help)])
     return refuse
 
 
@@ -219,7 +234,7 @@ def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = N
     from kvpolicy.policy.releases import resolve_profile
 
     out = []
-    for dep, line in fleet.deployments:
+    for index, (dep, line) in enumerate(fleet.deployments):
         location = f"{shown_file(fleet.file)}:{line}"
         profile, ctx = None, None
         notes: list[str] = []
@@ -228,8 +243,9 @@ def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = N
             ruleset: RuleSet = rules_for(profile)
             with model_config_notes() as notes:
                 ctx = context_for(dep, fleet.base_dir, profile)
-            notes += check_connector_names(ctx, ruleset, out_of_tree_names(dep), _refuse(location, fleet.file, line))
-            decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx)
+            declared = out_of_tree_names(dep)
+            notes += check_connector_names(ctx, ruleset, declared, _refuse(location, fleet, index))
+            decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx).declaring(declared)
             out.append(FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision),
                                    notes=tuple(notes)))
         except PolicyError as exc:
