@@ -295,7 +295,8 @@ def _check_rule(src: Located, path: Path, data: Any, diags: list[Diagnostic]) ->
 
 
 def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int,
-                  partial: list[tuple[int, Rule, str | None]] | None = None) -> tuple[RuleFile | None, list[Diagnostic]]:
+                  partial: list[tuple[int, Rule, str | None]] | None = None
+                  ) -> tuple[RuleFile | None, list[Diagnostic]]:
     """Validate one parsed file; returns the model (None if any error) and every diagnostic. ``partial``
     collects (index, rule, the file's connector) for each rule that is valid on its own, also when the file
     has errors elsewhere: the warnings about them are said with the errors."""
