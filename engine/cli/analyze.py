@@ -100,8 +100,13 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--include-shipped", action="store_true",
                    help="with DIR or --rules: report the shipped rules' findings and load-bearing lines too (default: "
                         "only your layers'; a finding about the whole rule set is always reported)")
-    p.add_argument("--max-inputs", type=int_at_least(0), default=20, metavar="N",
-                   help="inputs listed per finding in text output (default 20; JSON lists all)")
+    p.add_argument("--max-inputs", type=int_at_least(0), default=None, metavar="N",
+                   help="lines of inputs listed per finding in text output (default 5, with --verbose 20; JSON "
+                        "lists all)")
+    p.add_argument("--verbose", action="store_true",
+                   help="text output: list every value of a folded input line, and 20 lines per finding (default: "
+                        "a field of more than 6 values, such as 30 connector combinations, shows their count and "
+                        "the first 3; 5 lines per finding)")
     add_max_space_flag(p)
     add_format_flag(p, ci=True)
     p.set_defaults(run=run_lint)
@@ -175,8 +180,9 @@ def run_lint(args: argparse.Namespace) -> int:
         print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed,
                     "shipped_findings_left_out": left_out})
         return EXIT_FAILED if failed else EXIT_OK
+    shown = args.max_inputs if args.max_inputs is not None else (20 if args.verbose else 5)
     for finding in report.findings:
-        print(finding.render(args.max_inputs))
+        print(finding.render(shown, verbose=args.verbose))
     if report.findings:
         print()
     print(report.render_load_bearing())
