@@ -51,7 +51,7 @@ from kvpolicy.policy.errors import PolicyError
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.rule_model import Effect
-from kvpolicy.policy.ruleset import RuleSet
+from kvpolicy.policy.ruleset import RuleSet, Source
 
 __all__ = ["Finding", "LintReport", "LoadBearing", "fold", "lint", "shipped_ruleset"]
 
@@ -75,6 +75,7 @@ class Finding:
     total: int | None = None  # inputs in all, when ``inputs`` lists only a sample
     groups: tuple[tuple[str, int], ...] = ()  # ``inputs`` folded: (label with {a,b} where they vary, count)
     brief: tuple[tuple[str, int], ...] = ()  # ``groups`` with a field of many values summarised (`WIDE`)
+    at: Source | None = None  # where a finding about no one rule is (a fleet's deployment: its line in the file)
 
     @property
     def count(self) -> int:
@@ -82,7 +83,7 @@ class Finding:
 
     def render(self, max_inputs: int = 20, verbose: bool = False) -> str:
         """The finding and its inputs, folded; a field of many values is summarised unless ``verbose``."""
-        where = f"{self.rule.source}: " if self.rule else ""
+        where = f"{self.rule.source}: " if self.rule else f"{self.at}: " if self.at else ""
         text = f"{where}{self.severity}[{self.code}]: {self.message}"
         groups = self.groups if verbose or not self.brief else self.brief
         if groups:  # near-identical inputs on one line each, with their count
@@ -106,7 +107,9 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return {"severity": self.severity, "code": self.code, "message": self.message,
-                "rule": self.rule.to_dict() if self.rule else None, "count": self.count, "inputs": list(self.inputs),
+                "rule": self.rule.to_dict() if self.rule else None,
+                "location": str(self.at) if self.at is not None else None, "count": self.count,
+                "inputs": list(self.inputs),
                 "groups": [{"inputs": label, "count": n} for label, n in self.groups]}
 
 
@@ -128,17 +131,18 @@ class LoadBearing:
             return "safety"
         return "decision" if self.changed else None
 
-    def describe(self) -> str:
+    def describe(self, unit: str = "input") -> str:
+        """What deleting the rule changes, counted in ``unit``s (``input``; a fleet's ``deployment``)."""
         if self.kind == "safety":
-            text = f"without it an unsafe layout gets through the rules for {self.unsafe} input(s)"
+            text = f"without it an unsafe layout gets through the rules for {self.unsafe} {unit}(s)"
             if self.unsafe_chosen:
                 text += f" (and is chosen for {self.unsafe_chosen})"
             return text + f"; {self.changed} decision(s) change"
         if self.kind == "decision":
             return f"without it {self.changed} decision(s) change, every one to a safe layout"
         if not self.matched:
-            return "it matches no input"
-        return f"it matches {self.matched} input(s), but without it no decision changes"
+            return f"it matches no {unit}"
+        return f"it matches {self.matched} {unit}(s), but without it no decision changes"
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.rule.to_dict(), "load_bearing": self.kind, "matched": self.matched,

@@ -109,6 +109,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                         "the first 3; 5 lines per finding)")
     add_max_space_flag(p)
     add_format_flag(p, ci=True)
+    p.add_argument("--fleet", metavar="FILE", default=None,
+                   help="lint the rules against exactly the deployments of this fleet file (docs/cli.md), each "
+                        "under its own release's rules, instead of over the profile's space")
     p.set_defaults(run=run_lint)
 
     d = verbs.add_parser(
@@ -150,6 +153,8 @@ def finding_diagnostic(finding: Finding, root: str) -> Diagnostic:
     count of inputs and the first of them in the message."""
     if finding.rule is not None:
         file, line, col = finding.rule.source.file, finding.rule.source.line, finding.rule.source.col
+    elif finding.at is not None:  # a fleet's deployment
+        file, line, col = finding.at.file, finding.at.line, finding.at.col
     else:
         file, line, col = root, 0, 0
     message = finding.message
@@ -162,6 +167,10 @@ def run_lint(args: argparse.Namespace) -> int:
     from kvpolicy.engine.analysis import lint
     from kvpolicy.policy.releases import get_profile
 
+    if args.fleet is not None:
+        from kvpolicy.engine.cli.lint_fleet import run_lint_fleet
+
+        return run_lint_fleet(args)
     ruleset = load_ruleset(operator_dirs(args, "dir"), "DIR", vllm_version=args.vllm_version,
                            shipped_rules=not args.no_shipped_rules)
     profile = get_profile(args.vllm_version)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # engine.fleet builds the case models (~30 ms): imported when
     from kvpolicy.engine.fleet import Fleet, FleetResult
     from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["add_fleet_flag", "result_dict", "run_fleet", "run_fleet_diff"]
+__all__ = ["add_fleet_flag", "falls_back", "result_dict", "rules_for", "run_fleet", "run_fleet_diff"]
 
 # dry-run flags that describe one deployment: the fleet file describes each instead
 _ONE_DEPLOYMENT = (
@@ -58,7 +58,9 @@ def add_fleet_flag(parser: argparse.ArgumentParser, *, dry_run: bool) -> None:
         fmt.help = (fmt.help or "") + "; junit (with --fleet): JUnit XML, a test case per deployment"
 
 
-def _rules_for(args: argparse.Namespace, layers: list[str], flag: str) -> Callable[[str], RuleSet]:
+def rules_for(args: argparse.Namespace, layers: list[str], flag: str) -> Callable[[str], RuleSet]:
+    """The rule stack of each release profile a fleet uses (the shipped rules unless --no-shipped-rules, then
+    ``layers``), each loaded once."""
     cache: dict[str, RuleSet] = {}
 
     def rules(profile: str) -> RuleSet:
@@ -197,7 +199,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     say_fleet_default(args, falls_back(fleet))
     start = time.perf_counter()
     try:
-        results = decide_fleet(fleet, _rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
+        results = decide_fleet(fleet, rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
     except RuleLoadError as exc:
         report_error(exc, "json" if args.format == "json" else "text")
         return EXIT_FAILED
@@ -235,8 +237,8 @@ def run_fleet_diff(args: argparse.Namespace) -> int:
     say_fleet_default(args, falls_back(fleet))
     shared = list(args.rules or [])
     try:
-        old = decide_fleet(fleet, _rules_for(args, [*shared, args.old], "OLD"), args.vllm_version)
-        new = decide_fleet(fleet, _rules_for(args, [*shared, args.new], "NEW"), args.vllm_version)
+        old = decide_fleet(fleet, rules_for(args, [*shared, args.old], "OLD"), args.vllm_version)
+        new = decide_fleet(fleet, rules_for(args, [*shared, args.new], "NEW"), args.vllm_version)
     except (RuleLoadError, PolicyError) as exc:
         report_error(exc, args.format)
         return EXIT_USAGE

@@ -48,8 +48,9 @@ def own_lint_report(report: Any, ruleset: RuleSet, include_shipped: bool) -> tup
     if include_shipped or not own:
         return report, 0
     ids = frozenset().union(*(layer.rule_ids for layer in own))
-    kept = tuple(f for f in report.findings if (f.rule.id in ids if f.rule is not None
-                                                 else f.code not in _RELEASE_NOTES))
+    kept = tuple(f for f in report.findings if (f.rule.id in ids if f.rule is not None  # a fleet's deployment: kept
+                                                 else getattr(f, "at", None) is not None
+                                                 or f.code not in _RELEASE_NOTES))
     bearing = tuple(lb for lb in report.load_bearing if lb.rule.id in ids)
     return replace(report, findings=kept, load_bearing=bearing), len(report.findings) - len(kept)
 
