@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
 
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
@@ -24,12 +23,9 @@ from kvpolicy.engine.cli.common import (
     report_error,
 )
 from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet_diff
-from kvpolicy.engine.cli.operator_view import own_lint_report
+from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report
 from kvpolicy.policy.backends import ScaleViews
-from kvpolicy.policy.errors import Diagnostic, RuleLoadError
-
-if TYPE_CHECKING:
-    from kvpolicy.engine.analysis import Finding
+from kvpolicy.policy.errors import RuleLoadError
 
 __all__ = ["register"]
 
@@ -146,21 +142,6 @@ def max_space(args: argparse.Namespace) -> int:
     from kvpolicy.engine.analysis.budget import DEFAULT_MAX_INPUTS
 
     return DEFAULT_MAX_INPUTS if args.max_space is None else args.max_space
-
-
-def finding_diagnostic(finding: Finding, root: str) -> Diagnostic:
-    """A lint finding located at its rule (or, for a finding about no one rule, at the rule set), with the
-    count of inputs and the first of them in the message."""
-    if finding.rule is not None:
-        file, line, col = finding.rule.source.file, finding.rule.source.line, finding.rule.source.col
-    elif finding.at is not None:  # a fleet's deployment
-        file, line, col = finding.at.file, finding.at.line, finding.at.col
-    else:
-        file, line, col = root, 0, 0
-    message = finding.message
-    if finding.inputs:
-        message += f" (e.g. {finding.inputs[0]})"
-    return Diagnostic(file, line, col, finding.code, message)
 
 
 def run_lint(args: argparse.Namespace) -> int:

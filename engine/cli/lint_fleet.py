@@ -23,7 +23,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.engine.cli.fleet_report import falls_back, rules_for
-from kvpolicy.engine.cli.operator_view import own_lint_report
+from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report
 from kvpolicy.policy.errors import RuleLoadError
 
 __all__ = ["run_lint_fleet"]
@@ -32,7 +32,6 @@ __all__ = ["run_lint_fleet"]
 def run_lint_fleet(args: argparse.Namespace) -> int:
     """``lint [DIR] --fleet FILE``."""
     from kvpolicy.engine.analysis.fleet_lint import lint_fleet
-    from kvpolicy.engine.cli.analyze import finding_diagnostic
     from kvpolicy.engine.fleet import FleetError, decide_fleet, load_fleet
 
     for flag, value in (("--scale-views", args.scale_views), ("--max-space", args.max_space)):

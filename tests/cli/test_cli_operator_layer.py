@@ -100,13 +100,15 @@ def test_lint_of_a_layer_reports_the_layer(layer: Path, capsys: pytest.CaptureFi
 def test_ci_locations_are_repository_paths(layer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "lint", "--rules", str(layer / "strict"), "--format", "github")
     assert code == 1
-    # the conflict is about the whole rule set: located at the operator's directory, relative to the cwd
-    assert "::error file=strict,title=conflict::" in out
+    # the conflict the layer makes is located at its rule (GitHub annotates files, not directories), relative
+    # to the cwd
+    assert "::error file=strict/global.yaml,line=3,col=5,title=conflict::" in out
+    assert "file=strict," not in out
     assert "%20%2B%20" not in out and "rules/issue-48412 + " not in out.split("::")[1]
     code, out, _ = cli(capsys, "lint", "strict", "--include-shipped", "--format", "sarif")
     run = json.loads(out)["runs"][0]
     uris = [loc["physicalLocation"]["artifactLocation"] for r in run["results"] for loc in r.get("locations", [])]
-    assert {"uri": "strict"} in uris
+    assert {"uri": "strict/global.yaml"} in uris and {"uri": "strict"} not in uris
     shipped = [u for u in uris if u.get("uriBaseId") == "KVPOLICY_SHIPPED"]
     assert shipped and all(u["uri"].startswith("issue-48412/") for u in shipped)
     assert "KVPOLICY_SHIPPED" in run["originalUriBaseIds"]
