@@ -125,3 +125,21 @@ def test_test_annotations_name_no_shipped_file_as_the_repositorys(layer: Path,
     uncovered = [line for line in out.splitlines() if "uncovered-rule" in line]
     assert uncovered and not any("file=rules/" in line for line in uncovered)
     assert any("shipped rule at rules/issue-48412/" in line for line in uncovered)
+
+
+def test_a_layers_conflict_is_located_at_its_rule_and_summarised(layer: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A conflict the layer makes: at the layer's rule (not its directory, which GitHub cannot annotate), and a
+    field of many values (27 connector combinations) summarised in text, listed in full by --verbose and JSON."""
+    code, out, _ = cli(capsys, "lint", "strict")
+    assert code == 1 and out.startswith("strict/global.yaml:3: error[conflict]: no layout survives for ")
+    assert "where `always-block-outermost` removes candidates" in out
+    assert "connector=<27 values: " in out and "--verbose lists each" in out
+    assert "MultiConnector[NixlConnector" not in out and len(out) < 4000
+    code, verbose, _ = cli(capsys, "lint", "strict", "--verbose")
+    assert "MultiConnector[NixlConnector" in verbose and "values: " not in verbose and len(verbose) > 2 * len(out)
+    code, text, _ = cli(capsys, "lint", "strict", "--format", "json")
+    conflict, = [f for f in json.loads(text)["findings"] if f["code"] == "conflict"]
+    assert conflict["rule"]["rule"] == "always-block-outermost" and conflict["rule"]["source"] == "strict/global.yaml:3"
+    assert conflict["count"] == len(conflict["inputs"]) == sum(g["count"] for g in conflict["groups"])
+    assert any("MultiConnector[NixlConnector" in g["inputs"] for g in conflict["groups"])
