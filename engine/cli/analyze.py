@@ -43,6 +43,9 @@ examples:
   kvpolicy lint my-rules/ --format github       # findings on your layer's files as CI annotations
   kvpolicy lint my-rules/ --format sarif > kvpolicy.sarif
   kvpolicy lint my-rules/ --include-shipped     # the shipped rules' findings too
+  kvpolicy lint my-rules/ --fleet fleet.yaml    # against exactly the deployments of a fleet file
+  kvpolicy lint my-rules/ --fleet fleet.yaml --format github
+      findings at the fleet file's deployment lines and at your rules, as CI annotations
 
 the space: every input the profile's decision reads (its backends, kv_cache_dtypes,
 device capabilities, VLLM_KV_CACHE_LAYOUT, extensible KV cache, HiSparse, group shapes,
@@ -51,9 +54,16 @@ is printed
 
 findings: error[unsafe-permit] the rules choose a layout whose views overlap (the inputs
 are listed); error[conflict] no layout survives where the profile's shipped rules choose
-one; warning[dead-rule] no input makes the rule match; note[release-refuses] no layout
-survives, as with the shipped rules (the release refuses to start); note[not-load-bearing]
-deleting the forbid/require changes nothing
+one (located at each of your rules taking part); warning[dead-rule] no input makes the
+rule match; note[release-refuses] no layout survives, as with the shipped rules (the
+release refuses to start); note[not-load-bearing] deleting the forbid/require changes nothing
+
+text output folds near-identical inputs into lines (5 per finding) and summarises a field of
+many values (connector=<43 values: A, B, C, ...>); --verbose lists every value, JSON every input
+
+--fleet FILE: findings about each deployment at its fleet line (invalid-deployment, conflict,
+release-refuses, unsafe-permit, not-planned), about each rule at the rule (dead-rule,
+not-load-bearing, audit), load-bearing counted in deployments
 
 load-bearing: each forbid/require is `safety` (deleting it lets an unsafe layout through),
 `decision` (deleting it changes decisions, all to safe layouts) or `no`
