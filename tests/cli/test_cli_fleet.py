@@ -204,3 +204,39 @@ def _spec(tmp_path: Path) -> Path:
     spec = tmp_path / "spec.yaml"
     spec.write_text("num_layers: 4\nnum_kv_heads: 2\nhead_size: 64\n")
     return spec
+
+
+def test_a_members_and_a_transfer_configs_connector_are_located_at_their_names(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = _fleet(tmp_path, f"""version: 1
+defaults: {{vllm_version: "0.34.0"}}
+deployments:
+  - name: member
+    spec: {SPEC}
+    connector: MultiConnector
+    connector_config:
+      connectors:
+        - {{kv_connector: NixlConnector}}
+        - {{kv_connector: OffloadConnector}}
+  - name: ktc
+    spec: {SPEC}
+    kv_transfer_config: {{kv_connector: LMCacheConector, kv_role: kv_both}}
+""")
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(f), "--format", "json")
+    where = {d["name"]: [(x["line"], x["col"]) for x in d["error"]["diagnostics"]]
+             for d in json.loads(out)["deployments"]}
+    assert code == 1 and where == {"member": [(10, 26)], "ktc": [(13, 40)]}
+
+
+def test_rules_that_do_not_load_are_one_error_not_every_deployments(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    layer = tmp_path / "dup"
+    layer.mkdir()
+    (layer / "global.yaml").write_text("version: 1\nrules:\n  - id: env-layout-lbnhc\n    description: x\n"
+                                       "    forbid: {placement: cross_layer}\n")
+    for verb, expected in ((["dry-run", "--fleet", str(FLEET), "--rules", str(layer)], 1),
+                           (["lint", str(layer), "--fleet", str(FLEET)], 1),
+                           (["diff", "shipped", str(layer), "--fleet", str(FLEET)], 2)):
+        code, out, err = cli(capsys, *verb)
+        assert code == expected and err.count("error[duplicate-rule-id]") == 1, verb
+        assert "invalid-deployment" not in out + err
