@@ -242,11 +242,12 @@ def run_fleet_diff(args: argparse.Namespace) -> int:
     except (RuleLoadError, PolicyError) as exc:
         report_error(exc, args.format)
         return EXIT_USAGE
-    changes, invalid = [], []
+    changes = []
+    bad = [b for a, b in zip(old, new) if a.status == b.status == "invalid"]  # nothing to compare: error rows
+    invalid = [{"name": b.name, "location": _error_location(b), "profile": b.profile,
+                "error": _error(b.error)} for b in bad]  # type: ignore[arg-type]
     for a, b in zip(old, new):
-        if a.status == b.status == "invalid":  # nothing to compare: an error row, as dry-run --fleet shows it
-            invalid.append({"name": a.name, "location": _error_location(b), "profile": b.profile,
-                            "error": _error(b.error)})  # type: ignore[arg-type]
+        if b in bad:
             continue
         if _side(a) == _side(b):
             continue
@@ -269,19 +270,16 @@ def run_fleet_diff(args: argparse.Namespace) -> int:
             print(f"  {c['name']} ({c['location']}, {c['profile']}): {c['old']} -> {c['new']}")
             for w in c["why"]:
                 print(f"      because of {w}" if " at " in w else f"      {w}")
-        if invalid:
+        if bad:  # as dry-run --fleet shows them
             print("\ninvalid (decided on neither side):")
-        for r in new:
-            if r.status == "invalid" and any(i["name"] == r.name for i in invalid):
-                print(f"  {r.name} ({r.location}):")
-                print("\n".join("    " + line for line in r.error.render().splitlines()))  # type: ignore[union-attr]
+        for r in bad:
+            print(f"  {r.name} ({r.location}):")
+            print("\n".join("    " + line for line in r.error.render().splitlines()))  # type: ignore[union-attr]
         if notes:
             print("\nnotes:")
             for name, lines in notes.items():
                 print("\n".join(f"  {name}: {line}".replace("\n", "\n    ") for line in lines))
-    if invalid:
-        return EXIT_FAILED
-    return EXIT_FAILED if changes else EXIT_OK
+    return EXIT_FAILED if changes or bad else EXIT_OK  # an invalid deployment is no pass, as in dry-run --fleet
 
 
 def _error_location(result: FleetResult) -> str:
