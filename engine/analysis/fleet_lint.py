@@ -31,7 +31,7 @@ from kvpolicy.engine.analysis.decider import Decider
 from kvpolicy.engine.analysis.fleet_space import fleet_spaces
 from kvpolicy.engine.analysis.lint import RELEASE_FAILS, Finding, LoadBearing, lint, shipped_ruleset
 from kvpolicy.engine.decide import rule_ref
-from kvpolicy.policy.errors import GeometryError
+from kvpolicy.policy.errors import GeometryError, ModelConfigError
 from kvpolicy.policy.ruleset import RuleSet, Source
 
 __all__ = ["FleetLintReport", "lint_fleet"]
@@ -84,8 +84,10 @@ def _key(rule: Any) -> tuple[str, str]:
     return rule.id, str(rule.source)
 
 
-def _about(result: Any, fleet_file: str, base: Decider | None, inp: Any) -> Finding | None:
-    """The finding about one deployment (None: decided cleanly), located at its line in the fleet file."""
+def _about(result: Any, fleet_file: str, base: Decider | None, inp: Any,
+           model_at: tuple[int, int] | None = None) -> Finding | None:
+    """The finding about one deployment (None: decided cleanly), located at its line in the fleet file (an
+    invalid one at the key that is wrong; ``model_at``: its `model:` key, for an error in the model config)."""
     line = int(result.location.rsplit(":", 1)[1])
     at = Source(fleet_file, line, 1)
     who = f"deployment `{result.name}`" + (f" ({result.profile})" if result.profile else "")
@@ -93,6 +95,8 @@ def _about(result: Any, fleet_file: str, base: Decider | None, inp: Any) -> Find
         d = result.error.diagnostics[0] if result.error.diagnostics else None
         if d is not None and d.file == fleet_file and d.line > 0:  # the key that is wrong
             at = Source(fleet_file, d.line, max(d.col, 1))
+        elif model_at is not None and isinstance(result.error, ModelConfigError):
+            at = Source(fleet_file, *model_at)
         where = f" at {d.location}" if d is not None and d.file != fleet_file else ""
         return Finding("error", "invalid-deployment",
                        f"{who}: its inputs are wrong{where}: " + (d.message if d else result.error.message), at=at)
@@ -146,8 +150,9 @@ def lint_fleet(fleet: Any, results: Sequence[Any], rules_for: Callable[[str], Ru
         bases[profile] = None if base is None else Decider(ruleset if base.digest == ruleset.digest else base)
         inputs.update({r.name: inp for r, inp in zip(members, space.inputs, strict=True)})
     findings: list[Finding] = []
-    for result in results:
-        found = _about(result, fleet.file, bases.get(result.profile or ""), inputs.get(result.name))
+    for index, result in enumerate(results):
+        model_at = fleet.key_at(index, "model") if result.deployment.model is not None else None
+        found = _about(result, fleet.file, bases.get(result.profile or ""), inputs.get(result.name), model_at)
         if found is not None:
             findings.append(found)
 

@@ -93,11 +93,15 @@ deployments:
   - name: fine
     vllm_version: "0.34.0"
     spec: {num_layers: 4, num_kv_heads: 2, head_size: 64}
+  - name: no-config
+    vllm_version: "0.34.0"
+    model: models/nope
 """)
     code, out, _ = cli(capsys, "lint", "--fleet", str(f), "--format", "json")
-    bad, = [x for x in json.loads(out)["findings"] if x["code"] == "invalid-deployment"]
-    assert code == 1 and bad["location"] == f"{f}:6"  # the `connector:` key, not the deployment's line 3
-    assert "registers no KV connector `NixlConector`" in bad["message"]
+    typo, config = [x for x in json.loads(out)["findings"] if x["code"] == "invalid-deployment"]
+    assert code == 1 and typo["location"] == f"{f}:6"  # the `connector:` key, not the deployment's line 3
+    assert "registers no KV connector `NixlConector`" in typo["message"]
+    assert config["location"] == f"{f}:12" and "cannot read the model config" in config["message"]  # `model:`
 
 
 def test_flags_that_shape_a_space_are_usage_errors_with_a_fleet(capsys: pytest.CaptureFixture[str]) -> None:
