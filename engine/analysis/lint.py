@@ -89,7 +89,7 @@ class Finding:
         if groups:  # near-identical inputs on one line each, with their count
             for label, n in groups[:max_inputs]:
                 text += f"\n    {label}" + (f"  ({n} inputs)" if n > 1 else "")
-            if groups is not self.groups and groups != self.groups:
+            if groups[:max_inputs] != self.groups[:max_inputs]:  # a shown line is summarised
                 text += f"\n    (a field of more than {WIDE} values shows their count and the first {_SHOWN}: " \
                     "--verbose lists each, --format json every input)"
             shown = sum(n for _, n in groups[:max_inputs])

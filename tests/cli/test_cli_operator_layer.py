@@ -136,6 +136,8 @@ def test_a_layers_conflict_is_located_at_its_rule_and_summarised(layer: Path,
     assert "where `always-block-outermost` removes candidates" in out
     assert "connector=<27 values: " in out and "--verbose lists each" in out
     assert "MultiConnector[NixlConnector" not in out and len(out) < 4000
+    code, none, _ = cli(capsys, "lint", "strict", "--max-inputs", "0")
+    assert "values: " not in none and "--verbose lists each" not in none  # no line shown, nothing summarised
     code, verbose, _ = cli(capsys, "lint", "strict", "--verbose")
     assert "MultiConnector[NixlConnector" in verbose and "values: " not in verbose and len(verbose) > 2 * len(out)
     code, text, _ = cli(capsys, "lint", "strict", "--format", "json")
