@@ -5,7 +5,8 @@ Findings, by severity:
 - error ``unsafe-permit``: the rules choose a layout whose views the verifier
   finds overlapping (or one the backend has no geometry for) for these inputs;
 - error ``conflict``: no layout survives for these inputs, where the
-  profile's shipped rules choose one;
+  profile's shipped rules choose one; a conflict an operator's layer makes is
+  one finding per rule of theirs removing candidates there, located at it;
 - warning ``dead-rule``: no input makes the rule match;
 - note ``release-fails``: the rules choose, as the release does, a layout the
   release then cannot run for these inputs, so kvpolicy cannot plan it either
@@ -420,10 +421,12 @@ def lint(
     def named(refs: dict[str, RuleRef]) -> str:
         return ", ".join(f"`{r.id}` ({r.source})" for r in sorted(refs.values(), key=lambda r: (str(r.source), r.id)))
 
-    for (refused, owner), inputs in sorted(conflicts.items(), key=lambda kv: (str(kv[0][1] and
-                                                                              ruleset.rule(kv[0][1]).source), kv[0])):
-        if refused:
-            continue
+    def at(owner: str | None) -> tuple[str, int, str]:  # a conflict about no rule of yours first, then by rule
+        return ("", 0, "") if owner is None else (ruleset.rule(owner).source.file,
+                                                  ruleset.rule(owner).source.line, owner)
+
+    for owner in sorted((o for refused, o in conflicts if not refused), key=at):
+        inputs = conflicts[(False, owner)]
         where = "" if owner is None else f" where `{owner}` removes candidates (the shipped rules alone choose one)"
         findings.append(Finding("error", "conflict",
                                 f"no layout survives for {len(inputs)} input(s){where}; the rules removing "
