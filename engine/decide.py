@@ -114,15 +114,18 @@ def connector_rules_for(ruleset: RuleSet, profile: str, name: str,
     return tuple(r for n in connector_names_for(profile, name, extra) for r in ruleset.connector_rules(n))
 
 
-def unknown_connector_warnings(ruleset: RuleSet, conn: ConnectorConfig | None) -> tuple[str, ...]:
+def unknown_connector_warnings(ruleset: RuleSet, conn: ConnectorConfig | None,
+                               declared: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """One warning per connector in ``conn``'s tree (members included) that no release profile registers
     and no rule file names: no rules apply to it, which is most often a misspelling (``nixlconnector``).
-    The library's `Decision.warnings` and the CLI's dry-run say the same."""
+    The library's `Decision.warnings` and the CLI's dry-run say the same. ``declared``: names the
+    deployment loads from ``kv_connector_module_path``, no misspelling (`kvpolicy.engine.connector_names`
+    says what applies to them instead)."""
     from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
 
     out: list[str] = []
     for node in () if conn is None else _tree(conn):
-        if node.name not in KNOWN_CONNECTORS and node.name not in ruleset.connectors:
+        if node.name not in KNOWN_CONNECTORS and node.name not in ruleset.connectors and node.name not in declared:
             near = suggest_connector(node.name)
             text = (f"unknown connector `{node.name}`: no rules apply to it"
                     + (f"; did you mean `{near}`?" if near else ""))

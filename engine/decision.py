@@ -8,7 +8,9 @@ from the same rule set and context, so it always matches the layout.
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
 
@@ -48,8 +50,18 @@ class Decision:
         self.layout: Layout = ruleset.layout_order[outcome.winner]
         self.score: int = outcome.scores[outcome.winner]
         self._outcome = outcome
+        # connectors the deployment loads from kv_connector_module_path (`declaring`)
+        self.declared_connectors: frozenset[str] = frozenset()
         if outcome.events:
             self.__dict__["events"] = outcome.events
+
+    def declaring(self, names: Iterable[str]) -> Decision:
+        """This decision for a deployment that loads the connectors ``names`` from ``kv_connector_module_path``:
+        its `warnings` leave out the "unknown connector" line for them (a class of the operator's own is no
+        misspelling; `kvpolicy.engine.connector_names.check_connector_names` says what applies to it)."""
+        out = copy.copy(self)
+        out.declared_connectors = frozenset(names)
+        return out
 
     def __repr__(self) -> str:
         return f"Decision(layout={self.layout}, score={self.score}, rules={self.ruleset.digest[:19]})"
@@ -127,7 +139,8 @@ class Decision:
                        + (f"{'was' if len(layouts) == 1 else 'were'} removed by {', '.join(removers)}"
                           if removers else "did not survive")
                        + f"; the preference is dropped and {self.layout} is used instead")
-        return (unknown_connector_warnings(self.ruleset, self.context.connector) + tuple(out)
+        return (unknown_connector_warnings(self.ruleset, self.context.connector, self.declared_connectors)
+                + tuple(out)
                 + tuple(f.text() for f in self.audit))
 
     @property

@@ -80,10 +80,17 @@ class Fleet:
 
     file: str
     deployments: tuple[tuple[Deployment, int], ...]  # (deployment, line)
+    # per deployment, where each of its keys is written (line, col): its own, else the `defaults:` one
+    keys: tuple[dict[str, tuple[int, int]], ...] = ()
 
     @property
     def base_dir(self) -> Path:
         return Path(self.file).parent
+
+    def key_at(self, index: int, key: str) -> tuple[int, int]:
+        """Where deployment ``index`` sets ``key`` (its own line, column 1, when unknown)."""
+        found = self.keys[index].get(key) if index < len(self.keys) else None
+        return found if found is not None else (self.deployments[index][1], 1)
 
 
 def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
@@ -105,6 +112,7 @@ def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
                          [*diags, *located_validation_errors(src, (), src.data, exc, valid_keys=_keys_at)]) from None
     bad_defaults = _check_defaults(src, header.defaults, diags)
     out: list[tuple[Deployment, int]] = []
+    keys: list[dict[str, tuple[int, int]]] = []
     seen: dict[str, int] = {}
     for i, raw in enumerate(header.deployments):
         where = ("deployments", i)
@@ -126,12 +134,36 @@ def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
             out.append((Deployment.model_validate(merged), line))
         except ValidationError as exc:
             diags += located_validation_errors(src, where, merged, exc, valid_keys=_keys_at)
+            continue
+        keys.append(_key_positions(src, where, raw, merged))
     if diags:
         raise FleetError(f"{len(diags)} error(s) in fleet file `{shown}`", diags)
-    return Fleet(shown, tuple(out))
+    return Fleet(shown, tuple(out), tuple(keys))
 
 
 _PROBE_SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_size": 64}
+
+
+def _key_positions(src: Located, where: tuple[Any, ...], raw: dict[str, Any],
+                   merged: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Where each key of a deployment is written (its own, else the `defaults:` one), and each connector name
+    inside its connector settings: ``kv_transfer_config.kv_connector``, ``<settings>.connectors.<i>.kv_connector``
+    for a MultiConnector member (``kv_transfer_config``'s members under ``kv_connector_extra_config``)."""
+    out: dict[str, tuple[int, int]] = {}
+    for key in merged:
+        base = (*where, key) if key in raw else ("defaults", key)
+        out[key] = src.position(base)
+        value = merged[key]
+        if key == "kv_transfer_config" and isinstance(value, dict):
+            out[f"{key}.kv_connector"] = src.position((*base, "kv_connector"))
+            base, value = (*base, "kv_connector_extra_config"), value.get("kv_connector_extra_config")
+        if key in ("connector_config", "kv_transfer_config") and isinstance(value, dict) and \
+                isinstance(value.get("connectors"), list):
+            for i, member in enumerate(value["connectors"]):
+                if isinstance(member, dict) and isinstance(member.get("kv_connector"), str):
+                    out[f"{key}.member.{member['kv_connector']}"] = src.position((*base, "connectors", i,
+                                                                                  "kv_connector"))
+    return out
 
 
 def _check_defaults(src: Located, defaults: dict[str, Any], diags: list[Diagnostic]) -> set[str]:
@@ -204,32 +236,47 @@ def geometry_check(decision: Decision) -> PolicyError | None:
 RulesFor = Any  # Callable[[str], RuleSet]: the rule set of a profile name
 
 
-def _refuse(location: str, file: str, line: int) -> Refuse:
-    """A connector vLLM would refuse makes the deployment invalid, located at it in the fleet file."""
+def _refuse(location: str, fleet: Fleet, index: int) -> Refuse:
+    """A connector vLLM would refuse makes the deployment invalid, located at the key that names it in the
+    fleet file (``connector:``, a member in ``connector_config:``, or ``kv_transfer_config:``)."""
+    dep = fleet.deployments[index][0]
+
     def refuse(member: bool, message: str, help: str) -> PolicyError:
-        key = "connector_config" if member else "connector"
+        key = "kv_transfer_config" if dep.kv_transfer_config is not None else \
+            "connector_config" if member else "connector"
+        names = fleet.keys[index] if index < len(fleet.keys) else {}
+        # the name itself: a member's `kv_connector`, or kv_transfer_config's (the message names it in backticks)
+        exact = next((at for k, at in names.items() if k.startswith(f"{key}.member.")
+                      and f"`{k.rsplit('.', 1)[1]}`" in message), None) if member else names.get(f"{key}.kv_connector")
+        line, col = exact or fleet.key_at(index, key)
         return InputError(f"deployment at {location}: `{key}`",
-                          [Diagnostic(shown_file(file), line, 0, "unknown-connector", message, help)])
+                          [Diagnostic(shown_file(fleet.file), line, col, "unknown-connector", message, help)])
     return refuse
 
 
 def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = None) -> list[FleetResult]:
     """Decide every deployment, each under its release's profile (``vllm_version`` for those naming none)
-    and ``rules_for(profile)``'s rules; never raises for one deployment's refusal or bad input."""
+    and ``rules_for(profile)``'s rules; never raises for one deployment's refusal or bad input, and raises
+    `RuleLoadError` when a profile's rules do not load (once, not as every deployment's error)."""
     from kvpolicy.policy.releases import resolve_profile
 
     out = []
-    for dep, line in fleet.deployments:
+    for index, (dep, line) in enumerate(fleet.deployments):
         location = f"{shown_file(fleet.file)}:{line}"
         profile, ctx = None, None
         notes: list[str] = []
         try:
             profile = resolve_profile(dep.vllm_version or vllm_version)[0].name
-            ruleset: RuleSet = rules_for(profile)
+        except PolicyError as exc:
+            out.append(FleetResult(dep, location, None, None, exc))
+            continue
+        ruleset: RuleSet = rules_for(profile)  # rules that do not load are no deployment's fault: it raises
+        try:
             with model_config_notes() as notes:
                 ctx = context_for(dep, fleet.base_dir, profile)
-            notes += check_connector_names(ctx, ruleset, out_of_tree_names(dep), _refuse(location, fleet.file, line))
-            decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx)
+            declared = out_of_tree_names(dep)
+            notes += check_connector_names(ctx, ruleset, declared, _refuse(location, fleet, index))
+            decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx).declaring(declared)
             out.append(FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision),
                                    notes=tuple(notes)))
         except PolicyError as exc:

@@ -16,8 +16,10 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvpolicy.engine.connector_names import out_of_tree_names
 from kvpolicy.engine.decide import evaluate, no_layout_error, scopes_for
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import context_from_inputs
@@ -211,7 +213,9 @@ class LayoutEngine:
         if outcome.winner is None:
             events = outcome.events or evaluate(ruleset, glob, conn, explain=True).events
             raise no_layout_error(ruleset, events)
-        return Decision(ruleset, ctx, outcome)
+        # a connector loaded by kv_connector_module_path (in kv_transfer_config) is the caller's own: no misspelling
+        declared = out_of_tree_names(SimpleNamespace(**inputs)) if inputs else set()
+        return Decision(ruleset, ctx, outcome).declaring(declared)
 
 
     def plan(self, *, num_blocks: int, context: Context | None = None, **inputs: Any) -> LayoutPlan:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
-from kvpolicy.policy.layers import compose_layers
+from kvpolicy.policy.layers import compose_layers, partial_warnings, with_warnings
 from kvpolicy.policy.load import Limits, load_rules
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.ruleset import RuleSet
@@ -114,6 +114,7 @@ def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | 
     for d, s in zip(dirs, shown, strict=True):  # a shipped directory named as a layer is still the shipped one
         todo.append((d, s, _layer_key(d) in shipped_keys))
     layers: list[tuple[RuleSet, bool]] = []
+    partial: list[tuple[RuleSet | None, bool]] = []
     diags: list[Diagnostic] = []
     for path, name, shipped in todo:
         key = _layer_key(path)
@@ -122,9 +123,12 @@ def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | 
         seen.add(key)
         try:
             layers.append((load_rules(path, limits=limits, display=name), shipped))
+            partial.append(layers[-1])
         except RuleLoadError as exc:
             diags += exc.diagnostics
+            partial.append((getattr(exc, "partial", None), shipped))
     if diags:
         names = " + ".join(n for _p, n, _s in todo)
-        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(names)}`", diags)
+        raise with_warnings(RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(names)}`", diags),
+                            partial_warnings(partial))
     return compose_layers(layers)

@@ -33,6 +33,7 @@ one digest; each layer's own digest is in ``RuleSet.layers``, and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, near_connector
@@ -41,7 +42,8 @@ from kvpolicy.policy.literals import literal_warnings
 from kvpolicy.policy.rule_model import MemberPreferences, Rule
 from kvpolicy.policy.ruleset import RuleSet, Source
 
-__all__ = ["RuleLayer", "compose_layers", "connector_warnings", "render_warning"]
+__all__ = ["RuleLayer", "compose_layers", "connector_warnings", "partial_warnings", "render_warning",
+           "with_warnings"]
 
 
 @dataclass(frozen=True)
@@ -99,15 +101,37 @@ def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
         if ruleset.order_declared:  # the topmost declaration wins
             order, declared = ruleset.layout_order, True
         metas.append(RuleLayer(ruleset.root, shipped, ruleset.digest, frozenset(ids), ruleset.connectors))
-    if diags:
-        raise RuleLoadError(f"{len(diags)} error(s) across rule layers "
-                            f"{shown_file(' + '.join(m.root for m in metas))}", diags)
     sources = {name: at for ruleset, _shipped in reversed(layers) for name, at in ruleset.connector_sources.items()}
     kwargs = {} if order is None else {"layout_order": order}
     composed = replace(RuleSet.build(entries, member_preferences={k: v[0] for k, v in modes.items()},
                                      root=" + ".join(m.root for m in metas), order_declared=declared, **kwargs),
                        layers=tuple(metas), connector_sources=sources)
-    return replace(composed, warnings=(*connector_warnings(composed), *literal_warnings(composed)))
+    composed = replace(composed, warnings=(*connector_warnings(composed), *literal_warnings(composed)))
+    if diags:
+        raise with_warnings(RuleLoadError(f"{len(diags)} error(s) across rule layers "
+                                          f"{shown_file(' + '.join(m.root for m in metas))}", diags),
+                            composed.warnings)
+    return composed
+
+
+def with_warnings(exc: RuleLoadError, warnings: Sequence[Diagnostic]) -> RuleLoadError:
+    """``exc`` carrying the warnings about the rules that did load (``exc.warnings``): `kvpolicy validate`
+    shows them after the errors, so that one run says everything."""
+    exc.warnings = tuple(warnings)  # type: ignore[attr-defined]
+    return exc
+
+
+def partial_warnings(layers: list[tuple[RuleSet | None, bool]]) -> tuple[Diagnostic, ...]:
+    """The warnings of the rules that loaded, for a rule set some of whose files did not: each layer's
+    valid rules (a failed layer's ``partial``, `kvpolicy.policy.load.with_partial`) composed as
+    `compose_layers` composes them."""
+    loaded = [(rs, shipped) for rs, shipped in layers if rs is not None]
+    if not loaded:
+        return ()
+    try:
+        return compose_layers(loaded).warnings
+    except RuleLoadError as exc:
+        return getattr(exc, "warnings", ())
 
 
 def connector_warnings(ruleset: RuleSet, known: frozenset[str] = KNOWN_CONNECTORS) -> list[Diagnostic]:

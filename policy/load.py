@@ -151,9 +151,14 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
     order: tuple[Layout, ...] | None = None
     order_file: str | None = None
     modes: dict[str, MemberPreferences] = {}
+    valid: list[tuple[Rule, Source, str | None]] = []  # every rule valid on its own: the partial rule set
     for src, in_conn in files:
-        model, problems = validate_file(src, in_connectors_dir=in_conn, max_rules=limits.max_rules)
+        alone: list[tuple[int, Rule, str | None]] = []
+        model, problems = validate_file(src, in_connectors_dir=in_conn, max_rules=limits.max_rules, partial=alone)
         diags += problems
+        if model is None:
+            valid += [(rule, Source(src.file, *src.position(("rules", i))), conn) for i, rule, conn in alone
+                      if not any(v[0].id == rule.id for v in valid) and rule.id not in first_id]
         connector, ids, has_defaults = _declared(src, model)
         if connector is not None:
             if connector in connector_file:
@@ -185,9 +190,21 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
         if model.connector and model.member_preferences:
             modes[model.connector] = model.member_preferences
     if diags:
-        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(root)}`", diags)
+        ids = {e[0].id for e in entries}
+        partial = replace(RuleSet.build([*entries, *(v for v in valid if v[0].id not in ids)], order or ALL_LAYOUTS,
+                                        modes, root, order_declared=order is not None),
+                          connector_sources=connector_at)
+        raise with_partial(RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(root)}`", diags), partial)
     return replace(RuleSet.build(entries, order or ALL_LAYOUTS, modes, root, order_declared=order is not None),
                    connector_sources=connector_at)
+
+
+def with_partial(exc: RuleLoadError, partial: RuleSet | None) -> RuleLoadError:
+    """``exc`` carrying ``partial``: the rules that did load (every valid rule of every file), so that the
+    warnings about them (a near connector name, a literal no release produces) are said in the same run as
+    the errors (`kvpolicy.policy.layers.partial_warnings`)."""
+    exc.partial = partial  # type: ignore[attr-defined]
+    return exc
 
 
 def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), display: str | None = None) -> RuleSet:
@@ -226,12 +243,16 @@ def load_rules(path: str | os.PathLike[str], *, limits: Limits = Limits(), displ
         diags += problems
         if src is not None:
             located.append((src, in_conn))
+    partial = None
     try:
         ruleset = _assemble(located, limits, shown_root)
+        partial = ruleset
     except RuleLoadError as exc:
         diags += exc.diagnostics
+        partial = getattr(exc, "partial", None)
     if diags:
-        raise RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(shown_root)}`", diags)
+        raise with_partial(RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(shown_root)}`", diags),
+                           partial)
     return ruleset
 
 
@@ -275,10 +296,13 @@ def load_rule_file(text: str, shown: str, *, connector_file: bool | None = None,
         raise RuleLoadError(f"{len(diags)} error(s) in rule file `{shown}`", diags)
     if connector_file is None:
         connector_file = isinstance(src.data, dict) and src.data.get("connector") is not None
+    partial = None
     try:
         ruleset = _assemble([(src, connector_file)], limits, shown)
+        partial = ruleset
     except RuleLoadError as exc:
         diags += exc.diagnostics
+        partial = getattr(exc, "partial", None)
     if diags:
-        raise RuleLoadError(f"{len(diags)} error(s) in rule file `{shown}`", diags)
+        raise with_partial(RuleLoadError(f"{len(diags)} error(s) in rule file `{shown}`", diags), partial)
     return ruleset

@@ -294,8 +294,12 @@ def _check_rule(src: Located, path: Path, data: Any, diags: list[Diagnostic]) ->
     return rule if not found else None
 
 
-def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> tuple[RuleFile | None, list[Diagnostic]]:
-    """Validate one parsed file; returns the model (None if any error) and every diagnostic."""
+def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int,
+                  partial: list[tuple[int, Rule, str | None]] | None = None
+                  ) -> tuple[RuleFile | None, list[Diagnostic]]:
+    """Validate one parsed file; returns the model (None if any error) and every diagnostic. ``partial``
+    collects (index, rule, the file's connector) for each rule that is valid on its own, also when the file
+    has errors elsewhere: the warnings about them are said with the errors."""
     data = src.data
     if src.is_invalid(()):
         return None, []
@@ -367,6 +371,8 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int) -> t
         rule = _check_rule(src, ("rules", i), rule_data, diags)
         if rule is not None:
             rules.append(rule)
+            if partial is not None and header is not None:
+                partial.append((i, rule, header.connector))
     if diags or header is None:
         return None, diags
     return header.model_copy(update={"rules": rules}), []

@@ -5,7 +5,8 @@ Findings, by severity:
 - error ``unsafe-permit``: the rules choose a layout whose views the verifier
   finds overlapping (or one the backend has no geometry for) for these inputs;
 - error ``conflict``: no layout survives for these inputs, where the
-  profile's shipped rules choose one;
+  profile's shipped rules choose one; a conflict an operator's layer makes is
+  one finding per rule of theirs removing candidates there, located at it;
 - warning ``dead-rule``: no input makes the rule match;
 - note ``release-fails``: the rules choose, as the release does, a layout the
   release then cannot run for these inputs, so kvpolicy cannot plan it either
@@ -51,7 +52,7 @@ from kvpolicy.policy.errors import PolicyError
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.rule_model import Effect
-from kvpolicy.policy.ruleset import RuleSet
+from kvpolicy.policy.ruleset import RuleSet, Source
 
 __all__ = ["Finding", "LintReport", "LoadBearing", "fold", "lint", "shipped_ruleset"]
 
@@ -61,6 +62,8 @@ _CUT_MEANS = ("every finding holds for the explored inputs only: an unsafe permi
               "there; raise --max-space (more time and memory), or split the rule set")
 _EXAMPLES = 3
 _REFUSALS_LISTED = 50  # a release's refusals are many and expected: a sample is listed, the count is exact
+WIDE = 6  # text output: a folded field with more values than this shows their count and the first `_SHOWN`
+_SHOWN = 3
 
 
 @dataclass(frozen=True)
@@ -72,18 +75,25 @@ class Finding:
     inputs: tuple[str, ...] = ()
     total: int | None = None  # inputs in all, when ``inputs`` lists only a sample
     groups: tuple[tuple[str, int], ...] = ()  # ``inputs`` folded: (label with {a,b} where they vary, count)
+    brief: tuple[tuple[str, int], ...] = ()  # ``groups`` with a field of many values summarised (`WIDE`)
+    at: Source | None = None  # where a finding about no one rule is (a fleet's deployment: its line in the file)
 
     @property
     def count(self) -> int:
         return len(self.inputs) if self.total is None else self.total
 
-    def render(self, max_inputs: int = 20) -> str:
-        where = f"{self.rule.source}: " if self.rule else ""
+    def render(self, max_inputs: int = 20, verbose: bool = False) -> str:
+        """The finding and its inputs, folded; a field of many values is summarised unless ``verbose``."""
+        where = f"{self.rule.source}: " if self.rule else f"{self.at}: " if self.at else ""
         text = f"{where}{self.severity}[{self.code}]: {self.message}"
-        if self.groups:  # near-identical inputs on one line each, with their count
-            for label, n in self.groups[:max_inputs]:
+        groups = self.groups if verbose or not self.brief else self.brief
+        if groups:  # near-identical inputs on one line each, with their count
+            for label, n in groups[:max_inputs]:
                 text += f"\n    {label}" + (f"  ({n} inputs)" if n > 1 else "")
-            shown = sum(n for _, n in self.groups[:max_inputs])
+            if groups[:max_inputs] != self.groups[:max_inputs]:  # a shown line is summarised
+                text += f"\n    (a field of more than {WIDE} values shows their count and the first {_SHOWN}: " \
+                    "--verbose lists each, --format json every input)"
+            shown = sum(n for _, n in groups[:max_inputs])
             if self.count > shown:
                 text += f"\n    ... and {self.count - shown} more inputs (--format json lists " + (
                     "all)" if self.total is None else f"{len(self.inputs)})")
@@ -98,7 +108,9 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return {"severity": self.severity, "code": self.code, "message": self.message,
-                "rule": self.rule.to_dict() if self.rule else None, "count": self.count, "inputs": list(self.inputs),
+                "rule": self.rule.to_dict() if self.rule else None,
+                "location": str(self.at) if self.at is not None else None, "count": self.count,
+                "inputs": list(self.inputs),
                 "groups": [{"inputs": label, "count": n} for label, n in self.groups]}
 
 
@@ -120,17 +132,18 @@ class LoadBearing:
             return "safety"
         return "decision" if self.changed else None
 
-    def describe(self) -> str:
+    def describe(self, unit: str = "input") -> str:
+        """What deleting the rule changes, counted in ``unit``s (``input``; a fleet's ``deployment``)."""
         if self.kind == "safety":
-            text = f"without it an unsafe layout gets through the rules for {self.unsafe} input(s)"
+            text = f"without it an unsafe layout gets through the rules for {self.unsafe} {unit}(s)"
             if self.unsafe_chosen:
                 text += f" (and is chosen for {self.unsafe_chosen})"
             return text + f"; {self.changed} decision(s) change"
         if self.kind == "decision":
             return f"without it {self.changed} decision(s) change, every one to a safe layout"
         if not self.matched:
-            return "it matches no input"
-        return f"it matches {self.matched} input(s), but without it no decision changes"
+            return f"it matches no {unit}"
+        return f"it matches {self.matched} {unit}(s), but without it no decision changes"
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.rule.to_dict(), "load_bearing": self.kind, "matched": self.matched,
@@ -216,10 +229,12 @@ def _labels(inputs: list[AnalysisInput], limit: int | None = None) -> tuple[str,
     return tuple(sorted(inp.label for inp in inputs[:limit]))
 
 
-def fold(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]]) -> tuple[tuple[str, int], ...]:
+def fold(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]],
+         wide: int | None = None) -> tuple[tuple[str, int], ...]:
     """Inputs that differ in one field at a time, folded into one line each: ``backend={A,B}``
     where the values vary, with the number of inputs the line stands for (exact: the inputs
-    are distinct, and a line is the product of its value sets)."""
+    are distinct, and a line is the product of its value sets). ``wide``: a field with more values
+    than that is summarised, ``connector=<46 values: A, B, C, ...>`` (the text output's default)."""
     rows: list[tuple[tuple[str, ...], tuple[frozenset[str], ...]]] = []
     for inp in inputs:
         pairs = inp.labels if isinstance(inp, AnalysisInput) else inp
@@ -240,11 +255,24 @@ def fold(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]]) -> tup
             rows = [(keys, tuple(values)) for keys, values in merged.values()]
 
     def show(v: frozenset[str]) -> str:
+        if wide is not None and len(v) > wide:
+            return f"<{len(v)} values: " + ", ".join(sorted(v)[:_SHOWN]) + ", ...>"
         return next(iter(v)) if len(v) == 1 else "{" + ",".join(sorted(v)) + "}"
 
     out = [(" ".join(f"{k}={show(v)}" for k, v in zip(keys, values)), math.prod(len(v) for v in values))
            for keys, values in rows]
     return tuple(sorted(out, key=lambda g: (-g[1], g[0])))
+
+
+def _folded(inputs: list[AnalysisInput]) -> dict[str, tuple[tuple[str, int], ...]]:
+    """A finding's ``groups`` (every value) and ``brief`` (a field of many values summarised)."""
+    return {"groups": fold(inputs), "brief": fold(inputs, WIDE)}
+
+
+def own_rule_ids(ruleset: RuleSet) -> frozenset[str]:
+    """The ids of the rules of the operator's layers (those not shipped): where a conflict they take part in is
+    located. Empty for a rule set of one directory, or of shipped layers only."""
+    return frozenset().union(*(layer.rule_ids for layer in ruleset.layers if not layer.shipped))
 
 
 def shipped_ruleset(vllm_version: str | ReleaseProfile | None = None) -> RuleSet | None:
@@ -294,8 +322,12 @@ def lint(
     bearing = {r.id: LoadBearing(rule_ref(r)) for r in ruleset.rules if r.effect is not Effect.prefer}
     unsafe: dict[tuple[str, str], list[AnalysisInput]] = {}
     why: dict[tuple[str, str], list[str]] = {}
-    conflicts: dict[bool, list[AnalysisInput]] = {False: [], True: []}  # refused by the release too?
-    conflict_rules: dict[bool, dict[str, RuleRef]] = {False: {}, True: {}}
+    # (refused by the release too?, the operator's rule it is located at, or None) -> inputs, and the rules
+    # removing candidates there: a conflict an operator's layer makes is located at each of its rules taking part
+    conflicts: dict[tuple[bool, str | None], list[AnalysisInput]] = {}
+    conflict_rules: dict[tuple[bool, str | None], dict[str, RuleRef]] = {}
+    n_conflicts = {False: 0, True: 0}
+    own = own_rule_ids(ruleset)
     # Inputs with the same decision key decide alike; within one, the verifier's answer depends
     # only on the geometry. So each key is analysed once, and each (key, geometry) verified once.
     cases: dict[tuple[int, str], dict[tuple[str, ...], list[AnalysisInput]]] = {}
@@ -338,13 +370,17 @@ def lint(
                     lb.examples.append(f"{rep.label}: {decider.name(d.winner)} -> {decider.name(w)}"
                                        + (" (unsafe)" if through else ""))
         if d.winner is None:
+            owners = sorted({i for ids in d.removers.values() for i in ids if i in own}) or \
+                sorted(r.id for r in d.matched if r.id in own) or [None]  # a members' disagreement: their prefers
             sides = set()
             for x in everyone:  # the release refuses these too when its shipped rules leave nothing
                 refused = base_decider is not None and base_decider.decide(x).winner is None
-                conflicts[refused].append(x)
-                sides.add(refused)
-            for refused in sides:
-                found = conflict_rules[refused]
+                n_conflicts[refused] += 1
+                for owner in [None] if refused else owners:
+                    conflicts.setdefault((refused, owner), []).append(x)
+                    sides.add((refused, owner))
+            for side in sides:
+                found = conflict_rules.setdefault(side, {})
                 for ids in d.removers.values():
                     for rule_id in ids:
                         if rule_id not in found:
@@ -380,16 +416,23 @@ def lint(
             shown += f"; and {len(why[(layout, reason)]) - 2} more"
         what = "whose views would overlap" if reason == "overlap" else "that the backend has no geometry for"
         findings.append(Finding("error", "unsafe-permit", f"the rules choose `{layout}` for {len(labels)} input(s) "
-                                f"{what} ({shown})", inputs=_labels(labels), groups=fold(labels)))
+                                f"{what} ({shown})", inputs=_labels(labels), **_folded(labels)))
 
     def named(refs: dict[str, RuleRef]) -> str:
         return ", ".join(f"`{r.id}` ({r.source})" for r in sorted(refs.values(), key=lambda r: (str(r.source), r.id)))
 
-    if conflicts[False]:
+    def at(owner: str | None) -> tuple[str, int, str]:  # a conflict about no rule of yours first, then by rule
+        return ("", 0, "") if owner is None else (ruleset.rule(owner).source.file,
+                                                  ruleset.rule(owner).source.line, owner)
+
+    for owner in sorted((o for refused, o in conflicts if not refused), key=at):
+        inputs = conflicts[(False, owner)]
+        where = "" if owner is None else f" where `{owner}` removes candidates (the shipped rules alone choose one)"
         findings.append(Finding("error", "conflict",
-                                f"no layout survives for {len(conflicts[False])} input(s); the rules removing "
-                                f"candidates there: {named(conflict_rules[False])}", inputs=_labels(conflicts[False]),
-                                groups=fold(conflicts[False])))
+                                f"no layout survives for {len(inputs)} input(s){where}; the rules removing "
+                                f"candidates there: {named(conflict_rules[(False, owner)])}",
+                                None if owner is None else rule_ref(ruleset.rule(owner)), inputs=_labels(inputs),
+                                **_folded(inputs)))
     for rule in sorted(ruleset.rules, key=lambda r: (r.source, r.id)):
         if not matched[rule.id]:
             findings.append(Finding("warning", "dead-rule", f"rule `{rule.id}` matches no input of the space"
@@ -404,18 +447,19 @@ def lint(
         findings.append(Finding("note", "release-fails",
                                 f"the rules choose `{layout}` for {len(labels)} input(s), as the release does, which "
                                 f"the release then cannot run, nor kvpolicy plan ({why[(layout, reason)][0]})",
-                                inputs=_labels(labels, _REFUSALS_LISTED), total=len(labels), groups=fold(labels)))
-    if conflicts[True]:
+                                inputs=_labels(labels, _REFUSALS_LISTED), total=len(labels), **_folded(labels)))
+    if (True, None) in conflicts:
+        refusals = conflicts[(True, None)]
         findings.append(Finding("note", "release-refuses",
-                                f"no layout survives for {len(conflicts[True])} input(s), as with the shipped rules "
+                                f"no layout survives for {len(refusals)} input(s), as with the shipped rules "
                                 f"of `{profile.name}`: the release refuses to start there; the rules removing "
-                                f"candidates: {named(conflict_rules[True])}",
-                                inputs=_labels(conflicts[True], _REFUSALS_LISTED), total=len(conflicts[True]),
-                                groups=fold(conflicts[True])))
+                                f"candidates: {named(conflict_rules[(True, None)])}",
+                                inputs=_labels(refusals, _REFUSALS_LISTED), total=len(refusals),
+                                **_folded(refusals)))
     findings += [Finding("note", "audit", s.message, rule_ref(s.rule), inputs=s.examples, total=s.changed)
                  for s in audit_summaries(ruleset, space, decider)]
     summary = {"inputs": len(space), "unsafe_inputs": sum(len(v) for v in unsafe.values()),
-               "conflicts": len(conflicts[False]), "release_refuses": len(conflicts[True]),
+               "conflicts": n_conflicts[False], "release_refuses": n_conflicts[True],
                "release_fails": sum(len(v) for v in fails.values())}
     ordered = tuple(sorted(bearing.values(), key=lambda lb: (str(lb.rule.source), lb.rule.id)))
     return LintReport(tuple(findings), len(space), len(ruleset.all_rules), len(verifier.cache), summary,

@@ -72,7 +72,7 @@ from kvpolicy.policy.releases import ReleaseProfile, Resolver, get_profile, prof
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 
-__all__ = ["AnalysisInput", "Space", "build_space", "enumerate_inputs"]
+__all__ = ["AnalysisInput", "InputConnector", "InputCore", "Space", "build_space", "connector_env", "enumerate_inputs"]
 
 SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 16}
 MLA_SIZES = {"num_layers": 4, "block_size": 16, "num_kv_heads": 1, "head_size": 32}
@@ -88,7 +88,7 @@ _CONNECTOR_PREFIX = "connector."
 
 
 @dataclass(frozen=True, eq=False)
-class _Core:
+class InputCore:
     """What many inputs share: a validated context without a connector, its environment, its labels."""
 
     context: Context
@@ -96,30 +96,30 @@ class _Core:
     labels: tuple[tuple[str, str], ...]
     tail: tuple[tuple[str, str], ...]  # vLLM's options that are set, shown before the connector
     geometry: tuple[str, ...]  # (kv_cache_dtype, kind, backend, scale_views): what the verifier sees
-    member_envs: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)  # id(_Conn) -> env
+    member_envs: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)  # id(InputConnector) -> env
 
 
 @dataclass(frozen=True, eq=False)
-class _Conn:
+class InputConnector:
     """A connector of the space, its label, and the connector.* fields bound to it and to each member."""
 
     config: ConnectorConfig | None
     label: str
     env: dict[str, Any]  # the connector.* fields (and extras) bound to this connector
-    members: tuple[_Conn, ...] = ()
+    members: tuple[InputConnector, ...] = ()
 
     @classmethod
-    def of(cls, config: ConnectorConfig | None) -> _Conn:
+    def of(cls, config: ConnectorConfig | None) -> InputConnector:
         members = () if config is None else tuple(cls.of(m) for m in config.connectors)
-        return cls(config, _connector_label(config), _connector_env(config), members)
+        return cls(config, _connector_label(config), connector_env(config), members)
 
 
 @dataclass(frozen=True, eq=False)
 class AnalysisInput:
     """One point of the space: a context (built on demand) and a short label that names it."""
 
-    core: _Core
-    conn: _Conn
+    core: InputCore
+    conn: InputConnector
 
     @property
     def labels(self) -> tuple[tuple[str, str], ...]:
@@ -168,7 +168,7 @@ class AnalysisInput:
             return glob, None
         return glob, self._connector_scope(ruleset, self.conn, f"connector:{self.conn.config.name}", env)
 
-    def _connector_scope(self, ruleset: RuleSet, conn: _Conn, label: str, env: dict[str, Any] | None) -> Scope:
+    def _connector_scope(self, ruleset: RuleSet, conn: InputConnector, label: str, env: dict[str, Any] | None) -> Scope:
         name = conn.config.name  # type: ignore[union-attr]
         members = tuple(self._connector_scope(ruleset, m, f"{label}/{m.config.name}[{i}]", None)  # type: ignore
                         for i, m in enumerate(conn.members))
@@ -180,7 +180,7 @@ class AnalysisInput:
         return Scope(label, rules, env, members, ruleset.combine_mode(name))
 
 
-def _connector_env(c: ConnectorConfig | None) -> dict[str, Any]:
+def connector_env(c: ConnectorConfig | None) -> dict[str, Any]:
     env = {path: spec.get(None, c) for path, spec in FIELDS.items()  # type: ignore[arg-type]
            if path.startswith(_CONNECTOR_PREFIX)}
     if c is not None:
@@ -694,8 +694,8 @@ def build_space(
     # and thousands in practice): the rest are counted as left out.
     limit = max(1_000, max_inputs // 50)
     skipped_conns, skipped_sizes = [0], [0]
-    conns = [_Conn.of(c) for c in connectors(sets, profile.name, limit=limit, skipped=skipped_conns)]
-    no_connector = _connector_env(None)
+    conns = [InputConnector.of(c) for c in connectors(sets, profile.name, limit=limit, skipped=skipped_conns)]
+    no_connector = connector_env(None)
     names = [n for n in profile.backend_names() if backends is None or n in backends]
     strategies: list[ScaleViews | None] = list(scale_views) if scale_views else [None]
     shapes: dict[tuple[AttentionKind, str], list[str]] = {}
@@ -714,7 +714,7 @@ def build_space(
     with_hisparse = [c for c in conns if derived and _names_any(c.config, derived)]
     without = [c for c in conns if c not in with_hisparse]
 
-    def conns_by_hisparse(wanted: bool) -> list[tuple[bool, list[_Conn]]]:
+    def conns_by_hisparse(wanted: bool) -> list[tuple[bool, list[InputConnector]]]:
         if not derived:
             return [(wanted, conns)]
         if told_apart:
@@ -845,7 +845,7 @@ def build_space(
                                 ((("enable_extensible_kv_cache", "true"),) if combo[1] else ()) + \
                                 ((("hisparse", "true"),) if hisparse else ()) + \
                                 ((("use_v2_model_runner", "true"),) if combo[3] else ())
-                            core = _Core(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
+                            core = InputCore(full, {**core_env, **opt_env, **no_connector}, tuple(labels), tail,
                                          geometry)
                             batch = [AnalysisInput(core, c) for c in members if allowed is None or id(c) in allowed]
                             if len(inputs) + len(batch) > max_inputs:  # tier 0 alone is over the bound
@@ -879,13 +879,13 @@ def build_space(
     return Space(profile, inputs, out_dims, stands, left_out, cut if told else None)
 
 
-def _bounded(sizes: dict[bool, list[dict[str, Any]]], conns: list[_Conn], max_inputs: int,
+def _bounded(sizes: dict[bool, list[dict[str, Any]]], conns: list[InputConnector], max_inputs: int,
              caps: dict[str, list[int | None]], kv_for: dict[str, list[tuple[AttentionKind, str]]],
              shapes: dict[tuple[AttentionKind, str], list[str]], n_strategies: int,
              weights: dict[bool, tuple[int, ...]],
              arounds: dict[str, tuple[set[int] | None, str]], profile: ReleaseProfile,
              unbuilt_sizes: int = 0, unbuilt_conns: int = 0
-             ) -> tuple[dict[bool, list[dict[str, Any]]], list[_Conn], Cut]:
+             ) -> tuple[dict[bool, list[dict[str, Any]]], list[InputConnector], Cut]:
     """The size variants and connectors `build_space` explores within ``max_inputs`` (see `budget`), and the
     `Cut` that says what was left out (nothing, when the estimate fits); estimated from the dimensions
     before any input is built. ``unbuilt_*``: variants past the generation limit, left out unbuilt (each

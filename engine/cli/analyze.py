@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
 
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
@@ -24,12 +23,9 @@ from kvpolicy.engine.cli.common import (
     report_error,
 )
 from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet_diff
-from kvpolicy.engine.cli.operator_view import own_lint_report
+from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report
 from kvpolicy.policy.backends import ScaleViews
-from kvpolicy.policy.errors import Diagnostic, RuleLoadError
-
-if TYPE_CHECKING:
-    from kvpolicy.engine.analysis import Finding
+from kvpolicy.policy.errors import RuleLoadError
 
 __all__ = ["register"]
 
@@ -47,6 +43,9 @@ examples:
   kvpolicy lint my-rules/ --format github       # findings on your layer's files as CI annotations
   kvpolicy lint my-rules/ --format sarif > kvpolicy.sarif
   kvpolicy lint my-rules/ --include-shipped     # the shipped rules' findings too
+  kvpolicy lint my-rules/ --fleet fleet.yaml    # against exactly the deployments of a fleet file
+  kvpolicy lint my-rules/ --fleet fleet.yaml --format github
+      findings at the fleet file's deployment lines and at your rules, as CI annotations
 
 the space: every input the profile's decision reads (its backends, kv_cache_dtypes,
 device capabilities, VLLM_KV_CACHE_LAYOUT, extensible KV cache, HiSparse, group shapes,
@@ -55,9 +54,16 @@ is printed
 
 findings: error[unsafe-permit] the rules choose a layout whose views overlap (the inputs
 are listed); error[conflict] no layout survives where the profile's shipped rules choose
-one; warning[dead-rule] no input makes the rule match; note[release-refuses] no layout
-survives, as with the shipped rules (the release refuses to start); note[not-load-bearing]
-deleting the forbid/require changes nothing
+one (located at each of your rules taking part); warning[dead-rule] no input makes the
+rule match; note[release-refuses] no layout survives, as with the shipped rules (the
+release refuses to start); note[not-load-bearing] deleting the forbid/require changes nothing
+
+text output folds near-identical inputs into lines (5 per finding) and summarises a field of
+many values (connector=<43 values: A, B, C, ...>); --verbose lists every value, JSON every input
+
+--fleet FILE: findings about each deployment at its fleet line (invalid-deployment, conflict,
+release-refuses, unsafe-permit, not-planned), about each rule at the rule (dead-rule,
+not-load-bearing, audit), load-bearing counted in deployments
 
 load-bearing: each forbid/require is `safety` (deleting it lets an unsafe layout through),
 `decision` (deleting it changes decisions, all to safe layouts) or `no`
@@ -100,10 +106,18 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--include-shipped", action="store_true",
                    help="with DIR or --rules: report the shipped rules' findings and load-bearing lines too (default: "
                         "only your layers'; a finding about the whole rule set is always reported)")
-    p.add_argument("--max-inputs", type=int_at_least(0), default=20, metavar="N",
-                   help="inputs listed per finding in text output (default 20; JSON lists all)")
+    p.add_argument("--max-inputs", type=int_at_least(0), default=None, metavar="N",
+                   help="lines of inputs listed per finding in text output (default 5, with --verbose 20; JSON "
+                        "lists all)")
+    p.add_argument("--verbose", action="store_true",
+                   help="text output: list every value of a folded input line, and 20 lines per finding (default: "
+                        "a field of more than 6 values, such as 30 connector combinations, shows their count and "
+                        "the first 3; 5 lines per finding)")
     add_max_space_flag(p)
     add_format_flag(p, ci=True)
+    p.add_argument("--fleet", metavar="FILE", default=None,
+                   help="lint the rules against exactly the deployments of this fleet file (docs/cli.md), each "
+                        "under its own release's rules, instead of over the profile's space")
     p.set_defaults(run=run_lint)
 
     d = verbs.add_parser(
@@ -140,23 +154,14 @@ def max_space(args: argparse.Namespace) -> int:
     return DEFAULT_MAX_INPUTS if args.max_space is None else args.max_space
 
 
-def finding_diagnostic(finding: Finding, root: str) -> Diagnostic:
-    """A lint finding located at its rule (or, for a finding about no one rule, at the rule set), with the
-    count of inputs and the first of them in the message."""
-    if finding.rule is not None:
-        file, line, col = finding.rule.source.file, finding.rule.source.line, finding.rule.source.col
-    else:
-        file, line, col = root, 0, 0
-    message = finding.message
-    if finding.inputs:
-        message += f" (e.g. {finding.inputs[0]})"
-    return Diagnostic(file, line, col, finding.code, message)
-
-
 def run_lint(args: argparse.Namespace) -> int:
     from kvpolicy.engine.analysis import lint
     from kvpolicy.policy.releases import get_profile
 
+    if args.fleet is not None:
+        from kvpolicy.engine.cli.lint_fleet import run_lint_fleet
+
+        return run_lint_fleet(args)
     ruleset = load_ruleset(operator_dirs(args, "dir"), "DIR", vllm_version=args.vllm_version,
                            shipped_rules=not args.no_shipped_rules)
     profile = get_profile(args.vllm_version)
@@ -175,8 +180,9 @@ def run_lint(args: argparse.Namespace) -> int:
         print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed,
                     "shipped_findings_left_out": left_out})
         return EXIT_FAILED if failed else EXIT_OK
+    shown = args.max_inputs if args.max_inputs is not None else (20 if args.verbose else 5)
     for finding in report.findings:
-        print(finding.render(args.max_inputs))
+        print(finding.render(shown, verbose=args.verbose))
     if report.findings:
         print()
     print(report.render_load_bearing())

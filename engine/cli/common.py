@@ -176,10 +176,24 @@ def settle_vllm_version(args: argparse.Namespace, stream: TextIO | None = None) 
             name, warnings, notes = profile.name, (), (f"--vllm-version {args.vllm_version}: {note}",) if note else ()
     except InputError as exc:
         raise _at_flag(exc) from None
-    for severity, texts in (("warning", warnings), ("note", notes)):
-        for text in texts:
-            print(f"{severity}: {text}", file=stream or sys.stderr)
+    said = [f"{severity}: {text}" for severity, texts in (("warning", warnings), ("note", notes)) for text in texts]
+    if getattr(args, "fleet", None) is not None and getattr(args, "vllm_version", None) is None:
+        # a fleet's deployments name their releases: what the default assumes is said only when one of them
+        # falls back to it (`say_fleet_default`)
+        args.default_said = said
+    else:
+        for line in said:
+            print(line, file=stream or sys.stderr)
     args.vllm_version = name
+
+
+def say_fleet_default(args: argparse.Namespace, falls_back: bool, stream: TextIO | None = None) -> None:
+    """A fleet run: print what the default release profile assumes (held back by `settle_vllm_version`) when
+    ``falls_back``, that is when some deployment names no ``vllm_version`` and so is decided under it."""
+    if falls_back:
+        for line in getattr(args, "default_said", ()):
+            print(line, file=stream or sys.stderr)
+    args.default_said = []
 
 
 def load_ruleset(rules: str | list[str] | None, flag: str = "--rules", vllm_version: str | None = None,
@@ -262,8 +276,14 @@ def print_diagnostics(findings: list[tuple[Any, Diagnostic]], fmt: str, ruleset:
 def report_error(exc: PolicyError, fmt: str) -> None:
     """A failed verb: in the machine format asked for on stdout (json: ``{"ok": false, "error": ...}``),
     and always as located text on stderr."""
+    from kvpolicy.policy.layers import render_warning
+
+    warnings = list(getattr(exc, "warnings", ()))  # a rule set that does not load: warnings about what did
     if fmt == "json":
-        print_json({"ok": False, **error_dict(exc)})
+        print_json({"ok": False, **error_dict(exc), **({"warnings": [d.to_dict() for d in warnings]}
+                                                       if warnings else {})})
     elif fmt in ("github", "sarif"):
-        print_diagnostics([("error", d) for d in exc.diagnostics], fmt)
+        print_diagnostics([*(("error", d) for d in exc.diagnostics), *(("warning", d) for d in warnings)], fmt)
     print_error(exc)
+    for d in warnings:  # errors first: the exit code follows them
+        print(render_warning(d), file=sys.stderr)

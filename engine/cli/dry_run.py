@@ -35,7 +35,7 @@ from kvpolicy.engine.cli.common import (
     report_error,
     usage_error,
 )
-from kvpolicy.engine.cli.connector_check import check_connectors
+from kvpolicy.engine.cli.connector_check import check_connectors, out_of_tree_names
 from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
 from kvpolicy.engine.cli.record_case import Resolved, record_case
@@ -736,7 +736,7 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         from kvpolicy.engine.layout_engine import LayoutEngine
 
-        decision = LayoutEngine(ruleset, vllm_version=ctx.profile).decide(ctx)
+        decision = LayoutEngine(ruleset, vllm_version=ctx.profile).decide(ctx).declaring(out_of_tree_names(args))
     except PolicyError as exc:
         if isinstance(exc, NoLayoutError) and args.format == "text" and is_example(args):
             print(example_banner(args), file=sys.stderr)

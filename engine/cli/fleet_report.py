@@ -25,15 +25,16 @@ from kvpolicy.engine.cli.common import (
     load_ruleset,
     print_json,
     report_error,
+    say_fleet_default,
     usage_error,
 )
 from kvpolicy.policy.errors import PolicyError, RuleLoadError
 
 if TYPE_CHECKING:  # engine.fleet builds the case models (~30 ms): imported when a fleet is read, not per CLI start
-    from kvpolicy.engine.fleet import FleetResult
+    from kvpolicy.engine.fleet import Fleet, FleetResult
     from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["add_fleet_flag", "result_dict", "run_fleet", "run_fleet_diff"]
+__all__ = ["add_fleet_flag", "falls_back", "result_dict", "rules_for", "run_fleet", "run_fleet_diff"]
 
 # dry-run flags that describe one deployment: the fleet file describes each instead
 _ONE_DEPLOYMENT = (
@@ -58,7 +59,9 @@ def add_fleet_flag(parser: argparse.ArgumentParser, *, dry_run: bool) -> None:
         fmt.help = (fmt.help or "") + "; junit (with --fleet): JUnit XML, a test case per deployment"
 
 
-def _rules_for(args: argparse.Namespace, layers: list[str], flag: str) -> Callable[[str], RuleSet]:
+def rules_for(args: argparse.Namespace, layers: list[str], flag: str) -> Callable[[str], RuleSet]:
+    """The rule stack of each release profile a fleet uses (the shipped rules unless --no-shipped-rules, then
+    ``layers``), each loaded once."""
     cache: dict[str, RuleSet] = {}
 
     def rules(profile: str) -> RuleSet:
@@ -194,9 +197,10 @@ def run_fleet(args: argparse.Namespace) -> int:
     except FleetError as exc:
         report_error(exc, "json" if args.format == "json" else "text")
         return EXIT_USAGE
+    say_fleet_default(args, falls_back(fleet))
     start = time.perf_counter()
     try:
-        results = decide_fleet(fleet, _rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
+        results = decide_fleet(fleet, rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
     except RuleLoadError as exc:
         report_error(exc, "json" if args.format == "json" else "text")
         return EXIT_FAILED
@@ -213,6 +217,11 @@ def run_fleet(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.status == "decided" for r in results) else EXIT_FAILED
 
 
+def falls_back(fleet: Fleet) -> bool:
+    """Whether some deployment names no release (and so is decided under --vllm-version or the default)."""
+    return any(dep.vllm_version is None for dep, _line in fleet.deployments)
+
+
 def _side(result: FleetResult) -> str:
     return str(result.decision.layout) if result.decision is not None else result.status
 
@@ -226,15 +235,21 @@ def run_fleet_diff(args: argparse.Namespace) -> int:
     except FleetError as exc:
         report_error(exc, args.format)
         return EXIT_USAGE
+    say_fleet_default(args, falls_back(fleet))
     shared = list(args.rules or [])
     try:
-        old = decide_fleet(fleet, _rules_for(args, [*shared, args.old], "OLD"), args.vllm_version)
-        new = decide_fleet(fleet, _rules_for(args, [*shared, args.new], "NEW"), args.vllm_version)
+        old = decide_fleet(fleet, rules_for(args, [*shared, args.old], "OLD"), args.vllm_version)
+        new = decide_fleet(fleet, rules_for(args, [*shared, args.new], "NEW"), args.vllm_version)
     except (RuleLoadError, PolicyError) as exc:
         report_error(exc, args.format)
         return EXIT_USAGE
     changes = []
+    bad = [b for a, b in zip(old, new) if a.status == b.status == "invalid"]  # nothing to compare: error rows
+    invalid = [{"name": b.name, "location": _error_location(b), "profile": b.profile,
+                "error": _error(b.error)} for b in bad]  # type: ignore[arg-type]
     for a, b in zip(old, new):
+        if b in bad:
+            continue
         if _side(a) == _side(b):
             continue
         why: list[str] = []
@@ -245,13 +260,30 @@ def run_fleet_diff(args: argparse.Namespace) -> int:
             why = [d.message for d in b.error.diagnostics]
         changes.append({"name": a.name, "location": a.location, "profile": b.profile, "old": _side(a),
                         "new": _side(b), "why": why})
+    notes = {r.name: list(r.notes) for r in new if r.notes}  # a model config's notes: the same on both sides
     if args.format == "json":
         print_json({"fleet": args.fleet, "old": args.old, "new": args.new, "deployments": len(old),
-                    "changes": changes})
+                    "changes": changes, "invalid": invalid, "notes": notes})
     else:
-        print(f"diff over fleet {args.fleet}: {len(old)} deployments, {len(changes)} decision(s) change")
+        print(f"diff over fleet {args.fleet}: {len(old)} deployments, {len(changes)} decision(s) change"
+              + (f", {len(invalid)} invalid" if invalid else ""))
         for c in changes:
             print(f"  {c['name']} ({c['location']}, {c['profile']}): {c['old']} -> {c['new']}")
             for w in c["why"]:
                 print(f"      because of {w}" if " at " in w else f"      {w}")
-    return EXIT_FAILED if changes else EXIT_OK
+        if bad:  # as dry-run --fleet shows them
+            print("\ninvalid (decided on neither side):")
+        for r in bad:
+            print(f"  {r.name} ({r.location}):")
+            print("\n".join("    " + line for line in r.error.render().splitlines()))  # type: ignore[union-attr]
+        if notes:
+            print("\nnotes:")
+            for name, lines in notes.items():
+                print("\n".join(f"  {name}: {line}".replace("\n", "\n    ") for line in lines))
+    return EXIT_FAILED if changes or bad else EXIT_OK  # an invalid deployment is no pass, as in dry-run --fleet
+
+
+def _error_location(result: FleetResult) -> str:
+    """Where an invalid deployment's error is, in the fleet file (the key that is wrong), else the deployment."""
+    d = result.error.diagnostics[0] if result.error is not None and result.error.diagnostics else None
+    return d.location if d is not None and d.line > 0 and result.location.startswith(d.file + ":") else result.location

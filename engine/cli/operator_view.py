@@ -24,7 +24,8 @@ from typing import Any
 from kvpolicy.policy.errors import Diagnostic
 from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["SHIPPED_BASE", "ci_diagnostic", "is_shipped_file", "own_lint_report", "shipped_prefixes"]
+__all__ = ["SHIPPED_BASE", "ci_diagnostic", "finding_diagnostic", "is_shipped_file", "own_lint_report",
+           "shipped_prefixes"]
 
 SHIPPED_BASE = "KVPOLICY_SHIPPED"
 # notes about what the release does with its shipped rules, not about an operator's layer
@@ -48,8 +49,9 @@ def own_lint_report(report: Any, ruleset: RuleSet, include_shipped: bool) -> tup
     if include_shipped or not own:
         return report, 0
     ids = frozenset().union(*(layer.rule_ids for layer in own))
-    kept = tuple(f for f in report.findings if (f.rule.id in ids if f.rule is not None
-                                                 else f.code not in _RELEASE_NOTES))
+    kept = tuple(f for f in report.findings if (f.rule.id in ids if f.rule is not None  # a fleet's deployment: kept
+                                                 else getattr(f, "at", None) is not None
+                                                 or f.code not in _RELEASE_NOTES))
     bearing = tuple(lb for lb in report.load_bearing if lb.rule.id in ids)
     return replace(report, findings=kept, load_bearing=bearing), len(report.findings) - len(kept)
 
@@ -90,3 +92,18 @@ def ci_findings(findings: Iterable[tuple[str, Diagnostic]], ruleset: RuleSet | N
         shown, extra = ci_diagnostic(d, ruleset, fmt)
         out.append((severity, shown, extra))
     return out
+
+
+def finding_diagnostic(finding: Any, root: str) -> Diagnostic:
+    """A lint finding located at its rule (or, for a finding about no one rule, at the rule set), with the
+    count of inputs and the first of them in the message."""
+    if finding.rule is not None:
+        file, line, col = finding.rule.source.file, finding.rule.source.line, finding.rule.source.col
+    elif finding.at is not None:  # a fleet's deployment
+        file, line, col = finding.at.file, finding.at.line, finding.at.col
+    else:
+        file, line, col = root, 0, 0
+    message = finding.message
+    if finding.inputs:
+        message += f" (e.g. {finding.inputs[0]})"
+    return Diagnostic(file, line, col, finding.code, message)

@@ -25,6 +25,7 @@ from kvpolicy.engine.cli.common import (
 )
 from kvpolicy.policy.errors import RuleLoadError
 from kvpolicy.policy.files import read_capped
+from kvpolicy.policy.layers import with_warnings
 from kvpolicy.policy.load import Limits, load_rule_file
 from kvpolicy.policy.ruleset import RuleSet
 
@@ -69,7 +70,16 @@ def run_file(args: argparse.Namespace) -> int:
         raise usage_error("--stdin-filename", "applies to `validate -` only", "drop it, or read the file from stdin")
     try:
         text, shown, connector = _read(args)
-        alone = load_rule_file(text, shown, connector_file=connector)
+        try:
+            alone = load_rule_file(text, shown, connector_file=connector)
+        except RuleLoadError as exc:  # the warnings of its valid rules, layered as the file would be, said too
+            partial = getattr(exc, "partial", None)
+            if partial is not None and partial.all_rules:
+                try:
+                    with_warnings(exc, _layered(partial, args).warnings)
+                except RuleLoadError as below:
+                    with_warnings(exc, getattr(below, "warnings", ()))
+            raise
         layered = _layered(alone, args)
     except RuleLoadError as exc:
         report_error(exc, args.format)

@@ -234,7 +234,7 @@ def run_case(ruleset: RuleSet, lc: LoadedCase, vllm_version: str | ReleaseProfil
     if outcome.winner is None:
         error = no_layout_error(ruleset, outcome.events)
     else:
-        decision = Decision(ruleset, ctx, outcome)
+        decision = Decision(ruleset, ctx, outcome).declaring(out_of_tree_names(lc.case.input))
         layout = decision.layout
     failures = _check(expect, layout, error, survivors, removed, matched)
     if "audit" in expect.model_fields_set:

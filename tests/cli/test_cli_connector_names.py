@@ -26,11 +26,12 @@ def test_a_misspelt_connector_makes_its_deployment_invalid(tmp_path: Path, monke
     assert code != 0
     assert [deps[n]["status"] for n in ("ok", "typo", "mine")] == ["decided", "invalid", "decided"]
     (diag,) = deps["typo"]["error"]["diagnostics"]
-    assert (diag["file"], diag["line"], diag["code"]) == ("fleet.yaml", 6, "unknown-connector")
+    # at its `connector:` key (line 8, the value's column), not the deployment's line 6
+    assert (diag["file"], diag["line"], diag["col"], diag["code"]) == ("fleet.yaml", 8, 16, "unknown-connector")
     assert "did you mean `NixlConnector`?" in diag["help"]
     assert any("MyConnector" in w and "kv_connector_module_path" in w for w in deps["mine"]["warnings"])
     code, out, _ = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--fleet", "fleet.yaml")
-    assert "fleet.yaml:6" in out and "error[unknown-connector]" in out
+    assert "fleet.yaml:8:16: error[unknown-connector]" in out
 
 
 def test_a_misspelt_connector_is_a_located_case_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

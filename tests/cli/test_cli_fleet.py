@@ -120,3 +120,123 @@ deployments:
     assert {d["code"] for d in deps["seed-bug"]["geometry"]["diagnostics"]} == {"overlapping-views"}
     code, out, _ = cli(capsys, *args)
     assert "1 decided, 1 unsafe, 0 refused" in out and "UNSAFE: views write the same bytes" in out
+
+
+def _fleet(tmp_path: Path, text: str) -> Path:
+    f = tmp_path / "fleet.yaml"
+    f.write_text(text)
+    return f
+
+
+SPEC = "{num_layers: 4, num_kv_heads: 2, head_size: 64}"
+
+
+def test_the_default_release_is_said_only_when_a_deployment_falls_back_to_it(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpolicy.policy import releases
+
+    monkeypatch.delenv("KVPOLICY_VLLM_VERSION", raising=False)
+    monkeypatch.setattr(releases, "_installed", lambda _path: None)  # no vLLM here
+    named = _fleet(tmp_path, f'version: 1\ndefaults: {{vllm_version: "0.34.0"}}\n'
+                             f"deployments:\n  - name: a\n    spec: {SPEC}\n")
+    for verb in (["dry-run", "--fleet", str(named)], ["diff", "shipped", "shipped", "--fleet", str(named)],
+                 ["lint", "--fleet", str(named)]):
+        _code, _out, err = cli(capsys, *verb)
+        assert "no vLLM is installed" not in err, verb
+    falls = _fleet(tmp_path, f'version: 1\ndeployments:\n  - name: a\n    vllm_version: "0.34.0"\n    spec: {SPEC}\n'
+                             f"  - name: b\n    spec: {SPEC}\n")
+    code, _out, err = cli(capsys, "dry-run", "--fleet", str(falls))
+    assert code == 0 and err.count("note: no vLLM is installed here") == 1
+
+
+INVALID = f"""version: 1
+defaults:
+  vllm_version: "0.34.0"
+deployments:
+  - name: typo
+    spec: {SPEC}
+    connector: NixlConector
+  - name: fine
+    spec: {SPEC}
+  - name: own
+    spec: {SPEC}
+    connector: MyConnector
+    connector_module_path: site.connectors
+"""
+
+
+def test_a_connector_refusal_is_located_at_its_key(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = _fleet(tmp_path, INVALID)
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(f), "--format", "json")
+    typo = next(d for d in json.loads(out)["deployments"] if d["name"] == "typo")
+    where, = [(d["line"], d["col"]) for d in typo["error"]["diagnostics"]]
+    assert code == 1 and where == (7, 16)  # `connector: NixlConector`, not the deployment's line 5
+
+
+def test_diff_shows_an_invalid_deployment_and_model_notes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = _fleet(tmp_path, INVALID)
+    code, out, _ = cli(capsys, "diff", "shipped", "shipped", "--fleet", str(f))
+    assert code == 1  # as dry-run --fleet: an invalid deployment is no pass
+    assert "0 decision(s) change, 1 invalid" in out
+    assert f"  typo ({f}:5):" in out and f"{f}:7:16: error[unknown-connector]" in out
+    code, out, _ = cli(capsys, "diff", "shipped", "shipped", "--fleet", str(f), "--format", "json")
+    data = json.loads(out)
+    assert code == 1 and [(i["name"], i["location"]) for i in data["invalid"]] == [("typo", f"{f}:7:16")]
+    code, out, _ = cli(capsys, "diff", "shipped", "shipped", "--fleet", str(FLEET))
+    assert code == 0
+    assert "gpt-oss-20b-offload: models/gpt-oss-20b/config.json: warning[assumed-dtype]" in out.replace(
+        str(FLEET.parent) + "/", "")
+
+
+def test_a_declared_connector_is_warned_about_once(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = _fleet(tmp_path, INVALID)
+    _code, out, _ = cli(capsys, "dry-run", "--fleet", str(f), "--format", "json")
+    own = next(d for d in json.loads(out)["deployments"] if d["name"] == "own")
+    assert own["warnings"] == ["warning: connector `MyConnector` (from kv_connector_module_path): no connector file "
+                               "of the rules names it, so only the global rules apply to it"]
+    code, out, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--spec", str(_spec(tmp_path)),
+                         "--connector", "MyConnector", "--connector-module-path", "site.connectors", "--format", "json")
+    assert code == 0 and json.loads(out)["warnings"] == own["warnings"]
+    assert "did you mean `MultiConnector`" not in out + err
+
+
+def _spec(tmp_path: Path) -> Path:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("num_layers: 4\nnum_kv_heads: 2\nhead_size: 64\n")
+    return spec
+
+
+def test_a_members_and_a_transfer_configs_connector_are_located_at_their_names(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = _fleet(tmp_path, f"""version: 1
+defaults: {{vllm_version: "0.34.0"}}
+deployments:
+  - name: member
+    spec: {SPEC}
+    connector: MultiConnector
+    connector_config:
+      connectors:
+        - {{kv_connector: NixlConnector}}
+        - {{kv_connector: OffloadConnector}}
+  - name: ktc
+    spec: {SPEC}
+    kv_transfer_config: {{kv_connector: LMCacheConector, kv_role: kv_both}}
+""")
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(f), "--format", "json")
+    where = {d["name"]: [(x["line"], x["col"]) for x in d["error"]["diagnostics"]]
+             for d in json.loads(out)["deployments"]}
+    assert code == 1 and where == {"member": [(10, 26)], "ktc": [(13, 40)]}
+
+
+def test_rules_that_do_not_load_are_one_error_not_every_deployments(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    layer = tmp_path / "dup"
+    layer.mkdir()
+    (layer / "global.yaml").write_text("version: 1\nrules:\n  - id: env-layout-lbnhc\n    description: x\n"
+                                       "    forbid: {placement: cross_layer}\n")
+    for verb, expected in ((["dry-run", "--fleet", str(FLEET), "--rules", str(layer)], 1),
+                           (["lint", str(layer), "--fleet", str(FLEET)], 1),
+                           (["diff", "shipped", str(layer), "--fleet", str(FLEET)], 2)):
+        code, out, err = cli(capsys, *verb)
+        assert code == expected and err.count("error[duplicate-rule-id]") == 1, verb
+        assert "invalid-deployment" not in out + err

@@ -100,13 +100,15 @@ def test_lint_of_a_layer_reports_the_layer(layer: Path, capsys: pytest.CaptureFi
 def test_ci_locations_are_repository_paths(layer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "lint", "--rules", str(layer / "strict"), "--format", "github")
     assert code == 1
-    # the conflict is about the whole rule set: located at the operator's directory, relative to the cwd
-    assert "::error file=strict,title=conflict::" in out
+    # the conflict the layer makes is located at its rule (GitHub annotates files, not directories), relative
+    # to the cwd
+    assert "::error file=strict/global.yaml,line=3,col=5,title=conflict::" in out
+    assert "file=strict," not in out
     assert "%20%2B%20" not in out and "rules/issue-48412 + " not in out.split("::")[1]
     code, out, _ = cli(capsys, "lint", "strict", "--include-shipped", "--format", "sarif")
     run = json.loads(out)["runs"][0]
     uris = [loc["physicalLocation"]["artifactLocation"] for r in run["results"] for loc in r.get("locations", [])]
-    assert {"uri": "strict"} in uris
+    assert {"uri": "strict/global.yaml"} in uris and {"uri": "strict"} not in uris
     shipped = [u for u in uris if u.get("uriBaseId") == "KVPOLICY_SHIPPED"]
     assert shipped and all(u["uri"].startswith("issue-48412/") for u in shipped)
     assert "KVPOLICY_SHIPPED" in run["originalUriBaseIds"]
@@ -123,3 +125,23 @@ def test_test_annotations_name_no_shipped_file_as_the_repositorys(layer: Path,
     uncovered = [line for line in out.splitlines() if "uncovered-rule" in line]
     assert uncovered and not any("file=rules/" in line for line in uncovered)
     assert any("shipped rule at rules/issue-48412/" in line for line in uncovered)
+
+
+def test_a_layers_conflict_is_located_at_its_rule_and_summarised(layer: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A conflict the layer makes: at the layer's rule (not its directory, which GitHub cannot annotate), and a
+    field of many values (27 connector combinations) summarised in text, listed in full by --verbose and JSON."""
+    code, out, _ = cli(capsys, "lint", "strict")
+    assert code == 1 and out.startswith("strict/global.yaml:3: error[conflict]: no layout survives for ")
+    assert "where `always-block-outermost` removes candidates" in out
+    assert "connector=<27 values: " in out and "--verbose lists each" in out
+    assert "MultiConnector[NixlConnector" not in out and len(out) < 4000
+    code, none, _ = cli(capsys, "lint", "strict", "--max-inputs", "0")
+    assert "values: " not in none and "--verbose lists each" not in none  # no line shown, nothing summarised
+    code, verbose, _ = cli(capsys, "lint", "strict", "--verbose")
+    assert "MultiConnector[NixlConnector" in verbose and "values: " not in verbose and len(verbose) > 2 * len(out)
+    code, text, _ = cli(capsys, "lint", "strict", "--format", "json")
+    conflict, = [f for f in json.loads(text)["findings"] if f["code"] == "conflict"]
+    assert conflict["rule"]["rule"] == "always-block-outermost" and conflict["rule"]["source"] == "strict/global.yaml:3"
+    assert conflict["count"] == len(conflict["inputs"]) == sum(g["count"] for g in conflict["groups"])
+    assert any("MultiConnector[NixlConnector" in g["inputs"] for g in conflict["groups"])

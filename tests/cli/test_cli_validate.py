@@ -74,3 +74,28 @@ def test_a_path_that_names_nothing_is_a_usage_error_for_every_verb(
 def test_empty_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = cli(capsys, "validate", str(tmp_path))
     assert code == 1 and "error[no-rule-files]" in err
+
+
+def test_warnings_are_shown_beside_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An error does not hide the warnings about the rules that did load: errors first, exit code from them."""
+    (tmp_path / "connectors").mkdir()
+    (tmp_path / "global.yaml").write_text(
+        "version: 1\nrules:\n"
+        "  - id: typo\n    description: x\n    forbid: {placement: crosslayer}\n"
+        "  - id: lit\n    description: y\n    when: {field: backend.name, eq: flash_attn}\n"
+        "    forbid: {placement: cross_layer}\n")
+    (tmp_path / "connectors" / "n.yaml").write_text(
+        "version: 1\nconnector: NixlConector\nrules:\n"
+        "  - id: n\n    description: z\n    forbid: {placement: cross_layer}\n")
+    code, _, err = cli(capsys, "validate", str(tmp_path))
+    assert code == 1
+    error = err.index(f"{tmp_path}/global.yaml:5:25: error[invalid-value]")
+    assert error < err.index("warning[near-connector-name]") and error < err.index("warning[unknown-literal]")
+    code, out, _ = cli(capsys, "validate", str(tmp_path), "--format", "json")
+    data = json.loads(out)
+    assert code == 1 and not data["ok"] and {w["code"] for w in data["warnings"]} == {"near-connector-name",
+                                                                                      "unknown-literal"}
+    code, out, _ = cli(capsys, "validate", str(tmp_path), "--format", "github")
+    assert out.index("::error ") < out.index("::warning ") and "title=unknown-literal" in out
+    code, _, err = cli(capsys, "validate", str(tmp_path / "global.yaml"))
+    assert code == 1 and "error[invalid-value]" in err and "warning[unknown-literal]" in err

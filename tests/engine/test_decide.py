@@ -269,3 +269,15 @@ def test_the_library_warns_of_a_connector_no_rules_apply_to(name: str) -> None:
                 {"kv_connector": name, "kv_role": "kv_both"}]}}]}})
     assert expected in member.warnings
     assert not engine.decide(spec=spec, connector="NixlConnector").warnings
+
+
+def test_a_connector_loaded_from_its_module_is_no_misspelling() -> None:
+    """A kv_transfer_config that loads its connector by kv_connector_module_path names a class of the caller's
+    own: no "unknown connector ... did you mean" warning (a bare unknown name still gets one)."""
+    engine = LayoutEngine.default("0.34.0")
+    spec = {"num_layers": 4, "num_kv_heads": 2, "head_size": 64}
+    own = engine.decide(spec=spec, kv_transfer_config={"kv_connector": "MyConnector", "kv_role": "kv_both",
+                                                       "kv_connector_module_path": "site.connectors"})
+    assert not any("MyConnector" in w for w in own.warnings)
+    assert any(w.startswith("unknown connector `MyConector`") for w in engine.decide(spec=spec,
+                                                                                     connector="MyConector").warnings)
