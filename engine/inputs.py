@@ -117,6 +117,7 @@ def build_context(
     connector_prefers_cross_layer_blocks: bool | dict[str, bool] | None = None,
     dtype: str | None = None,
     allow_chunked_local_attn_with_hybrid_kv_cache: bool = True,
+    disable_hybrid_kv_cache_manager: bool | None = None,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -143,6 +144,10 @@ def build_context(
     (vLLM's default 1): with 0, a model with chunked local attention runs without the hybrid KV cache
     manager, as it does with a connector that does not support it (`hybrid_manager_off`); a ``model``'s
     groups then follow (``groups`` given are vLLM's KV cache groups as its engine core made them).
+    ``disable_hybrid_kv_cache_manager`` is vLLM's ``SchedulerConfig`` field of that name: None (its default)
+    lets vLLM decide as above; True (``--disable-hybrid-kv-cache-manager``) turns the manager off for any
+    model; False (``--enable-hybrid-kv-cache-manager``, ``--no-disable-...`` before 0.29) keeps it on past a
+    connector without ``SupportsHMA``, and is refused where vLLM must turn it off.
 
     The backend is checked as vLLM's selector checks it: the model dtype against its
     ``supported_dtypes`` and a block size the user gave (``block_size``, or a ``spec``'s own) against
@@ -234,9 +239,17 @@ def build_context(
     if not isinstance(allow_chunked_local_attn_with_hybrid_kv_cache, bool):
         raise input_error("allow_chunked_local_attn_with_hybrid_kv_cache", "`allow_chunked_local_attn_with_hybrid_"
                           f"kv_cache` must be true or false, got `{allow_chunked_local_attn_with_hybrid_kv_cache!r}`")
+    if disable_hybrid_kv_cache_manager is not None and not isinstance(disable_hybrid_kv_cache_manager, bool):
+        raise input_error("disable_hybrid_kv_cache_manager", "`disable_hybrid_kv_cache_manager` must be true, false "
+                          f"or null, got `{disable_hybrid_kv_cache_manager!r}`")
+    if disable_hybrid_kv_cache_manager and hisparse:
+        raise input_error("disable_hybrid_kv_cache_manager", f"{release.version_label} refuses HiSparse without its "
+                          "hybrid KV cache manager (\"HiSparse requires the hybrid KV cache manager; remove "
+                          "--disable-hybrid-kv-cache-manager\")", "drop --disable-hybrid-kv-cache-manager",
+                          code="needs-hybrid-manager")
     if model is not None:  # `groups` are vLLM's KV cache groups as the engine core made them: already unified
         groups = _hybrid_manager(release, groups, connector_config_model,
-                                 allow_chunked_local_attn_with_hybrid_kv_cache)
+                                 allow_chunked_local_attn_with_hybrid_kv_cache, disable_hybrid_kv_cache_manager)
         kv = groups.primary or kv
     configured = backend is not None
     if backend is None:  # what vLLM's platform would select for this model (see `default_backend`)
@@ -465,14 +478,27 @@ def _check_configured_backend(release: ReleaseProfile, kv: KVCacheSpec, name: st
 
 
 def hybrid_manager_off(release: ReleaseProfile, groups: KVCacheGroups, connector: ConnectorConfig | None,
-                       allow_chunked_local: bool = True) -> tuple[str, str] | None:
+                       allow_chunked_local: bool = True, disabled: bool | None = None) -> tuple[str, str] | None:
     """Why vLLM turns its hybrid KV cache manager off for this deployment, as (where, why); None: it stays
     on (or kvpolicy cannot tell: a connector class the profile does not know, said as a note).
 
     ``VllmConfig.__post_init__``: a model with chunked local attention while
     ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0``, or a KV connector that does not implement
-    ``SupportsHMA`` (`ReleaseProfile.connector_supports_hma`: MultiConnector by its members)."""
-    if not allow_chunked_local and any(g.spec.kind is AttentionKind.chunked_local for g in groups.groups):
+    ``SupportsHMA`` (`ReleaseProfile.connector_supports_hma`: MultiConnector by its members); or
+    ``disabled`` True: ``--disable-hybrid-kv-cache-manager``. ``disabled`` False (explicitly enabled): the
+    connector is not asked, and chunked local attention with the variable at 0 is vLLM's refusal."""
+    if disabled:
+        return ("--disable-hybrid-kv-cache-manager", "--disable-hybrid-kv-cache-manager is given")
+    chunked = any(g.spec.kind is AttentionKind.chunked_local for g in groups.groups)
+    if disabled is False:
+        if not allow_chunked_local and chunked:
+            raise input_error("--enable-hybrid-kv-cache-manager", f"{release.version_label} refuses to start: the "
+                              "hybrid KV cache manager is explicitly enabled, but a model with chunked local attention "
+                              "and VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0 needs it off (\"Hybrid KV "
+                              "cache manager was explicitly enabled but is not supported in this configuration\")",
+                              "drop the flag to let vLLM decide, or unset the variable", code="needs-hybrid-manager")
+        return None
+    if not allow_chunked_local and chunked:
         return ("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "the model has chunked local attention and "
                 "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0 (\"There is a latency regression when using "
                 "chunked local attention with the hybrid KV cache manager. Disabling it\")")
@@ -503,26 +529,36 @@ def _connector_hma(release: ReleaseProfile, conn: ConnectorConfig) -> bool | Non
     return None if None in answers else True
 
 
+# what keeps vLLM's hybrid KV cache manager on, by what turned it off (`hybrid_manager_off`'s where)
+_KEEP_MANAGER = {
+    "connector": "use a connector that supports the hybrid manager (SupportsHMA)",
+    "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "unset VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE "
+                                                          "(vLLM's default is 1)",
+    "--disable-hybrid-kv-cache-manager": "drop --disable-hybrid-kv-cache-manager",
+}
+
+
 def _hybrid_manager(release: ReleaseProfile, groups: KVCacheGroups, connector: ConnectorConfig | None,
-                    allow_chunked_local: bool) -> KVCacheGroups:
+                    allow_chunked_local: bool, disabled: bool | None = None) -> KVCacheGroups:
     """A model's groups as vLLM caches them: with its hybrid KV cache manager off (`hybrid_manager_off`),
     sliding-window and chunked-local layers promoted to full attention, in one group with the full ones (vLLM's
     ``unify_hybrid_kv_cache_specs``; the layers still compute as before), with a note saying so."""
-    off = hybrid_manager_off(release, groups, connector, allow_chunked_local)
+    off = hybrid_manager_off(release, groups, connector, allow_chunked_local, disabled)
+    keep = _KEEP_MANAGER.get(off[0], _KEEP_MANAGER["connector"]) if off is not None else ""
     kinds = {g.spec.kind for g in groups.groups}
     local = {AttentionKind.sliding_window, AttentionKind.chunked_local}
     if off is not None and AttentionKind.mamba in kinds and len(kinds) > 1:
         raise input_error(off[0], f"{release.version_label} turns its hybrid KV cache manager off: {off[1]}; this "
                           "model mixes Mamba and attention layers, which vLLM cannot cache without it (\"Failed to "
                           "promote local KV cache specs to one unified type\")",
-                          "use a connector that supports the hybrid manager (SupportsHMA)", code="needs-hybrid-manager")
+                          keep, code="needs-hybrid-manager")
     if off is None or not kinds & local or AttentionKind.full not in kinds:
         return groups  # nothing to promote: vLLM's specs are uniform already
     where, why = off
     if AttentionKind.mla in kinds:
         raise input_error(where, f"{release.version_label} turns its hybrid KV cache manager off: {why}; kvpolicy "
                           "does not model how vLLM then caches MLA beside local attention",
-                          "use a connector that supports the hybrid manager (SupportsHMA)", code="unmodelled-groups")
+                          keep, code="unmodelled-groups")
     full = next(g for g in groups.groups if g.spec.kind is AttentionKind.full)
     same = {"num_kv_heads", "head_size", "dtype", "kv_cache_dtype", "block_size"}
     promoted = [g for g in groups.groups if g.spec.kind in local]
@@ -531,16 +567,14 @@ def _hybrid_manager(release: ReleaseProfile, groups: KVCacheGroups, connector: C
             raise input_error(where, f"{release.version_label} turns its hybrid KV cache manager off ({why}) and "
                               f"caches the {g.spec.kind.value} layers as full attention, but their pages differ from "
                               "the full-attention layers' (heads, head size or dtype): kvpolicy does not model the "
-                              "group vLLM then builds", "decide with a connector that supports the hybrid manager",
-                              code="unmodelled-groups")
+                              "group vLLM then builds", keep, code="unmodelled-groups")
     layers = full.spec.num_layers + sum(g.spec.num_layers for g in promoted)
     merged = KVCacheGroup(spec=full.spec.model_copy(update={"num_layers": layers}),
                           num_attention_groups=full.num_attention_groups, dcp_sharded=full.dcp_sharded)
     _note(where, f"{release.version_label} turns its hybrid KV cache manager off: {why}; it caches the "
           f"{' and '.join(sorted(g.spec.kind.value for g in promoted))} layers as full attention, in one group of "
           f"{layers} layers (\"Hybrid KV cache manager is disabled for this hybrid model\"): more KV cache memory, "
-          "the same compute", "use a connector that supports the hybrid manager (SupportsHMA) to keep the groups",
-          "hybrid-manager-off")
+          "the same compute", f"{keep} to keep the groups", "hybrid-manager-off")
     rest = [g for g in groups.groups if g.spec.kind not in local and g is not full]
     return KVCacheGroups(groups=(merged, *rest))
 

@@ -44,6 +44,7 @@ LAYOUT_ARGUMENTS: dict[str, str] = {
     "attention_backend": "attention_backend",
     "attention_config": "attention_backend",
     "enable_extensible_kv_cache": "enable_extensible_kv_cache",
+    "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
     "config": "config",
 }
 
@@ -74,16 +75,13 @@ NOT_MODELLED: dict[str, str] = {
                         "size then follows; kvpolicy aligns as without it",
     "mamba_cache_mode": "with `all` (0.24-0.31) vLLM aligns a hybrid model's attention block size to the Mamba chunk "
                         "size; kvpolicy aligns as with the default (`align` under prefix caching, else `none`)",
-    "disable_hybrid_kv_cache_manager": "without the hybrid KV cache manager vLLM caches a model's sliding-window "
-                                       "layers as full attention in one group (and refuses Mamba hybrids), which "
-                                       "kvpolicy's reading of the model config does not follow",
 }
 
 _INT_ARGS = {"block_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}
 _JSON_ARGS = {"kv_transfer_config", "attention_config"}
 _DEFAULT_VALUE_MEANS_UNSET = {"model_impl": ("auto", "vllm"), "kv_offloading_size": ("", "None"),
                               "speculative_config": ("", "None"),
-                              "hf_overrides": ("", "None", "{}", {}), "disable_hybrid_kv_cache_manager": (False,),
+                              "hf_overrides": ("", "None", "{}", {}),
                               "mamba_cache_dtype": ("auto",), "mamba_ssm_cache_dtype": ("auto",),
                               "mamba_block_size": ("", "None"), "mamba_cache_mode": ("none", "align")}
 
@@ -419,6 +417,8 @@ def parse_serve_args(argv: list[str], profile: str, version: str) -> ServeArgs:
                  "enable_extensible_kv_cache"):
         if dest in given:
             inputs[dest] = given[dest]
+    if given.get("disable_hybrid_kv_cache_manager") is not None:  # None (vLLM's default): the engine decides
+        inputs["disable_hybrid_kv_cache_manager"] = given["disable_hybrid_kv_cache_manager"]
     model = given.get("model_tag") or given.get("model")
     if model is not None:
         inputs["model"] = model

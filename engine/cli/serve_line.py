@@ -32,6 +32,7 @@ _FLAG = {
     "attention_backend": ("backend", "--attention-backend"),
     "enable_extensible_kv_cache": ("enable_extensible_kv_cache", "--enable-extensible-kv-cache"),
     "hisparse": ("hisparse", "--hisparse"),
+    "disable_hybrid_kv_cache_manager": ("disable_hybrid_kv_cache_manager", "--disable-hybrid-kv-cache-manager"),
 }
 
 _FALLBACK_DTYPES = ("auto", "bfloat16", "float", "float16", "float32", "half")

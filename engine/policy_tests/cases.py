@@ -145,6 +145,11 @@ class CaseInput(Frozen):
     allow_chunked_local_attn_with_hybrid_kv_cache: StrictBool = Field(
         default=True, description="vLLM's VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE (default true); "
         "false: a model with chunked local attention runs without the hybrid KV cache manager")
+    disable_hybrid_kv_cache_manager: StrictBool | None = Field(
+        default=None, description="vLLM's SchedulerConfig.disable_hybrid_kv_cache_manager: null lets vLLM decide; "
+        "true (--disable-hybrid-kv-cache-manager): sliding-window and chunked-local layers cached as full "
+        "attention in one group (a Mamba hybrid: refused, as vLLM fails to start); false "
+        "(--enable-hybrid-kv-cache-manager): kept on past a connector without SupportsHMA")
     connector_prefers_cross_layer_blocks: StrictBool | dict[str, StrictBool] | None = Field(
         default=None, description="the connector class's own `prefer_cross_layer_blocks` (vLLM 0.24-0.28's gate "
         "asks it): true/false for the connector, or connector names (MultiConnector members) to true/false")
@@ -523,6 +528,7 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
         "device_capability": inp.device_capability,
         "use_v2_model_runner": inp.use_v2_model_runner,
         "allow_chunked_local_attn_with_hybrid_kv_cache": inp.allow_chunked_local_attn_with_hybrid_kv_cache,
+        "disable_hybrid_kv_cache_manager": inp.disable_hybrid_kv_cache_manager,
         "connector_prefers_cross_layer_blocks": inp.connector_prefers_cross_layer_blocks,
     }
     # `tensor_parallel_size` goes to build_context with every source: with `spec` or `groups` it is

@@ -81,10 +81,8 @@ def test_a_kvpolicy_flag_wins_over_the_line_and_says_so(capsys: pytest.CaptureFi
      "does not accept --tensor-paralel-size"),
     ([TINY, "--dtype", "bf16"], "vllm serve --dtype", "invalid choice: 'bf16'"),
     ([TINY, "-pp", "2"], "vllm serve --pipeline-parallel-size", "kvpolicy does not model"),
-    # both change the KV cache groups vLLM builds from the config: once ignored, silently
+    # it changes the KV cache groups vLLM builds from the config: once ignored, silently
     ([TINY, "--hf-overrides", '{"num_hidden_layers": 2}'], "vllm serve --hf-overrides", "kvpolicy does not model"),
-    ([TINY, "--disable-hybrid-kv-cache-manager"], "vllm serve --disable-hybrid-kv-cache-manager",
-     "kvpolicy does not model"),
     # the Mamba state's bytes decide a hybrid model's attention block size (kvpolicy sizes it as auto does)
     ([TINY, "--mamba-ssm-cache-dtype", "float32"], "vllm serve --mamba-ssm-cache-dtype", "kvpolicy does not model"),
     ([TINY, "--mamba-block-size", "64"], "vllm serve --mamba-block-size", "kvpolicy does not model"),
@@ -247,3 +245,44 @@ def test_the_command_pasted_with_its_line_is_read_as_the_command(capsys: pytest.
     pasted, err = _json(capsys, "--vllm-version", "0.34.0", "--", *head, *SERVE_LINE)
     assert pasted == plain
     assert f"note: vllm serve: `{' '.join(head)}` at the start of the line is read as the command" in err
+
+
+GEMMA3_1B = str(ROOT / "tests" / "fixtures" / "model_configs" / "gemma-3-1b-it")
+JAMBA = str(ROOT / "tests" / "fixtures" / "model_configs" / "jamba-v0.1")
+LMCACHE = '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'
+
+
+def _kinds(data: dict) -> list[tuple[str, int]]:
+    return [(g["spec"]["kind"], g["spec"]["num_layers"]) for g in data["inputs"]["groups"]["groups"]]
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.34.0"])
+def test_disabling_the_hybrid_manager_caches_sliding_layers_as_full(capsys: pytest.CaptureFixture[str],
+                                                                    version: str) -> None:
+    """`--disable-hybrid-kv-cache-manager` on the line decides what the flag typed decides: Gemma-3-1B's 22
+    sliding-window layers cached as full attention beside its 4 full ones, in one group (vLLM's answer,
+    tests/conformance/test_hma_groups.py), said in a warning naming the argument."""
+    plain, _ = _json(capsys, "--vllm-version", version, "--", GEMMA3_1B)
+    given, err = _json(capsys, "--vllm-version", version, "--", GEMMA3_1B, "--disable-hybrid-kv-cache-manager")
+    typed, _ = _json(capsys, "--vllm-version", version, "--model", GEMMA3_1B, "--disable-hybrid-kv-cache-manager")
+    assert sorted(_kinds(plain)) == [("full", 4), ("sliding_window", 22)]
+    assert _kinds(given) == [("full", 26)] and given == typed
+    assert "--disable-hybrid-kv-cache-manager: warning[hybrid-manager-off]" in err
+    assert "drop --disable-hybrid-kv-cache-manager to keep the groups" in err
+
+
+def test_enabling_the_hybrid_manager_keeps_it_past_a_connector(capsys: pytest.CaptureFixture[str]) -> None:
+    off, _ = _json(capsys, "--vllm-version", "0.34.0", "--", GEMMA3_1B, "--kv-transfer-config", LMCACHE)
+    on, err = _json(capsys, "--vllm-version", "0.34.0", "--", GEMMA3_1B, "--kv-transfer-config", LMCACHE,
+                    "--enable-hybrid-kv-cache-manager")
+    assert _kinds(off) == [("full", 26)]
+    assert sorted(_kinds(on)) == [("full", 4), ("sliding_window", 22)] and "hybrid-manager-off" not in err
+
+
+def test_a_mamba_hybrid_with_the_manager_disabled_is_refused_at_the_argument(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--", JAMBA,
+                         "--disable-hybrid-kv-cache-manager")
+    assert code == 2 and out == ""
+    assert "--disable-hybrid-kv-cache-manager: error[needs-hybrid-manager]" in err
+    assert "Failed to promote local KV cache specs to one unified type" in err

@@ -43,21 +43,30 @@ def _ktc(name: str, *members: str) -> dict[str, Any]:
     return out
 
 
-# (config, label, kv_transfer_config or None, VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE)
-DEPLOYMENTS: tuple[tuple[str, str, dict[str, Any] | None, bool], ...] = (
-    ("gemma-3-1b-it", "lmcache", _ktc("LMCacheConnectorV1"), True),
-    ("gemma-3-1b-it", "multi-nixl-lmcache", _ktc("MultiConnector", "NixlConnector", "LMCacheConnectorV1"), True),
-    ("gemma-3-1b-it", "multi-nixl-offloading", _ktc("MultiConnector", "NixlConnector", "OffloadingConnector"), True),
-    ("gemma-2-2b-it", "lmcache", _ktc("LMCacheConnectorV1"), True),
-    ("gemma-2-2b-it", "nixl", _ktc("NixlConnector"), True),
-    ("gpt-oss-20b", "lmcache", _ktc("LMCacheConnectorV1"), True),
-    ("gpt-oss-20b", "example", _ktc("ExampleConnector"), True),
-    ("gpt-oss-20b", "offloading", _ktc("OffloadingConnector"), True),
-    ("llama-4-scout-17b-16e-instruct", "chunked-env-0", None, False),
-    ("llama-4-scout-17b-16e-instruct", "chunked-env-unset", None, True),
-    ("jamba-v0.1", "lmcache", _ktc("LMCacheConnectorV1"), True),
-    ("mistral-7b-v0.1", "lmcache", _ktc("LMCacheConnectorV1"), True),
-    ("llama-3.1-8b-instruct", "lmcache", _ktc("LMCacheConnectorV1"), True),
+# (config, label, kv_transfer_config or None, VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE,
+#  --disable-hybrid-kv-cache-manager: True, --enable-hybrid-kv-cache-manager: False, neither: None)
+DEPLOYMENTS: tuple[tuple[str, str, dict[str, Any] | None, bool, bool | None], ...] = (
+    ("gemma-3-1b-it", "lmcache", _ktc("LMCacheConnectorV1"), True, None),
+    ("gemma-3-1b-it", "multi-nixl-lmcache", _ktc("MultiConnector", "NixlConnector", "LMCacheConnectorV1"), True,
+     None),
+    ("gemma-3-1b-it", "multi-nixl-offloading", _ktc("MultiConnector", "NixlConnector", "OffloadingConnector"), True,
+     None),
+    ("gemma-2-2b-it", "lmcache", _ktc("LMCacheConnectorV1"), True, None),
+    ("gemma-2-2b-it", "nixl", _ktc("NixlConnector"), True, None),
+    ("gpt-oss-20b", "lmcache", _ktc("LMCacheConnectorV1"), True, None),
+    ("gpt-oss-20b", "example", _ktc("ExampleConnector"), True, None),
+    ("gpt-oss-20b", "offloading", _ktc("OffloadingConnector"), True, None),
+    ("llama-4-scout-17b-16e-instruct", "chunked-env-0", None, False, None),
+    ("llama-4-scout-17b-16e-instruct", "chunked-env-unset", None, True, None),
+    ("jamba-v0.1", "lmcache", _ktc("LMCacheConnectorV1"), True, None),
+    ("mistral-7b-v0.1", "lmcache", _ktc("LMCacheConnectorV1"), True, None),
+    ("llama-3.1-8b-instruct", "lmcache", _ktc("LMCacheConnectorV1"), True, None),
+    ("gemma-3-1b-it", "disable-flag", None, True, True),
+    ("gemma-3-1b-it", "lmcache-enable-flag", _ktc("LMCacheConnectorV1"), True, False),
+    ("jamba-v0.1", "disable-flag", None, True, True),
+    ("llama-3.1-8b-instruct", "disable-flag", None, True, True),
+    ("llama-4-scout-17b-16e-instruct", "chunked-env-0-enable-flag", None, False, False),
+    ("llama-4-scout-17b-16e-instruct", "disable-flag", None, True, True),
 )
 _KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window", "MLAAttentionSpec": "mla",
           "MambaSpec": "mamba", "ChunkedLocalAttentionSpec": "chunked_local"}
@@ -69,8 +78,9 @@ _ASKED: dict[str, list[dict[str, Any]]] = {}
 def _answers(version: str) -> list[dict[str, Any]]:
     if version not in _ASKED:
         cases = [{"config": json.loads((CORPUS / name / "config.json").read_text(encoding="utf-8")),
-                  "kv_transfer_config": ktc, "allow_chunked_local": allow, "block_size": BLOCK_SIZE}
-                 for name, _, ktc, allow in DEPLOYMENTS]
+                  "kv_transfer_config": ktc, "allow_chunked_local": allow, "block_size": BLOCK_SIZE,
+                  "disable_hybrid_kv_cache_manager": manager}
+                 for name, _, ktc, allow, manager in DEPLOYMENTS]
         _ASKED[version] = run_oracle(version, "hma_groups", cases, timeout=1800)
     return _ASKED[version]
 
@@ -108,14 +118,15 @@ def _ours_groups(groups: KVCacheGroups) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _decide(name: str, ktc: dict[str, Any] | None, allow: bool, version: str
+def _decide(name: str, ktc: dict[str, Any] | None, allow: bool, manager: bool | None, version: str
             ) -> tuple[KVCacheGroups | PolicyError, bool]:
     """kvpolicy's groups (or refusal), and whether it said that vLLM turns the hybrid manager off."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             ctx = build_context(model=CORPUS / name, block_size=BLOCK_SIZE, kv_transfer_config=ktc,
-                                vllm_version=version, allow_chunked_local_attn_with_hybrid_kv_cache=allow)
+                                vllm_version=version, allow_chunked_local_attn_with_hybrid_kv_cache=allow,
+                                disable_hybrid_kv_cache_manager=manager)
         except PolicyError as exc:
             return exc, False
     return ctx.groups, any("warning[hybrid-manager-off]" in str(w.message) for w in caught)
@@ -123,9 +134,9 @@ def _decide(name: str, ktc: dict[str, Any] | None, allow: bool, version: str
 
 def judge(index: int, version: str) -> tuple[str, str]:
     """(outcome, why) for one deployment on one release."""
-    name, _, ktc, allow = DEPLOYMENTS[index]
+    name, _, ktc, allow, manager = DEPLOYMENTS[index]
     vllm = _answers(version)[index]
-    ours, off = _decide(name, ktc, allow, version)
+    ours, off = _decide(name, ktc, allow, manager, version)
     if vllm.get("error"):
         if isinstance(ours, PolicyError):
             return "both refuse", f"vLLM at {vllm.get('stage')}: {vllm['error'][:120]}"
@@ -140,7 +151,7 @@ def judge(index: int, version: str) -> tuple[str, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the model's own notes: said by _decide's context already
         model = kv_groups_from_hf_config(CORPUS / name, block_size=BLOCK_SIZE, vllm_version=version)
-    off = hybrid_manager_off(get_profile(version), model, connector, allow) is not None  # for any model
+    off = hybrid_manager_off(get_profile(version), model, connector, allow, manager) is not None  # for any model
     if off != vllm["hybrid_manager_disabled"]:
         why.append(f"hybrid manager off: vLLM {vllm['hybrid_manager_disabled']}, kvpolicy {off}")
     theirs, mine = _vllm_groups(vllm), _ours_groups(ours)
@@ -181,5 +192,5 @@ def test_the_comparison_sees_a_split_group(vllm_sites: Any) -> None:
     index = next(i for i, d in enumerate(DEPLOYMENTS) if d[:2] == ("gemma-3-1b-it", "lmcache"))
     vllm = _answers("0.34.0")[index]
     assert vllm["hybrid_manager_disabled"] is True
-    kept, _ = _decide("gemma-3-1b-it", None, True, "0.34.0")
+    kept, _ = _decide("gemma-3-1b-it", None, True, None, "0.34.0")
     assert isinstance(kept, KVCacheGroups) and _vllm_groups(vllm).keys() != _ours_groups(kept).keys()

@@ -5,11 +5,13 @@ the model class on the meta device, ``get_kv_cache_spec``, the engine core's gro
 deployment that may turn the hybrid manager off:
 
     {"config": {...config.json...}, "kv_transfer_config": {"kv_connector": ..., "kv_role": "kv_both", ...},
-     "allow_chunked_local": true, "block_size": 16}
+     "allow_chunked_local": true, "block_size": 16, "disable_hybrid_kv_cache_manager": null}
 
 ``kv_transfer_config`` goes to the engine arguments as ``--kv-transfer-config`` (the release's own
 ``KVTransferConfig``); ``allow_chunked_local`` false sets ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0``
-for the case (unset otherwise: vLLM's default 1). ``VllmConfig.__post_init__`` decides
+for the case (unset otherwise: vLLM's default 1); ``disable_hybrid_kv_cache_manager`` true/false is the
+engine argument of that name (``--disable-hybrid-kv-cache-manager`` / ``--enable-...``), null leaves it
+unset. ``VllmConfig.__post_init__`` decides
 ``scheduler_config.disable_hybrid_kv_cache_manager``; the grouping (``get_kv_cache_groups`` /
 ``get_global_kv_cache_groups``) unifies the specs when it is on. Answer: model_config.py's answer plus
 ``"hybrid_manager_disabled"``, read off the VllmConfig the grouping is given. Runs under 0.28 on.
@@ -39,6 +41,8 @@ def _engine_args(case: dict):
         from vllm.config import KVTransferConfig
 
         args.kv_transfer_config = KVTransferConfig(**case["kv_transfer_config"])
+    if case.get("disable_hybrid_kv_cache_manager") is not None:  # --disable- (true) / --enable- (false)
+        args.disable_hybrid_kv_cache_manager = case["disable_hybrid_kv_cache_manager"]
     return args
 
 
