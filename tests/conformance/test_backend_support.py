@@ -14,8 +14,10 @@ One oracle call per release; answers are kept per machine.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import asked_ahead
 import pytest
 from profiled_releases import RELEASES
 from vllm_release import run_oracle
@@ -41,7 +43,19 @@ def _connector_cases(version: str) -> list[dict[str, Any]]:
     return cases
 
 
+def start_ahead(items: list[pytest.Item]) -> None:
+    """Each selected release's one oracle call asked ahead (asked_ahead.py)."""
+    import ahead
+
+    asked_ahead.queue("backend_support", ahead.params(items, "version"), _ask)
+
+
 def _answers(version: str) -> list[Any]:
+    return asked_ahead.take("backend_support", version, _ask)
+
+
+@functools.cache
+def _ask(version: str) -> list[Any]:
     profile = get_profile(version)
     return run_oracle(version, "backend_support", [
         {"backends": list(profile.backends), "dtypes": list(DTYPES), "block_sizes": list(BLOCK_SIZES)},

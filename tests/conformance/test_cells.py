@@ -43,6 +43,7 @@ import math
 from collections import defaultdict
 from typing import NamedTuple
 
+import asked_ahead
 import install_vllm
 import pytest
 import torch
@@ -287,8 +288,20 @@ def _read_slots(slots: list[int]) -> list[int]:
 # ---- the oracle, once per release ---------------------------------------------------------------
 
 
-@functools.cache
+def start_ahead(items: list[pytest.Item]) -> None:
+    """The selected cases' releases asked ahead (asked_ahead.py), in the order the tests read them."""
+    versions = list(dict.fromkeys(item.callspec.params["case"].version for item in items
+                                  if hasattr(item, "callspec") and "case" in item.callspec.params))
+    asked_ahead.queue("quantized_cells", versions, _ask)
+
+
 def _answers(version: str) -> dict[Case, dict]:
+    """The release's answers to all its cases (`_ask`, asked ahead or now)."""
+    return asked_ahead.take("quantized_cells", version, _ask)
+
+
+@functools.cache
+def _ask(version: str) -> dict[Case, dict]:
     """The release's answers to all its cases, in one oracle call (cached per machine by run_oracle)."""
     install_vllm.ensure_triton()
     cases = [c for c in CASES if c.version == version]

@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import asked_ahead
 import pytest
 from vllm_release import run_oracle
 
@@ -75,7 +76,18 @@ ROWS: list[tuple[str, str, str, str, str]] = []
 _ASKED: dict[str, list[dict[str, Any]]] = {}
 
 
+def start_ahead(items: list[pytest.Item]) -> None:
+    """Each selected release's one oracle call asked ahead (asked_ahead.py)."""
+    import ahead
+
+    asked_ahead.queue("hma_groups", ahead.params(items, "version"), _ask)
+
+
 def _answers(version: str) -> list[dict[str, Any]]:
+    return asked_ahead.take("hma_groups", version, _ask)
+
+
+def _ask(version: str) -> list[dict[str, Any]]:
     if version not in _ASKED:
         cases = [{"config": json.loads((CORPUS / name / "config.json").read_text(encoding="utf-8")),
                   "kv_transfer_config": ktc, "allow_chunked_local": allow, "block_size": BLOCK_SIZE,

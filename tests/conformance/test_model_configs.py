@@ -49,6 +49,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import asked_ahead
 import pytest
 from vllm_release import run_oracle
 
@@ -135,7 +136,19 @@ def _plan(version: str = RELEASES[0]) -> list[tuple[str, Case]]:
 _ASKED: dict[str, dict[tuple[str, str], dict[str, Any]] | Exception] = {}
 
 
+def start_ahead(items: list[pytest.Item]) -> None:
+    """Each selected release's one oracle call asked ahead (asked_ahead.py)."""
+    import ahead
+
+    asked_ahead.queue("model_config", ahead.params(items, "version"), _ask)
+
+
 def _answers(version: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """`_ask`'s answers, asked ahead or now."""
+    return asked_ahead.take("model_config", version, _ask)
+
+
+def _ask(version: str) -> dict[tuple[str, str], dict[str, Any]]:
     """The release's answer to every (config, case): one oracle call, all cases (a failed call is
     remembered too, so that the release's other tests do not ask again)."""
     if version not in _ASKED:

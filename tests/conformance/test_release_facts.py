@@ -8,6 +8,7 @@ profiles it extends). A difference names the fact, the profile's value and the r
 
 from __future__ import annotations
 
+import asked_ahead
 import pytest
 from release_facts import canonical, release_facts
 
@@ -19,9 +20,17 @@ from kvpolicy.policy.releases import get_profile, profile_facts, profile_names
 PROFILED = sorted({(v, n) for n in profile_names() for v in get_profile(n).vllm_versions})
 
 
+def start_ahead(items: list[pytest.Item]) -> None:
+    """Each selected release's facts (five oracles, one after another) asked ahead (asked_ahead.py)."""
+    import ahead
+
+    asked_ahead.queue("release_facts", ahead.params(items, "version"), release_facts)
+
+
 @pytest.mark.parametrize(("version", "profile"), PROFILED, ids=[v for v, _ in PROFILED])
 def test_the_profile_states_the_releases_facts(version: str, profile: str, vllm_sites) -> None:
-    lines = fact_differences(canonical(profile_facts(profile)), canonical(release_facts(version)))
+    facts = asked_ahead.take("release_facts", version, release_facts)
+    lines = fact_differences(canonical(profile_facts(profile)), canonical(facts))
     assert not lines, f"profile `{profile}` vs vLLM {version}:\n" + "\n".join(lines)
 
 
