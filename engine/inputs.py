@@ -118,6 +118,7 @@ def build_context(
     dtype: str | None = None,
     allow_chunked_local_attn_with_hybrid_kv_cache: bool = True,
     disable_hybrid_kv_cache_manager: bool | None = None,
+    disable_sliding_window: bool = False,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -148,6 +149,8 @@ def build_context(
     lets vLLM decide as above; True (``--disable-hybrid-kv-cache-manager``) turns the manager off for any
     model; False (``--enable-hybrid-kv-cache-manager``, ``--no-disable-...`` before 0.29) keeps it on past a
     connector without ``SupportsHMA``, and is refused where vLLM must turn it off.
+    ``disable_sliding_window`` is vLLM's ``--disable-sliding-window`` for ``model``: no layer keeps a window
+    (`kvpolicy.policy.hf_config.read_hf_config`).
 
     The backend is checked as vLLM's selector checks it: the model dtype against its
     ``supported_dtypes`` and a block size the user gave (``block_size``, or a ``spec``'s own) against
@@ -204,6 +207,9 @@ def build_context(
     if dtype is not None and model is None:
         raise input_error("dtype", "`dtype` applies to `model` only", "a `spec` states the model dtype in its "
                           "`dtype` field")
+    if disable_sliding_window is not False and model is None:
+        raise input_error("disable_sliding_window", "`disable_sliding_window` applies to `model` only",
+                          "a `spec` states its own `sliding_window`")
     if tensor_parallel_size != 1 and model is None:
         raise input_error("tensor_parallel_size", "`tensor_parallel_size` applies to `model` only",
                           "a `spec` already gives the KV heads of one rank (`num_kv_heads`)")
@@ -222,6 +228,7 @@ def build_context(
             tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             device_capability=options.device_capability if device == "cuda" else None,
             vllm_version=release.vllm_versions[0] if release.vllm_versions else None,
+            disable_sliding_window=disable_sliding_window,
         )
         if not groups.groups:
             raise input_error("model", "the model config describes no KV cache layers")

@@ -45,6 +45,7 @@ LAYOUT_ARGUMENTS: dict[str, str] = {
     "attention_config": "attention_backend",
     "enable_extensible_kv_cache": "enable_extensible_kv_cache",
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
+    "disable_sliding_window": "disable_sliding_window",
     "config": "config",
 }
 
@@ -386,6 +387,11 @@ def _unrecognized(message: str, options: set[str], version: str) -> InputError:
                   f"{WHERE} {first}", "unknown-serve-argument")
 
 
+def _typed(options: list[str], words: list[str]) -> str:
+    """The spelling of an argument the line used (``--enable-sliding-window`` is not ``--disable-...``)."""
+    return next((o for o in options if any(w == o or w.startswith(o + "=") for w in words)), options[0])
+
+
 def parse_serve_args(argv: list[str], profile: str, version: str) -> ServeArgs:
     """The decision's inputs from ``argv`` (the words after ``vllm serve``) as release ``profile``
     (vLLM ``version``) parses them; an `InputError` located at ``vllm serve <argument>``."""
@@ -417,6 +423,8 @@ def parse_serve_args(argv: list[str], profile: str, version: str) -> ServeArgs:
                  "enable_extensible_kv_cache"):
         if dest in given:
             inputs[dest] = given[dest]
+    if given.get("disable_sliding_window"):  # False (--enable-sliding-window, vLLM's default): nothing to say
+        inputs["disable_sliding_window"] = True
     if given.get("disable_hybrid_kv_cache_manager") is not None:  # None (vLLM's default): the engine decides
         inputs["disable_hybrid_kv_cache_manager"] = given["disable_hybrid_kv_cache_manager"]
     model = given.get("model_tag") or given.get("model")
@@ -444,7 +452,7 @@ def parse_serve_args(argv: list[str], profile: str, version: str) -> ServeArgs:
                      f"{WHERE} --{dest.replace('_', '-')}", "unmodelled-serve-argument")
     by_dest = {a["dest"]: a for a in actions.values()}
     ignored = tuple(sorted(
-        (by_dest[d].get("options") or [d])[0] for d in given
+        _typed(by_dest[d].get("options") or [d], words) for d in given
         if d not in LAYOUT_ARGUMENTS and d not in ("pipeline_parallel_size",) and d in by_dest))
     dp = given.get("data_parallel_size")
     return ServeArgs(inputs=inputs, ignored=ignored, notes=tuple(notes), data_parallel_size=dp)

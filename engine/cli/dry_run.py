@@ -203,6 +203,9 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
                      help="vLLM's --disable-hybrid-kv-cache-manager: a model's sliding-window and chunked-local "
                           "layers are cached as full attention in one group (a Mamba hybrid is refused, as vLLM "
                           "fails to start it). Default: vLLM decides (off for a connector without SupportsHMA)")
+    dep.add_argument("--disable-sliding-window", action="store_true", default=None,
+                     help="vLLM's --disable-sliding-window (with --model or a serve line's model): no layer keeps "
+                          "a window, every sliding-window layer is full attention")
     dep.add_argument("--enable-hybrid-kv-cache-manager", action="store_false",
                      dest="disable_hybrid_kv_cache_manager",
                      help="vLLM's --enable-hybrid-kv-cache-manager (--no-disable-hybrid-kv-cache-manager before "
@@ -470,6 +473,7 @@ _FLAG_OF = {
     "block_size": "--block-size",
     "allow_chunked_local_attn_with_hybrid_kv_cache": "--allow-chunked-local-attn-with-hybrid-kv-cache",
     "disable_hybrid_kv_cache_manager": "--disable-hybrid-kv-cache-manager",
+    "disable_sliding_window": "--disable-sliding-window",
 }
 
 
@@ -540,6 +544,8 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
         **env_inputs,
     }
+    if args.disable_sliding_window:
+        kwargs["disable_sliding_window"] = True
     if args.disable_hybrid_kv_cache_manager is not None:
         kwargs["disable_hybrid_kv_cache_manager"] = args.disable_hybrid_kv_cache_manager
     if args.allow_chunked_local_attn_with_hybrid_kv_cache is not None:  # the flag wins over the variable
@@ -605,6 +611,7 @@ def example_banner(args: argparse.Namespace) -> str:
                            ("--allow-chunked-local-attn-with-hybrid-kv-cache",
                             args.allow_chunked_local_attn_with_hybrid_kv_cache),
                            ("--disable-hybrid-kv-cache-manager", args.disable_hybrid_kv_cache_manager),
+                           ("--disable-sliding-window", args.disable_sliding_window),
                            ("--connector-prefers-cross-layer-blocks", args.connector_prefers_cross_layer_blocks))
             if v is not None]
     if args.device == "cpu":  # the #48412 combination needs a GPU backend: vLLM's CPU platform runs CPU_ATTN

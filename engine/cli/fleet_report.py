@@ -43,6 +43,7 @@ _ONE_DEPLOYMENT = (
     "connector_module_path", "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout",
     "enable_extensible_kv_cache", "hisparse",
     "use_v2_model_runner", "allow_chunked_local_attn_with_hybrid_kv_cache", "disable_hybrid_kv_cache_manager",
+    "disable_sliding_window",
     "device", "device_capability", "num_blocks", "map_layout", "svg", "record_test",
 )
 

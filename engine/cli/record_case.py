@@ -95,6 +95,7 @@ def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) ->
             None if args.allow_chunked_local_attn_with_hybrid_kv_cache is None
             else bool(args.allow_chunked_local_attn_with_hybrid_kv_cache)),
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
+        "disable_sliding_window": bool(args.disable_sliding_window),
         "connector_prefers_cross_layer_blocks": resolved.preferences,
     })
     # the VLLM_* environment's part of the decision, kept in the case (a test must not read the environment)

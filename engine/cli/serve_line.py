@@ -33,6 +33,7 @@ _FLAG = {
     "enable_extensible_kv_cache": ("enable_extensible_kv_cache", "--enable-extensible-kv-cache"),
     "hisparse": ("hisparse", "--hisparse"),
     "disable_hybrid_kv_cache_manager": ("disable_hybrid_kv_cache_manager", "--disable-hybrid-kv-cache-manager"),
+    "disable_sliding_window": ("disable_sliding_window", "--disable-sliding-window"),
 }
 
 _FALLBACK_DTYPES = ("auto", "bfloat16", "float", "float16", "float32", "half")

@@ -145,6 +145,8 @@ class CaseInput(Frozen):
     allow_chunked_local_attn_with_hybrid_kv_cache: StrictBool = Field(
         default=True, description="vLLM's VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE (default true); "
         "false: a model with chunked local attention runs without the hybrid KV cache manager")
+    disable_sliding_window: StrictBool = Field(
+        default=False, description="vLLM's --disable-sliding-window, with `model` only: no layer keeps a window")
     disable_hybrid_kv_cache_manager: StrictBool | None = Field(
         default=None, description="vLLM's SchedulerConfig.disable_hybrid_kv_cache_manager: null lets vLLM decide; "
         "true (--disable-hybrid-kv-cache-manager): sliding-window and chunked-local layers cached as full "
@@ -543,5 +545,9 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
     sizing = {"kv_cache_dtype": inp.kv_cache_dtype, "block_size": inp.block_size}
     if inp.model is not None:
         model = Path(inp.model) if Path(inp.model).is_absolute() else base_dir / inp.model
-        return build_context(model=model, **sizing, **common)
+        return build_context(model=model, dtype=inp.dtype, disable_sliding_window=inp.disable_sliding_window,
+                         **sizing, **common)
+    if inp.dtype is not None or inp.disable_sliding_window:  # build_context says these need `model`
+        return build_context(spec=inp.spec, dtype=inp.dtype, disable_sliding_window=inp.disable_sliding_window,
+                             **sizing, **common)
     return build_context(spec=inp.spec, **sizing, **common)

@@ -93,6 +93,7 @@ def _input() -> dict[str, Any]:
         "use_v2_model_runner": {"type": "boolean"},
         "allow_chunked_local_attn_with_hybrid_kv_cache": {"type": "boolean"},
         "disable_hybrid_kv_cache_manager": _or_null({"type": "boolean"}),
+        "disable_sliding_window": {"type": "boolean"},
         "connector_prefers_cross_layer_blocks": _or_null({"anyOf": [
             {"type": "boolean"}, {"type": "object", "minProperties": 1, "additionalProperties": {"type": "boolean"}}]}),
     }

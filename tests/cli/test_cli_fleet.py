@@ -240,3 +240,28 @@ def test_rules_that_do_not_load_are_one_error_not_every_deployments(capsys: pyte
         code, out, err = cli(capsys, *verb)
         assert code == expected and err.count("error[duplicate-rule-id]") == 1, verb
         assert "invalid-deployment" not in out + err
+
+
+def test_a_deployments_dtype_and_sliding_window_are_applied(capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: Path) -> None:
+    """`dtype:` and `disable_sliding_window:` in a fleet (the keys of a case input) decide as the flags do: Gemma-2
+    in float32 runs TRITON_ATTN (FLASH_ATTN takes fp16/bf16 only); they were accepted and silently dropped."""
+    gemma2 = ROOT / "tests" / "fixtures" / "model_configs" / "gemma-2-2b-it"
+    (tmp_path / "fleet.yaml").write_text(
+        "version: 1\ndefaults: {vllm_version: \"0.34.0\"}\ndeployments:\n"
+        f"  - {{name: served-as-is, model: {gemma2}}}\n"
+        f"  - {{name: fp32, model: {gemma2}, dtype: float32}}\n"
+        f"  - {{name: no-windows, model: {gemma2}, disable_sliding_window: true}}\n")
+    code, out, err = cli(capsys, "dry-run", "--fleet", str(tmp_path / "fleet.yaml"), "--format", "json")
+    assert code == 0, err
+    rows = {d["name"]: d for d in json.loads(out)["deployments"]}
+
+    def single(*flags: str) -> dict:
+        _, text, _ = cli(capsys, "dry-run", "--model", str(gemma2), "--vllm-version", "0.34.0", *flags,
+                         "--format", "json")
+        return json.loads(text)["fingerprint"]
+
+    fp32, no_windows, plain = single("--dtype", "float32"), single("--disable-sliding-window"), single()
+    assert (rows["fp32"]["backend"], rows["fp32"]["fingerprint"]) == ("TRITON_ATTN", fp32["digest"])
+    assert (rows["served-as-is"]["backend"], rows["served-as-is"]["fingerprint"]) == ("FLASH_ATTN", plain["digest"])
+    assert rows["no-windows"]["fingerprint"] == no_windows["digest"] != plain["digest"]

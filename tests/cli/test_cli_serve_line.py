@@ -286,3 +286,20 @@ def test_a_mamba_hybrid_with_the_manager_disabled_is_refused_at_the_argument(
     assert code == 2 and out == ""
     assert "--disable-hybrid-kv-cache-manager: error[needs-hybrid-manager]" in err
     assert "Failed to promote local KV cache specs to one unified type" in err
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.34.0"])
+def test_disabling_sliding_windows_makes_every_layer_full(capsys: pytest.CaptureFixture[str], version: str) -> None:
+    """`--disable-sliding-window` (vLLM's ModelConfig clears the window: every layer full attention), on the line
+    and typed; it was listed as ignored, under another spelling, and the groups kept their windows."""
+    given, err = _json(capsys, "--vllm-version", version, "--", GEMMA3_1B, "--disable-sliding-window")
+    typed, _ = _json(capsys, "--vllm-version", version, "--model", GEMMA3_1B, "--disable-sliding-window")
+    assert _kinds(given) == [("full", 26)] and given == typed
+    assert "ignored" not in err or "sliding-window" not in err
+    code, _, err = cli(capsys, "dry-run", "--disable-sliding-window")  # the built-in example is a spec
+    assert code == 2 and "--disable-sliding-window: error[" in err and "applies to `model` only" in err
+
+
+def test_an_ignored_argument_is_named_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    _, err = _json(capsys, "--vllm-version", "0.34.0", "--", TINY, "--no-enable-prefix-caching", "--enforce-eager")
+    assert "ignored, they do not bear on the KV cache layout: --enforce-eager, --no-enable-prefix-caching" in err
