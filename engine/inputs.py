@@ -434,8 +434,10 @@ def _first_supporting(release: ReleaseProfile, kind: str, order: Sequence[str], 
                           f"kv_cache_dtype `{kv.kv_cache_dtype}` (profile `{release.name}`)",
                           f"{order[0]} supports: {', '.join(facts.kv_cache_dtypes or ())}",
                           code="unsupported-kv-cache-dtype")
-    raise input_error("attention_backend", f"no {kind} backend of vLLM profile `{release.name}` supports "
-                      f"kv_cache_dtype `{kv.kv_cache_dtype}`", "choose another kv_cache_dtype",
+    able = sorted({d for n in order if (f := release.backends.get(n)) is not None for d in f.kv_cache_dtypes or ()})
+    raise input_error("kv_cache_dtype", f"no {kind} backend of vLLM profile `{release.name}` supports "
+                      f"kv_cache_dtype `{kv.kv_cache_dtype}`",
+                      f"choose one that its {kind} backends ({', '.join(order)}) take: {', '.join(able) or 'none'}",
                       code="unsupported-kv-cache-dtype")
 
 

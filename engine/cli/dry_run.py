@@ -49,7 +49,7 @@ from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, Policy
 from kvpolicy.policy.layers import render_warning
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.releases import get_profile
-from kvpolicy.policy.spec import KVCacheSpec
+from kvpolicy.policy.spec import AttentionKind, KVCacheSpec
 from kvpolicy.policy.yaml_source import Limits, parse_yaml
 
 if TYPE_CHECKING:
@@ -351,7 +351,10 @@ def device_note(args: argparse.Namespace, ctx: Context) -> str | None:
     where = f"SM{capability}x" if capability is not None else f"SM{ASSUMED_CAPABILITY}0 (H100/H200) assumed"
     text = f"note: deciding for vLLM's CUDA platform ({given + ', ' if given else ''}{where})"
     if not configured:
-        text += f": backend {ctx.backend.name}, the one it selects for this model"
+        text += (f": backend {ctx.backend.name}, the first of vLLM's priority list for this model that kvpolicy "
+                 "models")
+        if ctx.kv.kind is AttentionKind.mla and capability in (None, ASSUMED_CAPABILITY):
+            text += " (vLLM's first SM90 choice, FLASH_ATTN_MLA, is not modelled: its layouts may differ)"
     return text + ("" if args.device is not None else "; pass --device cpu for vLLM's CPU platform")
 
 

@@ -80,3 +80,22 @@ def test_gemma3_groups_are_counted_as_vllm_counts_them(capsys: pytest.CaptureFix
     assert ("  groups:    7 KV cache group(s), 7 attention group(s) (vLLM's, each kind split into groups of equal "
             "size: sliding_window 52 layers -> 6, full 10 layers -> 1)") in out
 
+
+
+def test_a_kv_cache_dtype_no_backend_takes_is_located_at_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not at --attention-backend, which the operator never gave; the help lists what the backends do take."""
+    deepseek = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs" / "deepseek-v2-lite-chat"
+    code, out, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--model", str(deepseek),
+                         "--kv-cache-dtype", "fp8_per_token_head")
+    assert code == 2 and out == ""
+    assert "--kv-cache-dtype: error[unsupported-kv-cache-dtype]: no mla backend" in err
+    assert "take: auto, bfloat16, float16, fp8, fp8_e4m3" in err
+
+
+def test_the_default_backend_note_says_what_kvpolicy_leaves_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """An MLA model on the assumed SM90: vLLM would put FLASH_ATTN_MLA (not modelled) before FLASHMLA."""
+    deepseek = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs" / "deepseek-v2-lite-chat"
+    code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--model", str(deepseek))
+    assert code == 0
+    assert "backend FLASHMLA, the first of vLLM's priority list for this model that kvpolicy models (vLLM's first " \
+           "SM90 choice, FLASH_ATTN_MLA, is not modelled" in err
