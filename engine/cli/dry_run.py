@@ -587,16 +587,17 @@ def context_from_args(args: argparse.Namespace) -> Context:
         raise _name_flags(exc, args.spec, args) from None
 
 
-def _context_saying_model_notes(args: argparse.Namespace) -> Context:
+def _context_saying_model_notes(args: argparse.Namespace) -> tuple[Context, list[str]]:
     """`context_from_args`, with what reading --model assumed (the library's `ModelConfigWarning`s)
-    printed on stderr as located ``warning[code]`` lines; any other warning is shown as Python would."""
+    printed on stderr as located ``warning[code]`` lines, and returned for the JSON document; any other
+    warning is shown as Python would."""
     from kvpolicy.engine.model_notes import model_config_notes
 
     with model_config_notes() as notes:
         ctx = context_from_args(args)
     for note in notes:
         print(note, file=sys.stderr)
-    return ctx
+    return ctx, notes
 
 
 def example_banner(args: argparse.Namespace) -> str:
@@ -749,7 +750,7 @@ def run(args: argparse.Namespace) -> int:
         return run_fleet(args)
     try:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
-        ctx = _context_saying_model_notes(args)
+        ctx, model_notes = _context_saying_model_notes(args)
         note = device_note(args, ctx)
         if note is not None:
             print(note, file=sys.stderr)
@@ -803,7 +804,10 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         data = decision.to_dict()
         # what stderr said (the rules' warnings, the connectors'), for programs too
-        data["warnings"] = [*data["warnings"], *(render_warning(d) for d in ruleset.warnings), *printed]
+        data["warnings"] = [*model_notes, *data["warnings"], *(render_warning(d) for d in ruleset.warnings), *printed]
+        if isinstance(data.get("inputs", {}).get("groups"), dict):  # vLLM's numbers, as the rules read them
+            data["inputs"]["groups"]["count"] = ctx.groups.count
+            data["inputs"]["groups"]["attention_groups"] = ctx.groups.attention_groups
         data.update(release_of(decision))
         data["device"] = device_summary(args, ctx)
         data["allocation"] = None if checked is None else allocation_summary(checked)

@@ -99,3 +99,21 @@ def test_the_default_backend_note_says_what_kvpolicy_leaves_out(capsys: pytest.C
     assert code == 0
     assert "backend FLASHMLA, the first of vLLM's priority list for this model that kvpolicy models (vLLM's first " \
            "SM90 choice, FLASH_ATTN_MLA, is not modelled" in err
+
+
+def test_json_carries_what_the_model_reading_assumed_and_vllms_group_count(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A program reading --format json sees the hybrid alignment and the hybrid manager turned off (they were on
+    stderr only), and vLLM's number of KV cache groups (`groups.count`, text output only before)."""
+    configs = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
+    code, out, _ = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--format", "json",
+                       "--model", str(configs / "jamba-v0.1"))
+    data = json.loads(out)
+    assert code == 0 and any("warning[hybrid-block-size]" in w for w in data["warnings"])
+    assert data["inputs"]["groups"]["count"] == 8
+    code, out, _ = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--format", "json",
+                       "--model", str(configs / "gemma-3-27b-it"))
+    assert code == 0 and json.loads(out)["inputs"]["groups"]["count"] == 7
+    code, out, _ = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--format", "json",
+                       "--model", str(configs / "gemma-3-1b-it"), "--connector", "LMCacheConnectorV1")
+    assert code == 0 and any("warning[hybrid-manager-off]" in w for w in json.loads(out)["warnings"])
