@@ -32,6 +32,7 @@ from kvpolicy.engine.cli.common import (
     report_error,
     settle_vllm_version,
     tool_version,
+    usage_error,
 )
 from kvpolicy.policy.errors import PolicyError, shown
 
@@ -123,7 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and getattr(args, "verb", None) == "dry-run":  # vLLM's flags typed before `--`, most likely
+            report_error(usage_error(extra[0], f"unrecognized arguments: {' '.join(extra)}",
+                                     "dry-run's own flags are in `kvpolicy dry-run --help`; the arguments of a "
+                                     "`vllm serve` line go after `--`: kvpolicy dry-run [flags] -- MODEL "
+                                     f"{' '.join(extra)} ..."), getattr(args, "format", "text"))
+            return EXIT_USAGE
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, usage errors: argparse already printed
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     if args.verb is None:

@@ -303,3 +303,13 @@ def test_disabling_sliding_windows_makes_every_layer_full(capsys: pytest.Capture
 def test_an_ignored_argument_is_named_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
     _, err = _json(capsys, "--vllm-version", "0.34.0", "--", TINY, "--no-enable-prefix-caching", "--enforce-eager")
     assert "ignored, they do not bear on the KV cache layout: --enforce-eager, --no-enable-prefix-caching" in err
+
+
+def test_vllm_flags_before_the_separator_point_to_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """`dry-run --model M -tp 4` (a vLLM flag among kvpolicy's): the error names the argument and says where
+    serve arguments go, instead of the top-level usage line."""
+    code, out, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--model", TINY, "-tp", "2")
+    assert code == 2 and out == ""
+    assert err.startswith("-tp: error[usage]: unrecognized arguments: -tp") and "go after `--`" in err
+    code, _, err = cli(capsys, "validate", "--bogus")
+    assert code == 2 and "unrecognized arguments: --bogus" in err  # other verbs: argparse's own message
