@@ -47,8 +47,14 @@ def kvpolicy_site() -> Path:
 def _built() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="kvpolicy-plugin-site-"))
     atexit.register(shutil.rmtree, tmp, True)
+    # built from a copy: setuptools leaves build/ in the tree it builds, and a later `pip install .` of the
+    # checkout would package that build/lib's stale files (a rule directory deleted since, say)
+    source = tmp / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", ".venv", "venv*",
+        "mutants"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           "-w", str(tmp / "wheel"), str(ROOT)], capture_output=True, text=True)
+                           "-w", str(tmp / "wheel"), str(source)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise OracleError(f"building kvpolicy's wheel failed:\n{proc.stderr[-3000:]}")
     wheel = next((tmp / "wheel").glob("kvpolicy-*.whl"))
