@@ -284,6 +284,10 @@ def report_error(exc: PolicyError, fmt: str) -> None:
                                                        if warnings else {})})
     elif fmt in ("github", "sarif"):
         print_diagnostics([*(("error", d) for d in exc.diagnostics), *(("warning", d) for d in warnings)], fmt)
+    elif fmt == "junit":  # `kvpolicy test`: a report with the errors in it, not an empty stdout
+        from kvpolicy.engine.cli.test_reports import junit_error_xml
+
+        print(junit_error_xml(exc.diagnostics, exc.message))
     print_error(exc)
     for d in warnings:  # errors first: the exit code follows them
         print(render_warning(d), file=sys.stderr)
