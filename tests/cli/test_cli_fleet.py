@@ -240,3 +240,21 @@ def test_rules_that_do_not_load_are_one_error_not_every_deployments(capsys: pyte
         code, out, err = cli(capsys, *verb)
         assert code == expected and err.count("error[duplicate-rule-id]") == 1, verb
         assert "invalid-deployment" not in out + err
+
+
+def test_diff_over_a_fleet_says_which_preference_drives_a_change(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "global.yaml").write_text("version: 1\nrules:\n  - id: site-prefer-hnd\n    description: HND here\n"
+                                      "    prefer: {head_order: HND}\n")
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"version: 1\ndeployments:\n  - name: plain\n    model: {ROOT}/docs/examples/models/qwen2.5-0.5b\n"
+                     "    vllm_version: \"0.34.0\"\n")
+    code, out, _ = cli(capsys, "diff", "shipped", str(site), "--fleet", str(fleet), "--format", "json")
+    (change,) = json.loads(out)["changes"]
+    assert code == 1 and (change["old"], change["new"]) == ("LBNHC", "LBHNC")
+    (why,) = change["why"]  # as the non-fleet diff says "because site-prefer-hnd (site/global.yaml:3)"
+    assert why.startswith("site-prefer-hnd (prefer +") and why.endswith(f", global) at {site}/global.yaml:3")
+    code, out, _ = cli(capsys, "diff", "shipped", str(site), "--fleet", str(fleet))
+    assert "because of site-prefer-hnd (prefer +" in out and f"at {site}/global.yaml:3" in out
