@@ -258,3 +258,18 @@ def test_diff_over_a_fleet_says_which_preference_drives_a_change(capsys: pytest.
     assert why.startswith("site-prefer-hnd (prefer +") and why.endswith(f", global) at {site}/global.yaml:3")
     code, out, _ = cli(capsys, "diff", "shipped", str(site), "--fleet", str(fleet))
     assert "because of site-prefer-hnd (prefer +" in out and f"at {site}/global.yaml:3" in out
+
+
+@pytest.mark.parametrize("verb", [["dry-run"], ["diff", "shipped", "shipped"], ["lint"]])
+def test_a_fleet_run_says_it_does_not_read_vllm_variables(verb: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"version: 1\ndeployments:\n  - name: plain\n    model: {ROOT}/docs/examples/models/qwen2.5-0.5b\n"
+                     "    vllm_version: \"0.34.0\"\n")
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLNHC")
+    _, _, err = cli(capsys, *verb, "--fleet", str(fleet))
+    assert "note: VLLM_KV_CACHE_LAYOUT=BLNHC is not read for a fleet's deployments" in err
+    assert "`vllm_kv_cache_layout: BLNHC`" in err
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
+    _, _, err = cli(capsys, *verb, "--fleet", str(fleet))
+    assert "VLLM_KV_CACHE_LAYOUT" not in err
