@@ -117,15 +117,11 @@ class Decision:
 
         return audit_findings(self.ruleset, self.context, self.layout, [layout for layout, _ in self.ranking])
 
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        """Preferences that came to nothing: every layout a matched ``prefer`` rule asked for was
-        removed, so the ranking fell back to the candidates' order. (vLLM 0.34 warns the same way
-        when a connector's required layout is not a candidate, and uses its first candidate.)
-        Then one line per matched audit-mode rule (`audit`). First, one line per configured connector
-        no profile registers and no rule names (`unknown_connector_warnings`): no rules applied to it."""
+    def _dropped_preferences(self) -> list[tuple[bool, str]]:
+        """(shipped only?, text) for each matched ``prefer`` rule every layout of which was removed."""
         surviving = {layout for layout, _ in self.ranking}
         eliminated = self.eliminated
+        operator_ids = frozenset().union(*(layer.rule_ids for layer in self.ruleset.layers if not layer.shipped))
         asked: dict[tuple[str, str], tuple[Any, list[Layout]]] = {}
         for p in self.preferences:
             asked.setdefault((p.rule.id, p.scope), (p.rule, []))[1].append(p.layout)
@@ -135,13 +131,35 @@ class Decision:
                 continue
             removers = sorted({r.id for x in layouts for r, _ in eliminated.get(x, [])})
             wanted = ", ".join(str(x) for x in layouts)
-            out.append(f"{rule.id} ({scope}) prefers {wanted}, which "
-                       + (f"{'was' if len(layouts) == 1 else 'were'} removed by {', '.join(removers)}"
-                          if removers else "did not survive")
-                       + f"; the preference is dropped and {self.layout} is used instead")
+            layer = self.ruleset.layer_of(rule.id)
+            # a shipped global preference the release's own rules removed: vLLM logs nothing, no operator can
+            # act on it (a connector's layout that is no candidate stays a warning: vLLM warns for it too)
+            shipped = (layer is not None and layer.shipped and not scope.startswith("connector")
+                       and not operator_ids.intersection(removers))
+            out.append((shipped, f"{rule.id} ({scope}) prefers {wanted}, which "
+                        + (f"{'was' if len(layouts) == 1 else 'were'} removed by {', '.join(removers)}"
+                           if removers else "did not survive")
+                        + f"; the preference is dropped and {self.layout} is used instead"))
+        return out
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Preferences that came to nothing: every layout a matched ``prefer`` rule asked for was
+        removed, so the ranking fell back to the candidates' order. (vLLM 0.34 warns the same way
+        when a connector's required layout is not a candidate, and uses its first candidate.) A shipped
+        rule's global preference removed by shipped rules only is a note instead (`notes`).
+        Then one line per matched audit-mode rule (`audit`). First, one line per configured connector
+        no profile registers and no rule names (`unknown_connector_warnings`): no rules applied to it."""
         return (unknown_connector_warnings(self.ruleset, self.context.connector, self.declared_connectors)
-                + tuple(out)
+                + tuple(text for shipped, text in self._dropped_preferences() if not shipped)
                 + tuple(f.text() for f in self.audit))
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Dropped preferences that are the shipped rules' own business (a shipped global ``prefer`` removed
+        by shipped rules only, as the gate's uniform-cache preference on a release that cannot honour it):
+        vLLM logs nothing there and the operator cannot act on it, so they are said in the explanation only."""
+        return tuple(text for shipped, text in self._dropped_preferences() if shipped)
 
     @property
     def matched_rules(self) -> dict[str, bool]:
@@ -176,6 +194,7 @@ class Decision:
             "preferences": [{"layout": str(p.layout), "rule": p.rule.id, "source": str(p.rule.source),
                              "scope": p.scope, "weight": p.weight} for p in self.preferences],
             "warnings": list(self.warnings),
+            "notes": list(self.notes),
             "audit": [f.to_dict() for f in self.audit],
             "counterfactual": [
                 {"layout": str(cf.layout), "text": describe(cf), "actionable": cf.actionable,

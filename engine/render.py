@@ -38,6 +38,8 @@ class Explainable(Protocol):
     @property
     def warnings(self) -> tuple[str, ...]: ...
     @property
+    def notes(self) -> tuple[str, ...]: ...
+    @property
     def counterfactuals(self) -> tuple[Counterfactual, ...]: ...
     @property
     def fingerprint(self) -> Any: ...
@@ -138,6 +140,13 @@ def render_text(decision: Explainable, mode: str = "full") -> str:
     if warnings:
         out.append("warnings:")
         for text in warnings:
+            out += _wrap(text, "  ")
+        out.append("")
+
+    notes = getattr(decision, "notes", ())
+    if notes and mode == "full":  # the shipped rules' own dropped preferences: no warning, said here
+        out.append("notes:")
+        for text in notes:
             out += _wrap(text, "  ")
         out.append("")
 

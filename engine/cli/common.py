@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -194,6 +195,33 @@ def say_fleet_default(args: argparse.Namespace, falls_back: bool, stream: TextIO
         for line in getattr(args, "default_said", ()):
             print(line, file=stream or sys.stderr)
     args.default_said = []
+    for line in fleet_environment_notes(os.environ):
+        print(line, file=stream or sys.stderr)
+
+
+# the deployment key (a policy test case's `input` key) that states each variable vLLM reads on the decision's path
+_FLEET_KEYS = {"VLLM_KV_CACHE_LAYOUT": "vllm_kv_cache_layout", "VLLM_USE_V2_MODEL_RUNNER": "use_v2_model_runner",
+               "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "allow_chunked_local_attn_with_hybrid_kv_cache"}
+
+
+def fleet_environment_notes(environ: Mapping[str, str]) -> list[str]:
+    """A fleet run reads no ``VLLM_*`` variable from this shell (a fleet file describes each deployment fully,
+    and one shell's setting is not every deployment's): one note per decision variable that is set, saying
+    so and naming the deployment key that states it (single dry-run reads them, `kvpolicy.engine.vllm_env`)."""
+    from kvpolicy.engine.vllm_env import DECISION_VARIABLES
+
+    out = []
+    for name in DECISION_VARIABLES:
+        if name not in environ:
+            continue
+        key = _FLEET_KEYS.get(name)
+        value = environ[name] if key == "vllm_kv_cache_layout" else \
+            ("false" if environ[name].strip().lower() in ("0", "false", "") else "true")  # vLLM: bool(int(value))
+        how = (f"set `{key}: {value}` on the deployments that run with it (or under `defaults:`)"
+               if key else "dry-run without --fleet says what it means for one deployment")
+        out.append(f"note: {name}={environ[name]} is not read for a fleet's deployments (a fleet file describes "
+                   f"each deployment fully); {how}")
+    return out
 
 
 def load_ruleset(rules: str | list[str] | None, flag: str = "--rules", vllm_version: str | None = None,
@@ -284,6 +312,10 @@ def report_error(exc: PolicyError, fmt: str) -> None:
                                                        if warnings else {})})
     elif fmt in ("github", "sarif"):
         print_diagnostics([*(("error", d) for d in exc.diagnostics), *(("warning", d) for d in warnings)], fmt)
+    elif fmt == "junit":  # `kvpolicy test`: a report with the errors in it, not an empty stdout
+        from kvpolicy.engine.cli.test_reports import junit_error_xml
+
+        print(junit_error_xml(exc.diagnostics, exc.message))
     print_error(exc)
     for d in warnings:  # errors first: the exit code follows them
         print(render_warning(d), file=sys.stderr)

@@ -87,6 +87,24 @@ def _installed() -> dict[str, Any]:
             "version": found.version if found else None}
 
 
+def _settings(c: Checkup) -> Any:
+    """The plugin's settings, every bad one reported: the plugin stops at the first, so each bad variable
+    is reported and left out in turn (as if unset) until the rest read, and the checks go on with those."""
+    from kvpolicy.engine.integrations import vllm_plugin as plugin
+
+    env = dict(os.environ)
+    for _ in range(len(_VARIABLES) + 1):
+        try:
+            return plugin.Settings.from_env(env)
+        except PolicyError as exc:
+            c.fail(exc)
+            variable = exc.diagnostics[0].file if exc.diagnostics else None
+            if variable == plugin.ENV_RULES or variable not in env:  # nothing left to read the rules with
+                return None
+            env.pop(variable)
+    return None
+
+
 def checkup(args: argparse.Namespace) -> Checkup:
     """Every check the plugin makes at start-up, in its order, for this environment and these flags."""
     from kvpolicy.engine.integrations import vllm_plugin as plugin
@@ -96,11 +114,7 @@ def checkup(args: argparse.Namespace) -> Checkup:
     c.lines.append("settings:")
     for name, value in c.settings.items():
         c.lines.append(f"  {name}={value}" if value is not None else f"  {name}: unset")
-    try:
-        settings = plugin.Settings.from_env()
-    except PolicyError as exc:
-        c.fail(exc)
-        settings = None
+    settings = _settings(c)
     if settings is not None and settings.rules is None:
         c.lines.append(f"the plugin is off: {plugin.ENV_RULES} is not set (or is off), so vLLM decides the KV cache "
                        f"layout as without kvpolicy; set {plugin.ENV_RULES}=shipped or to your rule directory")

@@ -100,7 +100,8 @@ spec file (--spec, YAML or JSON): KVCacheSpec fields, or several KV cache groups
 
 environment: VLLM_KV_CACHE_LAYOUT (and VLLM_USE_V2_MODEL_RUNNER where the gate decides, 0.24-0.28) are
   read as the release reads them; VLLM_MLA_DISABLE, VLLM_BATCH_INVARIANT and the other variables vLLM
-  reads on this decision's path are refused or said to be ignored, with why (docs/cli.md)
+  reads on this decision's path are refused or said to be ignored, with why (docs/cli.md); with --fleet
+  none is read (a note says so: set `vllm_kv_cache_layout:` and the like per deployment)
 
 exit codes: 0 a layout was chosen, 1 no layout survives the rules (or they do not load),
             2 usage error (a bad flag value, an unreadable or invalid --spec / --model)

@@ -227,6 +227,25 @@ def _side(result: FleetResult) -> str:
     return str(result.decision.layout) if result.decision is not None else result.status
 
 
+def _preferred(old: FleetResult, new: FleetResult) -> list[str]:
+    """Why NEW ranks its layout first when OLD's layout survived: the preferences for NEW's layout that OLD
+    lacks (else all of them), then OLD's preferences for its layout that NEW lacks; as the non-fleet diff's
+    ``because`` (`kvpolicy.engine.analysis.diff`)."""
+    def prefs(result: FleetResult, layout: Any) -> list[Any]:
+        return [p for p in result.decision.preferences if p.layout == layout]  # type: ignore[union-attr]
+
+    def said(p: Any) -> str:
+        return f"{p.rule.id} (prefer +{p.weight}, {p.scope}) at {p.rule.source}"
+
+    mine = prefs(new, new.decision.layout)  # type: ignore[union-attr]
+    before = {said(p) for p in prefs(old, new.decision.layout)}  # type: ignore[union-attr]
+    out = [said(p) for p in mine if said(p) not in before] or [said(p) for p in mine]
+    after = {said(p) for p in prefs(new, old.decision.layout)}  # type: ignore[union-attr]
+    gone = [said(p) + " (in OLD only)" for p in prefs(old, old.decision.layout)  # type: ignore[union-attr]
+            if said(p) not in after]
+    return list(dict.fromkeys(out + gone))
+
+
 def run_fleet_diff(args: argparse.Namespace) -> int:
     """``diff OLD NEW --fleet FILE``: the deployments whose decision changes."""
     from kvpolicy.engine.fleet import FleetError, decide_fleet, load_fleet
@@ -256,7 +275,7 @@ def run_fleet_diff(args: argparse.Namespace) -> int:
         why: list[str] = []
         if a.decision is not None and b.decision is not None:
             hits = b.decision.eliminated.get(a.decision.layout, [])
-            why = [f"{r.id} ({r.effect}, {scope}) at {r.source}" for r, scope in hits]
+            why = [f"{r.id} ({r.effect}, {scope}) at {r.source}" for r, scope in hits] or _preferred(a, b)
         elif b.error is not None and b.error.diagnostics:
             why = [d.message for d in b.error.diagnostics]
         changes.append({"name": a.name, "location": a.location, "profile": b.profile, "old": _side(a),

@@ -25,7 +25,7 @@ from kvpolicy.engine.cli.common import (
 )
 from kvpolicy.policy.errors import RuleLoadError
 from kvpolicy.policy.files import read_capped
-from kvpolicy.policy.layers import with_warnings
+from kvpolicy.policy.layers import render_warning, with_warnings
 from kvpolicy.policy.load import Limits, load_rule_file
 from kvpolicy.policy.ruleset import RuleSet
 
@@ -54,13 +54,15 @@ def _read(args: argparse.Namespace) -> tuple[str, str, bool | None]:
 
 
 def _layered(ruleset: RuleSet, args: argparse.Namespace) -> RuleSet:
-    """The file's rules on top of the shipped rules (and any --rules): collisions across layers are errors."""
-    from kvpolicy.policy.layers import compose_layers
+    """The file's rules on top of the shipped rules (and any --rules): collisions across layers are errors.
+    The layers below print their own warnings on stderr as they load (``args.said_below`` keeps them)."""
+    from kvpolicy.policy.layers import compose_layers, render_warning
 
     below = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules) \
         if (args.rules or not args.no_shipped_rules) else None
     if below is None:
         return ruleset
+    args.said_below = {render_warning(d) for d in below.warnings}
     return compose_layers([(below, not args.rules), (ruleset, False)])
 
 
@@ -91,7 +93,11 @@ def run_file(args: argparse.Namespace) -> int:
         print_json({"ok": True, "rules": len(alone.all_rules), "files": 1, "digest": alone.digest, "root": shown,
                     "kind": what.split()[0], "layers": [layer.to_dict() for layer in layered.layers],
                     "warnings": [d.to_dict() for d in layered.warnings]})
-    else:
+    else:  # the file's own warnings on stderr, as a rule directory's are (those below were said as they loaded)
+        said = getattr(args, "said_below", set())
+        for line in dict.fromkeys(render_warning(d) for d in layered.warnings):
+            if line not in said:
+                print(line, file=sys.stderr)
         below = "" if layered is alone else f", layered on {layered.root.rsplit(' + ', 1)[0]} without conflict"
         print(f"ok: {len(alone.all_rules)} rules in 1 file, a {what} (digest {alone.digest}){below}")
     return EXIT_OK

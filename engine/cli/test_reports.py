@@ -4,7 +4,8 @@
   ``<testsuites>`` of one ``<testsuite>`` per case file, a ``<testcase>`` per case with a
   ``<failure message=... type="policy-test">`` holding expected vs actual and the decision's
   ``fails`` explanation; then a ``coverage`` suite with one ``<testcase>`` per uncovered rule,
-  ``<skipped>`` unless ``--require-coverage`` makes it a ``<failure>``.
+  ``<skipped>`` unless ``--require-coverage`` makes it a ``<failure>``. Files that do not load: an
+  ``<error>`` per problem, at its file and line (`junit_error_xml`).
 - ``--format github`` / ``sarif``: a failing case is an error at its file:line (code
   ``policy-test-failed``); an uncovered rule a warning at its file:line (an error when the
   threshold is not met), through the same printers as validate and lint.
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from kvpolicy.engine.policy_tests import CaseResult, TestRun
     from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["CoverageRow", "case_diagnostics", "coverage_breakdown", "coverage_percent", "junit_xml"]
+__all__ = ["CoverageRow", "case_diagnostics", "coverage_breakdown", "coverage_percent", "junit_error_xml", "junit_xml"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,32 @@ def junit_xml(run: TestRun, *, coverage_fails: bool, render: Callable[[CaseResul
     root.set("tests", str(n_tests))
     root.set("failures", str(n_failures))
     root.set("errors", "0")
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
+
+
+def junit_error_xml(diagnostics: Iterable[Diagnostic], message: str) -> str:
+    """Case files (or rules) that do not load, as JUnit XML: one ``<testsuite>`` per file, a ``<testcase>`` per
+    problem holding an ``<error>`` (pytest and `conftest --output junit` report collection errors so), located
+    at the file and line; a CI system shows the error instead of an empty report."""
+    by_file: dict[str, list[Diagnostic]] = {}
+    for d in diagnostics:
+        by_file.setdefault(d.file, []).append(d)
+    if not by_file:
+        by_file["kvpolicy"] = [Diagnostic("kvpolicy", 0, 0, "error", message)]
+    root = ET.Element("testsuites", name="kvpolicy test", tests="0", failures="0", errors="0")
+    n = 0
+    for file, diags in by_file.items():
+        suite = ET.SubElement(root, "testsuite", name=shown(file), tests=str(len(diags)), failures="0",
+                              errors=str(len(diags)), skipped="0", time="0")
+        for d in diags:
+            case = ET.SubElement(suite, "testcase", name=f"{shown(file)}:{d.line}: {d.code}", classname=shown(file),
+                                 file=shown(file), line=str(d.line), time="0")
+            error = ET.SubElement(case, "error", message=d.message, type=d.code)
+            error.text = d.render()
+        n += len(diags)
+    root.set("tests", str(n))
+    root.set("errors", str(n))
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
 

@@ -85,8 +85,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                         "layers count, for the summary and --require-coverage)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing cases too")
     p.add_argument("--format", choices=("text", "json", "junit", "github", "sarif"), default="text",
-                   help="text for people (default), json for programs (docs/json-output.md); junit: JUnit XML; "
-                        "github: GitHub Actions annotations; sarif: SARIF 2.1.0")
+                   help="text for people (default), json for programs (docs/json-output.md); junit: JUnit XML "
+                        "(a file that does not load: an errored testcase); github: GitHub Actions annotations; "
+                        "sarif: SARIF 2.1.0")
     p.set_defaults(run=run)
 
 

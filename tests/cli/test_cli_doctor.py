@@ -62,6 +62,21 @@ def test_doctor_lists_every_problem_located(tmp_path: Path, monkeypatch: pytest.
     assert code == 1 and "KVPOLICY_VLLM_VERSION: error[invalid-setting]" in out
 
 
+def test_doctor_reports_every_bad_setting_in_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVPOLICY_RULES", "nope:scratch")
+    monkeypatch.setenv("KVPOLICY_EXPLAIN", "maybe")
+    monkeypatch.setenv("KVPOLICY_SHIPPED_RULES", "2")
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0", "--format", "json")
+    files = [p["file"] for p in json.loads(out)["problems"]]
+    assert code == 1 and "KVPOLICY_EXPLAIN" in files and "KVPOLICY_SHIPPED_RULES" in files
+    assert any("nope" in p["message"] or "nope" in p["file"] for p in json.loads(out)["problems"])  # the rules too
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0")
+    assert code == 1 and "KVPOLICY_EXPLAIN: error[invalid-setting]" in out
+    assert "KVPOLICY_SHIPPED_RULES: error[invalid-setting]" in out and "nope" in out
+
+
 def test_status_says_why_the_plugin_is_inactive(monkeypatch: pytest.MonkeyPatch) -> None:
     status = vllm_plugin.status()
     assert status["active"] is False and "KVPOLICY_RULES is not set" in status["reason"]

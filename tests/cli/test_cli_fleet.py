@@ -265,3 +265,36 @@ def test_a_deployments_dtype_and_sliding_window_are_applied(capsys: pytest.Captu
     assert (rows["fp32"]["backend"], rows["fp32"]["fingerprint"]) == ("TRITON_ATTN", fp32["digest"])
     assert (rows["served-as-is"]["backend"], rows["served-as-is"]["fingerprint"]) == ("FLASH_ATTN", plain["digest"])
     assert rows["no-windows"]["fingerprint"] == no_windows["digest"] != plain["digest"]
+
+
+def test_diff_over_a_fleet_says_which_preference_drives_a_change(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "global.yaml").write_text("version: 1\nrules:\n  - id: site-prefer-hnd\n    description: HND here\n"
+                                      "    prefer: {head_order: HND}\n")
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"version: 1\ndeployments:\n  - name: plain\n    model: {ROOT}/docs/examples/models/qwen2.5-0.5b\n"
+                     "    vllm_version: \"0.34.0\"\n")
+    code, out, _ = cli(capsys, "diff", "shipped", str(site), "--fleet", str(fleet), "--format", "json")
+    (change,) = json.loads(out)["changes"]
+    assert code == 1 and (change["old"], change["new"]) == ("LBNHC", "LBHNC")
+    (why,) = change["why"]  # as the non-fleet diff says "because site-prefer-hnd (site/global.yaml:3)"
+    assert why.startswith("site-prefer-hnd (prefer +") and why.endswith(f", global) at {site}/global.yaml:3")
+    code, out, _ = cli(capsys, "diff", "shipped", str(site), "--fleet", str(fleet))
+    assert "because of site-prefer-hnd (prefer +" in out and f"at {site}/global.yaml:3" in out
+
+
+@pytest.mark.parametrize("verb", [["dry-run"], ["diff", "shipped", "shipped"], ["lint"]])
+def test_a_fleet_run_says_it_does_not_read_vllm_variables(verb: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"version: 1\ndeployments:\n  - name: plain\n    model: {ROOT}/docs/examples/models/qwen2.5-0.5b\n"
+                     "    vllm_version: \"0.34.0\"\n")
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLNHC")
+    _, _, err = cli(capsys, *verb, "--fleet", str(fleet))
+    assert "note: VLLM_KV_CACHE_LAYOUT=BLNHC is not read for a fleet's deployments" in err
+    assert "`vllm_kv_cache_layout: BLNHC`" in err
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
+    _, _, err = cli(capsys, *verb, "--fleet", str(fleet))
+    assert "VLLM_KV_CACHE_LAYOUT" not in err

@@ -106,3 +106,22 @@ def test_coverage_by_layer_and_file_and_a_percentage_threshold(capsys: pytest.Ca
     assert mine == {"name": f"{site}/global.yaml", "kind": "file", "matched": 1, "total": 2, "percent": 50.0}
     code, _, err = cli(capsys, *_args(site, "--require-coverage", "ninety"))
     assert code == 2 and "expected a percentage from 0 to 100" in err
+
+
+def test_junit_reports_a_case_file_that_does_not_load_as_an_errored_testcase(capsys: pytest.CaptureFixture[str],
+                                                                             site: Path) -> None:
+    (site / "tests" / "broken.yaml").write_text(
+        "version: 1\ncases:\n  - name: names no rule\n    input: {spec: {num_layers: 4, num_kv_heads: 2, "
+        "head_size: 64}}\n    expect: {matched: [no-such-rule]}\n")
+    code, out, err = cli(capsys, *_args(site, "--format", "junit"))
+    assert code == 1 and "error[unknown-rule]" in err  # the exit code and stderr as before
+    assert out.startswith('<?xml version="1.0" encoding="UTF-8"?>\n<testsuites ')
+    root = ET.fromstring(out.split("\n", 1)[1])
+    assert root.get("errors") == "1" and root.get("tests") == "1"
+    (suite,) = root.findall("testsuite")
+    assert suite.get("name") == str(site / "tests" / "broken.yaml") and suite.get("errors") == "1"
+    (case,) = suite.findall("testcase")
+    assert case.get("file") == str(site / "tests" / "broken.yaml") and case.get("line") == "5"
+    error = case.find("error")
+    assert error.get("type") == "unknown-rule" and "no rule `no-such-rule`" in error.get("message")
+    assert "broken.yaml:5:" in error.text

@@ -73,3 +73,32 @@ def test_stdin_filename_without_stdin_is_a_usage_error(capsys: pytest.CaptureFix
     f.write_text(GOOD)
     code, _, err = cli(capsys, "validate", str(f), "--stdin-filename", "x.yaml")
     assert code == 2 and "--stdin-filename: error[usage]: applies to `validate -` only" in err
+
+
+MISSPELT = """\
+version: 1
+connector: NixlConector
+rules:
+  - id: nixl-likes-hnd
+    description: a connector name with a typo
+    when: {field: backend.name, eq: flash_attn}
+    prefer: {layout: LBHNC}
+"""
+
+
+def test_one_files_warnings_show_in_text_as_in_json(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "connectors" / "nixl.yaml"
+    f.parent.mkdir()
+    f.write_text(MISSPELT)
+    code, out, _ = cli(capsys, "validate", str(f), "--vllm-version", "0.34.0", "--format", "json")
+    assert code == 0 and {w["code"] for w in json.loads(out)["warnings"]} >= {"near-connector-name", "unknown-literal"}
+    code, out, err = cli(capsys, "validate", str(f), "--vllm-version", "0.34.0")
+    assert code == 0 and out.startswith("ok: 1 rules in 1 file, a connector file")
+    assert f"{f}:2:12: warning[near-connector-name]" in err and "did you mean `NixlConnector`?" in err
+    assert "warning[unknown-literal]" in err and "did you mean `FLASH_ATTN`?" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO(MISSPELT))
+    code, out, err = cli(capsys, "validate", "-", "--stdin-filename", "site/connectors/nixl.yaml",
+                         "--vllm-version", "0.34.0")
+    assert code == 0 and "site/connectors/nixl.yaml:2:12: warning[near-connector-name]" in err
+    assert "warning[unknown-literal]" in err
