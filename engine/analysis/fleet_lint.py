@@ -29,7 +29,14 @@ from typing import Any
 from kvpolicy.engine.analysis.audit_lint import audit_summaries
 from kvpolicy.engine.analysis.decider import Decider
 from kvpolicy.engine.analysis.fleet_space import fleet_spaces
-from kvpolicy.engine.analysis.lint import RELEASE_FAILS, Finding, LoadBearing, lint, shipped_ruleset
+from kvpolicy.engine.analysis.lint import (
+    RELEASE_FAILS,
+    Finding,
+    LoadBearing,
+    lint,
+    render_load_bearing,
+    shipped_ruleset,
+)
 from kvpolicy.engine.decide import rule_ref
 from kvpolicy.policy.errors import GeometryError, ModelConfigError
 from kvpolicy.policy.ruleset import RuleSet, Source
@@ -63,14 +70,9 @@ class FleetLintReport:
         return tuple(f for f in self.findings if f.severity == "warning")
 
     def render_load_bearing(self) -> str:
-        lines = [f"load-bearing forbids/requires over fleet `{self.fleet}` (deleting one lets an unsafe layout "
-                 "through for a deployment: safety; or changes a deployment's decision: decision):"]
-        for lb in self.load_bearing:
-            lines.append(f"  {lb.kind or 'no':<8}  `{lb.rule.id}` ({lb.rule.effect}, {lb.rule.source}): "
-                         f"{lb.describe('deployment')}")
-        if not self.load_bearing:
-            lines.append("  (the rule set has no forbid or require)")
-        return "\n".join(lines)
+        return render_load_bearing(f"load-bearing forbids/requires over fleet `{self.fleet}` (deleting one lets an "
+                                   "unsafe layout through for a deployment: safety; or changes a deployment's "
+                                   "decision: decision):", self.load_bearing, "deployment")
 
     def to_dict(self) -> dict[str, Any]:
         return {"fleet": self.fleet, "deployments": self.deployments, "profiles": list(self.profiles),

@@ -35,6 +35,7 @@ the released profiles, whose backends build stride-aware scale views (vLLM
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,7 @@ from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.rule_model import Effect
 from kvpolicy.policy.ruleset import RuleSet, Source
 
-__all__ = ["Finding", "LintReport", "LoadBearing", "fold", "lint", "shipped_ruleset"]
+__all__ = ["Finding", "LintReport", "LoadBearing", "fold", "lint", "render_load_bearing", "shipped_ruleset"]
 
 VERIFY_BLOCKS = 2
 _CUT_MEANS = ("every finding holds for the explored inputs only: an unsafe permit or a conflict among the left-out "
@@ -151,6 +152,17 @@ class LoadBearing:
                 "unsafe_chosen_without": self.unsafe_chosen, "examples": list(self.examples)}
 
 
+
+
+def render_load_bearing(header: str, load_bearing: Sequence[LoadBearing], unit: str = "input") -> str:
+    """The load-bearing section of a lint report: ``header``, then one line per forbid/require."""
+    lines = [header]
+    for lb in load_bearing:
+        lines.append(f"  {lb.kind or 'no':<8}  `{lb.rule.id}` ({lb.rule.effect}, {lb.rule.source}): "
+                     f"{lb.describe(unit)}")
+    if not load_bearing:
+        lines.append("  (the rule set has no forbid or require)")
+    return "\n".join(lines)
 @dataclass(frozen=True)
 class LintReport:
     findings: tuple[Finding, ...]
@@ -175,14 +187,9 @@ class LintReport:
         return [lb.rule.id for lb in self.load_bearing if lb.kind == kind]
 
     def render_load_bearing(self) -> str:
-        lines = [f"load-bearing forbids/requires under `{self.profile}` (deleting one lets an unsafe layout "
-                 "through: safety; or changes a decision: decision):"]
-        for lb in self.load_bearing:
-            lines.append(f"  {lb.kind or 'no':<8}  `{lb.rule.id}` ({lb.rule.effect}, {lb.rule.source}): "
-                         f"{lb.describe()}")
-        if not self.load_bearing:
-            lines.append("  (the rule set has no forbid or require)")
-        return "\n".join(lines)
+        return render_load_bearing(f"load-bearing forbids/requires under `{self.profile}` (deleting one lets an "
+                                   "unsafe layout through: safety; or changes a decision: decision):",
+                                   self.load_bearing)
 
     def to_dict(self) -> dict[str, Any]:
         return {"profile": self.profile, "inputs_checked": self.inputs_checked,

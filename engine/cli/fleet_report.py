@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # engine.fleet builds the case models (~30 ms): imported when
     from kvpolicy.engine.fleet import Fleet, FleetResult
     from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["add_fleet_flag", "falls_back", "result_dict", "rules_for", "run_fleet", "run_fleet_diff"]
+__all__ = ["add_fleet_flag", "falls_back", "open_fleet", "result_dict", "rules_for", "run_fleet", "run_fleet_diff"]
 
 # dry-run flags that describe one deployment: the fleet file describes each instead
 _ONE_DEPLOYMENT = (
@@ -191,14 +191,11 @@ def run_fleet(args: argparse.Namespace) -> int:
         flag = "--" + (given[0] if given else "map").replace("_", "-")
         raise usage_error(flag, f"{flag} describes one deployment; the fleet file describes each of them",
                           "set it in the fleet file (on a deployment, or under `defaults:`)")
-    from kvpolicy.engine.fleet import FleetError, decide_fleet, load_fleet
+    from kvpolicy.engine.fleet import decide_fleet
 
-    try:
-        fleet = load_fleet(args.fleet)
-    except FleetError as exc:
-        report_error(exc, "json" if args.format == "json" else "text")
+    fleet = open_fleet(args)
+    if fleet is None:
         return EXIT_USAGE
-    say_fleet_default(args, falls_back(fleet))
     start = time.perf_counter()
     try:
         results = decide_fleet(fleet, rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
@@ -221,6 +218,20 @@ def run_fleet(args: argparse.Namespace) -> int:
 def falls_back(fleet: Fleet) -> bool:
     """Whether some deployment names no release (and so is decided under --vllm-version or the default)."""
     return any(dep.vllm_version is None for dep, _line in fleet.deployments)
+
+
+def open_fleet(args: argparse.Namespace) -> Fleet | None:
+    """``args.fleet`` loaded, and the default release's note said if a deployment falls back to it; None
+    when the file does not load (its located errors reported, in JSON with --format json)."""
+    from kvpolicy.engine.fleet import FleetError, load_fleet
+
+    try:
+        fleet = load_fleet(args.fleet)
+    except FleetError as exc:
+        report_error(exc, "json" if args.format == "json" else "text")
+        return None
+    say_fleet_default(args, falls_back(fleet))
+    return fleet
 
 
 def _side(result: FleetResult) -> str:
@@ -248,14 +259,11 @@ def _preferred(old: FleetResult, new: FleetResult) -> list[str]:
 
 def run_fleet_diff(args: argparse.Namespace) -> int:
     """``diff OLD NEW --fleet FILE``: the deployments whose decision changes."""
-    from kvpolicy.engine.fleet import FleetError, decide_fleet, load_fleet
+    from kvpolicy.engine.fleet import decide_fleet
 
-    try:
-        fleet = load_fleet(args.fleet)
-    except FleetError as exc:
-        report_error(exc, args.format)
+    fleet = open_fleet(args)
+    if fleet is None:
         return EXIT_USAGE
-    say_fleet_default(args, falls_back(fleet))
     shared = list(args.rules or [])
     try:
         old = decide_fleet(fleet, rules_for(args, [*shared, args.old], "OLD"), args.vllm_version)

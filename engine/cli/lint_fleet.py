@@ -19,10 +19,9 @@ from kvpolicy.engine.cli.common import (
     print_diagnostics,
     print_json,
     report_error,
-    say_fleet_default,
     usage_error,
 )
-from kvpolicy.engine.cli.fleet_report import falls_back, rules_for
+from kvpolicy.engine.cli.fleet_report import open_fleet, rules_for
 from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report
 from kvpolicy.policy.errors import RuleLoadError
 
@@ -32,18 +31,15 @@ __all__ = ["run_lint_fleet"]
 def run_lint_fleet(args: argparse.Namespace) -> int:
     """``lint [DIR] --fleet FILE``."""
     from kvpolicy.engine.analysis.fleet_lint import lint_fleet
-    from kvpolicy.engine.fleet import FleetError, decide_fleet, load_fleet
+    from kvpolicy.engine.fleet import decide_fleet
 
     for flag, value in (("--scale-views", args.scale_views), ("--max-space", args.max_space)):
         if value:
             raise usage_error(flag, f"{flag} shapes a release's space; --fleet lints the fleet's deployments",
                               "drop it (a deployment sets `scale_views` itself), or lint without --fleet")
-    try:
-        fleet = load_fleet(args.fleet)
-    except FleetError as exc:
-        report_error(exc, "json" if args.format == "json" else "text")
+    fleet = open_fleet(args)
+    if fleet is None:
         return EXIT_USAGE
-    say_fleet_default(args, falls_back(fleet))
     start = time.perf_counter()
     rules = rules_for(args, operator_dirs(args, "dir"), "DIR" if args.dir is not None else "--rules")
     try:
