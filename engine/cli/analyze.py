@@ -23,7 +23,7 @@ from kvpolicy.engine.cli.common import (
     report_error,
 )
 from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet_diff
-from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report
+from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report, print_findings_text
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.errors import RuleLoadError
 
@@ -180,13 +180,7 @@ def run_lint(args: argparse.Namespace) -> int:
         print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed,
                     "shipped_findings_left_out": left_out})
         return EXIT_FAILED if failed else EXIT_OK
-    shown = args.max_inputs if args.max_inputs is not None else (20 if args.verbose else 5)
-    for finding in report.findings:
-        print(finding.render(shown, verbose=args.verbose))
-    if report.findings:
-        print()
-    print(report.render_load_bearing())
-    print()
+    print_findings_text(report, args)
     assert report.space is not None
     print(f"space: {report.space.describe()}")
     counts = {sev: sum(1 for f in report.findings if f.severity == sev) for sev in ("error", "warning", "note")}

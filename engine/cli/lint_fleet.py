@@ -22,7 +22,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.engine.cli.fleet_report import open_fleet, rules_for
-from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report
+from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report, print_findings_text
 from kvpolicy.policy.errors import RuleLoadError
 
 __all__ = ["run_lint_fleet"]
@@ -59,13 +59,7 @@ def run_lint_fleet(args: argparse.Namespace) -> int:
         print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed,
                     "shipped_findings_left_out": left_out})
     else:
-        shown = args.max_inputs if args.max_inputs is not None else (20 if args.verbose else 5)
-        for finding in report.findings:
-            print(finding.render(shown, verbose=args.verbose))
-        if report.findings:
-            print()
-        print(report.render_load_bearing())
-        print()
+        print_findings_text(report, args)
         counts = {sev: sum(f.severity == sev for f in report.findings) for sev in ("error", "warning", "note")}
         print(f"lint: fleet {args.fleet}, {report.deployments} deployments over {len(report.profiles)} release "
               f"profile(s), {report.rules} rules, {report.plans_verified} plans verified in {seconds:.2f}s: "

@@ -15,6 +15,7 @@ annotation carries no ``file`` for it and says ``rules/vllm-0.34/global.yaml:12`
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Iterable
 from dataclasses import replace
@@ -25,7 +26,7 @@ from kvpolicy.policy.errors import Diagnostic
 from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["SHIPPED_BASE", "ci_diagnostic", "finding_diagnostic", "is_shipped_file", "own_lint_report",
-           "shipped_prefixes"]
+           "print_findings_text", "shipped_prefixes"]
 
 SHIPPED_BASE = "KVPOLICY_SHIPPED"
 # notes about what the release does with its shipped rules, not about an operator's layer
@@ -107,3 +108,15 @@ def finding_diagnostic(finding: Any, root: str) -> Diagnostic:
     if finding.inputs:
         message += f" (e.g. {finding.inputs[0]})"
     return Diagnostic(file, line, col, finding.code, message)
+
+
+def print_findings_text(report: Any, args: argparse.Namespace) -> None:
+    """A lint report's findings (``--max-inputs`` lines each; 5, or 20 with ``--verbose``) and its
+    load-bearing section, as text: a release's space and a fleet alike."""
+    shown = args.max_inputs if args.max_inputs is not None else (20 if args.verbose else 5)
+    for finding in report.findings:
+        print(finding.render(shown, verbose=args.verbose))
+    if report.findings:
+        print()
+    print(report.render_load_bearing())
+    print()
