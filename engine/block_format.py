@@ -45,8 +45,8 @@ __all__ = ["CELL_FIELDS", "BlockFormat", "block_format", "cell_format", "code_dt
 
 # The fingerprint fields that say what a cell holds; transcoding never changes them.
 CELL_FIELDS = ("kind", "kv_factor", "num_layers", "block_size", "num_kv_heads", "head_size", "cache_dtype",
-               "quant_mode", "kv_cache_dtype", "cell_bytes", "scale_placement", "scale_dtype", "scale_bytes",
-               "scale_offset")
+               "quant_mode", "kv_cache_dtype", "cell_bytes", "kernel_order", "scale_placement", "scale_dtype",
+               "scale_bytes", "scale_offset")
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,8 @@ def plan_of(fp: LayoutFingerprint) -> LayoutPlan:
         backend = profile.backend(fp.backend)
         if fp.layout not in backend.orders:
             continue
-        if replace(fingerprint_of(fp.layout, spec, backend), groups=()) == wanted:
+        # the kernel order is the host's, not the geometry's: any host's plan is this one's
+        if replace(fingerprint_of(fp.layout, spec, backend), groups=(), kernel_order=fp.kernel_order) == wanted:
             return plan_layout(fp.layout, spec, backend, 1)
     raise input_error("fingerprint", f"no release profile of this kvpolicy lays out `{fp.layout}` blocks of backend "
                       f"`{fp.backend}` as this fingerprint says, so the bytes cannot be interpreted",

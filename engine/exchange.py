@@ -13,11 +13,19 @@ Three answers, from the two fingerprints (pure Python, no torch):
    exact conversion exists, and `BlockExchange.error` names every field that differs.
 
 `KVCache.restore` acts on the answer; ``kvpolicy compat`` prints it.
+
+A connector that moves a layer's logical ``[B, H, N, C]`` view, slot by slot
+(vLLM's ExampleConnector), never sees placement, head order or buffers: for it
+two caches are interchangeable exactly when their `layer_view_identity` is
+(the cells, the kernel's order of them and how C holds K and V), named by
+`layer_view_digest`.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -27,7 +35,7 @@ from kvpolicy.engine.block_format import BlockFormat, block_format, cell_format,
 from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.policy.errors import InputError, input_error
 
-__all__ = ["BlockExchange", "ExchangeKind", "compare_blocks"]
+__all__ = ["BlockExchange", "ExchangeKind", "compare_blocks", "layer_view_digest", "layer_view_identity"]
 
 
 class ExchangeKind(str, Enum):
@@ -132,3 +140,17 @@ def _cell_differences(source: LayoutFingerprint, target: LayoutFingerprint) -> t
         else:
             out.append(Difference(key, a[key], b[key], "source", "target"))
     return tuple(out)
+
+
+def layer_view_identity(fp: LayoutFingerprint) -> dict[str, Any]:
+    """What the bytes of a layer's logical ``[B, H, N, C]`` view mean under ``fp``: the cell format
+    (`cell_format`: dtype, quantization, scales, geometry, the kernel's order, the model's groups), the
+    backend's logical dims (where C holds K and V: inside each cell or as K's rows then V's) and the
+    format version. Placement, head order, buffers and padding are not in it: they do not change the view."""
+    return {"format_version": fp.format_version, "logical_dims": list(fp.logical_dims), **cell_format(fp)}
+
+
+def layer_view_digest(fp: LayoutFingerprint) -> str:
+    """``sha256:<hex>`` of `layer_view_identity` as canonical JSON (sorted keys, no spaces, ASCII)."""
+    text = json.dumps(layer_view_identity(fp), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()

@@ -16,6 +16,13 @@ Deliberately left out:
 - the model's compute dtype and the backend's scale-view strategy, which
   change no byte of the cache.
 
+``kernel_order`` is the order the backend's cache-write kernel gives a
+block's elements: ``cells`` where each cell is its elements in a row where the
+plan puts it (the GPU backends), else the ISA vLLM's CPU attention writes with
+(``vec``, ``vec16``, ``amx``...), which the host CPU decides
+(`kvpolicy.policy.cpu_kernel`): the same K and V are other bytes on a host
+with AMX tiles.
+
 Canonical form: `LayoutFingerprint.to_json` is JSON with sorted keys and no
 spaces, built only from strings, integers, booleans, null and lists, so the
 ``sha256:`` digest is the same on every machine, Python version and
@@ -35,6 +42,7 @@ from typing import Any, Protocol
 
 from kvpolicy.engine.peer_data import check_peer_value, load_peer_json
 from kvpolicy.policy.backends import BackendProfile, Dim, nvfp4_order
+from kvpolicy.policy.cpu_kernel import CpuHost, pick_isa
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import QuantMode
@@ -49,14 +57,16 @@ __all__ = [
     "describe",
     "fingerprint",
     "fingerprint_of",
+    "kernel_order",
 ]
 
 # INVARIANT: bump on any change to the fields, their order of meaning, or how a value is derived;
 # tests/engine/test_fingerprint.py pins the digest of one configuration to catch accidental changes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 NUM_BLOCKS_SYMBOL = "B"
 SCALE_DTYPE = "float32"
 NVFP4_SCALE_DTYPE = "float8_e4m3fn"
+CELLS_ORDER = "cells"  # kernel_order of a backend that writes each cell contiguously where the plan puts it
 
 # vLLM spellings of one format -> one canonical name ("auto" resolves to the cache dtype).
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
@@ -104,6 +114,7 @@ class LayoutFingerprint:
     kv_cache_dtype: str
     cell_bytes: int
     page_bytes: int
+    kernel_order: str
     scale_placement: str
     scale_dtype: str | None
     scale_bytes: int
@@ -304,7 +315,7 @@ def _is_group(v: Any) -> bool:
 # How `from_dict` checks each field of a peer's fingerprint before trusting it.
 _FIELD_CHECKS: dict[str, Any] = {
     **{name: _is_str for name in ("placement", "head_order", "backend", "kind", "cache_dtype", "quant_mode",
-                                  "kv_cache_dtype", "scale_placement")},
+                                  "kv_cache_dtype", "scale_placement", "kernel_order")},
     **{name: _is_count for name in ("num_buffers", "kv_factor", "num_layers", "block_size", "num_kv_heads",
                                     "head_size", "cell_bytes", "page_bytes")},
     "scale_bytes": lambda v: _is_int(v) and v >= 0,
@@ -337,9 +348,21 @@ def _physical_order(layout: Layout, backend: BackendProfile, nvfp4: bool = False
     return order, 0
 
 
+def kernel_order(spec: KVCacheSpec, backend: BackendProfile, host: CpuHost | None = None) -> str:
+    """The order ``backend``'s cache-write kernel gives ``spec``'s blocks on ``host`` (default: this
+    machine's CPU): `CELLS_ORDER`, or the ISA of the release's `_get_attn_isa` (CPU_ATTN); an
+    `InputError` where vLLM's kernel refuses the cache on that host."""
+    if not backend.write_isa:
+        return CELLS_ORDER
+    return pick_isa(backend.write_isa, dtype=spec.dtype.value, block_size=spec.block_size,
+                    head_size=spec.head_size, kv_cache_dtype=spec.kv_cache_dtype,
+                    host=host if host is not None else CpuHost.this_host())
+
+
 def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
-                   groups: KVCacheGroups | None = None) -> LayoutFingerprint:
-    """The fingerprint of ``layout`` for ``spec`` on ``backend``; ``groups`` defaults to ``spec`` alone."""
+                   groups: KVCacheGroups | None = None, host: CpuHost | None = None) -> LayoutFingerprint:
+    """The fingerprint of ``layout`` for ``spec`` on ``backend``; ``groups`` defaults to ``spec`` alone;
+    ``host`` is the CPU a CPU backend's kernel runs on (default: this machine's, `kernel_order`)."""
     groups = groups if groups is not None else KVCacheGroups.single(spec)
     order, split = _physical_order(layout, backend, spec.quant_mode is QuantMode.nvfp4)
     sizes: dict[Dim, int | str] = {
@@ -370,6 +393,7 @@ def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
         kv_cache_dtype=canonical_kv_cache_dtype(spec),
         cell_bytes=spec.cell_bytes,
         page_bytes=spec.page_size_bytes,
+        kernel_order=kernel_order(spec, backend, host),
         scale_placement="inline_tail" if inline else ("side_tail" if spec.scale_bytes_per_cell else "none"),
         scale_dtype=SCALE_DTYPE if inline else (NVFP4_SCALE_DTYPE if spec.scale_bytes_per_cell else None),
         scale_bytes=spec.scale_bytes_per_cell,
@@ -397,7 +421,7 @@ class Decided(Protocol):
 def fingerprint(decision: Decided) -> LayoutFingerprint:
     """The fingerprint of a decision's layout for its context."""
     ctx = decision.context
-    return fingerprint_of(decision.layout, ctx.kv, ctx.backend, ctx.groups)
+    return fingerprint_of(decision.layout, ctx.kv, ctx.backend, ctx.groups, ctx.options.cpu_host)
 
 
 def describe(decision: Decided) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 from kvpolicy.policy.backends import BackendProfile, ScaleViews
 from kvpolicy.policy.connectors import ConnectorConfig
 from kvpolicy.policy.context import Context, VllmOptions
+from kvpolicy.policy.cpu_kernel import CpuHost
 from kvpolicy.policy.errors import InputError, input_error
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
@@ -119,6 +120,7 @@ def build_context(
     allow_chunked_local_attn_with_hybrid_kv_cache: bool = True,
     disable_hybrid_kv_cache_manager: bool | None = None,
     disable_sliding_window: bool = False,
+    cpu: str | CpuHost | None = None,
 ) -> Context:
     """Validate and assemble the decision context; raises `InputError` / `ModelConfigError`.
 
@@ -151,6 +153,8 @@ def build_context(
     connector without ``SupportsHMA``, and is refused where vLLM must turn it off.
     ``disable_sliding_window`` is vLLM's ``--disable-sliding-window`` for ``model``: no layer keeps a window
     (`kvpolicy.policy.hf_config.read_hf_config`).
+    ``cpu`` is the host CPU vLLM's CPU attention runs on (a `CpuHost` or its label, ``x86+avx512+amx``),
+    whose kernel orders a block's bytes (the fingerprint's ``kernel_order``); None: this machine's.
 
     The backend is checked as vLLM's selector checks it: the model dtype against its
     ``supported_dtypes`` and a block size the user gave (``block_size``, or a ``spec``'s own) against
@@ -196,6 +200,10 @@ def build_context(
             connector_prefers_cross_layer_blocks, where)
     options = _options(release, vllm_kv_cache_layout, enable_extensible_kv_cache, hisparse, device_capability,
                        connector_config_model, use_v2_model_runner)
+    if cpu is not None:
+        if not isinstance(cpu, (str, CpuHost)):
+            raise input_error("cpu", f"`cpu` must be a CPU label such as `x86+avx512+amx`, got {type(cpu).__name__}")
+        options = options.model_copy(update={"cpu_host": cpu if isinstance(cpu, CpuHost) else CpuHost.parse(cpu)})
     if model is not None and spec is not None:
         raise input_error("model", "give `model` or `spec`, not both")
     if model is not None and not isinstance(model, (str, os.PathLike, dict)):

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from kvpolicy.policy.cpu_kernel import IsaRule
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.layouts import LEGACY_NAMES, HeadOrder, Layout
 from kvpolicy.policy.spec import Frozen
@@ -115,11 +116,14 @@ class BackendProfile(Frozen):
     kv_split: KVSplit | None = None
     unplanned_kv_cache_dtypes: tuple[str, ...] = ()  # the release lays these out in a way kvpolicy does not model
     int4_heads_power_of_two: bool = False  # the release's int4 write fails at a head that is not a power of two
+    # CPU_ATTN: the release's `_get_attn_isa` (kvpolicy.policy.cpu_kernel); empty: the kernel writes each cell's
+    # elements contiguously where the plan puts the cell
+    write_isa: tuple[IsaRule, ...] = ()
 
     def __hash__(self) -> int:
         return hash((self.name, self.mla, self.logical_dims, tuple(sorted(self.orders.items())),
                      self.layer_buffers, self.supported_layouts, self.scale_views, self.kv_split,
-                     self.unplanned_kv_cache_dtypes, self.int4_heads_power_of_two))
+                     self.unplanned_kv_cache_dtypes, self.int4_heads_power_of_two, self.write_isa))
 
     @model_validator(mode="before")
     @classmethod
@@ -214,7 +218,7 @@ def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] 
                    layer_buffers: bool = False, supported_layouts: tuple[Layout, ...] | None = None,
                    scale_views: ScaleViews = ScaleViews.stride_aware,
                    kv_split: KVSplit = KVSplit.content, unplanned_kv_cache_dtypes: tuple[str, ...] = (),
-                   int4_heads_power_of_two: bool = False) -> BackendProfile:
+                   int4_heads_power_of_two: bool = False, write_isa: tuple[IsaRule, ...] = ()) -> BackendProfile:
     """A backend of released vLLM (0.27.1 on): logical ``[B, H, N, C]`` per layer, K and V in C as
     ``kv_split`` says; a geometry for each of ``layouts`` the backend can view."""
     if mla:
@@ -227,7 +231,7 @@ def packed_backend(name: str, *, mla: bool = False, layouts: tuple[Layout, ...] 
     return BackendProfile(name=name, mla=mla, logical_dims=logical, orders=orders, layer_buffers=layer_buffers,
                           supported_layouts=supported_layouts, scale_views=scale_views, kv_split=kv_split,
                           unplanned_kv_cache_dtypes=unplanned_kv_cache_dtypes,
-                          int4_heads_power_of_two=int4_heads_power_of_two)
+                          int4_heads_power_of_two=int4_heads_power_of_two, write_isa=write_isa)
 
 
 def _dev_48412(name: str, cross_hnd: tuple[Dim, ...]) -> BackendProfile:

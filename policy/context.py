@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from kvpolicy.policy.backends import BackendProfile, ScaleViews
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, ConnectorConfig
+from kvpolicy.policy.cpu_kernel import CpuHost
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode
 from kvpolicy.policy.releases import profile_names
@@ -202,6 +203,8 @@ class VllmOptions(Frozen):
     hisparse: bool = Field(default=False, description="`attention_config.hisparse_config` is set")
     use_v2_model_runner: bool = Field(default=False, description="`VllmConfig.use_v2_model_runner`")
     device_capability: int | None = Field(default=None, description="CUDA capability major (FlashInfer reads it)")
+    cpu_host: CpuHost | None = Field(default=None, description="the CPU vLLM's CPU attention kernel runs on, "
+                                     "which orders a block's bytes (`_get_attn_isa`); None: this machine's")
 
 
 class Context(Frozen):

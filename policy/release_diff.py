@@ -31,8 +31,8 @@ CAPABILITIES = (8, 9, 10, 12)  # the CUDA capability majors whose declarations a
 # conformance tests: shown by ``kvpolicy releases`` beside the release facts.
 STATED_FACTS = ("geometry", "layer_buffers", "workers_must_agree", "hisparse_connectors",
                 "hisparse_requires_connector", "hma_connectors", "hybrid_block_rounded")
-BACKEND_STATED_FACTS = ("kv_split", "unplanned_kv_cache_dtypes", "int4_heads_power_of_two", "supported_dtypes",
-                        "kernel_block_sizes")
+BACKEND_STATED_FACTS = ("kv_split", "write_isa", "unplanned_kv_cache_dtypes", "int4_heads_power_of_two",
+                        "supported_dtypes", "kernel_block_sizes")
 
 
 def canonical_facts(profile: ReleaseProfile, stated: bool = False) -> dict[str, Any]:

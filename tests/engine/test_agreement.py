@@ -66,10 +66,10 @@ def test_group_differences_are_reported_per_group_field() -> None:
 
 
 def test_a_format_version_mismatch_is_reported_as_such() -> None:
-    future = {**fp_for().to_dict(), "format_version": 2, "new_field": "x"}
+    future = {**fp_for().to_dict(), "format_version": 3, "new_field": "x"}
     result = check_compatible(fp_for(), future)
     assert not result.ok and result.format_mismatch
-    assert result.messages == ["format_version: local 1, remote 2"]
+    assert result.messages == ["format_version: local 2, remote 3"]
     with pytest.raises(LayoutMismatchError, match="run one kvpolicy version"):
         require_compatible(fp_for(), future)
 

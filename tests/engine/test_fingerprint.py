@@ -52,16 +52,16 @@ def fp(layout: Layout = CROSS_HND, backend: str = "TRITON_ATTN", **spec: object)
     return fingerprint_of(layout, make_spec(**spec), BACKENDS[backend])
 
 
-# INVARIANT: this digest pins fingerprint format 1. If this test fails, the canonical
+# INVARIANT: this digest pins fingerprint format 2. If this test fails, the canonical
 # form changed: every deployed peer would now disagree with this version. Either undo
 # the change, or bump kvpolicy.engine.fingerprint.FORMAT_VERSION, document the change in
 # docs/fingerprint.md, and pin the new digest here.
-GOLDEN_QWEN_TRITON_CROSS_HND = "sha256:9d04ba148ca6193a2e2a5bf77025316f2ff45d292bc20cc86a07b3f1abac3e6f"
+GOLDEN_QWEN_TRITON_CROSS_HND = "sha256:a7e966428f53c3918c8707a48cb958bff4369a59f0e2280717ddbfc5a02720ad"
 
 
 def test_golden_digest_of_qwen_on_triton_cross_layer_hnd() -> None:
     f = fp()
-    assert f.format_version == FORMAT_VERSION == 1
+    assert f.format_version == FORMAT_VERSION == 2
     # vLLM's own log line for this cache: (176452, 2, 24, 2, 16, 64) with 176452 blocks
     assert f.physical_shape == ("B", 2, 24, 2, 16, 64)
     assert f.physical_dims == ("block", "head", "layer", "kv", "token", "dim")
@@ -151,7 +151,7 @@ def test_a_backend_no_profile_knows_is_checked_by_the_order_of_its_dims() -> Non
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d.update(format_version=2), "fingerprint format `2`"),
+        (lambda d: d.update(format_version=3), "fingerprint format `3`"),
         (lambda d: d.pop("page_bytes"), "missing `page_bytes`"),
         (lambda d: d.update(num_blocks=10), "unknown `num_blocks`"),
         (lambda d: d.update(block_size="16"), "wrong type or value for `block_size`"),

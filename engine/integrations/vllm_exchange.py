@@ -1,0 +1,404 @@
+"""Blocks between engines: what an engine writes through a KV connector is stamped, and what it reads
+must carry its own stamp.
+
+A prefill engine hands blocks to a decode engine, an engine stores blocks and
+another (or itself, after a restart) loads them: whenever KV bytes cross an
+engine's boundary, the reader decodes them as its own. If the writer laid them
+out otherwise (another block size, kernel order, dtype...), the output is
+garbage and nothing fails. While ``KVPOLICY_RULES`` is set, the plugin wraps
+vLLM's ``KVConnectorFactory.create_connector``, so every connector vLLM
+creates (scheduler side and worker side alike) is guarded by what kvpolicy
+knows of its class (`guard_connector`):
+
+- **ExampleConnector** (a store on ``shared_storage_path``: one safetensors
+  file per layer per prompt, the slots of the layer's logical ``[B, H, N, C]``
+  view) keeps its entries in a folder of their own,
+  ``<shared_storage_path>/kvpolicy-<20 hex>/``, named by the engine's
+  `layer_view_digest` and holding ``stamp.json`` (the whole `Stamp`). Engines
+  whose views mean the same bytes share that folder and exchange blocks; any
+  other engine never finds them and recomputes. When the engine's folder has
+  no entry for a prompt but another folder does, one warning per such folder
+  names every fingerprint field that differs. Entries an engine without
+  kvpolicy wrote (at the top of the store, unstamped) are a miss too, unless
+  ``KVPOLICY_UNSTAMPED_BLOCKS=accept`` takes them as this engine's own
+  (linked into its folder, said once).
+- Every other connector: one warning at creation saying its blocks are not
+  checked against the peer's layout, and where the docs say how it stands.
+
+The stamp is computed where the connector is created, from what vLLM itself
+applied: the layout ``KVCacheConfig.kv_cache_layout`` carries (0.29+; the
+gate releases' per-layer layout in vLLM's head order before that), the
+specs of its KV cache groups, the attention backend its selector runs, and
+the host CPU as vLLM's CPU attention reads it (`_vllm_host`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpolicy.engine.agreement import check_compatible
+from kvpolicy.engine.exchange import layer_view_digest
+from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
+from kvpolicy.engine.peer_data import load_peer_json
+from kvpolicy.policy.cpu_kernel import CpuArch, CpuHost
+from kvpolicy.policy.errors import InputError, PolicyError, input_error
+from kvpolicy.policy.layouts import HeadOrder, Layout
+from kvpolicy.policy.releases import ReleaseProfile
+
+__all__ = [
+    "ENV_UNSTAMPED",
+    "NAMESPACE_PREFIX",
+    "STAMP_FILE",
+    "STAMP_FORMAT",
+    "Stamp",
+    "guard_connector",
+    "install",
+    "stamp_of",
+    "unstamped_policy",
+]
+
+ENV_UNSTAMPED = "KVPOLICY_UNSTAMPED_BLOCKS"
+UNSTAMPED_CHOICES = ("miss", "accept")
+NAMESPACE_PREFIX = "kvpolicy-"
+STAMP_FILE = "stamp.json"
+STAMP_FORMAT = 1
+_STAMP_MAX_BYTES = 64 * 1024  # a stamp is about 2 KiB; another engine's file is read with this bound
+_NAMESPACE_HEX = 20
+
+log = logging.getLogger("vllm.kvpolicy")
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What an engine's stored blocks mean: its layout fingerprint, and the digest of what a layer's
+    view of them means (`layer_view_digest`), which names the store folder they live in."""
+
+    fingerprint: LayoutFingerprint
+    view_digest: str
+    vllm_version: str = ""
+
+    @property
+    def namespace(self) -> str:
+        """The store folder of this stamp's entries: ``kvpolicy-`` and 20 hex digits of `view_digest`."""
+        return NAMESPACE_PREFIX + self.view_digest.removeprefix("sha256:")[:_NAMESPACE_HEX]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": STAMP_FORMAT, "digest": self.view_digest, "fingerprint_digest": self.fingerprint.digest,
+                "vllm_version": self.vllm_version, "fingerprint": self.fingerprint.to_dict()}
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str = "stamp") -> Stamp:
+        """A stamp another engine wrote (bounded: `kvpolicy.engine.peer_data`); `InputError` if it is none."""
+        data = load_peer_json(text, what)
+        if not isinstance(data, dict) or data.get("format") != STAMP_FORMAT:
+            raise input_error(what, f"not a kvpolicy stamp of format {STAMP_FORMAT}", code="stamp-format")
+        fp = LayoutFingerprint.from_dict(data.get("fingerprint"))
+        digest = layer_view_digest(fp)
+        if data.get("digest") != digest:
+            raise input_error(what, "the stamp's digest is not its fingerprint's: it was changed after it was "
+                              "written", code="stamp-digest")
+        version = data.get("vllm_version")
+        return cls(fp, digest, version if isinstance(version, str) else "")
+
+
+def stamp_of(fp: LayoutFingerprint, vllm_version: str = "") -> Stamp:
+    """The stamp of a cache whose fingerprint is ``fp``."""
+    return Stamp(fp, layer_view_digest(fp), vllm_version)
+
+
+def unstamped_policy(env: Mapping[str, str] | None = None) -> str:
+    """``KVPOLICY_UNSTAMPED_BLOCKS``: what a reader does with blocks no kvpolicy stamped (``miss``, the
+    default: recompute; ``accept``: take them as its own); `InputError` naming the variable otherwise."""
+    value = (os.environ if env is None else env).get(ENV_UNSTAMPED, "").strip().lower()
+    if value in ("", "miss"):
+        return "miss"
+    if value == "accept":
+        return value
+    raise input_error(ENV_UNSTAMPED, f"`{value[:40]}` is not a setting of {ENV_UNSTAMPED}",
+                      "set it to `miss` (the default: blocks no kvpolicy stamped are recomputed) or `accept` "
+                      "(they are taken as this engine's own)", code="invalid-setting")
+
+
+# ---------------------------------------------------------------- the stamp of this engine
+
+
+def _vllm_host() -> CpuHost:
+    """The CPU as vLLM's CPU attention reads it (`_get_attn_isa`: torch's AMX and AVX-512 checks, the
+    platform's architecture); this machine's `/proc/cpuinfo` where vLLM cannot say."""
+    try:
+        import torch
+        from vllm.platforms import CpuArchEnum, current_platform
+
+        arch = current_platform.get_cpu_architecture()
+        arches = {CpuArchEnum.X86: CpuArch.x86, CpuArchEnum.ARM: CpuArch.arm, CpuArchEnum.POWERPC: CpuArch.power,
+                  CpuArchEnum.S390X: CpuArch.s390x, CpuArchEnum.RISCV: CpuArch.riscv}
+        ours = arches.get(arch, CpuArch.x86)
+        x86 = ours is CpuArch.x86
+        return CpuHost(arch=ours, amx=x86 and bool(torch.cpu._is_amx_tile_supported()),
+                       avx512=x86 and bool(torch.cpu._is_avx512_supported()))
+    except Exception:  # an older vLLM or torch without the checks: what /proc/cpuinfo says
+        return CpuHost.this_host()
+
+
+def _layout(release: ReleaseProfile, kv_cache_config: Any, vllm_config: Any, backend: Any) -> Layout:
+    """The layout vLLM allocated: ``KVCacheConfig.kv_cache_layout`` (0.29+), else (the gate releases,
+    which decide in the worker) the backend's per-layer layout in vLLM's head order."""
+    for holder in (kv_cache_config, getattr(vllm_config, "cache_config", None)):
+        name = getattr(holder, "kv_cache_layout", None)
+        if isinstance(name, str) and name:
+            return Layout(name)
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        head_order = HeadOrder(str(get_kv_cache_layout()))
+    except Exception:
+        head_order = HeadOrder.NHD
+    per_layer = [x for x in backend.orders if x.placement.value == "per_layer"]
+    fitting = [x for x in per_layer if x.head_order is head_order]
+    if not (fitting or per_layer):
+        raise InputError(f"backend `{backend.name}` of `{release.name}` lays out no per-layer layout")
+    return (fitting or per_layer)[0]
+
+
+def _specs(kv_cache_config: Any) -> list[Any]:
+    """Every layer's KV cache spec, as the engine core hands them to the resolver."""
+    return [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups for _ in group.layer_names]
+
+
+def this_engines_fingerprint(vllm_config: Any, kv_cache_config: Any, release: ReleaseProfile) -> LayoutFingerprint:
+    """The fingerprint of the cache vLLM allocates for ``kv_cache_config`` (see the module docstring)."""
+    from kvpolicy.engine.integrations.vllm import _dtype_name
+    from kvpolicy.engine.integrations.vllm_resolver import kv_cache_groups
+
+    cache_config = getattr(vllm_config, "cache_config", None)
+    configured = getattr(cache_config, "cache_dtype", None)
+    model_dtype = _dtype_name(getattr(getattr(vllm_config, "model_config", None), "dtype", None))
+    groups = kv_cache_groups(_specs(kv_cache_config), kv_cache_dtype=configured if isinstance(configured, str)
+                             else None, model_dtype=model_dtype)
+    if groups is None or groups.primary is None:
+        raise InputError("the model has no KV cache with per-layer views: nothing to stamp")
+    backend = release.backend(_attention_backend(vllm_config, release, groups.primary.kind.value == "mla"))
+    layout = _layout(release, kv_cache_config, vllm_config, backend)
+    host = _vllm_host() if backend.write_isa else None
+    return fingerprint_of(layout, groups.primary, backend, groups, host)
+
+
+def _attention_backend(vllm_config: Any, release: ReleaseProfile, mla: bool) -> str:
+    """The attention backend vLLM's selector runs for the model (by name), as the resolver hook finds it."""
+    names: list[str] = []
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        names = [str(b.get_name()) for b in get_current_attn_backends(vllm_config)]
+    except Exception:
+        pass
+    configured = getattr(getattr(getattr(vllm_config, "attention_config", None), "backend", None), "name", None)
+    for name in [*names, configured]:
+        if isinstance(name, str) and name in release.backends and release.backends[name].mla == mla:
+            return name
+    raise InputError(f"kvpolicy cannot tell which attention backend this engine runs ({names or 'none found'}), "
+                     "so it cannot stamp the blocks it stores")
+
+
+# ---------------------------------------------------------------- files
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``text`` at ``path``, replaced in one step: a reader sees the old file or the new one, never a part."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_stamp(folder: Path) -> Stamp | str:
+    """The stamp in ``folder``, or why there is none that can be read."""
+    path = folder / STAMP_FILE
+    try:
+        with path.open("rb") as f:
+            data = f.read(_STAMP_MAX_BYTES + 1)
+    except OSError as exc:
+        return f"its {STAMP_FILE} cannot be read ({exc.strerror or exc})"
+    if len(data) > _STAMP_MAX_BYTES:
+        return f"its {STAMP_FILE} is over {_STAMP_MAX_BYTES} bytes"
+    try:
+        return Stamp.from_json(data, str(path))
+    except PolicyError as exc:
+        return f"its {STAMP_FILE} is not a kvpolicy stamp ({exc.message.splitlines()[0][:200]})"
+
+
+# ---------------------------------------------------------------- ExampleConnector
+
+
+class ExampleConnectorGuard:
+    """ExampleConnector's store, kept per stamp (see the module docstring). Applied to one connector
+    object: its storage path becomes the stamp's folder, and its lookup reports other stamps' entries."""
+
+    def __init__(self, connector: Any, stamp: Stamp, unstamped: str) -> None:
+        self.root = Path(str(connector._storage_path))
+        self.stamp = stamp
+        self.unstamped = unstamped
+        self.folder = self.root / stamp.namespace
+        self.reported: set[str] = set()
+        self._claim_folder()
+        self._found = connector._found_match_for_prompt
+        self._folder_of = connector._generate_foldername_debug
+        connector._storage_path = str(self.folder)
+        connector._found_match_for_prompt = self.found_match_for_prompt
+        connector.kvpolicy_guard = self
+
+    def _claim_folder(self) -> None:
+        """Create the stamp's folder with its stamp.json, or check the one there is this stamp."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        there = _read_stamp(self.folder) if (self.folder / STAMP_FILE).exists() else None
+        if there is None:
+            _write_atomically(self.folder / STAMP_FILE, json.dumps(self.stamp.to_dict(), indent=1, sort_keys=True))
+        elif isinstance(there, str) or there.view_digest != self.stamp.view_digest:
+            why = there if isinstance(there, str) else f"it is stamped {there.view_digest}"
+            raise InputError(f"kvpolicy: the store folder {self.folder} is named for this engine's stamp "
+                             f"{self.stamp.view_digest}, but {why}; move it away (nothing will read it)")
+
+    def found_match_for_prompt(self, prompt_token_ids: list[int], mm_hashes: list[str]) -> bool:
+        """ExampleConnector's lookup in this engine's folder; on a miss, other stamps' entries for the
+        prompt are reported (once per folder), and an unstamped one is taken under ``accept``."""
+        if self._found(prompt_token_ids, mm_hashes):
+            return True
+        entry = Path(self._entry(prompt_token_ids, mm_hashes)).name
+        for other in self._other_folders():
+            if not (other / entry).is_dir():
+                continue
+            if other == self.root:
+                if self.unstamped == "accept":
+                    return self._adopt(other / entry)
+                self._report(other, "entries no kvpolicy stamped (an engine without kvpolicy wrote them); "
+                             f"{ENV_UNSTAMPED}=accept takes them as this engine's own")
+            else:
+                self._report(other, self._differences(other))
+        return False
+
+    def _entry(self, prompt_token_ids: list[int], mm_hashes: list[str]) -> str:
+        """The folder ExampleConnector names for the prompt's whole blocks (as its own lookup does)."""
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector
+
+        block_size = self._block_size()
+        aligned = example_connector.align_to_block_size(len(prompt_token_ids) - 1, block_size)
+        return self._folder_of(torch.tensor(prompt_token_ids)[:aligned], mm_hashes, create_folder=False)
+
+    def _block_size(self) -> int:
+        owner = getattr(self._found, "__self__", None)
+        return int(owner._block_size)
+
+    def _other_folders(self) -> list[Path]:
+        """The store's top (unstamped entries) and every other stamp's folder."""
+        try:
+            names = sorted(p for p in self.root.iterdir() if p.name.startswith(NAMESPACE_PREFIX) and p.is_dir())
+        except OSError:
+            names = []
+        return [self.root, *(p for p in names if p != self.folder)]
+
+    def _differences(self, other: Path) -> str:
+        there = _read_stamp(other)
+        if isinstance(there, str):
+            return f"blocks this engine cannot interpret: {there}"
+        result = check_compatible(self.stamp.fingerprint, there.fingerprint, local_name="ours", remote_name="theirs")
+        fields = "; ".join(result.messages) or "the same fingerprint under another stamp format"
+        writer = f" by vLLM {there.vllm_version}" if there.vllm_version else ""
+        return f"blocks written{writer} under another layout: {fields}"
+
+    def _report(self, other: Path, why: str) -> None:
+        if str(other) in self.reported:
+            return
+        self.reported.add(str(other))
+        log.warning("kvpolicy: ExampleConnector: the store %s holds this prompt's blocks in %s, %s; they are not "
+                    "decoded as this engine's (vLLM recomputes them; this engine's entries go to %s)",
+                    self.root, other, why, self.folder)
+
+    def _adopt(self, entry: Path) -> bool:
+        """Link an unstamped entry into this engine's folder (``accept``); False if that fails."""
+        target = self.folder / entry.name
+        try:
+            target.mkdir(exist_ok=True)
+            for f in entry.iterdir():
+                if f.is_file() and not (target / f.name).exists():
+                    os.link(f, target / f.name)
+        except OSError as exc:
+            log.warning("kvpolicy: ExampleConnector: cannot take the unstamped entry %s (%s); vLLM recomputes",
+                        entry, exc.strerror or exc)
+            return False
+        if str(self.root) not in self.reported:
+            self.reported.add(str(self.root))
+            log.warning("kvpolicy: ExampleConnector: %s=accept: entries no kvpolicy stamped in %s are taken as "
+                        "this engine's own (linked into %s)", ENV_UNSTAMPED, self.root, self.folder)
+        return True
+
+
+# ---------------------------------------------------------------- the factory hook
+
+
+_GUARDS: dict[str, Callable[[Any, Stamp, str], Any]] = {"ExampleConnector": ExampleConnectorGuard}
+_warned: set[str] = set()
+
+
+def guard_connector(connector: Any, stamp: Stamp, unstamped: str = "miss") -> Any:
+    """Guard one connector object by its class (see the module docstring); returns the guard, or None
+    for a class kvpolicy has no guard for (said once per class, as a warning)."""
+    name = type(connector).__name__
+    guard = _GUARDS.get(name)
+    if guard is not None:
+        return guard(connector, stamp, unstamped)
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("kvpolicy: %s: the blocks this connector moves are not checked against its peers' layouts "
+                    "(kvpolicy guards ExampleConnector; docs/blocks-between-engines.md says where each connector "
+                    "stands); this engine's stamp is %s", name, stamp.view_digest)
+    return None
+
+
+def install(release: ReleaseProfile, vllm_version: str, patch: Callable[[Any, str, Any], None],
+            unstamped: str = "miss") -> bool:
+    """Wrap ``KVConnectorFactory.create_connector`` (with ``patch``, which the plugin undoes); False
+    where this vLLM has no such factory (nothing to guard)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:
+        return False
+    original = KVConnectorFactory.__dict__["create_connector"]
+    create = original.__func__ if isinstance(original, classmethod) else original
+    create = getattr(create, "__wrapped__", create)
+
+    def create_connector(cls: Any, config: Any, role: Any, *args: Any, **kwargs: Any) -> Any:
+        connector = create(cls, config, role, *args, **kwargs)
+        kv_cache_config = args[0] if args else kwargs.get("kv_cache_config")
+        try:
+            if kv_cache_config is None:
+                raise InputError("vLLM gave the connector no KV cache config")
+            stamp = stamp_of(this_engines_fingerprint(config, kv_cache_config, release), vllm_version)
+        except PolicyError as exc:
+            # INVARIANT: fail closed. A connector whose blocks kvpolicy cannot stamp would read and write
+            # blocks unchecked while the operator believes they are checked.
+            raise InputError(f"kvpolicy: cannot stamp the blocks of {type(connector).__name__} ({exc.message}); "
+                             f"vLLM must not start while {_ENV_RULES} is set (unset it to let vLLM run unchecked)"
+                             ) from None
+        guard_connector(connector, stamp, unstamped)
+        return connector
+
+    create_connector.__wrapped__ = create  # type: ignore[attr-defined]
+    patch(KVConnectorFactory, "create_connector", classmethod(create_connector))
+    return True
+
+
+_ENV_RULES = "KVPOLICY_RULES"

