@@ -34,7 +34,7 @@ the host CPU as vLLM's CPU attention reads it (`_vllm_host`).
 
 from __future__ import annotations
 
-import json
+import importlib
 import logging
 import os
 import tempfile
@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.engine.agreement import check_compatible
 from kvpolicy.engine.exchange import layer_view_digest
 from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
 from kvpolicy.engine.peer_data import load_peer_json
@@ -54,14 +53,18 @@ from kvpolicy.policy.releases import ReleaseProfile
 
 __all__ = [
     "ENV_UNSTAMPED",
+    "GUARDS",
     "NAMESPACE_PREFIX",
     "STAMP_FILE",
     "STAMP_FORMAT",
     "Stamp",
     "guard_connector",
     "install",
+    "read_stamp",
     "stamp_of",
+    "this_engines_fingerprint",
     "unstamped_policy",
+    "write_atomically",
 ]
 
 ENV_UNSTAMPED = "KVPOLICY_UNSTAMPED_BLOCKS"
@@ -210,7 +213,7 @@ def _attention_backend(vllm_config: Any, release: ReleaseProfile, mla: bool) -> 
 # ---------------------------------------------------------------- files
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     """``text`` at ``path``, replaced in one step: a reader sees the old file or the new one, never a part."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -224,7 +227,7 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def _read_stamp(folder: Path) -> Stamp | str:
+def read_stamp(folder: Path) -> Stamp | str:
     """The stamp in ``folder``, or why there is none that can be read."""
     path = folder / STAMP_FILE
     try:
@@ -240,116 +243,12 @@ def _read_stamp(folder: Path) -> Stamp | str:
         return f"its {STAMP_FILE} is not a kvpolicy stamp ({exc.message.splitlines()[0][:200]})"
 
 
-# ---------------------------------------------------------------- ExampleConnector
-
-
-class ExampleConnectorGuard:
-    """ExampleConnector's store, kept per stamp (see the module docstring). Applied to one connector
-    object: its storage path becomes the stamp's folder, and its lookup reports other stamps' entries."""
-
-    def __init__(self, connector: Any, stamp: Stamp, unstamped: str) -> None:
-        self.root = Path(str(connector._storage_path))
-        self.stamp = stamp
-        self.unstamped = unstamped
-        self.folder = self.root / stamp.namespace
-        self.reported: set[str] = set()
-        self._claim_folder()
-        self._found = connector._found_match_for_prompt
-        self._folder_of = connector._generate_foldername_debug
-        connector._storage_path = str(self.folder)
-        connector._found_match_for_prompt = self.found_match_for_prompt
-        connector.kvpolicy_guard = self
-
-    def _claim_folder(self) -> None:
-        """Create the stamp's folder with its stamp.json, or check the one there is this stamp."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        there = _read_stamp(self.folder) if (self.folder / STAMP_FILE).exists() else None
-        if there is None:
-            _write_atomically(self.folder / STAMP_FILE, json.dumps(self.stamp.to_dict(), indent=1, sort_keys=True))
-        elif isinstance(there, str) or there.view_digest != self.stamp.view_digest:
-            why = there if isinstance(there, str) else f"it is stamped {there.view_digest}"
-            raise InputError(f"kvpolicy: the store folder {self.folder} is named for this engine's stamp "
-                             f"{self.stamp.view_digest}, but {why}; move it away (nothing will read it)")
-
-    def found_match_for_prompt(self, prompt_token_ids: list[int], mm_hashes: list[str]) -> bool:
-        """ExampleConnector's lookup in this engine's folder; on a miss, other stamps' entries for the
-        prompt are reported (once per folder), and an unstamped one is taken under ``accept``."""
-        if self._found(prompt_token_ids, mm_hashes):
-            return True
-        entry = Path(self._entry(prompt_token_ids, mm_hashes)).name
-        for other in self._other_folders():
-            if not (other / entry).is_dir():
-                continue
-            if other == self.root:
-                if self.unstamped == "accept":
-                    return self._adopt(other / entry)
-                self._report(other, "entries no kvpolicy stamped (an engine without kvpolicy wrote them); "
-                             f"{ENV_UNSTAMPED}=accept takes them as this engine's own")
-            else:
-                self._report(other, self._differences(other))
-        return False
-
-    def _entry(self, prompt_token_ids: list[int], mm_hashes: list[str]) -> str:
-        """The folder ExampleConnector names for the prompt's whole blocks (as its own lookup does)."""
-        import torch
-        from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector
-
-        block_size = self._block_size()
-        aligned = example_connector.align_to_block_size(len(prompt_token_ids) - 1, block_size)
-        return self._folder_of(torch.tensor(prompt_token_ids)[:aligned], mm_hashes, create_folder=False)
-
-    def _block_size(self) -> int:
-        owner = getattr(self._found, "__self__", None)
-        return int(owner._block_size)
-
-    def _other_folders(self) -> list[Path]:
-        """The store's top (unstamped entries) and every other stamp's folder."""
-        try:
-            names = sorted(p for p in self.root.iterdir() if p.name.startswith(NAMESPACE_PREFIX) and p.is_dir())
-        except OSError:
-            names = []
-        return [self.root, *(p for p in names if p != self.folder)]
-
-    def _differences(self, other: Path) -> str:
-        there = _read_stamp(other)
-        if isinstance(there, str):
-            return f"blocks this engine cannot interpret: {there}"
-        result = check_compatible(self.stamp.fingerprint, there.fingerprint, local_name="ours", remote_name="theirs")
-        fields = "; ".join(result.messages) or "the same fingerprint under another stamp format"
-        writer = f" by vLLM {there.vllm_version}" if there.vllm_version else ""
-        return f"blocks written{writer} under another layout: {fields}"
-
-    def _report(self, other: Path, why: str) -> None:
-        if str(other) in self.reported:
-            return
-        self.reported.add(str(other))
-        log.warning("kvpolicy: ExampleConnector: the store %s holds this prompt's blocks in %s, %s; they are not "
-                    "decoded as this engine's (vLLM recomputes them; this engine's entries go to %s)",
-                    self.root, other, why, self.folder)
-
-    def _adopt(self, entry: Path) -> bool:
-        """Link an unstamped entry into this engine's folder (``accept``); False if that fails."""
-        target = self.folder / entry.name
-        try:
-            target.mkdir(exist_ok=True)
-            for f in entry.iterdir():
-                if f.is_file() and not (target / f.name).exists():
-                    os.link(f, target / f.name)
-        except OSError as exc:
-            log.warning("kvpolicy: ExampleConnector: cannot take the unstamped entry %s (%s); vLLM recomputes",
-                        entry, exc.strerror or exc)
-            return False
-        if str(self.root) not in self.reported:
-            self.reported.add(str(self.root))
-            log.warning("kvpolicy: ExampleConnector: %s=accept: entries no kvpolicy stamped in %s are taken as "
-                        "this engine's own (linked into %s)", ENV_UNSTAMPED, self.root, self.folder)
-        return True
-
-
 # ---------------------------------------------------------------- the factory hook
 
 
-_GUARDS: dict[str, Callable[[Any, Stamp, str], Any]] = {"ExampleConnector": ExampleConnectorGuard}
+# connector class -> the module of `kvpolicy.engine.integrations.connector_guards` whose `guard(connector, stamp,
+# unstamped)` guards one of its objects (imported when vLLM creates such a connector)
+GUARDS: dict[str, str] = {"ExampleConnector": "example_connector"}
 _warned: set[str] = set()
 
 
@@ -357,9 +256,13 @@ def guard_connector(connector: Any, stamp: Stamp, unstamped: str = "miss") -> An
     """Guard one connector object by its class (see the module docstring); returns the guard, or None
     for a class kvpolicy has no guard for (said once per class, as a warning)."""
     name = type(connector).__name__
-    guard = _GUARDS.get(name)
-    if guard is not None:
-        return guard(connector, stamp, unstamped)
+    module = GUARDS.get(name)
+    if module is not None:
+        return importlib.import_module(f"kvpolicy.engine.integrations.connector_guards.{module}").guard(
+            connector, stamp, unstamped)
+    children = getattr(connector, "_connectors", None)
+    if isinstance(children, list) and children:  # MultiConnector builds its members itself, not by the factory
+        return [guard_connector(child, stamp, unstamped) for child in children]
     if name not in _warned:
         _warned.add(name)
         log.warning("kvpolicy: %s: the blocks this connector moves are not checked against its peers' layouts "
