@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 from kvpolicy.engine.peer_data import check_peer_value, load_peer_json
 from kvpolicy.policy.backends import BackendProfile, Dim, nvfp4_order
-from kvpolicy.policy.cpu_kernel import CpuHost, pick_isa
+from kvpolicy.policy.cpu_kernel import CpuHost, pick_order
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.layouts import Layout
 from kvpolicy.policy.quant import QuantMode
@@ -350,11 +350,12 @@ def _physical_order(layout: Layout, backend: BackendProfile, nvfp4: bool = False
 
 def kernel_order(spec: KVCacheSpec, backend: BackendProfile, host: CpuHost | None = None) -> str:
     """The order ``backend``'s cache-write kernel gives ``spec``'s blocks on ``host`` (default: this
-    machine's CPU): `CELLS_ORDER`, or the ISA of the release's `_get_attn_isa` (CPU_ATTN); an
+    machine's CPU): `CELLS_ORDER`, or the byte order of the ISA the release's `_get_attn_isa` picks
+    (CPU_ATTN: `vec`, whose order `vec16` writes too, `amx`...); an
     `InputError` where vLLM's kernel refuses the cache on that host."""
     if not backend.write_isa:
         return CELLS_ORDER
-    return pick_isa(backend.write_isa, dtype=spec.dtype.value, block_size=spec.block_size,
+    return pick_order(backend.write_isa, dtype=spec.dtype.value, block_size=spec.block_size,
                     head_size=spec.head_size, kv_cache_dtype=spec.kv_cache_dtype,
                     host=host if host is not None else CpuHost.this_host())
 

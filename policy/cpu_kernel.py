@@ -32,7 +32,7 @@ from pydantic import Field
 from kvpolicy.policy.errors import input_error
 from kvpolicy.policy.spec import Frozen
 
-__all__ = ["CpuArch", "CpuHost", "IsaRule", "pick_isa"]
+__all__ = ["CpuArch", "CpuHost", "IsaRule", "pick_isa", "pick_order"]
 
 
 class CpuArch(str, Enum):
@@ -124,6 +124,8 @@ class IsaRule(Frozen):
     """
 
     isa: str | None = Field(default=None, description="the ISA the kernel writes with")
+    order: str | None = Field(default=None, description="the byte order this ISA's write gives a block, where it "
+                              "is another ISA's (vec16 writes vec's); None: its own, named as the ISA")
     refuse: str | None = Field(default=None, description="vLLM's error (NotImplementedError) instead of an ISA")
     host: str | None = None
     host_lacks: tuple[str, ...] = ()
@@ -147,6 +149,19 @@ def pick_isa(rules: tuple[IsaRule, ...], *, dtype: str, block_size: int, head_si
              host: CpuHost) -> str:
     """The ISA ``rules`` (a release's `_get_attn_isa`) pick; an `InputError` (``cpu-kernel-refuses``)
     where vLLM refuses the combination, in its words."""
+    return _pick(rules, dtype, block_size, head_size, kv_cache_dtype, host).isa or ""
+
+
+def pick_order(rules: tuple[IsaRule, ...], *, dtype: str, block_size: int, head_size: int, kv_cache_dtype: str,
+               host: CpuHost) -> str:
+    """The byte order of the ISA ``rules`` pick (`IsaRule.order`, else the ISA's name): what the
+    fingerprint's ``kernel_order`` says, equal for two ISAs exactly when they write the same bytes."""
+    rule = _pick(rules, dtype, block_size, head_size, kv_cache_dtype, host)
+    return rule.order or rule.isa or ""
+
+
+def _pick(rules: tuple[IsaRule, ...], dtype: str, block_size: int, head_size: int, kv_cache_dtype: str,
+          host: CpuHost) -> IsaRule:
     quantized = kv_cache_dtype.startswith("fp8")
     for rule in rules:
         if rule.matches(dtype, block_size, head_size, quantized, host):
@@ -155,7 +170,7 @@ def pick_isa(rules: tuple[IsaRule, ...], *, dtype: str, block_size: int, head_si
                                   f"host: \"{rule.refuse}\"", "decide for a host that has what it asks "
                                   "(`--cpu`), or another kv_cache_dtype", code="cpu-kernel-refuses")
             assert rule.isa is not None
-            return rule.isa
+            return rule
     raise input_error("kv_cache_dtype", f"the release's `_get_attn_isa` picks no ISA for dtype {dtype}, block "
                       f"{block_size}, head {head_size} on `{host.label}`", "report this: a profile's rules must "
                       "end in a rule without conditions", code="cpu-kernel-refuses")
