@@ -18,30 +18,62 @@ A deployment is a policy test case's ``input`` (`kvpolicy.engine.policy_tests.ca
 of ``model`` / ``spec`` / ``groups``, the release, backend, connector, dtype, block size, ...) with
 a ``name``. Loading reports every problem of the file, located; deciding never stops at a refusal:
 each deployment gets its decision, its refusal (no layout survives) or its input error.
+
+Where blocks move between deployments (prefill to decode, a store several deployments share), an
+``exchanges:`` list says so::
+
+    exchanges:
+      - name: llama-pd
+        deployments: [llama-prefill, llama-decode]     # 2 or more names of this file
+        connector: NixlConnector                        # optional: default the deployments' own (the same)
+
+and `exchange_answers` answers for every ordered pair (writer -> reader) of each exchange, by what the
+connector moves (`transfer_unit`): a layer's logical ``[B, H, N, C]`` view, slot by slot (ExampleConnector:
+the same `layer_view_digest`), or a block's raw bytes (every other connector: the same bytes, as is; these
+connectors cannot transcode).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from kvpolicy.engine.agreement import Difference
 from kvpolicy.engine.connector_names import Refuse, check_connector_names, out_of_tree_names
 from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.engine.model_notes import model_config_notes
 from kvpolicy.engine.policy_tests.cases import CaseInput, context_for
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import Diagnostic, GeometryError, InputError, NoLayoutError, PolicyError, shown_file
 from kvpolicy.policy.files import read_capped
+from kvpolicy.policy.near_names import nearest
 from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.spec import Frozen
 from kvpolicy.policy.validate import located_validation_errors
 from kvpolicy.policy.yaml_source import Limits, Located, parse_yaml
 
-__all__ = ["Deployment", "Fleet", "FleetError", "FleetResult", "decide_fleet", "load_fleet"]
+__all__ = [
+    "LAYER_VIEW_CONNECTORS",
+    "Deployment",
+    "ExchangeAnswer",
+    "Fleet",
+    "FleetError",
+    "FleetExchange",
+    "FleetResult",
+    "compare_transfer",
+    "decide_deployment",
+    "decide_fleet",
+    "decide_in_fleet",
+    "exchange_answers",
+    "load_fleet",
+    "own_connector",
+    "transfer_unit",
+]
 
 
 class FleetError(PolicyError):
@@ -55,10 +87,22 @@ class Deployment(CaseInput):
     description: str | None = Field(default=None, description="what the deployment serves (not read)")
 
 
+class Exchange(Frozen):
+    """Blocks move between these deployments (each writes, each reads) through one connector."""
+
+    name: str = Field(min_length=1, description="unique among the exchanges; shown in the report")
+    deployments: list[str] = Field(min_length=2, description="the deployments, by name (2 or more)")
+    connector: str | None = Field(
+        default=None, min_length=1, description="the connector that moves the blocks; default: the deployments' "
+        "own, which must then be the same")
+    description: str | None = Field(default=None, description="what moves, and why (not read)")
+
+
 class _FleetHeader(Frozen):
     version: Literal[1] = Field(description="format version; currently 1")
     defaults: dict[str, Any] = Field(default_factory=dict, description="keys every deployment has unless it sets them")
     deployments: list[Any] = Field(min_length=1, description="the deployments")
+    exchanges: list[Any] = Field(default_factory=list, description="where blocks move between deployments")
 
 
 _DEPLOYMENT_KEYS = tuple(Deployment.model_fields)
@@ -69,9 +113,41 @@ def _keys_at(path: tuple[Any, ...]) -> tuple[str, ...]:
         return tuple(_FleetHeader.model_fields)
     if isinstance(path[-1], int) and len(path) >= 2 and path[-2] == "deployments":
         return _DEPLOYMENT_KEYS
+    if isinstance(path[-1], int) and len(path) >= 2 and path[-2] == "exchanges":
+        return tuple(Exchange.model_fields)
     if path[-1] == "defaults":
         return _DEPLOYMENT_KEYS
     return ()
+
+
+# Connectors that move a layer's logical [B, H, N, C] view slot by slot, never a block's raw bytes (vLLM's
+# ExampleConnector saves and loads each layer's view per slot): for them two deployments exchange when their
+# `layer_view_digest` is equal, whatever their placement and head order. Every other connector (NixlConnector
+# and its Pull/Push classes, OffloadingConnector, MooncakeConnector, MooncakeStoreConnector, MultiConnector,
+# the LMCache connectors, any other) moves a block's bytes as they are and cannot transcode them.
+LAYER_VIEW_CONNECTORS = frozenset({"ExampleConnector"})
+
+
+def transfer_unit(connector: str | None) -> str:
+    """What ``connector`` moves: ``layer_view`` (`LAYER_VIEW_CONNECTORS`) or ``block`` (raw bytes)."""
+    return "layer_view" if connector in LAYER_VIEW_CONNECTORS else "block"
+
+
+@dataclass(frozen=True)
+class FleetExchange:
+    """A loaded exchange: its deployments, the connector that moves the blocks and where it is written."""
+
+    name: str
+    deployments: tuple[str, ...]
+    connector: str
+    connector_from: str  # "exchange" (its `connector:`) or "deployments" (their own, the same)
+    line: int
+    col: int = 1
+    description: str | None = None
+
+    @property
+    def unit(self) -> str:
+        return transfer_unit(self.connector)
 
 
 @dataclass(frozen=True)
@@ -82,6 +158,7 @@ class Fleet:
     deployments: tuple[tuple[Deployment, int], ...]  # (deployment, line)
     # per deployment, where each of its keys is written (line, col): its own, else the `defaults:` one
     keys: tuple[dict[str, tuple[int, int]], ...] = ()
+    exchanges: tuple[FleetExchange, ...] = ()
 
     @property
     def base_dir(self) -> Path:
@@ -136,9 +213,103 @@ def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
             diags += located_validation_errors(src, where, merged, exc, valid_keys=_keys_at)
             continue
         keys.append(_key_positions(src, where, raw, merged))
+    exchanges = _load_exchanges(src, header.exchanges, seen, {d.name: d for d, _ in out}, diags)
     if diags:
         raise FleetError(f"{len(diags)} error(s) in fleet file `{shown}`", diags)
-    return Fleet(shown, tuple(out), tuple(keys))
+    return Fleet(shown, tuple(out), tuple(keys), tuple(exchanges))
+
+
+def own_connector(dep: Deployment) -> str | None:
+    """The connector a deployment names (``connector``, or ``kv_transfer_config``'s ``kv_connector``)."""
+    name = dep.kv_transfer_config.get("kv_connector") if dep.kv_transfer_config is not None else dep.connector
+    return name if isinstance(name, str) and name.lower() != "none" else None
+
+
+def _connector_names(deps: dict[str, Deployment]) -> set[str]:
+    """Every connector name an exchange may name: those kvpolicy knows, every release's, the deployments' own."""
+    from kvpolicy.policy.connectors import KNOWN_CONNECTORS
+    from kvpolicy.policy.releases import get_profile, profile_names
+
+    names = set(KNOWN_CONNECTORS).union(*(get_profile(p).connectors for p in profile_names()))
+    for dep in deps.values():
+        names |= {n for n in (own_connector(dep),) if n}
+        config = dep.kv_transfer_config.get("kv_connector_extra_config") if dep.kv_transfer_config else \
+            dep.connector_config
+        members = config.get("connectors") if isinstance(config, dict) else None
+        names |= {m["kv_connector"] for m in members or [] if isinstance(m, dict)
+                  and isinstance(m.get("kv_connector"), str)}
+    return names
+
+
+def _load_exchanges(src: Located, raws: list[Any], names: dict[str, int], deps: dict[str, Deployment],
+                    diags: list[Diagnostic]) -> list[FleetExchange]:
+    """The ``exchanges:`` list checked, each problem located: keys, names of this file's deployments (each
+    once), and the connector (known; or, not named, the deployments' own, the same for all)."""
+    out: list[FleetExchange] = []
+    seen: dict[str, int] = {}
+    known: set[str] | None = None
+    for i, raw in enumerate(raws):
+        where = ("exchanges", i)
+        line, col = src.position(where)
+        if not isinstance(raw, dict):
+            diags.append(src.diag(where, "not-a-mapping", "an exchange is a mapping",
+                                  "give it a `name:` and its `deployments: [a, b]`"))
+            continue
+        try:
+            ex = Exchange.model_validate(raw)
+        except ValidationError as exc:
+            diags += located_validation_errors(src, where, raw, exc, valid_keys=_keys_at)
+            continue
+        if ex.name in seen:
+            diags.append(src.diag((*where, "name"), "duplicate-exchange",
+                                  f"exchange `{ex.name}` is already defined at line {seen[ex.name]}",
+                                  "give each exchange its own name"))
+        else:
+            seen[ex.name] = line
+        ok = True
+        for j, name in enumerate(ex.deployments):
+            if name not in names:
+                near = nearest(name, names)
+                listed = ", ".join(f"`{n}`" for n in list(names)[:8]) + (", ..." if len(names) > 8 else "")
+                diags.append(src.diag((*where, "deployments", j), "unknown-deployment",
+                                      f"exchange `{ex.name}`: no deployment `{name}` in this fleet",
+                                      f"did you mean `{near}`?" if near
+                                      else f"name deployments of this file: {listed}"))
+                ok = False
+            elif name in ex.deployments[:j]:
+                diags.append(src.diag((*where, "deployments", j), "duplicate-deployment",
+                                      f"exchange `{ex.name}` names deployment `{name}` twice",
+                                      "name each deployment once: every ordered pair of them is checked"))
+                ok = False
+        if not ok or any(n not in deps for n in ex.deployments):  # a deployment that failed: reported already
+            continue
+        if ex.connector is not None:
+            known = _connector_names(deps) if known is None else known
+            if ex.connector not in known:
+                from kvpolicy.policy.connectors import suggest_connector
+
+                near = nearest(ex.connector, known) or suggest_connector(ex.connector)
+                diags.append(src.diag((*where, "connector"), "unknown-connector",
+                                      f"exchange `{ex.name}`: no KV connector `{ex.connector}`",
+                                      (f"did you mean `{near}`? " if near else "") + "name the connector class "
+                                      "that moves the blocks (NixlConnector, MooncakeStoreConnector, ExampleConnector, "
+                                      "...), or leave `connector:` out for the deployments' own"))
+                continue
+            out.append(FleetExchange(ex.name, tuple(ex.deployments), ex.connector, "exchange", line, col,
+                                     ex.description))
+            continue
+        own = {n: own_connector(deps[n]) for n in ex.deployments}
+        if len(set(own.values())) != 1 or None in own.values():
+            said = ", ".join(f"`{n}` {c or 'none'}" for n, c in own.items())
+            diags.append(src.diag((*where, "deployments"), "exchange-connector",
+                                  f"exchange `{ex.name}` names no `connector:`, and its deployments' own are not one "
+                                  f"connector ({said})",
+                                  "name the connector that moves the blocks between them: `connector: "
+                                  "MooncakeStoreConnector`, say"))
+            continue
+        out.append(FleetExchange(ex.name, tuple(ex.deployments), next(iter(own.values())) or "", "deployments",
+                                 line, col, ex.description))
+    return out
 
 
 _PROBE_SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_size": 64}
@@ -254,31 +425,214 @@ def _refuse(location: str, fleet: Fleet, index: int) -> Refuse:
     return refuse
 
 
+def _refuse_by_key(dep: Deployment) -> Refuse:
+    """A connector vLLM would refuse, named by the key that names it (a deployment read from no file)."""
+    def refuse(member: bool, message: str, help: str) -> PolicyError:
+        key = "kv_transfer_config" if dep.kv_transfer_config is not None else \
+            "connector_config" if member else "connector"
+        return InputError(f"`{key}`", [Diagnostic(key, 0, 0, "unknown-connector", message, help)])
+    return refuse
+
+
+def decide_deployment(dep: Deployment, base_dir: Path, rules_for: RulesFor, vllm_version: str | None = None, *,
+                      location: str = "", refuse: Refuse | None = None) -> FleetResult:
+    """One deployment decided as `decide_fleet` decides each (its context, the release's connector checks,
+    the chosen layout's geometry check), a ``model`` read relative to ``base_dir``; never raises for its
+    refusal or bad input. ``refuse`` places a connector the release does not register (default: by key)."""
+    from kvpolicy.policy.releases import resolve_profile
+
+    profile, ctx = None, None
+    notes: list[str] = []
+    try:
+        profile = resolve_profile(dep.vllm_version or vllm_version)[0].name
+    except PolicyError as exc:
+        return FleetResult(dep, location, None, None, exc)
+    ruleset: RuleSet = rules_for(profile)  # rules that do not load are no deployment's fault: it raises
+    try:
+        with model_config_notes() as notes:
+            ctx = context_for(dep, base_dir, profile)
+        declared = out_of_tree_names(dep)
+        notes += check_connector_names(ctx, ruleset, declared, refuse or _refuse_by_key(dep))
+        decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx).declaring(declared)
+        return FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision),
+                           notes=tuple(notes))
+    except PolicyError as exc:
+        return FleetResult(dep, location, profile, None, exc, ctx, notes=tuple(notes))
+
+
 def decide_fleet(fleet: Fleet, rules_for: RulesFor, vllm_version: str | None = None) -> list[FleetResult]:
     """Decide every deployment, each under its release's profile (``vllm_version`` for those naming none)
     and ``rules_for(profile)``'s rules; never raises for one deployment's refusal or bad input, and raises
     `RuleLoadError` when a profile's rules do not load (once, not as every deployment's error)."""
-    from kvpolicy.policy.releases import resolve_profile
-
     out = []
     for index, (dep, line) in enumerate(fleet.deployments):
         location = f"{shown_file(fleet.file)}:{line}"
-        profile, ctx = None, None
-        notes: list[str] = []
-        try:
-            profile = resolve_profile(dep.vllm_version or vllm_version)[0].name
-        except PolicyError as exc:
-            out.append(FleetResult(dep, location, None, None, exc))
+        out.append(decide_deployment(dep, fleet.base_dir, rules_for, vllm_version, location=location,
+                                     refuse=_refuse(location, fleet, index)))
+    return out
+
+
+def decide_in_fleet(fleet: Fleet, index: int, rules_for: RulesFor, vllm_version: str | None = None,
+                    dep: Deployment | None = None) -> FleetResult:
+    """Deployment ``index`` of ``fleet`` decided as `decide_fleet` decides it; ``dep``: that deployment with keys
+    changed (a connector the release refuses is then named by its key, not placed in the file)."""
+    location = f"{shown_file(fleet.file)}:{fleet.deployments[index][1]}"
+    return decide_deployment(dep or fleet.deployments[index][0], fleet.base_dir, rules_for, vllm_version,
+                             location=location, refuse=None if dep is not None else _refuse(location, fleet, index))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exchanges: whether the blocks one deployment writes are what another reads
+
+
+# what a deployment sets to change a fingerprint field (a field of a group: its own name)
+_KEY_OF_FIELD = {
+    "block_size": "block_size", "kv_cache_dtype": "kv_cache_dtype", "quant_mode": "kv_cache_dtype",
+    "cache_dtype": "kv_cache_dtype` or `dtype", "scale_placement": "kv_cache_dtype", "scale_dtype": "kv_cache_dtype",
+    "scale_bytes": "kv_cache_dtype", "scale_offset": "kv_cache_dtype", "cell_bytes": "kv_cache_dtype",
+    "kernel_order": "cpu", "num_kv_heads": "tensor_parallel_size", "head_size": "model", "num_layers": "model",
+    "kind": "model", "kv_factor": "model", "attention_groups": "model", "groups": "model",
+    "backend": "attention_backend", "code_dtype": "attention_backend", "logical_dims": "attention_backend",
+    "placement": "vllm_kv_cache_layout", "head_order": "vllm_kv_cache_layout",
+    "physical_dims": "vllm_kv_cache_layout", "format_version": "vllm_version",
+}
+_DERIVED = frozenset({"physical_shape", "page_bytes", "num_buffers", "padding"})  # follow from the others
+
+
+def _named(diffs: tuple[Difference, ...] | list[Difference], writer: str, reader: str) -> tuple[Difference, ...]:
+    """``diffs`` with the sides named by their deployments, a group's field left out where the same field of
+    the whole cache is named (one group: ``groups[0].block_size`` says ``block_size`` again)."""
+    top = {d.field for d in diffs}
+    return tuple(replace(d, local_name=writer, remote_name=reader) for d in diffs
+                 if not (d.field.startswith("groups[") and d.field.rsplit(".", 1)[-1] in top))
+
+
+def _view_differences(a: LayoutFingerprint, b: LayoutFingerprint) -> list[Difference]:
+    """The `layer_view_identity` fields that differ between ``a`` and ``b``."""
+    from kvpolicy.engine.exchange import layer_view_identity
+
+    x, y = layer_view_identity(a), layer_view_identity(b)
+    out: list[Difference] = []
+    for key in x:
+        if x[key] == y[key]:
             continue
-        ruleset: RuleSet = rules_for(profile)  # rules that do not load are no deployment's fault: it raises
-        try:
-            with model_config_notes() as notes:
-                ctx = context_for(dep, fleet.base_dir, profile)
-            declared = out_of_tree_names(dep)
-            notes += check_connector_names(ctx, ruleset, declared, _refuse(location, fleet, index))
-            decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx).declaring(declared)
-            out.append(FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision),
-                                   notes=tuple(notes)))
-        except PolicyError as exc:
-            out.append(FleetResult(dep, location, profile, None, exc, ctx, notes=tuple(notes)))
+        if key == "groups" and len(x[key]) == len(y[key]):
+            out += [Difference(f"groups[{i}].{k}", ga[k], gb[k]) for i, (ga, gb) in enumerate(zip(x[key], y[key],
+                    strict=True)) for k in ga if ga[k] != gb[k]]
+        else:
+            out.append(Difference(key, x[key], y[key]))
+    return out
+
+
+def compare_transfer(connector: str | None, writer: LayoutFingerprint, reader: LayoutFingerprint,
+                     writer_name: str = "writer", reader_name: str = "reader"
+                     ) -> tuple[str, tuple[Difference, ...], str]:
+    """What ``connector`` (`transfer_unit`) makes of blocks ``writer`` writes and ``reader`` reads:
+    (``as_is`` or ``refused``, the fields that differ, named by the two sides, and why a refusal refuses).
+    Layer views: the same `layer_view_digest`. Raw blocks: `compare_blocks` as is, nothing else (a transcode
+    is a refusal here: the connector moves the bytes as they are)."""
+    from kvpolicy.engine.exchange import ExchangeKind, compare_blocks, layer_view_digest
+
+    if transfer_unit(connector) == "layer_view":
+        if layer_view_digest(writer) == layer_view_digest(reader):
+            return "as_is", (), ""
+        diffs = _named(_view_differences(writer, reader), writer_name, reader_name)
+        return "refused", diffs, (f"a layer's [B, H, N, C] view means other bytes on each side, and {connector} "
+                                  "moves views slot by slot")
+    ex = compare_blocks(writer, reader)
+    if ex.kind is ExchangeKind.as_is:
+        return "as_is", (), ""
+    if ex.kind is ExchangeKind.transcode:
+        diffs = _named([d for d in ex.differences if d.field not in _DERIVED] or list(ex.differences),
+                       writer_name, reader_name)
+        return "refused", diffs, (f"the same cells sit elsewhere in the block, and {connector or 'the connector'} "
+                                  "moves raw blocks as they are: it cannot transcode")
+    diffs = _named(ex.cell_differences or ex.differences, writer_name, reader_name)
+    return "refused", diffs, ex.reason or "a block's cells differ"
+
+
+def advice(fields: tuple[str, ...] | list[str]) -> str:
+    """What to change for blocks to move: the deployment keys behind the differing fingerprint fields."""
+    keys = list(dict.fromkeys(_KEY_OF_FIELD.get(f.rsplit(".", 1)[-1].split("[", 1)[0], "model") for f in fields
+                              if f.rsplit(".", 1)[-1] not in _DERIVED))
+    if not keys:
+        return "give both the same deployment keys"
+    said = ", ".join(f"`{k}`" for k in keys)
+    text = f"give both deployments the same {said}"
+    if "vllm_kv_cache_layout" in keys:
+        text += " (one layout for both: the same release, backend and connector, or `vllm_kv_cache_layout`)"
+    if "cpu" in keys:
+        text += " (CPU_ATTN's kernel order follows the host CPU, the block size, the dtypes and the head size)"
+    return text
+
+
+@dataclass(frozen=True)
+class ExchangeAnswer:
+    """One ordered pair of an exchange: whether blocks ``writer`` writes are what ``reader`` reads."""
+
+    exchange: FleetExchange
+    location: str  # "file:line" of the exchange
+    writer: str
+    reader: str
+    answer: str  # as_is | refused | unknown (a side decides no layout)
+    differences: tuple[Difference, ...] = ()
+    reason: str = ""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(d.field for d in self.differences)
+
+    @property
+    def change(self) -> str:
+        return advice(self.fields) if self.answer == "refused" else ""
+
+    def say(self) -> str:
+        """One line: the answer, with every differing field and why."""
+        if self.answer == "as_is":
+            return "as is"
+        if self.answer == "unknown":
+            return f"unknown: {self.reason}"
+        fields = "; ".join(str(d) for d in self.differences)
+        return f"refused: {self.reason}" + (f": {fields}" if fields else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        ex = self.exchange
+        return {"exchange": ex.name, "location": self.location, "connector": ex.connector,
+                "connector_from": ex.connector_from, "unit": ex.unit, "writer": self.writer, "reader": self.reader,
+                "answer": self.answer, "differences": [str(d) for d in self.differences], "fields": list(self.fields),
+                "reason": self.reason, "change": self.change or None}
+
+
+def _fingerprint(result: FleetResult) -> tuple[LayoutFingerprint | None, str]:
+    if result.decision is None:
+        error = result.error
+        first = error.diagnostics[0].message if error is not None and error.diagnostics else \
+            (error.message if error is not None else "")
+        return None, f"`{result.name}` decides no layout ({result.status}: {first})"
+    try:
+        return result.decision.fingerprint, ""
+    except PolicyError as exc:
+        return None, f"`{result.name}` has no fingerprint ({exc.diagnostics[0].message if exc.diagnostics else exc})"
+
+
+def exchange_answers(fleet: Fleet, results: list[FleetResult]) -> list[ExchangeAnswer]:
+    """Every ordered pair (writer -> reader) of every exchange of ``fleet``, answered from ``results``
+    (`decide_fleet`'s): ``as_is``, ``refused`` (naming every differing field) or ``unknown`` (a side decides
+    no layout: why)."""
+    by_name = {r.name: r for r in results}
+    out: list[ExchangeAnswer] = []
+    for ex in fleet.exchanges:
+        location = f"{shown_file(fleet.file)}:{ex.line}"
+        prints = {n: _fingerprint(by_name[n]) for n in ex.deployments}
+        for writer in ex.deployments:
+            for reader in ex.deployments:
+                if writer == reader:
+                    continue
+                (wfp, wwhy), (rfp, rwhy) = prints[writer], prints[reader]
+                if wfp is None or rfp is None:
+                    out.append(ExchangeAnswer(ex, location, writer, reader, "unknown",
+                                              reason="; ".join(w for w in (wwhy, rwhy) if w)))
+                    continue
+                kind, diffs, why = compare_transfer(ex.connector, wfp, rfp, writer, reader)
+                out.append(ExchangeAnswer(ex, location, writer, reader, kind, diffs, why))
     return out

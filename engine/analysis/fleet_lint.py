@@ -11,6 +11,9 @@ own release's rule stack, and the rules are linted over the fleet's deployments 
   too, so vLLM would not start it; a note over a release's space, where such inputs are expected),
   ``unsafe-permit`` (error: the chosen layout's views overlap), ``not-planned`` (warning: decided as the
   release decides, but kvpolicy has no geometry to check), ``release-fails`` (note);
+- about an exchange (the fleet's ``exchanges:``), located at its line: ``exchange-refused`` (error: the
+  blocks one deployment writes are not what another reads through the exchange's connector; every
+  differing field named, and the keys to change), one per refused ordered pair;
 - about a rule, located at it: ``dead-rule`` (warning: it matches no deployment), ``not-load-bearing``
   (note: deleting the forbid/require changes no deployment's decision: a rule the fleet shadows),
   ``audit`` (note: what enforcing an audit rule would change), ``unknown-connector``; and each
@@ -128,6 +131,25 @@ def _about(result: Any, fleet_file: str, base: Decider | None, inp: Any,
     return None
 
 
+def _exchange_findings(fleet: Any, results: Sequence[Any]) -> list[Finding]:
+    """An error per refused ordered pair of the fleet's exchanges, located at the exchange (a pair a
+    deployment leaves unknown: that deployment's own finding says why)."""
+    from kvpolicy.engine.fleet import exchange_answers
+
+    out = []
+    for a in exchange_answers(fleet, results):
+        if a.answer != "refused":
+            continue
+        ex = a.exchange
+        unit = "layer views" if ex.unit == "layer_view" else "raw blocks, as is only"
+        fields = "; ".join(str(d) for d in a.differences)
+        out.append(Finding("error", "exchange-refused",
+                           f"exchange `{ex.name}` ({ex.connector}: {unit}): blocks `{a.writer}` writes are not what "
+                           f"`{a.reader}` reads: {a.reason}" + (f": {fields}" if fields else "") + f"; {a.change}",
+                           at=Source(fleet.file, ex.line, ex.col)))
+    return out
+
+
 def _merge_bearing(into: dict[tuple[str, str], LoadBearing], lb: LoadBearing) -> None:
     have = into.get(_key(lb.rule))
     if have is None:
@@ -157,6 +179,7 @@ def lint_fleet(fleet: Any, results: Sequence[Any], rules_for: Callable[[str], Ru
         found = _about(result, fleet.file, bases.get(result.profile or ""), inputs.get(result.name), model_at)
         if found is not None:
             findings.append(found)
+    findings += _exchange_findings(fleet, results)
 
     present: dict[tuple[str, str], tuple[Any, int]] = {}  # rule -> (the rule, profiles linting it)
     dead: dict[tuple[str, str], int] = {}

@@ -1,20 +1,28 @@
 """``kvpolicy compat``: can blocks of one deployment be restored in another, and at what cost.
 
 Each side is a JSON file (``kvpolicy dry-run --format json``, a fingerprint's ``to_json()``, or
-``describe()``'s object) or a vLLM release (a profile name or version), whose layout is decided
-for the deployment the flags describe (default: the built-in example). The answer is
+``describe()``'s object), a deployment of a fleet file as it is declared (``FLEET.yaml#name``,
+decided as ``dry-run --fleet`` decides it), or a vLLM release (a profile name or version), whose
+layout is decided for the deployment the flags describe (default: the built-in example).
+``--from KEY=VALUE`` / ``--to KEY=VALUE`` change one side's deployment by a case key (what a fleet
+deployment or a policy test case sets: ``block_size=32``, ``cpu=x86+avx512+amx``). The answer is
 `kvpolicy.engine.exchange`'s: exchanged as is, with transcoding (the bytes of a block on each
-side and the descriptors a transfer registers per block), or not at all, and why. ``--table``
-answers for every pair of release profiles at once. Exit 0 when blocks move (as is or
-transcoded), 1 when they cannot. Decision path only: no torch.
+side and the descriptors a transfer registers per block), or not at all, and why. ``--via
+CONNECTOR`` answers for what that connector moves (`kvpolicy.engine.fleet.transfer_unit`): a
+layer's view (ExampleConnector: the same `layer_view_digest`), or raw blocks as they are (any
+other: as is or not at all; it cannot transcode). ``--table`` answers for every pair of release
+profiles at once. Exit 0 when blocks move (as is or transcoded), 1 when they cannot, 2 on a usage
+error. Decision path only: no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpolicy.engine.block_format import descriptors_per_block, plan_of
 from kvpolicy.engine.cli.common import (
@@ -30,7 +38,11 @@ from kvpolicy.engine.exchange import BlockExchange, ExchangeKind, compare_blocks
 from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.engine.inputs import DEFAULT_EXAMPLE
 from kvpolicy.engine.peer_data import load_peer_json
-from kvpolicy.policy.errors import InputError, PolicyError
+from kvpolicy.policy.errors import InputError, NoLayoutError, PolicyError
+
+if TYPE_CHECKING:  # engine.fleet builds the case models: imported when a side needs them, not per CLI start
+    from kvpolicy.engine.fleet import Fleet, FleetResult
+    from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["register", "run"]
 
@@ -38,8 +50,12 @@ _EPILOG = """\
 examples:
   kvpolicy compat vllm-0.28 vllm-0.34 --block-size 16      # the built-in example under two releases
   kvpolicy compat prefill.json decode.json                 # two `kvpolicy dry-run --format json` outputs
+  kvpolicy compat vllm-0.34 vllm-0.34 --from block_size=16 --to block_size=32 --via MooncakeStoreConnector
+  kvpolicy compat 0.34.0 0.34.0 --device cpu --block-size 32 --from cpu=x86 --to cpu=x86+avx512+amx
   kvpolicy compat --table --block-size 16 --kv-cache-dtype auto
 """
+# what a side of a fleet file looks like: the file, `#`, a deployment's name
+FLEET_SEP = "#"
 _MARK = {ExchangeKind.as_is: "=", ExchangeKind.transcode: "T", ExchangeKind.refused: "x"}
 _SAYS = {ExchangeKind.as_is: "as is: every byte of a block means the same on both sides",
          ExchangeKind.transcode: "with transcoding: the same cells in another order; restore rewrites each block "
@@ -53,29 +69,90 @@ def register(verbs: argparse._SubParsersAction) -> None:
         description="Compare two deployments' KV block layouts: exchanged as is, with transcoding (bytes per "
                     "block, descriptors per block), or not at all and why (docs/blocks.md).",
         epilog=_EPILOG, formatter_class=HelpFormatter)
-    p.add_argument("source", nargs="?", metavar="FROM", help="a JSON file, or a vLLM release (vllm-0.28, 0.28.0)")
-    p.add_argument("target", nargs="?", metavar="TO", help="the deployment the blocks are restored in")
+    p.add_argument("source", nargs="?", metavar="FROM",
+                   help="a JSON file, a vLLM release (vllm-0.28, 0.28.0), or FLEET.yaml#NAME: a fleet file's "
+                        "deployment as it is declared there")
+    p.add_argument("target", nargs="?", metavar="TO", help="the deployment the blocks are restored in (as FROM)")
     p.add_argument("--table", action="store_true", help="every pair of release profiles, for the flags' deployment")
+    p.add_argument("--via", metavar="CONNECTOR",
+                   help="answer for what this KV connector moves: ExampleConnector moves each layer's [B, H, N, C] "
+                        "view slot by slot (the same layer_view_digest: as is, or not at all); any other moves raw "
+                        "blocks as they are (as is, or not at all: it cannot transcode). Default: kvpolicy's own "
+                        "restore, which transcodes blocks whose cells only sit elsewhere")
     what = p.add_argument_group("the deployment of a release side (default: the built-in example)")
     what.add_argument("--spec", metavar="FILE", help="a YAML or JSON file of KVCacheSpec fields")
     what.add_argument("--model", metavar="PATH", help="a Hugging Face config.json, or the directory holding one")
+    what.add_argument("--tensor-parallel-size", type=int_at_least(1), metavar="N",
+                      help="with --model: KV heads are split over N ranks (default 1)")
+    what.add_argument("--dtype", metavar="DTYPE", help="vLLM's --dtype, with --model (default auto)")
     what.add_argument("--kv-cache-dtype", metavar="DTYPE")
     what.add_argument("--block-size", type=int_at_least(1), metavar="N",
                       help="tokens per block (default: each release's own)")
     what.add_argument("--attention-backend", "--backend", dest="backend", metavar="NAME")
     what.add_argument("--connector", metavar="NAME", help="the KV connector (`none` for none)")
+    what.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",
+                      help="vLLM's whole --kv-transfer-config (instead of --connector)")
+    what.add_argument("--device", choices=("cuda", "cpu"), help="vLLM's platform (default cuda; cpu: CPU_ATTN)")
+    what.add_argument("--cpu", metavar="ARCH[+FEATURE...]",
+                      help="the host CPU of a CPU_ATTN side, whose kernel orders a block's bytes: x86, x86+avx512, "
+                           "x86+avx512+amx, arm, ... (default: this machine's, said in a note)")
+    side = p.add_argument_group(
+        "one side only",
+        "What differs between two deployments is a case key, so one generic pair of flags says it: no flag per key "
+        "and per side, and every key a fleet deployment or a policy test case takes (docs/cli.md, the case format) "
+        "can differ. They apply to a release side (over the flags above) and to a FLEET.yaml#NAME side (over its "
+        "keys there); a JSON file is decided already.")
+    side.add_argument("--from", dest="from_keys", action="append", type=_key_value, metavar="KEY=VALUE",
+                      default=[], help="set a case key of FROM's deployment (repeatable): block_size=16, "
+                                       "cpu=x86+avx512+amx, kv_cache_dtype=fp8, vllm_version=0.33.0 (a fleet side)")
+    side.add_argument("--to", dest="to_keys", action="append", type=_key_value, metavar="KEY=VALUE",
+                      default=[], help="set a case key of TO's deployment (repeatable), as --from")
     add_format_flag(p)
     p.set_defaults(run=run)
 
 
-# the flags of a release side's deployment, and their argparse dests
-_DEPLOYMENT_FLAGS = (("--spec", "spec"), ("--model", "model"), ("--kv-cache-dtype", "kv_cache_dtype"),
-                     ("--block-size", "block_size"), ("--attention-backend", "backend"), ("--connector", "connector"))
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({exc.msg} at column {exc.colno}); expected an object "
+                                         "such as '{\"kv_connector\": \"NixlConnector\", \"kv_role\": "
+                                         "\"kv_both\"}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``: a case key and its value read as YAML (``32`` a number, ``{a: b}`` a mapping)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (a case key: block_size=32, cpu=x86+avx512+amx), "
+                                         f"got `{text[:80]}`")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else value
+    except yaml.YAMLError:
+        parsed = value  # not YAML: the text itself (validation says whether the key takes it)
+    return key, parsed
+
+
+# the flags of a release side's deployment: their argparse dests and the case key each sets
+_DEPLOYMENT_FLAGS = (("--spec", "spec", "spec"), ("--model", "model", "model"),
+                     ("--tensor-parallel-size", "tensor_parallel_size", "tensor_parallel_size"),
+                     ("--dtype", "dtype", "dtype"), ("--kv-cache-dtype", "kv_cache_dtype", "kv_cache_dtype"),
+                     ("--block-size", "block_size", "block_size"),
+                     ("--attention-backend", "backend", "attention_backend"), ("--connector", "connector", "connector"),
+                     ("--kv-transfer-config", "kv_transfer_config", "kv_transfer_config"),
+                     ("--device", "device", "device"), ("--cpu", "cpu", "cpu"))
+_SIDE_FLAG = {"FROM": "--from", "TO": "--to"}
 
 
 @dataclass(frozen=True)
 class Side:
-    """One deployment: where it came from (a file or a profile) and its fingerprint."""
+    """One deployment: where it came from (a file, a profile, a fleet's deployment) and its fingerprint."""
 
     label: str
     fingerprint: LayoutFingerprint
@@ -84,84 +161,189 @@ class Side:
         fp = self.fingerprint
         return {"from": self.label, "layout": str(fp.layout), "backend": fp.backend,
                 "kv_cache_dtype": fp.kv_cache_dtype, "num_layers": fp.num_layers, "block_size": fp.block_size,
-                "page_bytes": fp.page_bytes, "digest": fp.digest}
+                "kernel_order": fp.kernel_order, "page_bytes": fp.page_bytes, "digest": fp.digest}
 
     def line(self) -> str:
         s = self.summary()
+        order = f", kernel order {s['kernel_order']}" if s["kernel_order"] != "cells" else ""
         return (f"{s['from']}: {s['layout']} on {s['backend']}, {s['kv_cache_dtype']}, {s['num_layers']} layers, "
-                f"block {s['block_size']}, page {s['page_bytes']} B ({s['digest'][:19]})")
+                f"block {s['block_size']}{order}, page {s['page_bytes']} B ({s['digest'][:19]})")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The exchange, and what was compared: the unit (raw blocks or layer views) and the connector."""
+
+    kind: ExchangeKind
+    blocks: BlockExchange  # compare_blocks's answer (its cost, its differences), whatever the unit
+    via: str | None
+    unit: str  # block | layer_view
+    differences: tuple[Any, ...]  # the fields that differ for this unit
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind is not ExchangeKind.refused
+
+    def compared(self) -> str:
+        if self.unit == "layer_view":
+            return (f"layer views, as {self.via} moves them: each layer's [B, H, N, C] view slot by slot, the same "
+                    "bytes when the layer_view_digest is")
+        if self.via is None:
+            return "raw blocks, as kvpolicy's own restore reads them (it transcodes cells that only sit elsewhere)"
+        return f"raw blocks, as {self.via} moves them: as is or not at all (it cannot transcode)"
+
+
+def _answer(src: LayoutFingerprint, dst: LayoutFingerprint, via: str | None) -> Answer:
+    from kvpolicy.engine.fleet import compare_transfer, transfer_unit
+
+    blocks = compare_blocks(src, dst)
+    unit = transfer_unit(via) if via is not None else "block"
+    if unit == "layer_view":
+        kind, diffs, why = compare_transfer(via, src, dst, "source", "target")
+        return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
+    if via is not None and blocks.kind is ExchangeKind.transcode:
+        return Answer(ExchangeKind.refused, blocks, via, unit, blocks.differences,
+                      f"the same cells sit elsewhere in the block, and {via} moves raw blocks as they are: it "
+                      "cannot transcode")
+    return Answer(blocks.kind, blocks, via, unit, blocks.cell_differences if blocks.kind is ExchangeKind.refused
+                  else blocks.differences, blocks.reason)
+
+
+_SAYS_VIEWS = {ExchangeKind.as_is: "as is: each layer's view means the same bytes on both sides",
+               ExchangeKind.refused: "not at all"}
 
 
 def run(args: argparse.Namespace) -> int:
     if args.table:
         if args.source is not None:
             raise usage_error("--table", "--table compares every release profile: give no FROM or TO")
+        for flag, keys in (("--from", args.from_keys), ("--to", args.to_keys)):
+            if keys:
+                raise usage_error(flag, f"{flag} changes one side, and --table has no sides",
+                                  "give FROM and TO, or set the key for every release with its flag")
         return _table(args)
     if args.source is None or args.target is None:
         raise usage_error("FROM", "give the two deployments to compare (FROM TO), or --table")
-    given = [flag for flag, dest in _DEPLOYMENT_FLAGS if getattr(args, dest, None) is not None]
-    if given and Path(args.source).is_file() and Path(args.target).is_file():
+    via = _via(args.via)
+    given = [flag for flag, dest, _ in _DEPLOYMENT_FLAGS if getattr(args, dest, None) is not None]
+    kinds = [_kind_of(args.source), _kind_of(args.target)]
+    if given and "release" not in kinds:
+        said = "files" if kinds == ["file", "file"] else "decided or declared already (a file, a fleet's deployment)"
         raise usage_error(given[0], f"{given[0]} describes the deployment of a release side, and FROM and TO are "
-                          "both files: it would change nothing", f"drop {given[0]}, or name a release as FROM or TO")
-    src, dst = _side(args.source, args, "FROM"), _side(args.target, args, "TO")
-    exchange = compare_blocks(src.fingerprint, dst.fingerprint)
-    report = _report(src, dst, exchange)
+                          f"both {said}: it would change nothing",
+                          f"drop {given[0]} (--from/--to KEY=VALUE change a fleet side), or name a release as FROM "
+                          "or TO")
+    fleets: dict[str, Fleet] = {}
+    src = _side(args.source, args, "FROM", args.from_keys, fleets)
+    dst = _side(args.target, args, "TO", args.to_keys, fleets)
+    answer = _answer(src.fingerprint, dst.fingerprint, via)
+    report = _report(src, dst, answer)
     if args.format == "json":
         print_json(report)
     else:
         print(f"FROM {src.line()}")
         print(f"TO   {dst.line()}")
-        print(f"exchange: {_SAYS[exchange.kind]}")
+        print(f"compared: {answer.compared()}")
+        says = _SAYS_VIEWS[answer.kind] if answer.unit == "layer_view" else _SAYS[answer.kind]
+        print(f"exchange: {says}")
         cost = report.get("cost")
         if cost:
             print(f"  bytes per block: {cost['bytes_per_block']['from']} at FROM, {cost['bytes_per_block']['to']} "
                   f"at TO" + (" (transcoding reads and writes each once more)"
-                              if exchange.kind is ExchangeKind.transcode else ""))
+                              if answer.kind is ExchangeKind.transcode else ""))
             print(f"  descriptors per block: {cost['descriptors_per_block']['from']} at FROM, "
                   f"{cost['descriptors_per_block']['to']} at TO")
-        if exchange.kind is ExchangeKind.refused:
-            if exchange.cell_differences:
-                print(f"  the cells differ in {len(exchange.cell_differences)} field(s), so no exact conversion "
-                      "exists:")
-                for d in exchange.cell_differences:
+        if answer.kind is ExchangeKind.refused:
+            if answer.differences:
+                what = "each layer's view differs" if answer.unit == "layer_view" else \
+                    "the cells differ" if answer.blocks.kind is ExchangeKind.refused else "where the cells sit differs"
+                why = ", so no exact conversion exists" if answer.blocks.kind is ExchangeKind.refused and \
+                    answer.unit == "block" else f" ({answer.reason})"
+                print(f"  {what} in {len(answer.differences)} field(s){why}:")
+                for d in answer.differences:
                     print(f"    {d}")
             else:
-                print(f"  {exchange.reason}")
-        elif exchange.differences:
-            print("  where the cells sit differs in:" if exchange.kind is ExchangeKind.transcode
+                print(f"  {answer.reason}")
+        elif answer.differences:
+            print("  where the cells sit differs in:" if answer.kind is ExchangeKind.transcode
                   else "  the fingerprints differ where no byte of a block moves:")
-            for d in exchange.differences:
+            for d in answer.differences:
                 print(f"    {d}")
-    return EXIT_OK if exchange.ok else EXIT_FAILED
+    return EXIT_OK if answer.ok else EXIT_FAILED
 
 
-def _report(src: Side, dst: Side, exchange: BlockExchange) -> dict[str, Any]:
-    out: dict[str, Any] = {"from": src.summary(), "to": dst.summary(), "exchange": exchange.kind.value,
-                           "differences": [str(d) for d in exchange.differences],
-                           "cell_differences": [str(d) for d in exchange.cell_differences], "reason": exchange.reason}
-    if exchange.ok:
+def _via(name: str | None) -> str | None:
+    """``--via``'s connector, a name kvpolicy or some release knows (a typo would be answered as raw blocks)."""
+    if name is None:
+        return None
+    from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
+    from kvpolicy.policy.near_names import nearest
+    from kvpolicy.policy.releases import get_profile, profile_names
+
+    known = set(KNOWN_CONNECTORS).union(*(get_profile(p).connectors for p in profile_names()))
+    if name not in known:
+        near = nearest(name, known) or suggest_connector(name)
+        raise usage_error("--via", f"no KV connector `{name}`",
+                          (f"did you mean `{near}`? " if near else "") + "name a connector class: ExampleConnector "
+                          "(layer views), NixlConnector, MooncakeStoreConnector, OffloadingConnector, ... (raw blocks)")
+    return name
+
+
+def _report(src: Side, dst: Side, answer: Answer) -> dict[str, Any]:
+    blocks = answer.blocks
+    out: dict[str, Any] = {"from": src.summary(), "to": dst.summary(), "via": answer.via, "unit": answer.unit,
+                           "exchange": answer.kind.value, "differences": [str(d) for d in answer.differences]
+                           if answer.unit == "layer_view" else [str(d) for d in blocks.differences],
+                           "cell_differences": [str(d) for d in blocks.cell_differences]
+                           if answer.unit == "block" else [], "reason": answer.reason}
+    if answer.unit == "layer_view":
+        from kvpolicy.engine.exchange import layer_view_digest
+
+        out["layer_view_digest"] = {"from": layer_view_digest(src.fingerprint),
+                                    "to": layer_view_digest(dst.fingerprint)}
+    elif answer.ok:
         out["cost"] = {
-            "bytes_per_block": {"from": exchange.source_format.row_bytes, "to": exchange.target_format.row_bytes}
-            if exchange.source_format and exchange.target_format else None,
+            "bytes_per_block": {"from": blocks.source_format.row_bytes, "to": blocks.target_format.row_bytes}
+            if blocks.source_format and blocks.target_format else None,
             "descriptors_per_block": {"from": descriptors_per_block(plan_of(src.fingerprint)),
                                       "to": descriptors_per_block(plan_of(dst.fingerprint))},
         }
     return out
 
 
-def _side(text: str, args: argparse.Namespace, where: str) -> Side:
-    path = Path(text)
-    if path.is_file():
-        return Side(text, _fingerprint_in(path, where))
+def _kind_of(text: str) -> str:
+    """``file``, ``fleet`` (FLEET.yaml#NAME) or ``release``."""
+    if Path(text).is_file():
+        return "file"
+    return "fleet" if FLEET_SEP in text else "release"
+
+
+def _side(text: str, args: argparse.Namespace, where: str, keys: list[tuple[str, Any]],
+          fleets: dict[str, Fleet]) -> Side:
+    kind = _kind_of(text)
+    if kind == "file":
+        if keys:
+            raise usage_error(_SIDE_FLAG[where], f"{where} is a file, a layout decided already: "
+                              f"{_SIDE_FLAG[where]} {keys[0][0]}=... would change nothing",
+                              f"drop {_SIDE_FLAG[where]}, or name a release or a FLEET.yaml#NAME as {where}")
+        return Side(text, _fingerprint_in(Path(text), where))
+    if kind == "fleet":
+        return _fleet_side(text, where, keys, fleets)
     from kvpolicy.policy.releases import resolve_profile
 
     try:
         profile, _ = resolve_profile(text)
     except InputError:
         raise usage_error(where, f"`{text}` is neither a file nor a vLLM release kvpolicy profiles",
-                          "give a `kvpolicy dry-run --format json` file or a release (`kvpolicy releases` lists "
-                          "them)") from None
-    return Side(profile.name, _decided(profile.name, args, where))
+                          "give a `kvpolicy dry-run --format json` file, a release (`kvpolicy releases` lists "
+                          "them), or FLEET.yaml#NAME") from None
+    return Side(profile.name + _changed(keys), _decided(profile.name, args, where, keys))
+
+
+def _changed(keys: list[tuple[str, Any]]) -> str:
+    """A side's ``--from``/``--to`` keys, for its label: `` (block_size=16, cpu=x86)``."""
+    return f" ({', '.join(f'{k}={json.dumps(v) if not isinstance(v, str) else v}' for k, v in keys)})" if keys else ""
 
 
 def _fingerprint_in(path: Path, where: str) -> LayoutFingerprint:
@@ -191,38 +373,174 @@ def _fingerprint_in(path: Path, where: str) -> LayoutFingerprint:
         raise usage_error(str(path), d.message, d.help) from None
 
 
-def _inputs(args: argparse.Namespace) -> dict[str, Any]:
+def _rules(profile: str) -> RuleSet:
+    """The shipped rules of a release profile, each loaded once."""
+    from kvpolicy.engine.rule_layers import load_layers
+
+    if profile not in _RULES:
+        _RULES[profile] = load_layers(vllm_version=profile)
+    return _RULES[profile]
+
+
+_RULES: dict[str, Any] = {}
+
+
+def _flag_keys(args: argparse.Namespace, device: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The case keys the deployment flags set (the built-in example where no --spec or --model), and the
+    flag that set each (for an error about it)."""
     from kvpolicy.engine.cli.dry_run import read_spec_file
 
+    data: dict[str, Any] = {}
+    said: dict[str, str] = {}
     if args.spec is not None:
-        inputs: dict[str, Any] = read_spec_file(args.spec)
+        data.update(read_spec_file(args.spec))
+        said.update({k: "--spec" for k in data})
     elif args.model is not None:
-        inputs = {"model": args.model}
-    else:
-        inputs = {k: v for k, v in DEFAULT_EXAMPLE.items() if k != "backend"}
-        inputs["attention_backend"] = DEFAULT_EXAMPLE["backend"]
-    for key, value in (("kv_cache_dtype", args.kv_cache_dtype), ("block_size", args.block_size),
-                       ("attention_backend", args.backend)):
+        data["model"], said["model"] = args.model, "--model"
+    for flag, dest, key in _DEPLOYMENT_FLAGS[2:]:
+        value = getattr(args, dest, None)
         if value is not None:
-            inputs[key] = value
-    if args.connector is not None:
-        inputs["connector"] = None if args.connector == "none" else args.connector
-    return inputs
+            data[key], said[key] = value, flag
+    if data.get("connector") == "none":
+        data["connector"] = None
+    if args.spec is None and args.model is None:  # the built-in example, as dry-run's (CPU_ATTN on cpu)
+        data.setdefault("spec", dict(DEFAULT_EXAMPLE["spec"]))
+        cuda = device in (None, "cuda")
+        data.setdefault("kv_cache_dtype", DEFAULT_EXAMPLE["kv_cache_dtype"] if cuda else "auto")
+        if cuda:
+            data.setdefault("attention_backend", DEFAULT_EXAMPLE["backend"])
+        if "kv_transfer_config" not in data:
+            data.setdefault("connector", DEFAULT_EXAMPLE["connector"])
+    return data, said
 
 
-def _decided(profile: str, args: argparse.Namespace, where: str) -> LayoutFingerprint:
-    from kvpolicy.engine.layout_engine import LayoutEngine
+def _merge(data: dict[str, Any], keys: list[tuple[str, Any]], said: dict[str, str], where: str) -> dict[str, Any]:
+    """``data`` with a side's ``--from``/``--to`` keys set (a source key replaces the other sources; a
+    connector key the other way of naming the connector)."""
+    from kvpolicy.engine.policy_tests.cases import CaseInput
+    from kvpolicy.policy.near_names import nearest
+
+    flag = _SIDE_FLAG[where]
+    valid = [k for k in CaseInput.model_fields]
+    out = dict(data)
+    for key, value in keys:
+        if key not in valid:
+            near = nearest(key, valid)
+            raise usage_error(f"{flag} {key}", f"no case key `{key}`", (f"did you mean `{near}`? " if near else "")
+                              + f"the keys: {', '.join(valid)}")
+        if key in ("model", "spec", "groups"):
+            out = {k: v for k, v in out.items() if k not in ("model", "spec", "groups")}
+            if key == "model" and isinstance(value, str):
+                value = str(Path(value).resolve())  # typed here: relative to the working directory
+        if key in ("connector", "connector_config") and "kv_transfer_config" not in dict(keys):
+            out.pop("kv_transfer_config", None)
+        if key == "kv_transfer_config":
+            out.pop("connector", None)
+            out.pop("connector_config", None)
+        if key == "connector" and isinstance(value, str) and value.lower() == "none":
+            value = None
+        out[key] = value
+        said[key] = f"{flag} {key}"
+    return out
+
+
+def _deployment(name: str, data: dict[str, Any], said: dict[str, str], where: str) -> Any:
+    """A `Deployment` of ``data``; a key it refuses is a usage error naming the flag that set it."""
+    from pydantic import ValidationError
+
+    from kvpolicy.engine.fleet import Deployment
 
     try:
-        return LayoutEngine.default(profile).decide(explain=False, **_inputs(args)).fingerprint
-    except PolicyError as exc:
+        return Deployment.model_validate({**data, "name": name})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = str(err["loc"][0]) if err["loc"] else ""
+        message = err["msg"].removeprefix("Value error, ")
+        raise usage_error(said.get(key, where), f"{where}: {message}" + (f" (`{key}`)" if key and
+                                                                           f"`{key}`" not in message else "")) from None
+
+
+def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet_file: str | None = None
+                    ) -> LayoutFingerprint:
+    """A decided side's fingerprint; a side that decides nothing is an error where it is written: the fleet
+    file's line, else the flag or key that is wrong (a usage error), else the side."""
+    for note in result.notes:
+        print(note, file=sys.stderr)
+    if result.decision is None:
+        exc = result.error
+        assert exc is not None
         d = exc.diagnostics[0] if exc.diagnostics else None
-        raise usage_error(where, f"{profile}: {d.message if d else exc.message}", d.help if d else None) from None
+        who = f"{where} {result.name}" + (f" ({result.location})" if fleet_file is not None else "")
+        if fleet_file is not None and d is not None and d.line > 0 and not isinstance(exc, NoLayoutError):
+            raise InputError(f"{who} decides no layout", list(exc.diagnostics))
+        key = d.file.split(".", 1)[0].split("[", 1)[0] if d is not None and d.line == 0 else ""
+        raise usage_error(said.get(key, where), f"{who}: {d.message if d else exc.message}",
+                          d.help if d else None) from None
+    ctx = result.decision.context
+    if ctx.backend.write_isa and result.deployment.cpu is None:
+        from kvpolicy.policy.cpu_kernel import CpuHost
+
+        order = result.decision.fingerprint.kernel_order
+        print(f"note: {where} runs {ctx.backend.name}, whose kernel order (`{order}`) is decided for this "
+              f"machine's CPU (`{CpuHost.this_host().label}`): pass --cpu, or {_SIDE_FLAG[where]} cpu=LABEL, for "
+              "another host's", file=sys.stderr)
+    return result.decision.fingerprint
+
+
+def _decided(profile: str, args: argparse.Namespace, where: str, keys: list[tuple[str, Any]] = ()  # type: ignore[assignment]
+             ) -> LayoutFingerprint:
+    """A release side: the flags' deployment (and the side's keys) decided under ``profile``'s shipped rules,
+    as dry-run --fleet decides a deployment."""
+    from kvpolicy.engine.fleet import decide_deployment
+
+    if any(k == "vllm_version" for k, _ in keys):
+        raise usage_error(f"{_SIDE_FLAG[where]} vllm_version", f"{where} names its release already (`{profile}`)",
+                          f"name the release as {where} itself")
+    device = dict(keys).get("device", args.device)
+    data, said = _flag_keys(args, device)
+    data = _merge(data, list(keys), said, where)
+    data["vllm_version"] = profile
+    dep = _deployment(profile, data, said, where)
+    result = decide_deployment(dep, Path("."), _rules, profile)
+    return _fingerprint_of(result, where, said)
+
+
+def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict[str, Fleet]) -> Side:
+    """``FLEET.yaml#NAME``: the deployment as the fleet file declares it (``keys`` changed), decided as
+    dry-run --fleet decides it; a fleet file with mistakes is its located errors."""
+    from kvpolicy.engine.fleet import FleetError, decide_in_fleet, load_fleet
+    from kvpolicy.policy.near_names import nearest
+
+    file, _, name = text.rpartition(FLEET_SEP)
+    if not Path(file).is_file():
+        raise usage_error(where, f"`{file}` (before `{FLEET_SEP}{name}`) is no fleet file",
+                          "give FLEET.yaml#NAME: a fleet file and one of its deployments' names")
+    if file not in fleets:
+        try:
+            fleets[file] = load_fleet(file)
+        except FleetError as exc:
+            raise InputError(f"{where}: the fleet file `{file}` has mistakes", list(exc.diagnostics)) from None
+    fleet = fleets[file]
+    names = [d.name for d, _ in fleet.deployments]
+    if name not in names:
+        near = nearest(name, names)
+        raise usage_error(where, f"no deployment `{name}` in fleet `{file}`",
+                          (f"did you mean `{near}`? " if near else "") + "its deployments: "
+                          + ", ".join(names[:12]) + (", ..." if len(names) > 12 else ""))
+    index = names.index(name)
+    said: dict[str, str] = {}
+    dep = None
+    if keys:
+        declared = fleet.deployments[index][0].model_dump(mode="json", exclude_defaults=True)
+        dep = _deployment(name, _merge(declared, list(keys), said, where), said, where)
+    result = decide_in_fleet(fleet, index, _rules, None, dep)
+    return Side(text + _changed(keys), _fingerprint_of(result, where, said, fleet.file))
 
 
 def _table(args: argparse.Namespace) -> int:
     from kvpolicy.policy.releases import profile_names
 
+    via = _via(args.via)
     sides: list[Side | None] = []
     for name in profile_names():
         try:
@@ -230,10 +548,11 @@ def _table(args: argparse.Namespace) -> int:
         except PolicyError:
             sides.append(None)  # this release decides no layout (or refuses the inputs): shown as such
     names = list(profile_names())
-    rows = [[None if a is None or b is None else compare_blocks(a.fingerprint, b.fingerprint).kind
+    rows = [[None if a is None or b is None else _answer(a.fingerprint, b.fingerprint, via).kind
              for b in sides] for a in sides]
     if args.format == "json":
-        print_json({"profiles": names, "deployments": [s.summary() if s else None for s in sides],
+        print_json({"profiles": names, "via": via, "unit": _answer_unit(via),
+                    "deployments": [s.summary() if s else None for s in sides],
                     "exchanges": [[k.value if k else None for k in row] for row in rows]})
         return EXIT_OK
     short = [n.removeprefix("vllm-").removeprefix("issue-") for n in names]
@@ -243,5 +562,13 @@ def _table(args: argparse.Namespace) -> int:
         layout = f"{side.fingerprint.layout} b{side.fingerprint.block_size}" if side else "no layout"
         marks = "".join(f"{_MARK[k] if k else '-':>{width}}" for k in row)
         print(f"{name:<12} {layout:<12}{marks}")
-    print("= as is, T with transcoding, x not at all, - no layout decided")
+    print("= as is, T with transcoding, x not at all, - no layout decided"
+          + (f" (via {via}: {'layer views' if _answer_unit(via) == 'layer_view' else 'raw blocks, as is only'})"
+             if via else ""))
     return EXIT_OK
+
+
+def _answer_unit(via: str | None) -> str:
+    from kvpolicy.engine.fleet import transfer_unit
+
+    return "block" if via is None else transfer_unit(via)

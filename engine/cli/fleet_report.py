@@ -3,11 +3,13 @@
 dry-run: one report for every deployment of the fleet file (`kvpolicy.engine.fleet`): its decision
 (with dry-run's geometry check: ``unsafe`` when views of the chosen layout write the same bytes),
 its refusal (no layout survives, with the rules that removed the candidates) or its input error,
-then the audit findings and other warnings, and the time it took; as text, JSON or JUnit XML (a
-deployment is a test case; a refusal or bad input a failure). Exit 1 when some deployment is
-unsafe, refused or invalid. diff: each deployment decided with both rule stacks, each under its own
-release's shipped rules; the deployments whose decision changes, with the rules that removed the
-old layout on the new side. Exit 1 when some decision changes.
+then the audit findings and other warnings, the answer for every ordered pair of each exchange (the
+fleet's ``exchanges:``: whether the blocks one deployment writes are what another reads, through the
+exchange's connector), and the time it took; as text, JSON or JUnit XML (a deployment is a test case;
+a refusal or bad input a failure; an exchange's pair a test case of a second suite). Exit 1 when some
+deployment is unsafe, refused or invalid, or an exchange's pair is refused. diff: each deployment decided
+with both rule stacks, each under its own release's shipped rules; the deployments whose decision
+changes, with the rules that removed the old layout on the new side. Exit 1 when some decision changes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kvpolicy.engine.cli.common import (
 from kvpolicy.policy.errors import PolicyError, RuleLoadError
 
 if TYPE_CHECKING:  # engine.fleet builds the case models (~30 ms): imported when a fleet is read, not per CLI start
-    from kvpolicy.engine.fleet import Fleet, FleetResult
+    from kvpolicy.engine.fleet import ExchangeAnswer, Fleet, FleetResult
     from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["add_fleet_flag", "falls_back", "open_fleet", "result_dict", "rules_for", "run_fleet", "run_fleet_diff"]
@@ -41,7 +43,7 @@ _ONE_DEPLOYMENT = (
     "model", "spec", "dtype", "serve_args", "kv_cache_dtype", "block_size", "tensor_parallel_size", "backend",
     "worker_attention_backends", "scale_views", "connector", "connector_config", "kv_transfer_config",
     "connector_module_path", "connector_prefers_cross_layer_blocks", "vllm_kv_cache_layout",
-    "enable_extensible_kv_cache", "hisparse",
+    "enable_extensible_kv_cache", "hisparse", "cpu",
     "use_v2_model_runner", "allow_chunked_local_attn_with_hybrid_kv_cache", "disable_hybrid_kv_cache_manager",
     "disable_sliding_window",
     "device", "device_capability", "num_blocks", "map_layout", "svg", "record_test",
@@ -124,7 +126,26 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def render_text(file: str, results: list[FleetResult], seconds: float) -> str:
+def exchanges_text(answers: list[ExchangeAnswer]) -> list[str]:
+    """The exchanges section: each exchange with its connector and what it moves, then each ordered pair."""
+    lines: list[str] = []
+    shown = None
+    for a in answers:
+        if a.exchange is not shown:
+            shown = a.exchange
+            ex = a.exchange
+            said = "" if ex.connector_from == "exchange" else " (the deployments' own)"
+            unit = "layer views (the same layer_view_digest)" if ex.unit == "layer_view" else \
+                "raw blocks (as is only: it cannot transcode)"
+            lines.append(f"  {ex.name} ({a.location}): {ex.connector}{said} moves {unit}")
+        lines.append(f"    {a.writer} -> {a.reader}: {a.say()}")
+        if a.change:
+            lines.append(f"      help: {a.change}")
+    return lines
+
+
+def render_text(file: str, results: list[FleetResult], seconds: float,
+                answers: list[ExchangeAnswer] | None = None) -> str:
     counts = _counts(results)
     releases = sorted({r.profile for r in results if r.profile})
     unsafe = f", {counts['unsafe']} unsafe" if counts["unsafe"] else ""
@@ -151,6 +172,12 @@ def render_text(file: str, results: list[FleetResult], seconds: float) -> str:
     if warned:
         lines += ["", "warnings:"]
         lines += [f"  {r.name}: {w}".replace("\n", "\n    ") for r, w in warned]
+    if answers:
+        refused = sum(a.answer == "refused" for a in answers)
+        unknown = sum(a.answer == "unknown" for a in answers)
+        lines += ["", f"exchanges: {len(answers)} ordered pair(s): {len(answers) - refused - unknown} as is, "
+                  f"{refused} refused, {unknown} unknown"]
+        lines += exchanges_text(answers)
     lines += ["", f"{len(results)} deployments decided in {seconds:.2f}s"]
     return "\n".join(lines)
 
@@ -159,12 +186,16 @@ def _counts(results: list[FleetResult]) -> dict[str, int]:
     return {s: sum(r.status == s for r in results) for s in ("decided", "unsafe", "refused", "invalid")}
 
 
-def junit_xml(file: str, results: list[FleetResult], seconds: float) -> str:
-    """The fleet as JUnit XML: one testsuite, a testcase per deployment, a failure per unsafe, refused or
-    invalid one."""
+def junit_xml(file: str, results: list[FleetResult], seconds: float,
+              answers: list[ExchangeAnswer] | None = None) -> str:
+    """The fleet as JUnit XML: a testsuite with a testcase per deployment, a failure per unsafe, refused or
+    invalid one; with exchanges, a second testsuite with a testcase per ordered pair, a failure per refused
+    one (an unknown one is skipped: its deployment's own failure says why)."""
     bad = [r for r in results if r.status != "decided"]
-    root = ET.Element("testsuites", name="kvpolicy fleet", tests=str(len(results)), failures=str(len(bad)),
-                      errors="0", time=f"{seconds:.3f}")
+    answers = answers or []
+    refused = [a for a in answers if a.answer == "refused"]
+    root = ET.Element("testsuites", name="kvpolicy fleet", tests=str(len(results) + len(answers)),
+                      failures=str(len(bad) + len(refused)), errors="0", time=f"{seconds:.3f}")
     suite = ET.SubElement(root, "testsuite", name=file, tests=str(len(results)), failures=str(len(bad)),
                           errors="0", skipped="0", time=f"{seconds:.3f}")
     for r in results:
@@ -178,6 +209,19 @@ def junit_xml(file: str, results: list[FleetResult], seconds: float) -> str:
         else:
             out = ET.SubElement(case, "system-out")
             out.text = "\n".join([f"layout: {_outcome(r)}", *r.warnings])
+    if answers:
+        suite = ET.SubElement(root, "testsuite", name=f"{file} exchanges", tests=str(len(answers)),
+                              failures=str(len(refused)), errors="0",
+                              skipped=str(sum(a.answer == "unknown" for a in answers)), time="0")
+        for a in answers:
+            case = ET.SubElement(suite, "testcase", name=f"{a.writer} -> {a.reader}",
+                                 classname=f"exchange.{a.exchange.name}", file=file, line=str(a.exchange.line),
+                                 time="0")
+            if a.answer == "refused":
+                failure = ET.SubElement(case, "failure", message=a.say(), type="exchange-refused")
+                failure.text = "\n".join([a.say(), f"help: {a.change}"])
+            elif a.answer == "unknown":
+                ET.SubElement(case, "skipped", message=a.reason)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
 
@@ -191,7 +235,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         flag = "--" + (given[0] if given else "map").replace("_", "-")
         raise usage_error(flag, f"{flag} describes one deployment; the fleet file describes each of them",
                           "set it in the fleet file (on a deployment, or under `defaults:`)")
-    from kvpolicy.engine.fleet import decide_fleet
+    from kvpolicy.engine.fleet import decide_fleet, exchange_answers
 
     fleet = open_fleet(args)
     if fleet is None:
@@ -202,17 +246,20 @@ def run_fleet(args: argparse.Namespace) -> int:
     except RuleLoadError as exc:
         report_error(exc, "json" if args.format == "json" else "text")
         return EXIT_FAILED
+    answers = exchange_answers(fleet, results)
     seconds = time.perf_counter() - start
     if args.format == "json":
         counts = _counts(results)
         print_json({"fleet": args.fleet, "summary": {"deployments": len(results), **counts,
                                                      "seconds": round(seconds, 3)},
-                    "deployments": [result_dict(r) for r in results]})
+                    "deployments": [result_dict(r) for r in results],
+                    "exchanges": [a.to_dict() for a in answers]})
     elif args.format == "junit":
-        print(junit_xml(args.fleet, results, seconds))
+        print(junit_xml(args.fleet, results, seconds, answers))
     else:
-        print(render_text(args.fleet, results, seconds))
-    return EXIT_OK if all(r.status == "decided" for r in results) else EXIT_FAILED
+        print(render_text(args.fleet, results, seconds, answers))
+    ok = all(r.status == "decided" for r in results) and not any(a.answer == "refused" for a in answers)
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 def falls_back(fleet: Fleet) -> bool:

@@ -240,7 +240,7 @@ def read_stamp(folder: Path) -> Stamp | str:
     try:
         return Stamp.from_json(data, str(path))
     except PolicyError as exc:
-        return f"its {STAMP_FILE} is not a kvpolicy stamp ({exc.message.splitlines()[0][:200]})"
+        return f"its {STAMP_FILE} is not a kvpolicy stamp ({' '.join(exc.render().split())[:300]})"
 
 
 # ---------------------------------------------------------------- the factory hook
@@ -248,7 +248,14 @@ def read_stamp(folder: Path) -> Stamp | str:
 
 # connector class -> the module of `kvpolicy.engine.integrations.connector_guards` whose `guard(connector, stamp,
 # unstamped)` guards one of its objects (imported when vLLM creates such a connector)
-GUARDS: dict[str, str] = {"ExampleConnector": "example_connector"}
+GUARDS: dict[str, str] = {
+    "ExampleConnector": "example_connector",
+    "NixlConnector": "nixl_connector",  # vLLM's alias of NixlPullConnector; the class vLLM builds is named below
+    "NixlPullConnector": "nixl_connector",
+    "NixlPushConnector": "nixl_connector",
+    "OffloadingConnector": "offloading_connector",
+    "MooncakeStoreConnector": "mooncake_store_connector",
+}
 _warned: set[str] = set()
 
 

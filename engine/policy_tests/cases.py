@@ -31,7 +31,8 @@ from kvpolicy.engine.decide import BACKEND_GEOMETRY, RELEASE_CANDIDATES
 from kvpolicy.engine.inputs import build_context, parse_device_capability
 from kvpolicy.policy.backends import ScaleViews
 from kvpolicy.policy.context import Context
-from kvpolicy.policy.errors import Diagnostic, PolicyError, shown_file
+from kvpolicy.policy.cpu_kernel import CpuHost
+from kvpolicy.policy.errors import Diagnostic, InputError, PolicyError, shown_file
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layouts import Layout, LayoutName, LayoutPattern
 from kvpolicy.policy.load import RULE_FILE_SUFFIXES
@@ -116,6 +117,22 @@ class CaseInput(Frozen):
         default=None, description="vLLM's platform: `cuda` (default) or `cpu` (the backend its CPU platform selects)")
     device_capability: StrictInt | None = Field(
         default=None, description="the CUDA compute capability's major number (10 for 10.0); `9.0` is accepted")
+    cpu: str | None = Field(
+        default=None, description="the host CPU vLLM's CPU attention runs on, whose cache-write kernel orders a "
+        "block's bytes (the fingerprint's kernel_order): `x86`, `x86+avx512`, `x86+avx512+amx`, `arm`, `power`, "
+        "`s390x`, `riscv`, `riscv+rvv`; absent: the machine kvpolicy runs on")
+
+    @field_validator("cpu", mode="before")
+    @classmethod
+    def _cpu_label(cls, value: Any) -> Any:
+        """A CPU label, checked as `CpuHost.parse` checks it and written as its canonical label."""
+        if not isinstance(value, str):
+            return value  # a number, a mapping: the type error says it
+        try:
+            return CpuHost.parse(value, "cpu").label
+        except InputError as exc:
+            d = exc.diagnostics[0]
+            raise ValueError(f"`cpu`: {d.message} ({d.help})") from None
 
     @field_validator("device_capability", mode="before", json_schema_input_type=int | float | str | None)
     @classmethod
@@ -528,6 +545,7 @@ def context_for(inp: CaseInput, base_dir: Path = Path("."), vllm_version: str | 
         "hisparse": inp.hisparse,
         "device": inp.device,
         "device_capability": inp.device_capability,
+        "cpu": inp.cpu,
         "use_v2_model_runner": inp.use_v2_model_runner,
         "allow_chunked_local_attn_with_hybrid_kv_cache": inp.allow_chunked_local_attn_with_hybrid_kv_cache,
         "disable_hybrid_kv_cache_manager": inp.disable_hybrid_kv_cache_manager,
