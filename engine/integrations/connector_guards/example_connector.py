@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ class ExampleConnectorGuard:
         self.folder = self.root / stamp.namespace
         self.reported: set[str] = set()
         self._claim_folder()
+        self._align = sys.modules[type(connector).__module__].align_to_block_size  # vLLM's own rounding
+        self._block_size = int(connector._block_size)
         self._found = connector._found_match_for_prompt
         self._folder_of = connector._generate_foldername_debug
         connector._storage_path = str(self.folder)
@@ -84,15 +87,9 @@ class ExampleConnectorGuard:
     def _entry(self, prompt_token_ids: list[int], mm_hashes: list[str]) -> str:
         """The folder ExampleConnector names for the prompt's whole blocks (as its own lookup does)."""
         import torch
-        from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector
 
-        block_size = self._block_size()
-        aligned = example_connector.align_to_block_size(len(prompt_token_ids) - 1, block_size)
+        aligned = self._align(len(prompt_token_ids) - 1, self._block_size)
         return self._folder_of(torch.tensor(prompt_token_ids)[:aligned], mm_hashes, create_folder=False)
-
-    def _block_size(self) -> int:
-        owner = getattr(self._found, "__self__", None)
-        return int(owner._block_size)
 
     def _other_folders(self) -> list[Path]:
         """The store's top (unstamped entries) and every other stamp's folder."""
