@@ -25,6 +25,7 @@ import json
 import math
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -86,7 +87,9 @@ def write_tiny_llama(directory: Path, seed: int = SEED) -> Path:
             tensor = torch.ones(shape, dtype=torch.float32)
         else:
             tensor = torch.randn(shape, generator=generator, dtype=torch.float32) * std
-        data = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
+        # the raw little-endian bytes without numpy (a fresh venv has none): x86-64 and aarch64 are little-endian
+        assert sys.byteorder == "little"
+        data = bytes(tensor.to(torch.bfloat16).contiguous().untyped_storage())
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
         chunks.append(data)
         offset += len(data)
@@ -104,6 +107,4 @@ def write_tiny_llama(directory: Path, seed: int = SEED) -> Path:
 
 
 if __name__ == "__main__":
-    import sys
-
     print(write_tiny_llama(Path(sys.argv[1])))
