@@ -76,7 +76,8 @@ def read_worker(worker: Any) -> dict[str, Any]:
     context = runner.compilation_config.static_forward_context
     isas = {getattr(context[name], "isa", None) for t in config.kv_cache_tensors for name in t.layers}
     return {
-        "kv_cache_layout": worker.vllm_config.cache_config.kv_cache_layout,
+        # KVCacheConfig carries the layout from 0.29 on; the gate releases (0.28) have none in cache_config
+        "kv_cache_layout": getattr(worker.vllm_config.cache_config, "kv_cache_layout", None),
         "block_size": worker.vllm_config.cache_config.block_size,
         "attn_isa": sorted(isa for isa in isas if isa),  # the CPU kernel's ISA (its block interior order)
         "plugin": plugin,
@@ -150,8 +151,10 @@ def zero_kv(worker: Any) -> int:
 
 
 def _pass(llm: Any, request: dict[str, Any], params: Any) -> dict[str, Any]:
+    begin = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompts"]], params, use_tqdm=False)
-    out: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+    out: dict[str, Any] = {"generate_s": time.perf_counter() - begin,
+                           "tokens": [list(o.outputs[0].token_ids) for o in outputs],
                            "num_cached_tokens": [o.num_cached_tokens for o in outputs]}
     if request.get("logprobs") is not None:
         out["logprobs"] = [[o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(o.outputs[0].token_ids)]
