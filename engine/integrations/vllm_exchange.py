@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,11 +59,13 @@ __all__ = [
     "STAMP_FILE",
     "STAMP_FORMAT",
     "Stamp",
+    "before_create",
     "guard_connector",
     "install",
     "read_stamp",
     "stamp_of",
     "this_engines_fingerprint",
+    "unguard",
     "unstamped_policy",
     "write_atomically",
 ]
@@ -263,19 +266,54 @@ def guard_connector(connector: Any, stamp: Stamp, unstamped: str = "miss") -> An
     """Guard one connector object by its class (see the module docstring); returns the guard, or None
     for a class kvpolicy has no guard for (said once per class, as a warning)."""
     name = type(connector).__name__
-    module = GUARDS.get(name)
+    module = _guard_module(name)
     if module is not None:
-        return importlib.import_module(f"kvpolicy.engine.integrations.connector_guards.{module}").guard(
-            connector, stamp, unstamped)
+        return module.guard(connector, stamp, unstamped)
     children = getattr(connector, "_connectors", None)
     if isinstance(children, list) and children:  # MultiConnector builds its members itself, not by the factory
         return [guard_connector(child, stamp, unstamped) for child in children]
     if name not in _warned:
         _warned.add(name)
         log.warning("kvpolicy: %s: the blocks this connector moves are not checked against its peers' layouts "
-                    "(kvpolicy guards ExampleConnector; docs/blocks-between-engines.md says where each connector "
-                    "stands); this engine's stamp is %s", name, stamp.view_digest)
+                    "(kvpolicy guards %s; docs/blocks-between-engines.md says where each connector stands); this "
+                    "engine's stamp is %s", name, ", ".join(sorted(GUARDS)), stamp.view_digest)
     return None
+
+
+def _guard_module(name: Any) -> Any:
+    """The guard module of connector class ``name``, or None."""
+    module = GUARDS.get(name) if isinstance(name, str) else None
+    return None if module is None else importlib.import_module(
+        f"kvpolicy.engine.integrations.connector_guards.{module}")
+
+
+def before_create(kv_transfer_config: Any, stamp: Stamp, unstamped: str = "miss") -> None:
+    """What a guard must settle before vLLM builds its connector (a store's namespace that the constructor
+    reads: OffloadingConnector's tiers, MooncakeStoreConnector's ``cache_prefix``), for the configured
+    connector and, in a MultiConnector, for each member's own ``kv_connector_extra_config``."""
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+    if extra is None:
+        extra = {}
+        kv_transfer_config.kv_connector_extra_config = extra
+    todo = [(getattr(kv_transfer_config, "kv_connector", None), extra)]
+    while todo:
+        name, config = todo.pop()
+        module = _guard_module(name)
+        hook = getattr(module, "before_create", None)
+        if hook is not None:
+            hook(config, stamp, unstamped)
+        for member in config.get("connectors") or () if isinstance(config, dict) else ():
+            if isinstance(member, dict):
+                todo.append((member.get("kv_connector"), member.setdefault("kv_connector_extra_config", {})))
+
+
+def unguard() -> None:
+    """Put back what every guard module loaded in this process patched in vLLM (the plugin's unregister)."""
+    for module in set(GUARDS.values()):
+        loaded = sys.modules.get(f"kvpolicy.engine.integrations.connector_guards.{module}")
+        undo = getattr(loaded, "unguard", None)
+        if undo is not None:
+            undo()
 
 
 def install(release: ReleaseProfile, vllm_version: str, patch: Callable[[Any, str, Any], None],
@@ -291,8 +329,9 @@ def install(release: ReleaseProfile, vllm_version: str, patch: Callable[[Any, st
     create = getattr(create, "__wrapped__", create)
 
     def create_connector(cls: Any, config: Any, role: Any, *args: Any, **kwargs: Any) -> Any:
-        connector = create(cls, config, role, *args, **kwargs)
         kv_cache_config = args[0] if args else kwargs.get("kv_cache_config")
+        ktc = getattr(config, "kv_transfer_config", None)
+        name = getattr(ktc, "kv_connector", None)
         try:
             if kv_cache_config is None:
                 raise InputError("vLLM gave the connector no KV cache config")
@@ -300,9 +339,13 @@ def install(release: ReleaseProfile, vllm_version: str, patch: Callable[[Any, st
         except PolicyError as exc:
             # INVARIANT: fail closed. A connector whose blocks kvpolicy cannot stamp would read and write
             # blocks unchecked while the operator believes they are checked.
-            raise InputError(f"kvpolicy: cannot stamp the blocks of {type(connector).__name__} ({exc.message}); "
-                             f"vLLM must not start while {_ENV_RULES} is set (unset it to let vLLM run unchecked)"
-                             ) from None
+            why = " ".join(exc.render().split())[:400]
+            raise input_error(_ENV_RULES, f"kvpolicy cannot stamp the blocks of connector `{name}` ({why}); vLLM "
+                              "must not start", f"unset {_ENV_RULES} to let vLLM run unchecked",
+                              code="cannot-stamp") from None
+        if ktc is not None:
+            before_create(ktc, stamp, unstamped)
+        connector = create(cls, config, role, *args, **kwargs)
         guard_connector(connector, stamp, unstamped)
         return connector
 

@@ -309,6 +309,9 @@ def unregister() -> None:
 
 
 def _unregister() -> None:
+    from kvpolicy.engine.integrations import vllm_exchange
+
+    vllm_exchange.unguard()  # what the connector guards patched in vLLM when vLLM created connectors
     for owner, attr, original in reversed(_state["patches"]):
         setattr(owner, attr, original)
     core = sys.modules.get("vllm.v1.engine.core")

@@ -9,7 +9,7 @@ its connector's ``get_handshake_metadata`` hands to vLLM); the peer decodes it i
 with ``msgspec.msgpack.Decoder(NixlAgentMetadata)``, the name looked up in ``base_worker`` at call
 time, and checks it in ``NixlBaseConnectorWorker._validate_remote_agent_handshake`` (called by
 ``add_remote_agent`` before any transfer; the push worker's override calls it through ``super()``)
-or, on the push-mode decode side (0.28 on), registers it in ``_add_notif_only_remote_agent``.
+or, on the push-mode decode side (0.26 on), registers it in ``_add_notif_only_remote_agent``.
 
 The guard, once per process (`install`, recorded, undone by `unguard`):
 
@@ -103,11 +103,11 @@ def _checking(original: Any) -> Any:
     with the worker's guard first."""
 
     @functools.wraps(original)
-    def checked(self: Any, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> Any:
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
         guard = getattr(self, "__dict__", {}).get("kvpolicy_guard")
         if guard is not None:
-            guard.check_peer(nixl_agent_meta)
-        return original(self, nixl_agent_meta, *args, **kwargs)
+            guard.check_peer(args[0] if args else kwargs.get("nixl_agent_meta", kwargs.get("metadata")))
+        return original(self, *args, **kwargs)
 
     checked.__kvpolicy__ = True  # type: ignore[attr-defined]
     return checked
@@ -208,11 +208,11 @@ class NixlGuard:
                               f"run the peer under kvpolicy with the same rules, or set {ENV_UNSTAMPED}=accept to "
                               "trust peers without a stamp", code="unstamped-peer")
         try:
-            theirs = Stamp.from_json(text, f"the kvpolicy stamp of NIXL peer {engine}")
+            theirs = Stamp.from_json(text, "NIXL peer")
         except PolicyError as exc:
             raise input_error(_WHERE, f"peer engine `{engine}` sent a kvpolicy stamp this engine cannot read "
-                              f"({_first_line(exc)}); its handshake is refused", "run both engines with one kvpolicy version",
-                              code="stamp-format") from None
+                              f"({_first_line(exc)}); its handshake is refused",
+                              "run both engines with one kvpolicy version", code="stamp-format") from None
         exchange = compare_blocks(theirs.fingerprint, self.stamp.fingerprint)
         if exchange.kind is ExchangeKind.as_is:
             return

@@ -7,7 +7,7 @@ engine and, with ``TieringOffloadingSpec``'s ``secondary_tiers``, to stores othe
 - FS and OBJ tiers name every block ``<root>/<model>_<sha256(fields)[:12]>_r<rank>/...`` from a
   ``FileMapper`` (``vllm/v1/kv_offload/file_mapper.py``), and write its ``fields`` to
   ``config.json``;
-- the P2P tier (0.28 on) refuses a peer whose ``config_fingerprint`` (a hash of a FileMapper's
+- the P2P tier (0.25 on) refuses a peer whose ``config_fingerprint`` (a hash of a FileMapper's
   ``get_run_config()``) is not its own.
 
 The fields name the model, block geometry, parallelism and dtype, but no layout, backend or kernel
@@ -149,12 +149,12 @@ class OffloadingGuard:
         tiers = extra.get("secondary_tiers") or []
         self.stores_outside = spec not in _IN_ENGINE_SPECS and (bool(tiers) or spec not in _VLLM_SPECS)
         if self.stores_outside and _is_scheduler(connector) and not built_stamped:
+            kinds = ", ".join(str(t.get("type", t)) if isinstance(t, dict) else str(t) for t in tiers)
             raise input_error("kv_transfer_config.kv_connector_extra_config.secondary_tiers",
-                              f"OffloadingConnector built its stores ({spec}: "
-                              f"{', '.join(str(t.get('type', t)) if isinstance(t, dict) else str(t) for t in tiers) or 'its own'}"
-                              ") before kvpolicy could keep them apart from other layouts' (vLLM's factory hook ran "
-                              "no before-create step for it), so blocks of another layout could be read from them "
-                              "as this engine's", "use a kvpolicy whose factory hook calls the connector guard's "
+                              f"OffloadingConnector built its stores ({spec}: {kinds or 'its own'}) before kvpolicy "
+                              "could keep them apart from other layouts' (vLLM's factory hook ran no before-create "
+                              "step for it), so blocks of another layout could be read from them as this engine's",
+                              "use a kvpolicy whose factory hook calls the connector guard's "
                               "`before_create`, or offload to the CPU tier only", code="unstamped-store")
         if spec not in _VLLM_SPECS:
             _warn_once(f"spec:{spec}", "kvpolicy: OffloadingConnector: spec %s is not vLLM's: kvpolicy keeps its "

@@ -219,3 +219,18 @@ def test_a_wrong_unstamped_setting_stops_the_plugin_located() -> None:
         vllm_plugin.Settings.from_env({"KVPOLICY_RULES": "shipped", ENV_UNSTAMPED: "maybe"})
     (diagnostic,) = err.value.diagnostics
     assert diagnostic.file == ENV_UNSTAMPED and "`maybe`" in diagnostic.message and "accept" in diagnostic.help
+
+
+def test_before_create_reaches_a_multiconnectors_members() -> None:
+    """A store's namespace must be set before vLLM builds the connector (MooncakeStoreConnector reads
+    ``cache_prefix`` in its constructor); inside a MultiConnector, in the member's own extra config."""
+    from types import SimpleNamespace
+
+    ktc = SimpleNamespace(kv_connector="MultiConnector", kv_connector_extra_config={"connectors": [
+        {"kv_connector": "ExampleConnector"},
+        {"kv_connector": "MooncakeStoreConnector", "kv_connector_extra_config": {"cache_prefix": "site"}}]})
+    vllm_exchange.before_create(ktc, stamp())
+    members = ktc.kv_connector_extra_config["connectors"]
+    assert members[0]["kv_connector_extra_config"] == {}  # ExampleConnector settles nothing before
+    prefix = members[1]["kv_connector_extra_config"]["cache_prefix"]
+    assert prefix.startswith("kvpolicy-") and prefix.endswith("-site"), prefix
