@@ -127,6 +127,8 @@ class IsaRule(Frozen):
     order: str | None = Field(default=None, description="the byte order this ISA's write gives a block, where it "
                               "is another ISA's (vec16 writes vec's); None: its own, named as the ISA")
     refuse: str | None = Field(default=None, description="vLLM's error (NotImplementedError) instead of an ISA")
+    write_refuses: str | None = Field(default=None, description="the compiled op's error when it writes with this "
+                                      "ISA: `_get_attn_isa` picks it, vLLM starts, and the first cache write fails")
     host: str | None = None
     host_lacks: tuple[str, ...] = ()
     dtypes: tuple[str, ...] | None = None
@@ -157,6 +159,11 @@ def pick_order(rules: tuple[IsaRule, ...], *, dtype: str, block_size: int, head_
     """The byte order of the ISA ``rules`` pick (`IsaRule.order`, else the ISA's name): what the
     fingerprint's ``kernel_order`` says, equal for two ISAs exactly when they write the same bytes."""
     rule = _pick(rules, dtype, block_size, head_size, kv_cache_dtype, host)
+    if rule.write_refuses is not None:
+        raise input_error("kv_cache_dtype", f"vLLM's CPU attention picks the `{rule.isa}` kernel for this cache on a "
+                          f"`{host.label}` host, and that kernel refuses to write it: \"{rule.write_refuses}\" (vLLM "
+                          "starts, then fails at the first write)", "use a block size that is a multiple of 32, or "
+                          "another kv_cache_dtype", code="cpu-kernel-refuses")
     return rule.order or rule.isa or ""
 
 
