@@ -35,6 +35,7 @@ connectors cannot transcode).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -269,7 +270,8 @@ def _load_exchanges(src: Located, raws: list[Any], names: dict[str, int], deps: 
         ok = True
         for j, name in enumerate(ex.deployments):
             if name not in names:
-                near = nearest(name, names)
+                others = [n for n in names if n not in ex.deployments]  # not one this exchange names already
+                near = next(iter(difflib.get_close_matches(name, others, n=1)), None) or nearest(name, others)
                 listed = ", ".join(f"`{n}`" for n in list(names)[:8]) + (", ..." if len(names) > 8 else "")
                 diags.append(src.diag((*where, "deployments", j), "unknown-deployment",
                                       f"exchange `{ex.name}`: no deployment `{name}` in this fleet",

@@ -98,10 +98,11 @@ def register(verbs: argparse._SubParsersAction) -> None:
                            "x86+avx512+amx, arm, ... (default: this machine's, said in a note)")
     side = p.add_argument_group(
         "one side only",
-        "What differs between two deployments is a case key, so one generic pair of flags says it: no flag per key "
-        "and per side, and every key a fleet deployment or a policy test case takes (docs/cli.md, the case format) "
-        "can differ. They apply to a release side (over the flags above) and to a FLEET.yaml#NAME side (over its "
-        "keys there); a JSON file is decided already.")
+        "What differs between two deployments is a case key, so one generic pair of flags\n"
+        "says it: no flag per key and per side, and every key a fleet deployment or a\n"
+        "policy test case takes (docs/cli.md, the case format) can differ. They apply to a\n"
+        "release side (over the flags above) and to a FLEET.yaml#NAME side (over its keys\n"
+        "there); a JSON file is decided already.")
     side.add_argument("--from", dest="from_keys", action="append", type=_key_value, metavar="KEY=VALUE",
                       default=[], help="set a case key of FROM's deployment (repeatable): block_size=16, "
                                        "cpu=x86+avx512+amx, kv_cache_dtype=fp8, vllm_version=0.33.0 (a fleet side)")
@@ -187,8 +188,8 @@ class Answer:
 
     def compared(self) -> str:
         if self.unit == "layer_view":
-            return (f"layer views, as {self.via} moves them: each layer's [B, H, N, C] view slot by slot, the same "
-                    "bytes when the layer_view_digest is")
+            return (f"layer views, as {self.via} moves them (each layer's [B, H, N, C] view, slot by slot): as is "
+                    "when the layer_view_digest is the same")
         if self.via is None:
             return "raw blocks, as kvpolicy's own restore reads them (it transcodes cells that only sit elsewhere)"
         return f"raw blocks, as {self.via} moves them: as is or not at all (it cannot transcode)"
@@ -256,11 +257,15 @@ def run(args: argparse.Namespace) -> int:
                   f"{cost['descriptors_per_block']['to']} at TO")
         if answer.kind is ExchangeKind.refused:
             if answer.differences:
-                what = "each layer's view differs" if answer.unit == "layer_view" else \
-                    "the cells differ" if answer.blocks.kind is ExchangeKind.refused else "where the cells sit differs"
-                why = ", so no exact conversion exists" if answer.blocks.kind is ExchangeKind.refused and \
-                    answer.unit == "block" else f" ({answer.reason})"
-                print(f"  {what} in {len(answer.differences)} field(s){why}:")
+                n = len(answer.differences)
+                if answer.unit == "layer_view":
+                    said = f"a layer's view differs in {n} field(s), and {via} moves views slot by slot"
+                elif answer.blocks.kind is ExchangeKind.refused:
+                    said = f"the cells differ in {n} field(s), so no exact conversion exists"
+                else:
+                    said = (f"where the cells sit differs in {n} field(s), and {via} moves raw blocks as they are "
+                            "(it cannot transcode)")
+                print(f"  {said}:")
                 for d in answer.differences:
                     print(f"    {d}")
             else:
@@ -420,8 +425,8 @@ def _merge(data: dict[str, Any], keys: list[tuple[str, Any]], said: dict[str, st
     from kvpolicy.engine.policy_tests.cases import CaseInput
     from kvpolicy.policy.near_names import nearest
 
-    flag = _SIDE_FLAG[where]
-    valid = [k for k in CaseInput.model_fields]
+    flag = _SIDE_FLAG.get(where, where)
+    valid = list(CaseInput.model_fields)
     out = dict(data)
     for key, value in keys:
         if key not in valid:
@@ -477,7 +482,7 @@ def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet
         raise usage_error(said.get(key, where), f"{who}: {d.message if d else exc.message}",
                           d.help if d else None) from None
     ctx = result.decision.context
-    if ctx.backend.write_isa and result.deployment.cpu is None:
+    if ctx.backend.write_isa and result.deployment.cpu is None and where in _SIDE_FLAG:  # a side, not a row
         from kvpolicy.policy.cpu_kernel import CpuHost
 
         order = result.decision.fingerprint.kernel_order
@@ -494,8 +499,8 @@ def _decided(profile: str, args: argparse.Namespace, where: str, keys: list[tupl
     from kvpolicy.engine.fleet import decide_deployment
 
     if any(k == "vllm_version" for k, _ in keys):
-        raise usage_error(f"{_SIDE_FLAG[where]} vllm_version", f"{where} names its release already (`{profile}`)",
-                          f"name the release as {where} itself")
+        raise usage_error(f"{_SIDE_FLAG.get(where, where)} vllm_version",
+                          f"{where} names its release already (`{profile}`)", f"name the release as {where} itself")
     device = dict(keys).get("device", args.device)
     data, said = _flag_keys(args, device)
     data = _merge(data, list(keys), said, where)

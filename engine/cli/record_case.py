@@ -90,6 +90,7 @@ def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) ->
         "hisparse": bool(args.hisparse),
         "device": args.device,
         "device_capability": args.device_capability,
+        "cpu": getattr(args, "cpu", None),
         "use_v2_model_runner": bool(args.use_v2_model_runner),
         "allow_chunked_local_attn_with_hybrid_kv_cache": (
             None if args.allow_chunked_local_attn_with_hybrid_kv_cache is None

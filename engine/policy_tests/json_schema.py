@@ -86,6 +86,7 @@ def _input() -> dict[str, Any]:
         "enable_extensible_kv_cache": {"type": "boolean"},
         "hisparse": {"type": "boolean"},
         "device": _or_null({"enum": ["cuda", "cpu"]}),
+        "cpu": _or_null(string),  # a CPU label (`x86+avx512+amx`): which labels, the loader's (CpuHost.parse)
         "device_capability": _or_null({"anyOf": [
             {"type": "integer"},  # past 64 bits: as a float it is accepted, as an integer literal not (loader-only)
             {"type": "number", "minimum": 1, "maximum": sys.float_info.max},  # finite, >= 1: its major

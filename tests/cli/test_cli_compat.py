@@ -15,7 +15,8 @@ def test_two_releases_whose_rows_match_exchange_as_is(capsys) -> None:
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("FROM vllm-0.28: LBHNC on TRITON_ATTN, fp8_per_token_head, 24 layers, block 16")
-    assert lines[2] == "exchange: as is: every byte of a block means the same on both sides"
+    assert lines[2].startswith("compared: raw blocks, as kvpolicy's own restore reads them")
+    assert lines[3] == "exchange: as is: every byte of a block means the same on both sides"
     assert "  descriptors per block: 24 at FROM, 24 at TO" in lines
     assert "    num_buffers: source 24, target 1" in lines  # per-layer buffers vs one: no byte moves
 

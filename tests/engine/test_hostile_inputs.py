@@ -463,7 +463,7 @@ _KEYWORDS = ("spec", "kv_cache_dtype", "block_size", "attention_backend", "backe
              "vllm_kv_cache_layout", "enable_extensible_kv_cache",
              "hisparse", "device", "device_capability", "use_v2_model_runner", "tensor_parallel_size", "vllm_version",
              "model", "dtype", "allow_chunked_local_attn_with_hybrid_kv_cache", "disable_hybrid_kv_cache_manager",
-             "disable_sliding_window",
+             "disable_sliding_window", "cpu",
              "connector_prefers_cross_layer_blocks")
 
 
