@@ -74,7 +74,11 @@ def read_worker(worker: Any) -> dict[str, Any]:
             "storage_nbytes": storage.nbytes(),
         })
     context = runner.compilation_config.static_forward_context
-    isas = {getattr(context[name], "isa", None) for t in config.kv_cache_tensors for name in t.layers}
+    # KVCacheTensor names its layers `layers` from 0.29 on, `shared_by` before; the CPU backend puts its
+    # ISA on each layer from 0.29 on, on the layer's impl before
+    names = [name for t in config.kv_cache_tensors for name in getattr(t, "layers", None) or t.shared_by]
+    isas = {getattr(context[name], "isa", None) or getattr(getattr(context[name], "impl", None), "isa", None)
+            for name in names}
     return {
         # KVCacheConfig carries the layout from 0.29 on; the gate releases (0.28) have none in cache_config
         "kv_cache_layout": getattr(worker.vllm_config.cache_config, "kv_cache_layout", None),
@@ -82,8 +86,9 @@ def read_worker(worker: Any) -> dict[str, Any]:
         "attn_isa": sorted(isa for isa in isas if isa),  # the CPU kernel's ISA (its block interior order)
         "plugin": plugin,
         "num_blocks": config.num_blocks,
-        "kv_cache_tensors": [{"size": t.size, "layers": list(t.layers), "layer_stride": t.layer_stride,
-                              "block_stride": t.block_stride, "offset": t.offset} for t in config.kv_cache_tensors],
+        "kv_cache_tensors": [{"size": t.size, "layers": list(getattr(t, "layers", None) or t.shared_by),
+                              "layer_stride": getattr(t, "layer_stride", None), "block_stride": t.block_stride,
+                              "offset": t.offset} for t in config.kv_cache_tensors],
         "layers": layers,
     }
 

