@@ -18,7 +18,10 @@ A connector that moves a layer's logical ``[B, H, N, C]`` view, slot by slot
 (vLLM's ExampleConnector), never sees placement, head order or buffers: for it
 two caches are interchangeable exactly when their `layer_view_identity` is
 (the cells, the kernel's order of them and how C holds K and V), named by
-`layer_view_digest`.
+`layer_view_digest`. A connector that moves raw blocks needs them as they
+are (`block_digest` names that). `compare_transfer` answers for a connector:
+what it moves (`transfer_unit`), and what it reconciles between peers itself
+(`RECONCILED_BY`: NIXL pairs instances of different tensor-parallel sizes).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -35,7 +39,18 @@ from kvpolicy.engine.block_format import BlockFormat, block_format, cell_format,
 from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.policy.errors import InputError, input_error
 
-__all__ = ["BlockExchange", "ExchangeKind", "compare_blocks", "layer_view_digest", "layer_view_identity"]
+__all__ = [
+    "LAYER_VIEW_CONNECTORS",
+    "RECONCILED_BY",
+    "BlockExchange",
+    "ExchangeKind",
+    "block_digest",
+    "compare_blocks",
+    "compare_transfer",
+    "layer_view_digest",
+    "layer_view_identity",
+    "transfer_unit",
+]
 
 
 class ExchangeKind(str, Enum):
@@ -154,3 +169,93 @@ def layer_view_digest(fp: LayoutFingerprint) -> str:
     """``sha256:<hex>`` of `layer_view_identity` as canonical JSON (sorted keys, no spaces, ASCII)."""
     text = json.dumps(layer_view_identity(fp), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def block_digest(fp: LayoutFingerprint) -> str:
+    """``sha256:<hex>`` of what a block's raw bytes mean under ``fp``: its cell format and its block format
+    (equal exactly when `compare_blocks` answers as is), else (no block format) the fingerprint's digest."""
+    try:
+        fmt: Any = block_format(plan_of(fp)).to_dict()
+    except InputError:
+        return fp.digest
+    text = json.dumps({"format_version": fp.format_version, "cells": cell_format(fp), "block": fmt},
+                      sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+# Connectors that move a layer's logical [B, H, N, C] view slot by slot, never a block's raw bytes (vLLM's
+# ExampleConnector saves and loads each layer's view per slot): for them two deployments exchange when their
+# `layer_view_digest` is equal, whatever their placement and head order. Every other connector (NixlConnector
+# and its Pull/Push classes, OffloadingConnector, MooncakeConnector, MooncakeStoreConnector, MultiConnector,
+# the LMCache connectors, any other) moves a block's bytes as they are and cannot transcode them.
+LAYER_VIEW_CONNECTORS = frozenset({"ExampleConnector"})
+
+# Fingerprint fields (``groups[]`` for any group) a connector reconciles between peers itself, so they may
+# differ: vLLM's NIXL pairs a prefill and a decode instance of different tensor-parallel sizes (the KV heads
+# per rank differ by its ``tp_ratio``) and, from 0.34, block sizes (``block_size_ratio``), and checks the
+# remote regions' lengths against those ratios itself (``_validate_remote_agent_handshake``).
+_NIXL_RECONCILED = frozenset({"num_kv_heads", "block_size", "physical_shape", "page_bytes", "groups[].page_bytes",
+                              "groups[].block_size"})
+RECONCILED_BY: dict[str, frozenset[str]] = {name: _NIXL_RECONCILED for name in (
+    "NixlConnector", "NixlPullConnector", "NixlPushConnector")}
+_DERIVED = frozenset({"physical_shape", "page_bytes", "num_buffers", "padding"})  # follow from the others
+
+
+def transfer_unit(connector: str | None) -> str:
+    """What ``connector`` moves: ``layer_view`` (`LAYER_VIEW_CONNECTORS`) or ``block`` (raw bytes)."""
+    return "layer_view" if connector in LAYER_VIEW_CONNECTORS else "block"
+
+
+def _named(diffs: tuple[Difference, ...] | list[Difference], writer: str, reader: str) -> tuple[Difference, ...]:
+    """``diffs`` with the sides named by their deployments, a group's field left out where the same field of
+    the whole cache is named (one group: ``groups[0].block_size`` says ``block_size`` again)."""
+    top = {d.field for d in diffs}
+    return tuple(replace(d, local_name=writer, remote_name=reader) for d in diffs
+                 if not (d.field.startswith("groups[") and d.field.rsplit(".", 1)[-1] in top))
+
+
+def _view_differences(a: LayoutFingerprint, b: LayoutFingerprint) -> list[Difference]:
+    """The `layer_view_identity` fields that differ between ``a`` and ``b``."""
+    x, y = layer_view_identity(a), layer_view_identity(b)
+    out: list[Difference] = []
+    for key in x:
+        if x[key] == y[key]:
+            continue
+        if key == "groups" and len(x[key]) == len(y[key]):
+            out += [Difference(f"groups[{i}].{k}", ga[k], gb[k]) for i, (ga, gb) in enumerate(zip(x[key], y[key],
+                    strict=True)) for k in ga if ga[k] != gb[k]]
+        else:
+            out.append(Difference(key, x[key], y[key]))
+    return out
+
+
+def compare_transfer(connector: str | None, writer: LayoutFingerprint, reader: LayoutFingerprint,
+                     writer_name: str = "writer", reader_name: str = "reader"
+                     ) -> tuple[str, tuple[Difference, ...], str]:
+    """What ``connector`` (`transfer_unit`) makes of blocks ``writer`` writes and ``reader`` reads:
+    (``as_is`` or ``refused``, the fields that differ, named by the two sides, and why a refusal refuses).
+    Layer views: the same `layer_view_digest`. Raw blocks: `compare_blocks` as is, nothing else (a transcode
+    is a refusal here: the connector moves the bytes as they are)."""
+    if transfer_unit(connector) == "layer_view":
+        if layer_view_digest(writer) == layer_view_digest(reader):
+            return "as_is", (), ""
+        diffs = _named(_view_differences(writer, reader), writer_name, reader_name)
+        return "refused", diffs, (f"a layer's [B, H, N, C] view means other bytes on each side, and {connector} "
+                                  "moves views slot by slot")
+    reconciled = RECONCILED_BY.get(connector or "", frozenset())
+    if reconciled:
+        fields = {re.sub(r"\[\d+\]", "[]", d.field) for d in check_compatible(writer, reader).differences}
+        if fields and fields <= reconciled:
+            return "as_is", (), ""  # what differs is what the connector reconciles itself
+    ex = compare_blocks(writer, reader)
+    if ex.kind is ExchangeKind.as_is:
+        return "as_is", (), ""
+    if ex.kind is ExchangeKind.transcode:
+        diffs = _named([d for d in ex.differences if d.field not in _DERIVED] or list(ex.differences),
+                       writer_name, reader_name)
+        return "refused", diffs, (f"the same cells sit elsewhere in the block, and {connector or 'the connector'} "
+                                  "moves raw blocks as they are: it cannot transcode")
+    diffs = _named(ex.cell_differences or ex.differences, writer_name, reader_name)
+    return "refused", diffs, ex.reason or "a block's cells differ"
+
+

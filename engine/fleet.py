@@ -36,7 +36,7 @@ connectors cannot transcode).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +45,7 @@ from pydantic import Field, ValidationError
 from kvpolicy.engine.agreement import Difference
 from kvpolicy.engine.connector_names import Refuse, check_connector_names, out_of_tree_names
 from kvpolicy.engine.decision import Decision
+from kvpolicy.engine.exchange import _DERIVED, compare_transfer, transfer_unit
 from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.engine.model_notes import model_config_notes
@@ -59,21 +60,18 @@ from kvpolicy.policy.validate import located_validation_errors
 from kvpolicy.policy.yaml_source import Limits, Located, parse_yaml
 
 __all__ = [
-    "LAYER_VIEW_CONNECTORS",
     "Deployment",
     "ExchangeAnswer",
     "Fleet",
     "FleetError",
     "FleetExchange",
     "FleetResult",
-    "compare_transfer",
     "decide_deployment",
     "decide_fleet",
     "decide_in_fleet",
     "exchange_answers",
     "load_fleet",
     "own_connector",
-    "transfer_unit",
 ]
 
 
@@ -119,19 +117,6 @@ def _keys_at(path: tuple[Any, ...]) -> tuple[str, ...]:
     if path[-1] == "defaults":
         return _DEPLOYMENT_KEYS
     return ()
-
-
-# Connectors that move a layer's logical [B, H, N, C] view slot by slot, never a block's raw bytes (vLLM's
-# ExampleConnector saves and loads each layer's view per slot): for them two deployments exchange when their
-# `layer_view_digest` is equal, whatever their placement and head order. Every other connector (NixlConnector
-# and its Pull/Push classes, OffloadingConnector, MooncakeConnector, MooncakeStoreConnector, MultiConnector,
-# the LMCache connectors, any other) moves a block's bytes as they are and cannot transcode them.
-LAYER_VIEW_CONNECTORS = frozenset({"ExampleConnector"})
-
-
-def transfer_unit(connector: str | None) -> str:
-    """What ``connector`` moves: ``layer_view`` (`LAYER_VIEW_CONNECTORS`) or ``block`` (raw bytes)."""
-    return "layer_view" if connector in LAYER_VIEW_CONNECTORS else "block"
 
 
 @dataclass(frozen=True)
@@ -498,59 +483,6 @@ _KEY_OF_FIELD = {
     "placement": "vllm_kv_cache_layout", "head_order": "vllm_kv_cache_layout",
     "physical_dims": "vllm_kv_cache_layout", "format_version": "vllm_version",
 }
-_DERIVED = frozenset({"physical_shape", "page_bytes", "num_buffers", "padding"})  # follow from the others
-
-
-def _named(diffs: tuple[Difference, ...] | list[Difference], writer: str, reader: str) -> tuple[Difference, ...]:
-    """``diffs`` with the sides named by their deployments, a group's field left out where the same field of
-    the whole cache is named (one group: ``groups[0].block_size`` says ``block_size`` again)."""
-    top = {d.field for d in diffs}
-    return tuple(replace(d, local_name=writer, remote_name=reader) for d in diffs
-                 if not (d.field.startswith("groups[") and d.field.rsplit(".", 1)[-1] in top))
-
-
-def _view_differences(a: LayoutFingerprint, b: LayoutFingerprint) -> list[Difference]:
-    """The `layer_view_identity` fields that differ between ``a`` and ``b``."""
-    from kvpolicy.engine.exchange import layer_view_identity
-
-    x, y = layer_view_identity(a), layer_view_identity(b)
-    out: list[Difference] = []
-    for key in x:
-        if x[key] == y[key]:
-            continue
-        if key == "groups" and len(x[key]) == len(y[key]):
-            out += [Difference(f"groups[{i}].{k}", ga[k], gb[k]) for i, (ga, gb) in enumerate(zip(x[key], y[key],
-                    strict=True)) for k in ga if ga[k] != gb[k]]
-        else:
-            out.append(Difference(key, x[key], y[key]))
-    return out
-
-
-def compare_transfer(connector: str | None, writer: LayoutFingerprint, reader: LayoutFingerprint,
-                     writer_name: str = "writer", reader_name: str = "reader"
-                     ) -> tuple[str, tuple[Difference, ...], str]:
-    """What ``connector`` (`transfer_unit`) makes of blocks ``writer`` writes and ``reader`` reads:
-    (``as_is`` or ``refused``, the fields that differ, named by the two sides, and why a refusal refuses).
-    Layer views: the same `layer_view_digest`. Raw blocks: `compare_blocks` as is, nothing else (a transcode
-    is a refusal here: the connector moves the bytes as they are)."""
-    from kvpolicy.engine.exchange import ExchangeKind, compare_blocks, layer_view_digest
-
-    if transfer_unit(connector) == "layer_view":
-        if layer_view_digest(writer) == layer_view_digest(reader):
-            return "as_is", (), ""
-        diffs = _named(_view_differences(writer, reader), writer_name, reader_name)
-        return "refused", diffs, (f"a layer's [B, H, N, C] view means other bytes on each side, and {connector} "
-                                  "moves views slot by slot")
-    ex = compare_blocks(writer, reader)
-    if ex.kind is ExchangeKind.as_is:
-        return "as_is", (), ""
-    if ex.kind is ExchangeKind.transcode:
-        diffs = _named([d for d in ex.differences if d.field not in _DERIVED] or list(ex.differences),
-                       writer_name, reader_name)
-        return "refused", diffs, (f"the same cells sit elsewhere in the block, and {connector or 'the connector'} "
-                                  "moves raw blocks as they are: it cannot transcode")
-    diffs = _named(ex.cell_differences or ex.differences, writer_name, reader_name)
-    return "refused", diffs, ex.reason or "a block's cells differ"
 
 
 def advice(fields: tuple[str, ...] | list[str]) -> str:

@@ -8,7 +8,7 @@ layout is decided for the deployment the flags describe (default: the built-in e
 deployment or a policy test case sets: ``block_size=32``, ``cpu=x86+avx512+amx``). The answer is
 `kvpolicy.engine.exchange`'s: exchanged as is, with transcoding (the bytes of a block on each
 side and the descriptors a transfer registers per block), or not at all, and why. ``--via
-CONNECTOR`` answers for what that connector moves (`kvpolicy.engine.fleet.transfer_unit`): a
+CONNECTOR`` answers for what that connector moves (`kvpolicy.engine.exchange.transfer_unit`): a
 layer's view (ExampleConnector: the same `layer_view_digest`), or raw blocks as they are (any
 other: as is or not at all; it cannot transcode). ``--table`` answers for every pair of release
 profiles at once. Exit 0 when blocks move (as is or transcoded), 1 when they cannot, 2 on a usage
@@ -196,17 +196,16 @@ class Answer:
 
 
 def _answer(src: LayoutFingerprint, dst: LayoutFingerprint, via: str | None) -> Answer:
-    from kvpolicy.engine.fleet import compare_transfer, transfer_unit
+    from kvpolicy.engine.exchange import compare_transfer, transfer_unit
 
     blocks = compare_blocks(src, dst)
     unit = transfer_unit(via) if via is not None else "block"
     if unit == "layer_view":
         kind, diffs, why = compare_transfer(via, src, dst, "source", "target")
         return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
-    if via is not None and blocks.kind is ExchangeKind.transcode:
-        return Answer(ExchangeKind.refused, blocks, via, unit, blocks.differences,
-                      f"the same cells sit elsewhere in the block, and {via} moves raw blocks as they are: it "
-                      "cannot transcode")
+    if via is not None:  # the connector's own answer: as is, or not at all (what it reconciles may differ)
+        kind, diffs, why = compare_transfer(via, src, dst, "source", "target")
+        return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
     return Answer(blocks.kind, blocks, via, unit, blocks.cell_differences if blocks.kind is ExchangeKind.refused
                   else blocks.differences, blocks.reason)
 
@@ -574,6 +573,6 @@ def _table(args: argparse.Namespace) -> int:
 
 
 def _answer_unit(via: str | None) -> str:
-    from kvpolicy.engine.fleet import transfer_unit
+    from kvpolicy.engine.exchange import transfer_unit
 
     return "block" if via is None else transfer_unit(via)

@@ -30,6 +30,7 @@ import pytest
 from plugin_site import kvpolicy_site
 from profiled_releases import RELEASES
 
+from kvpolicy.engine.exchange import block_digest
 from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
 from kvpolicy.engine.integrations.connector_guards.mooncake_store_connector import namespace
 from kvpolicy.engine.integrations.connector_guards.nixl_connector import FIELD
@@ -49,11 +50,12 @@ def _fp(layout: Layout = Layout.LBNHC, backend: str = "TRITON_ATTN", **spec: Any
 
 STAMPS: dict[str, Stamp] = {
     "ours": stamp_of(_fp(), "0.34.0"),
-    "block32": stamp_of(_fp(block_size=32), "0.34.0"),  # refused: other cells
+    "block32": stamp_of(_fp(block_size=32), "0.34.0"),  # vLLM's NIXL pairs block sizes itself: its checks decide
+    "fp8": stamp_of(_fp(kv_cache_dtype="fp8"), "0.34.0"),  # refused: other cells
     "hnd": stamp_of(_fp(Layout.LBHNC), "0.34.0"),  # transcode: the same cells elsewhere
     "flash": stamp_of(_fp(backend="FLASH_ATTN"), "0.34.0"),  # as_is: another backend, the same bytes
 }
-PEERS = {"match": "ours", "block32": "block32", "transcode": "hnd", "backend": "flash", "unstamped": None,
+PEERS = {"match": "ours", "block32": "block32", "fp8": "fp8", "transcode": "hnd", "backend": "flash", "unstamped": None,
          "garbage": "{not a stamp"}
 PREFIXES = [None, "team", "auto"]
 
@@ -137,9 +139,9 @@ def test_nixl_sends_this_engines_stamp(run: dict[str, Any], mode: str) -> None:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_nixl_refuses_a_peer_whose_blocks_differ_naming_the_fields(run: dict[str, Any], mode: str) -> None:
     answer = run[mode]
-    for outcome in _outcomes(answer, "block32"):
+    for outcome in _outcomes(answer, "fp8"):
         assert outcome["by"] == "kvpolicy" and outcome["code"] == "layout-mismatch", outcome
-        assert "block_size: ours 16, theirs 32" in outcome["message"], outcome
+        assert "kv_cache_dtype: ours bfloat16, theirs fp8_e4m3" in outcome["message"], outcome
     for outcome in _outcomes(answer, "transcode"):
         assert outcome["by"] == "kvpolicy" and outcome["code"] == "layout-mismatch", outcome
         assert "head_order: ours NHD, theirs HND" in outcome["message"], outcome
@@ -150,8 +152,9 @@ def test_nixl_refuses_a_peer_whose_blocks_differ_naming_the_fields(run: dict[str
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_nixl_lets_a_peer_with_our_bytes_into_vllms_own_checks(run: dict[str, Any], mode: str) -> None:
-    # "backend": FLASH_ATTN's blocks are TRITON_ATTN's byte for byte (compare_blocks: as_is)
-    for label in ("match", "backend"):
+    # "backend": FLASH_ATTN's blocks are TRITON_ATTN's byte for byte (compare_blocks: as_is); "block32": a peer of
+    # another block size, which vLLM's NIXL reconciles (or refuses) itself, as it does another tensor-parallel size
+    for label in ("match", "backend", "block32"):
         for outcome in _outcomes(run[mode], label):
             assert outcome["by"] == "vllm" and outcome["in_vllm"], (label, outcome)
 
@@ -176,7 +179,8 @@ def test_file_mapper_keeps_stores_of_two_fingerprints_apart(run: dict[str, Any])
     assert len({vllm["base_path"], a["base_path"], b["base_path"]}) == 3, run["mapper"]
     for m in (vllm, a, b):
         assert m["file"].startswith(m["base_path"] + "_r0/"), m
-    assert a["field"] == STAMPS["ours"].fingerprint.digest and b["field"] == STAMPS["block32"].fingerprint.digest
+    assert a["field"] == block_digest(STAMPS["ours"].fingerprint)
+    assert b["field"] == block_digest(STAMPS["block32"].fingerprint)
     assert vllm["field"] is None
     assert (a["p2p"] is not None) == _at_least(run["version"], "0.25.0"), run["mapper"]  # the P2P tier
     if a["p2p"] is not None:  # a peer of another fingerprint is refused by P2P's own check

@@ -76,23 +76,27 @@ defaults: {{vllm_version: "0.34.0", model: {QWEN}}}
 deployments:
   - {{name: a, connector: NixlConnector}}
   - {{name: b, connector: NixlConnector}}
-  - {{name: c, connector: NixlConnector, block_size: 16}}
+  - {{name: c, connector: NixlConnector, kv_cache_dtype: fp8}}
+  - {{name: d, connector: NixlConnector, block_size: 16}}
 exchanges:
   - name: three
     deployments: [a, b, c]
+  - name: heterogeneous
+    deployments: [a, d]
 """)
     loaded = load_fleet(fleet)
-    (ex,) = loaded.exchanges
+    ex, _ = loaded.exchanges
     assert (ex.name, ex.deployments, ex.connector, ex.connector_from, ex.line, ex.unit) == \
-        ("three", ("a", "b", "c"), "NixlConnector", "deployments", 8, "block")
+        ("three", ("a", "b", "c"), "NixlConnector", "deployments", 9, "block")
     answers = exchange_answers(loaded, decide_fleet(loaded, lambda p: load_layers(vllm_version=p)))
     assert [(a.writer, a.reader, a.answer) for a in answers] == [
         ("a", "b", "as_is"), ("a", "c", "refused"), ("b", "a", "as_is"), ("b", "c", "refused"),
-        ("c", "a", "refused"), ("c", "b", "refused")]
-    assert answers[1].fields == ("block_size",) and answers[1].location == f"{fleet}:8"
-    assert answers[1].to_dict()["differences"] == ["block_size: a 64, c 16"]
+        ("c", "a", "refused"), ("c", "b", "refused"),
+        ("a", "d", "as_is"), ("d", "a", "as_is")]  # NIXL pairs block sizes (and TP sizes) itself
+    assert answers[1].fields[0] == "cache_dtype" and answers[1].location == f"{fleet}:9"
+    assert "kv_cache_dtype: a bfloat16, c fp8_e4m3" in answers[1].to_dict()["differences"]
     fleet.write_text(fleet.read_text().replace("[a, b, c]", "[a, z]"))
     with pytest.raises(FleetError) as info:
         load_fleet(fleet)
     (d,) = info.value.diagnostics
-    assert (d.line, d.col, d.code) == (9, 22, "unknown-deployment")
+    assert (d.line, d.col, d.code) == (10, 22, "unknown-deployment")

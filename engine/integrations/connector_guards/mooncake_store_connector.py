@@ -26,6 +26,7 @@ import logging
 import threading
 from typing import Any
 
+from kvpolicy.engine.exchange import block_digest
 from kvpolicy.engine.integrations.vllm_exchange import ENV_UNSTAMPED, NAMESPACE_PREFIX, Stamp
 from kvpolicy.policy.errors import input_error
 
@@ -60,8 +61,9 @@ def unguard() -> None:
 
 
 def namespace(stamp: Stamp) -> str:
-    """``kvpolicy-`` and the first 20 hex digits of ``stamp``'s fingerprint digest."""
-    return NAMESPACE_PREFIX + stamp.fingerprint.digest.removeprefix("sha256:")[:_HEX]
+    """``kvpolicy-`` and the first 20 hex digits of ``stamp``'s `block_digest` (what a block's bytes mean:
+    engines whose blocks are the same bytes, e.g. vLLM 0.28's per-layer buffers and 0.34's one buffer, share)."""
+    return NAMESPACE_PREFIX + block_digest(stamp.fingerprint).removeprefix("sha256:")[:_HEX]
 
 
 def carries(prefix: str, tag: str) -> bool:

@@ -42,7 +42,7 @@ import threading
 from typing import Any
 
 from kvpolicy.engine.agreement import check_compatible
-from kvpolicy.engine.exchange import ExchangeKind, compare_blocks
+from kvpolicy.engine.exchange import ExchangeKind, compare_blocks, compare_transfer
 from kvpolicy.engine.integrations.vllm_exchange import ENV_UNSTAMPED, Stamp
 from kvpolicy.policy.errors import PolicyError, input_error
 
@@ -213,9 +213,9 @@ class NixlGuard:
             raise input_error(_WHERE, f"peer engine `{engine}` sent a kvpolicy stamp this engine cannot read "
                               f"({_first_line(exc)}); its handshake is refused",
                               "run both engines with one kvpolicy version", code="stamp-format") from None
+        if compare_transfer("NixlConnector", theirs.fingerprint, self.stamp.fingerprint)[0] == "as_is":
+            return  # the same blocks, or only what NIXL reconciles itself (tensor-parallel heads, block size)
         exchange = compare_blocks(theirs.fingerprint, self.stamp.fingerprint)
-        if exchange.kind is ExchangeKind.as_is:
-            return
         fields = check_compatible(self.stamp.fingerprint, theirs.fingerprint, local_name="ours",
                                   remote_name="theirs").messages
         if exchange.kind is ExchangeKind.transcode:

@@ -34,6 +34,7 @@ import logging
 import threading
 from typing import Any
 
+from kvpolicy.engine.exchange import block_digest
 from kvpolicy.engine.integrations.vllm_exchange import ENV_UNSTAMPED, Stamp
 from kvpolicy.policy.errors import input_error
 
@@ -86,7 +87,7 @@ def _stamped_init(original: Any) -> Any:
                               "this engine's offloaded blocks apart from other layouts'",
                               "report the vLLM version to kvpolicy", code="unguardable-store")
         root = signature.bind(self, *args, **kwargs).arguments.get("root_dir", "")
-        fields[FIELD] = stamp.fingerprint.digest
+        fields[FIELD] = block_digest(stamp.fingerprint)
         self.base_path = self._compute_base_path(root, fields)
 
     __init__.__kvpolicy__ = True  # type: ignore[attr-defined]
@@ -123,7 +124,7 @@ def before_create(extra_config: dict[str, Any], stamp: Stamp, unstamped: str = "
 def _warn_missing(missing: str, stamp: Stamp) -> None:
     _warn_once("missing", "kvpolicy: OffloadingConnector: this release's offloading stores are not guarded: kvpolicy "
                "needs %s; blocks its FS/OBJ/P2P tiers store are not kept apart from other layouts' (this engine's "
-               "stamp is %s)", missing, stamp.fingerprint.digest)
+               "stamp is %s)", missing, block_digest(stamp.fingerprint))
 
 
 def _extra_config(connector: Any) -> dict[str, Any]:
@@ -171,7 +172,7 @@ def guard(connector: Any, stamp: Stamp, unstamped: str) -> OffloadingGuard | Non
     with _lock:
         current = _state["stamp"]
         built_stamped = bool(_patches) and current is not None and \
-            current.fingerprint.digest == stamp.fingerprint.digest
+            block_digest(current.fingerprint) == block_digest(stamp.fingerprint)
         missing = install(stamp)
     if missing is not None:
         _warn_missing(missing, stamp)

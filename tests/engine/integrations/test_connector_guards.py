@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from kvpolicy.engine.exchange import block_digest
 from kvpolicy.engine.fingerprint import fingerprint_of
 from kvpolicy.engine.integrations import vllm_exchange
 from kvpolicy.engine.integrations.connector_guards import (
@@ -43,7 +44,9 @@ def _stamp(layout: Layout = Layout.LBNHC, backend: str = "TRITON_ATTN", **spec: 
 
 
 OURS = _stamp()
-BLOCK32 = _stamp(block_size=32)  # other cells: refused
+BLOCK32 = _stamp(block_size=32)  # another block size: NIXL reconciles it (block_size_ratio), as heads per rank
+FP8 = _stamp(kv_cache_dtype="fp8")  # other cells: refused
+HEADS2 = _stamp(num_kv_heads=2)  # a decode instance at twice the tensor-parallel size: NIXL's tp_ratio
 HND = _stamp(Layout.LBHNC)  # the same cells elsewhere: transcode
 FLASH = _stamp(backend="FLASH_ATTN")  # the same bytes: as_is
 
@@ -190,16 +193,27 @@ def test_nixl_sends_this_engines_stamp_and_old_peers_still_decode_it(nixl: Any) 
 
 
 @pytest.mark.parametrize("worker", ["pull", "push"])
-def test_nixl_refuses_a_peer_of_another_block_size_naming_it(nixl: Any, worker: str) -> None:
+def test_nixl_refuses_a_peer_of_another_kv_cache_dtype_naming_it(nixl: Any, worker: str) -> None:
     connector = nixl.connector("NixlPullConnector", getattr(nixl, worker))
     nixl_connector.guard(connector, OURS, "miss")
     for method in (connector.connector_worker._validate_remote_agent_handshake,
                    connector.connector_worker._add_notif_only_remote_agent):
         with pytest.raises(InputError) as info:
-            method(nixl.peer(BLOCK32, "p1"), 1)
+            method(nixl.peer(FP8, "p1"), 1)
         code, message, _ = _error(info)
         assert code == "layout-mismatch"
-        assert "peer engine `p1`" in message and "block_size: ours 16, theirs 32" in message
+        assert "peer engine `p1`" in message and "kv_cache_dtype: ours bfloat16, theirs fp8_e4m3" in message
+
+
+@pytest.mark.parametrize("peer", ["BLOCK32", "HEADS2"])
+def test_nixl_leaves_what_it_reconciles_itself_to_vllm(nixl: Any, peer: str) -> None:
+    """A prefill and a decode instance of other tensor-parallel sizes (heads per rank) or block sizes: vLLM's
+    NIXL pairs them itself (tp_ratio, block_size_ratio) and checks the regions' lengths, so kvpolicy passes
+    the handshake on to vLLM's own check instead of refusing a pairing vLLM supports."""
+    connector = nixl.connector("NixlPullConnector", nixl.pull)
+    nixl_connector.guard(connector, OURS, "miss")
+    with pytest.raises(Reached):
+        connector.connector_worker._validate_remote_agent_handshake(nixl.peer(globals()[peer], "p1"), 1)
 
 
 def test_nixl_refuses_a_peer_it_would_have_to_transcode(nixl: Any) -> None:
@@ -243,7 +257,7 @@ def test_nixl_unstamped_peer_is_trusted_under_accept_said_once(nixl: Any, caplog
     lines = [r.getMessage() for r in caplog.records if "old" in r.getMessage()]
     assert len(lines) == 1 and f"{ENV_UNSTAMPED}=accept" in lines[0]
     with pytest.raises(InputError):  # a stamped peer of another layout is still refused
-        connector.connector_worker._validate_remote_agent_handshake(nixl.peer(BLOCK32), 1)
+        connector.connector_worker._validate_remote_agent_handshake(nixl.peer(FP8), 1)
 
 
 def test_nixl_refuses_a_stamp_it_cannot_read(nixl: Any) -> None:
@@ -330,7 +344,7 @@ def test_file_mapper_paths_differ_per_fingerprint_and_agree_for_one(offloading: 
     assert a1.base_path == a2.base_path
     assert len({plain.base_path, a1.base_path, b.base_path}) == 3
     assert all(m.base_path.startswith("/store/Qwen_Qwen3_") for m in (a1, b))
-    assert a1.get_run_config()["kvpolicy_fingerprint"] == OURS.fingerprint.digest  # config.json, P2P's hash
+    assert a1.get_run_config()["kvpolicy_fingerprint"] == block_digest(OURS.fingerprint)  # config.json, P2P's hash
     offloading_connector.unguard()
     assert offloading("/store", "Qwen/Qwen3", 16).base_path == plain.base_path
 
@@ -405,7 +419,7 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_mooncake_store_prefix_carries_the_namespace(store: None) -> None:
     tag = mooncake_store_connector.namespace(OURS)
-    assert tag == "kvpolicy-" + OURS.fingerprint.digest.removeprefix("sha256:")[:20]
+    assert tag == "kvpolicy-" + block_digest(OURS.fingerprint).removeprefix("sha256:")[:20]
     for configured, expected in ((None, tag), ("", tag), ("team", f"{tag}-team"), ("auto", f"{tag}-auto"),
                                  (f"{tag}-team", f"{tag}-team")):
         extra = {} if configured is None else {"cache_prefix": configured}
