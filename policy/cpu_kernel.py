@@ -78,8 +78,8 @@ class CpuHost(Frozen):
     def parse(cls, text: str, where: str = "cpu") -> CpuHost:
         """A label (``x86+avx512+amx``); an `InputError` located at ``where`` naming what it takes."""
         arch, *features = [part.strip().lower() for part in str(text).split("+")]
-        help = ("write the architecture, then `+feature` for each it has: x86, x86+avx512, x86+avx512+amx, arm, "
-                "power, s390x, riscv, riscv+rvv")
+        help = ("write the architecture, then `+feature` for each it has: x86 (an AVX2 host: vLLM tests AVX-512 and "
+                "AMX only), x86+avx512, x86+avx512+amx, arm, power, s390x, riscv, riscv+rvv")
         if arch not in CpuArch.__members__:
             raise input_error(where, f"unknown CPU architecture `{arch[:40]}`", help, code="unknown-cpu")
         unknown = [f for f in features if f not in _FEATURES]

@@ -141,13 +141,14 @@ class BackendFacts(Frozen):
         "sizes and `{multiple_of: N}` (vLLM's `MultipleOf`); `supports_block_size` takes a block size that is a "
         "multiple of any of them (hybrid blocks); null: not checked")
 
-    write_isa: tuple[IsaRule, ...] | None = Field(
-        default=None, description="CPU_ATTN: `_get_attn_isa` (vllm/v1/attention/backends/cpu_attn.py) as rules, the "
-        "first that matches naming the ISA the cache-write kernel orders a block's elements by, or vLLM's refusal "
-        "(`kvpolicy.policy.cpu_kernel`); null: the kernel writes each cell contiguously")
+    write_isa: dict[str, IsaRule] | None = Field(
+        default=None, description="CPU_ATTN: `_get_attn_isa` (vllm/v1/attention/backends/cpu_attn.py) as named steps, "
+        "in order, the first that matches naming the ISA the cache-write kernel orders a block's elements by, or "
+        "vLLM's refusal (`kvpolicy.policy.cpu_kernel`); named so that a later release's profile patches one step; "
+        "null: the kernel writes each cell contiguously")
 
     def __hash__(self) -> int:
-        return hash((self.write_isa, self.mla, self.supported_layouts,
+        return hash((tuple((self.write_isa or {}).items()), self.mla, self.supported_layouts,
                      tuple(sorted(self.supported_layouts_by_capability.items())),
                      self.kv_cache_dtypes, tuple(sorted((self.stride_orders or {}).items())), self.kv_split,
                      self.unplanned_kv_cache_dtypes, self.int4_heads_power_of_two, self.kv_dim,
@@ -428,7 +429,8 @@ def _geometry(profile: ReleaseProfile, name: str) -> BackendProfile:
     return packed_backend(name, mla=facts.mla, layouts=layouts, layer_buffers=profile.layer_buffers,
                           supported_layouts=facts.supported_layouts, scale_views=scale_views,
                           kv_split=facts.kv_split, unplanned_kv_cache_dtypes=facts.unplanned_kv_cache_dtypes,
-                          int4_heads_power_of_two=facts.int4_heads_power_of_two, write_isa=facts.write_isa or ())
+                          int4_heads_power_of_two=facts.int4_heads_power_of_two,
+                          write_isa=tuple((facts.write_isa or {}).values()))
 
 
 _DIM_OF = {"L": Dim.layer, "B": Dim.block, "K": Dim.kv, "N": Dim.token, "H": Dim.head, "C": Dim.dim}

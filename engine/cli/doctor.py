@@ -27,7 +27,7 @@ examples:
   kvpolicy doctor --format json | jq .ok
 
 checks, in the plugin's order: the settings (KVPOLICY_RULES, KVPOLICY_SHIPPED_RULES,
-KVPOLICY_EXPLAIN, KVPOLICY_VLLM_VERSION), the rule directories (loaded as the plugin
+KVPOLICY_EXPLAIN, KVPOLICY_VLLM_VERSION, KVPOLICY_UNSTAMPED_BLOCKS), the rule directories (loaded as the plugin
 loads them), the release profile (--vllm-version, else the one the plugin picks for the
 installed vLLM), and the decision for the deployment (the same flags as dry-run)
 
@@ -36,7 +36,7 @@ failed (every problem listed, located), 2 usage error
 """
 
 _VARIABLES = ("KVPOLICY_RULES", "KVPOLICY_SHIPPED_RULES", "KVPOLICY_EXPLAIN", "KVPOLICY_VLLM_VERSION",
-              "KVPOLICY_VLLM_PROFILE")
+              "KVPOLICY_VLLM_PROFILE", "KVPOLICY_UNSTAMPED_BLOCKS")
 
 
 def register(verbs: argparse._SubParsersAction) -> None:

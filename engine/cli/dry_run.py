@@ -341,8 +341,13 @@ def _cpu_summary(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
 
 
 def cpu_note(args: argparse.Namespace, ctx: Context) -> str | None:
-    """Said when the kernel order of a CPU backend was decided for this machine's CPU, not a given one."""
-    if not ctx.backend.write_isa or args.cpu is not None:
+    """Said when the kernel order of a CPU backend was decided for this machine's CPU, not a given one, and
+    when ``--cpu`` was given for a backend no CPU changes."""
+    if not ctx.backend.write_isa:
+        return None if args.cpu is None else (
+            f"note: --cpu {args.cpu} changes nothing here: {ctx.backend.name}'s cache-write kernel puts each cell "
+            "where the plan does on any host (the host orders the bytes of vLLM's CPU attention only: --device cpu)")
+    if args.cpu is not None:
         return None
     return (f"note: {ctx.backend.name}'s cache-write kernel orders a block's bytes by the host CPU; deciding for "
             f"this machine's (`{CpuHost.this_host().label}`): pass --cpu for another host's "
