@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from cli_capture import cli
 
+from kvpolicy.policy.cpu_kernel import CpuHost
+
 V034 = ("--vllm-version", "0.34.0")  # the CLI tests' default profile is another
 SPEC = "num_layers: 2\nnum_kv_heads: 2\nhead_size: 64\n"
 
@@ -43,7 +45,10 @@ def test_json_names_the_device(capsys: pytest.CaptureFixture[str], spec: str) ->
     assert data["layout"]["name"] == "LBHNC"
     assert data["device"] == {"device": "cpu", "capability": None, "assumed_capability": None,
                               "assumed_from": None, "given": True, "backend": "CPU_ATTN",
-                              "backend_from": "platform default"}
+                              "backend_from": "platform default", "cpu": CpuHost.this_host().label,
+                              "cpu_from": "this machine"}  # the host orders CPU_ATTN's bytes: said which
+    code, out, _ = cli(capsys, "dry-run", *V034, "--spec", spec, "--device", "cpu", "--cpu", "x86", "--format", "json")
+    assert {k: json.loads(out)["device"][k] for k in ("cpu", "cpu_from")} == {"cpu": "x86", "cpu_from": "--cpu"}
     code, out, _ = cli(capsys, "dry-run", *V034, "--spec", spec, "--format", "json")
     device = json.loads(out)["device"]
     assert (device["device"], device["assumed_capability"], device["backend"]) == ("cuda", 9, "FLASH_ATTN")
@@ -70,8 +75,9 @@ def test_a_backend_the_cpu_platform_replaces_is_refused(capsys: pytest.CaptureFi
     code, _, err = cli(capsys, "dry-run", *V034, "--spec", spec, "--device", "cpu", "--attention-backend", "FLASH_ATTN")
     assert code == 2
     assert "--attention-backend: error[backend-not-on-device]" in err and "selects CPU_ATTN" in err
-    code, out, err = cli(capsys, "dry-run", *V034, "--spec", spec, "--device", "cpu", "--attention-backend", "CPU_ATTN")
-    assert code == 0 and "backend:   CPU_ATTN" in out and "note:" not in err
+    code, out, err = cli(capsys, "dry-run", *V034, "--spec", spec, "--device", "cpu", "--attention-backend", "CPU_ATTN",
+                         "--cpu", "x86")
+    assert code == 0 and "backend:   CPU_ATTN" in out and "note:" not in err  # nothing assumed: nothing said
 
 
 def test_unknown_device(capsys: pytest.CaptureFixture[str], spec: str) -> None:
