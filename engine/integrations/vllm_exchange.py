@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
@@ -103,7 +104,7 @@ class Stamp:
     def from_json(cls, text: str | bytes, what: str = "stamp") -> Stamp:
         """A stamp another engine wrote (bounded: `kvpolicy.engine.peer_data`); `InputError` if it is none."""
         data = load_peer_json(text, what)
-        if not isinstance(data, dict) or data.get("format") != STAMP_FORMAT:
+        if not isinstance(data, dict) or type(data.get("format")) is not int or data["format"] != STAMP_FORMAT:
             raise input_error(what, f"not a kvpolicy stamp of format {STAMP_FORMAT}", code="stamp-format")
         fp = LayoutFingerprint.from_dict(data.get("fingerprint"))
         digest = layer_view_digest(fp)
@@ -234,8 +235,17 @@ def read_stamp(folder: Path) -> Stamp | str:
     """The stamp in ``folder``, or why there is none that can be read."""
     path = folder / STAMP_FILE
     try:
-        with path.open("rb") as f:
-            data = f.read(_STAMP_MAX_BYTES + 1)
+        # INVARIANT: never blocks: a FIFO or device named stamp.json is refused before a byte is read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return f"its {STAMP_FILE} is not a regular file"
+            with os.fdopen(fd, "rb") as f:
+                fd = -1
+                data = f.read(_STAMP_MAX_BYTES + 1)
+        finally:
+            if fd >= 0:
+                os.close(fd)
     except OSError as exc:
         return f"its {STAMP_FILE} cannot be read ({exc.strerror or exc})"
     if len(data) > _STAMP_MAX_BYTES:

@@ -28,11 +28,18 @@ from kvpolicy.engine.integrations.vllm_exchange import (
     read_stamp,
     write_atomically,
 )
-from kvpolicy.policy.errors import input_error
+from kvpolicy.policy.errors import input_error, shown
 
-__all__ = ["ExampleConnectorGuard", "guard"]
+__all__ = ["MAX_OTHER_FOLDERS", "ExampleConnectorGuard", "guard"]
 
 log = logging.getLogger("vllm.kvpolicy")
+MAX_OTHER_FOLDERS = 64  # other stamps' folders a miss looks into, the most recently changed first
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    """Text another tenant controls, as a log line carries it: control characters escaped, cut to ``limit``."""
+    text = shown(text).encode("unicode_escape").decode("ascii") if not text.isprintable() else shown(text)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 class ExampleConnectorGuard:
@@ -56,12 +63,25 @@ class ExampleConnectorGuard:
         connector.kvpolicy_guard = self
 
     def _claim_folder(self) -> None:
-        """Create the stamp's folder with its stamp.json, or check the one there is this stamp."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        there = read_stamp(self.folder) if (self.folder / STAMP_FILE).exists() else None
-        if there is None:
-            write_atomically(self.folder / STAMP_FILE, json.dumps(self.stamp.to_dict(), indent=1, sort_keys=True))
-        elif isinstance(there, str) or there.view_digest != self.stamp.view_digest:
+        """Create the stamp's folder with its stamp.json, or check the one there is this stamp; a folder that
+        is a link (another tenant's pointer elsewhere), or one that cannot be made, stops start-up located."""
+        where = "kv_transfer_config.kv_connector_extra_config.shared_storage_path"
+        try:
+            if self.folder.is_symlink():
+                raise input_error(where, f"the store folder {shown(str(self.folder))} of this engine's stamp is a "
+                                  "symbolic link: entries written there would land wherever it points",
+                                  "remove the link (kvpolicy makes the folder itself)", code="stamp-mismatch")
+            self.folder.mkdir(parents=True, exist_ok=True)
+            exists = (self.folder / STAMP_FILE).exists() or (self.folder / STAMP_FILE).is_symlink()
+            there = read_stamp(self.folder) if exists else None
+            if there is None:
+                write_atomically(self.folder / STAMP_FILE, json.dumps(self.stamp.to_dict(), indent=1,
+                                                                      sort_keys=True))
+        except OSError as exc:
+            raise input_error(where, f"cannot keep this engine's entries in {shown(str(self.folder))}: "
+                              f"{exc.strerror or exc}", "give the engine a store it can write (or unset "
+                              "KVPOLICY_RULES to run unchecked)", code="store-unwritable") from None
+        if there is not None and (isinstance(there, str) or there.view_digest != self.stamp.view_digest):
             why = there if isinstance(there, str) else f"it is stamped {there.view_digest}"
             raise input_error("kv_transfer_config.kv_connector_extra_config.shared_storage_path",
                               f"the store folder {self.folder} is named for this engine's stamp "
@@ -70,14 +90,26 @@ class ExampleConnectorGuard:
 
     def found_match_for_prompt(self, prompt_token_ids: list[int], mm_hashes: list[str]) -> bool:
         """ExampleConnector's lookup in this engine's folder; on a miss, other stamps' entries for the
-        prompt are reported (once per folder), and an unstamped one is taken under ``accept``."""
+        prompt are reported (once per folder), and an unstamped one is taken under ``accept``. Nothing
+        another tenant put in the store makes it raise: the scheduler calls it, and a raise stops vLLM."""
         if self._found(prompt_token_ids, mm_hashes):
             return True
-        entry = Path(self._entry(prompt_token_ids, mm_hashes)).name
+        try:
+            return self._look_elsewhere(Path(self._entry(prompt_token_ids, mm_hashes)).name)
+        except Exception as exc:  # INVARIANT: a miss, never a crash (and never a hit we cannot vouch for)
+            log.warning("kvpolicy: ExampleConnector: looking for this prompt's blocks elsewhere in the store %s "
+                        "failed (%s: %s); a miss: vLLM recomputes them", shown(str(self.root)),
+                        type(exc).__name__, _cut(str(exc)))
+            return False
+
+    def _look_elsewhere(self, entry: str) -> bool:
         for other in self._other_folders():
             if str(other) in self.reported and not (other == self.root and self.unstamped == "accept"):
                 continue  # said once already: a miss costs no more look-ups there
-            if not (other / entry).is_dir():
+            try:
+                if not (other / entry).is_dir():
+                    continue
+            except OSError:  # a folder this engine may not look into: nothing it can use there
                 continue
             if other == self.root:
                 if self.unstamped == "accept":
@@ -96,15 +128,25 @@ class ExampleConnectorGuard:
         return self._folder_of(torch.tensor(prompt_token_ids)[:aligned], mm_hashes, create_folder=False)
 
     def _other_folders(self) -> list[Path]:
-        """The store's top (unstamped entries) and every other stamp's folder, listed at most once a second
-        (a miss must not cost a listing of a store many engines share)."""
+        """The store's top (unstamped entries) and other stamps' folders, listed at most once a second and
+        at most `MAX_OTHER_FOLDERS` of them, the most recently changed first (a miss must not cost a look
+        into every folder of a store many engines share; the miss itself is what keeps the bytes safe)."""
         now = time.monotonic()
         if self._listed is None or now - self._listed[0] > 1.0:
+            found = []
             try:
-                names = sorted(p for p in self.root.iterdir() if p.name.startswith(NAMESPACE_PREFIX) and p.is_dir())
+                with os.scandir(self.root) as it:
+                    for e in it:
+                        if e.name.startswith(NAMESPACE_PREFIX) and e.path != str(self.folder):
+                            try:
+                                if e.is_dir(follow_symlinks=False):
+                                    found.append((e.stat(follow_symlinks=False).st_mtime, e.path))
+                            except OSError:
+                                continue
             except OSError:
-                names = []
-            self._listed = (now, [self.root, *(p for p in names if p != self.folder)])
+                pass
+            newest = sorted(found, reverse=True)[:MAX_OTHER_FOLDERS]
+            self._listed = (now, [self.root, *(Path(p) for _, p in newest)])
         return self._listed[1]
 
     def _differences(self, other: Path) -> str:
@@ -120,22 +162,35 @@ class ExampleConnectorGuard:
         if str(other) in self.reported:
             return
         self.reported.add(str(other))
+        # INVARIANT: what another tenant wrote (folder names, a stamp's strings) reaches the log escaped and cut
         log.warning("kvpolicy: ExampleConnector: the store %s holds this prompt's blocks in %s, %s; they are not "
                     "decoded as this engine's (vLLM recomputes them; this engine's entries go to %s)",
-                    self.root, other, why, self.folder)
+                    shown(str(self.root)), _cut(str(other)), _cut(why, 2000), shown(str(self.folder)))
 
     def _adopt(self, entry: Path) -> bool:
-        """Link an unstamped entry into this engine's folder (``accept``); False if that fails."""
+        """Link an unstamped entry into this engine's folder (``accept``); False if that fails. Only a real
+        folder of regular files is taken (never a link out of the store), and it appears in this engine's
+        folder whole or not at all (linked into a scratch folder, then renamed into place)."""
         target = self.folder / entry.name
+        scratch = self.folder / f".adopting-{entry.name}-{os.getpid()}"
         try:
-            target.mkdir(exist_ok=True)
-            for f in entry.iterdir():
-                if f.is_file() and not (target / f.name).exists():
-                    os.link(f, target / f.name)
+            if entry.is_symlink() or not entry.is_dir():
+                raise OSError(f"{entry.name} is not a folder of the store")
+            files = list(os.scandir(entry))
+            if not files or any(not f.is_file(follow_symlinks=False) for f in files):
+                raise OSError("it holds something other than regular files")
+            scratch.mkdir()
+            for f in files:
+                os.link(f.path, scratch / f.name, follow_symlinks=False)
+            os.rename(scratch, target)
         except OSError as exc:
+            for f in scratch.glob("*"):
+                f.unlink(missing_ok=True)
+            if scratch.is_dir():
+                scratch.rmdir()
             log.warning("kvpolicy: ExampleConnector: cannot take the unstamped entry %s (%s); vLLM recomputes",
-                        entry, exc.strerror or exc)
-            return False
+                        _cut(str(entry)), _cut(str(exc.strerror or exc)))
+            return target.is_dir()  # another engine of this stamp may have taken it meanwhile
         if str(self.root) not in self.reported:
             self.reported.add(str(self.root))
             log.warning("kvpolicy: ExampleConnector: %s=accept: entries no kvpolicy stamped in %s are taken as "

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,99 @@ def test_before_create_reaches_a_multiconnectors_members() -> None:
     assert members[0]["kv_connector_extra_config"] == {}  # ExampleConnector settles nothing before
     prefix = members[1]["kv_connector_extra_config"]["cache_prefix"]
     assert prefix.startswith("kvpolicy-") and prefix.endswith("-site"), prefix
+
+
+# ---------------------------------------------------------------- another tenant of the store (hostile pass)
+
+
+def test_a_fifo_named_stamp_json_never_blocks_the_lookup(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    other = tmp_path / "kvpolicy-00000000000000000000"
+    reader = ExampleConnector(tmp_path)
+    guard_connector(reader, stamp(), "miss")
+    entry = reader.store(PROMPT).name
+    (other / entry).mkdir(parents=True)
+    os.mkfifo(other / STAMP_FILE)
+    fresh = ExampleConnector(tmp_path, block_size=64)
+    guard_connector(fresh, stamp(64), "miss")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy"):
+        assert not fresh._found_match_for_prompt(PROMPT, [])  # returns: the FIFO is never opened for reading
+    assert "is not a regular file" in caplog.text
+
+
+def test_nothing_in_the_store_makes_the_lookup_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A folder this engine may not look into (an unprivileged engine and another tenant's mode 000
+    folder): a miss, said, never an exception in vLLM's scheduler."""
+    (tmp_path / "kvpolicy-00000000000000000000").mkdir()
+    reader = ExampleConnector(tmp_path)
+    guard_connector(reader, stamp(), "miss")
+    real = Path.is_dir
+
+    def denied(self: Path) -> bool:
+        if "kvpolicy-0000" in str(self):
+            raise PermissionError(13, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_dir", denied)
+    assert not reader._found_match_for_prompt(PROMPT, [])
+    reader = ExampleConnector(tmp_path)
+    monkeypatch.setattr(Path, "is_dir", real)
+    guard = guard_connector(reader, stamp(), "miss")
+    guard._folder_of = lambda *a, **k: 1 / 0
+    with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy"):
+        assert not guard.found_match_for_prompt(PROMPT, [])
+    assert "ZeroDivisionError" in caplog.text and "a miss" in caplog.text
+
+
+def test_accept_takes_only_a_real_folder_of_regular_files(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    plain = FakeExampleConnector(store)
+    entry = plain.store(PROMPT)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("not kv")
+    shutil.rmtree(entry)
+    entry.symlink_to(outside)  # an unstamped "entry" pointing out of the store
+    trusting = ExampleConnector(store)
+    guard = guard_connector(trusting, stamp(), "accept")
+    assert not trusting._found_match_for_prompt(PROMPT, [])
+    assert not (guard.folder / entry.name).exists() and list(guard.folder.glob(".adopting-*")) == []
+    entry.unlink()
+    entry.mkdir()
+    (entry / "model.layers.0.self_attn.attn.safetensors").symlink_to(outside / "secret")
+    assert not trusting._found_match_for_prompt(PROMPT, [])
+    assert not (guard.folder / entry.name).exists()  # nothing half taken: no empty folder that reads as a hit
+
+
+def test_a_stamp_folder_made_a_link_by_another_tenant_stops_start_up(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / stamp().namespace).symlink_to(elsewhere)
+    with pytest.raises(InputError) as err:
+        guard_connector(ExampleConnector(tmp_path / "store"), stamp(), "miss")
+    assert err.value.diagnostics[0].code == "stamp-mismatch" and "symbolic link" in err.value.diagnostics[0].message
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_store_that_cannot_be_written_stops_start_up_located(tmp_path: Path) -> None:
+    (tmp_path / "store").write_text("a file, not a folder")
+    with pytest.raises(InputError) as err:
+        guard_connector(ExampleConnector(tmp_path / "store"), stamp(), "miss")
+    (d,) = err.value.diagnostics
+    assert d.code == "store-unwritable" and d.file.endswith("shared_storage_path")
+
+
+def test_what_another_tenant_wrote_reaches_the_log_escaped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    writer = ExampleConnector(tmp_path)
+    guard = guard_connector(writer, stamp(32), "miss")
+    writer.store(PROMPT)
+    data = stamp(32).to_dict()
+    data["vllm_version"] = "0.32.0\nkvpolicy: FORGED LINE \x1b[2J" + "x" * 5000
+    (guard.folder / STAMP_FILE).write_text(json.dumps(data))
+    reader = ExampleConnector(tmp_path, block_size=64)
+    guard_connector(reader, stamp(64), "miss")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy"):
+        assert not reader._found_match_for_prompt(PROMPT, [])
+    (message,) = [r.getMessage() for r in caplog.records if "ExampleConnector" in r.getMessage()]
+    assert "\n" not in message and "\x1b" not in message and len(message) < 3000
