@@ -90,7 +90,8 @@ class Exchange(Frozen):
     """Blocks move between these deployments (each writes, each reads) through one connector."""
 
     name: str = Field(min_length=1, description="unique among the exchanges; shown in the report")
-    deployments: list[str] = Field(min_length=2, description="the deployments, by name (2 or more)")
+    # at most 64: every ordered pair is answered (64 deployments: 4,032 pairs); a larger group is several exchanges
+    deployments: list[str] = Field(min_length=2, max_length=64, description="the deployments, by name (2 to 64)")
     connector: str | None = Field(
         default=None, min_length=1, description="the connector that moves the blocks; default: the deployments' "
         "own, which must then be the same")

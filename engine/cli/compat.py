@@ -112,7 +112,19 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+_MAX_VALUE_CHARS = 100_000  # a --from/--to value or a --kv-transfer-config: a deployment key, not a file
+
+
 def _json_object(text: str) -> dict[str, Any]:
+    from kvpolicy.engine.peer_data import load_peer_json
+    from kvpolicy.policy.errors import InputError as _InputError
+
+    if len(text) > _MAX_VALUE_CHARS:
+        raise argparse.ArgumentTypeError(f"{len(text)} characters; at most {_MAX_VALUE_CHARS} are read")
+    try:
+        load_peer_json(text, "--kv-transfer-config")  # bounded depth and size: no RecursionError
+    except _InputError as exc:
+        raise argparse.ArgumentTypeError(exc.diagnostics[0].message if exc.diagnostics else str(exc)) from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -126,18 +138,28 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def _key_value(text: str) -> tuple[str, Any]:
     """``KEY=VALUE``: a case key and its value read as YAML (``32`` a number, ``{a: b}`` a mapping)."""
-    import yaml
 
     key, sep, value = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (a case key: block_size=32, cpu=x86+avx512+amx), "
                                          f"got `{text[:80]}`")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else value
-    except yaml.YAMLError:
-        parsed = value  # not YAML: the text itself (validation says whether the key takes it)
-    return key, parsed
+    if len(value) > _MAX_VALUE_CHARS:
+        raise argparse.ArgumentTypeError(f"the value of `{key[:40]}` is {len(value)} characters; at most "
+                                         f"{_MAX_VALUE_CHARS} are read (put a large value in a fleet file)")
+    if not value.strip():
+        return key, value
+    from kvpolicy.policy.yaml_source import Limits, parse_yaml
+
+    # the loader fleet and case files go through: bounded nodes and depth (no alias bomb), plain JSON-like
+    # values only (a date, !!binary or !!set is refused, not a TypeError later)
+    located, problems = parse_yaml(value, f"--from/--to {key[:40]}", Limits(max_nodes=10_000, max_depth=32))
+    if problems:
+        first = problems[0]
+        if first.code == "yaml-syntax":
+            return key, value  # not YAML: the text itself (validation says whether the key takes it)
+        raise argparse.ArgumentTypeError(f"the value of `{key[:40]}`: {first.message}")
+    return key, None if located is None else located.data
 
 
 # the flags of a release side's deployment: their argparse dests and the case key each sets

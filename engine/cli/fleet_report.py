@@ -30,6 +30,7 @@ from kvpolicy.engine.cli.common import (
     say_fleet_default,
     usage_error,
 )
+from kvpolicy.engine.cli.test_reports import xml_document
 from kvpolicy.policy.errors import PolicyError, RuleLoadError
 
 if TYPE_CHECKING:  # engine.fleet builds the case models (~30 ms): imported when a fleet is read, not per CLI start
@@ -222,8 +223,7 @@ def junit_xml(file: str, results: list[FleetResult], seconds: float,
                 failure.text = "\n".join([a.say(), f"help: {a.change}"])
             elif a.answer == "unknown":
                 ET.SubElement(case, "skipped", message=a.reason)
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
+    return xml_document(root)
 
 
 def run_fleet(args: argparse.Namespace) -> int:

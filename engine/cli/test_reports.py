@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -86,6 +87,26 @@ def _case_file_line(result: CaseResult) -> tuple[str, int]:
     return result.loaded.file, result.loaded.line
 
 
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_safe(text: str) -> str:
+    """``text`` with what XML 1.0 cannot hold (control characters, lone surrogates) written ``\\xNN``."""
+    return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else
+                        f"\\u{ord(m.group()):04x}", text)
+
+
+def xml_document(root: ET.Element) -> str:
+    """The one way a JUnit report becomes text: every attribute and text made XML-safe (an operator's names
+    may hold control characters), indented, with its declaration."""
+    for node in root.iter():
+        node.attrib = {k: _xml_safe(v) for k, v in node.attrib.items()}
+        if node.text:
+            node.text = _xml_safe(node.text)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
+
+
 def junit_xml(run: TestRun, *, coverage_fails: bool, render: Callable[[CaseResult], str]) -> str:
     """The run as JUnit XML: testsuites / testsuite per case file / testcase per case / failure (its text:
     ``render`` of the case, the report's own)."""
@@ -127,8 +148,7 @@ def junit_xml(run: TestRun, *, coverage_fails: bool, render: Callable[[CaseResul
     root.set("tests", str(n_tests))
     root.set("failures", str(n_failures))
     root.set("errors", "0")
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
+    return xml_document(root)
 
 
 def junit_error_xml(diagnostics: Iterable[Diagnostic], message: str) -> str:
@@ -153,8 +173,7 @@ def junit_error_xml(diagnostics: Iterable[Diagnostic], message: str) -> str:
         n += len(diags)
     root.set("tests", str(n))
     root.set("errors", str(n))
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode")
+    return xml_document(root)
 
 
 def case_diagnostics(run: TestRun, *, coverage_fails: bool) -> list[tuple[str, Diagnostic]]:

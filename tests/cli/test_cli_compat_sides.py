@@ -142,3 +142,19 @@ def test_the_table_answers_via_a_connector(capsys: pytest.CaptureFixture[str]) -
     assert code == 0 and (table["via"], table["unit"]) == ("NixlConnector", "block")
     kinds = {k for row in table["exchanges"] for k in row}
     assert "transcode" not in kinds and {"as_is", "refused"} <= kinds  # raw blocks: as is or not at all
+
+
+@pytest.mark.parametrize("value", ["cpu=!!binary aGVsbG8=", "cpu=2001-12-14", "block_size=!!set {a, b}",
+                                   "spec=" + "[" * 5000 + "]" * 5000,
+                                   "spec=a: &a [1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n"
+                                   "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n"
+                                   "e: [*d,*d,*d,*d,*d,*d,*d,*d,*d]", "cpu=" + "x" * 200_000])
+def test_a_hostile_side_value_is_a_usage_error_not_a_traceback(capsys: pytest.CaptureFixture[str], fleet: Path,
+                                                                value: str) -> None:
+    code, out, err = cli(capsys, "compat", f"{fleet}#prefill", f"{fleet}#decode", "--from", value)
+    assert code == 2 and "Traceback" not in out + err and "--from" in err
+
+
+def test_a_deep_kv_transfer_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "compat", "0.34.0", "0.34.0", "--kv-transfer-config", "[" * 3000 + "]" * 3000)
+    assert code == 2 and "--kv-transfer-config" in err and "Traceback" not in err

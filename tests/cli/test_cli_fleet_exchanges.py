@@ -198,3 +198,23 @@ def test_the_example_fleet_has_a_pair_that_moves_and_a_store_that_cannot(capsys:
 def test_cpu_beside_fleet_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli(capsys, "dry-run", "--fleet", str(FLEET), "--cpu", "x86")
     assert code == 2 and "--cpu describes one deployment" in err
+
+
+def test_names_with_control_characters_keep_the_junit_report_xml(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    fleet = _write(tmp_path, STORE.replace("name: pd\n", 'name: "pd\\e[2J\\u0007"\n'))
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(fleet), "--format", "junit")
+    assert code == 1  # the store pair is refused
+    suites = ET.fromstring(out.split("\n", 1)[1])
+    (pd,) = [c for c in suites.iter("testcase") if c.get("classname", "").startswith("exchange.pd")]
+    assert pd.get("classname") == "exchange.pd\\x1b[2J\\x07"
+
+
+def test_an_exchange_of_more_than_64_deployments_is_located(capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: Path) -> None:
+    names = [f"d{i}" for i in range(65)]
+    text = (f'version: 1\ndefaults: {{vllm_version: "0.34.0", model: {MODELS}/qwen2.5-0.5b}}\ndeployments:\n'
+            + "".join(f"  - {{name: {n}}}\n" for n in names)
+            + f"exchanges:\n  - name: all\n    connector: NixlConnector\n    deployments: [{', '.join(names)}]\n")
+    code, _, err = cli(capsys, "lint", "--fleet", str(_write(tmp_path, text)))
+    assert code == 2 and f":{len(names) + 7}:" in err and "at most 64" in err
