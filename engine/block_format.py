@@ -164,7 +164,7 @@ def plan_of(fp: LayoutFingerprint) -> LayoutPlan:
         if fp.layout not in backend.orders:
             continue
         # the kernel order is the host's, not the geometry's: any host's plan is this one's
-        if replace(fingerprint_of(fp.layout, spec, backend), groups=(), kernel_order=fp.kernel_order) == wanted:
+        if replace(fingerprint_of(fp.layout, spec, backend, written_as=fp.kernel_order), groups=()) == wanted:
             return plan_layout(fp.layout, spec, backend, 1)
     raise input_error("fingerprint", f"no release profile of this kvpolicy lays out `{fp.layout}` blocks of backend "
                       f"`{fp.backend}` as this fingerprint says, so the bytes cannot be interpreted",

@@ -361,9 +361,12 @@ def kernel_order(spec: KVCacheSpec, backend: BackendProfile, host: CpuHost | Non
 
 
 def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
-                   groups: KVCacheGroups | None = None, host: CpuHost | None = None) -> LayoutFingerprint:
+                   groups: KVCacheGroups | None = None, host: CpuHost | None = None,
+                   written_as: str | None = None) -> LayoutFingerprint:
     """The fingerprint of ``layout`` for ``spec`` on ``backend``; ``groups`` defaults to ``spec`` alone;
-    ``host`` is the CPU a CPU backend's kernel runs on (default: this machine's, `kernel_order`)."""
+    ``host`` is the CPU a CPU backend's kernel runs on (default: this machine's, `kernel_order`);
+    ``written_as`` is the kernel order of bytes another writer than the backend's kernel wrote
+    (kvpolicy's own runtime writes `CELLS_ORDER` for every backend)."""
     groups = groups if groups is not None else KVCacheGroups.single(spec)
     order, split = _physical_order(layout, backend, spec.quant_mode is QuantMode.nvfp4)
     sizes: dict[Dim, int | str] = {
@@ -394,7 +397,7 @@ def fingerprint_of(layout: Layout, spec: KVCacheSpec, backend: BackendProfile,
         kv_cache_dtype=canonical_kv_cache_dtype(spec),
         cell_bytes=spec.cell_bytes,
         page_bytes=spec.page_size_bytes,
-        kernel_order=kernel_order(spec, backend, host),
+        kernel_order=written_as if written_as is not None else kernel_order(spec, backend, host),
         scale_placement="inline_tail" if inline else ("side_tail" if spec.scale_bytes_per_cell else "none"),
         scale_dtype=SCALE_DTYPE if inline else (NVFP4_SCALE_DTYPE if spec.scale_bytes_per_cell else None),
         scale_bytes=spec.scale_bytes_per_cell,

@@ -20,7 +20,7 @@ import torch
 
 from kvpolicy.engine.block_format import BlockFormat, block_format
 from kvpolicy.engine.exchange import BlockExchange
-from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
+from kvpolicy.engine.fingerprint import CELLS_ORDER, LayoutFingerprint, fingerprint_of
 from kvpolicy.engine.plan import LayoutPlan, transfer_format
 from kvpolicy.engine.runtime.blocks import FingerprintLike, OffloadedBlocks
 from kvpolicy.engine.runtime.cells import CellRows
@@ -273,13 +273,19 @@ class KVCache:
 
     @property
     def fingerprint(self) -> LayoutFingerprint:
-        """The layout fingerprint of this cache's bytes (its decision's groups once ``decision`` is attached)."""
+        """The layout fingerprint of this cache's bytes (its decision's groups once ``decision`` is attached).
+
+        Its ``kernel_order`` is always ``cells``: this cache's `write` puts each cell's elements in a row
+        where the plan says, whatever backend was planned, so a CPU_ATTN cache of kvpolicy's holds other
+        bytes than vLLM's CPU kernel writes (``vec``, ``amx``) and its blocks are told apart from an engine's.
+        """
         decision = self.decision
         made = self._fingerprint
         if made is None or made[0] is not decision:
             groups = decision.context.groups if decision is not None else None
+            # INVARIANT: the fingerprint says what `write` wrote (TODO(#34): CPU_ATTN's kernel orders)
             made = self._fingerprint = (decision, fingerprint_of(self.plan.layout, self.plan.spec, self.plan.backend,
-                                                                 groups))
+                                                                 groups, written_as=CELLS_ORDER))
         return made[1]
 
     @property

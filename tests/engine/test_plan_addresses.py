@@ -223,7 +223,8 @@ def test_every_vllm_0_34_geometry_allocates_round_trips_and_verifies(name: str, 
         plan = plan_layout(layout, s, backend, 4)
         assert verify_plan(plan).ok, layout
         assert block_map(plan)
-        assert fingerprint_of(layout, s, backend).digest.startswith("sha256:")
+        # what kvpolicy's runtime writes below: cells, whatever order the backend's own kernel would give
+        assert fingerprint_of(layout, s, backend, written_as="cells").digest.startswith("sha256:")
         cache = allocate(plan)
         slots = torch.tensor([0, 5, 11, 15])
         keys = torch.randn(s.num_layers, 4, s.num_kv_heads, s.head_size, generator=gen).to(torch.bfloat16)
