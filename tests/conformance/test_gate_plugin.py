@@ -279,7 +279,8 @@ def test_shipped_rules_install_the_gate_once(run: dict[str, Any]) -> None:
         assert answer["error"] is None and not answer["gate_is_vllms"]
         assert answer["status"]["profile"] == run["profile"].name
         assert answer["status"]["hook"] == "KVConnectorModelRunnerMixin.use_uniform_kv_cache"
-    assert again["gate_id"] == first["gate_id"] and again["patches"] == first["patches"] == 1
+    # the gate, and KVConnectorFactory.create_connector (every connector vLLM creates gets this engine's stamp)
+    assert again["gate_id"] == first["gate_id"] and again["patches"] == first["patches"] == 2
     assert any(f"kvpolicy: active for vLLM {run['version']}: profile {run['profile'].name}" in line
                for line in first["log"])
 

@@ -371,7 +371,8 @@ def test_shipped_rules_replace_the_engine_cores_resolver_once(run: dict[str, Any
         assert not answer["core_is_vllms"] and answer["utils_is_core"] and answer["wraps_vllms"]
         assert answer["status"]["active"] and answer["status"]["profile"] == PROFILE
         assert answer["status"]["hook"] == "resolve_kv_cache_layout"
-    assert again["resolver_id"] == first["resolver_id"] and again["patches"] == first["patches"] == 2
+    # the resolver where it is defined and where the engine core bound it, and KVConnectorFactory.create_connector
+    assert again["resolver_id"] == first["resolver_id"] and again["patches"] == first["patches"] == 3
 
 
 def test_through_vllm_the_shipped_rules_answer_what_vllm_answers(run: dict[str, Any], capsys: Any) -> None:

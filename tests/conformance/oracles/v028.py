@@ -572,6 +572,31 @@ def _role_view(v: torch.Tensor, names: tuple[str, ...]) -> dict:
             "byte_strides": [v.stride(i) * es for i in range(len(names))]}
 
 
+def _cpu_attn_key_value(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value caches CPU_ATTN's ``do_kv_cache_update`` passes ``cpu_attn_reshape_and_cache``
+    for layer view ``t``. STAND-IN: the impl is made with __new__ (its __init__ reads the platform) and
+    the op is a recorder: only the tensors handed to it are read, never written."""
+    import types
+
+    from vllm.v1.attention.backends import cpu_attn
+
+    seen: dict[str, torch.Tensor] = {}
+    impl = cpu_attn.CPUAttentionBackendImpl.__new__(cpu_attn.CPUAttentionBackendImpl)
+    impl.attn_type = "decoder"
+    impl.kv_cache_dtype = "auto"
+    impl.isa = "vec"  # 0.24-0.28 keep the ISA on the impl (0.29 on: on the layer)
+    layer = types.SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
+    real = cpu_attn.ops
+    cpu_attn.ops = types.SimpleNamespace(cpu_attn_reshape_and_cache=lambda key, value, k, v, *a, **kw: seen.update(
+        k=k, v=v))
+    try:
+        empty = t.new_empty((0, t.shape[1], t.shape[-1] // 2))
+        impl.do_kv_cache_update(layer, empty, empty, t, torch.empty(0, dtype=torch.long))
+    finally:
+        cpu_attn.ops = real
+    return seen["k"], seen["v"]
+
+
 def _roles(t: torch.Tensor, backend, spec) -> dict:
     """Each role's cells in layer view ``t`` as vLLM's backend reads them, and the cell sizes.
 
@@ -584,6 +609,12 @@ def _roles(t: torch.Tensor, backend, spec) -> dict:
     if backend.is_mla():
         return {"roles": {"latent": _role_view(t, ("block", "token"))}, "cell_bytes": t.shape[-1] * es}
     kv_dim = t.dim() == 5
+    if backend.get_name() == "CPU_ATTN":
+        # the tensors vLLM's own CPU_ATTN cache update hands its kernel as K and V, captured: its
+        # do_kv_cache_update (0.24 on: view(B, H, 2N, -1).chunk(2, dim=2), K's N rows then V's)
+        k, v = _cpu_attn_key_value(t)
+        dims = ("block", "head", "token")
+        return {"roles": {"k": _role_view(k, dims), "v": _role_view(v, dims)}, "cell_bytes": t.shape[-1] * es}
     if kv_dim:
         k, v = t.unbind(1)
         cell = 2 * t.shape[-1] * es
