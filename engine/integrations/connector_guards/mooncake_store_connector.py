@@ -27,6 +27,7 @@ import threading
 from typing import Any
 
 from kvpolicy.engine.exchange import block_digest
+from kvpolicy.engine.integrations.connector_guards.patching import Patches, WarnOnce
 from kvpolicy.engine.integrations.vllm_exchange import ENV_UNSTAMPED, NAMESPACE_PREFIX, Stamp
 from kvpolicy.policy.errors import input_error
 
@@ -42,22 +43,14 @@ _HEX = 20
 _WHERE = "kv_transfer_config.kv_connector_extra_config.cache_prefix"
 
 _lock = threading.RLock()
-_patches: list[tuple[Any, str, Any]] = []
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args)
+_patches = Patches()
+_warned = _warn_once = WarnOnce(log)
 
 
 def unguard() -> None:
     """Put back vLLM's ``_resolve_cache_prefix`` where it was wrapped."""
     with _lock:
-        while _patches:
-            owner, attr, original = _patches.pop()
-            setattr(owner, attr, original)
+        _patches.undo()
 
 
 def namespace(stamp: Stamp) -> str:
@@ -106,7 +99,7 @@ def _install_resolver(module: Any, function: Any) -> None:
             return stamped_prefix(prefix, tag) if isinstance(tag, str) and tag else prefix
 
         _resolve_cache_prefix.__kvpolicy__ = True  # type: ignore[attr-defined]
-        _patches.append((module, "_resolve_cache_prefix", function))
+        _patches.record(module, "_resolve_cache_prefix", function)
         module._resolve_cache_prefix = _resolve_cache_prefix
 
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from kvpolicy.engine.agreement import check_compatible
 from kvpolicy.engine.exchange import ExchangeKind, compare_blocks, compare_transfer
+from kvpolicy.engine.integrations.connector_guards.patching import Patches, WarnOnce
 from kvpolicy.engine.integrations.vllm_exchange import ENV_UNSTAMPED, Stamp
 from kvpolicy.policy.errors import PolicyError, input_error
 
@@ -56,32 +57,15 @@ _CHECKED = ("_validate_remote_agent_handshake", "_add_notif_only_remote_agent")
 _WHERE = "NixlConnector handshake"
 
 _lock = threading.RLock()
-_MISSING = object()
-_patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it was), in the order applied
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args)
-
-
-def _patch(owner: Any, attr: str, value: Any) -> None:
-    _patches.append((owner, attr, owner.__dict__.get(attr, _MISSING) if isinstance(owner, type)
-                     else getattr(owner, attr)))
-    setattr(owner, attr, value)
+_patches = Patches()  # (owner, attribute, what it was), in the order applied
+_warned = _warn_once = WarnOnce(log)
+_patch = _patches.apply
 
 
 def unguard() -> None:
     """Put back every vLLM attribute this module replaced (the newest first)."""
     with _lock:
-        while _patches:
-            owner, attr, original = _patches.pop()
-            if original is _MISSING:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, original)
+        _patches.undo()
 
 
 def stamped_agent_class(original: type) -> type:

@@ -35,6 +35,7 @@ import threading
 from typing import Any
 
 from kvpolicy.engine.exchange import block_digest
+from kvpolicy.engine.integrations.connector_guards.patching import Patches, WarnOnce
 from kvpolicy.engine.integrations.vllm_exchange import ENV_UNSTAMPED, Stamp
 from kvpolicy.policy.errors import input_error
 
@@ -48,27 +49,15 @@ _IN_ENGINE_SPECS = ("CPUOffloadingSpec",)  # specs whose blocks never leave the 
 _VLLM_SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 
 _lock = threading.RLock()
-_MISSING = object()
-_patches: list[tuple[Any, str, Any]] = []
-_warned: set[str] = set()
+_patches = Patches()
+_warned = _warn_once = WarnOnce(log)
 _state: dict[str, Any] = {"stamp": None}  # the stamp the FileMapper wrapper writes
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args)
 
 
 def unguard() -> None:
     """Put back vLLM's ``FileMapper.__init__``."""
     with _lock:
-        while _patches:
-            owner, attr, original = _patches.pop()
-            if original is _MISSING:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, original)
+        _patches.undo()
         _state["stamp"] = None
 
 
@@ -108,7 +97,7 @@ def install(stamp: Stamp) -> str | None:
             return "FileMapper.__init__(root_dir, ...) and FileMapper._compute_base_path"
         _state["stamp"] = stamp
         if not getattr(init, "__kvpolicy__", False):
-            _patches.append((cls, "__init__", init))
+            _patches.record(cls, "__init__", init)
             cls.__init__ = _stamped_init(init)
         return None
 
