@@ -1,6 +1,6 @@
 """Random weights for the tiny Llama (``tiny-llama/config.json``), written where a test asks, never committed.
 
-vLLM's ``load_format="dummy"`` fills every weight with U(-1e-3, 1e-3): the attention logits are then
+vLLM's dummy load format fills every weight with U(-1e-3, 1e-3): the attention logits are then
 about 1e-5, every query attends uniformly, and a zeroed KV cache decodes the same tokens, so token
 equality between two engines proves nothing about the KV cache they read. These weights are
 drawn at a scale where attention matters (fixed seed, so every run writes the same bytes):
