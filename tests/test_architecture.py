@@ -1,4 +1,4 @@
-"""The file layout's promises (DESIGN.md, "Architecture"): the import graph of `policy/`
+"""The file layout's promises (docs/ and the README): the import graph of `policy/`
 and `engine/` has no circles, lazy and type-only imports included, and `policy/`
 never imports `engine/`."""
 

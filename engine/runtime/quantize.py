@@ -1,6 +1,6 @@
 """Encoding K/V values into cache cells and back, as vLLM 0.34's kernels do, for every `QuantMode`.
 
-A cell is the bytes of one (token, head) for K or for V (DESIGN.md). The
+A cell is the bytes of one (token, head) for K or for V (docs/fingerprint.md, `cell_bytes`). The
 per-token-head formats are vLLM's (0.24.0 to 0.34.0, int4 from 0.25.0): its
 Triton write kernels ``_reshape_cache_per_token_head`` (int8, fp8) and
 ``_reshape_cache_int4_kernel`` (int4, after ``single_rht``) in

@@ -6,7 +6,7 @@ Run by ``test_vllm_engine.py`` in a subprocess whose PYTHONPATH is kvpolicy's in
 is the case's. stdin: one JSON request:
 
 - ``model``: the model directory (``tiny_weights.write_tiny_llama``: config.json and random bf16
-  weights); ``load_format`` (default ``"auto"``: the directory's weights; vLLM's dummy format
+  weights); the load format (default ``"auto"``: the directory's weights; vLLM's dummy format
   fills U(-1e-3, 1e-3), under which the KV cache barely matters, and no test asks for it);
 - ``prompts`` (token ids: no tokenizer is loaded), ``max_tokens``; ``block_size`` (default 32);
   ``kv_transfer_config`` (vLLM's, e.g. ExampleConnector's; default none); ``logprobs`` (default

@@ -1,4 +1,4 @@
-"""Decision semantics (DESIGN.md): forbid wins, scopes, ranking, conflicts, traces."""
+"""Decision semantics (docs/rule-language.md): forbid wins, scopes, ranking, conflicts, traces."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from kvpolicy.policy.releases import get_profile, iter_profiles
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = LayoutEngine.default()
 
-# Qwen2.5-0.5B, the geometry of DESIGN.md's worked examples.
+# Qwen2.5-0.5B, the geometry of docs/fingerprint.md's worked example.
 QWEN = {"num_layers": 24, "block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": "bfloat16"}
 CROSS_HND = Layout.parse("BHLNC")
 
@@ -194,7 +194,7 @@ def test_scale_placement() -> None:
     f = fp(kv_cache_dtype="fp8_per_token_head")
     assert (f.scale_placement, f.scale_dtype, f.scale_bytes, f.scale_offset, f.cell_bytes) == (
         "inline_tail", "float32", 4, 64, 68)
-    assert f.page_bytes == 4352  # DESIGN.md: 4096 data + 256 scales
+    assert f.page_bytes == 4352  # docs/fingerprint.md: 4096 data + 256 scales
     f = fp(kv_cache_dtype="int4_per_token_head")
     assert (f.scale_offset, f.cell_bytes) == (32, 36)
 

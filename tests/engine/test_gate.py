@@ -1,6 +1,6 @@
 """The shipped rules reproduce vLLM's `use_uniform_kv_cache` gate for every input.
 
-The reference below is vLLM's gate written by hand (DESIGN.md, "vLLM's gate").
+The reference below is vLLM's gate written by hand (docs/vllm.md, "vLLM 0.24-0.28").
 Every combination of its inputs is enumerated and the engine must choose
 cross_layer exactly when the gate does.
 """
@@ -98,7 +98,7 @@ def prefers_cross_layer(c: ConnectorConfig, ctx: Context) -> bool:
 
 
 def vllm_gate(ctx: Context, *, per_token_head_guard: bool = True) -> bool:
-    """vLLM's `use_uniform_kv_cache`, conditions (1)-(6) of DESIGN.md."""
+    """vLLM's `use_uniform_kv_cache`, its conditions (1)-(6) (docs/vllm.md)."""
     if ctx.connector is None:  # (1)
         return False
     if not prefers_cross_layer(ctx.connector, ctx):  # (2)

@@ -29,7 +29,7 @@ def mla_spec(**fields: object) -> KVCacheSpec:
     return spec(kind=AttentionKind.mla, num_kv_heads=1, **fields)
 
 
-# ---- DESIGN.md's numbers ----------------------------------------------------------------------
+# ---- the docs' numbers (docs/fingerprint.md) ------------------------------------------------------------------
 
 
 def test_qwen_fp8_per_token_head_cross_layer_addresses() -> None:

@@ -235,7 +235,7 @@ def test_gate_cases(attn_groups: list, connector: Any, expected: bool) -> None:
 
 
 def reference_gate(attn_groups: list[list[Any]], connector: Any) -> bool:
-    """vLLM's gate as DESIGN.md states it, with the #48412 per-token-head guard; stand-ins' prefer is vLLM's."""
+    """vLLM's gate as docs/vllm.md states it, with the #48412 per-token-head guard; stand-ins' prefer is vLLM's."""
     if connector is None or not connector.prefer_cross_layer_blocks:
         return False
     if len(attn_groups) != 1 or len(attn_groups[0]) != 1:
