@@ -30,6 +30,7 @@ __all__ = [
     "RuleLoadError",
     "shown",
     "shown_file",
+    "terminal_text",
 ]
 
 
@@ -51,6 +52,24 @@ def shown(text: str) -> str:
     except UnicodeEncodeError:
         return "".join(map(_shown_char, text))
     return text
+
+
+# C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides and isolates
+# ("Trojan Source", CVE-2021-42574): what could move a terminal's cursor, ring it, recolour it or reorder
+# what it shows. Written as Python writes them (``\x1b``, ``\u202e``).
+_TERMINAL_ESCAPES = {
+    code: (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    for code in [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0),
+                 *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+}
+
+
+def terminal_text(text: str) -> str:
+    """``text`` as a terminal or a CI log may show it: `shown`, then every control character that is not a
+    tab or a newline escaped (an operator's name holding ESC or BEL cannot recolour, ring or rewrite the
+    screen). The one boundary of the text and ``github`` outputs: the CLI's stdout and stderr pass every
+    write through it."""
+    return shown(text).translate(_TERMINAL_ESCAPES)
 
 
 def shown_file(path: str) -> str:

@@ -1,18 +1,52 @@
-"""Reading a file a user names, without surprises: bounded, regular files only, UTF-8, located errors.
+"""Files a user names, without surprises: read bounded, written whole.
 
-A FIFO or a device named like a rule file would block or never end; a multi-gigabyte file named
-by mistake would be read whole before any check. Every loader of user files (rule files, policy
+Reading: a FIFO or a device named like a rule file would block or never end; a multi-gigabyte file
+named by mistake would be read whole before any check. Every loader of user files (rule files, policy
 test files, `--spec`, `config.json`) reads through `read_capped`, so each refuses the same way.
+
+Writing: every file kvpolicy writes (``fmt --write``, ``--record-test``, ``--svg``, the plugin's store
+stamps, the guard table) goes through `write_atomically`: a full disk or a killed process leaves the
+old file or the new one, never a truncated rule file that would still load.
 """
 
 from __future__ import annotations
 
+import os
 import stat
+import tempfile
 from pathlib import Path
 
 from kvpolicy.policy.errors import Diagnostic
 
-__all__ = ["read_capped"]
+__all__ = ["read_capped", "write_atomically"]
+
+
+def write_atomically(path: Path | str, data: str | bytes, *, encoding: str = "utf-8") -> None:
+    """``data`` at ``path``, replaced in one step (written beside it, flushed to disk, renamed over it): a
+    reader sees the old file or the new one, never a part. A file that exists keeps its permissions; a
+    symbolic link keeps pointing where it did (its target is replaced). Raises OSError as `open` would,
+    the old file untouched."""
+    target = Path(os.path.realpath(path))
+    payload = data.encode(encoding) if isinstance(data, str) else data
+    try:
+        mode: int | None = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = None
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is None:  # a new file gets the mode `open` would give it
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_capped(real: Path, shown: str, max_bytes: int) -> tuple[str | None, list[Diagnostic]]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from kvpolicy.engine.analysis.lint import lint
 from kvpolicy.engine.rule_layers import NO_SHIPPED_FLAG, RulesArg, load_layers
 from kvpolicy.policy.errors import Diagnostic
+from kvpolicy.policy.files import write_atomically
 from kvpolicy.policy.load import Limits
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.ruleset import CompiledRule, RuleSet
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
              for name in profile_names()}
     text = json.dumps(table, indent=1, sort_keys=True) + "\n"
     if args.write:
-        GUARD_TABLE.write_text(text, encoding="utf-8")
+        write_atomically(GUARD_TABLE, text)
         return 0
     stale = [name for name in table if _table().get(name) != table[name]]
     for name in stale:

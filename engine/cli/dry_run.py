@@ -822,9 +822,10 @@ def run(args: argparse.Namespace) -> int:
     refused = None if report is None or report.ok else refusal(checked, report)
     if args.svg and drawn is not None:
         from kvpolicy.engine.map_svg import render_svg
+        from kvpolicy.policy.files import write_atomically
 
         try:
-            Path(args.svg).write_text(render_svg(drawn, report=report if drawn is checked else None))
+            write_atomically(args.svg, render_svg(drawn, report=report if drawn is checked else None))
         except OSError as exc:
             if exc.errno in _DEVICE_FULL:  # the path was right; the disk is not the user's mistake
                 err: PolicyError = PolicyError("", [Diagnostic("--svg", 0, 0, "write-failed",

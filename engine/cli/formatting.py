@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvpolicy.engine.cli.common import EXIT_FAILED, EXIT_OK, HelpFormatter, print_error, usage_error
 from kvpolicy.policy.errors import PolicyError
+from kvpolicy.policy.files import write_atomically
 
 __all__ = ["register", "run"]
 
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         changed += 1
         if args.write:
-            Path(name).write_text(formatted, encoding="utf-8")
+            write_atomically(name, formatted)
             print(f"formatted: {shown}", file=sys.stderr)
         else:
             sys.stdout.writelines(difflib.unified_diff(text.splitlines(keepends=True), formatted.splitlines(

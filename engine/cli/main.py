@@ -34,7 +34,7 @@ from kvpolicy.engine.cli.common import (
     tool_version,
     usage_error,
 )
-from kvpolicy.policy.errors import PolicyError, shown
+from kvpolicy.policy.errors import PolicyError, terminal_text
 
 __all__ = ["build_parser", "main"]
 
@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvpolicy``; returns the exit code (argparse's own exits included)."""
     real_stdout, real_stderr = sys.stdout, sys.stderr
-    # a file name that is not UTF-8 is printed, not a UnicodeEncodeError
+    # the text and github outputs' one boundary: a file name that is not UTF-8 is printed, not a
+    # UnicodeEncodeError; an operator's control characters are shown escaped, never sent to the terminal
     sys.stdout = _Shown(real_stdout) if real_stdout is not None else None
     sys.stderr = _BestEffort(real_stderr)  # a message that cannot be shown must not change the exit code
     try:
@@ -147,14 +148,15 @@ def _dispatch(argv: Sequence[str] | None) -> int:
 
 
 class _Shown:
-    """stdout for one run: every text `shown` (a file name's bytes that are not UTF-8 as ``\\xNN``), so any
-    UTF-8 stream can carry it; everything else is the stream's own."""
+    """stdout for one run: every text through `terminal_text` (a file name's bytes that are not UTF-8 as
+    ``\\xNN``, control characters escaped), so any UTF-8 stream and terminal can carry it safely; JSON and
+    XML hold no raw control character to begin with. Everything else is the stream's own."""
 
     def __init__(self, stream: object) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        self._stream.write(shown(text))  # type: ignore[attr-defined]
+        self._stream.write(terminal_text(text))  # type: ignore[attr-defined]
         return len(text)
 
     def __getattr__(self, name: str) -> object:
@@ -162,7 +164,8 @@ class _Shown:
 
 
 class _BestEffort:
-    """stderr for one run: what cannot be written there (a closed or full stream) is dropped; texts `shown`."""
+    """stderr for one run: what cannot be written there (a closed or full stream) is dropped; texts through
+    `terminal_text`."""
 
     def __init__(self, stream: object) -> None:
         self._stream = stream
@@ -170,7 +173,7 @@ class _BestEffort:
     def write(self, text: str) -> int:
         try:
             if self._stream is not None:
-                self._stream.write(shown(text))  # type: ignore[attr-defined]
+                self._stream.write(terminal_text(text))  # type: ignore[attr-defined]
         except (OSError, ValueError):
             pass
         return len(text)

@@ -22,6 +22,7 @@ import yaml
 
 from kvpolicy.engine.cli.common import usage_error
 from kvpolicy.policy.errors import PolicyError
+from kvpolicy.policy.files import write_atomically
 
 __all__ = ["Resolved", "case_input", "record_case"]
 
@@ -143,13 +144,13 @@ def record_case(args: argparse.Namespace, resolved: Resolved, decision: Any, err
         text += "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + indented)
+        write_atomically(path, text + indented)
         load_cases([path])
     except PolicyTestError as exc:
         if before is None:
             path.unlink()
         else:
-            path.write_text(before)
+            write_atomically(path, before)
         raise usage_error("--record-test", f"cannot append a case to `{path}`: it does not load after the append "
                           f"({exc.diagnostics[0].file}:{exc.diagnostics[0].line}: {exc.diagnostics[0].message})",
                           "record into a case file whose `cases:` list is its last key, in block style") from None

@@ -39,7 +39,6 @@ import logging
 import os
 import stat
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
 from kvpolicy.engine.peer_data import load_peer_json
 from kvpolicy.policy.cpu_kernel import CpuArch, CpuHost
 from kvpolicy.policy.errors import InputError, PolicyError, input_error
+from kvpolicy.policy.files import write_atomically
 from kvpolicy.policy.layouts import HeadOrder, Layout
 from kvpolicy.policy.releases import ReleaseProfile
 
@@ -215,20 +215,6 @@ def _attention_backend(vllm_config: Any, release: ReleaseProfile, mla: bool) -> 
 
 
 # ---------------------------------------------------------------- files
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """``text`` at ``path``, replaced in one step: a reader sees the old file or the new one, never a part."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_stamp(folder: Path) -> Stamp | str:

@@ -58,3 +58,22 @@ def test_errors_are_located_and_usage_is_checked(capsys: pytest.CaptureFixture[s
     assert code == 2 and "pass one file, or --check, --diff or --write" in err
     code, _, err = cli(capsys, "fmt", "--write", "-")
     assert code == 2 and "stdin cannot be rewritten" in err
+
+
+def test_a_write_that_fails_leaves_the_rule_file_whole(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fmt --write` on a full disk: the file the plugin loads is the old one, not a truncated one
+    import errno
+
+    from kvpolicy.policy import files
+
+    target = tmp_path / "rules.yaml"
+    target.write_text(UNFORMATTED)
+
+    def full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    code, _, err = cli(capsys, "fmt", "--write", str(target))
+    assert code != 0 and "No space left" in err
+    assert target.read_text() == UNFORMATTED
