@@ -26,11 +26,13 @@ once (both are property tests).
 from __future__ import annotations
 
 import bisect
+import io
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+import yaml.emitter
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from kvpolicy.policy.errors import Diagnostic, PolicyError
@@ -49,11 +51,17 @@ _PATTERN_KEYS = ("layout", "placement", "head_order", "layer_compact", "block_ou
                  "block_contiguous")
 _EFFECTS = ("forbid", "require", "prefer")
 _STR_TAG = "tag:yaml.org,2002:str"
-_FLOW_INDICATORS = ",[]{}"  # end a plain scalar inside a flow collection, not in a block
 _LINE_BREAKS = "\n\r\x85\u2028\u2029"
 # libyaml's composer when PyYAML has it (as the loader's): the same nodes and marks, and it refuses nesting
 # beyond 1000 levels itself, where PyYAML's pure-Python composer recurses until Python stops it
 _COMPOSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _flow_plain(text: str) -> bool:
+    """Whether the plain scalar ``text`` (text, from a block) reads the same inside a flow collection: not
+    when it holds `,[]{}` or starts with `?`/`:` (PyYAML's emitter decides, conservatively)."""
+    emitter = yaml.emitter.Emitter(io.StringIO(), allow_unicode=True)
+    return bool(emitter.analyze_scalar(text).allow_flow_plain)
 
 
 def _one_line(value: str, flow: bool) -> str:
@@ -169,15 +177,23 @@ class _Formatter:
 
     # -- one-line values -------------------------------------------------------------------------
 
+    def _key(self, node: Node, flow: bool) -> str:
+        """A mapping key: the loader keeps a key's text as written (`~`, `null` and an empty key differ)."""
+        if isinstance(node, ScalarNode) and not node.style and not self.src.slice(node):
+            return '""'  # `? ` or `{?}`: the empty key, which `:` alone cannot spell
+        return self._flow("other", node, flow)
+
     def _scalar(self, node: ScalarNode, flow: bool) -> str:
         """The scalar on one line, in a flow collection when ``flow``: as written where that reads back the
         same there; else the same value written again (quoted where it must be)."""
         text = self.src.slice(node)
         plain = not node.style
-        if "\n" not in text and not (flow and plain and any(c in text for c in _FLOW_INDICATORS)):
+        if plain and not text:  # `key:` or `-` with nothing after it: null, which a flow collection must spell
+            return "null" if flow else ""
+        if plain and node.tag != _STR_TAG:  # a number, boolean or null: `0x10`, `1:30`, `~` read alike in a flow
+            return text  # kept as written; the round-trip check refuses the file if that changes a value
+        if "\n" not in text and not (flow and plain and not _flow_plain(text)):
             return text
-        if plain and node.tag != _STR_TAG:  # never: a plain scalar over several lines or with `,[]{}` is text
-            return text  # kept as written; the round-trip check refuses it if that changes a value
         return _one_line(node.value, flow)
 
     def _flow(self, role: str, node: Node, flow: bool = True) -> str:
@@ -187,7 +203,7 @@ class _Formatter:
             return "[" + ", ".join(self._flow("other", item) for item in node.value) + "]"
         leaf = role == "leaf" or self._is_leaf(node)
         pairs = self._order("leaf" if leaf else role, node)
-        return "{" + ", ".join(f"{self._flow('other', k)}: {self._flow('other', v)}" for k, v in pairs) + "}"
+        return "{" + ", ".join(f"{self._key(k, True)}: {self._flow('other', v)}" for k, v in pairs) + "}"
 
     # -- blocks ----------------------------------------------------------------------------------
 
@@ -220,8 +236,8 @@ class _Formatter:
         span = (anchor, node.end_mark.line if node.end_mark.column > 0 else node.end_mark.line - 1)
         if self._inline(role, node):
             span = (min(anchor, node.start_mark.line), max(span[1], anchor))
-            return [_Line(f"{pad}{prefix} {self._flow(role, node, isinstance(node, (MappingNode, SequenceNode)))}",
-                          anchor, span, indent)]
+            text = f"{pad}{prefix} {self._flow(role, node, isinstance(node, (MappingNode, SequenceNode)))}"
+            return [_Line(text.rstrip(" "), anchor, span, indent)]
         if isinstance(node, ScalarNode):  # a block scalar
             header, body = self._block_scalar(node, indent + 2)
             head = _Line(f"{pad}{prefix} {header}", anchor, (anchor, anchor), indent, kept="+" in header and not body)
@@ -241,7 +257,7 @@ class _Formatter:
         if isinstance(node, MappingNode):
             for k, v in self._order(role, node):
                 child = self._role_of_child(role, k.value if isinstance(k, ScalarNode) else "")
-                out += self._entry(f"{self._flow('other', k, False)}:", indent, child, v, k.start_mark.line)
+                out += self._entry(f"{self._key(k, False)}:", indent, child, v, k.start_mark.line)
         elif isinstance(node, SequenceNode):
             item_role = {"rules": "rule", "conditions": "condition"}.get(role, "other")
             for item in node.value:
@@ -403,7 +419,19 @@ def _compose(text: str, file: str, limits: Limits) -> Node:
             stack += [(n, depth + 1) for n in node.value]
     if "&" in text or "*" in text:
         _refuse_anchors(docs[0], file)
+    if "!" in text:
+        _refuse_tags(text, file)
     return docs[0]
+
+
+def _refuse_tags(text: str, file: str) -> None:
+    """An explicit tag (``!!str 1``, ``!x``) is refused, as anchors are: the formatter writes values, not tags."""
+    for event in yaml.parse(text, Loader=_COMPOSER):
+        tag = getattr(event, "tag", None)
+        if tag is not None:
+            m = event.start_mark
+            raise _fail(file, m.line + 1, m.column + 1, "unsupported", f"explicit tags (`{tag}`) are not formatted",
+                        "write the value without the tag (quote it to make it a string)")
 
 
 def _format(text: str, file: str, limits: Limits) -> list[tuple[str, int]]:
