@@ -24,7 +24,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.policy.errors import RuleLoadError
-from kvpolicy.policy.files import read_capped
+from kvpolicy.policy.files import read_capped, read_stdin_capped
 from kvpolicy.policy.layers import render_warning, with_warnings
 from kvpolicy.policy.load import Limits, load_rule_file
 from kvpolicy.policy.ruleset import RuleSet
@@ -43,12 +43,12 @@ def _read(args: argparse.Namespace) -> tuple[str, str, bool | None]:
     """(text, shown name, connector file?) of the file or stdin validate was given."""
     if args.dir == STDIN:
         shown = args.stdin_filename or "<stdin>"
-        text = sys.stdin.read()
+        text, diags = read_stdin_capped(sys.stdin, shown, Limits().max_file_bytes)
     else:
         shown = args.dir
         text, diags = read_capped(Path(args.dir), shown, Limits().max_file_bytes)
-        if text is None:
-            raise RuleLoadError(f"cannot read `{shown}`", diags)
+    if text is None:
+        raise RuleLoadError(f"cannot read `{shown}`", diags)
     connector = True if Path(shown).parent.name == "connectors" else None
     return text, shown, connector
 

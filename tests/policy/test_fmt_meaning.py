@@ -158,3 +158,32 @@ def test_fmt_keeps_the_meaning_of_awkward_scalars_or_refuses(text: str) -> None:
     assert _typed(after[0]) == _typed(before[0])
     assert after[1] == before[1] or [c for c, _ in after[1]] == [c for c, _ in before[1]]
     assert format_rule_file(once, "f.yaml") == once
+
+
+def test_a_byte_order_mark_and_deep_nesting_are_refused_located_not_mangled() -> None:
+    with pytest.raises(FormatError) as exc:  # was: `\ufeffversio:` (the mark counted as a column of the key)
+        format_rule_file("\ufeffversion: 1\nrules: []\n", "bom.yaml")
+    assert exc.value.diagnostics[0].code == "bom" and exc.value.diagnostics[0].file == "bom.yaml"
+    for deep in ("version: 1\nrules: " + "[" * 20000 + "]" * 20000 + "\n",  # was: RecursionError
+                 "version: 1\nx: " + "{a: " * 100 + "1" + "}" * 100 + "\n"):
+        with pytest.raises(FormatError) as exc:
+            format_rule_file(deep, "deep.yaml")
+        assert exc.value.diagnostics[0].line == 2, exc.value.diagnostics[0]
+
+
+def test_when_the_emitter_gets_a_value_wrong_fmt_refuses_naming_the_first_difference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the safety net, whatever emission does: an emitter that writes a wrong value is caught, located
+    from kvpolicy.policy import fmt
+
+    text = CASES["block-list-item-with-comma"]
+    monkeypatch.setattr(fmt, "_one_line", lambda value, flow: "x, y")
+    with pytest.raises(FormatError) as exc:
+        format_rule_file(text, "f.yaml")
+    d = exc.value.diagnostics[0]
+    assert (d.code, d.file, d.line, d.col) == ("fmt-changes-meaning", "f.yaml", 7, 11)
+    assert "`rules[0].when.in[0]`: `x,y` would read as `x`" in d.message and "left as written" in d.help
+    monkeypatch.setattr(fmt, "_one_line", lambda value, flow: "[x,y")  # output that does not load at all
+    with pytest.raises(FormatError) as exc:
+        format_rule_file(text, "f.yaml")
+    assert exc.value.diagnostics[0].code == "fmt-changes-meaning" and "would not load" in exc.value.diagnostics[0].message
