@@ -11,16 +11,19 @@ The canonical form:
   pattern and ``layout_order``; anything else keeps its style;
 - two spaces of indentation, a sequence indented under its key (``rules:\\n  - id: ...``);
 - scalars as written (``"0.34"`` stays quoted, ``>-`` descriptions stay folded, re-indented);
-  a scalar written over several lines without a block indicator becomes one line.
+  a scalar written over several lines without a block indicator becomes one line (quoted, breaks as
+  ``\\n``, where it holds line breaks); a plain scalar a flow collection cannot hold (``x,y``, ``a]b``)
+  is quoted there; a ``|+`` scalar keeps exactly the breaks it holds.
 
 What is preserved: every comment on a line of its own stays above the key or list item it
 preceded, at that item's indentation (a comment inside a flow collection written over several lines
 moves above the collection); a comment at the end of a line stays at the end of the line of the key
 or item it was on; comments after the last item stay at the end; one blank line before a key or item
 that had one or more. What is not: alignment inside lines, blank lines beyond one, anchors and
-aliases (a file with them is refused, not rewritten). The rules' meaning never changes:
-``RuleSet.digest`` of the formatted file equals the original's, and formatting twice is formatting
-once (both are property tests).
+aliases, explicit tags (a file with them is refused, not rewritten). The meaning never changes, and
+`format_rule_file` checks it on every call rather than trusting the emitter: the loader reads input and
+output, every value must be equal (typed, lists in order), and formatting twice must be formatting once;
+else the file is refused, located at the first difference (property tests generate awkward files).
 """
 
 from __future__ import annotations
@@ -250,6 +253,9 @@ class _Formatter:
             inner[0] = _Line(f"{pad}- {first.text.lstrip()}", first.anchor, first.span, indent,
                              (anchor, *(ln for ln in first.leads or () if ln != anchor)))
             return inner
+        if anchor == node.start_mark.line and inner:  # `-` then a list written from that line (`- - a  # c`):
+            # the comment at the end of that line is the inner item's, which keeps that line's anchor
+            return [_Line(f"{pad}{prefix}", None, None, indent, (anchor,)), *inner]
         return [_Line(f"{pad}{prefix}", anchor, (anchor, anchor), indent), *inner]
 
     def _block(self, role: str, node: Node, indent: int) -> list[_Line]:
@@ -397,9 +403,11 @@ def _compose(text: str, file: str, limits: Limits) -> Node:
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         raise _fail(file, line, col, "yaml-syntax", str(exc.problem or exc),
                     "fix the YAML first: `kvpolicy validate FILE` says more") from None
-    except yaml.YAMLError as exc:
-        raise _fail(file, 1, 1, "yaml-syntax", str(exc), "fix the YAML first: `kvpolicy validate FILE` says more") \
-            from None
+    except yaml.YAMLError as exc:  # a character YAML does not allow (`ReaderError`): where it is
+        at = getattr(exc, "position", 0) if isinstance(getattr(exc, "position", 0), int) else 0
+        line = text.count("\n", 0, at) + 1
+        raise _fail(file, line, at - (text.rfind("\n", 0, at) + 1) + 1, "yaml-syntax", str(exc).split("\n")[0],
+                    "fix the YAML first: `kvpolicy validate FILE` says more") from None
     except RecursionError:  # PyYAML without libyaml recurses per nesting level
         raise _fail(file, 1, 1, "too-deep", f"nesting deeper than {limits.max_depth} levels",
                     "flatten the nesting") from None

@@ -3,8 +3,9 @@
 PATHs are rule files, rule directories (their ``*.yaml`` and ``connectors/*.yaml``; ``tests/`` holds
 case files and is left alone) or ``-`` (stdin). One file: the formatted text on stdout. ``--check``:
 exit 1 with a unified diff for each file that is not canonical (CI); ``--diff``: the diffs, exit 0;
-``--write``: rewrite the files that change. A file that is not one YAML document is an error, located,
-and the other files are still done.
+``--write``: rewrite the files that change. A file that is not one YAML document, or whose formatted
+text would not load to the same rules, is an error, located, left as it was, and the other files are
+still done. ``--format json``: one document, per file (docs/json-output.md).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ examples:
   kvpolicy fmt --check my-rules/               # CI: exit 1 and a diff when a file is not canonical
   kvpolicy fmt --write my-rules/               # rewrite the files that change
   kvpolicy fmt - < rule.yaml                   # stdin
+  kvpolicy fmt --check --format json my-rules/ # per file: changed, diff, errors
 
 canonical: fixed key order (version, connector, member_preferences, defaults, rules; a rule's id,
 description, reference, enforcement, when, forbid/require/prefer, weight), block style for rules and
 all/any/not, one-line leaves and patterns, two-space indentation; comments and single blank lines
-are kept (docs/cli.md says where); the rules' meaning (their digest) never changes
+are kept (docs/cli.md says where); the meaning never changes: the loader reads the file and the
+formatted text, and a file whose values would differ is refused, located, and left as it was
 
 exit codes: 0 done (or every file canonical), 1 --check found a file to reformat or a file is not
 YAML, 2 usage error

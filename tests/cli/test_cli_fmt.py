@@ -156,7 +156,7 @@ def test_format_json_reports_each_file(capsys: pytest.CaptureFixture[str], tmp_p
     (tmp_path / "c.yaml").write_text("version: 1\nrules: [\n")
     code, out, err = cli(capsys, "fmt", "--check", "--format", "json", str(tmp_path))
     doc = json.loads(out)
-    assert code == 1 and list(doc)[0] == "format_version"
+    assert code == 1 and next(iter(doc)) == "format_version"
     assert (doc["ok"], doc["mode"], doc["changed"], doc["failed"]) == (False, "check", 1, 1)
     a, b, c = doc["files"]
     assert (a["file"], a["ok"], a["changed"], a["written"]) == (f"{tmp_path}/a.yaml", True, True, False)

@@ -125,7 +125,9 @@ CASES = {  # each defect the hostile pass reported, as a file
     "eq-bracket": "version: 1\nrules:\n  - id: r\n    when:\n      field: connector.name\n      eq: a]b\n"
                   "    forbid: {placement: cross_layer}\n",
     "multi-line-quoted-in-leaf": "version: 1\nrules:\n  - id: r\n    when:\n      field: connector.name\n"
-                                 "      eq: \"a\n\n        b\"\n    forbid: {placement: cross_layer}\n",
+                                 "      eq: \"a,\n        ]b\"\n    forbid: {placement: cross_layer}\n",
+    "multi-line-quoted-with-blank-line": "version: 1\nrules:\n  - id: r\n    when:\n      field: connector.name\n"
+                                         "      eq: \"a\n\n        b\"\n    forbid: {placement: cross_layer}\n",
     "keep-block-scalar": "version: 1\nrules:\n  - id: r\n    description: |+\n      text\n\n"
                          "    forbid: {placement: cross_layer}\n",
     "keep-block-scalar-last": "version: 1\nrules:\n  - id: r\n    forbid: {placement: cross_layer}\n"
@@ -186,4 +188,5 @@ def test_when_the_emitter_gets_a_value_wrong_fmt_refuses_naming_the_first_differ
     monkeypatch.setattr(fmt, "_one_line", lambda value, flow: "[x,y")  # output that does not load at all
     with pytest.raises(FormatError) as exc:
         format_rule_file(text, "f.yaml")
-    assert exc.value.diagnostics[0].code == "fmt-changes-meaning" and "would not load" in exc.value.diagnostics[0].message
+    d = exc.value.diagnostics[0]
+    assert d.code == "fmt-changes-meaning" and "would not load" in d.message
