@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import bisect
 import io
+import itertools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,9 +62,14 @@ _LINE_BREAKS = "\n\r\x85\u2028\u2029"
 _COMPOSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+_PLAIN_WORDS = re.compile(r"[A-Za-z0-9_./+~]+(?: [A-Za-z0-9_./+~-]+)*\Z")
+
+
 def _flow_plain(text: str) -> bool:
     """Whether the plain scalar ``text`` (text, from a block) reads the same inside a flow collection: not
     when it holds `,[]{}` or starts with `?`/`:` (PyYAML's emitter decides, conservatively)."""
+    if _PLAIN_WORDS.match(text):  # most scalars: names, numbers, dotted fields (the emitter is slow)
+        return True
     emitter = yaml.emitter.Emitter(io.StringIO(), allow_unicode=True)
     return bool(emitter.analyze_scalar(text).allow_flow_plain)
 
@@ -306,13 +313,17 @@ def _scalar_ranges(root: Node, n_lines: int) -> list[list[tuple[int, int]]]:
     return ranges
 
 
+_COMMENT_CHARS = re.compile("[#'\"]")
+
+
 def _comments(lines: list[str], ranges: list[list[tuple[int, int]]]) -> dict[int, tuple[str, bool]]:
     """Source line -> (the comment from its ``#``, whether the line holds nothing else)."""
     out = {}
     for i, line in enumerate(lines):
         taken = ranges[i] if i < len(ranges) else []
         quote = None
-        for col, ch in enumerate(line):
+        for col in (m.start() for m in _COMMENT_CHARS.finditer(line)):  # no other character changes anything
+            ch = line[col]
             if any(a <= col < b for a, b in taken):
                 continue
             if quote:
@@ -337,13 +348,18 @@ def _with_comments(out: list[_Line], lines: list[str], comments: dict[int, tuple
     by_anchor = {x.anchor for x in out if x.anchor is not None}
     inline_spans = sorted((x.span, x.anchor) for x in out if x.anchor is not None and x.span is not None
                           and x.span[1] > x.span[0])
+    starts = [s for (s, _), _ in inline_spans]
+    reach = list(itertools.accumulate((e for (_, e), _ in inline_spans), max))
     leading: dict[int, list[int]] = {}
     trailing: dict[int, list[str]] = {}
     tail: list[int] = []
     for line, (text, alone) in sorted(comments.items()):
         if alone and line < first_key:  # before the first key: the file's header, kept on top
             continue
-        inside = next((a for (s, e), a in inline_spans if s <= line <= e), None)
+        # the first span (in order) holding `line`: among those starting at or before it, the first whose
+        # end reaches it (a running maximum of the ends finds it by bisection, not a scan per comment)
+        i = bisect.bisect_left(reach, line)
+        inside = inline_spans[i][1] if i < bisect.bisect_right(starts, line) else None
         if not alone:
             target = line if line in by_anchor else inside
             if target is not None:
