@@ -22,7 +22,8 @@ or item it was on; comments after the last item stay at the end; one blank line 
 that had one or more. What is not: alignment inside lines, blank lines beyond one, anchors and
 aliases, explicit tags (a file with them is refused, not rewritten). The meaning never changes, and
 `format_rule_file` checks it on every call rather than trusting the emitter: the loader reads input and
-output, every value must be equal (typed, lists in order), and formatting twice must be formatting once;
+output, every value must be equal (typed, lists in order), every comment kept, and formatting twice must
+be formatting once;
 else the file is refused, located at the first difference (property tests generate awkward files).
 """
 
@@ -33,6 +34,7 @@ import io
 import itertools
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -458,8 +460,10 @@ def _refuse_tags(text: str, file: str) -> None:
                         "write the value without the tag (quote it to make it a string)")
 
 
-def _format(text: str, file: str, limits: Limits) -> list[tuple[str, int]]:
-    """The formatted lines of ``text``, each with the source line it comes from (0-based)."""
+def _format(text: str, file: str, limits: Limits,
+            notes: dict[int, tuple[str, bool]] | None = None) -> list[tuple[str, int]]:
+    """The formatted lines of ``text``, each with the source line it comes from (0-based); its comments by
+    source line go into ``notes`` when given."""
     root = _compose(text, file, limits)
     src = _Source(text)
     try:
@@ -468,7 +472,17 @@ def _format(text: str, file: str, limits: Limits) -> list[tuple[str, int]]:
         raise FormatError("", [Diagnostic(file, d.line, d.col, d.code, d.message, d.help)
                                for d in exc.diagnostics]) from None
     comments = _comments(src.lines, _scalar_ranges(root, len(src.lines)))
+    if notes is not None:
+        notes.update(comments)
     return _with_comments(out, src.lines, comments, root.start_mark.line)
+
+
+def _fragments(comments: dict[int, tuple[str, bool]]) -> Counter[str]:
+    """Each comment's ``#`` parts (two comments at the ends of lines that fmt puts on one are two parts)."""
+    return Counter(part.strip() for text, _ in comments.values() for part in _COMMENT_PARTS.findall(text))
+
+
+_COMMENT_PARTS = re.compile(r"#[^#]*")
 
 
 def _joined(lines: list[tuple[str, int]]) -> str:
@@ -483,13 +497,22 @@ def format_rule_file(text: str, file: str = "<text>", *, limits: Limits = Limits
     That last check is the guarantee, whatever the emitter's gaps: the input and the output are both
     read by the loader (`kvpolicy.policy.yaml_source.parse_yaml`), and everything the rules are built
     from must be equal (every key and value, with its type, every list in its order; mapping keys
-    may move) and read with the same problems; and formatting the output again must change nothing.
+    may move) and read with the same problems; every comment of ``text`` must be in it; and formatting
+    the output again must change nothing.
     Otherwise nothing is returned: the error names the first difference, at its place in ``text``.
     """
-    lines = _format(text, file, limits)
+    before: dict[int, tuple[str, bool]] = {}
+    after: dict[int, tuple[str, bool]] = {}
+    lines = _format(text, file, limits, before)
     out = _joined(lines)
     _check_same_meaning(text, out, file, lines, limits)
-    again = _joined(_format(out, file, limits))
+    again = _joined(_format(out, file, limits, after))
+    lost = _fragments(before) - _fragments(after)
+    if lost:  # a comment is the author's, not fmt's to drop
+        part = next(iter(lost))
+        line = next(ln for ln, (c, _) in sorted(before.items()) if part in _fragments({0: (c, True)}))
+        raise _fail(file, line + 1, 1, "fmt-loses-comment", f"the formatted text would lose the comment `{part}`",
+                    _REPORT)
     if again != out:
         at = next(i for i, (a, b) in enumerate(zip([*again.splitlines(), ""], [*out.splitlines(), ""])) if a != b)
         line = lines[min(at, len(lines) - 1)][1] + 1 if lines else 1

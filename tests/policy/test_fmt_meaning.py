@@ -100,7 +100,15 @@ def awkward_rule_files(draw: st.DrawFn) -> str:
                    f"    description:{desc}\n"
         rules.append(rule)
     extra = f"note:{draw(_value(0, False))}\n" if draw(st.booleans()) else ""
-    return "rules:\n" + "".join(rules) + extra + "version: 1\n"
+    text = "rules:\n" + "".join(rules) + extra + "version: 1\n"
+    if not draw(st.booleans()):
+        return text
+    lines = []  # comments on their own lines and at line ends (inside a block scalar they are its text)
+    for line in text.split("\n"):
+        if draw(st.integers(0, 5)) == 0:
+            lines.append(" " * draw(st.integers(0, 8)) + "# own")
+        lines.append(line + ("  # end" if line.strip() and draw(st.integers(0, 5)) == 0 else ""))
+    return "\n".join(lines)
 
 
 def _read(text: str) -> tuple[object, list[tuple[str, str]]] | None:
@@ -153,7 +161,7 @@ def test_fmt_keeps_the_meaning_of_awkward_scalars_or_refuses(text: str) -> None:
     except FormatError as exc:  # a refusal is located, and only of what fmt must not or cannot rewrite
         d = exc.diagnostics[0]
         assert d.file == "f.yaml" and d.line >= 1 and d.help
-        assert d.code != "fmt-changes-meaning" and d.code != "fmt-unstable", (d.render(), text)
+        assert d.code not in ("fmt-changes-meaning", "fmt-unstable", "fmt-loses-comment"), (d.render(), text)
         return
     after = _read(once)
     assert before is not None and after is not None
@@ -190,3 +198,19 @@ def test_when_the_emitter_gets_a_value_wrong_fmt_refuses_naming_the_first_differ
         format_rule_file(text, "f.yaml")
     d = exc.value.diagnostics[0]
     assert d.code == "fmt-changes-meaning" and "would not load" in d.message
+
+
+def test_when_the_formatter_would_drop_a_comment_it_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpolicy.policy import fmt
+
+    real = fmt._with_comments
+
+    def dropping(*args: object) -> list[tuple[str, int]]:
+        return [(text, ln) for text, ln in real(*args) if text.strip() != "# why r exists"]
+
+    monkeypatch.setattr(fmt, "_with_comments", dropping)
+    with pytest.raises(FormatError) as exc:
+        format_rule_file("version: 1\nrules:\n  # why r exists\n  - id: r\n    forbid: {placement: cross_layer}\n",
+                         "f.yaml")
+    d = exc.value.diagnostics[0]
+    assert (d.code, d.line) == ("fmt-loses-comment", 3) and "`# why r exists`" in d.message
