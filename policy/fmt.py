@@ -537,25 +537,32 @@ def _check_same_meaning(before: str, after: str, file: str, lines: list[tuple[st
                     f"the formatted text would not load (its line {d.line}: {d.message})", _REPORT)
     path = _first_difference(old.data, new.data, ())
     if path is None:
-        old_codes = sorted((d.code, d.message) for d in old_diags if d.code != "duplicate-key")
-        new_codes = sorted((d.code, d.message) for d in new_diags if d.code != "duplicate-key")
-        if (old.invalid, old.yaml11_bools, old_codes) != (new.invalid, new.yaml11_bools, new_codes) \
-                or len(old_diags) != len(new_diags):
-            differ = sorted({*old.invalid ^ new.invalid, *(set(old.yaml11_bools.items())
-                                                           ^ set(new.yaml11_bools.items()))}, key=repr)
-            path = differ[0] if differ and isinstance(differ[0], tuple) and differ[0] in old.value_pos else ()
-            if differ and not isinstance(differ[0], tuple):
-                path = differ[0][0]
-            where = _where(path)
-            line, col = old.position(path)
-            raise _fail(file, line, col, "fmt-changes-meaning",
-                        f"the formatted text would be read differently at {where} (the loader's findings differ)",
-                        _REPORT)
-        return
+        path = _finding_difference(old, old_diags, new, new_diags)
+        if path is None:
+            return
+        line, col = old.position(path)
+        raise _fail(file, line, col, "fmt-changes-meaning", f"the loader would read {_where(path)} differently "
+                    "after formatting (what it reports there differs)", _REPORT)
     line, col = old.position(path)
     was, now = _value_at(old, path), _value_at(new, path)
     raise _fail(file, line, col, "fmt-changes-meaning",
                 f"formatting would change {_where(path)}: {_shown(was)} would read as {_shown(now)}", _REPORT)
+
+
+def _finding_difference(old: Located, old_diags: list[Diagnostic], new: Located,
+                        new_diags: list[Diagnostic]) -> tuple[Any, ...] | None:
+    """Where the loader's findings differ, for data that is equal: a value unreadable on one side only
+    (`017` against `"017"`), a YAML 1.1 boolean spelled otherwise (`on` against `true`), another problem
+    (None: the same findings). A duplicate key's message names lines, which move: its count is compared."""
+    for path in sorted(old.invalid ^ new.invalid, key=repr):
+        return path
+    for path, _ in sorted(set(old.yaml11_bools.items()) ^ set(new.yaml11_bools.items()), key=repr):
+        return path
+
+    def findings(diags: list[Diagnostic]) -> list[tuple[str, str]]:
+        return sorted((d.code, "" if d.code == "duplicate-key" else d.message) for d in diags)
+
+    return None if findings(old_diags) == findings(new_diags) else ()
 
 
 _MISSING = object()

@@ -214,3 +214,17 @@ def test_when_the_formatter_would_drop_a_comment_it_refuses(monkeypatch: pytest.
                          "f.yaml")
     d = exc.value.diagnostics[0]
     assert (d.code, d.line) == ("fmt-loses-comment", 3) and "`# why r exists`" in d.message
+
+
+def test_a_spelling_the_loader_reads_the_same_but_reports_otherwise_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `on` and `true` are the same boolean, but the loader warns about `on` (a YAML 1.1 boolean): the
+    # formatter must not turn one into the other behind the user's back
+    from kvpolicy.policy import fmt
+
+    real = fmt._Formatter._scalar
+    monkeypatch.setattr(fmt._Formatter, "_scalar", lambda self, node, flow: "true" if node.value == "on"
+                        else real(self, node, flow))
+    with pytest.raises(FormatError) as exc:
+        format_rule_file("version: 1\nrules: []\nnote: on\n", "f.yaml")
+    d = exc.value.diagnostics[0]
+    assert (d.code, d.line, d.col) == ("fmt-changes-meaning", 3, 7) and "`note`" in d.message
