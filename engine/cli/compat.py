@@ -77,8 +77,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--via", metavar="CONNECTOR",
                    help="answer for what this KV connector moves: ExampleConnector moves each layer's [B, H, N, C] "
                         "view slot by slot (the same layer_view_digest: as is, or not at all); any other moves raw "
-                        "blocks as they are (as is, or not at all: it cannot transcode). Default: kvpolicy's own "
-                        "restore, which transcodes blocks whose cells only sit elsewhere")
+                        "blocks as they are (as is, or not at all: it cannot transcode); `none`: kvpolicy's own "
+                        "restore, which transcodes blocks whose cells only sit elsewhere. Default: the connector "
+                        "both sides declare where they are a fleet's deployments with the same one, else none")
     what = p.add_argument_group("the deployment of a release side (default: the built-in example)")
     what.add_argument("--spec", metavar="FILE", help="a YAML or JSON file of KVCacheSpec fields")
     what.add_argument("--model", metavar="PATH", help="a Hugging Face config.json, or the directory holding one")
@@ -179,6 +180,7 @@ class Side:
 
     label: str
     fingerprint: LayoutFingerprint
+    connector: str | None = None  # a fleet side's declared KV connector (what moves its blocks)
 
     def summary(self) -> dict[str, Any]:
         fp = self.fingerprint
@@ -259,6 +261,10 @@ def run(args: argparse.Namespace) -> int:
     fleets: dict[str, Fleet] = {}
     src = _side(args.source, args, "FROM", args.from_keys, fleets)
     dst = _side(args.target, args, "TO", args.to_keys, fleets)
+    if args.via is None and src.connector is not None and src.connector == dst.connector:
+        via = src.connector  # the connector both deployments declare moves their blocks: answer as it moves them
+        print(f"note: compared via {via}, the connector both deployments declare (pass --via to compare "
+              "through another)", file=sys.stderr)
     answer = _answer(src.fingerprint, dst.fingerprint, via)
     report = _report(src, dst, answer)
     if args.format == "json":
@@ -300,8 +306,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _via(name: str | None) -> str | None:
-    """``--via``'s connector, a name kvpolicy or some release knows (a typo would be answered as raw blocks)."""
-    if name is None:
+    """``--via``'s connector, a name kvpolicy or some release knows (a typo would be answered as raw blocks);
+    ``none`` (kvpolicy's own restore) is None."""
+    if name is None or name.lower() == "none":
         return None
     from kvpolicy.policy.connectors import KNOWN_CONNECTORS, suggest_connector
     from kvpolicy.policy.near_names import nearest
@@ -537,7 +544,7 @@ def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict
     from kvpolicy.engine.fleet import FleetError, decide_in_fleet, load_fleet
     from kvpolicy.policy.near_names import nearest
 
-    file, _, name = text.rpartition(FLEET_SEP)
+    file, name = _split_fleet_side(text)
     if not Path(file).is_file():
         raise usage_error(where, f"`{file}` (before `{FLEET_SEP}{name}`) is no fleet file",
                           "give FLEET.yaml#NAME: a fleet file and one of its deployments' names")
@@ -560,7 +567,29 @@ def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict
         declared = fleet.deployments[index][0].model_dump(mode="json", exclude_defaults=True)
         dep = _deployment(name, _merge(declared, list(keys), said, where), said, where)
     result = decide_in_fleet(fleet, index, _rules, None, dep)
-    return Side(text + _changed(keys), _fingerprint_of(result, where, said, fleet.file))
+    fingerprint = _fingerprint_of(result, where, said, fleet.file)
+    connector = result.decision.context.connector if result.decision is not None else None
+    return Side(text + _changed(keys), fingerprint, connector.name if connector is not None else None)
+
+
+def _split_fleet_side(text: str) -> tuple[str, str]:
+    """``FLEET.yaml#NAME`` as (file, name). A file name or a deployment name may hold ``#`` too: the split is
+    at the first ``#`` before which a file exists whose fleet names what follows; failing that, the first
+    before which a file exists (its error lists the names), else the last ``#``."""
+    from kvpolicy.engine.fleet import FleetError, load_fleet
+
+    splits = [(text[:i], text[i + 1:]) for i, c in enumerate(text) if c == FLEET_SEP]
+    files = [(f, n) for f, n in splits if f and Path(f).is_file()]
+    for file, name in files:
+        try:
+            if name in {d.name for d, _ in load_fleet(file).deployments}:
+                return file, name
+        except FleetError:
+            break  # its mistakes are reported where the side is read
+    if files:
+        return files[0]
+    file, _, name = text.rpartition(FLEET_SEP)
+    return file, name
 
 
 def _table(args: argparse.Namespace) -> int:
