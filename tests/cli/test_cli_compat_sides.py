@@ -89,7 +89,7 @@ def test_a_hash_in_a_deployment_name_or_a_file_name(capsys: pytest.CaptureFixtur
     path.write_text(FLEET.replace("name: prefill,", "name: pre#fill,"))
     code, report = _json(capsys, f"{path}#pre#fill", f"{path}#decode")
     assert code == 0 and report["from"]["from"] == f"{path}#pre#fill" and report["via"] == "NixlConnector"
-    code, out, err = cli(capsys, "compat", f"{path}#pre#fil", f"{path}#decode")
+    code, _, err = cli(capsys, "compat", f"{path}#pre#fil", f"{path}#decode")
     assert code == 2 and "no deployment `pre#fil`" in err and "did you mean `pre#fill`?" in err
 
 
