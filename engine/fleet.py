@@ -457,6 +457,7 @@ def decide_deployment(dep: Deployment, base_dir: Path, rules_for: RulesFor, vllm
         declared = out_of_tree_names(dep)
         notes += check_connector_names(ctx, ruleset, declared, refuse or _refuse_by_key(dep))
         decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx).declaring(declared)
+        _ = decision.fingerprint  # its kernel order may refuse the cache (cpu-kernel-refuses): as dry-run says it
         return FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision),
                            notes=tuple(notes))
     except PolicyError as exc:
