@@ -215,10 +215,30 @@ def _decide(c: Checkup, engine: Any, args: argparse.Namespace, profile: str, exp
     c.lines.append(f"decision{what}: {decision.layout} ({decision.layout.placement.value}, "
                    f"{decision.layout.head_order.value}) decided by {decided_by(decision)}")
     c.lines.append(f"  fingerprint {decision.fingerprint.digest}")
+    store = _stamped_store(decision)
+    if store is not None:
+        c.decision["store_folder"] = store
+        c.lines.append(f"  ExampleConnector keeps this engine's blocks in {store} (the stamp's folder: engines "
+                       "whose blocks mean the same bytes share it)")
     c.lines += [f"  {n}".replace("\n", "\n  ") for n in notes]
     c.lines += [f"  warning: {w}" for w in decision.warnings]
     if explain:
         c.lines.append(decision.explain())
+
+
+def _stamped_store(decision: Any) -> str | None:
+    """Where the guarded ExampleConnector (itself or a MultiConnector's member) keeps this engine's entries:
+    its ``shared_storage_path`` and the stamp's folder; None for any other connector."""
+    from kvpolicy.engine.integrations.vllm_exchange import stamp_of
+
+    stack = [decision.context.connector] if decision.context.connector is not None else []
+    while stack:
+        connector = stack.pop()
+        if connector.name == "ExampleConnector":
+            root = connector.extra.get("shared_storage_path", "/tmp")  # vLLM's default
+            return f"{str(root).rstrip('/')}/{stamp_of(decision.fingerprint).namespace}/"
+        stack.extend(connector.connectors)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
