@@ -35,6 +35,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.policy.errors import PolicyError, terminal_text
+from kvpolicy.policy.waivers import parse_day, today_is
 
 __all__ = ["build_parser", "main"]
 
@@ -141,7 +142,8 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return EXIT_USAGE
     try:
         settle_vllm_version(args)
-        return args.run(args)
+        with today_is(parse_day(args.today, "--today") if getattr(args, "today", None) else None):
+            return args.run(args)
     except PolicyError as exc:
         report_error(exc, getattr(args, "format", "text"))
         return exit_code_for(exc)

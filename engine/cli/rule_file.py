@@ -83,6 +83,9 @@ def run_file(args: argparse.Namespace) -> int:
                     with_warnings(exc, getattr(below, "warnings", ()))
             raise
         layered = _layered(alone, args)
+        from kvpolicy.engine.cli.validate import lapsed_waivers  # validate imports this module
+
+        lapsed_waivers(layered)
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_FAILED

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import sys
 
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
@@ -22,9 +24,11 @@ from kvpolicy.engine.cli.common import (
 )
 from kvpolicy.engine.cli.rule_file import is_single_file, run_file
 from kvpolicy.policy.errors import RuleLoadError, shown_file
+from kvpolicy.policy.layers import with_warnings
+from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.load import rule_files
 
-__all__ = ["register", "run"]
+__all__ = ["lapsed_waivers", "register", "run"]
 
 _EPILOG = """\
 examples:
@@ -43,7 +47,10 @@ output: each problem as `file:line:col: error[code]: message` with a `help:` lin
 stderr; when clean, one line on stdout: `ok: N rules in M files (digest sha256:...)`, then one
 line per layer when there are several; warnings (`warning[code]`) on stderr do not fail
 
-exit codes: 0 the rules load cleanly, 1 they do not, 2 usage error (DIR does not exist, or is not a
+waivers: a waiver past its `expires` (read against --today, KVPOLICY_TODAY or the clock) is an
+error here (`expired-waiver`), a warning for every other verb, which decide as if it were gone
+
+exit codes: 0 the rules load cleanly, 1 they do not (or a waiver has expired), 2 usage error (DIR does not exist, or is not a
 directory; an unknown flag)
 """
 
@@ -66,17 +73,32 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def lapsed_waivers(ruleset: RuleSet) -> None:
+    """Raise a `RuleLoadError` of every lapsed waiver (``expired-waiver``), the other warnings with it.
+
+    Every other verb warns and decides without the waiver (the rule it named applies again); validate is the
+    gate CI runs before a deploy, so a waiver that lapsed (a decision that changed without a commit) fails it:
+    renew it after review, or delete it."""
+    lapsed = [d for d in ruleset.warnings if d.code == "expired-waiver"]
+    if lapsed:
+        raise with_warnings(RuleLoadError(f"{len(lapsed)} expired waiver(s) in rule set `{shown_file(ruleset.root)}`",
+                                          lapsed), [d for d in ruleset.warnings if d.code != "expired-waiver"])
+
+
 def run(args: argparse.Namespace) -> int:
     check_vllm_version(args.vllm_version)
     if is_single_file(args.dir) or args.stdin_filename is not None:
         return run_file(args)
     dirs = operator_dirs(args, "dir")
+    said = io.StringIO()  # the load's warnings, said below unless a lapsed waiver fails the run
     try:
         ruleset = load_ruleset(dirs, "DIR" if args.dir is not None else "--rules", vllm_version=args.vllm_version,
-                               shipped_rules=not args.no_shipped_rules)
+                               shipped_rules=not args.no_shipped_rules, stream=said)
+        lapsed_waivers(ruleset)
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_FAILED
+    sys.stderr.write(said.getvalue())
     roots = (list(shipped_roots(args.vllm_version)) if not args.no_shipped_rules else []) + \
         expand_rule_dirs(dirs, args.vllm_version)[0]
     files = sum(len(rule_files(r)) for r in dict.fromkeys(r.resolve() for r in roots))
