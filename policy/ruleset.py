@@ -150,7 +150,8 @@ class RuleSet:
         }
         if self.waivers:  # only when there are any: a rule set without waivers keeps its digest
             canon["waivers"] = sorted(
-                (w.waiver.model_dump(mode="json", by_alias=True, exclude_none=True) for w in self.waivers), key=lambda d: json.dumps(d, sort_keys=True))
+                (w.waiver.model_dump(mode="json", by_alias=True, exclude_none=True) for w in self.waivers),
+                key=lambda d: json.dumps(d, sort_keys=True))
         blob = json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()
         return "sha256:" + hashlib.sha256(blob).hexdigest()
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from kvpolicy.engine.analysis.lint import lint
 from kvpolicy.engine.rule_layers import NO_SHIPPED_FLAG, RulesArg, load_layers
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
-from kvpolicy.policy.layers import with_warnings
 from kvpolicy.policy.files import write_atomically
+from kvpolicy.policy.layers import with_warnings
 from kvpolicy.policy.load import Limits
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.ruleset import CompiledRule, RuleSet

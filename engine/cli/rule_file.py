@@ -23,13 +23,13 @@ from kvpolicy.engine.cli.common import (
     report_error,
     usage_error,
 )
-from kvpolicy.policy.errors import RuleLoadError
+from kvpolicy.policy.errors import RuleLoadError, shown_file
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layers import render_warning, with_warnings
 from kvpolicy.policy.load import Limits, load_rule_file
 from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["STDIN", "is_single_file", "run_file"]
+__all__ = ["STDIN", "is_single_file", "lapsed_waivers", "run_file"]
 
 STDIN = "-"
 
@@ -66,6 +66,18 @@ def _layered(ruleset: RuleSet, args: argparse.Namespace) -> RuleSet:
     return compose_layers([(below, not args.rules), (ruleset, False)])
 
 
+def lapsed_waivers(ruleset: RuleSet) -> None:
+    """Raise a `RuleLoadError` of every lapsed waiver (``expired-waiver``), the other warnings with it.
+
+    Every other verb warns and decides without the waiver (the rule it named applies again); validate is the
+    gate CI runs before a deploy, so a waiver that lapsed (a decision that changed without a commit) fails it:
+    renew it after review, or delete it."""
+    lapsed = [d for d in ruleset.warnings if d.code == "expired-waiver"]
+    if lapsed:
+        raise with_warnings(RuleLoadError(f"{len(lapsed)} expired waiver(s) in rule set `{shown_file(ruleset.root)}`",
+                                          lapsed), [d for d in ruleset.warnings if d.code != "expired-waiver"])
+
+
 def run_file(args: argparse.Namespace) -> int:
     """Validate one file (or stdin); the same output and exit codes as a directory."""
     if args.dir != STDIN and args.stdin_filename is not None:
@@ -83,8 +95,6 @@ def run_file(args: argparse.Namespace) -> int:
                     with_warnings(exc, getattr(below, "warnings", ()))
             raise
         layered = _layered(alone, args)
-        from kvpolicy.engine.cli.validate import lapsed_waivers  # validate imports this module
-
         lapsed_waivers(layered)
     except RuleLoadError as exc:
         report_error(exc, args.format)

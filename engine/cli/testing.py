@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     if select is not None and not result.results:
         total = result.selection[1] if result.selection else 0
         raise PolicyError("", [Diagnostic("--run", 0, 0, "no-case-selected",
-                                          f"no case name matches `{args.run_pattern}` ({total} case(s) in the files run)",
+                                          f"no case name matches `{args.run_pattern}` ({total} case(s) in the "
+                                          "files run)",
                                           "`kvpolicy test -v` lists every case's name; the pattern is searched "
                                           "anywhere in it (anchor it with `^...$`)")])
     own = operator_layer_roots(ruleset)

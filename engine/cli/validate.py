@@ -22,13 +22,11 @@ from kvpolicy.engine.cli.common import (
     report_error,
     shipped_roots,
 )
-from kvpolicy.engine.cli.rule_file import is_single_file, run_file
+from kvpolicy.engine.cli.rule_file import is_single_file, lapsed_waivers, run_file
 from kvpolicy.policy.errors import RuleLoadError, shown_file
-from kvpolicy.policy.layers import with_warnings
-from kvpolicy.policy.ruleset import RuleSet
 from kvpolicy.policy.load import rule_files
 
-__all__ = ["lapsed_waivers", "register", "run"]
+__all__ = ["register", "run"]
 
 _EPILOG = """\
 examples:
@@ -50,8 +48,8 @@ line per layer when there are several; warnings (`warning[code]`) on stderr do n
 waivers: a waiver past its `expires` (read against --today, KVPOLICY_TODAY or the clock) is an
 error here (`expired-waiver`), a warning for every other verb, which decide as if it were gone
 
-exit codes: 0 the rules load cleanly, 1 they do not (or a waiver has expired), 2 usage error (DIR does not exist, or is not a
-directory; an unknown flag)
+exit codes: 0 the rules load cleanly, 1 they do not (or a waiver has expired), 2 usage error
+(DIR does not exist, or is not a directory; an unknown flag)
 """
 
 
@@ -71,18 +69,6 @@ def register(verbs: argparse._SubParsersAction) -> None:
     add_vllm_version_flag(p)
     add_format_flag(p, ci=True)
     p.set_defaults(run=run)
-
-
-def lapsed_waivers(ruleset: RuleSet) -> None:
-    """Raise a `RuleLoadError` of every lapsed waiver (``expired-waiver``), the other warnings with it.
-
-    Every other verb warns and decides without the waiver (the rule it named applies again); validate is the
-    gate CI runs before a deploy, so a waiver that lapsed (a decision that changed without a commit) fails it:
-    renew it after review, or delete it."""
-    lapsed = [d for d in ruleset.warnings if d.code == "expired-waiver"]
-    if lapsed:
-        raise with_warnings(RuleLoadError(f"{len(lapsed)} expired waiver(s) in rule set `{shown_file(ruleset.root)}`",
-                                          lapsed), [d for d in ruleset.warnings if d.code != "expired-waiver"])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,7 +72,8 @@ def test_a_waiver_in_force_lifts_its_rule_and_the_decision_says_where_and_who() 
     assert "(waived at ops.yaml:3)" in text  # beside the rule in the rules list
     data = d.to_dict()
     assert data["waivers"] == [{"rule": "fp8-stays-per-layer", "rule_source": "global.yaml:5", "effect": "forbid",
-                                "scope": "global", "applied": True, "layouts": ["BLNHC", "BLHNC", "BHLNC"], "source": "ops.yaml:3",
+                                "scope": "global", "applied": True, "layouts": ["BLNHC", "BLHNC", "BHLNC"],
+                                "source": "ops.yaml:3",
                                 "owner": "kv-team@example.com", "expires": "2027-01-31",
                                 "reason": "the TRITON fp8 kernel reads cross-layer blocks since INFRA-12"}]
     assert data["rules"]["fp8-stays-per-layer"] is True  # the condition matched; the waiver lifted its effect
@@ -204,12 +205,15 @@ def _issue_48412_with_the_guard_waived() -> LayoutEngine:
 WAIVED = _issue_48412_with_the_guard_waived()
 
 
+CONNECTORS = [{}, {"connector": "ThirdPartyConnector", "connector_prefers_cross_layer_blocks": True},
+              {"connector": "NixlConnector", "connector_config": {"enable_cross_layers_blocks": True}},
+              {"connector": "OffloadingConnector"}]
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(dtype=st.sampled_from(["fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"]),
        layers=st.integers(2, 6), heads=st.sampled_from([1, 2, 4]), blocks=st.integers(2, 6),
-       connector=st.sampled_from([{}, {"connector": "ThirdPartyConnector", "connector_prefers_cross_layer_blocks": True},
-                                  {"connector": "NixlConnector", "connector_config": {"enable_cross_layers_blocks": True}},
-                                  {"connector": "OffloadingConnector"}]))
+       connector=st.sampled_from(CONNECTORS))
 def test_no_waiver_makes_kvpolicy_allocate_an_overlapping_layout(dtype: str, layers: int, heads: int, blocks: int,
                                                                 connector: dict) -> None:
     inputs = dict(spec=dict(num_layers=layers, block_size=16, num_kv_heads=heads, head_size=64),
