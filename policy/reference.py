@@ -200,7 +200,7 @@ waivers:
 ```
 
 ```
-$ kvpolicy dry-run --rules waivers/ --vllm-version 0.34.0 --connector OffloadingConnector --kv-cache-dtype fp8 --today 2027-01-01 --explain notes
+{dry_run}
 ...
 layout: LBNHC (per_layer, NHD)
 ...
@@ -212,11 +212,17 @@ waived:
 ...
 $ kvpolicy validate waivers/ --vllm-version 0.34.0 --today 2027-02-01
 1 expired waiver(s) in rule set `rules/vllm-0.34 + waivers/`
-waivers/global.yaml:4:5: error[expired-waiver]: the waiver of `offloading-requires-lbhnc` (owner kv-team@example.com) expired on 2027-01-31: it no longer applies, the rule does again
+{expired}
   help: review it with its owner: renew `expires`, or delete the waiver
 ```
 
 """
+
+
+_WAIVED_RUN = ("$ kvpolicy dry-run --rules waivers/ --vllm-version 0.34.0 --connector OffloadingConnector "
+               "--kv-cache-dtype fp8 --today 2027-01-01 --explain notes")
+_EXPIRED = ("waivers/global.yaml:4:5: error[expired-waiver]: the waiver of `offloading-requires-lbhnc` (owner "
+            "kv-team@example.com) expired on 2027-01-31: it no longer applies, the rule does again")
 
 
 def _model_keys(model: type, skip: tuple[str, ...] = ()) -> list[str]:
@@ -313,7 +319,7 @@ def render_reference() -> str:
         f"`head_order` one of {', '.join(f'`{h.value}`' for h in HeadOrder)}.",
         "",
         *_AUDIT_MODE.splitlines(),
-        *_WAIVERS.format(keys="\n".join(_model_keys(Waiver))).splitlines(),
+        *_WAIVERS.format(keys="\n".join(_model_keys(Waiver)), dry_run=_WAIVED_RUN, expired=_EXPIRED).splitlines(),
         "## Layouts",
         "",
         "vLLM's `KVCacheLayout`s: each name spells the physical order of the logical",

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from kvpolicy.engine.cli import (
     analyze,
     compat,
+    completion,
     doctor,
     dry_run,
     formatting,
@@ -88,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
-    for module in (dry_run, validate, testing, schema, analyze, releases, compat, rules_view, formatting, doctor):
+    for module in (dry_run, validate, testing, schema, analyze, releases, compat, rules_view, formatting, doctor,
+                   completion):
         module.register(verbs)
+    parser.set_defaults(cli_parser=parser)  # `kvpolicy completion` reads the whole parser
     return parser
 
 
