@@ -7,7 +7,8 @@ Composition, fixed and order-independent except where stated:
 1. Every rule of every layer is in the set; the decision semantics do not know
    layers. So forbids and requires of every layer apply, and a forbid always
    wins (docs/rule-layers.md): a layer can add constraints and preferences, never take
-   one away.
+   one away, except by a waiver (`kvpolicy.policy.waivers`): explicit, owned, dated,
+   named in every explanation, checked here once every layer is in.
 2. A rule id is unique across all layers. A duplicate is an error located at
    the upper rule, naming the lower one; there is no override. (A rule
    restated word for word, same id, scope and content, as in a copy of a

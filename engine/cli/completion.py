@@ -22,10 +22,10 @@ SHELLS = ("bash", "zsh", "fish")
 
 _EPILOG = """\
 examples:
-  kvpolicy completion bash > ~/.local/share/bash-completion/completions/kvpolicy
+  kvpolicy completion bash > kvpolicy.bash        # then into ~/.local/share/bash-completion/completions/kvpolicy
   source <(kvpolicy completion bash)              # this bash session only
-  kvpolicy completion zsh > "${fpath[1]}/_kvpolicy"   # or: source <(kvpolicy completion zsh) in ~/.zshrc
-  kvpolicy completion fish > ~/.config/fish/completions/kvpolicy.fish
+  kvpolicy completion zsh > _kvpolicy             # a directory of $fpath; or source <(kvpolicy completion zsh)
+  kvpolicy completion fish > kvpolicy.fish        # then into ~/.config/fish/completions/
 
 what completes: verbs, each verb's flags, the values of flags with a closed set (--format, --explain,
 --vllm-version, --kv-cache-dtype, --connector, ...), directories for DIR flags and files for FILE/PATH ones;
