@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from kvpolicy.engine.cli.common import (
@@ -60,8 +61,13 @@ def _layered(ruleset: RuleSet, args: argparse.Namespace) -> RuleSet:
 
     below = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules) \
         if (args.rules or not args.no_shipped_rules) else None
-    if below is None:
-        return ruleset
+    if below is None:  # the file alone: its waivers name rules of this file only
+        from kvpolicy.policy.waivers import waiver_problems
+
+        errors, lapsed = waiver_problems(ruleset)
+        if errors:
+            raise RuleLoadError(f"{len(errors)} error(s) in rule file `{shown_file(ruleset.root)}`", errors)
+        return replace(ruleset, warnings=(*ruleset.warnings, *lapsed))
     args.said_below = {render_warning(d) for d in below.warnings}
     return compose_layers([(below, not args.rules), (ruleset, False)])
 
@@ -111,6 +117,6 @@ def run_file(args: argparse.Namespace) -> int:
         for line in dict.fromkeys(render_warning(d) for d in layered.warnings):
             if line not in said:
                 print(line, file=sys.stderr)
-        below = "" if layered is alone else f", layered on {layered.root.rsplit(' + ', 1)[0]} without conflict"
+        below = "" if layered.root == alone.root else f", layered on {layered.root.rsplit(' + ', 1)[0]} without conflict"
         print(f"ok: {len(alone.all_rules)} rules in 1 file, a {what} (digest {alone.digest}){below}")
     return EXIT_OK

@@ -44,7 +44,7 @@ examples:
                                                   (several --rules: the tests/ of each that has one)
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
   kvpolicy test --rules my-rules/ --include-shipped   # the shipped rules count in the coverage too
-  kvpolicy test --run 'nixl|offload'              # only the cases whose name matches (a regex, searched)
+  kvpolicy test --run 'Nixl|Offloading'           # only the cases whose name matches (a regex, searched)
 
 a case file (docs/cli.md has the full format; this one passes under the default profile):
   version: 1

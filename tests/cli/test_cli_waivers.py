@@ -73,3 +73,17 @@ def test_a_waiver_of_a_safety_guard_fails_validate(capsys: pytest.CaptureFixture
                                                          "per-token-head-forbids-cross-layer"))
     code, _, err = cli(capsys, "validate", str(tmp_path), "--vllm-version", "issue-48412")
     assert code == 1 and f"{tmp_path}/global.yaml:3:5: error[unwaivable-rule]" in err
+
+
+def test_one_file_alone_checks_its_waivers_too(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`validate FILE --no-shipped-rules`: no layer below, the file's own waivers are still checked."""
+    own = ("version: 1\nrules:\n  - id: r\n    description: d\n    forbid: {layout: LBNHC}\nwaivers:\n"
+           "  - rule: r\n    owner: a\n    reason: b\n    expires: 2027-01-01\n")
+    (tmp_path / "g.yaml").write_text(own)
+    args = ("validate", str(tmp_path / "g.yaml"), "--no-shipped-rules", "--vllm-version", "0.34.0")
+    assert cli(capsys, *args, "--today", "2027-01-01")[0] == 0
+    code, _, err = cli(capsys, *args, "--today", "2027-01-02")
+    assert code == 1 and "error[expired-waiver]" in err
+    (tmp_path / "g.yaml").write_text(own.replace("  - rule: r\n", "  - rule: q\n"))
+    code, _, err = cli(capsys, *args)
+    assert code == 1 and f"{tmp_path}/g.yaml:7:5: error[unknown-waived-rule]" in err
