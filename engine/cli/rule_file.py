@@ -117,6 +117,7 @@ def run_file(args: argparse.Namespace) -> int:
         for line in dict.fromkeys(render_warning(d) for d in layered.warnings):
             if line not in said:
                 print(line, file=sys.stderr)
-        below = "" if layered.root == alone.root else f", layered on {layered.root.rsplit(' + ', 1)[0]} without conflict"
+        below = ("" if layered.root == alone.root
+                 else f", layered on {layered.root.rsplit(' + ', 1)[0]} without conflict")
         print(f"ok: {len(alone.all_rules)} rules in 1 file, a {what} (digest {alone.digest}){below}")
     return EXIT_OK
