@@ -176,8 +176,8 @@ optionally, where (`when`, the rules' condition language: `connector.name`, `vll
   `warnings`), and `kvpolicy validate` fails (`error[expired-waiver]`, exit 1): a waiver that
   silently lapses changes decisions without a commit, so the CI gate catches it before a deploy;
   renew `expires` after review, or delete the waiver. The day is read once per loaded rule set
-  (a decision and its trace always agree): `--today YYYY-MM-DD`, else `KVPOLICY_TODAY`, else the
-  clock's date.
+  (a decision and its trace always agree; a vLLM process decides its layout once, with the day it
+  started): `--today YYYY-MM-DD`, else `KVPOLICY_TODAY`, else the clock's date.
 - **Refused**: a waiver of a rule no layer has (`unknown-waived-rule`, with "did you mean"), of an
   audit-mode rule (`waiver-of-audit-rule`: it removes nothing), of the built-in
   `release-candidates` and `backend-geometry` filters (facts, not policy), in a connector file
