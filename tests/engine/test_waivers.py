@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -236,3 +237,52 @@ def test_the_waived_guard_does_reach_the_verifier() -> None:
     assert d.layout.placement is Placement.cross_layer and d.waivers[0].applied
     with pytest.raises(GeometryError):
         WAIVED.build(num_blocks=4, **inputs)
+
+
+# -- a waiver without `when` is the rule deleted; with one, the rule deleted where it holds -----------------
+
+SHIPPED = LayoutEngine.default("vllm-0.34").ruleset
+IDS = sorted(r.id for r in SHIPPED.rules)
+CONTEXTS = [dict(kv_cache_dtype=dtype, connector=conn, vllm_kv_cache_layout=env, backend=backend)
+            for dtype in ("auto", "fp8", "fp8_per_token_head")
+            for conn in (None, "OffloadingConnector", "NixlConnector", "HiSparseConnector")
+            for env in (None, "LBNHC", "BHLNC")
+            for backend in ("FLASH_ATTN", "TRITON_ATTN")]
+
+
+def _rebuilt(keep: set[str], waivers: list[tuple[Any, Any]] | None = None) -> Any:
+    from kvpolicy.policy.ruleset import RuleSet
+
+    rules = [(r.rule, r.source, r.scope) for r in SHIPPED.all_rules if r.id in keep]
+    return RuleSet.build(rules, SHIPPED.layout_order, SHIPPED.member_preferences, SHIPPED.root,
+                         order_declared=SHIPPED.order_declared, waivers=waivers or [], day=date(2027, 1, 1))
+
+
+def _outcome(ruleset: Any, inputs: dict[str, Any]) -> tuple[int, int | None]:
+    ctx = LayoutEngine(ruleset, vllm_version="vllm-0.34").context(
+        spec=dict(num_layers=4, block_size=16, num_kv_heads=2, head_size=64), vllm_version="vllm-0.34",
+        **{k: v for k, v in inputs.items() if v is not None})
+    glob, conn = scopes_for(ruleset, ctx)
+    fast = evaluate(ruleset, glob, conn, explain=False)
+    slow = evaluate(ruleset, glob, conn, explain=True)
+    assert (fast.alive, fast.winner) == (slow.alive, slow.winner)  # the trace never disagrees with the fast path
+    return fast.alive, fast.winner
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(waived=st.sets(st.sampled_from(IDS), min_size=1, max_size=4), expired=st.booleans(),
+       inputs=st.sampled_from(CONTEXTS))
+def test_a_waiver_without_when_decides_as_the_rule_deleted(waived: set[str], expired: bool,
+                                                           inputs: dict[str, Any]) -> None:
+    from kvpolicy.policy.rule_model import Waiver
+    from kvpolicy.policy.ruleset import Source
+
+    expires = date(2026, 12, 31) if expired else date(2027, 1, 1)  # the rule set's day is 2027-01-01
+    waivers = [(Waiver(rule=i, owner="o", reason="r", expires=expires), Source("w.yaml", n + 3))
+               for n, i in enumerate(sorted(waived))]
+    with_waivers = _rebuilt(set(IDS), waivers)
+    expected = _rebuilt(set(IDS) if expired else set(IDS) - waived)
+    try:
+        assert _outcome(with_waivers, inputs) == _outcome(expected, inputs)
+    except InputError:
+        pass  # an input this profile refuses (a backend for the connector): nothing decided either way
