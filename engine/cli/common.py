@@ -87,6 +87,9 @@ def add_rules_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shipped-rules", action="store_true",
                         help="replace the shipped rules instead of layering on them; warns for each "
                              "load-bearing shipped guard that goes")
+    parser.add_argument("--today", metavar="YYYY-MM-DD", default=None,
+                        help="the day waivers' `expires` are read against (default: KVPOLICY_TODAY, else the "
+                             "clock's date): reproducible runs in CI and tests")
 
 
 def add_vllm_version_flag(parser: Any) -> None:
