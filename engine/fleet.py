@@ -212,6 +212,16 @@ def own_connector(dep: Deployment) -> str | None:
     return name if isinstance(name, str) and name.lower() != "none" else None
 
 
+def _runs(dep: Deployment) -> set[str]:
+    """The connectors a deployment's engine runs: its own, and a MultiConnector's members."""
+    names = {n for n in (own_connector(dep),) if n}
+    config = dep.kv_transfer_config.get("kv_connector_extra_config") if dep.kv_transfer_config else \
+        dep.connector_config
+    members = config.get("connectors") if isinstance(config, dict) else None
+    return names | {m["kv_connector"] for m in members or [] if isinstance(m, dict)
+                    and isinstance(m.get("kv_connector"), str)}
+
+
 def _connector_names(deps: dict[str, Deployment]) -> set[str]:
     """Every connector name an exchange may name: those kvpolicy knows, every release's, the deployments' own."""
     from kvpolicy.policy.connectors import KNOWN_CONNECTORS
@@ -219,12 +229,7 @@ def _connector_names(deps: dict[str, Deployment]) -> set[str]:
 
     names = set(KNOWN_CONNECTORS).union(*(get_profile(p).connectors for p in profile_names()))
     for dep in deps.values():
-        names |= {n for n in (own_connector(dep),) if n}
-        config = dep.kv_transfer_config.get("kv_connector_extra_config") if dep.kv_transfer_config else \
-            dep.connector_config
-        members = config.get("connectors") if isinstance(config, dict) else None
-        names |= {m["kv_connector"] for m in members or [] if isinstance(m, dict)
-                  and isinstance(m.get("kv_connector"), str)}
+        names |= _runs(dep)
     return names
 
 
@@ -282,6 +287,16 @@ def _load_exchanges(src: Located, raws: list[Any], names: dict[str, int], deps: 
                                       (f"did you mean `{near}`? " if near else "") + "name the connector class "
                                       "that moves the blocks (NixlConnector, MooncakeStoreConnector, ExampleConnector, "
                                       "...), or leave `connector:` out for the deployments' own"))
+                continue
+            runs_other = {n: own_connector(deps[n]) for n in ex.deployments
+                          if own_connector(deps[n]) is not None and ex.connector not in _runs(deps[n])}
+            if runs_other:
+                said = ", ".join(f"`{n}` runs {c}" for n, c in runs_other.items())
+                diags.append(src.diag((*where, "connector"), "exchange-connector",
+                                      f"exchange `{ex.name}` moves blocks through {ex.connector}, which not every "
+                                      f"deployment runs ({said})",
+                                      "a vLLM engine moves blocks only through the connector it runs: name that one "
+                                      "(or a member of its MultiConnector), or declare it on the deployments"))
                 continue
             out.append(FleetExchange(ex.name, tuple(ex.deployments), ex.connector, "exchange", line, col,
                                      ex.description))
@@ -442,6 +457,7 @@ def decide_deployment(dep: Deployment, base_dir: Path, rules_for: RulesFor, vllm
         declared = out_of_tree_names(dep)
         notes += check_connector_names(ctx, ruleset, declared, refuse or _refuse_by_key(dep))
         decision = LayoutEngine(ruleset, vllm_version=profile).decide(ctx).declaring(declared)
+        _ = decision.fingerprint  # its kernel order may refuse the cache (cpu-kernel-refuses): as dry-run says it
         return FleetResult(dep, location, profile, decision, context=ctx, geometry=geometry_check(decision),
                            notes=tuple(notes))
     except PolicyError as exc:

@@ -25,14 +25,21 @@ __all__ = ["read_capped", "read_stdin_capped", "write_atomically"]
 def write_atomically(path: Path | str, data: str | bytes, *, encoding: str = "utf-8") -> None:
     """``data`` at ``path``, replaced in one step (written beside it, flushed to disk, renamed over it): a
     reader sees the old file or the new one, never a part. A file that exists keeps its permissions; a
-    symbolic link keeps pointing where it did (its target is replaced). Raises OSError as `open` would,
-    the old file untouched."""
+    symbolic link keeps pointing where it did (its target is replaced). A path that is no regular file (a
+    device such as ``/dev/stdout``, a FIFO) is written to as `open` would, never replaced. Raises OSError as
+    `open` would, the old file untouched."""
     target = Path(os.path.realpath(path))
     payload = data.encode(encoding) if isinstance(data, str) else data
     try:
-        mode: int | None = stat.S_IMODE(target.stat().st_mode)
+        st = target.stat()
     except FileNotFoundError:
-        mode = None
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # INVARIANT: a device, FIFO or terminal (`--svg /dev/stdout`) is written to, never replaced by a file
+        with open(target, "wb") as f:
+            f.write(payload)
+        return
+    mode = stat.S_IMODE(st.st_mode) if st is not None else None
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -68,6 +68,7 @@ class Checkup:
     decision: dict[str, Any] | None = None
     lines: list[str] = field(default_factory=list)
     problems: list[Diagnostic] = field(default_factory=list)
+    warnings: list[Diagnostic] = field(default_factory=list)  # nothing fails now; something will, once ...
 
     def fail(self, exc: PolicyError) -> None:
         self.problems += exc.diagnostics or [Diagnostic("kvpolicy", 0, 0, "error", exc.message)]
@@ -76,7 +77,8 @@ class Checkup:
     def to_dict(self) -> dict[str, Any]:
         return {"ok": not self.problems, "active": self.active, "settings": self.settings, "vllm": self.vllm,
                 "profile": self.profile, "rules": self.rules, "decision": self.decision,
-                "problems": [d.to_dict() for d in self.problems]}
+                "problems": [d.to_dict() for d in self.problems],
+                "warnings": [d.to_dict() for d in self.warnings]}
 
 
 def _installed() -> dict[str, Any]:
@@ -105,6 +107,28 @@ def _settings(c: Checkup) -> Any:
     return None
 
 
+def _dormant_settings(c: Checkup) -> None:
+    """While the plugin is off it reads no other variable; one that is set but would stop vLLM once
+    KVPOLICY_RULES is set is said now, as a warning (nothing fails today)."""
+    from kvpolicy.engine.integrations import vllm_plugin as plugin
+
+    env = {**os.environ, plugin.ENV_RULES: plugin.SHIPPED}
+    for _ in range(len(_VARIABLES)):
+        try:
+            plugin.Settings.from_env(env)
+            return
+        except PolicyError as exc:
+            d = exc.diagnostics[0] if exc.diagnostics else None
+            variable = d.file if d is not None else None
+            if d is not None:
+                c.warnings.append(d)
+            c.lines.append(f"  warning: {variable}: {d.message if d else exc.message} (ignored while the plugin "
+                           f"is off; vLLM would not start with it once {plugin.ENV_RULES} is set)")
+            if variable not in env:
+                return
+            env.pop(variable)
+
+
 def checkup(args: argparse.Namespace) -> Checkup:
     """Every check the plugin makes at start-up, in its order, for this environment and these flags."""
     from kvpolicy.engine.integrations import vllm_plugin as plugin
@@ -118,6 +142,7 @@ def checkup(args: argparse.Namespace) -> Checkup:
     if settings is not None and settings.rules is None:
         c.lines.append(f"the plugin is off: {plugin.ENV_RULES} is not set (or is off), so vLLM decides the KV cache "
                        f"layout as without kvpolicy; set {plugin.ENV_RULES}=shipped or to your rule directory")
+        _dormant_settings(c)
         return c
     c.active = settings is not None
     c.vllm = _installed()
@@ -190,10 +215,30 @@ def _decide(c: Checkup, engine: Any, args: argparse.Namespace, profile: str, exp
     c.lines.append(f"decision{what}: {decision.layout} ({decision.layout.placement.value}, "
                    f"{decision.layout.head_order.value}) decided by {decided_by(decision)}")
     c.lines.append(f"  fingerprint {decision.fingerprint.digest}")
+    store = _stamped_store(decision)
+    if store is not None:
+        c.decision["store_folder"] = store
+        c.lines.append(f"  ExampleConnector keeps this engine's blocks in {store} (the stamp's folder: engines "
+                       "whose blocks mean the same bytes share it)")
     c.lines += [f"  {n}".replace("\n", "\n  ") for n in notes]
     c.lines += [f"  warning: {w}" for w in decision.warnings]
     if explain:
         c.lines.append(decision.explain())
+
+
+def _stamped_store(decision: Any) -> str | None:
+    """Where the guarded ExampleConnector (itself or a MultiConnector's member) keeps this engine's entries:
+    its ``shared_storage_path`` and the stamp's folder; None for any other connector."""
+    from kvpolicy.engine.integrations.vllm_exchange import stamp_of
+
+    stack = [decision.context.connector] if decision.context.connector is not None else []
+    while stack:
+        connector = stack.pop()
+        if connector.name == "ExampleConnector":
+            root = connector.extra.get("shared_storage_path", "/tmp")  # vLLM's default
+            return f"{str(root).rstrip('/')}/{stamp_of(decision.fingerprint).namespace}/"
+        stack.extend(connector.connectors)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,7 +48,7 @@ from kvpolicy.engine.exchange import layer_view_digest
 from kvpolicy.engine.fingerprint import LayoutFingerprint, fingerprint_of
 from kvpolicy.engine.peer_data import load_peer_json
 from kvpolicy.policy.cpu_kernel import CpuArch, CpuHost
-from kvpolicy.policy.errors import InputError, PolicyError, input_error
+from kvpolicy.policy.errors import InputError, PolicyError, input_error, terminal_text
 from kvpolicy.policy.files import write_atomically
 from kvpolicy.policy.layouts import HeadOrder, Layout
 from kvpolicy.policy.releases import ReleaseProfile
@@ -80,6 +80,24 @@ _STAMP_MAX_BYTES = 64 * 1024  # a stamp is about 2 KiB; another engine's file is
 _NAMESPACE_HEX = 20
 
 log = logging.getLogger("vllm.kvpolicy")
+
+
+class TerminalSafe(logging.Filter):
+    """The plugin's log boundary: every record of ``vllm.kvpolicy`` formatted once, through `terminal_text`,
+    so what another engine or tenant wrote (a stamp's strings, a store's folder names) or an operator's
+    setting cannot move the cursor or recolour vLLM's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # arguments that do not fit the format: logging reports it as usual
+            return True
+        record.msg, record.args = terminal_text(message), None
+        return True
+
+
+if not any(isinstance(f, TerminalSafe) for f in log.filters):
+    log.addFilter(TerminalSafe())
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def test_via_answers_for_the_connectors_transfer_unit(capsys: pytest.CaptureFixt
     """HND and NHD per-layer caches: kvpolicy's restore transcodes, ExampleConnector (layer views) moves them as
     is, NixlConnector (raw blocks as they are) cannot."""
     hnd, nhd = f"{fleet}#hnd", f"{fleet}#nhd"
-    code, report = _json(capsys, hnd, nhd)
+    code, report = _json(capsys, hnd, nhd, "--via", "none")
     assert code == 0 and (report["exchange"], report["unit"], report["via"]) == ("transcode", "block", None)
     code, report = _json(capsys, hnd, nhd, "--via", "ExampleConnector")
     assert code == 0 and (report["exchange"], report["unit"]) == ("as_is", "layer_view")
@@ -69,6 +69,28 @@ def test_via_answers_for_the_connectors_transfer_unit(capsys: pytest.CaptureFixt
     assert "    head_order: source HND, target NHD" in lines
     code, out, _ = cli(capsys, "compat", hnd, nhd, "--via", "ExampleConnector")
     assert out.splitlines()[2].startswith("compared: layer views, as ExampleConnector moves them")
+
+
+def test_two_fleet_sides_are_compared_through_the_connector_both_declare(capsys: pytest.CaptureFixture[str],
+                                                                        fleet: Path) -> None:
+    """What moves a P/D pair's blocks is the connector they declare: no --via answers as it moves them, and says
+    so; --via none asks kvpolicy's own restore."""
+    code, out, err = cli(capsys, "compat", f"{fleet}#hnd", f"{fleet}#nhd", "--format", "json")
+    assert code == 0 and json.loads(out)["via"] == "ExampleConnector"
+    assert "note: compared via ExampleConnector, the connector both deployments declare" in err
+    code, out, err = cli(capsys, "compat", f"{fleet}#prefill", f"{fleet}#hnd")
+    assert "compared: raw blocks, as kvpolicy's own restore reads them" in out and "note: compared via" not in err
+
+
+def test_a_hash_in_a_deployment_name_or_a_file_name(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    folder = tmp_path / "site#1"
+    folder.mkdir()
+    path = folder / "fleet.yaml"
+    path.write_text(FLEET.replace("name: prefill,", "name: pre#fill,"))
+    code, report = _json(capsys, f"{path}#pre#fill", f"{path}#decode")
+    assert code == 0 and report["from"]["from"] == f"{path}#pre#fill" and report["via"] == "NixlConnector"
+    code, _, err = cli(capsys, "compat", f"{path}#pre#fil", f"{path}#decode")
+    assert code == 2 and "no deployment `pre#fil`" in err and "did you mean `pre#fill`?" in err
 
 
 def test_one_sides_keys_and_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:

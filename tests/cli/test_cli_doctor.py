@@ -120,3 +120,37 @@ def test_shipped_is_an_entry_of_the_rules_list(tmp_path: Path, monkeypatch: pyte
     engine = vllm_plugin._engine(vllm_plugin.Settings.from_env(), vllm_plugin.get_profile("0.34.0"))
     roots = [layer.root for layer in engine.ruleset.layers]
     assert roots[0] == "rules/vllm-0.34" and roots[-1].endswith("site") and len(roots) == 2, roots
+
+
+def test_a_bad_setting_while_the_plugin_is_off_is_a_warning(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the plugin reads nothing while KVPOLICY_RULES is unset; the day it is set, vLLM would not start
+    monkeypatch.delenv("KVPOLICY_RULES", raising=False)
+    monkeypatch.setenv("KVPOLICY_UNSTAMPED_BLOCKS", "bogus")
+    code, out, _ = cli(capsys, "doctor")
+    assert code == 0 and "the plugin is off" in out
+    assert "warning: KVPOLICY_UNSTAMPED_BLOCKS: `bogus` is not a setting" in out
+    code, out, _ = cli(capsys, "doctor", "--format", "json")
+    doc = json.loads(out)
+    assert doc["ok"] and [w["file"] for w in doc["warnings"]] == ["KVPOLICY_UNSTAMPED_BLOCKS"]
+
+
+def test_doctor_names_the_store_folder_of_this_engines_stamp(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator sharing an ExampleConnector store sees where this engine's entries go before it starts:
+    the folder the guard names after the stamp (its layer-view digest), under shared_storage_path."""
+    from kvpolicy.engine.integrations.vllm_exchange import NAMESPACE_PREFIX
+
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0", "--connector", "ExampleConnector",
+                       "--connector-config", '{"shared_storage_path": "/srv/kv/"}', "--format", "json")
+    folder = json.loads(out)["decision"]["store_folder"]
+    assert code == 0 and folder.startswith(f"/srv/kv/{NAMESPACE_PREFIX}")
+    assert len(folder) == len("/srv/kv/kvpolicy-") + 20 + 1
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0", "--connector", "ExampleConnector",
+                       "--connector-config", '{"shared_storage_path": "/srv/kv"}', "--kv-cache-dtype", "fp8")
+    assert "ExampleConnector keeps this engine's blocks in /srv/kv/kvpolicy-" in out
+    assert folder not in out  # fp8 cells are other bytes: another folder
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0", "--connector", "NixlConnector",
+                       "--format", "json")
+    assert "store_folder" not in json.loads(out)["decision"]

@@ -298,3 +298,22 @@ def test_a_fleet_run_says_it_does_not_read_vllm_variables(verb: list[str], monke
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
     _, _, err = cli(capsys, *verb, "--fleet", str(fleet))
     assert "VLLM_KV_CACHE_LAYOUT" not in err
+
+
+def test_a_cache_the_cpu_kernel_refuses_is_refused_in_a_fleet_as_alone(capsys: pytest.CaptureFixture[str],
+                                                                       tmp_path: Path) -> None:
+    """vLLM 0.28's CPU attention writes fp8 only with its 32-token kernels: a fleet says what dry-run says of the
+    same deployment (the kernel order is part of the decision, not only of its rendering)."""
+    model = ROOT / "docs" / "examples" / "models" / "qwen2.5-0.5b"
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"version: 1\ndefaults: {{model: {model}, device: cpu, vllm_version: '0.28.0', "
+                     "cpu: x86+avx512}\n"
+                     "deployments:\n  - {name: b32, kv_cache_dtype: fp8, block_size: 32}\n"
+                     "  - {name: b16, kv_cache_dtype: fp8, block_size: 16}\n")
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(fleet), "--format", "json")
+    status = {d["name"]: d["status"] for d in json.loads(out)["deployments"]}
+    assert code == 1 and status == {"b32": "decided", "b16": "invalid"}
+    assert "cpu-kernel-refuses" in out
+    code, _, err = cli(capsys, "dry-run", "--model", str(model), "--device", "cpu", "--vllm-version", "0.28.0",
+                       "--cpu", "x86+avx512", "--kv-cache-dtype", "fp8", "--block-size", "16")
+    assert code == 2 and "error[cpu-kernel-refuses]" in err

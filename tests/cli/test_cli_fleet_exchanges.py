@@ -41,9 +41,11 @@ deployments:
   - {{name: broken, kv_cache_dtype: nope}}
   - {{name: cpu-x86, device: cpu, cpu: x86, block_size: 32}}
   - {{name: cpu-amx, device: cpu, cpu: x86+avx512+amx, block_size: 32}}
+  - {{name: hnd-nixl, vllm_kv_cache_layout: LBHNC, connector: NixlConnector}}
+  - {{name: nhd-nixl, vllm_kv_cache_layout: LBNHC, connector: NixlConnector}}
 exchanges:
   - {{name: views, deployments: [hnd, nhd, cross]}}
-  - {{name: raw, deployments: [hnd, nhd], connector: NixlConnector}}
+  - {{name: raw, deployments: [hnd-nixl, nhd-nixl], connector: NixlConnector}}
   - {{name: with-broken, deployments: [hnd, broken]}}
   - {{name: cpu-store, deployments: [cpu-x86, cpu-amx]}}
 """
@@ -97,7 +99,7 @@ def test_a_fleet_whose_exchanges_all_move_as_is_passes(capsys: pytest.CaptureFix
 def test_layer_views_ignore_placement_and_head_order_raw_blocks_do_not(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """ExampleConnector moves each layer's [B, H, N, C] view: LBHNC, LBNHC and cross-layer BLHNC caches exchange
-    as is; the same two caches through NixlConnector (raw blocks, no transcoding) do not. A deployment that
+    as is; two such caches of engines running NixlConnector (raw blocks, no transcoding) do not. A deployment that
     decides nothing leaves its pairs unknown, saying why; the CPU kernel's order is a view's business too."""
     fleet = _write(tmp_path, VIEWS)
     code, out, _ = cli(capsys, "dry-run", "--fleet", str(fleet), "--format", "json")
@@ -105,7 +107,7 @@ def test_layer_views_ignore_placement_and_head_order_raw_blocks_do_not(
     pairs = _pairs(json.loads(out))
     views = [a for (ex, _, _), a in pairs.items() if ex == "views"]
     assert len(views) == 6 and {(a["answer"], a["unit"]) for a in views} == {("as_is", "layer_view")}
-    raw = pairs[("raw", "hnd", "nhd")]
+    raw = pairs[("raw", "hnd-nixl", "nhd-nixl")]
     assert (raw["answer"], raw["unit"], raw["connector_from"]) == ("refused", "block", "exchange")
     assert "head_order" in raw["fields"] and "cannot transcode" in raw["reason"]
     assert "`vllm_kv_cache_layout`" in raw["change"]
@@ -125,7 +127,8 @@ def test_junit_has_a_suite_of_exchange_pairs(capsys: pytest.CaptureFixture[str],
     cases = exchanges.findall("testcase")
     assert len(cases) == int(exchanges.get("tests")) == 6 + 2 + 2 + 2
     failed = [c for c in cases if c.find("failure") is not None]
-    assert {c.get("name") for c in failed} == {"hnd -> nhd", "nhd -> hnd", "cpu-x86 -> cpu-amx", "cpu-amx -> cpu-x86"}
+    assert {c.get("name") for c in failed} == {"hnd-nixl -> nhd-nixl", "nhd-nixl -> hnd-nixl", "cpu-x86 -> cpu-amx",
+                                             "cpu-amx -> cpu-x86"}
     assert failed[0].find("failure").get("type") == "exchange-refused" and failed[0].get("classname") == "exchange.raw"
     assert exchanges.get("skipped") == "2" and exchanges.get("failures") == "4"
     assert root.get("failures") == str(int(deployments.get("failures")) + 4)
@@ -193,6 +196,29 @@ def test_the_example_fleet_has_a_pair_that_moves_and_a_store_that_cannot(capsys:
         ("llama-8b-pd", "llama-8b-nixl-pd"): "as_is", ("llama-8b-pd", "llama-8b-nixl-pd-decode"): "as_is",
         ("llama-8b-shared-store", "llama-8b-store-b16"): "refused",
         ("llama-8b-shared-store", "llama-8b-store-b32"): "refused"}
+
+
+def test_an_exchange_through_a_connector_a_deployment_does_not_run_is_located(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """An engine moves blocks only through the connector it runs: NixlConnector between two ExampleConnector
+    deployments is a mistake in the file, not an answer; a MultiConnector's member is one the engine runs."""
+    fleet = _write(tmp_path, f"""\
+version: 1
+defaults: {{vllm_version: "0.34.0", model: {MODELS}/qwen2.5-0.5b}}
+deployments:
+  - {{name: a, connector: ExampleConnector}}
+  - {{name: b, connector: ExampleConnector}}
+  - name: multi
+    connector: MultiConnector
+    connector_config: {{connectors: [{{kv_connector: NixlConnector}}, {{kv_connector: OffloadingConnector}}]}}
+  - {{name: nixl, connector: NixlConnector}}
+exchanges:
+  - {{name: wrong, deployments: [a, b], connector: NixlConnector}}
+  - {{name: member, deployments: [multi, nixl], connector: NixlConnector}}
+""")
+    code, _, err = cli(capsys, "lint", "--fleet", str(fleet))
+    assert code == 2 and f"{fleet}:11:" in err and "error[exchange-connector]" in err
+    assert "`a` runs ExampleConnector, `b` runs ExampleConnector" in err and "`multi`" not in err
 
 
 def test_cpu_beside_fleet_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

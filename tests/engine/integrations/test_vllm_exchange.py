@@ -331,3 +331,11 @@ def test_what_another_tenant_wrote_reaches_the_log_escaped(tmp_path: Path, caplo
         assert not reader._found_match_for_prompt(PROMPT, [])
     (message,) = [r.getMessage() for r in caplog.records if "ExampleConnector" in r.getMessage()]
     assert "\n" not in message and "\x1b" not in message and len(message) < 3000
+
+
+def test_the_plugin_log_shows_what_a_peer_wrote_escaped(caplog: pytest.LogCaptureFixture) -> None:
+    # a hostile tenant's folder name or stamp string reaches vLLM's log as text, never as a terminal command
+    with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy"):
+        logging.getLogger("vllm.kvpolicy").warning("kvpolicy: store %s, %s", "/s/\x1b[2J", "by vLLM 0.3\x07\u202e")
+    (record,) = caplog.records
+    assert record.getMessage() == "kvpolicy: store /s/\\x1b[2J, by vLLM 0.3\\x07\\u202e"
