@@ -151,7 +151,7 @@ def test_the_reported_files_format_to_the_same_meaning_once_and_for_all(name: st
     assert format_rule_file(once, "f.yaml") == once
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(awkward_rule_files())
 @example(CASES["block-list-item-with-comma"])
 def test_fmt_keeps_the_meaning_of_awkward_scalars_or_refuses(text: str) -> None:
