@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import TypeVar
 
-from kvpolicy.engine.memory_map import Band, Segment, block_map
+from kvpolicy.engine.memory_map import Band, Segment, apart_note, block_map
 from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.verify import GeometryReport, verify_plan
 from kvpolicy.policy.backends import ScaleViews
@@ -398,6 +398,10 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
             c.text(LEFT, ay + 34, "; ".join(notes), 'font-size="11" font-style="italic" data-kind="note"')
             ay += 16
         y = ay + 40
+    apart = apart_note(plan)
+    if apart:
+        c.text(LEFT, y, apart[0].upper() + apart[1:], 'font-style="italic" data-kind="note"')
+        y += 24
     if len(shown) < len(rows):
         c.text(LEFT, y, f"{len(rows) - len(shown)} more buffers not drawn ({len(rows)} in all); "
                "the text map (--map) lists every band", 'font-style="italic" data-kind="note"')

@@ -33,7 +33,7 @@ from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.verify import GeometryReport, Writer, verify_plan, writers
 from kvpolicy.policy.backends import ScaleViews
 
-__all__ = ["Band", "Segment", "block_map", "render_text"]
+__all__ = ["Band", "Segment", "apart_note", "block_map", "render_text"]
 
 Owner = tuple[int, str]  # (layer, role)
 
@@ -478,6 +478,18 @@ def _merge_units(buffer: int, cluster: list[list[Band]]) -> list[Band]:
     return _merge(buffer, [b for unit in cluster for b in unit])
 
 
+def apart_note(plan: LayoutPlan) -> str:
+    """What the map leaves out where block 0 is not one run per buffer (per_layer in one buffer:
+    a page per layer, a slab apart; LHBNC: a run per layer and head); "" where it is."""
+    regions = {_region(plan, b.index) for b in plan.buffers}
+    if all(not r.levels for r in regions):
+        return ""
+    runs = max(math.prod(n for n, _ in r.levels) for r in regions)
+    run = max(r.run for r in regions)
+    return (f"block 0 is {runs} runs of {run} B in each buffer; the bytes between them hold other blocks "
+            "and are not drawn")
+
+
 def _line(plan: LayoutPlan, band: Band) -> str:
     mark = "!!" if band.overlap else "  "
     where = f"buf {band.buffer:<3}" if len(plan.buffers) > 1 else ""
@@ -499,6 +511,9 @@ def render_text(plan: LayoutPlan, scale_views: ScaleViews | None = None, max_lin
     report = report if report is not None and report.scale_views is strategy else verify_plan(plan, strategy)
     head = [f"block 0 of `{plan.layout}` on {plan.backend.name} ({strategy.value} scale views), "
             f"page {plan.page_size_bytes} B x {plan.num_layers} layers; !! marks bytes two layers write:"]
+    apart = apart_note(plan)
+    if apart:
+        head.append(f"   ({apart})")
     lines = [_line(plan, b) for b in bands]
     if len(lines) > max_lines:
         lines = [*lines[: max_lines - 10], f"   ... {len(lines) - max_lines + 5} more lines ...", *lines[-5:]]

@@ -294,7 +294,8 @@ def test_interleaved_heads_cost_bands_per_writer_not_per_head(views) -> None:
             assert len(bands) == spec.num_layers and all(b.repeats == 16 * heads for b in bands)
         else:  # overlapping: listed run by run while that is small, else one mixed range
             assert len(bands) <= 16 * heads * spec.num_layers
-    big = KVCacheSpec(num_layers=64, block_size=16, num_kv_heads=128, head_size=128, kv_cache_dtype="fp8_per_token_head")
+    big = KVCacheSpec(num_layers=64, block_size=16, num_kv_heads=128, head_size=128,
+                      kv_cache_dtype="fp8_per_token_head")
     p = plan_layout(Layout.parse("BHLNC"), big, TRITON, num_blocks=65)  # the #48412 state: overlapping
     assert len(block_map(p, views)) <= 4 * big.num_layers
     root = _svg(p, views)
