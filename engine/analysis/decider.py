@@ -93,8 +93,8 @@ class Decider:
             if leaf.field.startswith("connector."):
                 conn_leaves.setdefault(leaf.field, {}).setdefault(repr((leaf.op, leaf.value)), leaf_predicate(leaf))
         self._conn_tests = tuple((f, tuple(t.values())) for f, t in sorted(conn_leaves.items()))
-        self._conn_kinds: dict[tuple[int, str], int] = {}  # (id(connector), profile) -> interned kind
-        self._core_classes: dict[int, int] = {}  # id(core) -> interned class
+        self._conn_kinds: dict[tuple[int, str], tuple[InputConnector, int]] = {}  # (id, profile) -> kind
+        self._core_classes: dict[int, tuple[Any, int]] = {}  # id(core) -> (core, interned class)
         self._classes: dict[tuple[Any, ...], int] = {}
         self._shared: dict[tuple[int, int], Decided] = {}
 
@@ -112,29 +112,34 @@ class Decider:
         """Equal for inputs every leaf answers alike: (the leaves' answers on the shared part, the
         connector tree's kind)."""
         core = inp.core
-        cc = self._core_classes.get(id(core))
-        if cc is None:
+        found = self._core_classes.get(id(core))
+        if found is not None and found[0] is core:
+            cc = found[1]
+        else:
             env = core.env
             seen = (core.context.candidates,
                     tuple(test(env.get(f, MISSING)) for f, tests in self._tests for test in tests))
-            cc = self._core_classes[id(core)] = self._classes.setdefault(seen, len(self._classes))
+            cc = self._classes.setdefault(seen, len(self._classes))
+            self._core_classes[id(core)] = (core, cc)  # held with the core: its id is never another's meanwhile
         return cc, self._conn_kind(inp.conn, core.context.profile)
 
     def _conn_kind(self, conn: InputConnector, profile: str) -> int:
         """Equal for connector trees the rules tell apart from nothing: per node, the connector files
         whose rules apply (its name last: the members' mode) and each connector.* leaf's answer."""
         k = (id(conn), profile)
-        kind = self._conn_kinds.get(k)
-        if kind is None:
-            nodes = []
-            stack = [conn]
-            while stack:  # `Scope.walk` order: a node, then its members'
-                node = stack.pop(0)
-                files = () if node.config is None else node.names.get(profile) or connector_names_for(
-                    profile, node.config.name, node.config.extra)
-                nodes.append((files, tuple(t(node.env.get(f, MISSING)) for f, ts in self._conn_tests for t in ts)))
-                stack[:0] = node.members
-            kind = self._conn_kinds[k] = self._classes.setdefault(("connector", tuple(nodes)), len(self._classes))
+        found = self._conn_kinds.get(k)
+        if found is not None and found[0] is conn:
+            return found[1]
+        nodes = []
+        stack = [conn]
+        while stack:  # `Scope.walk` order: a node, then its members'
+            node = stack.pop(0)
+            files = () if node.config is None else node.names.get(profile) or connector_names_for(
+                profile, node.config.name, node.config.extra)
+            nodes.append((files, tuple(t(node.env.get(f, MISSING)) for f, ts in self._conn_tests for t in ts)))
+            stack[:0] = node.members
+        kind = self._classes.setdefault(("connector", tuple(nodes)), len(self._classes))
+        self._conn_kinds[k] = (conn, kind)  # held with the connector: its id is never another's meanwhile
         return kind
 
     def decide(self, inp: AnalysisInput) -> Decided:
