@@ -30,6 +30,7 @@ from kvpolicy.engine.cli.common import (
     exit_code_for,
     int_at_least,
     load_ruleset,
+    plugin_rules_note,
     print_error,
     print_json,
     report_error,
@@ -805,6 +806,9 @@ def _resolved(args: argparse.Namespace) -> Resolved:
 
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
+    said = plugin_rules_note(args.rules, args.no_shipped_rules)
+    if said is not None:
+        print(said, file=sys.stderr)
     if args.fleet is not None or args.format == "junit":
         return run_fleet(args)
     try:
