@@ -13,7 +13,10 @@ Two limits keep them honest advice:
   profile's HiSparse connectors where it requires one (vLLM 0.34: "HiSparse
   requires a KV transfer config with HiSparseConnector").
   Nor is a ``VLLM_KV_CACHE_LAYOUT`` value the release does not accept (0.28:
-  NHD or HND only).
+  NHD or HND only). A change of a setting (the backend, the layout variable, a
+  release option) is fed back as that input (`fed_back`): proposed only when the
+  tool accepts it (no non-MLA backend for an MLA model) and, with the candidates
+  that backend declares, decides the layout said.
 - The operator's settings (dtype, connector, backend, environment, block size)
   are searched first; a change of `FIXED` facts (the model's shape, the
   backend's geometry, the hardware) or of a `DERIVED` field (``kv.per_token_head``
@@ -23,6 +26,7 @@ Two limits keep them honest advice:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from itertools import combinations, product
 from typing import Any
@@ -30,11 +34,12 @@ from typing import Any
 from kvpolicy.engine.decide import Scope, evaluate
 from kvpolicy.engine.trace import Counterfactual, FieldChange
 from kvpolicy.policy.conditions import leaves_of, same_value
-from kvpolicy.policy.context import MISSING, field_spec
+from kvpolicy.policy.context import MISSING, Context, field_spec
+from kvpolicy.policy.errors import PolicyError
 from kvpolicy.policy.releases import ReleaseProfile
 from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["DERIVED", "FIXED", "counterfactuals"]
+__all__ = ["DERIVED", "FIXED", "counterfactuals", "fed_back"]
 
 # Facts of the model, the backend's geometry or the hardware: no deployment setting changes them.
 FIXED = frozenset({
@@ -131,13 +136,76 @@ def _refused_by(profile: ReleaseProfile | None, connectors: tuple[str, ...]) -> 
     return refused
 
 
+# Settings whose change is fed back as the input an operator gives (`build_context`'s keyword), so a proposal
+# is one the tool accepts and decides as said: the backend also changes the candidates (what it declares).
+_INPUT_OF = {"backend.name": "attention_backend", "env.VLLM_KV_CACHE_LAYOUT": "vllm_kv_cache_layout",
+             "cache.enable_extensible_kv_cache": "enable_extensible_kv_cache", "attention.hisparse": "hisparse",
+             "worker.use_v2_model_runner": "use_v2_model_runner"}
+
+
+def context_inputs(ctx: Context) -> dict[str, Any]:
+    """The `build_context` keywords that build ``ctx`` again (its groups, backend, connector, release, settings)."""
+    o = ctx.options
+    inputs: dict[str, Any] = {
+        "groups": ctx.groups, "attention_backend": ctx.backend.name, "connector": ctx.connector,
+        "vllm_version": ctx.profile, "vllm_kv_cache_layout": o.kv_cache_layout,
+        "enable_extensible_kv_cache": o.enable_extensible_kv_cache, "hisparse": o.hisparse,
+        "use_v2_model_runner": o.use_v2_model_runner, "device_capability": o.device_capability, "cpu": o.cpu_host,
+        "device": "cpu" if ctx.backend.write_isa else None,
+        "worker_attention_backends": None if ctx.worker_backends is None else [list(w) for w in ctx.worker_backends],
+    }
+    return inputs
+
+
+def fed_back(ctx: Context, changes: tuple[FieldChange, ...]) -> Context | None:
+    """``ctx`` built again with ``changes`` given as inputs; None when the tool refuses that input (an MLA
+    model on a non-MLA backend, a layout value the release does not take, ...). A change of a field that is
+    no input of its own (a connector's extra key, a derived field) is not fed back: ``ctx`` unchanged."""
+    from kvpolicy.engine.inputs import build_context
+
+    inputs = context_inputs(ctx)
+    for change in changes:
+        key = _INPUT_OF.get(change.field)
+        if key is None:
+            continue
+        inputs[key] = None if change.becomes is MISSING else change.becomes
+        if key == "attention_backend" and inputs["worker_attention_backends"] is not None:
+            return None  # several workers' backends: one backend name is not one input
+    try:
+        with warnings.catch_warnings():  # what building it says was said for the deployment itself
+            warnings.simplefilter("ignore")
+            return build_context(**inputs)
+    except PolicyError:
+        return None
+
+
+def _accepted(ruleset: RuleSet, ctx: Context | None, target: int, changes: tuple[FieldChange, ...]) -> bool:
+    """Whether ``changes``, fed back as inputs (`fed_back`), are accepted and make layout ``target`` win."""
+    if ctx is None or not any(c.field in _INPUT_OF for c in changes):
+        return True
+    from kvpolicy.engine.decide import scopes_for
+
+    again = fed_back(ctx, changes)
+    if again is None:
+        return False
+    glob, conn = scopes_for(ruleset, again)
+    extra = {}  # a connector extra key the change also sets, which the rebuilt context does not hold
+    for c in changes:
+        if c.field not in _INPUT_OF:
+            extra.setdefault(c.scope, {})[c.field] = c.becomes
+    out = evaluate(ruleset, glob.with_env(extra), conn.with_env(extra) if conn else None, explain=False)
+    return out.winner is not None and ruleset.layout_order[out.winner] == ruleset.layout_order[target]
+
+
 def counterfactuals(
     ruleset: RuleSet, glob: Scope, conn: Scope | None, winner: int | None, *,
-    profile: ReleaseProfile | None = None, connectors: tuple[str, ...] = (),
+    profile: ReleaseProfile | None = None, connectors: tuple[str, ...] = (), context: Context | None = None,
 ) -> tuple[Counterfactual, ...]:
     """One counterfactual per losing candidate: those an operator's setting makes win first (in default order),
     then those only a `FIXED` fact does (``actionable`` False), then those nothing within the bound does.
-    With ``profile``, no change the release refuses is proposed (``connectors``: the configured ones)."""
+    With ``profile``, no change the release refuses is proposed (``connectors``: the configured ones); with
+    ``context``, a change of a setting (`_INPUT_OF`) is proposed only when, fed back as that input, the tool
+    accepts it and decides as said."""
     order = ruleset.layout_order
     refused = _refused_by(profile, connectors)
     knobs = [(label, field, [v for v in alts if not refused(field, v)]) for label, field, alts in _knobs(glob, conn)]
@@ -152,7 +220,8 @@ def counterfactuals(
     settable = [k for k in knobs if k[1] not in FIXED and k[1] not in DERIVED]
     for pass_knobs, actionable in ((settable, True), (knobs, False)):
         before = set(found)
-        _search(ruleset, glob, conn, pass_knobs, targets, found, env_of, budget, cost)
+        _search(ruleset, glob, conn, pass_knobs, targets, found, env_of, budget, cost,
+                lambda target, changes: _accepted(ruleset, context, target, changes))
         if not actionable:
             fixed |= set(found) - before
         if len(settable) == len(knobs):
@@ -163,8 +232,9 @@ def counterfactuals(
 
 def _search(ruleset: RuleSet, glob: Scope, conn: Scope | None, knobs: list[tuple[str, str, list[Any]]],
             targets: list[int], found: dict[int, tuple[FieldChange, ...]], env_of: dict[str, dict[str, Any]],
-            budget: list[int], cost: int) -> None:
-    """Fill ``found`` with the smallest change of ``knobs`` under which each target wins, within ``budget``."""
+            budget: list[int], cost: int, accepted: Callable[[int, tuple[FieldChange, ...]], bool]) -> None:
+    """Fill ``found`` with the smallest change of ``knobs`` under which each target wins, within ``budget``,
+    that ``accepted`` takes (fed back as inputs)."""
     for size in range(1, MAX_CHANGES + 1):
         if all(t in found for t in targets) or budget[0] <= 0:
             return
@@ -179,10 +249,10 @@ def _search(ruleset: RuleSet, glob: Scope, conn: Scope | None, knobs: list[tuple
                 out = evaluate(ruleset, glob.with_env(overrides), conn.with_env(overrides) if conn else None,
                                explain=False)
                 if out.winner in targets and out.winner not in found:
-                    found[out.winner] = tuple(
-                        FieldChange(label, field, env_of[label].get(field, MISSING), value)
-                        for (label, field, _), value in zip(combo, values)
-                    )
+                    changes = tuple(FieldChange(label, field, env_of[label].get(field, MISSING), value)
+                                    for (label, field, _), value in zip(combo, values))
+                    if accepted(out.winner, changes):
+                        found[out.winner] = changes
 
 
 def describe_change(change: FieldChange) -> str:

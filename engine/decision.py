@@ -86,7 +86,8 @@ class Decision:
         c = self.context.connector
         names = () if c is None else (c.name, *(m.name for m in c.connectors))
         return counterfactuals(self.ruleset, glob, conn, self.ruleset.layout_order.index(self.layout),
-                               profile=_profile_or_none(self.context.profile), connectors=names)
+                               profile=_profile_or_none(self.context.profile), connectors=names,
+                               context=self.context)
 
     @cached_property
     def fingerprint(self) -> LayoutFingerprint:

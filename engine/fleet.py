@@ -171,13 +171,19 @@ def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
                                        "start it with `version: 1` and a `deployments:` list")])
     try:
         header = _FleetHeader.model_validate(src.data)
-    except ValidationError as exc:
-        raise FleetError(f"errors in fleet file `{shown}`",
-                         [*diags, *located_validation_errors(src, (), src.data, exc, valid_keys=_keys_at)]) from None
+    except ValidationError as exc:  # reported; the parts that are lists and mappings are still checked, so one
+        # run lists every mistake of the file
+        diags += located_validation_errors(src, (), src.data, exc, valid_keys=_keys_at)
+        part = {k: src.data.get(k) for k in ("defaults", "deployments", "exchanges")}
+        header = _FleetHeader.model_construct(
+            version=1, defaults=part["defaults"] if isinstance(part["defaults"], dict) else {},
+            deployments=part["deployments"] if isinstance(part["deployments"], list) else [],
+            exchanges=part["exchanges"] if isinstance(part["exchanges"], list) else [])
     bad_defaults = _check_defaults(src, header.defaults, diags)
     out: list[tuple[Deployment, int]] = []
     keys: list[dict[str, tuple[int, int]]] = []
     seen: dict[str, int] = {}
+    partial: dict[str, Deployment] = {}  # deployments with a wrong key, as far as they are right: for the exchanges
     for i, raw in enumerate(header.deployments):
         where = ("deployments", i)
         line = src.position(where)[0]
@@ -198,12 +204,40 @@ def load_fleet(path: str | Path, *, limits: Limits = Limits()) -> Fleet:
             out.append((Deployment.model_validate(merged), line))
         except ValidationError as exc:
             diags += located_validation_errors(src, where, merged, exc, valid_keys=_keys_at)
+            wrong = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+            if isinstance(name, str) and not wrong & {"connector", "connector_config", "kv_transfer_config"}:
+                partial[name] = Deployment.model_construct(**{k: v for k, v in merged.items()
+                                                              if k in _DEPLOYMENT_KEYS and k not in wrong})
             continue
         keys.append(_key_positions(src, where, raw, merged))
-    exchanges = _load_exchanges(src, header.exchanges, seen, {d.name: d for d, _ in out}, diags)
-    if diags:
+    exchanges = _load_exchanges(src, header.exchanges, seen, {**partial, **{d.name: d for d, _ in out}}, diags)
+    if diags:  # the file is refused: its valid deployments' own input errors too, so one run lists every mistake
+        diags += _input_errors(shown, out, keys)
         raise FleetError(f"{len(diags)} error(s) in fleet file `{shown}`", diags)
     return Fleet(shown, tuple(out), tuple(keys), tuple(exchanges))
+
+
+def _input_errors(shown: str, deps: list[tuple[Deployment, int]],
+                  keys: list[dict[str, tuple[int, int]]]) -> list[Diagnostic]:
+    """The input errors deciding would report for these deployments (a dtype or backend the release does not
+    have, ...), each located at the key that sets it: said with the file's own mistakes when it is refused.
+    A deployment that names no release is read in the default profile, as a fleet run would read it."""
+    out: list[Diagnostic] = []
+    base = Path(shown).parent
+    for (dep, line), at in zip(deps, keys):
+        try:
+            with model_config_notes():
+                context_for(dep, base, None)
+        except PolicyError as exc:
+            for d in exc.diagnostics:
+                if d.line:  # located already (a model config's line)
+                    out.append(d)
+                    continue
+                key = d.file.split(".", 1)[0].split("[", 1)[0]
+                key_line, col = at.get(key, (line, 1))
+                out.append(Diagnostic(shown_file(shown), key_line, col, d.code,
+                                      f"deployment `{dep.name}`: {d.message}", d.help))
+    return out
 
 
 def own_connector(dep: Deployment) -> str | None:
@@ -353,6 +387,17 @@ def _check_defaults(src: Located, defaults: dict[str, Any], diags: list[Diagnost
     except ValidationError as exc:
         diags += located_validation_errors(src, ("defaults",), probe, exc, valid_keys=_keys_at)
         return {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+    version = defaults.get("vllm_version")
+    if version is not None:  # a release no profile answers for: said once here, not on every deployment
+        from kvpolicy.policy.releases import resolve_profile
+
+        try:
+            resolve_profile(version)
+        except PolicyError as exc:
+            d = exc.diagnostics[0] if exc.diagnostics else None
+            diags.append(src.diag(("defaults", "vllm_version"), d.code if d else "unknown-vllm-version",
+                                  d.message if d else exc.message, d.help if d else None))
+            return {"vllm_version"}
     return set()
 
 

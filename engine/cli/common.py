@@ -229,6 +229,24 @@ def fleet_environment_notes(environ: Mapping[str, str]) -> list[str]:
     return out
 
 
+def plugin_rules_note(rules: list[str] | None, no_shipped_rules: bool = False, verb: str = "dry-run") -> str | None:
+    """The note for a ``KVPOLICY_RULES`` exported in the shell that ``verb`` does not read (the vLLM plugin
+    reads it; the CLI's rules are --rules): None when it is unset or off, or names the rules the flags name."""
+    value = os.environ.get("KVPOLICY_RULES", "")
+    if value.strip().lower() in ("", "0", "off", "false", "no", "none", "disabled"):
+        return None
+    named = [r.strip() for r in value.split(os.pathsep) if r.strip()]
+    given = list(rules or [])
+    if named == given or (not given and not no_shipped_rules and [n.lower() for n in named] == [SHIPPED]):
+        return None
+    flags = " ".join(f"--rules {r}" for r in named if r.lower() != SHIPPED)
+    using = f"`{' '.join(f'--rules {r}' for r in given)}`" if given else "the shipped rules alone"
+    return (f"note: KVPOLICY_RULES is set (`{value}`), but {verb} does not read it (the vLLM plugin does); deciding "
+            f"with {using}: " + (f"pass `{flags}` to decide with the plugin's rules" if flags else
+                                 "drop --rules to decide with the plugin's rules")
+            + " (`kvpolicy doctor` decides as the plugin)")
+
+
 def load_ruleset(rules: str | list[str] | None, flag: str = "--rules", vllm_version: str | None = None,
                  *, shipped_rules: bool = True, stream: TextIO | None = None) -> RuleSet:
     """Load the layered rule set: the shipped rules of ``vllm_version``'s profile (unless

@@ -129,6 +129,28 @@ def _dormant_settings(c: Checkup) -> None:
             env.pop(variable)
 
 
+def _plugin_warnings(args: argparse.Namespace, settings: Any, installed: str | None) -> list[Diagnostic]:
+    """What the plugin would warn about at start-up (`vllm_plugin.startup_warnings`), at the setting that makes
+    it: for the installed vLLM, or for --vllm-version as if the plugin were told it (a patch release no
+    profile lists takes its series' profile)."""
+    from kvpolicy.engine.integrations import vllm_plugin as plugin
+    from kvpolicy.policy.releases import resolve_profile
+
+    if settings is None:
+        return []
+    deprecated = f"{plugin.ENV_PROFILE} is deprecated"
+    if not args.doctor_vllm_version:
+        said = plugin.startup_warnings(installed or "", settings)
+        where = settings.profile_variable if settings.profile else "vLLM"
+    else:
+        said = [w for w in plugin.startup_warnings("", settings) if w.startswith(deprecated)]
+        note = resolve_profile(args.doctor_vllm_version)[1]
+        said += [f"--vllm-version {args.doctor_vllm_version}: {note}"] if note else []
+        where = "--vllm-version"
+    return [Diagnostic(plugin.ENV_PROFILE, 0, 0, "deprecated-setting", w) if w.startswith(deprecated)
+            else Diagnostic(where, 0, 0, "series-profile", w) for w in said]
+
+
 def checkup(args: argparse.Namespace) -> Checkup:
     """Every check the plugin makes at start-up, in its order, for this environment and these flags."""
     from kvpolicy.engine.integrations import vllm_plugin as plugin
@@ -169,6 +191,9 @@ def checkup(args: argparse.Namespace) -> Checkup:
         c.profile = profile.name
         hook = "resolve_kv_cache_layout" if profile.resolver.value == "kv_cache_layout" else "use_uniform_kv_cache"
         c.lines.append(f"profile: {profile.name} ({profile.version_label}), answering vLLM's {hook}")
+        plugin_warnings = _plugin_warnings(args, settings, c.vllm.get("version"))
+        c.warnings += plugin_warnings
+        c.lines += [f"  warning: {d.message}" for d in plugin_warnings]
     if settings is None:
         return c
     checked = profile or get_profile(profile_names()[0])

@@ -30,6 +30,7 @@ from kvpolicy.engine.cli.common import (
     exit_code_for,
     int_at_least,
     load_ruleset,
+    plugin_rules_note,
     print_error,
     print_json,
     report_error,
@@ -70,14 +71,15 @@ examples:
       LBHNC (per layer, HND), the layout OffloadingConnector asks for, and why the
       others lost (under --vllm-version issue-48412: LBNHC, the per-token-head guard)
   kvpolicy dry-run --model ./Qwen2.5-0.5B --kv-cache-dtype auto --connector OffloadingConnector
-  kvpolicy dry-run --spec spec.yaml --backend FLASHINFER --connector NixlConnector \\
+  kvpolicy dry-run --spec spec.yaml --kv-cache-dtype fp8 --backend FLASHINFER --connector NixlConnector \\
       --connector-config '{"enable_cross_layers_blocks": "true"}' --num-blocks 1024
+      the spec file below, its fp8_per_token_head (which FLASHINFER does not take) overridden
   kvpolicy dry-run --connector MultiConnector --connector-config \\
       '{"connectors": [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]}'
   kvpolicy dry-run --connector MyConnector --connector-module-path my_connectors
       a connector of your own (vLLM's kv_connector_module_path); an unregistered name without it
       is refused, as vLLM refuses it
-  kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --device-capability 10.0 \\
+  kvpolicy dry-run --vllm-version 0.34.0 --spec spec.yaml --kv-cache-dtype fp8 --device-capability 10.0 \\
       --worker-attention-backends FLASHINFER --worker-attention-backends FLASH_ATTN,TRITON_ATTN
       two pipeline stages with different backends: the layouts both support
   kvpolicy dry-run --vllm-version 0.34.0 -- ./Qwen2.5-0.5B -tp 2 --kv-cache-dtype fp8 --block-size 32 \\
@@ -226,8 +228,8 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    add_rules_flag(p.add_argument_group("the rules (default: the release profile's shipped rules)"))
     out = p.add_argument_group("output")
-    add_rules_flag(out)
     out.add_argument("--explain", choices=("full", "fails", "notes"), default="full",
                      help="full: everything (default); fails: removals and counterfactuals; notes: what decided")
     add_format_flag(out)
@@ -805,6 +807,9 @@ def _resolved(args: argparse.Namespace) -> Resolved:
 
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
+    said = plugin_rules_note(args.rules, args.no_shipped_rules)
+    if said is not None:
+        print(said, file=sys.stderr)
     if args.fleet is not None or args.format == "junit":
         return run_fleet(args)
     try:

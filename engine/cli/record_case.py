@@ -7,13 +7,17 @@ as ``input`` (a ``--model`` path relative to the case file, as case files resolv
 rules that report a finding (``audit``); or, when no
 layout survives, ``error: no-layout``. ``kvpolicy test`` then fails the day a rule edit changes that
 decision. The case is appended to FILE (created with ``version: 1``, and its directory, if absent), so the comments and
-cases already there stay as written; the file is loaded again and the append undone if it does not.
+cases already there stay as written; the new text is read back before the file is replaced (at once), and a text
+that would not hold the cases already there plus this one is never written. The case holds every input of the
+decision (an explicit false, the platform however it was told, the VLLM_* environment's part), and the note
+names the `kvpolicy test` command that checks it under the same rule layers and release.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,8 +31,14 @@ from kvpolicy.policy.files import write_atomically
 __all__ = ["Resolved", "case_input", "record_case"]
 
 
-def _none_free(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in data.items() if v is not None and v is not False}
+def _given(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the keys a case reads the same when absent (its field's default): an explicit false
+    (``--enable-hybrid-kv-cache-manager``, ``--allow-chunked-local-attn-with-hybrid-kv-cache 0``) is kept."""
+    from kvpolicy.engine.policy_tests.cases import CaseInput
+
+    fields = CaseInput.model_fields
+    return {k: v for k, v in data.items() if v is not None and not (k in fields and v == fields[k].default
+                                                                     and type(v) is type(fields[k].default))}
 
 
 @dataclass(frozen=True)
@@ -89,20 +99,23 @@ def case_input(args: argparse.Namespace, case_file: Path, resolved: Resolved) ->
         "vllm_kv_cache_layout": args.vllm_kv_cache_layout,
         "enable_extensible_kv_cache": bool(args.enable_extensible_kv_cache),
         "hisparse": bool(args.hisparse),
-        "device": args.device,
         "device_capability": args.device_capability,
         "cpu": getattr(args, "cpu", None),
         "use_v2_model_runner": bool(args.use_v2_model_runner),
-        "allow_chunked_local_attn_with_hybrid_kv_cache": (
-            None if args.allow_chunked_local_attn_with_hybrid_kv_cache is None
-            else bool(args.allow_chunked_local_attn_with_hybrid_kv_cache)),
-        "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
-        "disable_sliding_window": bool(args.disable_sliding_window),
         "connector_prefers_cross_layer_blocks": resolved.preferences,
     })
-    # the VLLM_* environment's part of the decision, kept in the case (a test must not read the environment)
-    data.update({k: v for k, v in resolved.env_inputs.items() if data.get(k) in (None, False)})
-    return _none_free(data)
+    # the VLLM_* environment's part of the decision, kept in the case (a test must not read the environment);
+    # applied as dry-run applies it (`context_from_args`): the variables, then the flags that win over them
+    data.update(resolved.env_inputs)
+    if args.disable_sliding_window:
+        data["disable_sliding_window"] = True
+    if args.disable_hybrid_kv_cache_manager is not None:
+        data["disable_hybrid_kv_cache_manager"] = args.disable_hybrid_kv_cache_manager
+    if args.allow_chunked_local_attn_with_hybrid_kv_cache is not None:
+        data["allow_chunked_local_attn_with_hybrid_kv_cache"] = bool(args.allow_chunked_local_attn_with_hybrid_kv_cache)
+    if device != "cuda" or args.device is not None:  # the platform decided, however it was told (VLLM_TARGET_DEVICE)
+        data["device"] = device
+    return _given(data)
 
 
 def _expect(decision: Any, error: PolicyError | None) -> dict[str, Any]:
@@ -124,36 +137,80 @@ def _name(data: dict[str, Any], expect: dict[str, Any]) -> str:
     return ", ".join(str(p) for p in parts if p) + " " + outcome
 
 
+def _check_command(args: argparse.Namespace, path: Path, data: dict[str, Any]) -> str:
+    """The `kvpolicy test` command that checks the recorded case as it was decided: the same rule layers
+    (--rules, --no-shipped-rules) and release profile, so every rule the case names is in force; quoted
+    for a POSIX shell."""
+    words = ["kvpolicy", "test"]
+    for rules in getattr(args, "rules", None) or []:
+        words += ["--rules", str(rules)]
+    if getattr(args, "no_shipped_rules", False):
+        words.append("--no-shipped-rules")
+    if data.get("vllm_version") is not None:
+        words += ["--vllm-version", str(data["vllm_version"])]
+    words.append(str(path))
+    return shlex.join(words)
+
+
+def _appended(before: str | None, case: dict[str, Any], shown: str) -> str | None:
+    """The file's text with ``case`` appended as the last item of its `cases:` list, or None when the text
+    so made would not read back as the same cases plus this one (a file whose `cases:` list is not its last
+    key, or is in flow style)."""
+    from kvpolicy.engine.policy_tests.cases import CASE_LIMITS
+    from kvpolicy.policy.yaml_source import parse_yaml
+
+    dumped = yaml.safe_dump([case], sort_keys=False, default_flow_style=None, width=100, allow_unicode=True)
+    indented = "".join("  " + line if line.strip() else line for line in dumped.splitlines(keepends=True))
+    text = before if before is not None else "version: 1\ncases:\n"
+    if text and not text.endswith("\n"):
+        text += "\n"
+    old, _ = parse_yaml(text, shown, CASE_LIMITS) if before is not None else (None, [])
+    new, _ = parse_yaml(text + indented, shown, CASE_LIMITS)
+    old_cases = old.data.get("cases") if old is not None and isinstance(old.data, dict) else []
+    new_cases = new.data.get("cases") if new is not None and isinstance(new.data, dict) else None
+    if not isinstance(old_cases, list) or not isinstance(new_cases, list) or new_cases != [*old_cases, case]:
+        return None
+    return text + indented
+
+
 def record_case(args: argparse.Namespace, resolved: Resolved, decision: Any, error: PolicyError | None = None) -> str:
-    """Append the case for this dry-run to ``args.record_test``; returns the note to print (on stderr)."""
-    from kvpolicy.engine.policy_tests.cases import PolicyTestError, load_cases
+    """Append the case for this dry-run to ``args.record_test``; returns the note to print (on stderr).
+    The file is replaced at once (`write_atomically`) and only when the append reads back as intended:
+    a failed append leaves it as it was."""
+    from pydantic import ValidationError
+
+    from kvpolicy.engine.policy_tests.cases import PolicyCase, load_cases
 
     path = Path(args.record_test)
     data = case_input(args, path, resolved)
+    if decision is not None and args.cpu is None and decision.context.backend.write_isa and "cpu" not in data:
+        from kvpolicy.policy.cpu_kernel import CpuHost
+
+        data["cpu"] = CpuHost.this_host().label  # the host whose kernel order was decided (dry-run's note says it)
     expect = _expect(decision, error)
     name = args.record_name or _name(data, expect)
-    before = path.read_text() if path.exists() else None
+    try:
+        before = path.read_text() if path.exists() else None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise usage_error("--record-test", f"cannot read `{path}`: {getattr(exc, 'strerror', None) or exc}",
+                          "record into a policy test file (YAML), or a new path") from None
     if before is not None and name in {c.case.name for c in load_cases([path])}:
         raise usage_error("--record-test", f"`{path}` already has a case named `{name}`",
                           "pass --record-name NAME, or edit the case in the file")
-    case = yaml.safe_dump([{"name": name, "input": data, "expect": expect}], sort_keys=False,
-                          default_flow_style=None, width=100, allow_unicode=True)
-    indented = "".join("  " + line if line.strip() else line for line in case.splitlines(keepends=True))
-    text = (before if before is not None else "version: 1\ncases:\n")
-    if text and not text.endswith("\n"):
-        text += "\n"
+    case = {"name": name, "input": data, "expect": expect}
+    try:
+        PolicyCase.model_validate(case)
+    except ValidationError as exc:  # a deployment the case format cannot hold: say so rather than write it
+        raise usage_error("--record-test", f"this deployment cannot be recorded as a policy test case: "
+                          f"{exc.errors()[0]['msg']}", "write the case by hand (docs/cli.md)") from None
+    text = _appended(before, case, str(path))
+    if text is None:
+        raise usage_error("--record-test", f"cannot append a case to `{path}`: its `cases:` list is not the "
+                          "file's last key in block style, so the case would not land in it",
+                          "record into a case file whose `cases:` list is its last key, in block style")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, text + indented)
-        load_cases([path])
-    except PolicyTestError as exc:
-        if before is None:
-            path.unlink()
-        else:
-            write_atomically(path, before)
-        raise usage_error("--record-test", f"cannot append a case to `{path}`: it does not load after the append "
-                          f"({exc.diagnostics[0].file}:{exc.diagnostics[0].line}: {exc.diagnostics[0].message})",
-                          "record into a case file whose `cases:` list is its last key, in block style") from None
+        write_atomically(path, text)
     except OSError as exc:
         raise usage_error("--record-test", f"cannot write `{path}`: {exc.strerror or exc}") from None
-    return f"recorded: case `{name}` in {path} (`kvpolicy test {path}` checks it)"
+    return f"recorded: case `{name}` in {path} (`{_check_command(args, path, data)}` checks it)"

@@ -209,6 +209,20 @@ def _choice_note(version: str, settings: Settings) -> str | None:
     return match.note if match is not None else None
 
 
+def startup_warnings(version: str, settings: Settings) -> list[str]:
+    """What the plugin warns about at start-up for the running vLLM ``version`` (``kvpolicy doctor`` shows the
+    same): the deprecated profile variable, and the profile chosen for a release no profile lists (a patch
+    release takes its series' profile)."""
+    out = []
+    if settings.profile_variable == ENV_PROFILE and settings.profile:
+        out.append(f"{ENV_PROFILE} is deprecated; set {ENV_VERSION} instead (it takes a version such as 0.34.0 "
+                   "or a profile name)")
+    note = _choice_note(version, settings)
+    if note:
+        out.append(note)
+    return out
+
+
 def _unprofiled(version: str) -> Diagnostic:
     """The problem of a running vLLM no profile answers for while ``KVPOLICY_RULES`` is set."""
     return Diagnostic(ENV_RULES, 0, 0, "unprofiled-vllm",
@@ -531,12 +545,8 @@ def _register_checked() -> None:
         log.error("%s", error.render())
         raise error
     assert profile is not None
-    if settings.profile_variable == ENV_PROFILE:
-        log.warning("kvpolicy: %s is deprecated; set %s instead (it takes a version such as 0.34.0 or a profile "
-                    "name)", ENV_PROFILE, ENV_VERSION)
-    note = _choice_note(version, settings)
-    if note:
-        log.warning("kvpolicy: %s", note)
+    for warning in startup_warnings(version, settings):
+        log.warning("kvpolicy: %s", warning)
     unregister()
     if profile.resolver is Resolver.kv_cache_layout:
         hook = _install_resolver(engine, settings)

@@ -154,3 +154,54 @@ def test_doctor_names_the_store_folder_of_this_engines_stamp(capsys: pytest.Capt
     code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0", "--connector", "NixlConnector",
                        "--format", "json")
     assert "store_folder" not in json.loads(out)["decision"]
+
+
+@pytest.mark.parametrize(("env", "installed", "flags", "said"), [
+    ({"KVPOLICY_VLLM_PROFILE": "0.34.0"}, None, [], ["KVPOLICY_VLLM_PROFILE is deprecated; set KVPOLICY_VLLM_VERSION"]),
+    ({"KVPOLICY_VLLM_PROFILE": "0.28.1"}, None, [],
+     ["KVPOLICY_VLLM_PROFILE is deprecated", "KVPOLICY_VLLM_PROFILE=0.28.1: no release profile lists vLLM 0.28.1"]),
+    ({"KVPOLICY_VLLM_VERSION": "0.29.5"}, None, [], ["KVPOLICY_VLLM_VERSION=0.29.5: no release profile lists"]),
+    ({}, "0.33.2", [], ["no release profile lists vLLM 0.33.2; deciding with `vllm-0.33`"]),
+    ({}, "0.34.0", ["--vllm-version", "0.34.1"], ["--vllm-version 0.34.1: no release profile lists vLLM 0.34.1"]),
+    ({}, "0.34.0", [], []),
+])
+def test_doctor_shows_what_the_plugin_will_warn_about(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str], env: dict[str, str],
+                                                      installed: str | None, flags: list[str],
+                                                      said: list[str]) -> None:
+    from types import SimpleNamespace
+
+    import kvpolicy.policy.releases as releases
+
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    found = None if installed is None else SimpleNamespace(distribution="vllm", version=installed)
+    monkeypatch.setattr(releases, "installed_vllm_distribution", lambda *a, **k: found)
+    code, out, _ = cli(capsys, "doctor", *flags, "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["ok"]
+    warnings = [w["message"] for w in data["warnings"]]
+    assert len(warnings) == len(said)
+    assert all(w.startswith(s) or s in w for w, s in zip(warnings, said))
+    if not flags:  # the plugin's own start-up warnings, word for word
+        settings = vllm_plugin.Settings.from_env()
+        assert warnings == vllm_plugin.startup_warnings(installed or "", settings)
+    code, text, _ = cli(capsys, "doctor", *flags)
+    assert all(f"  warning: {w}" in text for w in warnings)
+
+
+def test_dry_run_says_it_does_not_read_kvpolicy_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "global.yaml").write_text("version: 1\nrules: []\n")
+    monkeypatch.setenv("KVPOLICY_RULES", str(tmp_path / "site"))
+    code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0")
+    assert code == 0
+    assert f"note: KVPOLICY_RULES is set (`{tmp_path / 'site'}`), but dry-run does not read it" in err
+    assert f"pass `--rules {tmp_path / 'site'}`" in err
+    code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0", "--rules", str(tmp_path / "site"))
+    assert code == 0 and "KVPOLICY_RULES" not in err  # the flags name the plugin's rules: nothing to say
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0")
+    assert code == 0 and "KVPOLICY_RULES" not in err

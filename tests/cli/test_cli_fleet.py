@@ -317,3 +317,56 @@ def test_a_cache_the_cpu_kernel_refuses_is_refused_in_a_fleet_as_alone(capsys: p
     code, _, err = cli(capsys, "dry-run", "--model", str(model), "--device", "cpu", "--vllm-version", "0.28.0",
                        "--cpu", "x86+avx512", "--kv-cache-dtype", "fp8", "--block-size", "16")
     assert code == 2 and "error[cpu-kernel-refuses]" in err
+
+
+MISTAKES = f"""version: 1
+defaults:
+  vllm_version: "0.99"
+deployments:
+  - name: a
+    spec: {SPEC}
+    kv_cache_dtype: fp9
+  - name: b
+    spec: {SPEC}
+    conector: NixlConnector
+    connector: NixlConnector
+  - name: c
+    spec: {SPEC}
+    attention_backend: FLASH_ATN
+exchanges:
+  - name: x
+    deployments: [a, b, zz]
+  - name: y
+    deployments: [a, b]
+"""
+
+
+@pytest.mark.parametrize("verb", [["dry-run"], ["lint"], ["dry-run", "--format", "json"]])
+def test_every_mistake_of_a_fleet_file_is_reported_in_one_run(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                              verb: list[str]) -> None:
+    """The file's keys, its default release (once, where it is written), its exchanges (also between deployments
+    with a wrong key) and its deployments' inputs: every mistake at its line:col, exit 2, in one run."""
+    path = _fleet(tmp_path, MISTAKES)
+    code, out, err = cli(capsys, *verb, "--fleet", str(path))
+    said = out + err
+    assert code == 2, said
+    found = [(":3:17:", "unknown-vllm-version"), (":7:21:", "unknown-kv-cache-dtype"), (":10:5:", "unknown-key"),
+             (":14:24:", "unknown-backend"), (":17:25:", "unknown-deployment"), (":19:18:", "exchange-connector")]
+    if "json" in verb:
+        diags = json.loads(out)["error"]["diagnostics"]
+        assert [(f":{d['line']}:{d['col']}:", d["code"]) for d in diags] == found
+    else:
+        assert all(f"{path}{where} error[{code}]" in said for where, code in found), said
+        assert said.count("`0.99`") == 1  # once, where it is written
+
+
+@pytest.mark.parametrize("verb", [["dry-run"], ["lint"], ["diff", str(ROLLOUT), str(ROLLOUT)]])
+def test_a_bad_default_release_is_one_error_where_it_is_written(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                                verb: list[str]) -> None:
+    path = _fleet(tmp_path, 'version: 2\ndefaults:\n  vllm_version: "0.99"\ndeployments:\n'
+                            + "".join(f"  - name: d{i}\n    spec: {SPEC}\n" for i in range(4)))
+    code, out, err = cli(capsys, *verb, "--fleet", str(path))
+    assert code == 2, out + err
+    assert f"{path}:3:17: error[unknown-vllm-version]: no profile for vLLM version `0.99`" in err
+    assert f"{path}:1:10: error[" in err  # the header's own mistake, in the same run
+    assert (out + err).count("`0.99`") == 1
