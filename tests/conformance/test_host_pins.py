@@ -88,8 +88,8 @@ def test_no_variable_of_the_parent_reaches_an_oracle(monkeypatch: pytest.MonkeyP
     hostile = {"CUDA_VISIBLE_DEVICES": "0", "LD_PRELOAD": "libiomp5.so", "OMP_NUM_THREADS": "1", "RANK": "3",
                "LOCAL_RANK": "3", "WORLD_SIZE": "8", "HF_HOME": str(tmp_path), "TRANSFORMERS_CACHE": str(tmp_path),
                "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCH_LOGS": "+dynamo", "VLLM_KV_CACHE_LAYOUT": "HND",
-               "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(tmp_path / "elsewhere"), "PYTHONSTARTUP": str(tmp_path / "s.py"),
-               "LANG": "tr_TR.ISO-8859-9", "ZENDNN_MATMUL_ALGO": "FP32:1"}
+               "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(tmp_path / "elsewhere"),
+               "PYTHONSTARTUP": str(tmp_path / "s.py"), "LANG": "tr_TR.ISO-8859-9", "ZENDNN_MATMUL_ALGO": "FP32:1"}
     for name, value in hostile.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("KVPOLICY_UNPATCHED_INTERPRETER", "1")
