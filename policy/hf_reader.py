@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpolicy.policy.errors import Diagnostic, ModelConfigError
 
-__all__ = ["CLASS_DEFAULTS", "ConfigReader", "is_int", "show"]
+__all__ = ["CLASS_DEFAULTS", "ConfigReader", "LocatedFloat", "is_int", "show"]
 
 # model_type -> ((num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_size), others):
 # the constant defaults of transformers 5.22.2's config classes (`_`: none, or computed from other fields),
@@ -66,6 +66,19 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     model_type: {**{k: v for k, v in zip(_COMMON, common, strict=True) if v is not None}, **others}
     for model_type, (common, others) in _TABLE.items()
 }
+
+
+class LocatedFloat(float):
+    """A JSON constant (``NaN``, ``Infinity``, ``-Infinity``) as Python's json reads it, with where it
+    stands in the file: a field kvpolicy reads that holds one is refused at that line and column."""
+
+    line: int
+    col: int
+
+    def __new__(cls, literal: str, line: int, col: int) -> LocatedFloat:
+        value = super().__new__(cls, literal)
+        value.line, value.col = line, col
+        return value
 
 
 def show(value: Any) -> str:
@@ -124,7 +137,10 @@ class ConfigReader:
         self.error("missing-field", f"missing field `{self.name(key)}`", help)
 
     def invalid(self, key: str, message: str, help: str | None = None) -> None:
-        self.error("invalid-field", message, help or f"fix `{self.name(key)}` in the model's config.json")
+        value = self.cfg.get(key)
+        line, col = (value.line, value.col) if isinstance(value, LocatedFloat) else (0, 0)
+        self.diagnostics.append(Diagnostic(self.where, line, col, "invalid-field", message,
+                                           help or f"fix `{self.name(key)}` in the model's config.json"))
 
     def int_field(self, key: str, *, minimum: int = 1, maximum: int = 1 << 24, required: bool = False,
                   help: str = "") -> int | None:
