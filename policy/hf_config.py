@@ -300,6 +300,10 @@ def _check_served(r: ConfigReader, vllm_version: str | None = None) -> None:
         r.error("unsupported-model", "compressed sparse attention (DeepSeek-V4's `compress_ratios`): its "
                 "sliding-window MLA and compressed caches are not modelled",
                 "give the KV cache groups in a --spec file")
+    if types & {"mpt", "dbrx"}:
+        r.error("unsupported-model", f"`{r.model_type}` states its layers, heads and width under its own names "
+                "(`n_layers`, `n_heads`, `d_model`) and its KV heads in `attn_config.kv_n_heads`, which kvpolicy "
+                "does not read", "give the KV cache groups in a --spec file")
     if r.has("cross_attention_layers") or "whisper" in types:
         r.error("unsupported-model", "cross-attention layers (an encoder-decoder model): kvpolicy models "
                 "decoder-only KV caches, and the vLLM releases it profiles do not serve Mllama",

@@ -621,6 +621,35 @@ def test_any_config_loads_or_raises_model_config_error(
     assert all(n.file == "<config>" and n.message and n.help for n in reading.notes)
 
 
+# --- the config classes' older field names (transformers' attribute_map) --------------------------
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gptj"])
+def test_older_field_names_read_as_the_config_class_reads_them(model_type: str) -> None:
+    """GPT2Config / GPTJConfig store `num_hidden_layers`, `num_attention_heads` and `hidden_size` as `n_layer`,
+    `n_head` and `n_embd` (their ``attribute_map``), which vLLM reads through; so does kvpolicy (vLLM's answers:
+    tests/conformance/test_model_configs.py, `gpt2` and `gpt-j-6b`)."""
+    old = {"model_type": model_type, "n_layer": 6, "n_head": 12, "n_embd": 768, "torch_dtype": "float16"}
+    new = {"model_type": model_type, "num_hidden_layers": 6, "num_attention_heads": 12, "hidden_size": 768,
+           "torch_dtype": "float16"}
+    assert read_hf_config(old, tensor_parallel_size=2).groups == read_hf_config(new, tensor_parallel_size=2).groups
+    assert shape(kv_groups_from_hf_config(old)) == [G(FULL, 6, 12, 64)]
+    with pytest.raises(ModelConfigError) as exc:  # a problem names the field as the file spells it
+        read_hf_config({**old, "n_head": 7})
+    assert "`n_embd` (768) is not divisible by `n_head` (7)" in only_diagnostic(exc.value).message
+
+
+@pytest.mark.parametrize("model_type", ["mpt", "dbrx"])
+def test_kv_heads_under_attn_config_are_refused_by_name(model_type: str) -> None:
+    """MPT and DBRX state their KV heads in `attn_config.kv_n_heads`, which kvpolicy does not read: refused
+    naming that, not as a missing `num_hidden_layers`."""
+    config = {"model_type": model_type, "n_layers": 4, "n_heads": 8, "d_model": 512,
+              "attn_config": {"kv_n_heads": 2}}
+    with pytest.raises(ModelConfigError) as exc:
+        read_hf_config(config)
+    assert any(d.code == "unsupported-model" and "attn_config.kv_n_heads" in d.message for d in exc.value.diagnostics)
+
+
 # --- JSON constants Python reads (NaN, Infinity) --------------------------------------------------
 
 _READ_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim")
