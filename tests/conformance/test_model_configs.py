@@ -34,8 +34,9 @@ How kvpolicy's groups map onto vLLM's (`KVCacheGroups`, policy/spec.py):
   architectures a release's registry dropped (Bamba, Mllama) kvpolicy's refusal is the release
   profile's ``previously_supported_models``, itself read from each release (`test_release_facts.py`).
 
-Where vLLM cannot be asked on this machine (`_NOT_BUILT`: a stage needs CUDA kernels or packages the
-release site lacks), the comparison falls back to ``ModelConfig``'s own methods the oracle answers
+Where vLLM cannot be asked on the machine the oracles answer for (`oracles/_host.py`; `_NOT_BUILT`: a stage
+needs CUDA kernels or packages the release site lacks), the comparison falls back to ``ModelConfig``'s own
+methods the oracle answers
 (layer count by block type, KV heads per rank, head size, MLA, dtype), or, with no ModelConfig at all,
 is not made; configs vLLM itself refuses (`_VLLM_REFUSES`) must be refused by kvpolicy too ("both
 refuse"; kvpolicy answering is "different"). Both tables are asserted: the error must still be the one
@@ -108,7 +109,8 @@ _VLLM_REFUSES: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
                                       "MllamaForConditionalGeneration: supported until v0.10.2 (its image processor "
                                       "is asked for first when only config.json is present)"),
 }
-# Cases this machine cannot build (a CUDA kernel or a package missing from the release site), by config
+# Cases the oracles' pinned machine (oracles/_host.py) cannot build (a CUDA kernel or a package missing from the
+# release site), by config
 # or "config/case": release -> substring of the error, and why. The comparison falls back to
 # ModelConfig's answers where there are some.
 _NOT_BUILT: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
