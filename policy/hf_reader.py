@@ -63,12 +63,12 @@ _TABLE: dict[str, tuple[tuple[int | None, ...], dict[str, Any]]] = {
     "olmo2": ((32, 32, _, _, 4096), {}),
 }
 # model_type -> {field: the name its config class stores it under}: transformers 5.22.2's ``attribute_map``
-# for the fields kvpolicy reads, on the model types vLLM 0.28 / 0.34 serve that have one. A config.json
-# written with the older name (GPT-2's ``n_layer``) is read through it, as transformers reads it for vLLM.
+# for the fields kvpolicy reads, on the model types vLLM 0.28 / 0.34 serve with it and the conformance corpus
+# holds (gpt2, gpt-j-6b). A config.json written with the older name (GPT-2's ``n_layer``) is read through it,
+# as transformers reads it for vLLM; other model types' older names are still a missing field.
 ALIASES: dict[str, dict[str, str]] = {
     "gpt2": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"},
     "gptj": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"},
-    "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"},
 }
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     model_type: {**{k: v for k, v in zip(_COMMON, common, strict=True) if v is not None}, **others}
