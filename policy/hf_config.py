@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from kvpolicy.policy.errors import Diagnostic, ModelConfigError, input_error
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.hf_dtype import checkpoint_kv_cache_dtype, parse_dtype, served_dtype
 from kvpolicy.policy.hf_layer_kinds import MAMBA_ONLY, LayerCache, layer_caches, window_tokens
-from kvpolicy.policy.hf_reader import ConfigReader, is_int, show
+from kvpolicy.policy.hf_reader import ConfigReader, LocatedFloat, is_int, show
 from kvpolicy.policy.hybrid_block import hybrid_block_size
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, ModelDtype, parse_kv_cache_dtype
 from kvpolicy.policy.spec import MAX_LAYERS, AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
@@ -135,7 +136,7 @@ def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[s
                    d.help if d.code == "too-large" else
                    "pass a config.json, a model directory holding one, or an already-parsed dict", d.line, d.col)
     try:
-        data = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+        data = json.loads(text, parse_int=_bounded_int, parse_constant=_Constants(text))
     except _BadNumber as exc:
         line, col = _offset_position(text, exc.literal)
         raise fail("invalid-field", f"the number `{_short(exc.literal)}` is {exc.why}",
@@ -168,8 +169,25 @@ def _bounded_int(literal: str) -> int:
     return int(literal)
 
 
-def _no_constant(literal: str) -> float:
-    raise _BadNumber(literal, "not a number JSON allows (NaN and Infinity are JavaScript, not JSON)")
+# `NaN`, `Infinity` and `-Infinity` outside JSON strings: the constants Python's json module reads, and so
+# transformers and vLLM (a Mamba-2 config's `time_step_limit` is `[0.0, Infinity]` as transformers saves it)
+_CONSTANT_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|(-?Infinity|NaN)')
+
+
+class _Constants:
+    """``parse_constant`` for one text: each constant as a `LocatedFloat` at its line and column (the
+    decoder meets them in the order they appear), so a field kvpolicy reads that holds one is refused
+    where it stands; one kvpolicy does not read is kept, as vLLM keeps it."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.found = (m for m in _CONSTANT_OR_STRING.finditer(text) if m.group(1))
+
+    def __call__(self, literal: str) -> float:
+        match = next(self.found, None)
+        at = match.start(1) if match is not None and match.group(1) == literal else max(self.text.find(literal), 0)
+        line = self.text.count("\n", 0, at) + 1
+        return LocatedFloat(literal, line, at - (self.text.rfind("\n", 0, at) + 1) + 1)
 
 
 def _offset_position(text: str, literal: str) -> tuple[int, int]:
@@ -282,6 +300,10 @@ def _check_served(r: ConfigReader, vllm_version: str | None = None) -> None:
         r.error("unsupported-model", "compressed sparse attention (DeepSeek-V4's `compress_ratios`): its "
                 "sliding-window MLA and compressed caches are not modelled",
                 "give the KV cache groups in a --spec file")
+    if types & {"mpt", "dbrx"}:
+        r.error("unsupported-model", f"`{r.model_type}` states its layers, heads and width under its own names "
+                "(`n_layers`, `n_heads`, `d_model`) and its KV heads in `attn_config.kv_n_heads`, which kvpolicy "
+                "does not read", "give the KV cache groups in a --spec file")
     if r.has("cross_attention_layers") or "whisper" in types:
         r.error("unsupported-model", "cross-attention layers (an encoder-decoder model): kvpolicy models "
                 "decoder-only KV caches, and the vLLM releases it profiles do not serve Mllama",
@@ -326,6 +348,16 @@ def _head_size(r: ConfigReader, heads: int | None) -> int | None:
     return hidden // heads
 
 
+def _heads_divide(r: ConfigReader, heads: int | None, tp: int) -> bool:
+    """vLLM's ``ModelConfig.verify_with_parallel_config``: the attention heads divide by the tensor-parallel
+    size (MLA models too: their heads are split, their one latent KV head is not); refused otherwise."""
+    if heads is not None and heads % tp:
+        r.error("invalid-field", f"`tensor_parallel_size` {tp} does not divide `{r.name('num_attention_heads')}` "
+                f"({heads}), which vLLM refuses", "choose a tensor_parallel_size that divides the attention heads")
+        return False
+    return True
+
+
 def _attention_geometry(r: ConfigReader, tp: int) -> tuple[int, int] | None:
     """(KV heads on this rank, head size) for the attention layers, as vLLM's ``get_num_kv_heads``."""
     heads = r.int_field("num_attention_heads", required=True,
@@ -336,10 +368,8 @@ def _attention_geometry(r: ConfigReader, tp: int) -> tuple[int, int] | None:
         r.invalid("num_key_value_heads", f"`{r.name('num_attention_heads')}` ({heads}) is not divisible by "
                                          f"`{r.name('num_key_value_heads')}` ({kv_heads})",
                   "grouped-query attention shares each KV head among a whole number of query heads")
-    if heads is not None and heads % tp:
-        r.error("invalid-field", f"`tensor_parallel_size` {tp} does not divide `{r.name('num_attention_heads')}` "
-                f"({heads}), which vLLM refuses", "choose a tensor_parallel_size that divides the attention heads")
-    elif kv_heads is not None and tp > 1 and ((tp < kv_heads and kv_heads % tp) or (tp > kv_heads and tp % kv_heads)):
+    uneven = kv_heads is not None and tp > 1 and (kv_heads % tp if tp < kv_heads else tp % kv_heads)
+    if _heads_divide(r, heads, tp) and uneven:
         r.error("invalid-field",
                 f"`tensor_parallel_size` {tp} does not fit `{r.name('num_key_value_heads')}` ({kv_heads})",
                 "tensor_parallel_size must divide the KV heads, or be a multiple of them "
@@ -502,6 +532,9 @@ def read_hf_config(
         lora = r.int_field("kv_lora_rank")
         rope = r.int_field("qk_rope_head_dim", required=True,
                            help="MLA caches the latent and the rope key: add `qk_rope_head_dim`")
+        _heads_divide(r, r.int_field("num_attention_heads", required=True,
+                                     help="attention models state their query heads in `num_attention_heads`"),
+                      tensor_parallel_size)
         r.fail_if_any()
         assert lora is not None and rope is not None
         if r.has("index_topk"):

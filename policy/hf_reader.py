@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpolicy.policy.errors import Diagnostic, ModelConfigError
 
-__all__ = ["CLASS_DEFAULTS", "ConfigReader", "is_int", "show"]
+__all__ = ["ALIASES", "CLASS_DEFAULTS", "ConfigReader", "LocatedFloat", "is_int", "show"]
 
 # model_type -> ((num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_size), others):
 # the constant defaults of transformers 5.22.2's config classes (`_`: none, or computed from other fields),
@@ -62,10 +62,31 @@ _TABLE: dict[str, tuple[tuple[int | None, ...], dict[str, Any]]] = {
     "starcoder2": ((30, 24, 2, _, 3072), {}),
     "olmo2": ((32, 32, _, _, 4096), {}),
 }
+# model_type -> {field: the name its config class stores it under}: transformers 5.22.2's ``attribute_map``
+# for the fields kvpolicy reads, on the model types vLLM 0.28 / 0.34 serve with it and the conformance corpus
+# holds (gpt2, gpt-j-6b). A config.json written with the older name (GPT-2's ``n_layer``) is read through it,
+# as transformers reads it for vLLM; other model types' older names are still a missing field.
+ALIASES: dict[str, dict[str, str]] = {
+    "gpt2": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"},
+    "gptj": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"},
+}
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     model_type: {**{k: v for k, v in zip(_COMMON, common, strict=True) if v is not None}, **others}
     for model_type, (common, others) in _TABLE.items()
 }
+
+
+class LocatedFloat(float):
+    """A JSON constant (``NaN``, ``Infinity``, ``-Infinity``) as Python's json reads it, with where it
+    stands in the file: a field kvpolicy reads that holds one is refused at that line and column."""
+
+    line: int
+    col: int
+
+    def __new__(cls, literal: str, line: int, col: int) -> LocatedFloat:
+        value = super().__new__(cls, literal)
+        value.line, value.col = line, col
+        return value
 
 
 def show(value: Any) -> str:
@@ -98,15 +119,23 @@ class ConfigReader:
         self.model_type = model_type
         self.release = release  # the vLLM release read for, (0, 28, 0); None: not said
         self.defaults = CLASS_DEFAULTS.get(model_type or "", {})
+        self.aliases = ALIASES.get(model_type or "", {})
         self.diagnostics: list[Diagnostic] = []
         self.notes: list[Diagnostic] = [] if notes is None else notes
         self.assumed: dict[str, Any] = {}  # field -> the class default read for it (the file left it out)
 
+    def spelled(self, key: str) -> str:
+        """The field as the file spells it: the config class's older name (`ALIASES`) where only that is given."""
+        alias = self.aliases.get(key)
+        return alias if key not in self.cfg and alias is not None and alias in self.cfg else key
+
     def name(self, key: str) -> str:
-        return f"{self.prefix}{key}"
+        return f"{self.prefix}{self.spelled(key)}"
 
     def get(self, key: str) -> Any:
-        """The value; the config class's default when the key is absent; JSON ``null`` as None."""
+        """The value (under the config class's older name too); the config class's default when the key is
+        absent; JSON ``null`` as None."""
+        key = self.spelled(key)
         if key in self.cfg:
             return self.cfg[key]
         if key in self.defaults:
@@ -127,7 +156,10 @@ class ConfigReader:
         self.error("missing-field", f"missing field `{self.name(key)}`", help)
 
     def invalid(self, key: str, message: str, help: str | None = None) -> None:
-        self.error("invalid-field", message, help or f"fix `{self.name(key)}` in the model's config.json")
+        value = self.cfg.get(self.spelled(key))
+        line, col = (value.line, value.col) if isinstance(value, LocatedFloat) else (0, 0)
+        self.diagnostics.append(Diagnostic(self.where, line, col, "invalid-field", message,
+                                           help or f"fix `{self.name(key)}` in the model's config.json"))
 
     def int_field(self, key: str, *, minimum: int = 1, maximum: int = 1 << 24, required: bool = False,
                   help: str = "") -> int | None:

@@ -5,7 +5,9 @@ published files; its README says from where and why each is there) and each case
 0.34.0 and 0.28.0 build their own ``ModelConfig``/``VllmConfig``, instantiate the model class on the
 meta device, collect each layer's KV cache spec and group them as the engine core does
 (``oracles/model_config.py``); `kv_groups_from_hf_config` reads the same file. One oracle call per
-release, all cases at once; answers are kept per machine (`vllm_release.run_oracle`).
+release, all cases at once; answers are kept per machine (`vllm_release.run_oracle`). Beside the corpus,
+`VARIANTS`: a published config changed the way a writer of config.json changes it (transformers writes an
+infinite float as `Infinity`), read by both from the same JSON text.
 
 How kvpolicy's groups map onto vLLM's (`KVCacheGroups`, policy/spec.py):
 
@@ -32,8 +34,9 @@ How kvpolicy's groups map onto vLLM's (`KVCacheGroups`, policy/spec.py):
   architectures a release's registry dropped (Bamba, Mllama) kvpolicy's refusal is the release
   profile's ``previously_supported_models``, itself read from each release (`test_release_facts.py`).
 
-Where vLLM cannot be asked on this machine (`_NOT_BUILT`: a stage needs CUDA kernels or packages the
-release site lacks), the comparison falls back to ``ModelConfig``'s own methods the oracle answers
+Where vLLM cannot be asked on the machine the oracles answer for (`oracles/_host.py`; `_NOT_BUILT`: a stage
+needs CUDA kernels or packages the release site lacks), the comparison falls back to ``ModelConfig``'s own
+methods the oracle answers
 (layer count by block type, KV heads per rank, head size, MLA, dtype), or, with no ModelConfig at all,
 is not made; configs vLLM itself refuses (`_VLLM_REFUSES`) must be refused by kvpolicy too ("both
 refuse"; kvpolicy answering is "different"). Both tables are asserted: the error must still be the one
@@ -46,6 +49,7 @@ failure: kvpolicy reads that config unlike vLLM.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +82,16 @@ HYBRID_CASES: tuple[Case, ...] = (("tp1-default-block", 1, "auto", "auto", None)
                                   ("tp1-block-24", 1, "auto", "auto", 24))
 HYBRIDS = ("falcon-h1-0.5b-instruct", "granite-4.0-h-tiny", "jamba-v0.1", "nvidia-nemotron-nano-9b-v2",
            "qwen3-next-80b-a3b-instruct", "zamba2-1.2b")
+# Published configs changed the way a writer of config.json changes them, each read by vLLM as by kvpolicy
+# from the JSON text: name -> (corpus config, fields set, why).
+VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "nvidia-nemotron-nano-9b-v2+infinity": (
+        "nvidia-nemotron-nano-9b-v2", {"time_step_limit": [0.0, math.inf]},
+        "transformers writes Mamba-2's default `time_step_limit` (0.0, inf) as `[0.0, Infinity]`, which Python's "
+        "json, transformers and vLLM read"),
+}
 EXTRA_CASES: dict[str, tuple[Case, ...]] = {
+    "deepseek-v2-lite-chat": (("tp3", 3, "auto", "auto", BLOCK_SIZE),),  # MLA: 16 heads do not split 3 ways
     "gemma-2-2b-it": (("tp1-float32", 1, "float32", "auto", BLOCK_SIZE),),  # an explicit --dtype float32 keeps fp32
     "phi-2": (("tp1-bfloat16", 1, "bfloat16", "auto", BLOCK_SIZE),),  # a float16 checkpoint served in bf16
     **{name: HYBRID_CASES for name in HYBRIDS},
@@ -90,11 +103,14 @@ _VLLM_REFUSES: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
                   "0.34.0": ("does not dispatch through the Transformers attention interface",)},
                  "BambaForCausalLM: supported until v0.23.0, removed after it (0.28 says so; 0.34 falls back to the "
                  "Transformers backend, which cannot run its Mamba layers)"),
+    "deepseek-v2-lite-chat/tp3": ({v: ("must be divisible by tensor parallel size",) for v in RELEASES},
+                                  "16 attention heads at TP 3: vLLM splits an MLA model's heads too"),
     "llama-3.2-11b-vision-instruct": ({v: ("until v0.10.2", "Can't load image processor") for v in RELEASES},
                                       "MllamaForConditionalGeneration: supported until v0.10.2 (its image processor "
                                       "is asked for first when only config.json is present)"),
 }
-# Cases this machine cannot build (a CUDA kernel or a package missing from the release site), by config
+# Cases the oracles' pinned machine (oracles/_host.py) cannot build (a CUDA kernel or a package missing from the
+# release site), by config
 # or "config/case": release -> substring of the error, and why. The comparison falls back to
 # ModelConfig's answers where there are some.
 _NOT_BUILT: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
@@ -127,9 +143,32 @@ def _cases(name: str) -> list[Case]:
     return [*BASE_CASES, *EXTRA_CASES.get(name, ())]
 
 
+def _config(name: str) -> dict[str, Any]:
+    """A corpus config, or a variant's: its corpus config with the variant's fields set."""
+    base, fields, _ = VARIANTS.get(name, (name, {}, ""))
+    return {**json.loads((CORPUS / base / "config.json").read_text(encoding="utf-8")), **fields}
+
+
+_VARIANT_DIRS: dict[str, Path] = {}
+
+
+def _config_path(name: str) -> Path:
+    """The directory kvpolicy reads ``name`` from: the corpus's, or the variant's JSON text as Python writes
+    it (``Infinity`` for an infinite float) in a directory of this module's run."""
+    return _VARIANT_DIRS.get(name, CORPUS / name)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _variants(tmp_path_factory: pytest.TempPathFactory) -> None:
+    for name in VARIANTS:
+        directory = tmp_path_factory.mktemp(name)
+        (directory / "config.json").write_text(json.dumps(_config(name), indent=2), encoding="utf-8")
+        _VARIANT_DIRS[name] = directory
+
+
 def _plan(version: str = RELEASES[0]) -> list[tuple[str, Case]]:
     """The (config, case)s asked of ``version``: every one for `RELEASES`, the hybrids' for `HYBRID_RELEASES`."""
-    names = NAMES if version in RELEASES else HYBRIDS
+    names = [*NAMES, *VARIANTS] if version in RELEASES else HYBRIDS
     return [(name, case) for name in names for case in _cases(name)]
 
 
@@ -153,7 +192,7 @@ def _ask(version: str) -> dict[tuple[str, str], dict[str, Any]]:
     remembered too, so that the release's other tests do not ask again)."""
     if version not in _ASKED:
         plan = _plan(version)
-        cases = [{"config": json.loads((CORPUS / name / "config.json").read_text(encoding="utf-8")),
+        cases = [{"config": _config(name),
                   "tensor_parallel_size": tp, "dtype": dtype, "kv_cache_dtype": kv, "block_size": block}
                  for name, (_, tp, dtype, kv, block) in plan]
         try:
@@ -274,7 +313,7 @@ def _kvpolicy(name: str, tp: int, dtype: str, kv: str, version: str,
     if block is None:
         block = get_profile(version).default_block_size
     try:
-        return kv_groups_from_hf_config(CORPUS / name, kv_cache_dtype=kv, block_size=block,
+        return kv_groups_from_hf_config(_config_path(name), kv_cache_dtype=kv, block_size=block,
                                         tensor_parallel_size=tp, dtype=None if dtype == "auto" else dtype,
                                         vllm_version=version)
     except PolicyError as exc:
@@ -288,7 +327,7 @@ def judge(name: str, label: str, version: str) -> tuple[str, str]:
     ours = _kvpolicy(name, tp, dtype, kv, version, block)
     error = vllm.get("error")
     refused = _expected_error(_VLLM_REFUSES, name, label, version)
-    not_built = _expected_error(_NOT_BUILT, name, label, version)
+    not_built = None if refused else _expected_error(_NOT_BUILT, name, label, version)
     for expected, kind in ((refused, "vLLM refuses"), (not_built, "not built here")):
         if expected is not None:
             substrings, reason = expected

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -19,11 +20,15 @@ import ahead  # noqa: E402
 import install_vllm  # noqa: E402
 
 ORACLES = HERE / "oracles"
+SIMULATED_HOST = HERE / "simulated_host.py"
 
-# Parent variables that must not reach vLLM: every VLLM_* (a case sets the ones it
-# tests), and Python variables that would put another site or startup code in front.
-_STRIPPED_PREFIXES = ("VLLM_",)
-_STRIPPED = {"PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONSAFEPATH"}
+# The child's environment is named here, never inherited: vLLM, transformers, torch and the libraries
+# under them read hundreds of variables (CUDA_VISIBLE_DEVICES, LD_PRELOAD, OMP_NUM_THREADS, RANK, HF_*,
+# TORCHINDUCTOR_*, ...), so an answer would follow the shell it was asked from. Passed: what finds
+# programs, the home and temporary directories, the loader's path (some machines need it to load
+# torch), bytecode writing, and KVPOLICY_* (the variables the oracles read are in the answers' key).
+_PASSED = ("PATH", "HOME", "TMPDIR", "TMP", "TEMP", "LD_LIBRARY_PATH", "PYTHONDONTWRITEBYTECODE")
+_PASSED_PREFIXES = ("KVPOLICY_",)
 
 
 class OracleError(RuntimeError):
@@ -31,9 +36,11 @@ class OracleError(RuntimeError):
 
 
 def oracle_env(site: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIPPED_PREFIXES) and k not in _STRIPPED}
+    """The whole environment of an oracle under the release installed at ``site``."""
+    env = {k: v for k, v in os.environ.items() if k in _PASSED or k.startswith(_PASSED_PREFIXES)}
     env.update(
         PYTHONPATH=str(site),
+        PYTHONUTF8="1",
         VLLM_TARGET_DEVICE="cpu",
         # vLLM's logs go to stderr; stdout carries only the JSON answer.
         VLLM_LOGGING_STREAM="ext://sys.stderr",
@@ -53,6 +60,9 @@ def oracle_env(site: Path) -> dict[str, str]:
 # KVPOLICY_ORACLE_CACHE=0 asks the release every time. Plugin oracles (plugin_site.py) are never kept:
 # their answers depend on kvpolicy's own code.
 _ORACLE_ENV = ("KVPOLICY_UNPATCHED_INTERPRETER",)
+# The distributions an oracle imports from the running environment rather than the release's site (the
+# sites leave them to it; oracles/_host.py hides everything else there but torch's own requirements).
+_ENVIRONMENT_DISTRIBUTIONS = ("pydantic", "pydantic-core", "PyYAML", "packaging")
 
 
 _IMPORTED = re.compile(r"^\s*(?:from|import)\s+(\w+)", re.MULTILINE)
@@ -73,7 +83,7 @@ def oracle_sources(script: Path) -> list[Path]:
     return sorted(found)
 
 
-def _answers_file(version: str, oracle: str, cases: list[dict]) -> Path | None:
+def _answers_file(version: str, oracle: str, cases: list[dict], host: str | None = None) -> Path | None:
     if os.environ.get("KVPOLICY_ORACLE_CACHE", "1") == "0":
         return None
     import hashlib
@@ -86,19 +96,29 @@ def _answers_file(version: str, oracle: str, cases: list[dict]) -> Path | None:
     for path in oracle_sources(ORACLES / f"{oracle}.py"):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(f"torch {torch.__version__}".encode())
+    for dist in _ENVIRONMENT_DISTRIBUTIONS:  # what the child takes from this environment besides torch
+        try:
+            digest.update(f"{dist} {metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{dist} -".encode())
     digest.update(json.dumps({k: os.environ.get(k) for k in _ORACLE_ENV}).encode())
+    if host is not None:  # a simulated machine's answers, kept apart (their own name) from the real ones
+        digest.update(SIMULATED_HOST.read_bytes())
+        oracle = f"{oracle}@{host}"
     asked = hashlib.sha256(json.dumps(cases, sort_keys=True).encode()).hexdigest()[:24]
     return install_vllm.cache_root() / version / "answers" / f"{oracle}-{digest.hexdigest()[:24]}-{asked}.json"
 
 
-def run_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 900) -> list[dict]:
+def run_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 900,
+               host: str | None = None) -> list[dict]:
     """Answers of ``oracles/<oracle>.py`` under vLLM ``version``, one per case, in order (kept per
-    machine and reused while the release, the oracle code, torch and the cases are the same)."""
+    machine and reused while the release, the oracle code, torch and the cases are the same).
+    ``host``: on a simulated machine (a name of `simulated_host.HOSTS`), to test the oracles' host pins."""
     site = install_vllm.site_for(version)
     script = ORACLES / f"{oracle}.py"
     if not script.is_file():
         raise OracleError(f"no oracle {script}")
-    kept = _answers_file(version, oracle, cases)
+    kept = _answers_file(version, oracle, cases, host)
     if kept is not None and kept.is_file():
         try:
             answers = json.loads(kept.read_text(encoding="utf-8"))
@@ -106,11 +126,11 @@ def run_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 90
                 return answers
         except (OSError, ValueError):
             pass  # unreadable or cut short: ask the release again
-    results = _ask(version, site, script, oracle, cases, timeout)
+    results = _ask(version, site, script, oracle, cases, timeout, host)
     if kept is not None:
         kept.parent.mkdir(parents=True, exist_ok=True)
         code = kept.name.rsplit("-", 1)[0]
-        for stale in kept.parent.glob(f"{oracle}-*.json"):  # answers of older code (other cases are kept)
+        for stale in kept.parent.glob(f"{code.rsplit('-', 1)[0]}-*.json"):  # older code's (other cases are kept)
             if stale.name.rsplit("-", 1)[0] != code:
                 stale.unlink(missing_ok=True)
         partial = kept.with_suffix(".partial")
@@ -119,9 +139,12 @@ def run_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 90
     return results
 
 
-def _ask(version: str, site: Path, script: Path, oracle: str, cases: list[dict], timeout: float) -> list[dict]:
-    proc = ahead.run([sys.executable, str(script)], input=json.dumps(cases), env=oracle_env(site), timeout=timeout,
-                     cwd=str(HERE))
+def _ask(version: str, site: Path, script: Path, oracle: str, cases: list[dict], timeout: float,
+         host: str | None = None) -> list[dict]:
+    command = [sys.executable, str(script)]
+    if host is not None:
+        command = [sys.executable, str(SIMULATED_HOST), host, str(script)]
+    proc = ahead.run(command, input=json.dumps(cases), env=oracle_env(site), timeout=timeout, cwd=str(HERE))
     tail = proc.stderr[-6000:]
     if proc.returncode != 0:
         raise OracleError(f"oracle {oracle} under vLLM {version} exited {proc.returncode}:\n{tail}")

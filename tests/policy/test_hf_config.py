@@ -134,8 +134,16 @@ def test_tensor_parallel_heads(name: str, tp: int, heads: int) -> None:
 def test_tensor_parallel_leaves_mamba_and_mla_sizes() -> None:
     jamba = kv_groups_from_hf_config(FIXTURES / "jamba-v0.1.json", tensor_parallel_size=4)
     assert shape(jamba) == [G(MAMBA, 28, 1, 16), G(FULL, 4, 2, 128)]
-    mla = kv_groups_from_hf_config(FIXTURES / "deepseek-v2-lite.json", tensor_parallel_size=3)
-    assert mla.primary is not None and mla.primary.head_size == 576
+    mla = kv_groups_from_hf_config(FIXTURES / "deepseek-v2-lite.json", tensor_parallel_size=4)
+    assert mla.primary is not None and mla.primary.head_size == 576 and mla.primary.num_kv_heads == 1
+
+
+def test_mla_tensor_parallel_must_divide_the_attention_heads() -> None:
+    # vLLM splits an MLA model's query heads too (verify_with_parallel_config): DeepSeek-V2-Lite's 16 at TP 3
+    # is refused by vLLM 0.28 and 0.34 (tests/conformance/test_model_configs.py, `deepseek-v2-lite-chat/tp3`)
+    with pytest.raises(ModelConfigError) as exc:
+        kv_groups_from_hf_config(FIXTURES / "deepseek-v2-lite.json", tensor_parallel_size=3)
+    assert "`tensor_parallel_size` 3 does not divide `num_attention_heads` (16)" in only_diagnostic(exc.value).message
 
 
 @pytest.mark.parametrize("tp", [pytest.param(8, id="tp8-does-not-divide-12"), pytest.param(16, id="tp16-not-x12")])
@@ -611,6 +619,79 @@ def test_any_config_loads_or_raises_model_config_error(
     assert sum(g.spec.num_layers for g in groups.groups) == sum(len(layer) for layer in reading.layers)
     assert all(g.spec.page_size_bytes > 0 for g in groups.groups)
     assert all(n.file == "<config>" and n.message and n.help for n in reading.notes)
+
+
+# --- the config classes' older field names (transformers' attribute_map) --------------------------
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gptj"])
+def test_older_field_names_read_as_the_config_class_reads_them(model_type: str) -> None:
+    """GPT2Config / GPTJConfig store `num_hidden_layers`, `num_attention_heads` and `hidden_size` as `n_layer`,
+    `n_head` and `n_embd` (their ``attribute_map``), which vLLM reads through; so does kvpolicy (vLLM's answers:
+    tests/conformance/test_model_configs.py, `gpt2` and `gpt-j-6b`)."""
+    old = {"model_type": model_type, "n_layer": 6, "n_head": 12, "n_embd": 768, "torch_dtype": "float16"}
+    new = {"model_type": model_type, "num_hidden_layers": 6, "num_attention_heads": 12, "hidden_size": 768,
+           "torch_dtype": "float16"}
+    assert read_hf_config(old, tensor_parallel_size=2).groups == read_hf_config(new, tensor_parallel_size=2).groups
+    assert shape(kv_groups_from_hf_config(old)) == [G(FULL, 6, 12, 64)]
+    with pytest.raises(ModelConfigError) as exc:  # a problem names the field as the file spells it
+        read_hf_config({**old, "n_head": 7})
+    assert "`n_embd` (768) is not divisible by `n_head` (7)" in only_diagnostic(exc.value).message
+
+
+@pytest.mark.parametrize("model_type", ["mpt", "dbrx"])
+def test_kv_heads_under_attn_config_are_refused_by_name(model_type: str) -> None:
+    """MPT and DBRX state their KV heads in `attn_config.kv_n_heads`, which kvpolicy does not read: refused
+    naming that, not as a missing `num_hidden_layers`."""
+    config = {"model_type": model_type, "n_layers": 4, "n_heads": 8, "d_model": 512,
+              "attn_config": {"kv_n_heads": 2}}
+    with pytest.raises(ModelConfigError) as exc:
+        read_hf_config(config)
+    assert any(d.code == "unsupported-model" and "attn_config.kv_n_heads" in d.message for d in exc.value.diagnostics)
+
+
+# --- JSON constants Python reads (NaN, Infinity) --------------------------------------------------
+
+_READ_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim")
+
+
+def _text(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=1)  # Python writes an infinite float as `Infinity`, a NaN as `NaN`
+
+
+def test_infinity_in_a_mamba_field_reads_as_vllm_reads_it(tmp_path: Path) -> None:
+    """transformers writes Mamba-2's default ``time_step_limit`` (0.0, inf) as ``[0.0, Infinity]``; Python's json,
+    transformers and vLLM read it (tests/conformance/test_model_configs.py's ``+infinity`` variant): so does
+    kvpolicy, which never reads the field."""
+    config = fixture("jamba-v0.1")
+    path = tmp_path / "config.json"
+    path.write_text(_text({**config, "time_step_limit": [0.0, float("inf")], "time_step_floor": float("nan")}))
+    assert "Infinity" in path.read_text() and "NaN" in path.read_text()
+    assert read_hf_config(path).groups == read_hf_config(config).groups
+
+
+@settings(max_examples=60, deadline=None)
+@given(field=st.sampled_from(_READ_FIELDS), constant=st.sampled_from(["NaN", "Infinity", "-Infinity"]),
+       name=st.sampled_from(["llama-3.1-8b", "qwen2.5-0.5b", "jamba-v0.1"]))
+def test_a_json_constant_is_kept_where_unread_and_located_where_read(field: str, constant: str, name: str) -> None:
+    """Anywhere kvpolicy does not read, a constant changes nothing; in a field it reads, it is refused at the
+    constant's own line and column (never a traceback, never a guess)."""
+    import tempfile
+
+    config = fixture(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(_text({**config, "kvpolicy_unread": [1.5, float(constant)]}))
+        assert read_hf_config(path).groups == read_hf_config(config).groups
+        text = _text({**config, field: 0}).replace(f'"{field}": 0', f'"{field}": {constant}')
+        path.write_text(text)
+        with pytest.raises(ModelConfigError) as exc:
+            read_hf_config(path)
+    at = text.index(f'"{field}": {constant}') + len(f'"{field}": ')
+    line, col = text.count("\n", 0, at) + 1, at - text.rfind("\n", 0, at)
+    [d] = [d for d in exc.value.diagnostics if f"`{field}`" in d.message]
+    assert (d.code, d.line, d.col) == ("invalid-field", line, col), d.render()
+    assert f"got `{constant}`" in d.message
 
 
 # --- public surface ----------------------------------------------------------------------------

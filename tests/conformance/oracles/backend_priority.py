@@ -15,6 +15,10 @@ import json
 import sys
 import types
 
+from _host import pin_host
+
+pin_host()  # the machine vLLM reads is _host.HOST, whatever runs this (see _host.py)
+
 for _name in ("vllm._C_stable_libtorch", "vllm._C"):
     sys.modules.setdefault(_name, types.ModuleType(_name))
 

@@ -36,6 +36,9 @@ os.dup2(2, 1)
 sys.stdout = sys.stderr
 
 import torch  # noqa: E402
+from _host import pin_host  # noqa: E402
+
+pin_host()  # the machine vLLM reads is _host.HOST, whatever runs this (see _host.py)
 
 
 def _import_vllm_on_the_cpu_platform() -> None:

@@ -54,17 +54,21 @@ import types
 
 os.environ.setdefault("VLLM_BUILD_COMMIT", "kvpolicy-oracle")
 
-import msgspec
-import vllm
+from _host import pin_host
 
-from kvpolicy.engine.integrations import vllm_exchange
-from kvpolicy.engine.integrations.connector_guards import (
+pin_host()  # the machine vLLM reads is _host.HOST, whatever runs this (see _host.py)
+
+import msgspec  # noqa: E402
+import vllm  # noqa: E402
+
+from kvpolicy.engine.integrations import vllm_exchange  # noqa: E402
+from kvpolicy.engine.integrations.connector_guards import (  # noqa: E402
     mooncake_store_connector,
     nixl_connector,
     offloading_connector,
 )
-from kvpolicy.engine.integrations.vllm_exchange import Stamp
-from kvpolicy.policy.errors import PolicyError
+from kvpolicy.engine.integrations.vllm_exchange import Stamp  # noqa: E402
+from kvpolicy.policy.errors import PolicyError  # noqa: E402
 
 K = "vllm.distributed.kv_transfer.kv_connector.v1"
 

@@ -18,8 +18,12 @@ import inspect
 import json
 import sys
 
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from _host import pin_host
+
+pin_host()  # the machine vLLM reads is _host.HOST, whatever runs this (see _host.py)
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 
 
 def _stand_in(name, loader):

@@ -19,8 +19,12 @@ import sys
 import types
 
 import torch
-from vllm.platforms.interface import CpuArchEnum
-from vllm.v1.attention.backends import cpu_attn
+from _host import pin_host
+
+pin_host()  # the rest of the machine is _host.HOST; each case answers the ISA and architecture below
+
+from vllm.platforms.interface import CpuArchEnum  # noqa: E402
+from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 
 ARCHES = {"x86": CpuArchEnum.X86, "arm": CpuArchEnum.ARM, "power": CpuArchEnum.POWERPC,
           "s390x": CpuArchEnum.S390X, "riscv": CpuArchEnum.RISCV}

@@ -18,9 +18,13 @@ import json
 import sys
 
 import torch
-from vllm.platforms.cpu import CpuArchEnum, CpuPlatform
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
-from vllm.v1.attention.selector import AttentionSelectorConfig
+from _host import pin_host
+
+pin_host()  # the rest of the machine is _host.HOST; each case answers AMX, as below
+
+from vllm.platforms.cpu import CpuArchEnum, CpuPlatform  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 
 CpuPlatform.get_cpu_architecture = classmethod(lambda cls: CpuArchEnum.X86)  # STAND-IN: see the docstring
 torch.cpu._is_avx512_supported = lambda: True

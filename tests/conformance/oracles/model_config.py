@@ -44,6 +44,10 @@ model class cannot be built here (stage "model"), ``model_config`` still carries
 methods (``get_num_kv_heads(parallel_config)``, ``get_head_size``, ``get_sliding_window``,
 ``get_num_layers_by_block_type``, ``is_hybrid``, ``use_mla``): the fallback the test reports as such.
 
+The host is `_host.HOST` whatever machine runs this (`_host.pin_host`): vLLM picks the MoE kernels of
+a model by the CPU's ISA (gpt-oss's MXFP4 experts: none without AMX, so the model would not be built on an
+AMD EPYC), reads the architecture for its activation ops, and probes optional packages.
+
 STAND-INs, each needed only because this runs on a CPU without the CUDA stack:
   * the platform's ``check_and_update_config`` is a no-op while VllmConfig is built (the CPU
     platform demands triton-cpu and rewrites the cache config for CPU serving), as in v034.py;
@@ -83,6 +87,9 @@ sys.stdout = sys.stderr
 
 import torch  # noqa: E402
 from _common import answer_cases, captured_warnings, gpu_platform_config  # noqa: E402
+from _host import pin_host  # noqa: E402
+
+pin_host()  # before vLLM reads the machine: the MoE kernels it picks follow the CPU's ISA (see _host.py)
 
 
 class _AnyMeta(type):

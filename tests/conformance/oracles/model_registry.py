@@ -19,6 +19,9 @@ os.dup2(2, 1)
 sys.stdout = sys.stderr
 
 from _common import answer_cases  # noqa: E402
+from _host import pin_host  # noqa: E402
+
+pin_host()  # the machine vLLM reads is _host.HOST, whatever runs this (see _host.py)
 
 
 def handle(case: dict) -> dict:

@@ -78,6 +78,9 @@ sys.path.append(str(install_vllm.triton_site()))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _common import device_capability  # noqa: E402
+from _host import pin_host  # noqa: E402
+
+pin_host()  # the machine vLLM reads is _host.HOST, whatever runs this (see _host.py)
 
 CAPABILITY = (9, 0)
 

@@ -34,6 +34,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from _host import pin_host  # noqa: E402
+
+pin_host()  # the machine vLLM reads is _host.HOST, whatever runs this (see _host.py)
 
 
 def _import_vllm_on_the_cpu_platform():

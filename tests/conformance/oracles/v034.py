@@ -57,6 +57,9 @@ os.dup2(2, 1)
 sys.stdout = sys.stderr
 
 import torch  # noqa: E402
+from _host import pin_host  # noqa: E402
+
+pin_host()  # the machine vLLM reads is _host.HOST, whatever runs this (see _host.py)
 from _common import (  # noqa: E402
     STUBBED,
     answer_cases,
