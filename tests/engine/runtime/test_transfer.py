@@ -9,8 +9,10 @@ import pytest
 import torch
 from test_allocate import COMBO_IDS, COMBOS, NUM_BLOCKS, ODD, ODD_LAYOUTS, fill_random, make_plan
 
+from kvpolicy.engine import LayoutEngine
 from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.runtime import KVCache, allocate
+from kvpolicy.policy import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 from kvpolicy.policy.errors import InputError
 
 
@@ -201,3 +203,22 @@ def test_transfers_through_the_caches_own_memory() -> None:
     want = inside.clone()
     cache.restore([3], inside, assume_same_layout=True)
     assert torch.equal(cache.offload([3]).data, want)
+
+
+def test_restore_refuses_blocks_of_a_model_whose_groups_differ() -> None:
+    """Two caches of one plan (same layout, spec and rows) for models whose KV cache groups differ (a
+    sliding-window group beside the full one): their blocks belong to other models, so a restore between
+    them is refused naming ``groups`` (it was copied as is when the cell format left the groups out), and
+    each cache still restores its own."""
+    engine = LayoutEngine.default("vllm-0.34")
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_size=64)
+    window = spec.model_copy(update={"kind": AttentionKind.sliding_window, "sliding_window": 128})
+    full, hybrid = (engine.build(num_blocks=4, groups=KVCacheGroups(groups=tuple(KVCacheGroup(spec=s) for s in specs)),
+                                 attention_backend="TRITON_ATTN") for specs in ((spec,), (spec, window)))
+    assert full.plan == hybrid.plan and full.block_format == hybrid.block_format
+    fill_random(full, seed=5)
+    fill_random(hybrid, seed=6)
+    _refused(hybrid, [1], full.offload([1]), "groups: source")
+    _refused(full, [1], hybrid.offload([1]), "groups: source")
+    _refused(hybrid, [1], full.offload([1]).data, "groups: source", source=full.fingerprint)
+    assert hybrid.restore([2], hybrid.offload([1])).kind.value == "as_is"
