@@ -12,6 +12,7 @@ scatters whole cells (data and inline scale together) with ``index_copy_``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from typing import TYPE_CHECKING, Any
@@ -62,7 +63,6 @@ class KVCache:
         self.decision: Any = None
         self.device: torch.device = raw[0].device
         self.cells = CellRows(plan, raw)
-        self.transfer_format: str = transfer_format(plan)
         self._block_format: BlockFormat | None = None
         self._fingerprint: tuple[object, LayoutFingerprint] | None = None  # (the decision it was made for, it)
         spec = plan.spec
@@ -73,6 +73,7 @@ class KVCache:
         self._code_dtype = self._cache_dtype
         if self._mode is QuantMode.fp8_per_tensor and plan.backend.name == "TRITON_ATTN":
             self._code_dtype = torch.float8_e4m3fn
+        self.transfer_format: str = _transfer_format(plan, self._code_dtype)
         self._model_dtype = torch_dtype(spec.dtype.value)
         self._k_scales = [1.0] * spec.num_layers
         self._v_scales = [1.0] * spec.num_layers
@@ -344,6 +345,18 @@ class KVCache:
             from kvpolicy.engine.verify import check_plan
 
             check_plan(self.plan)
+
+
+def _transfer_format(plan: LayoutPlan, code_dtype: torch.dtype) -> str:
+    """The plan's `transfer_format`, told apart by the format the cells' codes are written in where that is
+    not the cache dtype (TRITON_ATTN's per-tensor fp8 codes are e4m3 in an ``fp8_e5m2`` cache): the same
+    bytes of another code format are other values, which the deprecated ``restore(..., source_format=)``
+    must refuse as `OffloadedBlocks` are refused (their cell formats differ in ``code_dtype``)."""
+    plain = transfer_format(plan)
+    if code_dtype == torch_dtype(plan.spec.cache_dtype.value):
+        return plain
+    codes = str(code_dtype).removeprefix("torch.")
+    return hashlib.sha256(f"{plain}:codes={codes}".encode()).hexdigest()[:len(plain)]
 
 
 def _check_tensor_scale(name: str, value: object) -> None:

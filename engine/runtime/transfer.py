@@ -80,8 +80,9 @@ def offload(cache: BlockStore, block_ids: torch.Tensor | Sequence[int], out: tor
         got = f"`{out.dtype}` {tuple(out.shape)} on `{out.device}`" if isinstance(out, torch.Tensor) else "not a tensor"
         raise input_error("out", f"`out` is {got}; expected a contiguous CPU uint8 tensor of shape {shape}")
     elif _shares_memory(out, cache):
-        raise input_error("out", "`out` is a view of this cache's own memory: the offload would overwrite the blocks "
-                          "it copies", "offload into a separate tensor (allocated by `offload` when `out` is None)")
+        raise input_error("out", "`out` is a view of this cache's own memory (its bytes overlap the cache's "
+                          "buffers): the offload would overwrite the blocks it copies",
+                          "offload into a separate tensor (allocated by `offload` when `out` is None)")
     blocks = OffloadedBlocks(out, cache.fingerprint, cache.block_format)
     if n == 0:
         return blocks
@@ -235,11 +236,19 @@ def _scatter_transcoded(cache: BlockStore, ids: torch.Tensor, rows: torch.Tensor
 
 
 def _shares_memory(t: torch.Tensor, cache: BlockStore) -> bool:
-    """Whether ``t`` is a view of one of the cache's buffers (the same storage)."""
-    if t.device != cache.device:
+    """Whether ``t``'s bytes overlap one of the cache's buffers: compared by address ranges of their untyped
+    storages, so memory reached through another storage object (``torch.frombuffer`` over the cache's
+    address, a DLPack or NumPy round trip) counts, not only views of the same storage."""
+    if t.device != cache.device or t.device.type == "meta":
         return False
-    ptr = t.untyped_storage().data_ptr()
-    return any(ptr == r.untyped_storage().data_ptr() for r in cache.raw)
+    lo, hi = _address_range(t)
+    return any(lo < r_hi and r_lo < hi for r_lo, r_hi in map(_address_range, cache.raw))
+
+
+def _address_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first, end) of the bytes ``t``'s untyped storage spans."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 def _check_transferable(cache: BlockStore) -> None:

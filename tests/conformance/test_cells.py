@@ -12,7 +12,10 @@ same K and V (random heads and the edge inputs of `edge_heads`) go
   plan's geometry and kvpolicy's quantization are both the release's;
 - the other way: the cells vLLM's kernels wrote, put into a kvpolicy cache, read back by
   ``KVCache.read`` must equal vLLM's own dequantization of them (its attention kernel's
-  output for a one-token sequence whose V is the cell; K cells are read as a V too).
+  output for a one-token sequence whose V is the cell; K cells are read as a V too);
+- per-tensor fp8 values whose quotient by the layer's scale is exactly halfway between two codes
+  (``tie_heads``, 0.34): vLLM's write divides, so these round to the even code, which a multiply by the
+  reciprocal would not (the random heads and the scales 0.37 and 0.0625 never tell the two apart).
 
 Values compare bit for bit, except that a zero compares equal to a zero of either sign
 (the attention sums its one weighted value onto +0.0) and a NaN to any NaN.
@@ -438,6 +441,64 @@ def test_kvpolicy_reads_vllms_cells_as_vllm_dequantizes_them(vllm_cells, case: C
     bad = (~same).nonzero().tolist()
     assert not bad, f"{len(bad)} of {same.numel()} cells read differently, first (kv, token, head) {bad[:3]}: " + \
         f"kvpolicy {mine[tuple(bad[0])][:8].tolist()} vLLM {theirs[tuple(bad[0])][:8].tolist()}"
+
+
+# ---- per-tensor fp8 at ties: vLLM's write divides by the scale -----------------------------------
+
+TIE_SCALE = 0.109375  # 7/64: 1 / s is inexact, so x * (1 / s) and x / s round apart at ties
+TIE_VERSION = FULL[-1]
+TIE_CASES = [(mode, dtype) for mode in ("fp8_e4m3", "fp8_e5m2") for dtype in DTYPES]
+
+
+def tie_heads(dtype: torch.dtype, head: int) -> torch.Tensor:
+    """(T, H, D) of ``dtype``: every midpoint between neighbouring finite e4m3 values (the codes TRITON_ATTN
+    writes for every fp8 cache, 0.34), both signs, times `TIE_SCALE`. Each product has at most 8
+    significant bits, so it is exact in bf16, fp16 and fp32: ``x / s`` is the midpoint itself, which rounds
+    to the even code, where ``x * (1 / s)`` falls on either side (bf16 0.0013885498046875: 6, not 7)."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = values[values.isfinite() & (values >= 0)].unique().sort().values
+    mids = (finite[:-1] + finite[1:]) / 2
+    x = torch.cat([mids, -mids]) * TIE_SCALE
+    assert torch.equal(x.to(dtype).float(), x), "a tie that the input dtype cannot hold"
+    per_token = NUM_KV_HEADS * head
+    tokens = -(-x.numel() // per_token)
+    padded = torch.cat([x, torch.zeros(tokens * per_token - x.numel())])
+    return padded.view(tokens, NUM_KV_HEADS, head).to(dtype)
+
+
+def _tie_write(mode: str, dtype: str) -> dict:
+    key = tie_heads(getattr(torch, dtype), REDUCED_HEAD_PER_TENSOR)
+    slots = list(range(1, 2 * key.shape[0] + 1, 2))
+    return dict(kv_cache_dtype=mode, dtype=dtype, num_kv_heads=NUM_KV_HEADS, head_size=REDUCED_HEAD_PER_TENSOR,
+                block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, layout=Layout.LBNHC.value, key=_b64(key),
+                value=_b64(-key), slots=slots, k_scale=TIE_SCALE, v_scale=TIE_SCALE)
+
+
+@functools.cache
+def _tie_answers() -> list[dict]:
+    install_vllm.ensure_triton()
+    asked = [{"write": _tie_write(mode, dtype), "read_slots": []} for mode, dtype in TIE_CASES]
+    answers = run_oracle(TIE_VERSION, "quantized_cells", [{"facts": True}, *asked], timeout=600)
+    assert answers[0].get("vllm") == TIE_VERSION and answers[0].get("interpret") == "1", answers[0]
+    return answers[1:]
+
+
+@pytest.mark.parametrize(("mode", "dtype"), TIE_CASES, ids=[f"{m}-{d}" for m, d in TIE_CASES])
+def test_per_tensor_fp8_ties_round_as_vllms_division(vllm_sites, mode: str, dtype: str) -> None:
+    """Per-tensor fp8 values whose quotient by the layer's scale is exactly halfway between two codes:
+    kvpolicy's cells are vLLM's byte for byte (its Triton write divides; a multiply by the reciprocal
+    rounds some of them the other way)."""
+    answer = _tie_answers()[TIE_CASES.index((mode, dtype))]
+    write = _tie_write(mode, dtype)
+    head = REDUCED_HEAD_PER_TENSOR
+    key = _unb64(write["key"], getattr(torch, dtype), (-1, NUM_KV_HEADS, head))
+    cache = allocate(_plan(TIE_VERSION, mode, dtype, head, Layout.LBNHC))
+    cache.set_tensor_scales(0, TIE_SCALE, TIE_SCALE)
+    cache.write(0, key, -key, torch.tensor(write["slots"]))
+    mine = cache.raw[0][cell_addresses(cache.plan, write["slots"])]
+    theirs = vllm_cell_bytes(answer, cache.plan, write["slots"])
+    bad = (mine != theirs).nonzero().tolist()
+    assert not bad, f"{len(bad)} of {mine.numel()} bytes differ, first (kv, token, head, byte) {bad[:3]}"
 
 
 def _release_files(version: str) -> dict[str, str]:

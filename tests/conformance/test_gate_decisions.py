@@ -32,7 +32,7 @@ import install_vllm
 import pytest
 from gate_oracle import PATCH_STRIDE, PER_LAYER_SCALE_VIEWS, GateAnswers, deliberate, gate_answers, overlaps, space
 from release_facts_gate import profile_facts_from_oracle
-from test_v034_decisions import _blamed, _vllm_error_kind
+from test_v034_decisions import _vllm_error_kind, primary
 from v028_space import (
     CONNECTORS,
     ENV_LAYOUTS,
@@ -138,11 +138,12 @@ def test_a_patch_release_changes_no_file_kvpolicy_models(patch: str, vllm_sites:
 
 
 def _refusal(engine: LayoutEngine, d: Deployment, version: str) -> tuple[str, list[str]]:
-    """(layout or ``error``, the rules a refusal names)."""
+    """(layout or ``error``, a refusal's primary reason: `test_v034_decisions.primary_reason`, not every
+    rule it names, so that vLLM's reason is the one kvpolicy refuses for)."""
     try:
         return engine.decide(explain=False, **d.decide_inputs(version)).layout.value, []
     except NoLayoutError as exc:
-        return "error", _blamed(exc)
+        return "error", [primary(exc) or "nothing named"]
 
 
 def _vllm(facts: dict[str, Any], d: Deployment, answer: dict[str, Any]) -> str:

@@ -144,6 +144,25 @@ def _decide(name: str, ktc: dict[str, Any] | None, allow: bool, manager: bool | 
     return ctx.groups, any("warning[hybrid-manager-off]" in str(w.message) for w in caught)
 
 
+# Refusing for the same reason: (vLLM's stage, a substring of its error) -> kvpolicy's diagnostic code.
+# Without the hybrid manager, vLLM cannot put a hybrid model's specs in one group ("Failed to promote");
+# an explicitly enabled manager it does not support is refused at VllmConfig; kvpolicy says both as
+# `needs-hybrid-manager`, located at the connector or the flag that turns the manager off or on.
+_SAME_REASON: tuple[tuple[str, str, str], ...] = (
+    ("groups", "Failed to promote local KV cache specs to one unified type", "needs-hybrid-manager"),
+    ("vllm_config", "Hybrid KV cache manager was explicitly enabled but is not supported", "needs-hybrid-manager"),
+)
+
+
+def _other_reason(vllm: dict[str, Any], ours: PolicyError) -> str | None:
+    """None when kvpolicy refuses for vLLM's reason (`_SAME_REASON`); else what kvpolicy said instead."""
+    codes = {d.code for d in ours.diagnostics}
+    if any(vllm.get("stage") == stage and said in vllm["error"] and code in codes
+           for stage, said, code in _SAME_REASON):
+        return None
+    return "kvpolicy refuses for another reason: " + "; ".join(f"{d.code}: {d.message[:100]}" for d in ours.diagnostics)
+
+
 def judge(index: int, version: str) -> tuple[str, str]:
     """(outcome, why) for one deployment on one release."""
     name, _, ktc, allow, manager = DEPLOYMENTS[index]
@@ -151,7 +170,10 @@ def judge(index: int, version: str) -> tuple[str, str]:
     ours, off = _decide(name, ktc, allow, manager, version)
     if vllm.get("error"):
         if isinstance(ours, PolicyError):
-            return "both refuse", f"vLLM at {vllm.get('stage')}: {vllm['error'][:120]}"
+            if (other := _other_reason(vllm, ours)) is not None:
+                return "different", f"vLLM refuses at {vllm.get('stage')} ({vllm['error'][:120]}); {other}"
+            return "both refuse", (f"vLLM at {vllm.get('stage')}: {vllm['error'][:120]}; "
+                                   f"kvpolicy: {ours.diagnostics[0].code}")
         return "different", f"vLLM refuses at {vllm.get('stage')} ({vllm['error'][:120]}); kvpolicy answers"
     if isinstance(ours, PolicyError):
         return "different", f"kvpolicy refuses ({ours.diagnostics[0].message}); vLLM answers"

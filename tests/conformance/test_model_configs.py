@@ -30,9 +30,11 @@ How kvpolicy's groups map onto vLLM's (`KVCacheGroups`, policy/spec.py):
   size too (``*-default-block``: no ``--block-size``; kvpolicy gets the profile's `default_block_size`).
 - **dtype**: the dtype vLLM serves (``ModelConfig.dtype``: ``--dtype`` rules, float32 downcast)
   against every kvpolicy spec's ``dtype``; the KV cache dtype shows in the page bytes.
-- **Refusals**: vLLM refusing a case kvpolicy also refuses is equal ("both refuse"); for the
+- **Refusals**: vLLM refusing a case kvpolicy also refuses for the same reason is equal ("both
+  refuse"; the reasons are paired in `_SAME_REASON`, another reason is "different"); for the
   architectures a release's registry dropped (Bamba, Mllama) kvpolicy's refusal is the release
-  profile's ``previously_supported_models``, itself read from each release (`test_release_facts.py`).
+  profile's ``previously_supported_models`` (``removed-architecture``), itself read from each release
+  (`test_release_facts.py`).
 
 Where vLLM cannot be asked on the machine the oracles answer for (`oracles/_host.py`; `_NOT_BUILT`: a stage
 needs CUDA kernels or packages the release site lacks), the comparison falls back to ``ModelConfig``'s own
@@ -307,6 +309,26 @@ def _refusal(error: PolicyError) -> str:
     return "; ".join(d.message for d in error.diagnostics) or error.message
 
 
+# Refusing for the same reason: vLLM's error (a substring) -> kvpolicy's (diagnostic code, a substring of its
+# message). A refusal of vLLM's that kvpolicy refuses for another reason is "different".
+_SAME_REASON: tuple[tuple[str, str, str], ...] = (
+    ("must be divisible by tensor parallel size", "invalid-field", "does not divide `num_attention_heads`"),
+)
+
+
+def _same_reason(error: str, ours: PolicyError, removed: bool = False) -> str | None:
+    """None when kvpolicy refuses for vLLM's reason: an architecture the release's registry dropped
+    (``removed``: `_VLLM_REFUSES`) is kvpolicy's ``removed-architecture``; any other refusal of vLLM's is a
+    `_SAME_REASON` row. Else what kvpolicy said instead."""
+    said = [(d.code, d.message) for d in ours.diagnostics]
+    if removed:
+        ok = any(code == "removed-architecture" for code, _ in said)
+    else:
+        ok = any(theirs in error and code == mine and text in message
+                 for theirs, mine, text in _SAME_REASON for code, message in said)
+    return None if ok else f"kvpolicy refuses for another reason ({'; '.join(f'{c}: {m}' for c, m in said)})"
+
+
 def _kvpolicy(name: str, tp: int, dtype: str, kv: str, version: str,
               block: int | None = BLOCK_SIZE) -> KVCacheGroups | PolicyError:
     """kvpolicy's reading; no block size is the release's default, as `dry-run` passes it."""
@@ -336,6 +358,8 @@ def judge(name: str, label: str, version: str) -> tuple[str, str]:
                 f"{error or 'without an error'}")
     if refused is not None:  # a layout for a model vLLM does not start would look like an answer
         if isinstance(ours, PolicyError):
+            if (other := _same_reason(error or "", ours, removed=True)) is not None:
+                return "different", f"{refused[1]}; {other}"
             return "both refuse", f"{refused[1]}; kvpolicy: {_refusal(ours)}"
         return "different", f"{refused[1]}; kvpolicy answers " + ", ".join(
             f"{k} x{v['layers']}" for k, v in _ours_kinds(ours).items())
@@ -349,7 +373,9 @@ def judge(name: str, label: str, version: str) -> tuple[str, str]:
         return ("different" if why else "equal (ModelConfig)"), "; ".join(why) or f"fallback: {not_built[1]}"
     if error is not None:
         if isinstance(ours, PolicyError):
-            return "both refuse", f"vLLM: {_said(error)}"
+            if (other := _same_reason(error, ours)) is not None:
+                return "different", f"vLLM refuses at {vllm.get('stage')} ({_said(error)}); {other}"
+            return "both refuse", f"vLLM: {_said(error)}; kvpolicy: {_refusal(ours)}"
         return "different", f"vLLM refuses at {vllm.get('stage')} ({_said(error)}); kvpolicy answers"
     if isinstance(ours, PolicyError):
         return "different", f"kvpolicy refuses ({_refusal(ours)}); vLLM answers"

@@ -2,17 +2,19 @@
 
 ``oracles/engine_args.py`` runs each line through the release's ``FlexibleArgumentParser`` and
 ``AsyncEngineArgs.from_cli_args``; kvpolicy reads it with `kvpolicy.engine.vllm_args.parse_serve_args`
-over its committed facts (``engine/vllm_serve_args``) and `build_context`. Per line: both refuse it, or
-both derive the same model, dtype, block size, kv_cache_dtype, tensor-parallel size, KV transfer config
-and attention backend. Also checked against each release: the committed engine-argument facts, which
-variables its ``vllm.envs`` reads (`kvpolicy.engine.vllm_env.DECISION_VARIABLES`) and the values its
-``VLLM_KV_CACHE_LAYOUT`` getter accepts.
+over its committed facts (``engine/vllm_serve_args``) and `build_context`. Per line: both refuse it for the
+same reason (located at the option vLLM's error names), or both derive the same model, dtype, block
+size, kv_cache_dtype, tensor-parallel size, KV transfer config and attention backend. Also checked
+against each release: the committed engine-argument facts, which variables its ``vllm.envs`` reads
+(`kvpolicy.engine.vllm_env.DECISION_VARIABLES`) and the values its ``VLLM_KV_CACHE_LAYOUT`` getter
+accepts.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +129,8 @@ def _kvpolicy(argv: list[str], files: dict[str, str], version: str, tmp: Path) -
         if "model" in inputs:
             build_context(vllm_version=profile.name, **inputs)  # what vLLM's parser validates, kvpolicy checks here
     except InputError as exc:
-        return {"error": exc.diagnostics[0].code, "message": exc.diagnostics[0].message}
+        first = exc.diagnostics[0]
+        return {"error": first.code, "where": first.file, "message": first.message}
     ktc = inputs.get("kv_transfer_config")
     return {
         "model": inputs.get("model"),
@@ -159,6 +162,27 @@ def _vllm(answer: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# vLLM's refusals that name no option -> where kvpolicy's refusal of the same line is located
+_LOCATED = (("json_invalid", "vllm serve --kv-transfer-config"),
+            ("Config file must be of a yaml/yml type", "vllm serve --config"),
+            ("should be provided as the first positional argument", "vllm serve"))
+
+
+def _same_reason(error: str, ours: dict[str, Any]) -> bool:
+    """Whether kvpolicy refuses the line for vLLM's reason: located at the option vLLM's parser names
+    (``argument --block-size: ...``, ``unrecognized arguments: --frobnicate``, the latter as an unknown
+    argument) or at the field of its value vLLM's message names (``kv_transfer_config.kv_role``), else where
+    `_LOCATED` pairs vLLM's message with."""
+    named = re.search(r"unrecognized arguments: (--[\w-]+)|argument (--[\w-]+)", error)
+    if named:
+        flag = named.group(1) or named.group(2)
+        field, *inner = ours["where"].split(".")  # a field of the option's value, named by vLLM's message too
+        at = ours["where"] == f"vllm serve {flag}" or (
+            field == flag.lstrip("-").replace("-", "_") and bool(inner) and inner[-1] in error)
+        return at and (named.group(1) is None or ours["error"] == "unknown-serve-argument")
+    return any(theirs in error and ours["where"] == where for theirs, where in _LOCATED)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_serve_lines_derive_as_vllm(version: str, vllm_sites, tmp_path: Path) -> None:
     answers, _, _ = _answers(version)
@@ -173,6 +197,7 @@ def test_serve_lines_derive_as_vllm(version: str, vllm_sites, tmp_path: Path) ->
             assert "error" not in theirs and "error" in ours, (note, ours, theirs)
         elif "error" in theirs:
             assert "error" in ours, (note, ours, theirs)
+            assert _same_reason(theirs["error"], ours), (note, ours, theirs["error"][-300:])
         else:
             assert "error" not in ours, (note, ours, theirs)
             if ours["model"] is None:  # vLLM's default model: a hub id kvpolicy never reads

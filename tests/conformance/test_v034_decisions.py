@@ -54,9 +54,10 @@ One oracle subprocess answers every case (``oracles/v034.py``, which calls vLLM'
 functions), with the facts of the release and the inputs of the shipped policy tests
 (``rules/vllm-0.34/tests``); kvpolicy decides each with the shipped rules
 (``LayoutEngine.default``). The test takes about 80 s, most of it the oracle.
-They must agree on every case: the same layout, or both refusing. vLLM's refusals are
-mapped to what kvpolicy must say (`_VLLM_ERRORS`): a `NoLayoutError` naming the rule
-that stands for vLLM's check, or an `InputError` with the same meaning. vLLM's warning
+They must agree on every case: the same layout, or both refusing for the same reason. vLLM's refusals are
+mapped to what kvpolicy must say (`_VLLM_ERRORS`): a `NoLayoutError` whose primary reason
+(`primary_reason`: not merely one of the rules it names) is the rule that stands for vLLM's check,
+or an `InputError` with the same meaning as its first code. vLLM's warning
 that the connector's layout is not a candidate must show in `Decision.warnings`.
 """
 
@@ -397,6 +398,7 @@ def _vllm_error_kind(error: str) -> tuple[str, type[PolicyError], str] | None:
 
 
 _RULE = re.compile(r"rule `([^`]+)`")
+_REMOVED = re.compile(r"rule `([^`]+)` \([^)]*\) removed ((?:`\w+`(?:, )?)+)")
 
 
 def _blamed(exc: PolicyError) -> list[str]:
@@ -405,11 +407,43 @@ def _blamed(exc: PolicyError) -> list[str]:
     return [d.code for d in exc.diagnostics]
 
 
+def primary_reason(text: str) -> str | None:
+    """The one reason a `NoLayoutError`'s text (its diagnostics, or the plugin's start-up error) gives for
+    refusing: MultiConnector members that disagree where they are named (vLLM asks the connectors before
+    it resolves a layout), else the entry whose removals leave no candidate, the entries read in the order
+    the refusal lists them (the release's filter first, then the rules as they ran). A rule that only
+    removes what was already gone is named too, but is not the reason; None where nothing is named."""
+    removals = [(m.group(1), set(re.findall(r"`(\w+)`", m.group(2)))) for m in _REMOVED.finditer(text)]
+    agree = [rule for rule, _ in removals if rule.endswith(":members-agree")]
+    if agree:
+        return agree[0]
+    everything = set().union(*(layouts for _, layouts in removals))
+    gone: set[str] = set()
+    for rule, layouts in removals:
+        gone |= layouts
+        if gone == everything:
+            return rule
+    return None
+
+
+def primary(exc: PolicyError) -> str | None:
+    """`primary_reason` of a `NoLayoutError`; an `InputError`'s first diagnostic code."""
+    if isinstance(exc, NoLayoutError):
+        return primary_reason("\n".join(d.message for d in exc.diagnostics))
+    return exc.diagnostics[0].code if exc.diagnostics else None
+
+
+def is_reason(marker: str, reason: str | None) -> bool:
+    """Whether kvpolicy's primary reason is the one vLLM's error maps to (``:members-agree`` names the
+    MultiConnector scope's entry, whatever the scope's label)."""
+    return reason is not None and (reason == marker or (marker.startswith(":") and reason.endswith(marker)))
+
+
 def _kvpolicy(engine: LayoutEngine, case: dict[str, Any], release: Release = NEWEST) -> dict[str, Any]:
     try:
         decision = engine.decide(explain=False, **kvpolicy_inputs(case, release))
     except PolicyError as exc:
-        return {"error": type(exc).__name__, "blamed": _blamed(exc)}
+        return {"error": type(exc).__name__, "blamed": _blamed(exc), "primary": primary(exc)}
     out: dict[str, Any] = {"layout": str(decision.layout)}
     if decision.context.connector is not None:
         out["warnings"] = list(decision.warnings)
@@ -428,8 +462,9 @@ def compare(case: dict[str, Any], vllm: dict[str, Any], ours: dict[str, Any]) ->
             return f"vLLM refuses ({marker}), kvpolicy chose {ours['layout']}"
         if ours["error"] != cls.__name__:
             return f"vLLM refuses ({marker}): expected {cls.__name__}, got {ours['error']} {ours['blamed']}"
-        if not any(marker in b for b in ours["blamed"]):
-            return f"vLLM refuses ({marker}); kvpolicy's {ours['error']} names {ours['blamed']}"
+        if not is_reason(marker, ours["primary"]):
+            return (f"vLLM refuses ({marker}); kvpolicy's {ours['error']} gives {ours['primary']} as its reason "
+                    f"(naming {ours['blamed']})")
         return None
     if "error" in ours:
         return f"vLLM chose {vllm['layout']}, kvpolicy refused: {ours['error']} {ours['blamed']}"
@@ -606,11 +641,11 @@ def test_shipped_policy_tests_agree_with_vllm(oracle: dict[str, Any]) -> None:
         if release == NEWEST:
             assert result.passed, (lc.location, result.failures)
         ours = ({"layout": str(result.layout)} if result.error is None else
-                {"error": type(result.error).__name__, "blamed": _blamed(result.error)})
+                {"error": type(result.error).__name__, "blamed": _blamed(result.error),
+                 "primary": primary(result.error)})
         if "error" in vllm:
             kind = _vllm_error_kind(vllm["error"])
-            ok = kind is not None and ours.get("error") == kind[1].__name__ and any(
-                kind[2] in b for b in ours["blamed"])
+            ok = kind is not None and ours.get("error") == kind[1].__name__ and is_reason(kind[2], ours["primary"])
         else:
             ok = ours.get("layout") == vllm["layout"]
         if not ok:

@@ -24,6 +24,7 @@ an 870 MB site). The terminal summary lists what each start took.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -196,6 +197,26 @@ def test_the_fingerprint_the_engine_logs_is_dry_runs(shipped: EngineRun) -> None
     plan = _dry_run(shipped.worker["num_blocks"])
     assert digest == plan["fingerprint"]["digest"] and plan["fingerprint"]["backend"] == "CPU_ATTN"
     assert "names no attention backend" not in shipped.log
+
+
+def test_the_fingerprint_the_engine_logs_describes_the_kv_cache_vllm_allocated(shipped: EngineRun) -> None:
+    """The digest the engine core logs is the canonical form (docs/fingerprint.md: sha256 of the fields as
+    JSON, sorted keys, no spaces) of fields whose geometry is what vLLM's worker allocated, read from its
+    tensors, not from kvpolicy: the layer count, block size, cache dtype, and from each layer's CPU_ATTN
+    tensor (blocks, KV heads, block size, K's and V's head size together: engine_driver's ``[B, H, N, C]``)
+    the KV heads and head size. A digest that left one of them out (kvpolicy compared with itself) fails."""
+    ((_, digest),) = shipped.decisions
+    worker = shipped.worker
+    fields = {k: v for k, v in _dry_run(worker["num_blocks"])["fingerprint"].items() if k != "digest"}
+    layers = worker["layers"]
+    ((blocks, heads, block_size, both),) = {tuple(layer["shape"]) for layer in layers}  # every layer alike
+    assert blocks == worker["num_blocks"] and block_size == worker["block_size"] == BLOCK_SIZE, layers[0]
+    assert {layer["dtype"] for layer in layers} == {"bfloat16"} and both % 2 == 0, layers[0]
+    vllms = {"num_layers": len(layers), "block_size": block_size, "num_kv_heads": heads, "head_size": both // 2,
+             "cache_dtype": layers[0]["dtype"]}
+    assert {k: fields.get(k) for k in vllms} == vllms, "dry-run's fingerprint is not the allocated cache's"
+    canonical = json.dumps({**fields, **vllms}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    assert digest == "sha256:" + hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
 # ---------------------------------------------------------------- (c), (d) fail closed

@@ -8,6 +8,9 @@ cross_layer exactly when the gate does.
 from __future__ import annotations
 
 import itertools
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -27,6 +30,9 @@ from kvpolicy.policy import (
     ScaleViews,
 )
 from kvpolicy.policy.backends import BACKENDS
+from kvpolicy.policy.errors import NoLayoutError, PolicyError
+from kvpolicy.policy.releases import iter_profiles, profile_names
+from kvpolicy.policy.rule_model import MemberPreferences
 
 ENGINE = LayoutEngine.default()
 
@@ -192,6 +198,63 @@ def test_explain_and_fast_path_agree() -> None:
         full = ENGINE.decide(ctx, explain=True)
         assert fast.layout == full.layout, name
         assert fast.ranking == full.ranking, name
+
+
+def _outcome(engine: LayoutEngine, ctx: Context, explain: bool) -> tuple[object, ...]:
+    try:
+        d = engine.decide(ctx, explain=explain)
+    except NoLayoutError as exc:
+        return ("refused", tuple(diag.message for diag in exc.diagnostics))
+    return (d.layout, tuple(d.ranking))
+
+
+def _every_profile_inputs() -> Iterator[tuple[str, dict[str, Any]]]:
+    """(profile, decide's inputs) for every shipped profile: no connector, each connector it registers, and
+    MultiConnector with every ordered pair of them as members, rotated over each backend of the profile and
+    the fp8 dtypes it accepts, so every connector configuration and every (backend, dtype) is asked once."""
+    for profile in iter_profiles():
+        members = sorted(profile.connectors)
+        conns: list[tuple[str | None, dict[str, Any] | None]] = [
+            (None, None), *((m, None) for m in members),
+            *(("MultiConnector", {"connectors": [{"kv_connector": a}, {"kv_connector": b}]})
+              for a, b in itertools.permutations(members, 2))]
+        combos = []
+        for name in profile.backend_names():
+            accepted = profile.backends[name].kv_cache_dtypes
+            spec = (dict(num_layers=4, block_size=16, num_kv_heads=1, head_size=576) if profile.backend(name).mla
+                    else dict(num_layers=4, block_size=16, num_kv_heads=2, head_size=64))
+            combos += [(name, spec, dtype) for dtype in ("auto", "fp8", "fp8_per_token_head")
+                       if dtype == "auto" or accepted is None or dtype in accepted]
+        for i in range(max(len(conns), len(combos))):
+            (conn, extra), (backend, spec, dtype) = conns[i % len(conns)], combos[i % len(combos)]
+            yield profile.name, dict(spec=spec, kv_cache_dtype=dtype, attention_backend=backend, connector=conn,
+                                     connector_config=extra)
+
+
+def test_explain_and_fast_path_agree_in_every_profile() -> None:
+    """The fast path (``explain=False``, what the plugin runs) decides as the traced one in every shipped
+    profile, MultiConnector members included: a `member_preferences: agree` conflict refuses in both."""
+    asked: dict[str, int] = defaultdict(int)
+    agree_refusals: dict[str, int] = defaultdict(int)
+    differ = []
+    engines = {name: LayoutEngine.default(name) for name in profile_names()}
+    for name, inputs in _every_profile_inputs():
+        engine = engines[name]
+        try:
+            ctx = engine.context(**inputs)
+        except PolicyError:
+            continue  # a connector this backend or release refuses: nothing to decide
+        asked[name] += 1
+        fast, full = _outcome(engine, ctx, explain=False), _outcome(engine, ctx, explain=True)
+        if fast != full:
+            differ.append(f"{name} {inputs}: fast {fast[:2]}, explained {full[:2]}")
+        if full[0] == "refused" and any(":members-agree" in m for m in full[1]):
+            agree_refusals[name] += 1
+    assert not differ, f"{len(differ)} differ, first: {differ[:3]}"
+    assert set(asked) == set(profile_names()) and min(asked.values()) > 50, dict(asked)
+    agreeing = {p for p, engine in engines.items()
+                if engine.ruleset.combine_mode("MultiConnector") is MemberPreferences.agree}
+    assert len(agreeing) > 10 and {p for p in agreeing if agree_refusals[p]} == agreeing, dict(agree_refusals)
 
 
 def test_per_token_head_with_stride_aware_views_allows_cross_layer() -> None:

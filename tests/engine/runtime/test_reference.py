@@ -14,12 +14,13 @@ statement is vLLM's is checked against vLLM's own kernels in
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.engine.runtime.quantize import decode_cells, encode_cells, rht_signs
@@ -366,6 +367,50 @@ def test_fast_per_tensor_fp8_is_bit_exact(fmt: str, values: list[list[float]], s
     assert fast_cells(values, "fp8_per_tensor", fmt, scale) == [
         encode_ref(v, "fp8_per_tensor", fmt, scale) for v in values
     ]
+
+
+def fp8_midpoints(fmt: str) -> list[float]:
+    """Every midpoint between neighbouring finite non-negative values of ``fmt``: where ``x / s`` rounds
+    to even and any other rounding of the quotient goes up or down."""
+    finite = sorted({v for b in range(256) if math.isfinite(v := fp8_value(b, fmt)) and v >= 0})
+    return [(a + b) / 2 for a, b in itertools.pairwise(finite)]
+
+
+MIDPOINTS = {fmt: fp8_midpoints(fmt) for fmt in FP8}
+# fp32 scales of a few significant bits (a midpoint times one is exact in bf16 too), 1 / s mostly inexact
+few_bit_scales = st.builds(lambda m, e: m * 2.0**e, st.integers(1, 31).filter(lambda m: m & (m - 1)),
+                           st.integers(-12, 8))
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), scale=st.one_of(few_bit_scales, st.floats(2.0**-20, 2.0**20, width=32)),
+       dtype=st.sampled_from(DTYPES))
+@example(data=None, scale=0.109375, dtype="bfloat16")  # bf16 0.0013885498046875 / 0.109375 = 6.5 * 2**-9
+def test_per_tensor_fp8_divides_by_the_scale_at_ties(fmt: str, data: st.DataObject | None, scale: float,
+                                                      dtype: str) -> None:
+    """vLLM's Triton write divides by the layer's scale (``x / s``, one rounding), so a value whose quotient
+    is exactly halfway between two fp8 codes rounds to the even one; ``x * (1 / s)`` rounds twice and lands
+    on either side. Heads of such ties (midpoints times ``s``, both signs) tell the two apart."""
+    mids = MIDPOINTS[fmt]
+    if data is None:
+        chosen = [6.5 * 2.0**-9] * HEAD
+    else:
+        chosen = data.draw(st.lists(st.sampled_from(mids), min_size=HEAD, max_size=HEAD))
+        chosen = [m * data.draw(st.sampled_from([1.0, -1.0])) for m in chosen]
+    values = exact([[m * scale for m in chosen]], dtype)
+    assert fast_cells(values, "fp8_per_tensor", fmt, scale, in_dtype=dtype) == [
+        encode_ref(v, "fp8_per_tensor", fmt, scale, in_dtype=dtype) for v in values
+    ]
+
+
+def test_per_tensor_fp8_divides_by_the_scale_on_the_issues_example() -> None:
+    """bf16 0.0013885498046875 at scale 0.109375: ``x / s`` = 6.5 * 2**-9, a tie, e4m3 code 6 (even);
+    ``x * (1 / s)`` lands above it, code 7."""
+    x = 0.0013885498046875
+    assert exact([[x]], "bfloat16") == [[x]]
+    assert encode_ref([x], "fp8_per_tensor", "float8_e4m3fn", 0.109375) == bytes([6])
+    assert fast_cells([[x]], "fp8_per_tensor", "float8_e4m3fn", 0.109375, in_dtype="bfloat16") == [bytes([6])]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import warnings
+
 import pytest
 import torch
 from test_allocate import COMBO_IDS, COMBOS, NUM_BLOCKS, ODD, ODD_LAYOUTS, fill_random, make_plan
 
+from kvpolicy.engine import LayoutEngine
 from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.runtime import KVCache, allocate
+from kvpolicy.policy import AttentionKind, KVCacheGroup, KVCacheGroups, KVCacheSpec
 from kvpolicy.policy.errors import InputError
 
 
@@ -112,6 +117,47 @@ def test_restore_refuses_same_shaped_data_of_another_format_named_by_its_depreca
         hnd.restore([1], hnd.offload([1]).data, source_format=hnd.transfer_format)  # still restores its own
 
 
+def test_deprecated_source_format_refuses_per_tensor_fp8_codes_of_another_format() -> None:
+    """TRITON_ATTN writes per-tensor fp8 codes as e4m3 in an ``fp8_e5m2`` cache, FLASHINFER as e5m2: the same
+    plan and rows, other values (up to 4.0 apart). `OffloadedBlocks` are refused; so are their bare bytes
+    named by the writer's deprecated ``transfer_format``, where they were copied as is."""
+    triton = allocate(make_plan("TRITON_ATTN", kv_cache_dtype="fp8_e5m2"))
+    flashinfer = allocate(make_plan("FLASHINFER", kv_cache_dtype="fp8_e5m2"))
+    assert triton.block_format == flashinfer.block_format
+    key = torch.randn(3, 2, 8) * 3
+    triton.write(0, key, -key, torch.tensor([4, 5, 6]))  # block 1
+    blocks = triton.offload([1])
+    _refused(flashinfer, [1], blocks, "backend: source TRITON_ATTN, target FLASHINFER")
+    with pytest.warns(DeprecationWarning, match="source_format"):
+        _refused(flashinfer, [1], blocks.data, "cannot be restored", source_format=triton.transfer_format)
+    with pytest.warns(DeprecationWarning, match="source_format"):
+        triton.restore([2], blocks.data, source_format=triton.transfer_format)  # its own format still restores
+    assert torch.equal(triton.offload([2]).data, blocks.data)
+    with warnings.catch_warnings():  # and FLASHINFER's own blocks into FLASHINFER
+        warnings.simplefilter("ignore", DeprecationWarning)
+        flashinfer.restore([2], flashinfer.offload([1]).data, source_format=flashinfer.transfer_format)
+
+
+def test_offload_refuses_an_out_that_reaches_the_cache_through_another_storage() -> None:
+    """An ``out`` over the cache's own bytes through a storage object of its own (here ``torch.frombuffer``
+    at an address inside the cache's buffer) is refused by name, and the cache keeps every byte."""
+    cache = allocate(make_plan(layout="LBNHC", kv_cache_dtype="int8_per_token_head"))
+    fill_random(cache, seed=4)
+    layers, page = cache.plan.num_layers, cache.plan.page_size_bytes
+    raw = cache.raw[0]
+    for start in (page, raw.numel() - layers * page, 0):
+        memory = (ctypes.c_uint8 * (layers * page)).from_address(raw.data_ptr() + start)
+        out = torch.frombuffer(memory, dtype=torch.uint8).view(1, layers, page)
+        assert start == 0 or out.untyped_storage().data_ptr() != raw.untyped_storage().data_ptr()
+        before = [r.clone() for r in cache.raw]
+        with pytest.raises(InputError, match="`out` is a view of this cache") as exc:
+            cache.offload([2], out=out)
+        assert exc.value.diagnostics[0].file == "out"
+        assert all(torch.equal(r, b) for r, b in zip(cache.raw, before, strict=True)), start
+    apart = torch.empty(1, layers, page, dtype=torch.uint8)  # memory of its own: filled
+    assert torch.equal(cache.offload([2], out=apart).data[0], expected_rows(cache, 2))
+
+
 @pytest.mark.parametrize(("block_ids", "match"), [([0, 5], "out of range"), ([-1], "out of range"),
                                                  ([1, 1], "same block twice"), ([0.5], "sequence of ints"),
                                                  (torch.tensor([[0]]), "1-D")])
@@ -157,3 +203,22 @@ def test_transfers_through_the_caches_own_memory() -> None:
     want = inside.clone()
     cache.restore([3], inside, assume_same_layout=True)
     assert torch.equal(cache.offload([3]).data, want)
+
+
+def test_restore_refuses_blocks_of_a_model_whose_groups_differ() -> None:
+    """Two caches of one plan (same layout, spec and rows) for models whose KV cache groups differ (a
+    sliding-window group beside the full one): their blocks belong to other models, so a restore between
+    them is refused naming ``groups`` (it was copied as is when the cell format left the groups out), and
+    each cache still restores its own."""
+    engine = LayoutEngine.default("vllm-0.34")
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_size=64)
+    window = spec.model_copy(update={"kind": AttentionKind.sliding_window, "sliding_window": 128})
+    full, hybrid = (engine.build(num_blocks=4, groups=KVCacheGroups(groups=tuple(KVCacheGroup(spec=s) for s in specs)),
+                                 attention_backend="TRITON_ATTN") for specs in ((spec,), (spec, window)))
+    assert full.plan == hybrid.plan and full.block_format == hybrid.block_format
+    fill_random(full, seed=5)
+    fill_random(hybrid, seed=6)
+    _refused(hybrid, [1], full.offload([1]), "groups: source")
+    _refused(full, [1], hybrid.offload([1]), "groups: source")
+    _refused(hybrid, [1], full.offload([1]).data, "groups: source", source=full.fingerprint)
+    assert hybrid.restore([2], hybrid.offload([1])).kind.value == "as_is"
