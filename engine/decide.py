@@ -29,6 +29,8 @@ from kvpolicy.engine.trace import (
     PreferenceApplied,
     RuleEvaluated,
     RuleRef,
+    WaiverChecked,
+    WaiverRef,
 )
 from kvpolicy.policy.conditions import LeafResult
 from kvpolicy.policy.connectors import ConnectorConfig
@@ -181,6 +183,12 @@ def geometry_ref(ctx: Context, missing: tuple[Layout, ...]) -> RuleRef:
                    + ", ".join(str(x) for x in missing))
 
 
+def waiver_ref(waiver: Any) -> WaiverRef:
+    """A `kvpolicy.policy.waivers.CompiledWaiver` as the trace shows it."""
+    w = waiver.waiver
+    return WaiverRef(waiver.source, w.owner, w.reason, w.expires.isoformat())
+
+
 def rule_ref(rule: CompiledRule) -> RuleRef:
     r = rule.rule
     return RuleRef(r.id, rule.source, r.effect.value, r.description, r.reference)
@@ -280,6 +288,14 @@ def _explain_scope(scope: Scope, order: tuple[Layout, ...], alive: int, events: 
         if not matched:
             continue
         code = rule.fast[1]
+        if rule.waivers:
+            events += [WaiverChecked(ref, waiver_ref(w), scope.label, False) for w in rule.lapsed_for(scope.env)]
+            waiver = rule.waived_by(scope.env)
+            if waiver is not None:  # in force here: the rule has no effect (as `rule.fast[0]` says on the fast path)
+                hits = tuple(layout for i, layout in enumerate(order)
+                             if candidates >> i & 1 and (rule.mask >> i & 1 if code == PREFER else rule.removes(i)))
+                events.append(WaiverChecked(ref, waiver_ref(waiver), scope.label, True, hits))
+                continue
         for i, layout in enumerate(order):
             if rule.removes(i):
                 if candidates >> i & 1:

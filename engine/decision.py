@@ -26,6 +26,7 @@ from kvpolicy.engine.trace import (
     PreferenceApplied,
     RuleEvaluated,
     RuleRef,
+    WaiverChecked,
 )
 from kvpolicy.policy.context import MISSING, Context
 from kvpolicy.policy.errors import PolicyError
@@ -109,6 +110,12 @@ class Decision:
     def preferences(self) -> tuple[PreferenceApplied, ...]:
         return tuple(e for e in self.events if isinstance(e, PreferenceApplied))
 
+    @property
+    def waivers(self) -> tuple[WaiverChecked, ...]:
+        """Every waiver this decision met (`kvpolicy.policy.waivers`): applied ones (in force: the rule they name
+        matched and had no effect) and lapsed ones (expired: the rule applied as written; also a warning)."""
+        return tuple(e for e in self.events if isinstance(e, WaiverChecked))
+
     @cached_property
     def audit(self) -> tuple[Any, ...]:
         """The audit-mode rules that matched (`kvpolicy.engine.audit.AuditFinding`): what each would
@@ -148,11 +155,13 @@ class Decision:
         removed, so the ranking fell back to the candidates' order. (vLLM 0.34 warns the same way
         when a connector's required layout is not a candidate, and uses its first candidate.) A shipped
         rule's global preference removed by shipped rules only is a note instead (`notes`).
-        Then one line per matched audit-mode rule (`audit`). First, one line per configured connector
+        Then one line per matched audit-mode rule (`audit`), then one per lapsed waiver that would have covered
+        a matched rule (`waivers`): the rule applied again. First, one line per configured connector
         no profile registers and no rule names (`unknown_connector_warnings`): no rules applied to it."""
         return (unknown_connector_warnings(self.ruleset, self.context.connector, self.declared_connectors)
                 + tuple(text for shipped, text in self._dropped_preferences() if not shipped)
-                + tuple(f.text() for f in self.audit))
+                + tuple(f.text() for f in self.audit)
+                + tuple(dict.fromkeys(w.text() for w in self.waivers if not w.applied)))
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -196,6 +205,9 @@ class Decision:
             "warnings": list(self.warnings),
             "notes": list(self.notes),
             "audit": [f.to_dict() for f in self.audit],
+            "waivers": [{"rule": w.rule.id, "rule_source": str(w.rule.source), "effect": w.rule.effect,
+                         "scope": w.scope, "applied": w.applied, "layouts": [str(x) for x in w.layouts],
+                         **w.waiver.to_dict()} for w in self.waivers],
             "counterfactual": [
                 {"layout": str(cf.layout), "text": describe(cf), "actionable": cf.actionable,
                  "changes": None if cf.changes is None else [

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Sequence
+from typing import TypeVar
 
-from kvpolicy.engine.memory_map import Band, Segment, block_map
+from kvpolicy.engine.memory_map import Band, Segment, apart_note, block_map
 from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.verify import GeometryReport, verify_plan
 from kvpolicy.policy.backends import ScaleViews
@@ -38,6 +40,7 @@ _MAX_ROWS = 8
 _MAX_MARKS = 64  # overlap pieces of one band drawn one by one; more are drawn as one patterned range
 _MAX_NOTES = 10
 LANE, LEFT, RIGHT = 44, 110, 30
+T = TypeVar("T")
 
 
 def _e(text: object) -> str:
@@ -136,24 +139,78 @@ def _text_width(s: str, size: float = 12) -> float:
     return len(s) * size * 0.6
 
 
+def _instance_starts(band: Band) -> list[int]:
+    """Where each outer repeat of ``band`` starts (just its start when it has none)."""
+    starts = [band.start]
+    for n, stride in band.outer:
+        starts = [x + i * stride for x in starts for i in range(n)]
+    return starts
+
+
 def _draw_band(c: _Canvas, band: Band, x_of, y: float) -> None:
     """One band: each piece at its bytes when it repeats at most ``_MAX_MARKS`` times; else one
     rectangle split into a stripe per role of its pattern (its period and count written on it),
-    the overlapping pieces still at their exact bytes (`_overlap_marks`)."""
-    x0, x1 = x_of(band.start), x_of(band.end)
+    one per outer repeat when there are few (the bytes between hold other blocks or bands), the
+    overlapping pieces still at their exact bytes (`_overlap_marks`)."""
     tip = f"{band.start}..{band.end}: {band.label()}"
-    if band.repeats == 1 or (band.repeats <= _MAX_MARKS and not band.outer):
-        for k in range(band.count):
-            base = band.start + k * band.period
-            for p in band.pattern:
-                c.rect(x_of(base + p.start), y, x_of(base + p.end) - x_of(base + p.start), LANE,
-                       OVERLAP if p.overlap else ROLE_COLOURS[_role(p)], 'stroke="none" data-kind="piece"', tip)
+    few = band.outer and math.prod(n for n, _ in band.outer) <= _MAX_MARKS
+    starts = _instance_starts(band) if few else [band.start]
+    span = band.span if few else band.end - band.start
+    for start in starts:
+        x0, x1 = x_of(start), x_of(start + span)
+        if band.repeats == 1 or (band.count <= _MAX_MARKS and (few or not band.outer)):
+            for k in range(band.count):
+                base = start + k * band.period
+                for p in band.pattern:
+                    c.rect(x_of(base + p.start), y, x_of(base + p.end) - x_of(base + p.start), LANE,
+                           OVERLAP if p.overlap else ROLE_COLOURS[_role(p)], 'stroke="none" data-kind="piece"', tip)
+        else:
+            roles = list(dict.fromkeys(_role(p) for p in band.pattern if not p.overlap)) or ["padding"]
+            h = LANE / len(roles)
+            for i, role in enumerate(roles):
+                c.rect(x0, y + i * h, x1 - x0, h, ROLE_COLOURS[role], 'stroke="none" data-kind="stripe"', tip)
+        c.rect(x0, y, x1 - x0, LANE, "none", f'stroke="#444" stroke-width="0.8" data-kind="band" '
+               f'data-start="{start}" data-end="{start + span}" data-layers="{_e(_layers(list(band.owners)))}"')
+
+
+def _interleaved(row: list[Band]) -> list[list[Band]]:
+    """The row's bands (by start) in items: bands whose byte ranges interleave without sharing a byte
+    (BHLNC: every layer inside each head's slab, a band per layer repeated per head) are one item."""
+    items: list[list[Band]] = []
+    reach = -1
+    for b in row:
+        if items and b.start < reach:
+            items[-1].append(b)
+        else:
+            items.append([b])
+        reach = max(reach, b.end) if len(items[-1]) > 1 else b.end
+    return items
+
+
+def _draw_interleaved(c: _Canvas, item: list[Band], x_of, y: float, heads: int) -> list[tuple[str, int, int]]:
+    """Interleaved bands as one striped rectangle per outer repeat (a head's slab, say), each outlined
+    at its bytes; the labels (`H3` when the repeat is the buffer's head stride) and their byte ranges."""
+    outer = item[0].outer if all(b.outer == item[0].outer for b in item) and len(item[0].outer) == 1 else ()
+    start = min(b.start for b in item)
+    owners = sorted({o for b in item for o in b.owners})
+    roles = list(dict.fromkeys(_role(p) for b in item for p in b.pattern if not p.overlap)) or ["padding"]
+    tip = f"{start}..{max(b.end for b in item)}: {len(item)} interleaved bands of {_layers(owners)}"
+    if outer and outer[0][0] <= 4 * _MAX_MARKS:
+        n, stride = outer[0]
+        width = max(b.start + b.span for b in item) - start
+        windows = [(start + k * stride, start + k * stride + width) for k in range(n)]
+        name = "H" if stride == heads else "#"
+        names = [f"{name}{k}" for k in range(n)]
     else:
-        roles = list(dict.fromkeys(_role(p) for p in band.pattern if not p.overlap)) or ["padding"]
-        h = LANE / len(roles)
-        for i, role in enumerate(roles):
-            c.rect(x0, y + i * h, x1 - x0, h, ROLE_COLOURS[role], 'stroke="none" data-kind="stripe"', tip)
-    c.rect(x0, y, x1 - x0, LANE, "none", 'stroke="#444" stroke-width="0.8" data-kind="band"')
+        windows, names = [(start, max(b.end for b in item))], [_layers(owners)]
+    h = LANE / len(roles)
+    for s0, e0 in windows:
+        for k, role in enumerate(roles):
+            c.rect(x_of(s0), y + k * h, x_of(e0) - x_of(s0), h, ROLE_COLOURS[role], 'stroke="none" data-kind="stripe"',
+                   tip)
+        c.rect(x_of(s0), y, x_of(e0) - x_of(s0), LANE, "none", f'stroke="#444" stroke-width="0.8" data-kind="band" '
+               f'data-start="{s0}" data-end="{e0}" data-layers="{_e(_layers(owners))}"')
+    return [(text, s0, e0) for text, (s0, e0) in zip(names, windows, strict=True)]
 
 
 def _overlap_marks(c: _Canvas, band: Band, x_of, y: float) -> int:
@@ -178,13 +235,14 @@ def _overlap_marks(c: _Canvas, band: Band, x_of, y: float) -> int:
 _TICK_FONT, _TICK_GAP = 11, 6
 
 
-def _tick_labels(extents: dict[int, list[int]], x_of) -> list[tuple[float, str]]:
-    """The layer labels under a lane, as (centre x, text), none overprinting another.
+def _tick_labels(extents: dict[int, list[int]], x_of, named: Sequence[tuple[str, int, int]] = ()
+                 ) -> list[tuple[float, str]]:
+    """The labels under a lane, as (centre x, text), none overprinting another.
 
-    Layers whose byte extents overlap (interleaved layouts: a block-outermost row holds every layer's
-    heads in turn) are one label for the group, ``L0-31``; the others one label each, at the middle of
-    their bytes. Labels are placed left to right and one that would touch the previous is left out, so
-    a dense row shows every k-th layer; the first and last layers are kept where they fit.
+    Layers whose byte extents overlap are one label for the group, ``L0-31``; the others one label
+    each, at the middle of their bytes; ``named`` ranges (an interleaved item's heads, ``H3``) add
+    theirs. Labels are placed left to right and one that would touch the previous is left out, so
+    a dense row shows every k-th label; the first and last are kept where they fit.
     """
     groups: list[tuple[list[int], int, int]] = []  # (layers, start, end), by start
     for layer, (s, e) in sorted(extents.items(), key=lambda kv: (kv[1][0], kv[0])):
@@ -193,7 +251,9 @@ def _tick_labels(extents: dict[int, list[int]], x_of) -> list[tuple[float, str]]
             groups[-1] = ([*layers, layer], gs, max(ge, e))
         else:
             groups.append(([layer], s, e))
-    labels = [((x_of(s) + x_of(e)) / 2, _layers([(layer, "") for layer in layers])) for layers, s, e in groups]
+    items = [(s, (x_of(s) + x_of(e)) / 2, _layers([(layer, "") for layer in layers])) for layers, s, e in groups]
+    items += [(s, (x_of(s) + x_of(e)) / 2, text) for text, s, e in named]
+    labels = [(x, text) for _, x, text in sorted(items)]
     placed: list[tuple[float, str]] = []
     right = -math.inf
     for n, (x, text) in enumerate(labels):
@@ -213,7 +273,7 @@ def _tick_labels(extents: dict[int, list[int]], x_of) -> list[tuple[float, str]]
     return placed
 
 
-def _grouped(bands: list[Band]) -> tuple[list[list[Band]], int]:
+def _grouped(bands: list[T]) -> tuple[list[list[T]], int]:
     size = math.ceil(len(bands) / _MAX_BANDS)
     return [bands[i:i + size] for i in range(0, len(bands), size)], size
 
@@ -258,11 +318,28 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
             return LEFT + offset / span * width
 
         layers = sorted({layer for b in row for layer, _ in b.owners})
+        buf = plan.buffers[r]
+        heads = buf.strides[buf.dims.index("head")] * plan.element_size if "head" in buf.dims else 0
         c.text(8, y + 18, f"buffer {r}", 'font-weight="bold"')
         c.text(8, y + 34, _layers([(layer, "") for layer in layers]) if layers else "", 'font-size="11"')
-        groups, size = _grouped(row)
+        items = _interleaved(row)
+        groups, size = _grouped(items)
+        named: list[tuple[str, int, int]] = []
         if size == 1:
-            for b in row:
+            for item in items:
+                if len(item) > 1:
+                    named += _draw_interleaved(c, item, x_of, y, heads)
+                    s0, e0 = min(b.start for b in item), max(b.end for b in item)
+                    owners = [o for b in item for p in b.pattern if not p.overlap for o in p.owners]
+                    kinds = sorted({r.split("_")[0].upper() for _, r in owners}, key=lambda k: "KVL".find(k[0]))
+                    label = f"{_layers(owners)} {'+'.join(kinds)}".strip()
+                    if x_of(e0) - x_of(s0) > _text_width(label, 12) + 6:
+                        c.text((x_of(s0) + x_of(e0)) / 2, y + 18, label,
+                               'text-anchor="middle" font-weight="bold" data-kind="layer-label"')
+                    if zoom is None:
+                        zoom = next((b for b in item if b.overlap), None)
+                    continue
+                b = item[0]
                 _draw_band(c, b, x_of, y)
                 label, note = _short(b), _repeat_note(b) if b.repeats > 1 else ""
                 w = x_of(b.end) - x_of(b.start)
@@ -274,14 +351,16 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
                 if zoom is None and b.overlap:
                     zoom = b
         else:
-            for g in groups:
-                x0, x1 = x_of(g[0].start), x_of(g[-1].end)
+            for g in ([b for item in its for b in item] for its in groups):
+                g0, g1 = min(b.start for b in g), max(b.end for b in g)
+                x0, x1 = x_of(g0), x_of(g1)
                 roles = list(dict.fromkeys(_role(p) for b in g for p in b.pattern if not p.overlap)) or ["padding"]
                 h = LANE / len(roles)
                 for k, role in enumerate(roles):
                     c.rect(x0, y + k * h, x1 - x0, h, ROLE_COLOURS[role], 'stroke="none" data-kind="stripe"')
-                c.rect(x0, y, x1 - x0, LANE, "none", 'stroke="#444" stroke-width="0.8" data-kind="band"',
-                       f"{g[0].start}..{g[-1].end}: {len(g)} bands, {_layers(list(g[0].owners + g[-1].owners))}")
+                c.rect(x0, y, x1 - x0, LANE, "none", f'stroke="#444" stroke-width="0.8" data-kind="band" '
+                       f'data-start="{g0}" data-end="{g1}"',
+                       f"{g0}..{g1}: {len(g)} bands, {_layers(list(g[0].owners + g[-1].owners))}")
                 if zoom is None:
                     zoom = next((b for b in g if b.overlap), None)
         geom[r] = (y, span)
@@ -294,12 +373,12 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
                 marks += _overlap_marks(c, b, x_of, y + LANE + 3)
         # layer labels beneath, every k-th layer so they never collide
         extents: dict[int, list[int]] = {}
-        for b in row:
+        for b in (item[0] for item in items if len(item) == 1 or size > 1):
             for layer, _ in {o for p in b.pattern if not p.overlap for o in p.owners}:
                 e = extents.setdefault(layer, [b.start, b.end])
                 e[0], e[1] = min(e[0], b.start), max(e[1], b.end)
         ly = y + LANE + 28
-        for x, label in _tick_labels(extents, x_of):
+        for x, label in _tick_labels(extents, x_of, named):
             c.text(x, ly, label, 'text-anchor="middle" font-size="11" data-kind="layer-tick"')
         # byte axis
         ay = ly + 8
@@ -319,6 +398,10 @@ def draw(plan: LayoutPlan, strategy: ScaleViews, bands: list[Band], report: Geom
             c.text(LEFT, ay + 34, "; ".join(notes), 'font-size="11" font-style="italic" data-kind="note"')
             ay += 16
         y = ay + 40
+    apart = apart_note(plan)
+    if apart:
+        c.text(LEFT, y, apart[0].upper() + apart[1:], 'font-style="italic" data-kind="note"')
+        y += 24
     if len(shown) < len(rows):
         c.text(LEFT, y, f"{len(rows) - len(shown)} more buffers not drawn ({len(rows)} in all); "
                "the text map (--map) lists every band", 'font-style="italic" data-kind="note"')

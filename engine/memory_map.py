@@ -21,6 +21,7 @@ Pure Python.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Iterable
@@ -32,7 +33,7 @@ from kvpolicy.engine.plan import LayoutPlan
 from kvpolicy.engine.verify import GeometryReport, Writer, verify_plan, writers
 from kvpolicy.policy.backends import ScaleViews
 
-__all__ = ["Band", "Segment", "block_map", "render_text"]
+__all__ = ["Band", "Segment", "apart_note", "block_map", "render_text"]
 
 Owner = tuple[int, str]  # (layer, role)
 
@@ -94,7 +95,10 @@ class Band:
         if self.repeats == 1 and len(self.pattern) == 1:
             return self.pattern[0].label()
         inner = " | ".join(f"{p.end - p.start} B {p.label()}" for p in self.pattern)
-        every = self.outer or (self.count > 1 and self.pattern[-1].end < self.period)
+        if self.outer:  # `count` periods, that group again at each outer repeat
+            again = ", ".join(f"{n} x every {s} B" for n, s in self.outer)
+            return f"{self.count} x [{inner}] every {self.period} B, then {again} ({self.repeats} in all)"
+        every = self.count > 1 and self.pattern[-1].end < self.period
         return f"{self.repeats} x [{inner}]" + (f" every {self.period} B" if every else "")
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,25 +133,91 @@ def _owners_label(owners: tuple[Owner, ...]) -> str:
     return f"OVERLAP {_span(sorted({u[0] for u in units}))} " + "/".join(r.replace("_", " ") for r in roles)
 
 
+def _region(plan: LayoutPlan, buffer: int) -> StridedSet:
+    """Block 0's bytes in ``buffer``, from the buffer's own dims: every index but the block's at 0.
+
+    Where a (block, layer) page is contiguous (every dim inside the innermost block or layer dim
+    is a page dim) the page is taken whole, its padding included; else (LHBNC: a page is H runs
+    apart) the runs alone. One run for block-outermost layouts; L pages a layer slab apart for a
+    layer-outermost layout in one buffer (vLLM 0.29+'s per_layer); L x H runs for LHBNC.
+    """
+    buf = plan.buffers[buffer]
+    elem = plan.element_size
+    dims = list(zip(buf.dims, buf.shape, buf.strides, strict=True))
+    run, cut = elem, len(dims)
+    for k in range(len(dims) - 1, -1, -1):
+        name, _n, stride = dims[k]
+        if name in ("block", "layer"):
+            if stride * elem == plan.page_size_bytes:  # everything inside is one padded page
+                run, cut = plan.page_size_bytes, k + 1
+            break
+    levels = tuple((n, s * elem) for name, n, s in dims[:cut] if name != "block")
+    return StridedSet(0, levels, run).normal()
+
+
+def _block_stride(plan: LayoutPlan, buffer: int) -> int:
+    buf = plan.buffers[buffer]
+    return buf.strides[buf.dims.index("block")] * plan.element_size
+
+
+def _contains(region: StridedSet, address: int) -> bool:
+    """Whether ``address`` is one of ``region``'s bytes (a well-nested set: greedy from the outside)."""
+    x = address - region.offset
+    if x < 0:
+        return False
+    for n, s in reversed(region.levels):
+        x -= min(x // s, n - 1) * s
+    return x < region.run
+
+
+def _ranges(region: StridedSet, limit: int) -> list[tuple[int, int]] | None:
+    """``region``'s contiguous runs in order, or None when there are more than ``limit``."""
+    if math.prod(n for n, _ in region.levels) > limit:
+        return None
+    starts = [region.offset]
+    for n, s in reversed(region.levels):
+        starts = [x + i * s for x in starts for i in range(n)]
+    return [(x, x + region.run) for x in starts]
+
+
 def _row(plan: LayoutPlan, buffer: int) -> tuple[int, int]:
-    """Byte range of block 0 in ``buffer``."""
-    if not plan.transfer:  # no contiguous page per block (LHBNC): block 0 spans the buffer
-        return 0, plan.buffers[buffer].nbytes
-    tv = plan.transfer[buffer if len(plan.buffers) > 1 else 0]
-    if len(tv.shape) == 3:  # layer-outermost cross layout: the block's pages are one slab apart
-        return 0, tv.byte_strides[1] * (plan.num_layers - 1) + plan.page_size_bytes
-    return 0, tv.shape[1]
+    """First and one past the last byte of block 0 in ``buffer`` (`_region` says which bytes between)."""
+    region = _region(plan, buffer)
+    return region.offset, region.offset + region.extent
 
 
-def _in_row(w: Writer, lo: int, hi: int) -> StridedSet:
-    """``w`` cut to the blocks that can reach ``[lo, hi)``."""
-    blocks = max(1, min(w.num_blocks, (hi - 1 - w.base) // w.block_stride + 1 if w.block_stride else 1))
-    return StridedSet(w.base, ((blocks, w.block_stride), *w.inner), w.run).normal()
+def _in_block0(w: Writer, region: StridedSet, block_stride: int) -> list[StridedSet]:
+    """``w`` cut to the bytes it writes in block 0's ``region``, as strided sets.
+
+    One contiguous region: every block of ``w`` that can reach it (a naive scale view's later
+    blocks land in block 0's row). Else block 0 of a view stepping by the buffer's block stride
+    (it lies in the region); a view that does not (a naive scale view) listed run by run over
+    every block and cut to the region's runs, while that is few (`_MAX_EXPANDED`)."""
+    hi = region.offset + region.extent
+    if not region.levels:  # one contiguous run: every block that can reach it
+        blocks = max(1, min(w.num_blocks, (hi - 1 - w.base) // w.block_stride + 1 if w.block_stride else 1))
+        return [StridedSet(w.base, ((blocks, w.block_stride), *w.inner), w.run).normal()]
+    if w.block_stride in (0, block_stride):
+        return [StridedSet(w.base, w.inner, w.run).normal()]
+    ranges = _ranges(region, _MAX_EXPANDED)
+    if ranges is None or w.num_blocks * math.prod(n for n, _ in w.inner) > _MAX_EXPANDED:
+        return [StridedSet(w.base, w.inner, w.run).normal()]  # a forced naive view over a huge cache: left uncut
+    cut: list[tuple[int, int]] = []
+    for s, e in w.runs(w.num_blocks):
+        k = bisect.bisect_right(ranges, (s, math.inf)) - 1
+        for lo, hi_ in ranges[max(k, 0):]:
+            if lo >= e:
+                break
+            if hi_ > s:
+                cut.append((max(s, lo), min(e, hi_)))
+    return [StridedSet(s, (), e - s) for s, e in cut]
 
 
-def _joined(ws: list[Writer], lo: int, hi: int) -> list[tuple[tuple[Owner, ...], StridedSet]]:
-    """Each writer cut to the row as a strided set; a unit's codes and the scales right after them joined."""
-    sets = {(w.layer, w.role): _in_row(w, lo, hi) for w in ws}
+def _joined(ws: list[Writer], region: StridedSet, block_stride: int
+            ) -> list[tuple[tuple[Owner, ...], StridedSet]]:
+    """Each writer cut to block 0 as strided sets; a unit's codes and the scales right after them joined."""
+    cuts = {(w.layer, w.role): _in_block0(w, region, block_stride) for w in ws}
+    sets = {owner: c[0] for owner, c in cuts.items() if len(c) == 1}
     out: list[tuple[tuple[Owner, ...], StridedSet]] = []
     used: set[Owner] = set()
     for (layer, role), d in sets.items():
@@ -156,7 +226,7 @@ def _joined(ws: list[Writer], lo: int, hi: int) -> list[tuple[tuple[Owner, ...],
         if sc is not None and sc.levels == d.levels and sc.offset == d.offset + d.run:
             out.append((((layer, role), scale), StridedSet(d.offset, d.levels, d.run + sc.run).normal()))
             used |= {(layer, role), scale}
-    out += [((owner,), st) for owner, st in sets.items() if owner not in used]
+    out += [((owner,), st) for owner, c in cuts.items() if owner not in used for st in c]
     return out
 
 
@@ -217,7 +287,7 @@ def _group_bands(buffer: int, items: list[tuple[tuple[Owner, ...], StridedSet]])
             while rest and rest[0][1] == count * period:
                 count *= rest.pop(0)[0]
             bands.append(_band(buffer, o0, period, count, pattern, tuple(rest)))
-    return _expand_outer(bands)
+    return bands
 
 
 def _band(buffer: int, start: int, period: int, count: int, pattern: tuple[Segment, ...],
@@ -235,13 +305,53 @@ def _band(buffer: int, start: int, period: int, count: int, pattern: tuple[Segme
     return Band(buffer, start, period, count, pattern, outer)
 
 
-def _expand_outer(bands: list[Band]) -> list[Band]:
-    """List a band's outer repeats as bands of their own when there are few of them."""
-    out: list[Band] = []
+def _units(buffer: int, bands: list[Band]) -> list[list[Band]]:
+    """Bands as units that never share a byte with each other inside: a band alone, or bands with one
+    outer repeat ``(n, S)`` whose first instances are disjoint and lie in one window of ``S`` bytes (BHLNC:
+    each head's slab holds every layer), with padding bands for the window's gaps. A unit's instances
+    interleave with no other's, so the map keeps one band per writer group however many heads there
+    are. A band with several outer levels, or wider than its repeat, is listed instance by instance
+    when there are few (`_MAX_INSTANCES`)."""
+    out: list[list[Band]] = []
+    by_outer: dict[tuple[tuple[int, int], ...], list[Band]] = {}
     for b in bands:
-        few = b.outer and math.prod(n for n, _ in b.outer) <= _MAX_INSTANCES
-        out += _instances(b) if few else [b]
+        if len(b.outer) == 1 and b.span <= b.outer[0][1]:
+            by_outer.setdefault(b.outer, []).append(b)
+        elif b.outer and math.prod(n for n, _ in b.outer) <= _MAX_INSTANCES:
+            out += [[one] for one in _instances(b)]
+        else:
+            out.append([b])
+    for outer, group in by_outer.items():
+        (n, stride), = outer
+        group.sort(key=lambda b: (b.start, b.span))
+        unit: list[Band] = []
+        for b in group:
+            if unit and (b.start < unit[-1].start + unit[-1].span or b.start + b.span > unit[0].start + stride):
+                out.append(_window(buffer, unit, n, stride))
+                unit = []
+            unit.append(b)
+        out.append(_window(buffer, unit, n, stride))
     return out
+
+
+def _window(buffer: int, unit: list[Band], n: int, stride: int) -> list[Band]:
+    """``unit`` (bands repeated ``n`` times every ``stride`` bytes) with its gaps as padding bands."""
+    if len(unit) == 1:
+        return unit
+    out: list[Band] = []
+    pos = unit[0].start
+    for b in unit:
+        if b.start > pos:
+            out.append(_pad(buffer, pos, b.start, ((n, stride),)))
+        out.append(b)
+        pos = b.start + b.span
+    if n > 1 and pos < unit[0].start + stride:  # between one instance and the next
+        out.append(_pad(buffer, pos, unit[0].start + stride, ((n - 1, stride),) if n > 2 else ()))
+    return out
+
+
+def _pad(buffer: int, start: int, end: int, outer: tuple[tuple[int, int], ...] = ()) -> Band:
+    return Band(buffer, start, end - start, 1, (Segment(buffer, 0, end - start, ()),), outer)
 
 
 def _instances(b: Band) -> list[Band]:
@@ -308,18 +418,23 @@ def _recompress(buffer: int, segs: list[Segment]) -> list[Band]:
     return out
 
 
-def _padded(buffer: int, bands: list[Band], lo: int, hi: int) -> list[Band]:
-    """``bands`` with a padding band in every gap of the row."""
+def _padded(buffer: int, bands: list[Band], ranges: list[tuple[int, int]]) -> list[Band]:
+    """``bands`` with a padding band in every gap of block 0's ``ranges`` (the bytes between the
+    ranges hold other blocks: no band)."""
     out: list[Band] = []
-    pos = lo
-    for b in bands:
-        if b.start > pos:
-            out.append(Band(buffer, pos, b.start - pos, 1, (Segment(buffer, 0, b.start - pos, ()),)))
-        out.append(b)
-        pos = max(pos, b.end)
-    if hi > pos:
-        out.append(Band(buffer, pos, hi - pos, 1, (Segment(buffer, 0, hi - pos, ()),)))
-    return out
+    i, pos = 0, -1
+    for lo, hi in ranges:
+        pos = max(pos, lo)
+        while i < len(bands) and bands[i].start < hi:
+            b = bands[i]
+            if b.start > pos:
+                out.append(_pad(buffer, pos, b.start))
+            out.append(b)
+            pos = max(pos, b.end)
+            i += 1
+        if hi > pos:
+            out.append(_pad(buffer, pos, hi))
+    return out + bands[i:]
 
 
 def block_map(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> list[Band]:
@@ -335,23 +450,44 @@ def block_map(plan: LayoutPlan, scale_views: ScaleViews | None = None) -> list[B
         by_buffer.setdefault(w.buffer, []).append(w)
     out: list[Band] = []
     for buffer, ws in sorted(by_buffer.items()):
-        lo, hi = _row(plan, buffer)
-        bands = [b for b in _group_bands(buffer, _joined(ws, lo, hi))
-                 if b.start < hi]
-        bands.sort(key=lambda b: (b.start, b.end))
+        region = _region(plan, buffer)
+        hi = region.offset + region.extent
+        bands = [b for b in _group_bands(buffer, _joined(ws, region, _block_stride(plan, buffer))) if b.start < hi]
+        units = sorted(_units(buffer, bands), key=lambda u: (u[0].start, max(b.end for b in u)))
         merged: list[Band] = []
-        cluster: list[Band] = []
+        cluster: list[list[Band]] = []
         reach = -1
-        for b in bands:
-            if cluster and b.start >= reach:
-                merged += _merge(buffer, cluster)
+        for unit in units:
+            if cluster and unit[0].start >= reach:
+                merged += _merge_units(buffer, cluster)
                 cluster = []
-            cluster.append(b)
-            reach = max(reach, b.end) if len(cluster) > 1 else b.end
+            cluster.append(unit)
+            reach = max(reach, max(b.end for b in unit)) if len(cluster) > 1 else max(b.end for b in unit)
         if cluster:
-            merged += _merge(buffer, cluster)
-        out += _padded(buffer, merged, lo, hi)
+            merged += _merge_units(buffer, cluster)
+        # the bytes of block 0 not written: padding (none listed where block 0 is too many runs)
+        ranges = _ranges(region, max(_MAX_INSTANCES, 4 * len(ws))) or []
+        out += _padded(buffer, merged, ranges)
     return out
+
+
+def _merge_units(buffer: int, cluster: list[list[Band]]) -> list[Band]:
+    """A unit alone as it is; units whose byte ranges meet merged (`_merge`)."""
+    if len(cluster) == 1:
+        return sorted(cluster[0], key=lambda b: (b.start, b.end))
+    return _merge(buffer, [b for unit in cluster for b in unit])
+
+
+def apart_note(plan: LayoutPlan) -> str:
+    """What the map leaves out where block 0 is not one run per buffer (per_layer in one buffer:
+    a page per layer, a slab apart; LHBNC: a run per layer and head); "" where it is."""
+    regions = {_region(plan, b.index) for b in plan.buffers}
+    if all(not r.levels for r in regions):
+        return ""
+    runs = max(math.prod(n for n, _ in r.levels) for r in regions)
+    run = max(r.run for r in regions)
+    return (f"block 0 is {runs} runs of {run} B in each buffer; the bytes between them hold other blocks "
+            "and are not drawn")
 
 
 def _line(plan: LayoutPlan, band: Band) -> str:
@@ -375,6 +511,9 @@ def render_text(plan: LayoutPlan, scale_views: ScaleViews | None = None, max_lin
     report = report if report is not None and report.scale_views is strategy else verify_plan(plan, strategy)
     head = [f"block 0 of `{plan.layout}` on {plan.backend.name} ({strategy.value} scale views), "
             f"page {plan.page_size_bytes} B x {plan.num_layers} layers; !! marks bytes two layers write:"]
+    apart = apart_note(plan)
+    if apart:
+        head.append(f"   ({apart})")
     lines = [_line(plan, b) for b in bands]
     if len(lines) > max_lines:
         lines = [*lines[: max_lines - 10], f"   ... {len(lines) - max_lines + 5} more lines ...", *lines[-5:]]

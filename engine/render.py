@@ -10,7 +10,7 @@ import textwrap
 from typing import Any, Protocol
 
 from kvpolicy.engine.counterfactual import describe
-from kvpolicy.engine.trace import Counterfactual, Event, PreferenceApplied, RuleEvaluated, explain_filter
+from kvpolicy.engine.trace import Counterfactual, Event, PreferenceApplied, RuleEvaluated, WaiverChecked, explain_filter
 from kvpolicy.policy.context import Context
 from kvpolicy.policy.errors import shown_file
 from kvpolicy.policy.layouts import Layout
@@ -162,6 +162,13 @@ def render_text(decision: Explainable, mode: str = "full") -> str:
                     out.append(f"       see {rule.reference}")
         out.append("")
 
+    waived = [e for e in events if isinstance(e, WaiverChecked) and e.applied]
+    if waived:  # in every mode: a rule that did not act is part of why this layout won
+        out.append("waived:")
+        for e in waived:
+            out += _wrap(e.text(), "  ")
+        out.append("")
+
     if mode != "fails" and decision.preferences:
         out.append("preferences:")
         for p in decision.preferences:
@@ -181,7 +188,9 @@ def render_text(decision: Explainable, mode: str = "full") -> str:
         out.append("rules:" if mode == "full" else "matched rules:")
         for e in rules:
             mark = "x" if e.matched else " "
-            out.append(f"  [{mark}] {e.rule.id} ({e.rule.effect}, {e.scope}) at {e.rule.source}")
+            waiver = next((w.waiver for w in waived if w.rule.id == e.rule.id and w.scope == e.scope), None)
+            out.append(f"  [{mark}] {e.rule.id} ({e.rule.effect}, {e.scope}) at {e.rule.source}"
+                       + (f" (waived at {waiver.source})" if waiver is not None else ""))
             for leaf in e.leaves:
                 out.append(f"        {leaf.describe()}")
         out.append("")

@@ -23,6 +23,8 @@ __all__ = [
     "PreferenceApplied",
     "RuleEvaluated",
     "RuleRef",
+    "WaiverChecked",
+    "WaiverRef",
     "explain_filter",
 ]
 
@@ -75,6 +77,43 @@ class PreferenceApplied:
 
 
 @dataclass(frozen=True)
+class WaiverRef:
+    """A waiver as shown to people: where it is written, who owns it, until when, why."""
+
+    source: Source
+    owner: str
+    reason: str
+    expires: str  # YYYY-MM-DD, the last day it applies
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": str(self.source), "owner": self.owner, "reason": self.reason, "expires": self.expires}
+
+
+@dataclass(frozen=True)
+class WaiverChecked:
+    """A matched rule met a waiver covering it in a scope. ``applied``: the waiver is in force, so the rule had no
+    effect (``layouts``: the candidates it would have removed, or those it would have preferred); not applied:
+    the waiver has lapsed and the rule applied as written."""
+
+    rule: RuleRef
+    waiver: WaiverRef
+    scope: str
+    applied: bool
+    layouts: tuple[Layout, ...] = ()
+    kind: Literal["waiver"] = "waiver"
+
+    def text(self) -> str:
+        w = self.waiver
+        if not self.applied:
+            return (f"the waiver of {self.rule.id} ({self.scope}) at {w.source} (owner {w.owner}) expired on "
+                    f"{w.expires}: it no longer applies, and the rule applied")
+        did = "prefer" if self.rule.effect == "prefer" else "remove"
+        what = ", ".join(str(x) for x in self.layouts) or "nothing here"
+        return (f"{self.rule.id} ({self.rule.effect}, {self.scope}) at {self.rule.source} matched and would "
+                f"{did} {what}; waived at {w.source} (owner {w.owner}, expires {w.expires}): {w.reason}")
+
+
+@dataclass(frozen=True)
 class LayoutChosen:
     layout: Layout
     score: int
@@ -102,7 +141,7 @@ class Counterfactual:
     actionable: bool = True  # False: a fact (counterfactual.FIXED) or a derived field (DERIVED) changes
 
 
-Event = RuleEvaluated | CandidateRemoved | PreferenceApplied | LayoutChosen | Counterfactual
+Event = RuleEvaluated | CandidateRemoved | PreferenceApplied | WaiverChecked | LayoutChosen | Counterfactual
 
 ExplainMode = Literal["full", "fails", "notes"]
 
@@ -113,6 +152,7 @@ def explain_filter(events: tuple[Event, ...], mode: ExplainMode) -> tuple[Event,
     if mode == "full":
         return events
     if mode == "fails":
-        return tuple(e for e in events if isinstance(e, (CandidateRemoved, LayoutChosen, Counterfactual)))
+        return tuple(e for e in events
+                     if isinstance(e, (CandidateRemoved, WaiverChecked, LayoutChosen, Counterfactual)))
     return tuple(e for e in events if (isinstance(e, RuleEvaluated) and e.matched)
-                 or isinstance(e, (CandidateRemoved, PreferenceApplied, LayoutChosen)))
+                 or isinstance(e, (CandidateRemoved, PreferenceApplied, WaiverChecked, LayoutChosen)))

@@ -121,14 +121,14 @@ def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
+        raise argparse.ArgumentTypeError(f"invalid int value: '{_short(text)}'") from None
 
 
 def _float(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: '{text}'") from None
+        raise argparse.ArgumentTypeError(f"invalid float value: '{_short(text)}'") from None
 
 
 def _optional(parse: Any) -> Any:
@@ -141,7 +141,7 @@ def _optional(parse: Any) -> Any:
 def _human_int_checked(text: str) -> int:
     value = _human_int(text)
     if not isinstance(value, int):
-        raise argparse.ArgumentTypeError(f"invalid human_readable_int value: '{text}' (a number, or one with "
+        raise argparse.ArgumentTypeError(f"invalid human_readable_int value: '{_short(text)}' (a number, or one with "
                                          "a suffix such as 8k = 8,000 or 8K = 8,192)")
     return value
 
@@ -162,9 +162,9 @@ def _json(text: str) -> Any:
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"`{text}` is not JSON ({exc})") from None
+        raise argparse.ArgumentTypeError(f"`{_short(text)}` is not JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"`{text}` is not a JSON object")
+        raise argparse.ArgumentTypeError(f"`{_short(text)}` is not a JSON object")
     return value
 
 
@@ -205,29 +205,28 @@ def _error(message: str, help: str | None = None, where: str = WHERE, code: str 
 
 
 def _config_args(path_text: str, option_strings: set[str]) -> list[str]:
-    """``--config FILE``'s YAML as the words vLLM's ``load_config_file`` makes of it."""
-    import yaml
-
+    """``--config FILE``'s YAML as the words vLLM's ``load_config_file`` makes of it, read with the bounded
+    loader the rule, case and fleet files go through (`kvpolicy.policy.yaml_source.parse_yaml`): no alias
+    bomb, no nesting past its depth, no integer past 64 bits, only plain values (a date, ``!!binary`` or
+    ``!!set`` is a located error, not a TypeError when the value is written as JSON)."""
     where = f"{WHERE} --config"
     if path_text.split(".")[-1] not in ("yaml", "yml"):
         raise _error(f"vLLM reads a --config file only as YAML (.yaml or .yml), got `{path_text}`",
                      "rename the file to .yaml", where)
     from kvpolicy.policy.files import read_capped
-    from kvpolicy.policy.yaml_source import Limits
+    from kvpolicy.policy.yaml_source import Limits, parse_yaml
 
-    text, problems = read_capped(Path(path_text), path_text, Limits().max_file_bytes)
+    limits = Limits(max_nodes=10_000, max_depth=32)  # a --config file is a few flags: far below either
+    text, problems = read_capped(Path(path_text), path_text, limits.max_file_bytes)
     if text is None:
         d = problems[0]
         raise InputError("unreadable --config file", [d.__class__(d.file, d.line, d.col, d.code,
                                                                  "the --config file: " + d.message, d.help)])
-    try:
-        config = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f"{path_text}:{mark.line + 1}:{mark.column + 1}" if mark else path_text
-        raise _error(f"the --config file is not YAML: {getattr(exc, 'problem', exc)}", None, at) from None
-    except RecursionError:
-        raise _error("the --config file is nested too deeply to read", None, path_text) from None
+    located, problems = parse_yaml(text, path_text, limits)
+    if problems:
+        raise InputError("the --config file cannot be read", [
+            d.__class__(d.file, d.line, d.col, d.code, "the --config file: " + d.message, d.help) for d in problems])
+    config = None if located is None else located.data
     if not isinstance(config, dict):
         raise _error("a --config file is a mapping of flag names to values (e.g. `tensor-parallel-size: 2`)",
                      None, path_text)
@@ -330,10 +329,17 @@ def _dotted(words: list[str], notes: list[str]) -> list[str]:
                 word = word[:-1]
                 value_text = json.dumps(value_text.split(","))
             key, *keys = word.split(".")
+            if _LONG_NUMBER.fullmatch(value_text.strip()):  # vLLM's json.loads / int() raise ValueError on it
+                raise _error(f"`{word}` takes a number of {len(value_text.strip())} characters, which vLLM "
+                             "cannot read (Python converts at most 4300 digits; vLLM's configs take 64-bit "
+                             "numbers)", "give a number of at most 19 digits", f"{WHERE} {word}")
             try:
                 value: Any = json.loads(value_text)
             except json.JSONDecodeError:
                 value = _human_int(value_text)
+            except ValueError:  # JSON holding an integer of more than 4300 digits: vLLM's json.loads raises too
+                raise _error(f"`{word}`'s value holds a number too long to read", "give numbers of at most 19 "
+                             "digits", f"{WHERE} {word}") from None
             for k in reversed(keys):
                 value = {k: value}
             duplicates |= {f"{key}.{d}" for d in _update(merged.setdefault(key, {}), value)}
@@ -347,9 +353,20 @@ def _dotted(words: list[str], notes: list[str]) -> list[str]:
     return out
 
 
+# a decimal too long for any of vLLM's numbers (a 64-bit integer has at most 19 digits)
+_LONG_NUMBER = re.compile(r"[-+]?\d{31,}(?:\.\d*)?(?:[eE][-+]?\d+)?[kKmMgGtT]?")
+
+
+def _short(text: str) -> str:
+    """A long value shown by its ends and its length, never whole (it may be thousands of digits)."""
+    return text if len(text) <= 40 else f"{text[:16]}...{text[-8:]} ({len(text)} characters)"
+
+
 def _human_int(text: str) -> Any:
     """vLLM's ``human_readable_int`` for a dotted value that is not JSON (``80g``: 80 * 10**9, ``2G``:
     2 * 2**30; a decimal with a binary suffix, or anything else, stays the text, as vLLM keeps it)."""
+    if _LONG_NUMBER.fullmatch(text.strip()):
+        return text  # not a number vLLM can read: int() refuses it (or float() makes it inf)
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
     if m:
         number, suffix = m.groups()
@@ -418,6 +435,13 @@ def parse_serve_args(argv: list[str], profile: str, version: str) -> ServeArgs:
         raise _error(f"vLLM {version}'s parser refuses it: {m.group(2) if m else text}",
                      "fix the value as vLLM's `vllm serve --help` describes it", where) from None
     given = vars(ns)
+    by_dest = {a["dest"]: a for a in actions.values()}
+    for dest in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "block_size"):
+        value = given.get(dest)
+        if isinstance(value, int) and value < 1:  # vLLM's ParallelConfig/CacheConfig refuse it; `or 1` must not hide it
+            typed = _typed(by_dest[dest].get("options") or [dest], words) if dest in by_dest else dest
+            raise _error(f"{typed} {value}: vLLM refuses a {dest.replace('_', ' ')} below 1",
+                         f"give {typed} 1 or more", f"{WHERE} {typed}")
     inputs: dict[str, Any] = {}
     for dest in ("dtype", "block_size", "kv_cache_dtype", "tensor_parallel_size", "kv_transfer_config",
                  "enable_extensible_kv_cache"):
@@ -450,7 +474,6 @@ def parse_serve_args(argv: list[str], profile: str, version: str) -> ServeArgs:
         raise _error(f"the serve line sets {dest.replace('_', '-')}, which kvpolicy does not model: {why}",
                      "remove it from the line to decide without it, knowing the answer may differ from vLLM's",
                      f"{WHERE} --{dest.replace('_', '-')}", "unmodelled-serve-argument")
-    by_dest = {a["dest"]: a for a in actions.values()}
     ignored = tuple(sorted(
         _typed(by_dest[d].get("options") or [d], words) for d in given
         if d not in LAYOUT_ARGUMENTS and d not in ("pipeline_parallel_size",) and d in by_dest))

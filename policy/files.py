@@ -15,23 +15,31 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import IO, Any
 
 from kvpolicy.policy.errors import Diagnostic
 
-__all__ = ["read_capped", "write_atomically"]
+__all__ = ["read_capped", "read_stdin_capped", "write_atomically"]
 
 
 def write_atomically(path: Path | str, data: str | bytes, *, encoding: str = "utf-8") -> None:
     """``data`` at ``path``, replaced in one step (written beside it, flushed to disk, renamed over it): a
     reader sees the old file or the new one, never a part. A file that exists keeps its permissions; a
-    symbolic link keeps pointing where it did (its target is replaced). Raises OSError as `open` would,
-    the old file untouched."""
+    symbolic link keeps pointing where it did (its target is replaced). A path that is no regular file (a
+    device such as ``/dev/stdout``, a FIFO) is written to as `open` would, never replaced. Raises OSError as
+    `open` would, the old file untouched."""
     target = Path(os.path.realpath(path))
     payload = data.encode(encoding) if isinstance(data, str) else data
     try:
-        mode: int | None = stat.S_IMODE(target.stat().st_mode)
+        st = target.stat()
     except FileNotFoundError:
-        mode = None
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # INVARIANT: a device, FIFO or terminal (`--svg /dev/stdout`) is written to, never replaced by a file
+        with open(target, "wb") as f:
+            f.write(payload)
+        return
+    mode = stat.S_IMODE(st.st_mode) if st is not None else None
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -78,13 +86,35 @@ def read_capped(real: Path, shown: str, max_bytes: int) -> tuple[str | None, lis
                         "split it, or raise Limits.max_file_bytes")
     except OSError as exc:
         return fail("unreadable", f"cannot read the file: {exc.strerror or exc}", "check its permissions")
+    return _decoded(raw, shown)
+
+
+def read_stdin_capped(stream: IO[Any], shown: str, max_bytes: int) -> tuple[str | None, list[Diagnostic]]:
+    """The UTF-8 text of ``stream`` (stdin) up to ``max_bytes``, or located diagnostics: an endless or huge
+    stdin is refused after ``max_bytes + 1`` bytes, never read whole, as `read_capped` refuses a file."""
+    buffer = getattr(stream, "buffer", None)
+    if buffer is not None:
+        raw = buffer.read(max_bytes + 1)
+    else:  # a text stream without bytes underneath (a test's StringIO): the cap in characters, then bytes
+        raw = stream.read(max_bytes + 1).encode("utf-8", "surrogatepass")
+    if len(raw) > max_bytes:
+        return None, [Diagnostic(shown, 0, 0, "too-large", f"stdin is over the {max_bytes}-byte limit of a "
+                                 "rule file (reading stopped there)",
+                                 "pipe in one rule file of at most that size, or split it")]
+    return _decoded(raw, shown)
+
+
+def _decoded(raw: bytes, shown: str) -> tuple[str | None, list[Diagnostic]]:
+    """``raw`` as UTF-8 text without a byte-order mark, or where it is not."""
     if raw.startswith(b"\xef\xbb\xbf"):
-        return fail("bom", "the file starts with a byte-order mark", "save it as UTF-8 without BOM", 1, 1)
+        return None, [Diagnostic(shown, 1, 1, "bom", "the file starts with a byte-order mark",
+                                 "save it as UTF-8 without BOM")]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         before = raw[: exc.start]
         line = before.count(b"\n") + 1
         col = exc.start - (before.rfind(b"\n") + 1) + 1
-        return fail("encoding", f"invalid UTF-8 byte 0x{raw[exc.start]:02x}", "save the file as UTF-8", line, col)
+        return None, [Diagnostic(shown, line, col, "encoding", f"invalid UTF-8 byte 0x{raw[exc.start]:02x}",
+                                 "save the file as UTF-8")]
     return text, []

@@ -296,6 +296,8 @@ def _kv_heads(r: ConfigReader, heads: int | None) -> int | None:
     for key in _KV_HEAD_KEYS:
         if r.has(key):
             return r.int_field(key)
+    if "num_attention_heads" in r.assumed and heads is not None:  # the class's default: as many as the heads
+        r.assumed.setdefault("num_key_value_heads", heads)
     return heads
 
 
@@ -508,6 +510,7 @@ def read_hf_config(
                    "latent only", "give the indexer's groups in a --spec file where they matter to the decision")
         groups = _build(r, [{**common, "kind": AttentionKind.mla, "num_layers": num_layers, "num_kv_heads": 1,
                              "head_size": lora + rope, "kv_cache_dtype": kv_cache_dtype}])
+        r.say_assumed()
         return ModelReading(groups, ((AttentionKind.mla.value,),) * num_layers, model_dtype, tuple(notes))
     if r.has("kv_lora_rank") and r.model_type not in MAMBA_ONLY:
         r.warn("not-mla", f"`{r.name('kv_lora_rank')}` is set, but vLLM reads only the model types its "
@@ -552,7 +555,9 @@ def read_hf_config(
             fields.append({**common, "kind": kind, "num_layers": count, "num_kv_heads": kv_heads,
                            "head_size": head_size, "kv_cache_dtype": kv_cache_dtype,
                            "sliding_window": window if kind is AttentionKind.sliding_window else None})
-    return ModelReading(_build(r, fields), tuple(layers), model_dtype, tuple(notes))
+    groups = _build(r, fields)
+    r.say_assumed()
+    return ModelReading(groups, tuple(layers), model_dtype, tuple(notes))
 
 
 def kv_groups_from_hf_config(

@@ -100,6 +100,7 @@ class ConfigReader:
         self.defaults = CLASS_DEFAULTS.get(model_type or "", {})
         self.diagnostics: list[Diagnostic] = []
         self.notes: list[Diagnostic] = [] if notes is None else notes
+        self.assumed: dict[str, Any] = {}  # field -> the class default read for it (the file left it out)
 
     def name(self, key: str) -> str:
         return f"{self.prefix}{key}"
@@ -108,6 +109,8 @@ class ConfigReader:
         """The value; the config class's default when the key is absent; JSON ``null`` as None."""
         if key in self.cfg:
             return self.cfg[key]
+        if key in self.defaults:
+            self.assumed.setdefault(key, self.defaults[key])
         return self.defaults.get(key)
 
     def has(self, key: str) -> bool:
@@ -151,6 +154,18 @@ class ConfigReader:
                               f"got `{show(items)}`")
             return None
         return items
+
+    def say_assumed(self) -> None:
+        """One note naming every field read from the config class's defaults, with its value, when the layer
+        count or the hidden size is among them: a config that leaves out its size (only ``architectures`` and
+        ``model_type``) is decided as that class's defaults describe a model, which is what vLLM loads, but
+        likely not the checkpoint's. (Gemma-3's configs leave out their heads, and the class states them.)"""
+        if not {"num_hidden_layers", "hidden_size"} & self.assumed.keys():
+            return  # the model's size stated: the rest (Gemma-3's heads, a window pattern) is the class's own
+        shown = ", ".join(f"`{self.name(k)}` {show(v)}" for k, v in self.assumed.items())
+        self.warn("class-defaults", f"the config leaves out {len(self.assumed)} field(s) read from the defaults of "
+                  f"transformers' `{self.model_type}` config class, as vLLM reads it: {shown}",
+                  "state these fields in config.json as the checkpoint has them (its weights fix them)")
 
     def fail_if_any(self) -> None:
         if self.diagnostics:

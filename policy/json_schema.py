@@ -37,7 +37,16 @@ from pydantic import BaseModel
 
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS, FieldSpec
 from kvpolicy.policy.layouts import LEGACY_NAMES, HeadOrder, Layout, LayoutPattern, Placement
-from kvpolicy.policy.rule_model import OPERATORS, Defaults, Effect, Enforcement, MemberPreferences, Rule, RuleFile
+from kvpolicy.policy.rule_model import (
+    OPERATORS,
+    Defaults,
+    Effect,
+    Enforcement,
+    MemberPreferences,
+    Rule,
+    RuleFile,
+    Waiver,
+)
 from kvpolicy.policy.yaml_source import INT64_MAX, INT64_MIN
 
 __all__ = ["DRAFT", "INT64_BOUNDS", "LOADER_ONLY_CHECKS", "RULE_FILE_ID", "LoaderOnly", "layout_names",
@@ -90,6 +99,10 @@ LOADER_ONLY_CHECKS: tuple[LoaderOnly, ...] = (
                "items), in one file or across files"),
     LoaderOnly("duplicate-connector-file", "two files for one connector: across files"),
     LoaderOnly("duplicate-defaults", "`defaults` declared twice: across files"),
+    LoaderOnly("unknown-waived-rule", "whether a waiver's rule exists: rules of any file and layer"),
+    LoaderOnly("waiver-of-audit-rule", "whether a waiver's rule is in audit mode: a rule of any file and layer"),
+    LoaderOnly("invalid-value", "whether a waiver's `expires` is a day of the calendar (`2027-02-30`): a pattern "
+               "sees digits", r"date|day"),
     *(LoaderOnly(code, "whether vLLM knows a connector: `connector.name` takes any class name (third-party "
                  "connectors); a near miss of a known one (edit distance) is the loader's to judge",
                  r"is not a value of `connector\.name`")
@@ -294,6 +307,25 @@ def _rule() -> dict[str, Any]:
     }
 
 
+def _waiver() -> dict[str, Any]:
+    id_info = Waiver.model_fields["rule"]
+    pattern = next(m.pattern for m in id_info.metadata if getattr(m, "pattern", None))
+    max_length = next(m.max_length for m in id_info.metadata if getattr(m, "max_length", None))
+    owner_max = next(m.max_length for m in Waiver.model_fields["owner"].metadata if getattr(m, "max_length", None))
+    props = {
+        "rule": {"type": "string", "pattern": whole_pattern(pattern), "maxLength": max_length},
+        "owner": {"type": "string", "minLength": 1, "maxLength": owner_max},
+        "reason": {"type": "string", "minLength": 1},
+        # a calendar day; whether it exists (2027-02-30) is the loader's (`format` is an annotation in 2020-12)
+        "expires": {"type": "string", "pattern": whole_pattern(r"^\d{4}-\d{2}-\d{2}$"), "format": "date"},
+        "when": _ref("Condition"),
+    }
+    props = {k: _described(Waiver, k, v) for k, v in _check_keys(Waiver, props).items()}
+    return {"type": "object", "description": Waiver.__doc__.split("\n")[0],
+            "required": [k for k, info in Waiver.model_fields.items() if info.is_required()],
+            "additionalProperties": False, "properties": props}
+
+
 def _defaults() -> dict[str, Any]:
     # each layout at most once, in any of its spellings (`per_layer/HND` is LBHNC): `duplicate-layout`
     once = [{"contains": {"enum": layout_names(x)}, "minContains": 0, "maxContains": 1} for x in Layout]
@@ -313,6 +345,7 @@ def rule_file_schema() -> dict[str, Any]:
         "member_preferences": _or_null({"enum": [m.value for m in MemberPreferences]}),
         "defaults": _or_null(_ref("Defaults")),
         "rules": {"type": ["array", "null"], "items": _ref("Rule")},
+        "waivers": {"type": ["array", "null"], "items": _ref("Waiver")},
     }
     props = {k: _described(RuleFile, k, v) for k, v in _check_keys(RuleFile, props).items()}
     return {
@@ -330,10 +363,14 @@ def rule_file_schema() -> dict[str, Any]:
              "$comment": "`member_preferences` applies only to a connector file"},
             {"if": _non_null("connector"), "then": {"properties": {"defaults": _null()}},
              "$comment": "`defaults` belong in a global file"},
+            {"if": _non_null("connector"), "then": {"properties": {"waivers": {"type": ["array", "null"],
+                                                                                "maxItems": 0}}},
+             "$comment": "`waivers` belong in a global file"},
         ],
         "$defs": {
             "Rule": _rule(),
             "Defaults": _defaults(),
+            "Waiver": _waiver(),
             "Condition": _condition(),
             "AllOf": _combinator("all", "true when every condition is",
                                  {"type": "array", "minItems": 1, "items": _ref("Condition")}),

@@ -7,7 +7,8 @@ Composition, fixed and order-independent except where stated:
 1. Every rule of every layer is in the set; the decision semantics do not know
    layers. So forbids and requires of every layer apply, and a forbid always
    wins (docs/rule-layers.md): a layer can add constraints and preferences, never take
-   one away.
+   one away, except by a waiver (`kvpolicy.policy.waivers`): explicit, owned, dated,
+   named in every explanation, checked here once every layer is in.
 2. A rule id is unique across all layers. A duplicate is an error located at
    the upper rule, naming the lower one; there is no override. (A rule
    restated word for word, same id, scope and content, as in a copy of a
@@ -41,6 +42,7 @@ from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
 from kvpolicy.policy.literals import literal_warnings
 from kvpolicy.policy.rule_model import MemberPreferences, Rule
 from kvpolicy.policy.ruleset import RuleSet, Source
+from kvpolicy.policy.waivers import waiver_problems
 
 __all__ = ["RuleLayer", "compose_layers", "connector_warnings", "partial_warnings", "render_warning",
            "with_warnings"]
@@ -103,10 +105,15 @@ def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
         metas.append(RuleLayer(ruleset.root, shipped, ruleset.digest, frozenset(ids), ruleset.connectors))
     sources = {name: at for ruleset, _shipped in reversed(layers) for name, at in ruleset.connector_sources.items()}
     kwargs = {} if order is None else {"layout_order": order}
+    waivers = [(w.waiver, w.source) for ruleset, _shipped in layers for w in ruleset.waivers]
+    day = next((w.day for ruleset, _shipped in layers for w in ruleset.waivers), None)  # one day for every layer
     composed = replace(RuleSet.build(entries, member_preferences={k: v[0] for k, v in modes.items()},
-                                     root=" + ".join(m.root for m in metas), order_declared=declared, **kwargs),
+                                     root=" + ".join(m.root for m in metas), order_declared=declared,
+                                     waivers=waivers, day=day, **kwargs),
                        layers=tuple(metas), connector_sources=sources)
-    composed = replace(composed, warnings=(*connector_warnings(composed), *literal_warnings(composed)))
+    errors, lapsed = waiver_problems(composed)  # a waiver may name a rule of any layer: checked once all are in
+    diags += errors
+    composed = replace(composed, warnings=(*connector_warnings(composed), *literal_warnings(composed), *lapsed))
     if diags:
         raise with_warnings(RuleLoadError(f"{len(diags)} error(s) across rule layers "
                                           f"{shown_file(' + '.join(m.root for m in metas))}", diags),

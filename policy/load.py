@@ -22,9 +22,10 @@ from pathlib import Path
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
 from kvpolicy.policy.files import read_capped
 from kvpolicy.policy.layouts import ALL_LAYOUTS, Layout
-from kvpolicy.policy.rule_model import MemberPreferences, Rule, RuleFile
+from kvpolicy.policy.rule_model import MemberPreferences, Rule, RuleFile, Waiver
 from kvpolicy.policy.ruleset import RuleSet, Source
 from kvpolicy.policy.validate import validate_file
+from kvpolicy.policy.waivers import waiver_problems
 from kvpolicy.policy.yaml_source import Limits, Located, parse_yaml
 
 __all__ = ["Limits", "load_rule_file", "load_rules", "load_rules_from_texts", "rule_files"]
@@ -152,6 +153,7 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
     order_file: str | None = None
     modes: dict[str, MemberPreferences] = {}
     valid: list[tuple[Rule, Source, str | None]] = []  # every rule valid on its own: the partial rule set
+    waivers: list[tuple[Waiver, Source]] = []
     for src, in_conn in files:
         alone: list[tuple[int, Rule, str | None]] = []
         model, problems = validate_file(src, in_connectors_dir=in_conn, max_rules=limits.max_rules, partial=alone)
@@ -185,6 +187,7 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
                 entries.append((model.rules[i], first_id[rule_id], model.connector))
         if model is None:
             continue
+        waivers += [(w, Source(src.file, *src.position(("waivers", j)))) for j, w in enumerate(model.waivers)]
         if model.defaults is not None:
             order = tuple(Layout.parse(t) for t in model.defaults.layout_order)
         if model.connector and model.member_preferences:
@@ -195,8 +198,8 @@ def _assemble(files: list[tuple[Located, bool]], limits: Limits, root: str) -> R
                                         modes, root, order_declared=order is not None),
                           connector_sources=connector_at)
         raise with_partial(RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(root)}`", diags), partial)
-    return replace(RuleSet.build(entries, order or ALL_LAYOUTS, modes, root, order_declared=order is not None),
-                   connector_sources=connector_at)
+    return replace(RuleSet.build(entries, order or ALL_LAYOUTS, modes, root, order_declared=order is not None,
+                                 waivers=waivers), connector_sources=connector_at)
 
 
 def with_partial(exc: RuleLoadError, partial: RuleSet | None) -> RuleLoadError:
@@ -274,6 +277,9 @@ def load_rules_from_texts(texts: dict[str, str], *, limits: Limits = Limits()) -
             located.append((src, name.startswith("connectors/")))
     try:
         ruleset = _assemble(located, limits, "<memory>")
+        errors, lapsed = waiver_problems(ruleset)  # the whole rule set is here: a waiver names one of its rules
+        diags += errors
+        ruleset = replace(ruleset, warnings=(*ruleset.warnings, *lapsed))
     except RuleLoadError as exc:
         diags += exc.diagnostics
     if diags:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvpolicy.policy.context import EXTRA_PREFIX, FIELDS
 from kvpolicy.policy.layouts import ALL_LAYOUTS, LEGACY_NAMES, HeadOrder, Layout, LayoutPattern, Placement
 from kvpolicy.policy.releases import ReleaseProfile, iter_profiles
-from kvpolicy.policy.rule_model import OPERATORS, Defaults, MemberPreferences, Rule, RuleFile
+from kvpolicy.policy.rule_model import OPERATORS, Defaults, MemberPreferences, Rule, RuleFile, Waiver
 
 __all__ = ["render_reference"]
 
@@ -87,7 +87,8 @@ _SEMANTICS = """\
 3. **Removal.** A matched `forbid` removes the candidates its pattern matches;
    a matched `require` removes those it does not match. Removal is final: no
    rule, global or connector, brings a removed candidate back. Rule order and
-   file order do not matter.
+   file order do not matter. A rule a waiver in force covers where it is
+   evaluated has no effect (see Waivers); the explanation says which waiver.
 4. **Ranking.** Survivors are ranked by the summed `weight` of matched
    `prefer` rules: global prefers, plus the connector's score, which is its
    own prefers plus its members' scores combined by its `member_preferences`
@@ -149,6 +150,81 @@ warnings:
 """
 
 
+# Waivers (`RuleFile.waivers`, kvpolicy.policy.waivers), with their example: `tests/test_doc_examples.py` runs it.
+_WAIVERS = """\
+## Waivers
+
+A waiver is an exception to one rule, owned and dated (Kyverno's `PolicyException`, conftest's
+exceptions): a global file's `waivers:` list names a rule of any layer by its id, says who answers
+for the exception (`owner`), why (`reason`), the last day it applies (`expires`, `YYYY-MM-DD`) and,
+optionally, where (`when`, the rules' condition language: `connector.name`, `vllm.profile`,
+`kv.kv_cache_dtype`, `backend.name`, ...; absent: wherever the rule applies).
+
+| key | | meaning |
+|---|---|---|
+{keys}
+
+- **In force** (on or before `expires`), where its `when` holds in the scope the rule is evaluated
+  in (a connector rule's `connector.*` fields bind to its connector, for the waiver too), the rule
+  has no effect: a `forbid`/`require` removes nothing, a `prefer` adds nothing. The explanation says
+  so wherever the rule would have acted: `kvpolicy dry-run` prints a `waived:` section (the rule, what
+  it would have removed or preferred, the waiver's file:line, owner, expiry and reason) and marks
+  the rule `(waived at file:line)`; the JSON has `waivers` (`applied: true`). The vLLM plugin
+  decides with the same code, so it honours waivers the same way.
+- **Lapsed** (the day after `expires`): the waiver does not apply, so the rule applies again.
+  Every verb that loads the rules warns (`warning[expired-waiver]`, and a line in the decision's
+  `warnings`), and `kvpolicy validate` fails (`error[expired-waiver]`, exit 1): a waiver that
+  silently lapses changes decisions without a commit, so the CI gate catches it before a deploy;
+  renew `expires` after review, or delete the waiver. The day is read once per loaded rule set
+  (a decision and its trace always agree; a vLLM process decides its layout once, with the day it
+  started): `--today YYYY-MM-DD`, else `KVPOLICY_TODAY`, else the clock's date.
+- **Refused**: a waiver of a rule no layer has (`unknown-waived-rule`, with "did you mean"), of an
+  audit-mode rule (`waiver-of-audit-rule`: it removes nothing), of the built-in
+  `release-candidates` and `backend-geometry` filters (facts, not policy), in a connector file
+  (`misplaced-waivers`), and of a shipped guard that `kvpolicy lint` shows load-bearing for safety
+  in the release profile (`unwaivable-rule`: e.g. #48412's `per-token-head-forbids-cross-layer`,
+  without which the rules let a layout whose views overlap through). Whatever the rules say, the
+  geometry verifier refuses a plan whose views overlap before anything is allocated, so no waiver
+  can produce a corrupting layout.
+- A waiver changes the rule set's digest (a rule set without any keeps its own); `kvpolicy inspect`
+  lists the waivers of the rules it shows, in force or expired.
+
+```yaml
+# waivers/global.yaml
+waivers:
+  - rule: offloading-requires-lbhnc
+    owner: kv-team@example.com
+    reason: our LMCache 0.3 readers expect NHD pages; INFRA-1234 moves them to HND
+    expires: 2027-01-31
+    when: {{field: kv.kv_cache_dtype, eq: fp8}}
+```
+
+```
+{dry_run}
+...
+layout: LBNHC (per_layer, NHD)
+...
+waived:
+  offloading-requires-lbhnc (prefer, connector:OffloadingConnector) at
+  rules/vllm-0.34/connectors/OffloadingConnector.yaml:9 matched and would prefer LBHNC;
+  waived at waivers/global.yaml:4 (owner kv-team@example.com, expires 2027-01-31): our
+  LMCache 0.3 readers expect NHD pages; INFRA-1234 moves them to HND
+...
+$ kvpolicy validate waivers/ --vllm-version 0.34.0 --today 2027-02-01
+1 expired waiver(s) in rule set `rules/vllm-0.34 + waivers/`
+{expired}
+  help: review it with its owner: renew `expires`, or delete the waiver
+```
+
+"""
+
+
+_WAIVED_RUN = ("$ kvpolicy dry-run --rules waivers/ --vllm-version 0.34.0 --connector OffloadingConnector "
+               "--kv-cache-dtype fp8 --today 2027-01-01 --explain notes")
+_EXPIRED = ("waivers/global.yaml:4:5: error[expired-waiver]: the waiver of `offloading-requires-lbhnc` (owner "
+            "kv-team@example.com) expired on 2027-01-31: it no longer applies, the rule does again")
+
+
 def _model_keys(model: type, skip: tuple[str, ...] = ()) -> list[str]:
     rows = []
     for name, info in model.model_fields.items():  # type: ignore[attr-defined]
@@ -199,7 +275,8 @@ def render_reference() -> str:
         "An operator's directories are layered on the shipped rules of the selected",
         "release profile (`--rules A --rules B`: shipped, A, B): forbids of every layer",
         "apply, rule ids are unique across layers, and replacing the shipped rules is",
-        "explicit (`--no-shipped-rules`). See [rule-layers.md](rule-layers.md).",
+        "explicit (`--no-shipped-rules`). See [rule-layers.md](rule-layers.md). The one",
+        "exception is a waiver: owned, dated, shown in every explanation (see Waivers).",
         "",
         "## Decision semantics",
         "",
@@ -242,6 +319,7 @@ def render_reference() -> str:
         f"`head_order` one of {', '.join(f'`{h.value}`' for h in HeadOrder)}.",
         "",
         *_AUDIT_MODE.splitlines(),
+        *_WAIVERS.format(keys="\n".join(_model_keys(Waiver)), dry_run=_WAIVED_RUN, expired=_EXPIRED).splitlines(),
         "## Layouts",
         "",
         "vLLM's `KVCacheLayout`s: each name spells the physical order of the logical",

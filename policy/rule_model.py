@@ -23,6 +23,8 @@ Conditions are a tree of ``all`` / ``any`` / ``not`` over leaves
 from __future__ import annotations
 
 import math
+import re
+from datetime import date
 from enum import Enum
 from typing import Annotated, Any, Literal
 
@@ -44,6 +46,7 @@ __all__ = [
     "NotOf",
     "Rule",
     "RuleFile",
+    "Waiver",
 ]
 
 Scalar = str | bool | int | float | None
@@ -220,6 +223,33 @@ class Rule(Frozen):
         return getattr(self, self.effect.value)
 
 
+class Waiver(Frozen):
+    """An exception to one rule (Kyverno's ``PolicyException``, conftest's exceptions): while ``when`` holds and
+    until ``expires``, the rule named by ``rule`` has no effect. Owned and argued: ``owner`` and ``reason`` are
+    required, and a lapsed waiver stops applying (the rule applies again) and fails ``kvpolicy validate``."""
+
+    rule: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=100,
+                      description="the id of the rule waived, in any layer of the rule set")
+    owner: str = Field(min_length=1, max_length=200,
+                       description="who answers for the waiver (a person, team or ticket queue)")
+    reason: str = Field(min_length=1, description="why the rule is waived here, shown in explanations")
+    expires: date = Field(description="the last day the waiver applies (`YYYY-MM-DD`); from the day after, the "
+                                      "rule applies again and `kvpolicy validate` fails")
+    when: Condition | None = Field(default=None, description="where the waiver applies, in the rules' condition "
+                                                             "language; absent: wherever the rule does")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _date_text(cls, data: Any) -> Any:
+        """``expires`` as the loader reads it: `YYYY-MM-DD` text only (no timestamps, no numbers of days)."""
+        value = data.get("expires") if isinstance(data, dict) else None
+        if isinstance(value, str) and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", value):
+            raise ValueError(f"`expires` is a date written `YYYY-MM-DD`, got `{value}`")
+        if value is not None and not isinstance(value, (str, date)):  # pydantic reads 1700000000 as a date
+            raise ValueError(f"`expires` is a date written `YYYY-MM-DD`, got `{value}`")
+        return data
+
+
 class Defaults(Frozen):
     layout_order: list[str] = Field(
         min_length=1,
@@ -248,6 +278,8 @@ class RuleFile(Frozen):
     )
     defaults: Defaults | None = Field(default=None, description="global file only")
     rules: list[Rule] = Field(default_factory=list, description="the rules; order does not matter")
+    waivers: list[Waiver] = Field(default_factory=list, description="global files only: exceptions to rules of "
+                                                                    "any layer, each with an owner and an expiry")
 
 
 
@@ -255,4 +287,5 @@ AllOf.model_rebuild()
 AnyOf.model_rebuild()
 NotOf.model_rebuild()
 Rule.model_rebuild()
+Waiver.model_rebuild()
 RuleFile.model_rebuild()

@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from datetime import date
 from typing import Any
 
 from kvpolicy.policy.conditions import CompiledCondition, compile_condition
 from kvpolicy.policy.errors import shown_file
 from kvpolicy.policy.layouts import ALL_LAYOUTS, Layout, LayoutPattern
-from kvpolicy.policy.rule_model import Effect, MemberPreferences, Rule
+from kvpolicy.policy.rule_model import Effect, MemberPreferences, Rule, Waiver
+from kvpolicy.policy.waivers import CompiledWaiver, today
 
 __all__ = ["EFFECT_CODES", "FORBID", "PREFER", "REQUIRE", "CompiledRule", "RuleSet", "Source"]
 
@@ -47,6 +49,17 @@ class CompiledRule:
     mask: int  # bit i set: the pattern matches layout_order[i]
     # (test, effect code 0 forbid / 1 require / 2 prefer, mask, per-candidate weights): the hot loop's view
     fast: tuple[Any, ...] = field(default=(), compare=False)
+    # the waivers of this rule (kvpolicy.policy.waivers), lapsed ones too: where one in force holds, the rule
+    # has no effect (`fast[0]` already says so); a lapsed one is only reported
+    waivers: tuple[CompiledWaiver, ...] = field(default=(), compare=False)
+
+    def waived_by(self, env: Any) -> CompiledWaiver | None:
+        """The first waiver in force whose condition holds in ``env``, or None."""
+        return next((w for w in self.waivers if w.in_force and w.condition.test(env)), None)
+
+    def lapsed_for(self, env: Any) -> tuple[CompiledWaiver, ...]:
+        """The lapsed waivers that would cover this rule in ``env``: the rule applies again there."""
+        return tuple(w for w in self.waivers if not w.in_force and w.condition.test(env))
 
     @property
     def id(self) -> str:
@@ -87,6 +100,8 @@ class RuleSet:
     connector_sources: dict[str, Source] = field(default_factory=dict, compare=False)
     # `enforcement: audit` rules: never evaluated by the decision, only reported (kvpolicy.engine.audit)
     audit_rules: tuple[CompiledRule, ...] = ()
+    # every waiver of every layer, lapsed ones too (`CompiledWaiver.in_force`); the rules carry those in force
+    waivers: tuple[CompiledWaiver, ...] = ()
 
     def __post_init__(self) -> None:
         by_scope: dict[str | None, list[CompiledRule]] = {}
@@ -133,6 +148,10 @@ class RuleSet:
                 key=lambda d: d["id"],
             ),
         }
+        if self.waivers:  # only when there are any: a rule set without waivers keeps its digest
+            canon["waivers"] = sorted(
+                (w.waiver.model_dump(mode="json", by_alias=True, exclude_none=True) for w in self.waivers),
+                key=lambda d: json.dumps(d, sort_keys=True))
         blob = json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()
         return "sha256:" + hashlib.sha256(blob).hexdigest()
 
@@ -145,18 +164,32 @@ class RuleSet:
         root: str = "<memory>",
         *,
         order_declared: bool = False,
+        waivers: list[tuple[Waiver, Source]] | tuple[()] = (),
+        day: date | None = None,
     ) -> RuleSet:
         """Compile validated rules. Unlisted layouts follow ``layout_order`` canonically. Audit-mode rules
-        go to ``audit_rules``: the decision never sees them, so they cannot change a layout."""
+        go to ``audit_rules``: the decision never sees them, so they cannot change a layout. ``waivers`` are
+        read against ``day`` (default `kvpolicy.policy.waivers.today`, read only when there are waivers);
+        each rule carries those in force for it, and its fast test is false where one applies."""
         order = tuple(layout_order) + tuple(x for x in ALL_LAYOUTS if x not in layout_order)
+        on = (day or today()) if waivers else date.min
+        waived = tuple(CompiledWaiver(w, source, compile_condition(w.when), on) for w, source in waivers)
         compiled, audited = [], []
         for rule, source, scope in rules:
             mask = sum(1 << i for i, layout in enumerate(order) if rule.pattern.matches(layout))
             cond = compile_condition(rule.when)
             code = EFFECT_CODES[rule.effect]
             weights = tuple((rule.weight or 1) if mask >> i & 1 else 0 for i in range(len(order)))
+            mine = tuple(w for w in waived if w.rule_id == rule.id and not rule.audit)
+            live = tuple(w.condition.test for w in mine if w.in_force)
+            test = _unless(cond.test, live) if live else cond.test
             # INVARIANT: an audit rule never reaches `rules`, the only tuple decide.py evaluates
             (audited if rule.audit else compiled).append(
-                CompiledRule(rule, source, scope, cond, mask, (cond.test, code, mask, weights)))
+                CompiledRule(rule, source, scope, cond, mask, (test, code, mask, weights), mine))
         return cls(tuple(compiled), order, dict(member_preferences or {}), root, order_declared,
-                   audit_rules=tuple(audited))
+                   audit_rules=tuple(audited), waivers=waived)
+
+
+def _unless(test: Any, waived: tuple[Any, ...]) -> Any:
+    """``test``, false wherever one of the ``waived`` conditions holds: a waived rule has no effect."""
+    return lambda env: test(env) and not any(w(env) for w in waived)

@@ -306,7 +306,11 @@ def make_model(cls: type[Frozen], where: str, data: dict[str, Any]) -> Any:
             msg = msg[:1].lower() + msg[1:]
             shown = err.get("input")
             if err["type"] != "value_error" and isinstance(shown, (str, int, float, bool)):
-                kind = {bool: "boolean", int: "integer", float: "number", str: "string"}[type(shown)]
-                msg += f", got {kind} `{str(shown).lower() if isinstance(shown, bool) else shown}`"
+                # by isinstance, bool first: a subclass of int or float (an IntEnum, numpy-like wrappers) is
+                # named by its base type and shown by its base value, never looked up by its own type
+                kind, base = next((k, b) for b, k in ((bool, "boolean"), (int, "integer"), (float, "number"),
+                                                      (str, "string")) if isinstance(shown, b))
+                value = base(shown)
+                msg += f", got {kind} `{str(value).lower() if base is bool else value}`"
             diags.append(Diagnostic(field, 0, 0, "invalid-input", f"`{field}`: {msg}"))
         raise InputError(f"invalid {cls.__name__}", diags) from None

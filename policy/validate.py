@@ -28,6 +28,7 @@ from kvpolicy.policy.rule_model import (
     NotOf,
     Rule,
     RuleFile,
+    Waiver,
 )
 from kvpolicy.policy.yaml_source import Located, Path
 
@@ -43,6 +44,7 @@ _KNOWN_KEYS: dict[str, tuple[str, ...]] = {
     "leaf": ("field", *OPERATORS),
     "pattern": tuple(LayoutPattern.model_fields),
     "defaults": tuple(Defaults.model_fields),
+    "waiver": tuple(Waiver.model_fields),
 }
 
 
@@ -71,6 +73,8 @@ def _context_keys(path: Path) -> tuple[str, ...]:
         return _KNOWN_KEYS["leaf"] + ("all", "any", "not")
     if path[0] == "rules" and len(path) == 2:
         return _KNOWN_KEYS["rule"]
+    if path[0] == "waivers" and len(path) == 2:
+        return _KNOWN_KEYS["waiver"]
     return ()
 
 
@@ -116,6 +120,7 @@ def located_validation_errors(
             msg = msg[:1].lower() + msg[1:]
             code = ("invalid-condition" if kind == "condition" or msg.startswith("a leaf")
                     else "invalid-rule" if kind == "value_error" and len(path) == 2 and path[0] == "rules"
+                    else "invalid-waiver" if kind == "value_error" and len(path) == 2 and path[0] == "waivers"
                     else "invalid-value")
             shown = err.get("input")
             if kind not in ("condition", "value_error") and isinstance(shown, (str, int, float, bool)):
@@ -294,6 +299,34 @@ def _check_rule(src: Located, path: Path, data: Any, diags: list[Diagnostic]) ->
     return rule if not found else None
 
 
+def _check_waiver(src: Located, path: Path, data: Any, diags: list[Diagnostic]) -> Waiver | None:
+    """Every problem of one waiver: its shape (owner, reason, expiry required) and its condition's leaves."""
+    if src.is_invalid(path):
+        return None
+    if isinstance(data, dict) and "when" in data and data["when"] is None:
+        diags.append(src.diag((*path, "when"), "empty-condition", "`when` is empty",
+                              "write where the waiver applies, or delete `when` to waive the rule wherever it "
+                              "applies", key=True))
+        return None
+    found: list[Diagnostic] = []
+    try:
+        waiver = Waiver.model_validate(data)
+    except ValidationError as exc:
+        waiver = None
+        found += located_validation_errors(src, path, data, exc)
+        if isinstance(data, dict):
+            for leaf_path, leaf_data in _raw_leaves(data.get("when"), (*path, "when")):
+                try:
+                    leaf = Leaf.model_validate(leaf_data)
+                except ValidationError:
+                    continue
+                _check_leaf(src, leaf_path, leaf, found)
+    if waiver is not None and waiver.when is not None:
+        _check_condition(src, (*path, "when"), waiver.when, found)
+    diags += found
+    return waiver if not found else None
+
+
 def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int,
                   partial: list[tuple[int, Rule, str | None]] | None = None
                   ) -> tuple[RuleFile | None, list[Diagnostic]]:
@@ -307,7 +340,7 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int,
         return None, [src.diag((), "not-a-mapping", f"a rule file is a mapping, got {_type_name(data)}",
                                "start the file with `version: 1` and a `rules:` list")]
     diags: list[Diagnostic] = []
-    header_data = {k: v for k, v in data.items() if k != "rules"}
+    header_data = {k: v for k, v in data.items() if k not in ("rules", "waivers")}
     rules_data = data.get("rules", [])
     if rules_data is None:  # `rules:` with nothing under it is an empty list
         rules_data = []
@@ -330,6 +363,19 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int,
                               f"{len(rules_data)} rules exceed the limit of {max_rules}",
                               "split the file, or raise Limits.max_rules"))
         rules_data = []
+    waivers_data = data.get("waivers", [])
+    if waivers_data is None:  # `waivers:` with nothing under it is an empty list
+        waivers_data = []
+    if src.is_invalid(("waivers",)):
+        waivers_data = []
+    elif not isinstance(waivers_data, list):
+        diags.append(src.diag(("waivers",), "invalid-value", "`waivers` must be a list of waivers"))
+        waivers_data = []
+    elif len(waivers_data) > max_rules:
+        diags.append(src.diag(("waivers",), "too-many-rules",
+                              f"{len(waivers_data)} waivers exceed the limit of {max_rules}",
+                              "split the file, or raise Limits.max_rules"))
+        waivers_data = []
 
     if header is not None:
         # any well-formed name: third-party and newer connectors get rules too; a near miss of a
@@ -348,6 +394,10 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int,
         if header.defaults is not None and header.connector is not None:
             diags.append(src.diag(("defaults",), "misplaced-defaults", "`defaults` belong in a global file",
                                   "move `defaults` to global.yaml"))
+        if waivers_data and header.connector is not None:
+            diags.append(src.diag(("waivers",), "misplaced-waivers", "`waivers` belong in a global file",
+                                  "move them to a global file; scope one to a connector with "
+                                  "`when: {field: connector.name, eq: <Connector>}`", key=True))
         if header.member_preferences is not None and header.connector is None:
             diags.append(src.diag(("member_preferences",), "misplaced-member-preferences",
                                   "`member_preferences` applies only to a connector file"))
@@ -373,7 +423,12 @@ def validate_file(src: Located, *, in_connectors_dir: bool, max_rules: int,
             rules.append(rule)
             if partial is not None and header is not None:
                 partial.append((i, rule, header.connector))
+    waivers: list[Waiver] = []
+    for i, waiver_data in enumerate(waivers_data):
+        waiver = _check_waiver(src, ("waivers", i), waiver_data, diags)
+        if waiver is not None:
+            waivers.append(waiver)
     if diags or header is None:
         return None, diags
-    return header.model_copy(update={"rules": rules}), []
+    return header.model_copy(update={"rules": rules, "waivers": waivers}), []
 

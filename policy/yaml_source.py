@@ -28,6 +28,9 @@ _SAFE_SCALAR_TAGS = {
     "tag:yaml.org,2002:null",
 }
 _MAP_TAG = "tag:yaml.org,2002:map"
+# YAML 1.1 reads a plain `2027-01-31` as a timestamp; only a waiver's `expires` takes one, as its text
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+_PLAIN_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 # libyaml's composer when PyYAML was built with it (several times faster); same nodes, same marks.
 _COMPOSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _SEQ_TAG = "tag:yaml.org,2002:seq"
@@ -142,6 +145,8 @@ class _Converter:
         return INVALID
 
     def scalar(self, node: yaml.ScalarNode, path: Path) -> Any:
+        if node.tag == _TIMESTAMP_TAG and path and path[-1] == "expires" and _PLAIN_DAY.match(node.value):
+            return node.value  # a waiver's `expires: 2027-01-31`: the day as written, never a datetime
         if node.tag not in _SAFE_SCALAR_TAGS:
             return self.invalid(path, node, "unsafe-tag", f"tag `{node.tag}` is not allowed",
                                 "these files hold plain strings, numbers, booleans, lists and mappings")

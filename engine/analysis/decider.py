@@ -8,13 +8,14 @@ few thousand evaluations.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.engine.analysis.space import AnalysisInput
-from kvpolicy.engine.decide import Outcome, Scope, evaluate, release_ref
+from kvpolicy.engine.analysis.space import AnalysisInput, InputConnector
+from kvpolicy.engine.decide import Outcome, Scope, connector_names_for, evaluate, release_ref
 from kvpolicy.engine.trace import Event
-from kvpolicy.policy.conditions import leaves_of
+from kvpolicy.policy.conditions import leaf_predicate, leaves_of
 from kvpolicy.policy.context import MISSING
 from kvpolicy.policy.ruleset import FORBID, PREFER, CompiledRule, RuleSet
 
@@ -33,6 +34,7 @@ class Decided:
     events: tuple[Event, ...] | None = None
     disagree: bool | None = None  # a composite connector's members disagree (known once asked)
     _sole: dict[str, list[int]] = field(default_factory=dict)
+    _same: Decided | None = None  # the decision this one shares its parts with (`Decider.decide`)
 
     @property
     def winner(self) -> int | None:
@@ -51,6 +53,14 @@ def _prefer_only(scope: Scope) -> Scope:
                  tuple(_prefer_only(m) for m in scope.members), scope.mode, scope.candidates, scope.release)
 
 
+def _matched_only(scope: Scope, hits: Iterator[list[CompiledRule]]) -> Scope:
+    """``scope`` (and its members, in `Scope.walk` order) holding only the rules ``hits`` says matched:
+    the same decision, each rule tested once more at most."""
+    rules = tuple(next(hits))
+    return Scope(scope.label, rules, scope.env, tuple(_matched_only(m, hits) for m in scope.members), scope.mode,
+                 scope.candidates, scope.release)
+
+
 def _pick(alive: int, scores: tuple[int, ...], ranks: tuple[int, ...]) -> int | None:
     """`kvpolicy.engine.decide`'s choice: the highest score, ties to the lowest rank."""
     best = None
@@ -65,11 +75,28 @@ class Decider:
 
     def __init__(self, ruleset: RuleSet) -> None:
         self.ruleset = ruleset
-        fields = {leaf.field for r in ruleset.rules for leaf in leaves_of(r.rule.when)}
-        self.fields = tuple(sorted(f for f in fields if not f.startswith("connector.")))
+        leaves = [leaf for r in ruleset.rules for leaf in leaves_of(r.rule.when)]
+        self.fields = tuple(sorted({leaf.field for leaf in leaves if not leaf.field.startswith("connector.")}))
         self._core_keys: dict[int, int] = {}  # id(core) -> interned key (the space keeps every core alive)
         self._interned: dict[tuple[Any, ...], int] = {}
         self._cache: dict[tuple[int, str], Decided] = {}
+        # Each leaf tests one field; a condition is a function of its leaves. So what the rules see of an
+        # input is, per field, each distinct leaf's answer on its value (plus the candidates and the
+        # connector): inputs alike in that evaluate once (`_shared`), whatever values they differ in.
+        distinct: dict[str, dict[str, Callable[[Any], bool]]] = {}
+        for leaf in leaves:
+            if leaf.field in self.fields:
+                distinct.setdefault(leaf.field, {}).setdefault(repr((leaf.op, leaf.value)), leaf_predicate(leaf))
+        self._tests = tuple((f, tuple(distinct[f].values())) for f in self.fields)
+        conn_leaves: dict[str, dict[str, Callable[[Any], bool]]] = {}
+        for leaf in leaves:
+            if leaf.field.startswith("connector."):
+                conn_leaves.setdefault(leaf.field, {}).setdefault(repr((leaf.op, leaf.value)), leaf_predicate(leaf))
+        self._conn_tests = tuple((f, tuple(t.values())) for f, t in sorted(conn_leaves.items()))
+        self._conn_kinds: dict[tuple[int, str], tuple[InputConnector, int]] = {}  # (id, profile) -> kind
+        self._core_classes: dict[int, tuple[Any, int]] = {}  # id(core) -> (core, interned class)
+        self._classes: dict[tuple[Any, ...], int] = {}
+        self._shared: dict[tuple[int, int], Decided] = {}
 
     def key(self, inp: AnalysisInput) -> tuple[int, str]:
         """Equal for inputs this rule set decides alike: (what the rules see of the shared part, the connector)."""
@@ -81,32 +108,76 @@ class Decider:
             ck = self._core_keys[id(core)] = self._interned.setdefault(seen, len(self._interned))
         return ck, inp.conn.label
 
+    def _class(self, inp: AnalysisInput) -> tuple[int, int]:
+        """Equal for inputs every leaf answers alike: (the leaves' answers on the shared part, the
+        connector tree's kind)."""
+        core = inp.core
+        found = self._core_classes.get(id(core))
+        if found is not None and found[0] is core:
+            cc = found[1]
+        else:
+            env = core.env
+            seen = (core.context.candidates,
+                    tuple(test(env.get(f, MISSING)) for f, tests in self._tests for test in tests))
+            cc = self._classes.setdefault(seen, len(self._classes))
+            self._core_classes[id(core)] = (core, cc)  # held with the core: its id is never another's meanwhile
+        return cc, self._conn_kind(inp.conn, core.context.profile)
+
+    def _conn_kind(self, conn: InputConnector, profile: str) -> int:
+        """Equal for connector trees the rules tell apart from nothing: per node, the connector files
+        whose rules apply (its name last: the members' mode) and each connector.* leaf's answer."""
+        k = (id(conn), profile)
+        found = self._conn_kinds.get(k)
+        if found is not None and found[0] is conn:
+            return found[1]
+        nodes = []
+        stack = [conn]
+        while stack:  # `Scope.walk` order: a node, then its members'
+            node = stack.pop(0)
+            files = () if node.config is None else node.names.get(profile) or connector_names_for(
+                profile, node.config.name, node.config.extra)
+            nodes.append((files, tuple(t(node.env.get(f, MISSING)) for f, ts in self._conn_tests for t in ts)))
+            stack[:0] = node.members
+        kind = self._classes.setdefault(("connector", tuple(nodes)), len(self._classes))
+        self._conn_kinds[k] = (conn, kind)  # held with the connector: its id is never another's meanwhile
+        return kind
+
     def decide(self, inp: AnalysisInput) -> Decided:
         k = self.key(inp)
         found = self._cache.get(k)
         if found is None:
-            found = self._cache[k] = self._decide(inp)
+            c = self._class(inp)
+            same = self._shared.get(c)
+            if same is None:
+                found = self._shared[c] = self._decide(inp)
+            else:  # the decision and what follows from it shared; the trace and the members' check this input's
+                found = Decided(same.outcome, same.candidates, same.matched, same.removers, same.without,
+                                _sole=same._sole, _same=same)
+            self._cache[k] = found
         return found
 
     def _decide(self, inp: AnalysisInput) -> Decided:
         ruleset = self.ruleset
         glob, conn = inp.scopes(ruleset)
-        outcome = evaluate(ruleset, glob, conn, explain=False)
+        # each rule tested once: the matched ones make the decision (`_matched_only`) and say who removed what
+        hits = [[rule for rule in scope.rules if rule.fast[0](scope.env)]
+                for scope in glob.walk() + (conn.walk() if conn else [])]
+        found = iter(hits)
+        outcome = evaluate(ruleset, _matched_only(glob, found), _matched_only(conn, found) if conn else None,
+                           explain=False)
         cands = sum(1 << i for i, x in enumerate(ruleset.layout_order) if x in glob.candidates)  # type: ignore
         matched: dict[str, CompiledRule] = {}
         removers: dict[int, set[str]] = {}
         n = len(ruleset.layout_order)
-        for scope in glob.walk() + (conn.walk() if conn else []):
-            env = scope.env
-            for rule in scope.rules:
-                test, code, mask, _ = rule.fast
-                if test(env):
-                    matched.setdefault(rule.id, rule)
-                    if code != PREFER:
-                        gone = cands & (mask if code == FORBID else ~mask)
-                        for i in range(n):
-                            if gone >> i & 1:
-                                removers.setdefault(i, set()).add(rule.id)
+        for rules in hits:
+            for rule in rules:
+                _test, code, mask, _ = rule.fast
+                matched.setdefault(rule.id, rule)
+                if code != PREFER:
+                    gone = cands & (mask if code == FORBID else ~mask)
+                    for i in range(n):
+                        if gone >> i & 1:
+                            removers.setdefault(i, set()).add(rule.id)
         return Decided(outcome, cands, tuple(matched.values()), {i: frozenset(s) for i, s in removers.items()})
 
     def without(self, inp: AnalysisInput, rule_id: str) -> int | None:
@@ -139,6 +210,7 @@ class Decider:
     def _members_disagree(self, inp: AnalysisInput, d: Decided) -> bool:
         """Whether a composite connector's members disagree (`member_preferences: agree`), whatever the
         forbids and requires removed: the decision with only the preferences leaves no layout."""
+        d = d._same or d  # the same decision for every input alike
         if d.disagree is None:
             glob, conn = inp.scopes(self.ruleset)
             d.disagree = conn is not None and evaluate(self.ruleset, _prefer_only(glob), _prefer_only(conn),

@@ -26,13 +26,15 @@ from pathlib import Path
 
 from kvpolicy.engine.analysis.lint import lint
 from kvpolicy.engine.rule_layers import NO_SHIPPED_FLAG, RulesArg, load_layers
-from kvpolicy.policy.errors import Diagnostic
+from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
 from kvpolicy.policy.files import write_atomically
+from kvpolicy.policy.layers import with_warnings
 from kvpolicy.policy.load import Limits
 from kvpolicy.policy.releases import ReleaseProfile, get_profile
 from kvpolicy.policy.ruleset import CompiledRule, RuleSet
 
-__all__ = ["GUARD_TABLE", "dropped_guards", "guard_key", "live_guards", "load_bearing_guards", "load_checked"]
+__all__ = ["GUARD_TABLE", "dropped_guards", "guard_key", "live_guards", "load_bearing_guards", "load_checked",
+           "unwaivable"]
 
 GUARD_TABLE = Path(__file__).with_name("guard_table.json")
 
@@ -44,6 +46,10 @@ def load_checked(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile |
     guard that is gone when ``shipped_rules`` is False."""
     ruleset = load_layers(rules, vllm_version=vllm_version, shipped_rules=shipped_rules, limits=limits,
                           display=display, where=where)
+    refused = unwaivable(ruleset, vllm_version)
+    if refused:
+        raise with_warnings(RuleLoadError(f"{len(refused)} error(s) in rule set `{shown_file(ruleset.root)}`",
+                                          refused), ruleset.warnings)
     if shipped_rules:
         return ruleset
     return replace(ruleset, warnings=(*ruleset.warnings, *dropped_guards(ruleset, vllm_version, where)))
@@ -86,6 +92,31 @@ def load_bearing_guards(profile_name: str) -> tuple[tuple[CompiledRule, tuple[st
     else:
         rows = live_guards(profile_name, shipped)
     return tuple((shipped.rule(rule_id), tuple(examples)) for rule_id, examples in rows)
+
+
+def unwaivable(ruleset: RuleSet, vllm_version: str | ReleaseProfile | None = None) -> list[Diagnostic]:
+    """An error for each waiver (lapsed ones too: renewing one must not make it valid) of a shipped guard that the
+    geometry verifier shows load-bearing for safety in the profile: waiving it would let the decision pick a
+    layout whose views overlap. A waiver is for policy (a preference, a site's caution), never for the bytes;
+    the verifier refuses an overlapping plan whatever the rules say, and this says so when the rules load,
+    not when a deployment starts. Looks the guards up only when some waiver names a rule of the set."""
+    named = {w.rule_id for w in ruleset.waivers}
+    if not named:
+        return []
+    profile = get_profile(vllm_version)
+    guards = {guard.id: examples for guard, examples in load_bearing_guards(profile.name) if guard.id in named}
+    out = []
+    for w in ruleset.waivers:
+        if w.rule_id in guards:
+            example = f"; e.g. {guards[w.rule_id][0].rsplit(': ', 1)[0]}" if guards[w.rule_id] else ""
+            out.append(Diagnostic(w.source.file, w.source.line, w.source.col, "unwaivable-rule",
+                                  f"rule `{w.rule_id}` is a safety guard: the geometry verifier shows it load-bearing "
+                                  f"for `{profile.name}` (without it the rules let a layout whose views overlap "
+                                  f"through{example}), and a waiver cannot lift it",
+                                  "delete the waiver; if the guard is wrong for your deployment, fix the input it "
+                                  "reads (e.g. `--scale-views`) or report it, since the verifier would refuse "
+                                  "the overlapping layout anyway"))
+    return out
 
 
 def dropped_guards(ruleset: RuleSet, vllm_version: str | ReleaseProfile | None = None,

@@ -242,7 +242,15 @@ def fold(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]],
     where the values vary, with the number of inputs the line stands for (exact: the inputs
     are distinct, and a line is the product of its value sets). ``wide``: a field with more values
     than that is summarised, ``connector=<46 values: A, B, C, ...>`` (the text output's default)."""
-    rows: list[tuple[tuple[str, ...], tuple[frozenset[str], ...]]] = []
+    return _shown(_fold_rows(inputs), wide)
+
+
+_Rows = list[tuple[tuple[str, ...], tuple[frozenset[str], ...]]]
+
+
+def _fold_rows(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]]) -> _Rows:
+    """`fold`'s lines before they are written: (fields, the values of each)."""
+    rows: _Rows = []
     for inp in inputs:
         pairs = inp.labels if isinstance(inp, AnalysisInput) else inp
         rows.append((tuple(k for k, _ in pairs), tuple(frozenset([v]) for _, v in pairs)))
@@ -260,7 +268,10 @@ def fold(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]],
                 else:
                     merged[key] = (keys, list(values))
             rows = [(keys, tuple(values)) for keys, values in merged.values()]
+    return rows
 
+
+def _shown(rows: _Rows, wide: int | None) -> tuple[tuple[str, int], ...]:
     def show(v: frozenset[str]) -> str:
         if wide is not None and len(v) > wide:
             return f"<{len(v)} values: " + ", ".join(sorted(v)[:_SHOWN]) + ", ...>"
@@ -273,7 +284,8 @@ def fold(inputs: list[AnalysisInput] | list[tuple[tuple[str, str], ...]],
 
 def _folded(inputs: list[AnalysisInput]) -> dict[str, tuple[tuple[str, int], ...]]:
     """A finding's ``groups`` (every value) and ``brief`` (a field of many values summarised)."""
-    return {"groups": fold(inputs), "brief": fold(inputs, WIDE)}
+    rows = _fold_rows(inputs)  # folded once, written twice
+    return {"groups": _shown(rows, None), "brief": _shown(rows, WIDE)}
 
 
 def own_rule_ids(ruleset: RuleSet) -> frozenset[str]:

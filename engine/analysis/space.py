@@ -58,7 +58,7 @@ from kvpolicy.engine.analysis.budget import (
     plan_cut,
     tier_of_override,
 )
-from kvpolicy.engine.decide import Scope, connector_rules_for
+from kvpolicy.engine.decide import Scope, connector_names_for, connector_rules_for
 from kvpolicy.engine.inputs import build_context
 from kvpolicy.engine.plan import DECIDED_NOT_PLANNED, plan_layout
 from kvpolicy.policy.backends import BackendProfile, ScaleViews, packed_backend
@@ -107,6 +107,9 @@ class InputConnector:
     label: str
     env: dict[str, Any]  # the connector.* fields (and extras) bound to this connector
     members: tuple[InputConnector, ...] = ()
+    # profile -> the connector files whose rules apply (`connector_names_for`): resolved once per
+    # connector, not once per input (resolving reads the release profiles, sorted, every time)
+    names: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, config: ConnectorConfig | None) -> InputConnector:
@@ -176,7 +179,11 @@ class AnalysisInput:
             env = self.core.member_envs.get(id(conn))
             if env is None:
                 env = self.core.member_envs[id(conn)] = {**self.core.env, **conn.env}
-        rules = connector_rules_for(ruleset, self.core.context.profile, name, conn.config.extra)  # type: ignore
+        profile = self.core.context.profile
+        names = conn.names.get(profile)
+        if names is None:
+            names = conn.names[profile] = connector_names_for(profile, name, conn.config.extra)  # type: ignore
+        rules = tuple(r for n in names for r in ruleset.connector_rules(n))  # `connector_rules_for`
         return Scope(label, rules, env, members, ruleset.combine_mode(name))
 
 

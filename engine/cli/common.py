@@ -87,6 +87,9 @@ def add_rules_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shipped-rules", action="store_true",
                         help="replace the shipped rules instead of layering on them; warns for each "
                              "load-bearing shipped guard that goes")
+    parser.add_argument("--today", metavar="YYYY-MM-DD", default=None,
+                        help="the day waivers' `expires` are read against (default: KVPOLICY_TODAY, else the "
+                             "clock's date): reproducible runs in CI and tests")
 
 
 def add_vllm_version_flag(parser: Any) -> None:
@@ -178,6 +181,8 @@ def settle_vllm_version(args: argparse.Namespace, stream: TextIO | None = None) 
     except InputError as exc:
         raise _at_flag(exc) from None
     said = [f"{severity}: {text}" for severity, texts in (("warning", warnings), ("note", notes)) for text in texts]
+    args.vllm_version_asked = args.vllm_version  # as typed (0.30.1), for a JSON that says what was asked
+    args.version_said = said  # what the choice assumes, for a JSON that carries what stderr said
     if getattr(args, "fleet", None) is not None and getattr(args, "vllm_version", None) is None:
         # a fleet's deployments name their releases: what the default assumes is said only when one of them
         # falls back to it (`say_fleet_default`)

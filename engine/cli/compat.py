@@ -29,6 +29,7 @@ from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     HelpFormatter,
+    UsageError,
     add_format_flag,
     int_at_least,
     print_json,
@@ -38,7 +39,7 @@ from kvpolicy.engine.exchange import BlockExchange, ExchangeKind, compare_blocks
 from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.engine.inputs import DEFAULT_EXAMPLE
 from kvpolicy.engine.peer_data import load_peer_json
-from kvpolicy.policy.errors import InputError, NoLayoutError, PolicyError
+from kvpolicy.policy.errors import Diagnostic, InputError, NoLayoutError, PolicyError
 
 if TYPE_CHECKING:  # engine.fleet builds the case models: imported when a side needs them, not per CLI start
     from kvpolicy.engine.fleet import Fleet, FleetResult
@@ -381,8 +382,18 @@ def _changed(keys: list[tuple[str, Any]]) -> str:
 
 def _fingerprint_in(path: Path, where: str) -> LayoutFingerprint:
     """The fingerprint in a dry-run JSON, a describe() object, or a fingerprint's own JSON."""
-    try:  # bounded as a peer's JSON is: size, nesting, integers too long to print
-        data = load_peer_json(path.read_bytes(), "fingerprint")
+    from kvpolicy.engine.peer_data import MAX_PEER_BYTES
+    from kvpolicy.policy.files import read_capped
+
+    # read capped (a multi-gigabyte file named by mistake is refused by its size, never read whole), then
+    # bounded as a peer's JSON is: size, nesting, integers too long to print
+    text, problems = read_capped(path, str(path), MAX_PEER_BYTES)
+    if text is None:
+        d = problems[0]
+        raise usage_error(str(path), f"{where}: {d.message}", "give `kvpolicy dry-run --format json`'s output "
+                          "(a few kilobytes), or a fingerprint's to_json()") from None
+    try:
+        data = load_peer_json(text, "fingerprint")
     except InputError as exc:
         raise usage_error(str(path), f"not a JSON fingerprint: {exc.diagnostics[0].message}",
                           "give `kvpolicy dry-run --format json`'s output") from None
@@ -507,6 +518,8 @@ def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet
         if fleet_file is not None and d is not None and d.line > 0 and not isinstance(exc, NoLayoutError):
             raise InputError(f"{who} decides no layout", list(exc.diagnostics))
         key = d.file.split(".", 1)[0].split("[", 1)[0] if d is not None and d.line == 0 else ""
+        if key not in said and "model" in said and d is not None and _in_model(d.file, result.deployment.model):
+            key = "model"  # the model's config cannot be read (missing, a directory without config.json, ...)
         raise usage_error(said.get(key, where), f"{who}: {d.message if d else exc.message}",
                           d.help if d else None) from None
     ctx = result.decision.context
@@ -524,18 +537,24 @@ def _decided(profile: str, args: argparse.Namespace, where: str, keys: list[tupl
              ) -> LayoutFingerprint:
     """A release side: the flags' deployment (and the side's keys) decided under ``profile``'s shipped rules,
     as dry-run --fleet decides a deployment."""
-    from kvpolicy.engine.fleet import decide_deployment
-
     if any(k == "vllm_version" for k, _ in keys):
         raise usage_error(f"{_SIDE_FLAG.get(where, where)} vllm_version",
                           f"{where} names its release already (`{profile}`)", f"name the release as {where} itself")
+    result, said = _decided_result(profile, args, where, keys)
+    return _fingerprint_of(result, where, said)
+
+
+def _decided_result(profile: str, args: argparse.Namespace, where: str, keys: list[tuple[str, Any]] = ()  # type: ignore[assignment]
+                    ) -> tuple[FleetResult, dict[str, str]]:
+    """`_decided`'s decision (or refusal) as it came, and the flag that set each key."""
+    from kvpolicy.engine.fleet import decide_deployment
+
     device = dict(keys).get("device", args.device)
     data, said = _flag_keys(args, device)
     data = _merge(data, list(keys), said, where)
     data["vllm_version"] = profile
     dep = _deployment(profile, data, said, where)
-    result = decide_deployment(dep, Path("."), _rules, profile)
-    return _fingerprint_of(result, where, said)
+    return decide_deployment(dep, Path("."), _rules, profile), said
 
 
 def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict[str, Fleet]) -> Side:
@@ -597,12 +616,31 @@ def _table(args: argparse.Namespace) -> int:
 
     via = _via(args.via)
     sides: list[Side | None] = []
-    for name in profile_names():
-        try:
-            sides.append(Side(name, _decided(name, args, name)))
-        except PolicyError:
-            sides.append(None)  # this release decides no layout (or refuses the inputs): shown as such
     names = list(profile_names())
+    refused: dict[str, PolicyError] = {}  # the releases that refuse the flags' inputs (not: decide no layout)
+    for name in names:
+        try:
+            result, said = _decided_result(name, args, name)
+            if result.decision is None and isinstance(result.error, NoLayoutError):
+                sides.append(None)  # this release's rules leave no layout for the deployment: a `-` row
+                continue
+            sides.append(Side(name, _fingerprint_of(result, name, said)))
+        except PolicyError as exc:
+            sides.append(None)
+            refused[name] = exc
+    def why(name: str, exc: PolicyError) -> str:
+        text = exc.diagnostics[0].message if exc.diagnostics else exc.message
+        for prefix in (f"{name} {name}: ", f"{name}: "):
+            text = text.removeprefix(prefix)
+        return text
+
+    if refused and len(refused) == len(names):  # a misspelt flag, a missing --model: every row would be `-`
+        name, first = next(iter(refused.items()))
+        raise UsageError("", [Diagnostic(d.file, d.line, d.col, d.code, f"no release profile takes the "
+                                         f"deployment these flags describe ({name}: {why(name, first)})", d.help)
+                              for d in first.diagnostics[:1]]) from None
+    for name, exc in refused.items():  # the rest: said, so that a `-` row is not read as a rule's refusal
+        print(f"note: {name} refuses the deployment these flags describe: {why(name, exc)}", file=sys.stderr)
     rows = [[None if a is None or b is None else _answer(a.fingerprint, b.fingerprint, via).kind
              for b in sides] for a in sides]
     if args.format == "json":
@@ -621,6 +659,14 @@ def _table(args: argparse.Namespace) -> int:
           + (f" (via {via}: {'layer views' if _answer_unit(via) == 'layer_view' else 'raw blocks, as is only'})"
              if via else ""))
     return EXIT_OK
+
+
+def _in_model(file: str, model: Any) -> bool:
+    """Whether a diagnostic's ``file`` is the model's config (the path given, or its config.json)."""
+    if not isinstance(model, str) or not model:
+        return False
+    shown = str(Path(model))
+    return file in (model, shown) or file.startswith(shown.rstrip("/") + "/")
 
 
 def _answer_unit(via: str | None) -> str:

@@ -39,7 +39,7 @@ from kvpolicy.engine.cli.connector_check import check_connectors, out_of_tree_na
 from kvpolicy.engine.cli.fleet_report import add_fleet_flag, run_fleet
 from kvpolicy.engine.cli.plan_view import plan_summary, render_plan
 from kvpolicy.engine.cli.record_case import Resolved, record_case
-from kvpolicy.engine.cli.serve_line import add_serve_flags, apply_serve_line, environment_inputs, print_notes
+from kvpolicy.engine.cli.serve_line import add_serve_flags, apply_serve_line, environment_inputs
 from kvpolicy.engine.decision import Decision
 from kvpolicy.engine.inputs import ASSUMED_CAPABILITY, DEFAULT_EXAMPLE, DEVICES, build_context, parse_device_capability
 from kvpolicy.engine.vllm_env import check_env_against
@@ -526,15 +526,38 @@ def _name_flags(exc: InputError, spec_file: str | None, args: argparse.Namespace
     return type(exc)(exc.message, diags)
 
 
+def say(args: argparse.Namespace, lines: list[str] | tuple[str, ...]) -> None:
+    """Print ``lines`` (``note: ...`` / ``warning: ...``) on stderr and keep them on ``args``: the one
+    source of what a run said, which the JSON document carries (`said_on_stderr`), so that text and JSON
+    cannot drift apart."""
+    for line in lines:
+        print(line, file=sys.stderr)
+    args.said_lines = [*getattr(args, "said_lines", []), *lines]
+
+
+def said_on_stderr(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """What this run said on stderr, as JSON ``notes`` (each ``note:`` line without its prefix) and JSON
+    ``warnings`` (each ``warning:`` line as printed): the release choice's (`settle_vllm_version`), then
+    each `say`."""
+    notes: list[str] = []
+    warnings: list[str] = []
+    for line in [*getattr(args, "version_said", ()), *getattr(args, "said_lines", ())]:
+        if line.startswith("note: "):
+            notes.append(line.removeprefix("note: "))
+        else:
+            warnings.append(line)
+    return notes, warnings
+
+
 def is_example(args: argparse.Namespace) -> bool:
     return args.model is None and args.spec is None
 
 
 def context_from_args(args: argparse.Namespace) -> Context:
     """The decision context the flags describe; raises `InputError` naming the flag."""
-    print_notes(apply_serve_line(args))  # a serve line after `--` fills the flags not given
+    say(args, apply_serve_line(args))  # a serve line after `--` fills the flags not given
     env_inputs, env_notes = environment_inputs(args)  # VLLM_* as the release reads them; flags win
-    print_notes(env_notes)
+    say(args, env_notes)
     if args.kv_transfer_config is not None:
         for flag, value in (("--connector", args.connector), ("--connector-config", args.connector_config)):
             if value is not None:
@@ -552,8 +575,8 @@ def context_from_args(args: argparse.Namespace) -> Context:
     if os.environ.get("VLLM_ATTENTION_BACKEND") and args.backend is None:
         # vLLM 0.28 and 0.34 read no such variable (envs.py; the backend is --attention-backend /
         # attention_config.backend), so following it would predict a backend vLLM does not use
-        print("note: VLLM_ATTENTION_BACKEND is set, but the vLLM releases kvpolicy models do not read it and "
-              "neither does kvpolicy; pass --attention-backend", file=sys.stderr)
+        say(args, ["note: VLLM_ATTENTION_BACKEND is set, but the vLLM releases kvpolicy models do not read it "
+                   "and neither does kvpolicy; pass --attention-backend"])
     kwargs: dict[str, Any] = {
         "kv_cache_dtype": args.kv_cache_dtype,
         "block_size": args.block_size,
@@ -665,13 +688,18 @@ def example_banner(args: argparse.Namespace) -> str:
 # The JSON output's release and allocation
 
 
-def release_of(decision: Decision) -> dict[str, Any]:
-    """``vllm_version`` (the release the profile reproduces, e.g. ``0.34.0``; null for a
-    development state such as ``issue-48412``) and ``profile`` (its name)."""
+def release_of(decision: Decision, asked: str | None = None) -> dict[str, Any]:
+    """``vllm_version`` (the release decided for: the version ``--vllm-version`` named, such as a patch
+    release ``0.30.1`` its series' profile stands for; else the release the profile reproduces, e.g.
+    ``0.34.0``; null for a development state such as ``issue-48412``), ``profile`` (the profile's name) and
+    ``profile_vllm_version`` (the release the profile reproduces, which may differ from the one asked)."""
     from kvpolicy.policy.releases import get_profile
 
     profile = get_profile(decision.context.profile)
-    return {"vllm_version": profile.vllm_versions[0] if profile.vllm_versions else None, "profile": profile.name}
+    reproduces = profile.vllm_versions[0] if profile.vllm_versions else None
+    # a release (0.30.1, 0.25.1), not a profile name or a series (vllm-0.34, 0.34): the version asked for
+    named = asked if asked is not None and asked[:1].isdigit() and asked.count(".") >= 2 else None
+    return {"vllm_version": named or reproduces, "profile": profile.name, "profile_vllm_version": reproduces}
 
 
 def allocation_summary(plan: LayoutPlan) -> dict[str, Any]:
@@ -755,8 +783,7 @@ def _geometry(decision: Decision, args: argparse.Namespace, plan: LayoutPlan | N
             try:
                 drawn = plan_layout(layout, ctx.kv, ctx.backend, _map_blocks(decision))
             except InputError as exc:
-                print(f"warning: --map-layout {layout}: {exc.diagnostics[0].message}; nothing drawn",
-                      file=sys.stderr)
+                say(args, [f"warning: --map-layout {layout}: {exc.diagnostics[0].message}; nothing drawn"])
     return report, checked, drawn
 
 
@@ -783,9 +810,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
         ctx, model_notes = _context_saying_model_notes(args)
-        for note in (device_note(args, ctx), cpu_note(args, ctx)):
-            if note is not None:
-                print(note, file=sys.stderr)
+        say(args, [note for note in (device_note(args, ctx), cpu_note(args, ctx)) if note is not None])
         printed = check_connectors(ctx, ruleset, args)  # refuses a connector vLLM would refuse
         for line in printed:
             print(line, file=sys.stderr)
@@ -837,11 +862,14 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         data = decision.to_dict()
         # what stderr said (the rules' warnings, the connectors'), for programs too
-        data["warnings"] = [*model_notes, *data["warnings"], *(render_warning(d) for d in ruleset.warnings), *printed]
+        said_notes, said_warnings = said_on_stderr(args)
+        data["warnings"] = [*model_notes, *data["warnings"], *(render_warning(d) for d in ruleset.warnings), *printed,
+                            *said_warnings]
+        data["notes"] = [*said_notes, *data["notes"]]  # every `note:` stderr said, then the explanation's
         if isinstance(data.get("inputs", {}).get("groups"), dict):  # vLLM's numbers, as the rules read them
             data["inputs"]["groups"]["count"] = ctx.groups.count
             data["inputs"]["groups"]["attention_groups"] = ctx.groups.attention_groups
-        data.update(release_of(decision))
+        data.update(release_of(decision, getattr(args, "vllm_version_asked", None)))
         data["device"] = device_summary(args, ctx)
         data["allocation"] = None if checked is None else allocation_summary(checked)
         if report is not None:

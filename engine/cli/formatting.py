@@ -3,8 +3,9 @@
 PATHs are rule files, rule directories (their ``*.yaml`` and ``connectors/*.yaml``; ``tests/`` holds
 case files and is left alone) or ``-`` (stdin). One file: the formatted text on stdout. ``--check``:
 exit 1 with a unified diff for each file that is not canonical (CI); ``--diff``: the diffs, exit 0;
-``--write``: rewrite the files that change. A file that is not one YAML document is an error, located,
-and the other files are still done.
+``--write``: rewrite the files that change. A file that is not one YAML document, or whose formatted
+text would not load to the same rules, is an error, located, left as it was, and the other files are
+still done. ``--format json``: one document, per file (docs/json-output.md).
 """
 
 from __future__ import annotations
@@ -13,10 +14,19 @@ import argparse
 import difflib
 import sys
 from pathlib import Path
+from typing import Any
 
-from kvpolicy.engine.cli.common import EXIT_FAILED, EXIT_OK, HelpFormatter, print_error, usage_error
-from kvpolicy.policy.errors import PolicyError
-from kvpolicy.policy.files import write_atomically
+from kvpolicy.engine.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    HelpFormatter,
+    add_format_flag,
+    print_error,
+    print_json,
+    usage_error,
+)
+from kvpolicy.policy.errors import Diagnostic, PolicyError
+from kvpolicy.policy.files import read_capped, read_stdin_capped, write_atomically
 
 __all__ = ["register", "run"]
 
@@ -26,11 +36,13 @@ examples:
   kvpolicy fmt --check my-rules/               # CI: exit 1 and a diff when a file is not canonical
   kvpolicy fmt --write my-rules/               # rewrite the files that change
   kvpolicy fmt - < rule.yaml                   # stdin
+  kvpolicy fmt --check --format json my-rules/ # per file: changed, diff, errors
 
 canonical: fixed key order (version, connector, member_preferences, defaults, rules; a rule's id,
 description, reference, enforcement, when, forbid/require/prefer, weight), block style for rules and
 all/any/not, one-line leaves and patterns, two-space indentation; comments and single blank lines
-are kept (docs/cli.md says where); the rules' meaning (their digest) never changes
+are kept (docs/cli.md says where); the meaning never changes: the loader reads the file and the
+formatted text, and a file whose values would differ is refused, located, and left as it was
 
 exit codes: 0 done (or every file canonical), 1 --check found a file to reformat or a file is not
 YAML, 2 usage error
@@ -47,6 +59,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     mode.add_argument("--check", action="store_true", help="exit 1, with a diff, when some file is not canonical")
     mode.add_argument("--diff", action="store_true", help="print a unified diff for each file that would change")
     mode.add_argument("-w", "--write", action="store_true", help="rewrite the files that change, in place")
+    add_format_flag(p)
     p.set_defaults(run=run)
 
 
@@ -69,38 +82,75 @@ def _files(paths: list[str]) -> list[str]:
     return out
 
 
+def _read(name: str) -> tuple[str | None, list[Diagnostic]]:
+    """A rule file or stdin, read as the loader reads it: bounded, UTF-8 without a byte-order mark."""
+    from kvpolicy.policy.load import Limits
+
+    cap = Limits().max_file_bytes
+    return read_stdin_capped(sys.stdin, "<stdin>", cap) if name == "-" else read_capped(Path(name), name, cap)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpolicy.policy.fmt import format_rule_file
 
     files = _files(args.paths)
+    as_json = args.format == "json"
     if not (args.check or args.diff or args.write) and len(files) > 1:
         raise usage_error("PATH", f"{len(files)} files: the formatted text of one file goes to stdout",
                           "pass one file, or --check, --diff or --write")
     if args.write and "-" in files:
         raise usage_error("--write", "stdin cannot be rewritten", "drop --write to print the formatted text")
     failed = changed = 0
+    report: list[dict[str, Any]] = []
     for name in files:
-        text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8")
         shown = "<stdin>" if name == "-" else name
+        entry: dict[str, Any] = {"file": shown, "ok": True, "changed": False, "written": False, "diagnostics": []}
+        report.append(entry)
+        text, problems = _read(name)
         try:
+            if text is None:
+                raise PolicyError(f"cannot read `{shown}`", problems)
             formatted = format_rule_file(text, shown)
-        except PolicyError as exc:
-            print_error(exc)
+        except PolicyError as exc:  # the file is left as it is: nothing is printed or written for it
+            print_error(exc)  # on stderr, in every format
+            entry.update(ok=False, diagnostics=[d.to_dict() for d in exc.diagnostics])
             failed += 1
             continue
+        entry["changed"] = formatted != text
         if not (args.check or args.diff or args.write):
-            sys.stdout.write(formatted)
+            if as_json:
+                entry["formatted"] = formatted
+            else:
+                sys.stdout.write(formatted)
             continue
         if formatted == text:
             continue
         changed += 1
         if args.write:
-            write_atomically(name, formatted)
+            try:
+                write_atomically(name, formatted)
+            except OSError as exc:  # a full disk, a read-only directory: the old file is whole
+                err = PolicyError(f"cannot write `{shown}`", [Diagnostic(
+                    shown, 0, 0, "unwritable", f"cannot write the file: {exc.strerror or exc}",
+                    "the file is as it was; free space or fix the permissions and run again")])
+                print_error(err)
+                entry.update(ok=False, diagnostics=[d.to_dict() for d in err.diagnostics])
+                failed += 1
+                continue
+            entry["written"] = True
             print(f"formatted: {shown}", file=sys.stderr)
         else:
-            sys.stdout.writelines(difflib.unified_diff(text.splitlines(keepends=True), formatted.splitlines(
+            diff = "".join(difflib.unified_diff(text.splitlines(keepends=True), formatted.splitlines(
                 keepends=True), fromfile=f"{shown} (as written)", tofile=f"{shown} (kvpolicy fmt)"))
+            if as_json:
+                entry["diff"] = diff
+            else:
+                sys.stdout.write(diff)
     if args.check and changed:
         print(f"{changed} file(s) would be reformatted: kvpolicy fmt --write {' '.join(args.paths)}",
               file=sys.stderr)
-    return EXIT_FAILED if failed or (args.check and changed) else EXIT_OK
+    code = EXIT_FAILED if failed or (args.check and changed) else EXIT_OK
+    if as_json:
+        mode = "check" if args.check else "diff" if args.diff else "write" if args.write else "print"
+        print_json({"ok": code == EXIT_OK, "mode": mode, "changed": changed, "failed": failed, "files": report})
+    return code

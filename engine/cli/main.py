@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from kvpolicy.engine.cli import (
     analyze,
     compat,
+    completion,
     doctor,
     dry_run,
     formatting,
@@ -35,6 +36,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.policy.errors import PolicyError, terminal_text
+from kvpolicy.policy.waivers import parse_day, today_is
 
 __all__ = ["build_parser", "main"]
 
@@ -87,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
-    for module in (dry_run, validate, testing, schema, analyze, releases, compat, rules_view, formatting, doctor):
+    for module in (dry_run, validate, testing, schema, analyze, releases, compat, rules_view, formatting, doctor,
+                   completion):
         module.register(verbs)
+    parser.set_defaults(cli_parser=parser)  # `kvpolicy completion` reads the whole parser
     return parser
 
 
@@ -141,7 +145,8 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return EXIT_USAGE
     try:
         settle_vllm_version(args)
-        return args.run(args)
+        with today_is(parse_day(args.today, "--today") if getattr(args, "today", None) else None):
+            return args.run(args)
     except PolicyError as exc:
         report_error(exc, getattr(args, "format", "text"))
         return exit_code_for(exc)

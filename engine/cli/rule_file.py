@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from kvpolicy.engine.cli.common import (
@@ -23,13 +24,13 @@ from kvpolicy.engine.cli.common import (
     report_error,
     usage_error,
 )
-from kvpolicy.policy.errors import RuleLoadError
-from kvpolicy.policy.files import read_capped
+from kvpolicy.policy.errors import RuleLoadError, shown_file
+from kvpolicy.policy.files import read_capped, read_stdin_capped
 from kvpolicy.policy.layers import render_warning, with_warnings
 from kvpolicy.policy.load import Limits, load_rule_file
 from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["STDIN", "is_single_file", "run_file"]
+__all__ = ["STDIN", "is_single_file", "lapsed_waivers", "run_file"]
 
 STDIN = "-"
 
@@ -43,12 +44,12 @@ def _read(args: argparse.Namespace) -> tuple[str, str, bool | None]:
     """(text, shown name, connector file?) of the file or stdin validate was given."""
     if args.dir == STDIN:
         shown = args.stdin_filename or "<stdin>"
-        text = sys.stdin.read()
+        text, diags = read_stdin_capped(sys.stdin, shown, Limits().max_file_bytes)
     else:
         shown = args.dir
         text, diags = read_capped(Path(args.dir), shown, Limits().max_file_bytes)
-        if text is None:
-            raise RuleLoadError(f"cannot read `{shown}`", diags)
+    if text is None:
+        raise RuleLoadError(f"cannot read `{shown}`", diags)
     connector = True if Path(shown).parent.name == "connectors" else None
     return text, shown, connector
 
@@ -60,10 +61,27 @@ def _layered(ruleset: RuleSet, args: argparse.Namespace) -> RuleSet:
 
     below = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules) \
         if (args.rules or not args.no_shipped_rules) else None
-    if below is None:
-        return ruleset
+    if below is None:  # the file alone: its waivers name rules of this file only
+        from kvpolicy.policy.waivers import waiver_problems
+
+        errors, lapsed = waiver_problems(ruleset)
+        if errors:
+            raise RuleLoadError(f"{len(errors)} error(s) in rule file `{shown_file(ruleset.root)}`", errors)
+        return replace(ruleset, warnings=(*ruleset.warnings, *lapsed))
     args.said_below = {render_warning(d) for d in below.warnings}
     return compose_layers([(below, not args.rules), (ruleset, False)])
+
+
+def lapsed_waivers(ruleset: RuleSet) -> None:
+    """Raise a `RuleLoadError` of every lapsed waiver (``expired-waiver``), the other warnings with it.
+
+    Every other verb warns and decides without the waiver (the rule it named applies again); validate is the
+    gate CI runs before a deploy, so a waiver that lapsed (a decision that changed without a commit) fails it:
+    renew it after review, or delete it."""
+    lapsed = [d for d in ruleset.warnings if d.code == "expired-waiver"]
+    if lapsed:
+        raise with_warnings(RuleLoadError(f"{len(lapsed)} expired waiver(s) in rule set `{shown_file(ruleset.root)}`",
+                                          lapsed), [d for d in ruleset.warnings if d.code != "expired-waiver"])
 
 
 def run_file(args: argparse.Namespace) -> int:
@@ -83,6 +101,7 @@ def run_file(args: argparse.Namespace) -> int:
                     with_warnings(exc, getattr(below, "warnings", ()))
             raise
         layered = _layered(alone, args)
+        lapsed_waivers(layered)
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_FAILED
@@ -98,6 +117,7 @@ def run_file(args: argparse.Namespace) -> int:
         for line in dict.fromkeys(render_warning(d) for d in layered.warnings):
             if line not in said:
                 print(line, file=sys.stderr)
-        below = "" if layered is alone else f", layered on {layered.root.rsplit(' + ', 1)[0]} without conflict"
+        below = ("" if layered.root == alone.root
+                 else f", layered on {layered.root.rsplit(' + ', 1)[0]} without conflict")
         print(f"ok: {len(alone.all_rules)} rules in 1 file, a {what} (digest {alone.digest}){below}")
     return EXIT_OK

@@ -10,6 +10,8 @@ the name vLLM loads for it too: `kvpolicy.engine.decide.connector_names_for`).
 from __future__ import annotations
 
 import argparse
+import json
+import textwrap
 from typing import Any
 
 from kvpolicy.engine.cli.common import (
@@ -23,7 +25,7 @@ from kvpolicy.engine.cli.common import (
 )
 from kvpolicy.policy.ruleset import CompiledRule, RuleSet
 
-__all__ = ["register", "rule_rows", "run"]
+__all__ = ["register", "rule_rows", "run", "waiver_rows"]
 
 _EPILOG = """\
 examples:
@@ -31,9 +33,12 @@ examples:
   kvpolicy inspect my-rules/ --vllm-version 0.34.0   # my-rules/ on the shipped rules: which layer has what
   kvpolicy inspect --connector NixlConnector     # the rules in force with NixlConnector configured
   kvpolicy rules my-rules/ --format json | jq .rules
+  kvpolicy inspect --brief                       # one line per rule, no descriptions
 
 output: one line per rule: id, effect (`forbid (audit)` for an audit-mode rule), scope (global or the
-connector), layer (its index, bottom first, and root) and file:line; JSON: docs/cli.md
+connector), layer (its index, bottom first, and root) and file:line, then its description (and reference)
+indented under it (--brief leaves them out); then the waivers of those rules, each with its owner, expiry
+(in force or expired), where it applies and file:line; JSON: docs/cli.md
 
 exit codes: 0 listed, 1 the rules do not load, 2 usage error
 """
@@ -51,6 +56,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
     add_vllm_version_flag(p)
     p.add_argument("--connector", metavar="NAME",
                    help="only the rules in force while this connector is configured (global + its files)")
+    p.add_argument("--brief", action="store_true",
+                   help="text: one line per rule, without its description (JSON always has it)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or json")
     p.set_defaults(run=run)
 
@@ -91,12 +98,13 @@ def run(args: argparse.Namespace) -> int:
     ruleset = load_ruleset(dirs, "DIR" if args.dir is not None else "--rules", vllm_version=args.vllm_version,
                            shipped_rules=not args.no_shipped_rules)
     rows = rule_rows(ruleset, args.connector, args.vllm_version)
+    waivers = waiver_rows(ruleset, {x["id"] for x in rows})
     layers = [layer.to_dict() for layer in ruleset.layers] or [
         {"root": ruleset.root, "shipped": False, "digest": ruleset.digest, "rules": len(ruleset.all_rules),
          "connectors": list(ruleset.connectors)}]
     if args.format == "json":
         print_json({"root": ruleset.root, "digest": ruleset.digest, "profile": args.vllm_version,
-                    "connector": args.connector, "layers": layers, "rules": rows})
+                    "connector": args.connector, "layers": layers, "rules": rows, "waivers": waivers})
         return EXIT_OK
     what = f" with connector {args.connector}" if args.connector else ""
     print(f"{len(rows)} rules in force{what} ({args.vllm_version}; {ruleset.root}; digest {ruleset.digest[:19]}...)")
@@ -112,4 +120,30 @@ def run(args: argparse.Namespace) -> int:
     for x, e in zip(rows, effect):
         print(f"{x['id']:<{widths[0]}}  {e:<{widths[1]}}  {x['scope']:<{widths[2]}}  {x['layer']['index']:<5}  "
               f"{x['source']}")
+        if not args.brief:  # why the rule exists, under it (`opa inspect -a` shows annotations the same way)
+            about = x["description"] + (f" (see {x['reference']})" if x["reference"] else "")
+            print("\n".join(textwrap.wrap(" ".join(about.split()), width=100, initial_indent="    ",
+                                           subsequent_indent="    ")))
+    _print_waivers(waivers)
     return EXIT_OK
+
+
+def waiver_rows(ruleset: RuleSet, rule_ids: set[str] | None = None) -> list[dict[str, Any]]:
+    """One dict per waiver (docs/rule-language.md, "Waivers"), of the rules in ``rule_ids`` (None: all), by
+    file:line: the JSON rows of ``inspect``'s ``waivers``."""
+    rows = [w.to_dict() for w in sorted(ruleset.waivers, key=lambda w: w.source)
+            if rule_ids is None or w.rule_id in rule_ids]
+    return rows
+
+
+def _print_waivers(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print()
+    print(f"{len(rows)} waiver(s):")
+    for w in rows:
+        state = "in force" if w["in_force"] else "EXPIRED, the rule applies again"
+        where = "" if w["when"] is None else " where " + json.dumps(w["when"], separators=(", ", ": "))
+        print(f"  {w['rule']} waived{where} until {w['expires']} ({state}), owner {w['owner']}, at {w['source']}")
+        print("\n".join(textwrap.wrap(" ".join(w["reason"].split()), width=100, initial_indent="    ",
+                                       subsequent_indent="    ")))

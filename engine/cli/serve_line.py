@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +148,3 @@ def environment_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], list[s
                             v2_runner_flag=args.use_v2_model_runner,
                             chunked_local_flag=getattr(args, "allow_chunked_local_attn_with_hybrid_kv_cache", None))
     return reading.inputs, list(reading.notes)
-
-
-def print_notes(notes: list[str]) -> None:
-    for note in notes:
-        print(note, file=sys.stderr)

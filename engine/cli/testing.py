@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.engine.cli.test_reports import case_diagnostics, coverage_breakdown, coverage_percent, junit_xml
-from kvpolicy.policy.errors import shown_file
+from kvpolicy.policy.errors import Diagnostic, PolicyError, shown_file
 
 if TYPE_CHECKING:
     from kvpolicy.engine.policy_tests import CaseResult, TestRun
@@ -43,6 +44,7 @@ examples:
                                                   (several --rules: the tests/ of each that has one)
   kvpolicy test --rules my-rules/ cases/nixl.yaml --require-coverage -v
   kvpolicy test --rules my-rules/ --include-shipped   # the shipped rules count in the coverage too
+  kvpolicy test --run 'Nixl|Offloading'           # only the cases whose name matches (a regex, searched)
 
 a case file (docs/cli.md has the full format; this one passes under the default profile):
   version: 1
@@ -62,7 +64,8 @@ your layers' rules, unless --include-shipped) and the rules no case made match, 
 file:line.
 
 exit codes: 0 every case passed, 1 a case failed (or, with --require-coverage, a rule is
-            uncovered; or a test file does not load), 2 usage error
+            uncovered; or a test file does not load; or no case matches --run), 2 usage error
+            (a --run PATTERN that is no regular expression)
 """
 
 
@@ -83,12 +86,34 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--include-shipped", action="store_true",
                    help="with --rules: count the shipped rules' coverage too (default: only the rules of your "
                         "layers count, for the summary and --require-coverage)")
+    p.add_argument("--run", metavar="PATTERN", default=None, dest="run_pattern",  # `run` is the verb's function
+                   help="run only the cases whose name this regular expression matches anywhere (Python `re`, "
+                        "as `opa test --run`); every file is still loaded and checked; coverage counts the "
+                        "cases run; no case matching is a failure (exit 1)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing cases too")
     p.add_argument("--format", choices=("text", "json", "junit", "github", "sarif"), default="text",
                    help="text for people (default), json for programs (docs/json-output.md); junit: JUnit XML "
                         "(a file that does not load: an errored testcase); github: GitHub Actions annotations; "
                         "sarif: SARIF 2.1.0")
     p.set_defaults(run=run)
+
+
+_MAX_PATTERN = 1000  # a case name is a line; a longer pattern is a mistake, not a selection
+
+
+def _selection(pattern: str | None) -> re.Pattern[str] | None:
+    """``--run PATTERN`` compiled; a usage error at the flag when it is no regular expression."""
+    if pattern is None:
+        return None
+    if len(pattern) > _MAX_PATTERN:
+        raise usage_error("--run", f"the pattern is over {_MAX_PATTERN} characters", "select with a shorter one")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        where = f" at position {exc.pos}" if exc.pos is not None else ""
+        raise usage_error("--run", f"`{pattern}` is not a regular expression: {exc.msg}{where}",
+                          "escape regex characters with `\\` (`re.escape`), or write a substring of the "
+                          "case name") from None
 
 
 def _percent(text: str) -> float:
@@ -132,7 +157,9 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
         out += [f"{r.loaded.location}: {r.name}: {n}" for r, n in noted]
         out.append("")
     cov = run.coverage
-    out.append(f"{run.passed} passed, {run.failed} failed")
+    out.append(f"{run.passed} passed, {run.failed} failed"
+               + (f" ({len(run.results)} of {run.selection[1]} cases selected by --run `{run.selection[0]}`)"
+                  if run.selection is not None else ""))
     of = f" of {' + '.join(shown_file(layer) for layer in cov.layers)}" if cov.layers else ""
     out.append(f"coverage: {cov.total - len(cov.uncovered)}/{cov.total} rules{of} matched by some case"
                + (" (the shipped rules: --include-shipped)" if cov.layers else ""))
@@ -161,7 +188,15 @@ def run(args: argparse.Namespace) -> int:
     missing = [str(p) for p in args.paths or [] if not os.path.lexists(p)]
     if missing:  # a path that names nothing is a usage error (2), as for every verb; a bad file is a failure (1)
         raise usage_error(missing[0], "no such file or directory", "pass policy test files or directories holding them")
-    result = run_policy_tests(ruleset, paths, vllm_version=args.vllm_version)
+    select = _selection(args.run_pattern)
+    result = run_policy_tests(ruleset, paths, vllm_version=args.vllm_version, select=select)
+    if select is not None and not result.results:
+        total = result.selection[1] if result.selection else 0
+        raise PolicyError("", [Diagnostic("--run", 0, 0, "no-case-selected",
+                                          f"no case name matches `{args.run_pattern}` ({total} case(s) in the "
+                                          "files run)",
+                                          "`kvpolicy test -v` lists every case's name; the pattern is searched "
+                                          "anywhere in it (anchor it with `^...$`)")])
     own = operator_layer_roots(ruleset)
     mine = any(layer.rule_ids for layer in ruleset.layers if not layer.shipped)  # a copy of shipped files owns none
     if mine and not args.include_shipped:  # the operator's coverage: the rules of the layers they own

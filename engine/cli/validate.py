@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import sys
 
 from kvpolicy.engine.cli.common import (
     EXIT_FAILED,
@@ -20,7 +22,7 @@ from kvpolicy.engine.cli.common import (
     report_error,
     shipped_roots,
 )
-from kvpolicy.engine.cli.rule_file import is_single_file, run_file
+from kvpolicy.engine.cli.rule_file import is_single_file, lapsed_waivers, run_file
 from kvpolicy.policy.errors import RuleLoadError, shown_file
 from kvpolicy.policy.load import rule_files
 
@@ -43,8 +45,11 @@ output: each problem as `file:line:col: error[code]: message` with a `help:` lin
 stderr; when clean, one line on stdout: `ok: N rules in M files (digest sha256:...)`, then one
 line per layer when there are several; warnings (`warning[code]`) on stderr do not fail
 
-exit codes: 0 the rules load cleanly, 1 they do not, 2 usage error (DIR does not exist, or is not a
-directory; an unknown flag)
+waivers: a waiver past its `expires` (read against --today, KVPOLICY_TODAY or the clock) is an
+error here (`expired-waiver`), a warning for every other verb, which decide as if it were gone
+
+exit codes: 0 the rules load cleanly, 1 they do not (or a waiver has expired), 2 usage error
+(DIR does not exist, or is not a directory; an unknown flag)
 """
 
 
@@ -71,12 +76,15 @@ def run(args: argparse.Namespace) -> int:
     if is_single_file(args.dir) or args.stdin_filename is not None:
         return run_file(args)
     dirs = operator_dirs(args, "dir")
+    said = io.StringIO()  # the load's warnings, said below unless a lapsed waiver fails the run
     try:
         ruleset = load_ruleset(dirs, "DIR" if args.dir is not None else "--rules", vllm_version=args.vllm_version,
-                               shipped_rules=not args.no_shipped_rules)
+                               shipped_rules=not args.no_shipped_rules, stream=said)
+        lapsed_waivers(ruleset)
     except RuleLoadError as exc:
         report_error(exc, args.format)
         return EXIT_FAILED
+    sys.stderr.write(said.getvalue())
     roots = (list(shipped_roots(args.vllm_version)) if not args.no_shipped_rules else []) + \
         expand_rule_dirs(dirs, args.vllm_version)[0]
     files = sum(len(rule_files(r)) for r in dict.fromkeys(r.resolve() for r in roots))

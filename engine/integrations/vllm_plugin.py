@@ -259,17 +259,21 @@ def _engine(settings: Settings, profile: ReleaseProfile) -> LayoutEngine:
 
 def decided_by(decision: Decision) -> str:
     """Which rules decided ``decision``, located: the prefer rules that ranked its layout first, else the
-    candidates' order after the rules that removed layouts."""
+    candidates' order after the rules that removed layouts; then each waiver in force that lifted a rule."""
+    waived = "; ".join(dict.fromkeys(  # a waiver in force changed what the rules did: said on the same line
+        f"waived `{w.rule.id}` ({w.scope}) by {w.waiver.source} (owner {w.waiver.owner}, expires {w.waiver.expires})"
+        for w in decision.waivers if w.applied))
+    waived = f"; {waived}" if waived else ""
     prefs = sorted((p for p in decision.preferences if p.layout is decision.layout), key=lambda p: -p.weight)
     if prefs:
-        return "; ".join(f"prefer `{p.rule.id}` ({p.scope}) at {p.rule.source}" for p in prefs)
+        return "; ".join(f"prefer `{p.rule.id}` ({p.scope}) at {p.rule.source}" for p in prefs) + waived
     removers: dict[str, str] = {}
     for hits in decision.eliminated.values():
         for rule, _ in hits:
             if rule.id != RELEASE_CANDIDATES:
                 removers.setdefault(rule.id, f"`{rule.id}` at {rule.source}")
     text = "the first candidate in the workers' preference order"
-    return text + (" left by " + ", ".join(removers.values()) if removers else "")
+    return text + (" left by " + ", ".join(removers.values()) if removers else "") + waived
 
 
 def _log_decision(decision: Decision, explain: bool) -> None:

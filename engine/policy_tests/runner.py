@@ -96,6 +96,8 @@ class TestRun:
     ruleset: RuleSet
     results: tuple[CaseResult, ...]
     coverage: Coverage
+    # `--run PATTERN` (`run_policy_tests(select=...)`): the pattern and how many cases the files hold; None: all ran
+    selection: tuple[str, int] | None = None
 
     __test__ = False  # not a pytest class
 
@@ -112,9 +114,12 @@ class TestRun:
         return self.failed == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "failed": self.failed, "cases": [r.to_dict() for r in self.results],
-                "coverage": self.coverage.to_dict(),
-                "ruleset": {"root": self.ruleset.root, "digest": self.ruleset.digest}}
+        out = {"passed": self.passed, "failed": self.failed, "cases": [r.to_dict() for r in self.results],
+               "coverage": self.coverage.to_dict(),
+               "ruleset": {"root": self.ruleset.root, "digest": self.ruleset.digest}}
+        if self.selection is not None:
+            out["selection"] = {"run": self.selection[0], "selected": len(self.results), "of": self.selection[1]}
+        return out
 
 
 def _fmt_list(items: Iterable[str]) -> str:
@@ -265,13 +270,18 @@ def coverage_of(ruleset: RuleSet, results: Iterable[CaseResult], layers: Iterabl
 
 
 def run_policy_tests(ruleset: RuleSet, paths: Iterable[str | os.PathLike[str]], *,
-                     vllm_version: str | ReleaseProfile | None = None) -> TestRun:
+                     vllm_version: str | ReleaseProfile | None = None,
+                     select: re.Pattern[str] | None = None) -> TestRun:
     """Load the cases under ``paths`` and run them against ``ruleset``, deciding each in
-    ``vllm_version``'s release profile (default: the default profile).
+    ``vllm_version``'s release profile (default: the default profile); with ``select``, only the cases
+    whose name it matches anywhere (`re.search`, as ``opa test --run``), and the coverage of those.
 
     Raises `PolicyTestError` (every problem, located) when a file does not
-    load; a case that fails is a result, not an exception.
+    load (every file is loaded and checked, selected cases or not); a case that fails is a result,
+    not an exception.
     """
     cases = load_cases(paths, ruleset)
-    results = tuple(run_case(ruleset, lc, vllm_version) for lc in cases)
-    return TestRun(ruleset, results, coverage_of(ruleset, results))
+    chosen = cases if select is None else [lc for lc in cases if select.search(lc.case.name)]
+    results = tuple(run_case(ruleset, lc, vllm_version) for lc in chosen)
+    return TestRun(ruleset, results, coverage_of(ruleset, results),
+                   None if select is None else (select.pattern, len(cases)))

@@ -77,3 +77,95 @@ def test_a_write_that_fails_leaves_the_rule_file_whole(capsys: pytest.CaptureFix
     code, _, err = cli(capsys, "fmt", "--write", str(target))
     assert code != 0 and "No space left" in err
     assert target.read_text() == UNFORMATTED
+
+
+class _EndlessStdin:
+    """A stdin that never ends (`yes | kvpolicy fmt -`): reading it whole is a MemoryError, here at once."""
+
+    class _Bytes:
+        def read(self, n: int = -1) -> bytes:
+            if n is None or n < 0:
+                raise MemoryError("read an endless stdin whole")
+            return b"a: b\n" * (n // 5 + 1)
+
+    buffer = _Bytes()
+
+    def read(self, n: int = -1) -> str:
+        return self.buffer.read(n).decode()
+
+
+@pytest.mark.parametrize("verb", ["fmt", "validate"])
+def test_an_endless_stdin_is_refused_at_the_file_limit(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch, verb: str) -> None:
+    monkeypatch.setattr("sys.stdin", _EndlessStdin())
+    code, out, err = cli(capsys, verb, "-", *(["--no-shipped-rules"] if verb == "validate" else []))
+    assert code == 1 and out == ""
+    assert "<stdin>: error[too-large]: stdin is over the 1000000-byte limit" in err and "help:" in err
+
+
+def test_files_the_loader_refuses_are_refused_located_and_left_alone(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    (tmp_path / "latin1.yaml").write_bytes(b"version: 1\nrules: []\n# caf\xe9\n")
+    (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbfrules: []\nversion: 1\n")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, out, err = cli(capsys, "fmt", "--write", str(tmp_path))
+    assert code == 1 and out == ""
+    assert f"{tmp_path}/latin1.yaml:3:6: error[encoding]: invalid UTF-8 byte 0xe9" in err
+    assert f"{tmp_path}/bom.yaml:1:1: error[bom]" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+COMMA = """\
+version: 1
+rules:
+  - id: site-rule
+    when:
+      field: connector.name
+      in:
+        - x,y
+        - z
+    forbid: {placement: cross_layer}
+"""
+
+
+def test_a_block_list_item_with_a_comma_stays_one_item(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "global.yaml").write_text(COMMA)
+    assert cli(capsys, "fmt", "--write", str(tmp_path))[0] == 0
+    assert "when: {field: connector.name, in: ['x,y', z]}" in (tmp_path / "global.yaml").read_text()
+
+
+def test_a_file_whose_meaning_fmt_would_change_is_never_written_printed_or_diffed(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpolicy.policy import fmt
+
+    monkeypatch.setattr(fmt, "_one_line", lambda value, flow: "x, y")  # an emitter with a bug
+    target = tmp_path / "global.yaml"
+    target.write_text(COMMA)
+    for mode in ([], ["--check"], ["--diff"], ["--write"]):
+        code, out, err = cli(capsys, "fmt", *mode, str(target))
+        assert code == 1 and out == "", mode
+        assert f"{target}:7:11: error[fmt-changes-meaning]: formatting would change `rules[0].when.in[0]`" in err
+        assert target.read_text() == COMMA
+
+
+def test_format_json_reports_each_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import json
+
+    (tmp_path / "a.yaml").write_text(UNFORMATTED)
+    (tmp_path / "b.yaml").write_text(FORMATTED)
+    (tmp_path / "c.yaml").write_text("version: 1\nrules: [\n")
+    code, out, err = cli(capsys, "fmt", "--check", "--format", "json", str(tmp_path))
+    doc = json.loads(out)
+    assert code == 1 and next(iter(doc)) == "format_version"
+    assert (doc["ok"], doc["mode"], doc["changed"], doc["failed"]) == (False, "check", 1, 1)
+    a, b, c = doc["files"]
+    assert (a["file"], a["ok"], a["changed"], a["written"]) == (f"{tmp_path}/a.yaml", True, True, False)
+    assert a["diff"].startswith(f"--- {tmp_path}/a.yaml (as written)") and a["diagnostics"] == []
+    assert (b["changed"], "diff" in b) == (False, False)
+    assert c["ok"] is False and c["diagnostics"][0]["code"] == "yaml-syntax" and c["diagnostics"][0]["line"] == 3
+    assert "error[yaml-syntax]" in err  # the errors on stderr too
+    code, out, _ = cli(capsys, "fmt", "--write", "--format", "json", str(tmp_path / "a.yaml"))
+    assert code == 0 and json.loads(out)["files"][0]["written"] is True
+    code, out, _ = cli(capsys, "fmt", "--format", "json", str(tmp_path / "a.yaml"))
+    assert code == 0 and json.loads(out)["files"][0] == {"file": f"{tmp_path}/a.yaml", "ok": True, "changed": False,
+                                                         "written": False, "diagnostics": [], "formatted": FORMATTED}

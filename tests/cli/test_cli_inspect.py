@@ -59,3 +59,33 @@ def test_inspect_of_rules_that_do_not_load_fails_located(capsys: pytest.CaptureF
 def test_validate_counts_audit_rules_as_rules(capsys: pytest.CaptureFixture[str], site: Path) -> None:
     code, out, _ = cli(capsys, "validate", str(site), "--vllm-version", "0.34.0")
     assert code == 0 and out.startswith("ok: 18 rules in ") and f"layer 1: {site} (operator, 1 rules" in out
+
+
+def test_inspect_shows_each_rules_description_under_it(capsys: pytest.CaptureFixture[str], site: Path) -> None:
+    code, out, _ = cli(capsys, "inspect", str(site), "--vllm-version", "0.34.0")
+    lines = out.splitlines()
+    mine = next(i for i, x in enumerate(lines) if x.startswith("site-fp8-per-layer"))
+    assert code == 0 and lines[mine + 1] == "    roll out first"
+    guard = next(i for i, x in enumerate(lines) if x.startswith("extensible-kv-cache-with-connector-needs-block"))
+    about = " ".join(x.strip() for x in lines[guard + 1:guard + 4])
+    assert about.startswith("an extensible KV cache commits one contiguous run per layer")
+    assert "(see vllm/v1/attention/backends/utils.py resolve_kv_cache_layout)" in about  # its reference
+    code, brief, _ = cli(capsys, "inspect", str(site), "--vllm-version", "0.34.0", "--brief")
+    assert code == 0 and "roll out first" not in brief and "site-fp8-per-layer" in brief
+
+
+def test_inspect_lists_the_waivers_of_the_rules_it_shows(capsys: pytest.CaptureFixture[str], site: Path) -> None:
+    (site / "waivers.yaml").write_text(
+        "version: 1\nwaivers:\n  - rule: offloading-requires-lbhnc\n    owner: kv-team\n    reason: LMCache 0.3\n"
+        "    expires: 2027-01-31\n")
+    code, out, _ = cli(capsys, "inspect", str(site), "--vllm-version", "0.34.0", "--today", "2027-01-01")
+    assert code == 0 and "1 waiver(s):" in out
+    assert (f"  offloading-requires-lbhnc waived until 2027-01-31 (in force), owner kv-team, at {site}/waivers.yaml:3"
+            in out)
+    code, out, _ = cli(capsys, "inspect", str(site), "--vllm-version", "0.34.0", "--today", "2027-02-01",
+                       "--format", "json")
+    [w] = json.loads(out)["waivers"]
+    assert w["in_force"] is False and w["owner"] == "kv-team" and w["source"] == f"{site}/waivers.yaml:3"
+    code, out, _ = cli(capsys, "inspect", str(site), "--vllm-version", "0.34.0", "--connector", "NixlConnector",
+                       "--format", "json")
+    assert json.loads(out)["waivers"] == []  # a waiver of a rule not in force with that connector

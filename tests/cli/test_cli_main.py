@@ -15,7 +15,8 @@ import pytest
 from kvpolicy.engine.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
-VERBS = ("dry-run", "validate", "test", "schema", "lint", "diff", "releases", "compat", "inspect", "fmt", "doctor")
+VERBS = ("dry-run", "validate", "test", "schema", "lint", "diff", "releases", "compat", "inspect", "fmt", "doctor",
+         "completion")
 ALIASES = ("rules",)  # `kvpolicy rules` is `kvpolicy inspect`
 
 

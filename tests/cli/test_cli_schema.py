@@ -26,7 +26,7 @@ def test_schema_header(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert data["$id"] == "urn:kvpolicy:rule-file:1"
     assert data["title"] == "kvpolicy rule file"
-    assert set(data["properties"]) == {"version", "connector", "member_preferences", "defaults", "rules"}
+    assert set(data["properties"]) == {"version", "connector", "member_preferences", "defaults", "rules", "waivers"}
     cases = json.loads(schema_text(cases=True))
     assert cases["title"] == "kvpolicy policy test file" and set(cases["properties"]) == {"version", "cases"}
 
@@ -51,3 +51,19 @@ def test_schema_accepts_shipped_files_and_rejects_typos() -> None:
     jsonschema.Draft202012Validator.check_schema(case_schema)
     for path in (ROOT / "rules").glob("*/tests/*.yaml"):
         jsonschema.validate(yaml.safe_load(path.read_text()), case_schema)
+
+
+def test_schema_takes_a_waiver_and_refuses_one_without_an_owner() -> None:
+    """A waiver (docs/rule-language.md, "Waivers") as editors check it: owner, reason and a `YYYY-MM-DD` expiry."""
+    import jsonschema
+
+    schema = json.loads(schema_text())
+    good = {"version": 1, "waivers": [{"rule": "r", "owner": "kv-team", "reason": "why", "expires": "2027-01-31",
+                                       "when": {"field": "backend.name", "eq": "TRITON_ATTN"}}]}
+    jsonschema.validate(good, schema)
+    for bad in ({k: v for k, v in good["waivers"][0].items() if k != "owner"},
+                {**good["waivers"][0], "expires": "31/01/2027"}, {**good["waivers"][0], "until": "x"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"version": 1, "waivers": [bad]}, schema)
+    with pytest.raises(jsonschema.ValidationError):  # `waivers` belong in a global file
+        jsonschema.validate({**good, "connector": "NixlConnector"}, schema)

@@ -1,5 +1,6 @@
 """The SVG block map of a deep model stays readable (issue 22, class 6): no text overprints another,
-whatever the layout; interleaved layers are one label (``L0-31``)."""
+whatever the layout; interleaved layers (BHLNC) are one band label (``L0-31 K+V``) over a tick per head
+(issue 32: it was one ``L0-31`` tick and no heads)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,11 @@ def test_no_label_overprints_another(layers: int, layout: str, tmp_path: Path,
     assert overprinted(text) == []
     ticks = re.findall(r'data-kind="layer-tick">([^<]*)<', text)
     assert ticks, "the layers are labelled"
-    if layout == "BHLNC":  # every layer's heads interleave in a block: one label for them all
-        assert ticks == [f"L0-{layers - 1}"]
+    labels = re.findall(r'data-kind="layer-label">([^<]*)<', text)
+    if layout == "BHLNC":  # each head's slab holds every layer: a tick per head, the band names the layers
+        assert ticks == [f"H{h}" for h in range(8)] and labels == [f"L0-{layers - 1} K+V"]
+    elif layout in ("LBNHC", "LHBNC"):  # a page (or a head's run) per layer, a slab apart: a tick per layer
+        assert f"L0-{layers - 1}" not in ticks and ticks[0] == "L0" and ticks[-1] == f"L{layers - 1}"
 
 
 def test_an_overlap_map_of_a_deep_model_is_readable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -163,38 +164,142 @@ def _bytes_of_bands(bands) -> dict[tuple[int, int], frozenset]:
     return out
 
 
+def _cells(p, blocks) -> dict[tuple[int, int], tuple[int, int]]:
+    """Each byte of the cells of ``blocks``, from the plan's own addresses: ``(buffer, byte) -> (layer, kv)``."""
+    out = {}
+    for layer in range(p.num_layers):
+        for kv in range(p.spec.kv_factor):
+            for block in blocks:
+                for token in range(p.spec.block_size):
+                    for head in range(p.spec.num_kv_heads):
+                        buffer, at = p.cell_offset(layer, kv, block, token, head)
+                        for byte in range(at, at + p.spec.cell_bytes):
+                            out[(buffer, byte)] = (layer, kv)
+    return out
+
+
 @settings(max_examples=60, deadline=None)
-@given(layout=st.sampled_from(["LBNHC", "LBHNC", "BLNHC", "BHLNC"]), layers=st.integers(1, 4),
+@given(layout=st.sampled_from(["LBNHC", "LBHNC", "BLNHC", "BHLNC", "LHBNC", "BLHNC"]), layers=st.integers(1, 4),
        block=st.sampled_from([1, 2, 4]), heads=st.integers(1, 3), head=st.sampled_from([4, 8, 12]),
        dtype=st.sampled_from(["auto", "fp8_per_token_head", "int8_per_token_head"]),
        views=st.sampled_from([ScaleViews.stride_aware, ScaleViews.assume_per_layer_contiguous]),
        packed=st.booleans())
 def test_bands_name_the_writers_of_every_byte_exactly(layout, layers, block, heads, head, dtype, views,
                                                        packed) -> None:
-    """Expanded byte by byte, the bands give each byte of block 0's rows exactly the writers
-    that touch it (none for padding), whatever the layout, packing and scale views."""
-    from kvpolicy.engine.memory_map import _row, _unit
+    """Expanded byte by byte, the bands give each byte of block 0's cells (where the plan's
+    `cell_offset` puts them) exactly the writers that touch it, whichever block's write lands
+    there; any other byte drawn is padding, never a byte of another block's cells."""
+    from kvpolicy.engine.memory_map import _unit
     from kvpolicy.engine.verify import writers
     from kvpolicy.policy.backends import packed_backend
 
     backend = packed_backend("TRITON_ATTN") if packed else TRITON
+    if Layout.parse(layout) not in backend.layouts:
+        return
     spec = KVCacheSpec(num_layers=layers, block_size=block, num_kv_heads=heads, head_size=head, kv_cache_dtype=dtype)
     p = plan_layout(Layout.parse(layout), spec, backend, num_blocks=layers + 1)
-    expected: dict[tuple[int, int], set] = {}
-    for buffer in {w.buffer for w in writers(p, views)}:
-        lo, hi = _row(p, buffer)
-        for byte in range(lo, hi):
-            expected[(buffer, byte)] = set()
+    block0 = _cells(p, [0])
+    others = _cells(p, range(1, p.num_blocks))
+    expected: dict[tuple[int, int], set] = {key: set() for key in block0}
     for w in writers(p, views):
-        lo, hi = _row(p, w.buffer)
         for s, e in w.runs(p.num_blocks):
-            for byte in range(max(s, lo), min(e, hi)):
-                expected[(w.buffer, byte)].add((w.layer, w.role))
+            for byte in range(s, e):
+                if (w.buffer, byte) in expected:
+                    expected[(w.buffer, byte)].add((w.layer, w.role))
     got = _bytes_of_bands(block_map(p, views))
-    assert set(got) <= set(expected)
+    for key, owners in got.items():
+        assert key in block0 or (not owners and key not in others), key
     for key, owners in expected.items():  # a cell's codes and its scales are drawn as one piece
-        drawn = got.get(key, frozenset())  # bytes past a band's last piece are padding
+        drawn = got.get(key, frozenset())
         assert owners <= drawn and {_unit(o) for o in drawn} == {_unit(o) for o in owners}, key
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"])
+@pytest.mark.parametrize("layers", [1, 4, 32])
+@pytest.mark.parametrize("packed", [True, False])
+def test_block_0_is_drawn_where_the_plan_puts_it(layout, layers, packed) -> None:
+    """Issue 32: under vLLM 0.29+'s per_layer layout (one buffer, layer outermost) the map drew every
+    block of each layer as block 0's (bands over 5 pages) and labelled the whole picture `L0-31`.
+    The text map's and the SVG's bands cover exactly block 0's cells where `cell_offset` puts them,
+    each band named by the layers whose block-0 cells it holds."""
+    from kvpolicy.policy.backends import packed_backend
+
+    backend = packed_backend("TRITON_ATTN") if packed else TRITON
+    if Layout.parse(layout) not in backend.layouts:
+        pytest.skip(f"{backend.name} has no {layout} here")
+    spec = KVCacheSpec(num_layers=layers, block_size=4, num_kv_heads=2, head_size=8,
+                       kv_cache_dtype="fp8_per_token_head")
+    p = plan_layout(Layout.parse(layout), spec, backend, num_blocks=layers + 1)
+    cells = _cells(p, [0])
+    for buffer in {b for b, _ in cells}:
+        want = _merged((x, x + 1) for b, x in cells if b == buffer)
+        written = [b for b in block_map(p, ScaleViews.stride_aware) if b.buffer == buffer and b.owners]
+        runs = [(x + k * b.period + q.start, x + k * b.period + q.end)
+                for b in written for x in _starts(b) for k in range(b.count) for q in b.pattern if q.owners]
+        assert _merged(runs) == want, (buffer, layout)
+        for b in written:  # a band's layers are those whose block-0 cells it holds
+            held = {cells[(buffer, x)][0] for s, e in runs_of(b) for x in range(s, e)}
+            assert {layer for layer, _ in b.owners} == held
+    root = _svg(p, ScaleViews.stride_aware)
+    drawn = [r for r in root.iter(f"{NS}rect") if r.get("data-kind") == "band" and r.get("data-layers")]
+    assert drawn
+    for buffer in sorted({b for b, _ in cells})[:1]:  # the first lane: its bands are block 0's cells only
+        want = _merged((x, x + 1) for b, x in cells if b == buffer)
+        got = _merged((int(r.get("data-start")), int(r.get("data-end"))) for r in drawn)
+        assert got == want, layout
+    ticks = [t.text for t in root.iter(f"{NS}text") if t.get("data-kind") == "layer-tick"]
+    if layout in ("LBNHC", "LBHNC", "LHBNC") and layers > 1 and (packed or layout == "LHBNC"):
+        assert f"L{layers - 1}" in ticks and f"L0-{layers - 1}" not in ticks  # one label a layer
+    text = render_text(p, ScaleViews.stride_aware)
+    assert f"page {p.page_size_bytes} B x {layers} layers" in text
+
+
+def _starts(b) -> list[int]:
+    starts = [b.start]
+    for n, s in b.outer:
+        starts = [x + i * s for x in starts for i in range(n)]
+    return starts
+
+
+def runs_of(b) -> list[tuple[int, int]]:
+    return [(x + k * b.period + q.start, x + k * b.period + q.end)
+            for x in _starts(b) for k in range(b.count) for q in b.pattern if q.owners]
+
+
+@pytest.mark.parametrize("views", [ScaleViews.stride_aware, ScaleViews.assume_per_layer_contiguous])
+def test_interleaved_heads_cost_bands_per_writer_not_per_head(views) -> None:
+    """Issue 32: a BHLNC block map listed one band per (layer, head): 262,144 bands in 17 s at 512 x 512.
+    Each layer's band now repeats over the heads, so the count follows the writers, whatever the heads;
+    an overlapping map (naive scale views) stays bounded too."""
+    from kvpolicy.policy.backends import packed_backend
+
+    counts = {}
+    for heads in (1, 8, 64):
+        spec = KVCacheSpec(num_layers=16, block_size=16, num_kv_heads=heads, head_size=64,
+                           kv_cache_dtype="fp8_per_token_head")
+        p = plan_layout(Layout.parse("BHLNC"), spec, packed_backend("TRITON_ATTN"), num_blocks=17)
+        bands = block_map(p, views)
+        counts[heads] = len(bands)
+        if views is ScaleViews.stride_aware:  # one band a layer (its K and V interleave), repeated per head
+            assert len(bands) == spec.num_layers and all(b.repeats == 16 * heads for b in bands)
+        else:  # overlapping: listed run by run while that is small, else one mixed range
+            assert len(bands) <= 16 * heads * spec.num_layers
+    big = KVCacheSpec(num_layers=64, block_size=16, num_kv_heads=128, head_size=128,
+                      kv_cache_dtype="fp8_per_token_head")
+    p = plan_layout(Layout.parse("BHLNC"), big, TRITON, num_blocks=65)  # the #48412 state: overlapping
+    assert len(block_map(p, views)) <= 4 * big.num_layers
+    root = _svg(p, views)
+    assert sum(1 for _ in root.iter()) < 2500
 
 
 def test_svg_counts_every_colliding_pair_not_the_listed_ones() -> None:

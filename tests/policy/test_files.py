@@ -46,3 +46,25 @@ def test_a_new_file_gets_the_mode_open_would_give(tmp_path: Path) -> None:
         os.umask(umask)
     assert stat.S_IMODE((tmp_path / "new.svg").stat().st_mode) == 0o644
     assert (tmp_path / "new.svg").read_bytes() == b"<svg/>"
+
+
+def test_a_device_is_written_to_never_replaced(tmp_path: Path) -> None:
+    # `--svg /dev/stdout`, `fmt --write` of a FIFO: renaming a file over a device node would replace it
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write_atomically(fifo, "through the pipe\n")
+        assert os.read(reader, 100) == b"through the pipe\n"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    write_atomically("/dev/null", "x")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_full_device_is_an_error_and_stays_a_device() -> None:
+    with pytest.raises(OSError) as exc:
+        write_atomically("/dev/full", "x" * 100_000)
+    assert exc.value.errno == errno.ENOSPC
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)

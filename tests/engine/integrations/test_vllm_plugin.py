@@ -822,3 +822,26 @@ def test_configured_without_an_importable_vllm_is_a_plugin_error_not_an_import_e
         vllm_plugin.register()
     assert "vLLM cannot be imported here" in str(exc.value) and "kvpolicy dry-run --vllm-version" in str(exc.value)
     assert "vLLM cannot be imported here" in caplog.text and not vllm_plugin.status()["active"]
+
+
+def test_the_plugin_honours_a_waiver_and_says_so_and_a_lapsed_one_warns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Waivers (docs/rule-language.md): the plugin decides with the shared decision path, so a waiver in force
+    lifts its rule for vLLM too, named on the decision's log line; a lapsed one no longer applies, and warns."""
+    (tmp_path / "global.yaml").write_text(
+        "version: 1\nwaivers:\n  - rule: offloading-requires-lbhnc\n    owner: kv-team\n    reason: LMCache 0.3\n"
+        "    expires: 2027-01-31\n")
+    settings = Settings.from_env({"KVPOLICY_RULES": str(tmp_path)})
+    monkeypatch.setenv("KVPOLICY_TODAY", "2027-01-31")
+    engine = vllm_plugin._engine(settings, get_profile(PROFILE))
+    d = resolve(engine, config("OffloadingConnector"), [FLASHINFER], [FullAttentionSpec()])
+    assert d is not None and d.layout is Layout.LBNHC  # the connector's LBHNC preference is waived
+    assert (f"waived `offloading-requires-lbhnc` (connector:OffloadingConnector) by {tmp_path}/global.yaml:3 "
+            "(owner kv-team, expires 2027-01-31)") in decided_by(d)
+    monkeypatch.setenv("KVPOLICY_TODAY", "2027-02-01")
+    with caplog.at_level(logging.WARNING, logger="kvpolicy"):
+        lapsed = vllm_plugin._engine(settings, get_profile(PROFILE))
+    assert any("warning[expired-waiver]" in r.getMessage() for r in caplog.records)
+    d = resolve(lapsed, config("OffloadingConnector"), [FLASHINFER], [FullAttentionSpec()])
+    assert d is not None and d.layout is Layout.LBHNC and "waived" not in decided_by(d)
+    assert any("expired on 2027-01-31" in w for w in d.warnings)

@@ -1,0 +1,78 @@
+"""``dry-run --format json`` carries what the text output says (issue 32): every ``note:`` line stderr
+printed is in ``notes`` (then the explanation's own notes), every other line it printed in ``warnings``, for
+the same inputs in both formats; ``vllm_version`` is the release asked, ``profile_vllm_version`` the one the
+profile reproduces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_capture import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "tests" / "e2e" / "tiny-llama")
+QWEN = str(ROOT / "tests" / "fixtures" / "model_configs" / "qwen2.5-0.5b-instruct")
+LLAMA = str(ROOT / "tests" / "fixtures" / "model_configs" / "llama-3.1-8b-instruct" / "config.json")
+VARIABLES = ("VLLM_KV_CACHE_LAYOUT", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_MLA_DISABLE", "VLLM_BATCH_INVARIANT",
+             "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "VLLM_USE_SIMPLE_KV_OFFLOAD", "VLLM_TARGET_DEVICE",
+             "VLLM_ATTENTION_BACKEND", "KVPOLICY_VLLM_VERSION")
+
+# (environment, argv): each says something on stderr
+CASES = [
+    ({"VLLM_KV_CACHE_LAYOUT": "HND"}, ["--vllm-version", "0.30.1", "--", QWEN, "--port", "8000",
+                                       "--max-model-len", "4096"]),
+    ({"VLLM_ATTENTION_BACKEND": "FLASHINFER"}, ["--vllm-version", "0.34.0", "--", "vllm", "serve", TINY, "-tp", "2"]),
+    ({}, ["--vllm-version", "0.34.0", "--block-size", "32", "--", TINY, "--block-size", "16", "--config=x.yaml"]),
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, ["--vllm-version", "0.30.0", "--model", QWEN]),
+    ({"VLLM_BATCH_INVARIANT": "1"}, ["--vllm-version", "0.28.0", "--model", LLAMA]),
+    ({}, ["--vllm-version", "0.34.0", "--device", "cpu", "--model", QWEN]),
+    ({}, ["--vllm-version", "0.28.1", "--", TINY, "--kv-transfer-config.kv_connector", "NixlConnector",
+          "--kv-transfer-config.kv_role", "kv_both", "--kv-transfer-config.kv_role", "kv_producer"]),
+]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _said(err: str) -> tuple[list[str], list[str]]:
+    lines = [line for line in err.splitlines() if line.startswith(("note: ", "warning: "))]
+    return ([line.removeprefix("note: ") for line in lines if line.startswith("note: ")],
+            [line for line in lines if line.startswith("warning: ")])
+
+
+@pytest.mark.parametrize("env, argv", CASES)
+def test_json_carries_every_note_and_warning_the_text_says(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            env: dict[str, str], argv: list[str]) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, text_out, text_err = cli(capsys, "dry-run", *argv)
+    assert code == 0, text_err
+    code, json_out, json_err = cli(capsys, "dry-run", "--format", "json", *argv)
+    assert code == 0, json_err
+    data = json.loads(json_out)
+    notes, warnings = _said(text_err)
+    assert notes, "each case says something"
+    assert _said(json_err) == (notes, warnings)  # the same lines on stderr in both formats
+    assert data["notes"][:len(notes)] == notes  # ... and in the JSON
+    assert all(w in data["warnings"] for w in warnings)
+    flat = " ".join(text_out.split())
+    assert all(" ".join(n.split()) in flat for n in data["notes"][len(notes):])  # the explanation's own
+
+
+def test_a_patch_release_is_written_as_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "dry-run", "--format", "json", "--vllm-version", "0.30.1")
+    data = json.loads(out)
+    assert code == 0
+    assert (data["vllm_version"], data["profile"], data["profile_vllm_version"]) == ("0.30.1", "vllm-0.30", "0.30.0")
+    assert any(n.startswith("--vllm-version 0.30.1: ") for n in data["notes"])
+    for asked, version in (("0.34.0", "0.34.0"), ("vllm-0.34", "0.34.0"), ("0.34", "0.34.0"), ("0.25.1", "0.25.1")):
+        code, out, _ = cli(capsys, "dry-run", "--format", "json", "--vllm-version", asked)
+        data = json.loads(out)
+        reproduces = "0.25.0" if asked == "0.25.1" else "0.34.0"
+        assert (data["vllm_version"], data["profile_vllm_version"]) == (version, reproduces)
