@@ -673,7 +673,7 @@ def test_every_per_token_head_size_is_refused_when_made_or_reads_back_what_it_wr
 
 @pytest.mark.parametrize("dtype", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"])
 def test_nan_and_infinities_read_back_as_vllm_reads_them(dtype: str) -> None:
-    """The edge semantics README.md's "Quantized cells" documents, through a cache (the bytes are
+    """The edge semantics docs/quantized-cells.md documents, through a cache (the bytes are
     vLLM 0.34's, tests/conformance/test_cells.py): int8/fp8 store a NaN as the lowest code, so
     it reads back as a finite negative value of the head's magnitude, the rest intact; an infinity of
     either sign makes the scale infinite, so it reads -inf and every other value of its head NaN.
