@@ -36,7 +36,7 @@ failed (every problem listed, located), 2 usage error
 """
 
 _VARIABLES = ("KVPOLICY_RULES", "KVPOLICY_SHIPPED_RULES", "KVPOLICY_EXPLAIN", "KVPOLICY_VLLM_VERSION",
-              "KVPOLICY_VLLM_PROFILE", "KVPOLICY_UNSTAMPED_BLOCKS")
+              "KVPOLICY_VLLM_PROFILE", "KVPOLICY_UNSTAMPED_BLOCKS", "KVPOLICY_TODAY")
 
 
 def register(verbs: argparse._SubParsersAction) -> None:

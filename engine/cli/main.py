@@ -36,7 +36,7 @@ from kvpolicy.engine.cli.common import (
     usage_error,
 )
 from kvpolicy.policy.errors import PolicyError, terminal_text
-from kvpolicy.policy.waivers import parse_day, today_is
+from kvpolicy.policy.waivers import TODAY_VARIABLE, parse_day, today_is
 
 __all__ = ["build_parser", "main"]
 
@@ -145,7 +145,12 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return EXIT_USAGE
     try:
         settle_vllm_version(args)
-        with today_is(parse_day(args.today, "--today") if getattr(args, "today", None) else None):
+        day = None
+        if getattr(args, "today", None):
+            day = parse_day(args.today, "--today")
+        elif hasattr(args, "today") and os.environ.get(TODAY_VARIABLE):  # a bad one fails now, waivers or not
+            day = parse_day(os.environ[TODAY_VARIABLE], TODAY_VARIABLE)
+        with today_is(day):
             return args.run(args)
     except PolicyError as exc:
         report_error(exc, getattr(args, "format", "text"))

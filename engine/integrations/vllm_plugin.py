@@ -74,6 +74,7 @@ from kvpolicy.policy.releases import (
     resolve_profile,
     version_override,
 )
+from kvpolicy.policy.waivers import TODAY_VARIABLE, parse_day
 
 __all__ = [
     "ENV_EXPLAIN",
@@ -165,6 +166,12 @@ class Settings:
         except InputError as exc:
             raise PluginError(f"kvpolicy: {ENV_UNSTAMPED}={_cut(env.get(ENV_UNSTAMPED, ''))!r} is not a valid "
                               "setting; vLLM must not start:", exc.diagnostics) from None
+        if env.get(TODAY_VARIABLE):  # read once rules load, waivers or not: a bad day stops start-up now
+            try:
+                parse_day(env[TODAY_VARIABLE], TODAY_VARIABLE)
+            except InputError as exc:
+                raise PluginError(f"kvpolicy: {TODAY_VARIABLE}={_cut(env[TODAY_VARIABLE])!r} is not a valid "
+                                  "setting; vLLM must not start:", exc.diagnostics) from None
         try:
             override = version_override(env)
         except InputError as exc:

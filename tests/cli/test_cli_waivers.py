@@ -87,3 +87,14 @@ def test_one_file_alone_checks_its_waivers_too(capsys: pytest.CaptureFixture[str
     (tmp_path / "g.yaml").write_text(own.replace("  - rule: r\n", "  - rule: q\n"))
     code, _, err = cli(capsys, *args)
     assert code == 1 and f"{tmp_path}/g.yaml:7:5: error[unknown-waived-rule]" in err
+
+
+def test_a_malformed_kvpolicy_today_fails_whether_or_not_the_rules_hold_waivers(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # a CI job with a bad day must not pass until someone adds the first waiver
+    monkeypatch.setenv("KVPOLICY_TODAY", "2027-02-30")
+    code, _, err = cli(capsys, "validate", "--vllm-version", "0.34.0")
+    assert code == 2 and "KVPOLICY_TODAY: error[invalid-date]: `2027-02-30` is not a date" in err
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0")
+    assert code == 1 and "KVPOLICY_TODAY=2027-02-30" in out and "error[invalid-date]" in out

@@ -96,3 +96,17 @@ def test_connector_name_conditions_take_any_name_but_a_near_miss() -> None:
     with pytest.raises(RuleLoadError) as err:
         load_rules_from_texts({"global.yaml": when.format("NixlConector")})
     assert "did you mean `NixlConnector`?" in (err.value.diagnostics[0].help or "")
+
+
+def test_a_connector_file_of_audit_rules_only_is_checked_for_a_near_name(tmp_path) -> None:
+    # rolling a connector's rule out in audit mode first: a typo in its class name must still be said
+    from kvpolicy.policy.layers import connector_warnings
+    from kvpolicy.policy.load import load_rules
+
+    (tmp_path / "connectors").mkdir()
+    (tmp_path / "connectors" / "OffloadingConnecter.yaml").write_text(
+        "version: 1\nconnector: OffloadingConnecter\nrules:\n  - id: site-offload-nhd\n    description: x\n"
+        "    enforcement: audit\n    require: {head_order: NHD}\n")
+    (warning,) = connector_warnings(load_rules(tmp_path))
+    assert warning.code == "near-connector-name" and (warning.line, warning.col) == (2, 12)
+    assert "did you mean `OffloadingConnector`?" in warning.help
