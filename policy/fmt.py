@@ -437,6 +437,8 @@ def _compose(text: str, file: str, limits: Limits) -> Node:
     if len(docs) != 1:
         raise _fail(file, 1, 1, "not-one-document", f"a rule file is one YAML document, found {len(docs)}",
                     "keep one document per file")
+    if "&" in text or "*" in text:  # first: the walk below visits an aliased node once per path to it (a bomb)
+        _refuse_anchors(docs[0], file)
     stack: list[tuple[Node, int]] = [(docs[0], 0)]
     while stack:  # the formatter recurses per level: refuse what the loader refuses, before recursing
         node, depth = stack.pop()
@@ -447,8 +449,6 @@ def _compose(text: str, file: str, limits: Limits) -> Node:
             stack += [(n, depth + 1) for kv in node.value for n in kv]
         elif isinstance(node, SequenceNode):
             stack += [(n, depth + 1) for n in node.value]
-    if "&" in text or "*" in text:
-        _refuse_anchors(docs[0], file)
     if "!" in text:
         _refuse_tags(text, file)
     return docs[0]

@@ -175,3 +175,18 @@ def test_a_comment_on_a_block_scalars_header_line_is_kept(header: str) -> None:
     assert once.count("# why folded") == 1
     assert format_rule_file(once) == once
     assert _digest(once) == _digest(text)
+
+
+def test_an_alias_bomb_is_refused_at_once() -> None:
+    # the nesting check walked the node graph once per path to each node before anchors were refused:
+    # nine aliases of nine aliases ... (a billion laughs) never finished
+    import itertools
+    import time
+
+    levels = "abcdefgh"
+    text = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in itertools.pairwise(levels))
+    start = time.process_time()
+    with pytest.raises(FormatError, match="anchors and aliases are not formatted"):
+        format_rule_file(text)
+    assert time.process_time() - start < 2
