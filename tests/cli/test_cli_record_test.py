@@ -130,3 +130,12 @@ def test_a_fifo_or_device_to_record_into_is_refused_unread(capsys: pytest.Captur
         if not opened.is_set():
             os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # let the writer go
         t.join(5)
+
+
+@pytest.mark.parametrize("flag", ["--record-test", "--svg"])
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_path_to_write_is_a_usage_error(capsys: pytest.CaptureFixture[str], here: Path, flag: str,
+                                                 path: str) -> None:
+    # `--svg ""` (an unset shell variable) read as no flag: exit 0, nothing written, nothing said
+    code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", flag, path)
+    assert code == 2 and f"{flag}: error[usage]: the path is empty" in err
