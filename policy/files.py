@@ -28,17 +28,17 @@ def write_atomically(path: Path | str, data: str | bytes, *, encoding: str = "ut
     symbolic link keeps pointing where it did (its target is replaced). A path that is no regular file (a
     device such as ``/dev/stdout``, a FIFO) is written to as `open` would, never replaced. Raises OSError as
     `open` would, the old file untouched."""
-    target = Path(os.path.realpath(path))
     payload = data.encode(encoding) if isinstance(data, str) else data
-    try:
-        st = target.stat()
+    try:  # the path itself, links followed: /dev/stdout on a pipe resolves to no path (`pipe:[...]`), but opens
+        st = os.stat(path)
     except FileNotFoundError:
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode):
         # INVARIANT: a device, FIFO or terminal (`--svg /dev/stdout`) is written to, never replaced by a file
-        with open(target, "wb") as f:
+        with open(path, "wb") as f:
             f.write(payload)
         return
+    target = Path(os.path.realpath(path))
     mode = stat.S_IMODE(st.st_mode) if st is not None else None
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:

@@ -290,8 +290,9 @@ class _Formatter:
 # Comments
 
 
-def _scalar_ranges(root: Node, n_lines: int) -> list[list[tuple[int, int]]]:
+def _scalar_ranges(root: Node, lines: list[str]) -> list[list[tuple[int, int]]]:
     """Per source line, the column ranges scalars occupy (a ``#`` there is text, not a comment)."""
+    n_lines = len(lines)
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(n_lines + 1)]
     stack = [root]
     big = 10**9
@@ -299,10 +300,12 @@ def _scalar_ranges(root: Node, n_lines: int) -> list[list[tuple[int, int]]]:
         node = stack.pop()
         if isinstance(node, ScalarNode):
             s, e = node.start_mark, node.end_mark
+            header = (_BLOCK_HEADER.match(lines[s.line], s.column)
+                      if node.style in ("|", ">") and s.line < len(lines) else None)
             if s.line == e.line:
                 ranges[s.line].append((s.column, e.column))
-            else:
-                ranges[s.line].append((s.column, big))
+            else:  # a block scalar's header line may end in a comment: only the indicators are the scalar's
+                ranges[s.line].append((s.column, header.end() if header else big))
                 for line in range(s.line + 1, min(e.line, n_lines)):
                     ranges[line].append((0, big))
                 if e.line <= n_lines:
@@ -316,6 +319,7 @@ def _scalar_ranges(root: Node, n_lines: int) -> list[list[tuple[int, int]]]:
 
 
 _COMMENT_CHARS = re.compile("[#'\"]")
+_BLOCK_HEADER = re.compile(r"[|>][0-9+-]*")
 
 
 def _comments(lines: list[str], ranges: list[list[tuple[int, int]]]) -> dict[int, tuple[str, bool]]:
@@ -433,6 +437,8 @@ def _compose(text: str, file: str, limits: Limits) -> Node:
     if len(docs) != 1:
         raise _fail(file, 1, 1, "not-one-document", f"a rule file is one YAML document, found {len(docs)}",
                     "keep one document per file")
+    if "&" in text or "*" in text:  # first: the walk below visits an aliased node once per path to it (a bomb)
+        _refuse_anchors(docs[0], file)
     stack: list[tuple[Node, int]] = [(docs[0], 0)]
     while stack:  # the formatter recurses per level: refuse what the loader refuses, before recursing
         node, depth = stack.pop()
@@ -443,8 +449,6 @@ def _compose(text: str, file: str, limits: Limits) -> Node:
             stack += [(n, depth + 1) for kv in node.value for n in kv]
         elif isinstance(node, SequenceNode):
             stack += [(n, depth + 1) for n in node.value]
-    if "&" in text or "*" in text:
-        _refuse_anchors(docs[0], file)
     if "!" in text:
         _refuse_tags(text, file)
     return docs[0]
@@ -471,7 +475,7 @@ def _format(text: str, file: str, limits: Limits,
     except FormatError as exc:
         raise FormatError("", [Diagnostic(file, d.line, d.col, d.code, d.message, d.help)
                                for d in exc.diagnostics]) from None
-    comments = _comments(src.lines, _scalar_ranges(root, len(src.lines)))
+    comments = _comments(src.lines, _scalar_ranges(root, src.lines))
     if notes is not None:
         notes.update(comments)
     return _with_comments(out, src.lines, comments, root.start_mark.line)

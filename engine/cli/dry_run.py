@@ -807,6 +807,9 @@ def _resolved(args: argparse.Namespace) -> Resolved:
 
 def run(args: argparse.Namespace) -> int:
     """Decide and print; exit 1 when no layout survives or the verifier refuses the chosen one."""
+    for flag, path in (("--svg", args.svg), ("--record-test", args.record_test)):
+        if path is not None and not path.strip():  # an empty value read as false: the file silently not written
+            raise usage_error(flag, "the path is empty", "name the file to write")
     said = plugin_rules_note(args.rules, args.no_shipped_rules)
     if said is not None:
         print(said, file=sys.stderr)

@@ -26,7 +26,8 @@ import yaml
 
 from kvpolicy.engine.cli.common import usage_error
 from kvpolicy.policy.errors import PolicyError
-from kvpolicy.policy.files import write_atomically
+from kvpolicy.policy.files import read_capped, write_atomically
+from kvpolicy.policy.yaml_source import Limits
 
 __all__ = ["Resolved", "case_input", "record_case"]
 
@@ -189,11 +190,12 @@ def record_case(args: argparse.Namespace, resolved: Resolved, decision: Any, err
         data["cpu"] = CpuHost.this_host().label  # the host whose kernel order was decided (dry-run's note says it)
     expect = _expect(decision, error)
     name = args.record_name or _name(data, expect)
-    try:
-        before = path.read_text() if path.exists() else None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise usage_error("--record-test", f"cannot read `{path}`: {getattr(exc, 'strerror', None) or exc}",
-                          "record into a policy test file (YAML), or a new path") from None
+    before = None
+    if path.exists():  # read as every case file is (bounded; a FIFO or device such as /dev/full is refused, not read)
+        before, problems = read_capped(path, str(path), Limits().max_file_bytes)
+        if before is None:
+            raise usage_error("--record-test", f"cannot read `{path}`: {problems[0].message}",
+                              "record into a policy test file (YAML), or a new path")
     if before is not None and name in {c.case.name for c in load_cases([path])}:
         raise usage_error("--record-test", f"`{path}` already has a case named `{name}`",
                           "pass --record-name NAME, or edit the case in the file")

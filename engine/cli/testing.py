@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         by_layer, by_file = coverage_breakdown(result.ruleset, result.results)
         data = result.to_dict()
+        data["warnings"] = [d.to_dict() for d in ruleset.warnings]  # what the text prints on stderr (expired-waiver)
         data["coverage_summary"] = {"percent": round(coverage_percent(result), 1), "required": args.require_coverage,
                                     "by_layer": [r.to_dict() for r in by_layer],
                                     "by_file": [r.to_dict() for r in by_file]}

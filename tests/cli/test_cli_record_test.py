@@ -100,3 +100,42 @@ def test_a_serve_line_and_the_vllm_environment_are_recorded(capsys: pytest.Captu
                                            "vllm_version": "vllm-0.34", "vllm_kv_cache_layout": "HND"}
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
     assert cli(capsys, "test", "s.yaml", *V)[0] == 0  # the case carries the environment: it does not read it
+
+
+def test_a_fifo_or_device_to_record_into_is_refused_unread(capsys: pytest.CaptureFixture[str], here: Path) -> None:
+    # `--record-test /dev/full` read the existing "file" whole first (endless zeros: a process that never ends),
+    # and a FIFO blocked; a case file is read as every case file is (a regular file, bounded), else refused
+    import os
+    import threading
+
+    fifo = here / "cases.yaml"
+    os.mkfifo(fifo)
+    opened = threading.Event()
+
+    def writer() -> None:  # blocks in open() until someone reads the FIFO
+        try:
+            with open(fifo, "w") as f:
+                opened.set()
+                f.write("version: 1\ncases: []\n")
+        except BrokenPipeError:  # the reader that released it is gone
+            pass
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", "--record-test", "cases.yaml")
+        assert code == 2 and "--record-test: error[usage]: cannot read `cases.yaml`: not a regular file" in err
+        assert not opened.is_set()  # never opened, so never read
+    finally:
+        if not opened.is_set():
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # let the writer go
+        t.join(5)
+
+
+@pytest.mark.parametrize("flag", ["--record-test", "--svg"])
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_path_to_write_is_a_usage_error(capsys: pytest.CaptureFixture[str], here: Path, flag: str,
+                                                 path: str) -> None:
+    # `--svg ""` (an unset shell variable) read as no flag: exit 0, nothing written, nothing said
+    code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", flag, path)
+    assert code == 2 and f"{flag}: error[usage]: the path is empty" in err

@@ -125,3 +125,19 @@ def test_junit_reports_a_case_file_that_does_not_load_as_an_errored_testcase(cap
     error = case.find("error")
     assert error.get("type") == "unknown-rule" and "no rule `no-such-rule`" in error.get("message")
     assert "broken.yaml:5:" in error.text
+
+
+def test_the_rule_sets_warnings_are_in_the_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # text prints a lapsed waiver's warning on stderr; the JSON document had no place for it
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "global.yaml").write_text(
+        "version: 1\nrules:\n  - id: site-w\n    description: d\n    forbid: {head_order: HND}\n"
+        "waivers:\n  - {rule: site-w, owner: o, reason: r, expires: 2026-01-01}\n")
+    (tmp_path / "c.yaml").write_text(
+        "version: 1\ncases:\n  - name: one\n    input:\n      spec: {num_layers: 4, num_kv_heads: 2, head_size: 64}\n"
+        "    expect:\n      layout: LBHNC\n")
+    _, out, _ = cli(capsys, "test", str(tmp_path / "c.yaml"), "--rules", str(rules), "--vllm-version", "0.34.0",
+                    "--today", "2026-06-01", "--format", "json")
+    (warning,) = json.loads(out)["warnings"]
+    assert warning["code"] == "expired-waiver" and "site-w" in warning["message"]

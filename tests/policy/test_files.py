@@ -68,3 +68,15 @@ def test_a_full_device_is_an_error_and_stays_a_device() -> None:
         write_atomically("/dev/full", "x" * 100_000)
     assert exc.value.errno == errno.ENOSPC
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_dev_stdout_on_a_pipe_is_written_to() -> None:
+    # `kvpolicy dry-run --svg /dev/stdout | less`: /dev/stdout -> /proc/self/fd/1 -> `pipe:[N]`, which is no
+    # path; resolving it first made the write fail (`cannot write /dev/stdout: No such file or directory`)
+    import subprocess
+    import sys
+
+    code = "from kvpolicy.policy.files import write_atomically; write_atomically('/dev/stdout', 'through the pipe')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "through the pipe"

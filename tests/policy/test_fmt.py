@@ -163,3 +163,30 @@ def test_fmt_is_idempotent_keeps_the_meaning_and_every_comment(case: tuple[str, 
     assert _digest(once) == _digest(text)
     for note in notes:
         assert once.count(note) == 1, note
+
+
+@pytest.mark.parametrize("header", ["|", ">", "|-", ">+", "|+", ">-"])
+def test_a_comment_on_a_block_scalars_header_line_is_kept(header: str) -> None:
+    # a comment after `|`/`>` is YAML's, not the scalar's text: it was dropped silently (fmt's own check
+    # took the whole header line for the scalar, so it saw no comment to lose)
+    text = (f"version: 1\nrules:\n  - id: a\n    description: {header}  # why folded\n      some text\n\n"
+            "    forbid: {placement: cross_layer}\n")
+    once = format_rule_file(text)
+    assert once.count("# why folded") == 1
+    assert format_rule_file(once) == once
+    assert _digest(once) == _digest(text)
+
+
+def test_an_alias_bomb_is_refused_at_once() -> None:
+    # the nesting check walked the node graph once per path to each node before anchors were refused:
+    # nine aliases of nine aliases ... (a billion laughs) never finished
+    import itertools
+    import time
+
+    levels = "abcdefgh"
+    text = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in itertools.pairwise(levels))
+    start = time.process_time()
+    with pytest.raises(FormatError, match="anchors and aliases are not formatted"):
+        format_rule_file(text)
+    assert time.process_time() - start < 2
