@@ -250,3 +250,18 @@ def test_nvfp4_pages_that_are_not_dense_are_refused_quoting_vllms_error() -> Non
     assert ("reads nvfp4 K and V only from dense pages (`_nvfp4_kv_views` raises \"NVFP4 KV pages must be dense\" "
             "at the first forward)") in message
     assert hint == "use a block-compact layout (LBNHC, LBHNC, BLNHC, BLHNC)"
+
+
+def test_planning_refuses_a_block_count_and_a_backend_of_the_other_kind_saying_what_to_pass() -> None:
+    triton, flashmla = (get_profile("vllm-0.34").backend(name) for name in ("TRITON_ATTN", "FLASHMLA"))
+    assert _refusal(lambda: plan_layout(Layout.LBNHC, _spec(), triton, 0)) == (
+        "num_blocks", "invalid-input", "num_blocks must be a positive integer, got `0`",
+        "pass the number of KV cache blocks to plan, at least 1")
+    hint = "pair MLA specs with MLA backends and the rest with the others"
+    assert _refusal(lambda: plan_layout(Layout.LBNHC, _spec(), flashmla, 1)) == (
+        "backend", "backend-mismatch", "backend `FLASHMLA` stores one latent per token, which spec kind `full` does "
+        "not match", hint)
+    mla = KVCacheSpec(kind="mla", num_layers=2, block_size=16, num_kv_heads=1, head_size=576)
+    assert _refusal(lambda: plan_layout(Layout.LBNHC, mla, triton, 1)) == (
+        "backend", "backend-mismatch", "backend `TRITON_ATTN` stores separate K and V per head, which spec kind `mla` "
+        "does not match", hint)
