@@ -265,3 +265,27 @@ def test_planning_refuses_a_block_count_and_a_backend_of_the_other_kind_saying_w
     assert _refusal(lambda: plan_layout(Layout.LBNHC, mla, triton, 1)) == (
         "backend", "backend-mismatch", "backend `TRITON_ATTN` stores separate K and V per head, which spec kind `mla` "
         "does not match", hint)
+
+
+def test_int4_before_vllm_032_plans_power_of_two_heads_and_refuses_the_others() -> None:
+    """vLLM 0.25-0.31 accept int4 at any head size but their Hadamard transform asserts a power of two."""
+    triton = get_profile("vllm-0.25").backend("TRITON_ATTN")
+    for head in (64, 128):
+        plan = plan_layout(Layout.LBNHC, _spec(head_size=head, kv_cache_dtype="int4_per_token_head"), triton, 1)
+        assert plan.total_bytes == 4 * plan.page_size_bytes
+    where, code, message, hint = _refusal(lambda: plan_layout(
+        Layout.LBNHC, _spec(head_size=96, kv_cache_dtype="int4_per_token_head"), triton, 1))
+    assert (where, code) == ("kv_cache_dtype", "release-fails-at-write")
+    assert "at head size 96, but its first cache write fails" in message
+    assert hint == ("use int8_per_token_head or fp8_per_token_head at this head size, or vLLM 0.32 or later (it "
+                    "transforms such heads in power-of-two blocks)")
+
+
+def test_a_kv_cache_dtype_the_release_lays_out_unmodelled_is_refused_saying_so() -> None:
+    flashinfer = get_profile("vllm-0.29").backend("FLASHINFER")
+    assert _refusal(lambda: plan_layout(Layout.LBNHC, _spec(kv_cache_dtype="nvfp4"), flashinfer, 1)) == (
+        "kv_cache_dtype", "unplanned-kv-cache-dtype",
+        "kvpolicy decides kv_cache_dtype `nvfp4` on backend `FLASHINFER` but cannot plan it: this release lays its "
+        "cells out in a way kvpolicy does not model (the profile's `unplanned_kv_cache_dtypes`)",
+        "plan it under a release whose layout kvpolicy models (kvpolicy releases lists them), or use another "
+        "kv_cache_dtype")
