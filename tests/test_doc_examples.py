@@ -371,7 +371,7 @@ def test_help_sample_file(where: str, kind: str, text: str, sandbox: Path, tmp_p
 # -- inline `kvpolicy ...` spans of the docs ------------------------------------------------------
 
 _SPAN = re.compile(r"`((?:[A-Z_]+=\S+ )*kvpolicy [^`]*)`")
-_PLACEHOLDER = re.compile(r"\b(FROM|TO|OLD|NEW|DIR|PATH|FILE|N)\b|[\[<]|\.\.\.|kvpolicy [\w-]+:")
+_PLACEHOLDER = re.compile(r"\b(FROM|TO|OLD|NEW|DIR|PATH|FILE|N|VERSION)\b|[\[<]|\.\.\.|kvpolicy [\w-]+:")
 USAGE_ERROR_SPANS = ("kvpolicy validate nope", "kvpolicy test nope")  # the exit-code table's usage errors
 FRAGMENT_SPANS = ("kvpolicy dry-run --kv-transfer-config", "kvpolicy dry-run --fleet",  # flags named in prose
                   "kvpolicy fmt --format json")  # a heading
