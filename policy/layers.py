@@ -146,7 +146,7 @@ def connector_warnings(ruleset: RuleSet, known: frozenset[str] = KNOWN_CONNECTOR
     known name or another file's name (`near_connector`): its rules would never apply to the
     connector it probably means. ``MyConector`` beside ``MyConnector`` warns on both: which one is
     the typo only the author knows."""
-    names = set(ruleset.connectors) | set(ruleset.connector_sources)  # a file of audit rules only, too
+    names = set(ruleset.connectors) | {r.scope for r in ruleset.all_rules if r.scope}  # audit rules' too
     out = []
     for name in sorted(names - known):
         near = near_connector(name, known) or near_connector(name, names)
