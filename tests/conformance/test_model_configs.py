@@ -358,7 +358,8 @@ def judge(name: str, label: str, version: str) -> tuple[str, str]:
                 f"{error or 'without an error'}")
     if refused is not None:  # a layout for a model vLLM does not start would look like an answer
         if isinstance(ours, PolicyError):
-            if (other := _same_reason(error or "", ours, removed=True)) is not None:
+            removal = not any(theirs in (error or "") for theirs, _, _ in _SAME_REASON)
+            if (other := _same_reason(error or "", ours, removed=removal)) is not None:
                 return "different", f"{refused[1]}; {other}"
             return "both refuse", f"{refused[1]}; kvpolicy: {_refusal(ours)}"
         return "different", f"{refused[1]}; kvpolicy answers " + ", ".join(
