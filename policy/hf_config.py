@@ -76,6 +76,9 @@ class ModelConfigWarning(UserWarning):
     ``diagnostic`` is the located note; ``str()`` renders it like an error line."""
 
     def __init__(self, diagnostic: Diagnostic) -> None:
+        if not isinstance(diagnostic, Diagnostic):  # (pytest-xdist rebuilds a warning from its text, and
+            # takes a TypeError as "cannot": it then reports the text as a plain Warning)
+            raise TypeError(f"ModelConfigWarning takes a Diagnostic, not {type(diagnostic).__name__}")
         super().__init__(diagnostic.render().replace(": error[", ": warning[", 1))
         self.diagnostic = diagnostic
 

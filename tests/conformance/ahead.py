@@ -31,10 +31,12 @@ class AheadError(RuntimeError):
 
 
 def workers() -> int:
-    """How many oracle subprocesses run at once: ``KVPOLICY_ORACLE_JOBS``, else the cores (at most 4)."""
+    """How many oracle subprocesses run at once: ``KVPOLICY_ORACLE_JOBS``, else the cores (at most 4)
+    shared among the test processes (pytest-xdist's workers: ``PYTEST_XDIST_WORKER_COUNT``)."""
     raw = os.environ.get("KVPOLICY_ORACLE_JOBS")
     if raw is None or not raw.strip():
-        return max(1, min(os.cpu_count() or 1, _MAX_DEFAULT))
+        processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+        return max(1, min(os.cpu_count() or 1, _MAX_DEFAULT) // max(1, processes))
     try:
         value = int(raw)
     except ValueError:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import ahead
-from vllm_release import HERE, ORACLES, OracleError, install_vllm, oracle_env
+from vllm_release import HERE, ORACLES, OracleError, answered, answers_file, install_vllm, oracle_env
 
 ROOT = HERE.parents[1]
 
@@ -62,30 +62,38 @@ def _built() -> Path:
     return tmp / "site"
 
 
-def run_plugin_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 900) -> list[dict]:
+def run_plugin_oracle(version: str, oracle: str, cases: list[dict],
+                      timeout: float = 900) -> tuple[list[dict], bool]:
     """`vllm_release.run_oracle`, with kvpolicy's installed site in front of vLLM's (installed first if
-    need be) and no ``KVPOLICY_*`` variable of this process (each case sets the ones it tests)."""
+    need be) and no ``KVPOLICY_*`` variable of this process (each case sets the ones it tests). The
+    answers are kept under a name that covers every file of that site, so they are asked again whenever
+    the checkout changes; and whether they were asked now."""
     site = install_vllm.ensure(version)
+    front = kvpolicy_site()
     env = {k: v for k, v in oracle_env(site).items() if not k.startswith("KVPOLICY_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(kvpolicy_site()), str(site)])
-    proc = ahead.run([sys.executable, str(ORACLES / f"{oracle}.py")], input=json.dumps(cases), env=env,
-                     timeout=timeout, cwd=str(HERE))
-    tail = proc.stderr[-6000:]
-    if proc.returncode != 0:
-        raise OracleError(f"oracle {oracle} under vLLM {version} exited {proc.returncode}:\n{tail}")
-    try:
-        results = json.loads(proc.stdout)
-    except json.JSONDecodeError as exc:
-        raise OracleError(f"oracle {oracle} under vLLM {version} printed no JSON ({exc}):\n{tail}") from exc
-    if not isinstance(results, list) or len(results) != len(cases):
-        raise OracleError(f"oracle {oracle} answered {len(results)} results for {len(cases)} cases")
-    return results
+    env["PYTHONPATH"] = os.pathsep.join([str(front), str(site)])
+
+    def ask() -> list[dict]:
+        proc = ahead.run([sys.executable, str(ORACLES / f"{oracle}.py")], input=json.dumps(cases), env=env,
+                         timeout=timeout, cwd=str(HERE))
+        tail = proc.stderr[-6000:]
+        if proc.returncode != 0:
+            raise OracleError(f"oracle {oracle} under vLLM {version} exited {proc.returncode}:\n{tail}")
+        try:
+            results = json.loads(proc.stdout)
+        except json.JSONDecodeError as exc:
+            raise OracleError(f"oracle {oracle} under vLLM {version} printed no JSON ({exc}):\n{tail}") from exc
+        if not isinstance(results, list) or len(results) != len(cases):
+            raise OracleError(f"oracle {oracle} answered {len(results)} results for {len(cases)} cases")
+        return results
+
+    return answered(answers_file(version, oracle, cases, front=front), cases, ask)
 
 
-def _timed(version: str, oracle: str, cases: Callable[[str], list[dict]]) -> tuple[list[dict], float]:
+def _timed(version: str, oracle: str, cases: Callable[[str], list[dict]]) -> tuple[list[dict], str]:
     start = time.perf_counter()
-    answers = run_plugin_oracle(version, oracle, cases(version))
-    return answers, time.perf_counter() - start
+    answers, asked = run_plugin_oracle(version, oracle, cases(version))
+    return answers, (f"{time.perf_counter() - start:.0f} s" if asked else "kept answers")
 
 
 def start_ahead(versions: Iterable[str], oracle: str, cases: Callable[[str], list[dict]]) -> None:
@@ -95,7 +103,8 @@ def start_ahead(versions: Iterable[str], oracle: str, cases: Callable[[str], lis
         ahead.ahead((oracle, version), functools.partial(_timed, version, oracle, cases))
 
 
-def take(version: str, oracle: str, cases: Callable[[str], list[dict]]) -> tuple[list[dict], float]:
-    """The answers of ``oracle`` under ``version`` to ``cases(version)`` and the seconds the oracle took:
+def take(version: str, oracle: str, cases: Callable[[str], list[dict]]) -> tuple[list[dict], str]:
+    """The answers of ``oracle`` under ``version`` to ``cases(version)`` and how long the oracle took
+    ("12 s"; "kept answers" when an earlier run of the same checkout asked it):
     queued ahead (`start_ahead`), or run now."""
     return ahead.take((oracle, version), functools.partial(_timed, version, oracle, cases))

@@ -47,10 +47,23 @@ def test_a_queued_jobs_failure_is_raised_where_it_is_taken() -> None:
 def test_the_number_of_jobs_comes_from_the_variable(raw: str, expected: int | None,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOLICY_ORACLE_JOBS", raw)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
     if expected is None:  # unset: the cores, at most 4
         assert ahead.workers() == max(1, min(os.cpu_count() or 1, 4))
     else:
         assert ahead.workers() == expected
+
+
+@pytest.mark.parametrize(("cores", "processes", "expected"), [(2, "2", 1), (8, "2", 2), (16, "3", 1), (1, "4", 1),
+                                                             (8, "", 4)])
+def test_the_default_jobs_are_shared_among_the_test_processes(cores: int, processes: str, expected: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest -n: each worker starts the oracles ahead, so the default (the cores, at most 4) is shared
+    among them, at least one each."""
+    monkeypatch.delenv("KVPOLICY_ORACLE_JOBS", raising=False)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", processes)
+    monkeypatch.setattr(ahead.os, "cpu_count", lambda: cores)
+    assert ahead.workers() == expected
 
 
 @pytest.mark.parametrize("raw", ["two", "-1", "1.5"])

@@ -64,7 +64,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "e2e"))
 import ahead  # noqa: E402
 import install_vllm_cpu  # noqa: E402
-from vllm_release import OracleError, oracle_env  # noqa: E402
+from vllm_release import OracleError, answered, oracle_env  # noqa: E402
 
 from kvpolicy import LayoutEngine  # noqa: E402
 from kvpolicy.engine.exchange import layer_view_digest  # noqa: E402
@@ -172,31 +172,20 @@ def _ask(version: str, cache: bool = True) -> list[dict]:
     site = _site(version)
     cases = [_case(dep) for dep in deployments(version)]
     kept = _answers_file(site, cases) if cache else None
-    if kept is not None and kept.is_file():
-        try:
-            answers = json.loads(kept.read_text(encoding="utf-8"))
-            if isinstance(answers, list) and len(answers) == len(cases):
-                return answers
-        except (OSError, ValueError):
-            pass
-    proc = ahead.run([sys.executable, str(ORACLE)], input=json.dumps(cases), env=oracle_env(site), timeout=900,
-                     cwd=str(HERE))
-    if proc.returncode != 0:
-        raise OracleError(f"cpu_kernel_bytes under vllm-cpu {version} exited {proc.returncode}:\n"
-                          f"{proc.stderr[-6000:]}")
-    answers = json.loads(proc.stdout)
-    if not isinstance(answers, list) or len(answers) != len(cases):
-        raise OracleError(f"cpu_kernel_bytes under vllm-cpu {version}: {len(answers)} answers for {len(cases)} cases")
-    if kept is not None:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        code = kept.name.rsplit("-", 1)[0]
-        for stale in kept.parent.glob("cpu_kernel_bytes-*.json"):
-            if stale.name.rsplit("-", 1)[0] != code:
-                stale.unlink(missing_ok=True)
-        partial = kept.with_suffix(".partial")
-        partial.write_text(json.dumps(answers), encoding="utf-8")
-        partial.replace(kept)
-    return answers
+
+    def ask() -> list[dict]:
+        proc = ahead.run([sys.executable, str(ORACLE)], input=json.dumps(cases), env=oracle_env(site),
+                         timeout=900, cwd=str(HERE))
+        if proc.returncode != 0:
+            raise OracleError(f"cpu_kernel_bytes under vllm-cpu {version} exited {proc.returncode}:\n"
+                              f"{proc.stderr[-6000:]}")
+        answers = json.loads(proc.stdout)
+        if not isinstance(answers, list) or len(answers) != len(cases):
+            raise OracleError(f"cpu_kernel_bytes under vllm-cpu {version}: {len(answers)} answers for "
+                              f"{len(cases)} cases")
+        return answers
+
+    return answered(kept, cases, ask)[0]
 
 
 @functools.cache

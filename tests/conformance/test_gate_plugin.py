@@ -316,7 +316,7 @@ def test_through_vllm_the_shipped_rules_answer_what_vllms_gate_answers(run: dict
               f"gate answers (every {run['stride']}th of the space; {before} more refused by vLLM before the gate, "
               f"not a comparison) answer what vLLM's gate answers, with the same head order ({len(diffs)} differ, "
               f"{seen['the same refusal']} of the agreements the same refusal); oracle "
-              f"{run['seconds']:.0f} s for every phase\n  vLLM's layouts: {dict(sorted(seen.items()))}")
+              f"{run['seconds']} for every phase\n  vLLM's layouts: {dict(sorted(seen.items()))}")
     assert not diffs, "\n".join(diffs[:25])
     # most of the sample reaches the gate and gets a layout: the agreement is on answers, not on refusals
     assert compared - seen["the same refusal"] >= len(space) // 2, dict(seen)

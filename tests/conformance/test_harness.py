@@ -159,7 +159,7 @@ def test_oracle_answers_are_kept_per_machine_and_asked_again_when_an_input_chang
 
     cases = [{"mla": False, "major": 9}]
     first = run_oracle("0.34.0", "backend_priority", cases)
-    kept = vllm_release._answers_file("0.34.0", "backend_priority", cases)
+    kept = vllm_release.answers_file("0.34.0", "backend_priority", cases)
     assert kept is not None and kept.is_file()
 
     def never(*_args, **_kwargs):
@@ -168,11 +168,11 @@ def test_oracle_answers_are_kept_per_machine_and_asked_again_when_an_input_chang
     monkeypatch.setattr(vllm_release, "_ask", never)
     assert run_oracle("0.34.0", "backend_priority", cases) == first  # reused
     other = [{"mla": True, "major": 9}]
-    assert vllm_release._answers_file("0.34.0", "backend_priority", other) != kept
+    assert vllm_release.answers_file("0.34.0", "backend_priority", other) != kept
     with pytest.raises(AssertionError, match="asked again"):
         run_oracle("0.34.0", "backend_priority", other)  # other cases: asked
     monkeypatch.setenv("KVPOLICY_UNPATCHED_INTERPRETER", "1")  # a variable an oracle reads: another key
-    assert vllm_release._answers_file("0.34.0", "backend_priority", cases) != kept
+    assert vllm_release.answers_file("0.34.0", "backend_priority", cases) != kept
     monkeypatch.setenv("KVPOLICY_ORACLE_CACHE", "0")
     with pytest.raises(AssertionError, match="asked again"):
         run_oracle("0.34.0", "backend_priority", cases)
@@ -193,3 +193,38 @@ def test_no_oracle_module_shadows_a_module_vllm_imports(vllm_sites):
             for match in pattern.finditer(source.read_text(encoding="utf-8", errors="replace")):
                 clashes.add((match[1], version, str(source.relative_to(site))))
     assert not clashes, sorted(clashes)[:10]
+
+
+def test_one_answer_is_asked_once_among_processes_sharing_the_cache(tmp_path):
+    """pytest -n: every worker starts the same oracles ahead; the first asks, the others wait for it and
+    read what it kept, and a stale answer of older code is removed once the new one is kept."""
+    import threading
+    import time
+
+    import vllm_release
+
+    kept = tmp_path / "answers" / "oracle-newcode-cases.json"
+    stale = tmp_path / "answers" / "oracle-oldcode-cases.json"
+    stale.parent.mkdir()
+    stale.write_text("[1]")
+    cases = [{"case": 1}, {"case": 2}]
+    asked: list[int] = []
+    entered = threading.Event()
+
+    def ask() -> list[dict]:
+        asked.append(1)
+        entered.set()
+        time.sleep(0.3)  # long enough that the second asker arrives while this one holds the answer
+        return [{"answer": 1}, {"answer": 2}]
+
+    results: list[tuple[list[dict], bool]] = []
+    first = threading.Thread(target=lambda: results.append(vllm_release.answered(kept, cases, ask)))
+    first.start()
+    assert entered.wait(10)
+    second = vllm_release.answered(kept, cases, ask)  # opens the lock file anew: another lock holder
+    first.join()
+    assert len(asked) == 1
+    assert results == [([{"answer": 1}, {"answer": 2}], True)]
+    assert second == ([{"answer": 1}, {"answer": 2}], False)
+    assert not stale.exists()
+    assert vllm_release.answered(kept, [{"case": 1}], ask)[1] is True  # a cut-short file is asked again

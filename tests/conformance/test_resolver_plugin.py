@@ -134,7 +134,7 @@ def test_the_shipped_rules_answer_what_vllm_answers(run: dict[str, Any], capsys:
         print(f"\nvLLM {release.version} with the kvpolicy plugin (shipped rules): {len(cases) - before - len(diffs)}"
               f" of the {len(cases) - before} sampled cases vLLM resolves answer what vLLM answers without it: "
               f"{layouts} layouts, {outcomes['refused']} the same refusal ({before} more refused by vLLM before "
-              f"resolving, not a comparison); oracle {run['seconds']:.0f} s\n"
+              f"resolving, not a comparison); oracle {run['seconds']}\n"
               f"  vLLM's outcomes: " + ", ".join(f"{k} {n}" for k, n in outcomes.most_common()))
     assert not diffs, "\n".join(diffs[:25])
     assert len(outcomes) >= 5  # layouts and refusals both: the sample spans the space

@@ -395,7 +395,7 @@ def test_through_vllm_the_shipped_rules_answer_what_vllm_answers(run: dict[str, 
               f"vllm.v1.engine.core.resolve_kv_cache_layout: {len(space) - before - len(diffs)} of the "
               f"{len(space) - before} cases vLLM resolves answer what vLLM answers without it: {layouts} layouts, "
               f"{outcomes['refused']} the same refusal ({len(diffs)} differ; {before} more refused by vLLM before "
-              f"resolving, not a comparison); oracle {run['seconds']:.0f} s for "
+              f"resolving, not a comparison); oracle {run['seconds']} for "
               f"every phase\n  vLLM's outcomes: " + ", ".join(f"{k} {n}" for k, n in outcomes.most_common()))
     assert not diffs, "\n".join(f"{_shown(c)}: {why}" for c, _, why in diffs[:25])
     assert layouts >= len(space) // 4, dict(outcomes)  # the agreement is on layouts, not only on refusals

@@ -7,12 +7,19 @@ as JSON on stdin; one JSON result per case comes back on stdout, in order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: one test process at a time is assumed
+    fcntl = None  # type: ignore[assignment]
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -83,7 +90,11 @@ def oracle_sources(script: Path) -> list[Path]:
     return sorted(found)
 
 
-def _answers_file(version: str, oracle: str, cases: list[dict], host: str | None = None) -> Path | None:
+def answers_file(version: str, oracle: str, cases: list[dict], host: str | None = None,
+                  front: Path | None = None) -> Path | None:
+    """Where the answers of ``oracle`` to ``cases`` under ``version`` are kept, named by everything they
+    depend on; ``front``: a site on the path before vLLM's (kvpolicy's wheel, for the plugin's oracles),
+    whose files are then part of the name. None: ``KVPOLICY_ORACLE_CACHE=0``."""
     if os.environ.get("KVPOLICY_ORACLE_CACHE", "1") == "0":
         return None
     import hashlib
@@ -102,6 +113,10 @@ def _answers_file(version: str, oracle: str, cases: list[dict], host: str | None
         except metadata.PackageNotFoundError:
             digest.update(f"{dist} -".encode())
     digest.update(json.dumps({k: os.environ.get(k) for k in _ORACLE_ENV}).encode())
+    if front is not None:  # the plugin's oracles: kvpolicy's installed files, as the oracle imports them
+        for path in sorted(p for p in front.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            digest.update(str(path.relative_to(front)).encode() + b"\0" + path.read_bytes())
+        oracle = f"{oracle}+kvpolicy"
     if host is not None:  # a simulated machine's answers, kept apart (their own name) from the real ones
         digest.update(SIMULATED_HOST.read_bytes())
         oracle = f"{oracle}@{host}"
@@ -118,25 +133,51 @@ def run_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 90
     script = ORACLES / f"{oracle}.py"
     if not script.is_file():
         raise OracleError(f"no oracle {script}")
-    kept = _answers_file(version, oracle, cases, host)
-    if kept is not None and kept.is_file():
-        try:
-            answers = json.loads(kept.read_text(encoding="utf-8"))
-            if isinstance(answers, list) and len(answers) == len(cases):
-                return answers
-        except (OSError, ValueError):
-            pass  # unreadable or cut short: ask the release again
-    results = _ask(version, site, script, oracle, cases, timeout, host)
-    if kept is not None:
-        kept.parent.mkdir(parents=True, exist_ok=True)
+    kept = answers_file(version, oracle, cases, host)
+    answers, _ = answered(kept, cases, lambda: _ask(version, site, script, oracle, cases, timeout, host))
+    return answers
+
+
+def answered(kept: Path | None, cases: list[dict], ask: Callable[[], list[dict]]) -> tuple[list[dict], bool]:
+    """The answers kept at ``kept`` (None: keep nothing), else ``ask()``'s, kept there; and whether they
+    were asked now. One asker per answer among the processes sharing the cache (pytest-xdist's workers
+    each start the same oracles ahead): the others wait for it and read what it kept."""
+    if kept is None:
+        return ask(), True
+    if (answers := _kept_answers(kept, cases)) is not None:
+        return answers, False
+    with _asking(kept):
+        if (answers := _kept_answers(kept, cases)) is not None:
+            return answers, False  # another process answered while this one waited
+        results = ask()
         code = kept.name.rsplit("-", 1)[0]
-        for stale in kept.parent.glob(f"{code.rsplit('-', 1)[0]}-*.json"):  # older code's (other cases are kept)
-            if stale.name.rsplit("-", 1)[0] != code:
+        for stale in kept.parent.glob(f"{code.rsplit('-', 1)[0]}-*"):  # older code's (other cases are kept)
+            if stale.suffix in (".json", ".lock") and stale.name.rsplit("-", 1)[0] != code:
                 stale.unlink(missing_ok=True)
-        partial = kept.with_suffix(".partial")
+        partial = kept.with_suffix(f".{os.getpid()}.partial")
         partial.write_text(json.dumps(results), encoding="utf-8")
         partial.replace(kept)
-    return results
+    return results, True
+
+
+def _kept_answers(kept: Path, cases: list[dict]) -> list[dict] | None:
+    """The answers kept at ``kept``, or None when there are none (or they are unreadable, cut short)."""
+    try:
+        answers = json.loads(kept.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return answers if isinstance(answers, list) and len(answers) == len(cases) else None
+
+
+@contextlib.contextmanager
+def _asking(kept: Path) -> Iterator[None]:
+    """Hold the advisory lock of one answer file: the test processes of one run (pytest-xdist's
+    workers) each start the same oracles ahead, and only one of them should ask the release."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with open(kept.with_suffix(".lock"), "w") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _ask(version: str, site: Path, script: Path, oracle: str, cases: list[dict], timeout: float,
