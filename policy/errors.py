@@ -54,13 +54,14 @@ def shown(text: str) -> str:
     return text
 
 
-# C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides and isolates
-# ("Trojan Source", CVE-2021-42574): what could move a terminal's cursor, ring it, recolour it or reorder
-# what it shows. Written as Python writes them (``\x1b``, ``\u202e``).
+# C0 controls but tab and newline, DEL, C1 controls, the bidirectional overrides, isolates and marks
+# ("Trojan Source", CVE-2021-42574), and the line and paragraph separators (a log viewer or an editor breaks
+# the line there, so one diagnostic could show as two): what could move a terminal's cursor, ring it,
+# recolour it, reorder what it shows or forge a line. Written as Python writes them (``\x1b``, ``\u202e``).
 _TERMINAL_ESCAPES = {
     code: (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
-    for code in [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0),
-                 *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+    for code in [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0), 0x061C, 0x200E, 0x200F,
+                 0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
 }
 
 

@@ -55,6 +55,22 @@ def write_atomically(path: Path | str, data: str | bytes, *, encoding: str = "ut
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _sync_directory(target.parent)
+
+
+def _sync_directory(folder: Path) -> None:
+    """Flush the folder's entry for the renamed file, so that after a crash the path holds the new file,
+    not the old one or none. Where a folder cannot be opened or synced (Windows), the rename stands as is."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def read_capped(real: Path, shown: str, max_bytes: int) -> tuple[str | None, list[Diagnostic]]:

@@ -37,11 +37,14 @@ def test_terminal_text_leaves_no_control_character_but_tab_and_newline(text: str
                for c in shown if not (0x202A <= ord(c) <= 0x202E or 0x2066 <= ord(c) <= 0x2069))
     assert not any(0x202A <= ord(c) <= 0x202E or 0x2066 <= ord(c) <= 0x2069 for c in shown)
     assert not any(ord(c) < 0x20 and c not in "\t\n" for c in shown)
+    assert not set(shown) & {"\u2028", "\u2029", "\u200e", "\u200f", "\u061c"}  # separators, bidi marks
 
 
 def test_terminal_text_keeps_what_is_printable_and_names_what_it_escaped() -> None:
     assert terminal_text("fp8 → L0-31\tok\n") == "fp8 → L0-31\tok\n"
     assert terminal_text("a\x1b[31mb\x07\r\u202e") == "a\\x1b[31mb\\x07\\x0d\\u202e"
+    # a line separator would show one diagnostic as two lines in an editor or a log viewer
+    assert terminal_text("x.yaml:1:1\u2028x.yaml:9:9: error[forged]") == "x.yaml:1:1\\u2028x.yaml:9:9: error[forged]"
 
 
 @pytest.mark.parametrize("argv", [

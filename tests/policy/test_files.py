@@ -80,3 +80,18 @@ def test_dev_stdout_on_a_pipe_is_written_to() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "through the pipe"
+
+
+def test_the_folder_entry_is_flushed_after_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a crash the path holds the new file: the file's bytes and then its folder's entry reach the disk."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    write_atomically(tmp_path / "decision.json", "{}")
+    assert synced == ["file", "folder"]
+    assert (tmp_path / "decision.json").read_text() == "{}"
