@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
          "connectors": list(ruleset.connectors)}]
     if args.format == "json":
         print_json({"root": ruleset.root, "digest": ruleset.digest, "profile": args.vllm_version,
-                    "connector": args.connector, "layers": layers, "rules": rows, "waivers": waivers})
+                    "connector": args.connector, "layers": layers, "rules": rows, "waivers": waivers,
+                    "warnings": [d.to_dict() for d in ruleset.warnings]})  # what the text prints on stderr
         return EXIT_OK
     what = f" with connector {args.connector}" if args.connector else ""
     print(f"{len(rows)} rules in force{what} ({args.vllm_version}; {ruleset.root}; digest {ruleset.digest[:19]}...)")

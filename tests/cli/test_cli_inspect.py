@@ -86,6 +86,8 @@ def test_inspect_lists_the_waivers_of_the_rules_it_shows(capsys: pytest.CaptureF
                        "--format", "json")
     [w] = json.loads(out)["waivers"]
     assert w["in_force"] is False and w["owner"] == "kv-team" and w["source"] == f"{site}/waivers.yaml:3"
+    [lapsed] = json.loads(out)["warnings"]  # as the text's stderr says it
+    assert lapsed["code"] == "expired-waiver" and lapsed["file"] == f"{site}/waivers.yaml" and lapsed["line"] == 3
     code, out, _ = cli(capsys, "inspect", str(site), "--vllm-version", "0.34.0", "--connector", "NixlConnector",
                        "--format", "json")
     assert json.loads(out)["waivers"] == []  # a waiver of a rule not in force with that connector
