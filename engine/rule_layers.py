@@ -14,6 +14,7 @@ module never imports the analysis.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from pathlib import Path
 from kvpolicy.policy.errors import Diagnostic, RuleLoadError, shown_file
 from kvpolicy.policy.layers import compose_layers, partial_warnings, with_warnings
 from kvpolicy.policy.load import Limits, load_rules
-from kvpolicy.policy.releases import ReleaseProfile, get_profile
+from kvpolicy.policy.releases import ReleaseProfile, get_profile, iter_profiles
 from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = [
@@ -131,4 +132,30 @@ def load_layers(rules: RulesArg = None, *, vllm_version: str | ReleaseProfile | 
         names = " + ".join(n for _p, n, _s in todo)
         raise with_warnings(RuleLoadError(f"{len(diags)} error(s) in rule set `{shown_file(names)}`", diags),
                             partial_warnings(partial))
-    return compose_layers(layers)
+    return compose_layers(layers, shipped_elsewhere)
+
+
+def shipped_elsewhere(rule_id: str) -> tuple[str, ...]:
+    """The release profiles whose shipped rules have ``rule_id``: a waiver of it in an operator's layer that
+    several releases share is a note under the others, not an error (`waiver_problems`)."""
+    return _shipped_rule_profiles().get(rule_id, ())
+
+
+@functools.cache
+def _shipped_rule_profiles() -> dict[str, tuple[str, ...]]:
+    by_id: dict[str, list[str]] = {}
+    for profile in iter_profiles():
+        for sub in profile.rules:
+            try:
+                ids = _shipped_ids(sub)
+            except RuleLoadError:  # a broken shipped directory is reported where it is loaded
+                continue
+            for rule_id in ids:
+                if profile.name not in by_id.setdefault(rule_id, []):
+                    by_id[rule_id].append(profile.name)
+    return {k: tuple(v) for k, v in by_id.items()}
+
+
+@functools.cache
+def _shipped_ids(sub: str) -> frozenset[str]:
+    return frozenset(rule.id for rule in load_rules(_shipped(sub), display=f"rules/{sub}").all_rules)

@@ -34,7 +34,7 @@ one digest; each layer's own digest is in ``RuleSet.layers``, and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvpolicy.policy.connectors import KNOWN_CONNECTORS, near_connector
@@ -63,10 +63,12 @@ class RuleLayer:
                 "connectors": list(self.connectors)}
 
 
-def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
+def compose_layers(layers: list[tuple[RuleSet, bool]],
+                   other_releases: Callable[[str], Sequence[str]] | None = None) -> RuleSet:
     """One `RuleSet` of ``layers`` (each a loaded directory and whether it is the shipped one),
     bottom first. Raises `RuleLoadError` listing every cross-layer problem (duplicate ids,
-    disagreeing ``member_preferences``); the result carries `connector_warnings`."""
+    disagreeing ``member_preferences``); the result carries `connector_warnings`. ``other_releases``:
+    `waiver_problems`'s (the shipped rules of the other release profiles, which the caller knows)."""
     diags: list[Diagnostic] = []
     entries = []
     first: dict[str, tuple[Source, str]] = {}
@@ -111,7 +113,7 @@ def compose_layers(layers: list[tuple[RuleSet, bool]]) -> RuleSet:
                                      root=" + ".join(m.root for m in metas), order_declared=declared,
                                      waivers=waivers, day=day, **kwargs),
                        layers=tuple(metas), connector_sources=sources)
-    errors, lapsed = waiver_problems(composed)  # a waiver may name a rule of any layer: checked once all are in
+    errors, lapsed = waiver_problems(composed, other_releases)  # a waiver may name a rule of any layer
     diags += errors
     composed = replace(composed, warnings=(*connector_warnings(composed), *literal_warnings(composed), *lapsed))
     if diags:

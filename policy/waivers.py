@@ -25,7 +25,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -107,10 +107,15 @@ class CompiledWaiver:
                 "when": None if w.when is None else w.when.model_dump(mode="json", by_alias=True, exclude_none=True)}
 
 
-def waiver_problems(ruleset: Any) -> tuple[list[Diagnostic], list[Diagnostic]]:
+def waiver_problems(ruleset: Any, other_releases: Callable[[str], Sequence[str]] | None = None,
+                    ) -> tuple[list[Diagnostic], list[Diagnostic]]:
     """(errors, warnings) of ``ruleset``'s waivers once every layer is in: a waiver of a rule the set does not
     have (a typo would waive nothing, silently) or of an audit-mode rule (nothing to waive) is an error; a
-    lapsed one is ``warning[expired-waiver]`` (`kvpolicy validate` makes it an error)."""
+    lapsed one is ``warning[expired-waiver]`` (`kvpolicy validate` makes it an error).
+
+    ``other_releases(rule_id)``: the release profiles whose shipped rules have that rule. A waiver of one of
+    them is ``warning[waived-rule-not-in-release]``, not an error: an operator's layer is shared by
+    deployments of several releases, and a waiver written for one release waives nothing under another."""
     errors: list[Diagnostic] = []
     warnings: list[Diagnostic] = []
     enforced = {r.id for r in ruleset.rules}
@@ -121,6 +126,12 @@ def waiver_problems(ruleset: Any) -> tuple[list[Diagnostic], list[Diagnostic]]:
             errors.append(Diagnostic(src.file, src.line, src.col, "waiver-of-audit-rule",
                                      f"rule `{w.rule_id}` is in audit mode: it removes nothing, so there is "
                                      "nothing to waive", "delete the waiver, or enforce the rule first"))
+        elif w.rule_id not in enforced and (elsewhere := tuple(other_releases(w.rule_id) if other_releases
+                                                               else ())):
+            warnings.append(Diagnostic(
+                src.file, src.line, src.col, "waived-rule-not-in-release",
+                f"`{w.rule_id}` is a shipped rule of {', '.join(elsewhere)}, not of this release's rules: the "
+                "waiver waives nothing here", "nothing to do where this layer serves several releases"))
         elif w.rule_id not in enforced:
             close = difflib.get_close_matches(w.rule_id, sorted(enforced), n=1)
             builtin = w.rule_id in ("release-candidates", "backend-geometry")

@@ -69,7 +69,9 @@ def _layered(ruleset: RuleSet, args: argparse.Namespace) -> RuleSet:
             raise RuleLoadError(f"{len(errors)} error(s) in rule file `{shown_file(ruleset.root)}`", errors)
         return replace(ruleset, warnings=(*ruleset.warnings, *lapsed))
     args.said_below = {render_warning(d) for d in below.warnings}
-    return compose_layers([(below, not args.rules), (ruleset, False)])
+    from kvpolicy.engine.rule_layers import shipped_elsewhere
+
+    return compose_layers([(below, not args.rules), (ruleset, False)], shipped_elsewhere)
 
 
 def lapsed_waivers(ruleset: RuleSet) -> None:

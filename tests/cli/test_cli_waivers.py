@@ -98,3 +98,18 @@ def test_a_malformed_kvpolicy_today_fails_whether_or_not_the_rules_hold_waivers(
     monkeypatch.setenv("KVPOLICY_RULES", "shipped")
     code, out, _ = cli(capsys, "doctor", "--vllm-version", "0.34.0")
     assert code == 1 and "KVPOLICY_TODAY=2027-02-30" in out and "error[invalid-date]" in out
+
+
+def test_a_layer_shared_across_releases_waives_a_rule_only_where_it_ships(capsys: pytest.CaptureFixture[str],
+                                                                         ops: Path) -> None:
+    """One operator layer serves 0.34 and 0.28 deployments: its waiver of a 0.29+ rule is a note under 0.28
+    (it waives nothing there), while a waiver of a rule no release ships stays an error (a typo)."""
+    code, out, err = cli(capsys, "validate", str(ops), "--vllm-version", "0.28.0", "--today", "2027-01-01")
+    assert code == 0 and out.startswith("ok: "), err
+    assert (f"{ops}/global.yaml:3:5: warning[waived-rule-not-in-release]: `offloading-requires-lbhnc` is a "
+            "shipped rule of vllm-0.") in err and "not of this release's rules" in err
+    code, out, err = cli(capsys, *DRY[:2], "0.28.0", *DRY[3:], "--rules", str(ops), "--today", "2027-01-01")
+    assert code == 0 and "waived-rule-not-in-release" in err
+    (ops / "global.yaml").write_text(WAIVER.replace("offloading-requires-lbhnc", "offloading-requires-lbhcn"))
+    code, _, err = cli(capsys, "validate", str(ops), "--vllm-version", "0.28.0", "--today", "2027-01-01")
+    assert code == 1 and "error[unknown-waived-rule]: no rule `offloading-requires-lbhcn`" in err
