@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import ahead
-from vllm_release import HERE, ORACLES, OracleError, answered, answers_file, install_vllm, oracle_env
+from answer_cache import answered
+from vllm_release import HERE, ORACLES, OracleError, answers_file, install_vllm, oracle_env
 
 ROOT = HERE.parents[1]
 

@@ -64,7 +64,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "e2e"))
 import ahead  # noqa: E402
 import install_vllm_cpu  # noqa: E402
-from vllm_release import OracleError, answered, oracle_env  # noqa: E402
+from answer_cache import answered  # noqa: E402
+from vllm_release import OracleError, oracle_env  # noqa: E402
 
 from kvpolicy import LayoutEngine  # noqa: E402
 from kvpolicy.engine.exchange import layer_view_digest  # noqa: E402

@@ -201,7 +201,7 @@ def test_one_answer_is_asked_once_among_processes_sharing_the_cache(tmp_path):
     import threading
     import time
 
-    import vllm_release
+    import answer_cache
 
     kept = tmp_path / "answers" / "oracle-newcode-cases.json"
     stale = tmp_path / "answers" / "oracle-oldcode-cases.json"
@@ -218,13 +218,13 @@ def test_one_answer_is_asked_once_among_processes_sharing_the_cache(tmp_path):
         return [{"answer": 1}, {"answer": 2}]
 
     results: list[tuple[list[dict], bool]] = []
-    first = threading.Thread(target=lambda: results.append(vllm_release.answered(kept, cases, ask)))
+    first = threading.Thread(target=lambda: results.append(answer_cache.answered(kept, cases, ask)))
     first.start()
     assert entered.wait(10)
-    second = vllm_release.answered(kept, cases, ask)  # opens the lock file anew: another lock holder
+    second = answer_cache.answered(kept, cases, ask)  # opens the lock file anew: another lock holder
     first.join()
     assert len(asked) == 1
     assert results == [([{"answer": 1}, {"answer": 2}], True)]
     assert second == ([{"answer": 1}, {"answer": 2}], False)
     assert not stale.exists()
-    assert vllm_release.answered(kept, [{"case": 1}], ask)[1] is True  # a cut-short file is asked again
+    assert answer_cache.answered(kept, [{"case": 1}], ask)[1] is True  # a cut-short file is asked again

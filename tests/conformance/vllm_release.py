@@ -7,24 +7,18 @@ as JSON on stdin; one JSON result per case comes back on stdout, in order.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: one test process at a time is assumed
-    fcntl = None  # type: ignore[assignment]
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import ahead  # noqa: E402
 import install_vllm  # noqa: E402
+from answer_cache import answered  # noqa: E402
 
 ORACLES = HERE / "oracles"
 SIMULATED_HOST = HERE / "simulated_host.py"
@@ -136,48 +130,6 @@ def run_oracle(version: str, oracle: str, cases: list[dict], timeout: float = 90
     kept = answers_file(version, oracle, cases, host)
     answers, _ = answered(kept, cases, lambda: _ask(version, site, script, oracle, cases, timeout, host))
     return answers
-
-
-def answered(kept: Path | None, cases: list[dict], ask: Callable[[], list[dict]]) -> tuple[list[dict], bool]:
-    """The answers kept at ``kept`` (None: keep nothing), else ``ask()``'s, kept there; and whether they
-    were asked now. One asker per answer among the processes sharing the cache (pytest-xdist's workers
-    each start the same oracles ahead): the others wait for it and read what it kept."""
-    if kept is None:
-        return ask(), True
-    if (answers := _kept_answers(kept, cases)) is not None:
-        return answers, False
-    with _asking(kept):
-        if (answers := _kept_answers(kept, cases)) is not None:
-            return answers, False  # another process answered while this one waited
-        results = ask()
-        code = kept.name.rsplit("-", 1)[0]
-        for stale in kept.parent.glob(f"{code.rsplit('-', 1)[0]}-*"):  # older code's (other cases are kept)
-            if stale.suffix in (".json", ".lock") and stale.name.rsplit("-", 1)[0] != code:
-                stale.unlink(missing_ok=True)
-        partial = kept.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(results), encoding="utf-8")
-        partial.replace(kept)
-    return results, True
-
-
-def _kept_answers(kept: Path, cases: list[dict]) -> list[dict] | None:
-    """The answers kept at ``kept``, or None when there are none (or they are unreadable, cut short)."""
-    try:
-        answers = json.loads(kept.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return answers if isinstance(answers, list) and len(answers) == len(cases) else None
-
-
-@contextlib.contextmanager
-def _asking(kept: Path) -> Iterator[None]:
-    """Hold the advisory lock of one answer file: the test processes of one run (pytest-xdist's
-    workers) each start the same oracles ahead, and only one of them should ask the release."""
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    with open(kept.with_suffix(".lock"), "w") as handle:
-        if fcntl is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
 
 
 def _ask(version: str, site: Path, script: Path, oracle: str, cases: list[dict], timeout: float,
