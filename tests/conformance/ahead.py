@@ -3,9 +3,11 @@
 A test that asks an oracle waits on one subprocess while the machine's other cores idle, and the
 plugin's oracles are never kept between runs (their answers depend on this checkout), so on a warm
 cache they are most of the suite's time. At the end of collection (conftest.py) each selected module
-that defines ``start_ahead(items)`` queues the oracle runs its selected tests will read; a pool of
-`workers()` threads runs them while the suite goes on, and the fixture takes the answer with `take`
-(running the job itself if it was never queued). The same subprocess, the same cases: only earlier.
+that defines ``start_ahead(items)`` queues the oracle runs its selected tests will read, then `start`
+hands them to a pool of `workers()` threads, which runs them while the suite goes on; the fixture takes
+the answer with `take` (running the job itself if it was never queued or is still waiting for a thread).
+The same subprocess, the same cases: only earlier. Under pytest -n every worker queues the same jobs;
+each starts at its own part of the queue, and an answer is asked once (answer_cache.py).
 
 ``KVPOLICY_ORACLE_JOBS`` sets the number of oracles run at once (0: none ahead, each when its test
 asks). Every subprocess goes through `run`, so `stop` can end the ones still running when the
@@ -64,24 +66,43 @@ class Ahead:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._queued: dict[Hashable, Future[Any]] = {}
+        self._pending: dict[Hashable, Callable[[], Any]] = {}
         self._running: set[subprocess.Popen[str]] = set()
         self._stopped = False
 
     def ahead(self, key: Hashable, job: Callable[[], T]) -> None:
-        """Queue ``job`` to run in the background; `take` with the same key returns its result."""
+        """Queue ``job`` to run in the background once `start` is called; `take` with the same key returns
+        its result."""
         jobs = workers() if self._jobs is None else self._jobs
         with self._lock:
-            if self._stopped or key in self._queued or jobs == 0:
+            if self._stopped or key in self._queued or key in self._pending or jobs == 0:
                 return
+            self._pending[key] = job
+
+    def start(self, process: int = 0, processes: int = 1) -> None:
+        """Run the queued jobs in the background, in the order queued, begun at the ``process``-th of
+        ``processes`` equal parts: test processes sharing one cache (pytest-xdist's workers) queue the same
+        jobs, and starting each at its own part keeps them from waiting on each other's answer in turn."""
+        jobs = workers() if self._jobs is None else self._jobs
+        with self._lock:
+            pending = list(self._pending.items())
+            self._pending.clear()
+            if self._stopped or not pending or jobs == 0:
+                return
+            first = len(pending) * process // max(1, processes)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="oracle-ahead")
-            self._queued[key] = self._pool.submit(job)
+            for key, job in pending[first:] + pending[:first]:
+                self._queued[key] = self._pool.submit(job)
 
     def take(self, key: Hashable, job: Callable[[], T]) -> T:
-        """The result of the job queued under ``key`` (waiting for it), else of ``job`` run now."""
+        """The result of the job queued under ``key``: waited for once it runs; a job still waiting for a
+        free worker is taken off the queue and run now, in the caller's thread (the test waits either way).
+        Else ``job`` run now."""
         with self._lock:
             future = self._queued.pop(key, None)
-        if future is not None:
+            self._pending.pop(key, None)
+        if future is not None and not future.cancel():
             try:
                 return future.result()
             except CancelledError:
@@ -113,6 +134,7 @@ class Ahead:
             for future in self._queued.values():
                 future.cancel()
             self._queued.clear()
+            self._pending.clear()
             running = list(self._running)
             pool, self._pool = self._pool, None
         for proc in running:
@@ -123,6 +145,7 @@ class Ahead:
 
 SESSION = Ahead()  # the test session's (conftest.py stops it when the session ends)
 ahead = SESSION.ahead
+start = SESSION.start
 take = SESSION.take
 run = SESSION.run
 stop = SESSION.stop

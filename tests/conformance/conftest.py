@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             selected.setdefault(module, []).append(item)
     for module, items in selected.items():
         module.start_ahead(items)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # pytest -n: this process's part of the queue
+    ahead.start(int(worker.removeprefix("gw") or 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

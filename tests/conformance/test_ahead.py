@@ -17,12 +17,42 @@ import vllm_release
 
 
 def test_a_queued_job_runs_once_and_its_answer_is_taken() -> None:
-    pool, calls = ahead.Ahead(jobs=2), []
-    pool.ahead("k", lambda: calls.append("ahead") or 41)
+    pool, calls, ran = ahead.Ahead(jobs=2), [], threading.Event()
+    pool.ahead("k", lambda: calls.append("ahead") or ran.set() or 41)
     pool.ahead("k", lambda: calls.append("again") or 0)  # the same key is queued once
+    assert not ran.wait(0.2)  # queued: nothing runs before `start`
+    pool.start()
+    assert ran.wait(30)
     assert pool.take("k", lambda: calls.append("inline") or 0) == 41
     assert calls == ["ahead"]
     assert pool.take("k", lambda: calls.append("inline") or 7) == 7  # taken: the next take runs it itself
+
+
+def test_a_job_still_waiting_for_a_worker_is_run_by_its_taker() -> None:
+    """The test would wait either way: it runs the job now rather than behind the queue."""
+    pool, release = ahead.Ahead(jobs=1), threading.Event()
+    pool.ahead("busy", lambda: release.wait(60) and "busy")
+    pool.ahead("waiting", lambda: "ahead")
+    pool.start()
+    assert pool.take("waiting", lambda: "inline") == "inline"
+    release.set()
+    assert pool.take("busy", lambda: "inline") == "busy"
+
+
+@pytest.mark.parametrize(("process", "order"), [(0, "abcd"), (1, "cdab"), (2, "abcd")])
+def test_each_test_process_starts_at_its_own_part_of_the_queue(process: int, order: str) -> None:
+    """pytest -n: every worker queues the same oracles; started at different parts, they rarely wait on
+    one answer (the first asks it, the other reads what it kept) and so run two oracles at once."""
+    pool, ran = ahead.Ahead(jobs=1), []
+    for key in "abcd":
+        pool.ahead(key, lambda key=key: ran.append(key))
+    pool.start(process % 2, 2)
+    deadline = time.monotonic() + 30
+    while len(ran) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "".join(ran) == order
+    for key in "abcd":
+        pool.take(key, lambda: pytest.fail("ran again by its taker"))
 
 
 def test_a_job_never_queued_runs_when_taken_and_none_runs_with_zero_jobs() -> None:
@@ -39,6 +69,7 @@ def test_a_queued_jobs_failure_is_raised_where_it_is_taken() -> None:
         raise vllm_release.OracleError("oracle v028 under vLLM 0.28.0 exited 1")
 
     pool.ahead("k", broken)
+    pool.start()
     with pytest.raises(vllm_release.OracleError, match="exited 1"):
         pool.take("k", lambda: None)
 
@@ -78,6 +109,7 @@ def test_stop_kills_the_oracles_still_running_and_cancels_the_queued() -> None:
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
     pool.ahead("running", lambda: pool.run(sleeper, input="", env=None, timeout=300))
     pool.ahead("queued", lambda: pool.run(sleeper, input="", env=None, timeout=300))
+    pool.start()
     deadline = time.monotonic() + 30
     while not pool._running and time.monotonic() < deadline:
         time.sleep(0.05)
