@@ -303,6 +303,12 @@ def _check_served(r: ConfigReader, vllm_version: str | None = None) -> None:
         r.error("unsupported-model", "compressed sparse attention (DeepSeek-V4's `compress_ratios`): its "
                 "sliding-window MLA and compressed caches are not modelled",
                 "give the KV cache groups in a --spec file")
+    if any(r.has(f) for f in ("global_head_dim", "num_global_key_value_heads", "per_layer_config")):
+        field = next(f for f in ("global_head_dim", "num_global_key_value_heads", "per_layer_config") if r.has(f))
+        r.error("unsupported-model", f"`{r.name(field)}`: the full-attention layers have their own head size or "
+                "KV-head count (Gemma 4's per-layer-type geometry), which kvpolicy does not model: reading them "
+                "with the sliding layers' values would decide on other geometry than vLLM's",
+                "give the KV cache groups in a --spec file")
     if types & {"mpt", "dbrx"}:
         r.error("unsupported-model", f"`{r.model_type}` states its layers, heads and width under its own names "
                 "(`n_layers`, `n_heads`, `d_model`) and its KV heads in `attn_config.kv_n_heads`, which kvpolicy "

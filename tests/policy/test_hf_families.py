@@ -360,6 +360,12 @@ def test_kv_lora_rank_elsewhere_is_not_mla_and_says_so() -> None:
         pytest.param({"model_type": "nemotron-nas", "num_hidden_layers": 2, "num_attention_heads": 8,
                       "hidden_size": 512, "block_configs": [{"attention": {"no_op": True}}] * 2},
                      id="nemotron-nas-block-configs"),
+        pytest.param({"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "num_hidden_layers": 6,
+                      "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "global_head_dim": 512,
+                      "sliding_window": 512}, id="gemma4-global-head-dim"),
+        pytest.param({"model_type": "gemma4_text", "num_hidden_layers": 6, "num_attention_heads": 8,
+                      "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256},
+                     id="num-global-kv-heads"),
     ],
 )
 def test_unmodelled_models_are_refused_by_name(config: dict[str, Any]) -> None:
