@@ -186,6 +186,10 @@ optionally, where (`when`, the rules' condition language: `connector.name`, `vll
   without which the rules let a layout whose views overlap through). Whatever the rules say, the
   geometry verifier refuses a plan whose views overlap before anything is allocated, so no waiver
   can produce a corrupting layout.
+- **Shared across releases**: one operator layer often serves deployments of several vLLM releases. A
+  waiver of a rule that another release profile's shipped rules have, but this one's do not, is
+  `warning[waived-rule-not-in-release]` (it waives nothing here), not an error; a rule no release
+  ships stays `unknown-waived-rule`.
 - A waiver changes the rule set's digest (a rule set without any keeps its own); `kvpolicy inspect`
   lists the waivers of the rules it shows, in force or expired.
 
