@@ -206,6 +206,7 @@ class Answer:
     unit: str  # block | layer_view
     differences: tuple[Any, ...]  # the fields that differ for this unit
     reason: str = ""
+    reconciled: bool = False  # as is only because the connector itself reconciles what differs (NIXL's TP ratio)
 
     @property
     def ok(self) -> bool:
@@ -230,9 +231,19 @@ def _answer(src: LayoutFingerprint, dst: LayoutFingerprint, via: str | None) -> 
         return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
     if via is not None:  # the connector's own answer: as is, or not at all (what it reconciles may differ)
         kind, diffs, why = compare_transfer(via, src, dst, "source", "target")
+        if kind == "as_is" and blocks.kind is not ExchangeKind.as_is:  # the bytes differ; the connector maps them
+            return Answer(ExchangeKind.as_is, blocks, via, unit, blocks.cell_differences or blocks.differences,
+                          _reconciled_reason(via), reconciled=True)
         return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
     return Answer(blocks.kind, blocks, via, unit, blocks.cell_differences if blocks.kind is ExchangeKind.refused
                   else blocks.differences, blocks.reason)
+
+
+def _reconciled_reason(via: str) -> str:
+    """Why ``via`` exchanges blocks whose bytes differ: it maps them itself (`exchange.RECONCILED_BY`)."""
+    return (f"a block's bytes differ, and {via} reconciles that itself: vLLM's NIXL pairs instances of different "
+            "tensor-parallel sizes (KV heads per rank, its tp_ratio) and block sizes (its block_size_ratio) and "
+            "reads each remote block accordingly")
 
 
 _SAYS_VIEWS = {ExchangeKind.as_is: "as is: each layer's view means the same bytes on both sides",
@@ -275,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"TO   {dst.line()}")
         print(f"compared: {answer.compared()}")
         says = _SAYS_VIEWS[answer.kind] if answer.unit == "layer_view" else _SAYS[answer.kind]
+        if answer.reconciled:
+            says = f"as is through {via}, which reconciles what differs itself (not byte for byte)"
         print(f"exchange: {says}")
         cost = report.get("cost")
         if cost:
@@ -298,6 +311,10 @@ def run(args: argparse.Namespace) -> int:
                     print(f"    {d}")
             else:
                 print(f"  {answer.reason}")
+        elif answer.reconciled:
+            print(f"  {answer.reason}; what differs:")
+            for d in answer.differences:
+                print(f"    {d}")
         elif answer.differences:
             print("  where the cells sit differs in:" if answer.kind is ExchangeKind.transcode
                   else "  the fingerprints differ where no byte of a block moves:")
