@@ -222,7 +222,7 @@ class Answer:
 
 
 def _answer(src: LayoutFingerprint, dst: LayoutFingerprint, via: str | None) -> Answer:
-    from kvpolicy.engine.exchange import compare_transfer, transfer_unit
+    from kvpolicy.engine.exchange import compare_transfer, reconciled_differences, transfer_unit
 
     blocks = compare_blocks(src, dst)
     unit = transfer_unit(via) if via is not None else "block"
@@ -231,19 +231,12 @@ def _answer(src: LayoutFingerprint, dst: LayoutFingerprint, via: str | None) -> 
         return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
     if via is not None:  # the connector's own answer: as is, or not at all (what it reconciles may differ)
         kind, diffs, why = compare_transfer(via, src, dst, "source", "target")
-        if kind == "as_is" and blocks.kind is not ExchangeKind.as_is:  # the bytes differ; the connector maps them
-            return Answer(ExchangeKind.as_is, blocks, via, unit, blocks.cell_differences or blocks.differences,
-                          _reconciled_reason(via), reconciled=True)
+        mapped, mapped_why = reconciled_differences(via, src, dst, "source", "target")
+        if mapped:  # as is, though the bytes differ: the connector maps them itself
+            return Answer(ExchangeKind.as_is, blocks, via, unit, mapped, mapped_why, reconciled=True)
         return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
     return Answer(blocks.kind, blocks, via, unit, blocks.cell_differences if blocks.kind is ExchangeKind.refused
                   else blocks.differences, blocks.reason)
-
-
-def _reconciled_reason(via: str) -> str:
-    """Why ``via`` exchanges blocks whose bytes differ: it maps them itself (`exchange.RECONCILED_BY`)."""
-    return (f"a block's bytes differ, and {via} reconciles that itself: vLLM's NIXL pairs instances of different "
-            "tensor-parallel sizes (KV heads per rank, its tp_ratio) and block sizes (its block_size_ratio) and "
-            "reads each remote block accordingly")
 
 
 _SAYS_VIEWS = {ExchangeKind.as_is: "as is: each layer's view means the same bytes on both sides",

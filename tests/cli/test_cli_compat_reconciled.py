@@ -35,3 +35,25 @@ def test_identical_blocks_through_nixl_still_say_every_byte_means_the_same(capsy
                          "--via", "NixlConnector")
     assert code == 0, err
     assert "exchange: as is: every byte of a block means the same on both sides" in out
+
+
+def test_a_fleet_exchange_across_tp_sizes_says_what_nixl_reconciles(capsys, tmp_path: Path) -> None:
+    (tmp_path / "fleet.yaml").write_text(f"""version: 1
+defaults: {{vllm_version: "0.34.0", model: {LLAMA}, connector: NixlConnector}}
+deployments:
+  - {{name: prefill-tp2, tensor_parallel_size: 2}}
+  - {{name: decode-tp4, tensor_parallel_size: 4}}
+  - {{name: decode-tp2, tensor_parallel_size: 2}}
+exchanges:
+  - {{name: pd, deployments: [prefill-tp2, decode-tp4, decode-tp2]}}
+""")
+    code, out, err = cli(capsys, "dry-run", "--fleet", str(tmp_path / "fleet.yaml"))
+    assert code == 0, err
+    lines = [line.strip() for line in out.splitlines()]
+    assert "prefill-tp2 -> decode-tp2: as is" in lines
+    tp = next(line for line in lines if line.startswith("prefill-tp2 -> decode-tp4: "))
+    assert tp.startswith("prefill-tp2 -> decode-tp4: as is (NixlConnector reconciles what differs itself")
+    assert "num_kv_heads: prefill-tp2 4, decode-tp4 2" in tp
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(tmp_path / "fleet.yaml"), "--format", "json")
+    pair = next(e for e in json.loads(out)["exchanges"] if (e["writer"], e["reader"]) == ("prefill-tp2", "decode-tp4"))
+    assert pair["answer"] == "as_is" and pair["fields"] == ["num_kv_heads"] and "reconciles" in pair["reason"]
