@@ -31,6 +31,7 @@ from kvpolicy.engine.cli.common import (
     HelpFormatter,
     UsageError,
     add_format_flag,
+    add_rules_flag,
     int_at_least,
     print_json,
     usage_error,
@@ -54,6 +55,7 @@ examples:
   kvpolicy compat vllm-0.34 vllm-0.34 --from block_size=16 --to block_size=32 --via MooncakeStoreConnector
   kvpolicy compat 0.34.0 0.34.0 --device cpu --block-size 32 --from cpu=x86 --to cpu=x86+avx512+amx
   kvpolicy compat --table --block-size 16 --kv-cache-dtype auto
+  kvpolicy compat fleet.yaml#llama-8b-nixl-pd fleet.yaml#llama-8b-nixl-pd-decode --rules rollout/  # your layers
 """
 # what a side of a fleet file looks like: the file, `#`, a deployment's name
 FLEET_SEP = "#"
@@ -110,6 +112,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
                                        "cpu=x86+avx512+amx, kv_cache_dtype=fp8, vllm_version=0.33.0 (a fleet side)")
     side.add_argument("--to", dest="to_keys", action="append", type=_key_value, metavar="KEY=VALUE",
                       default=[], help="set a case key of TO's deployment (repeatable), as --from")
+    add_rules_flag(p)  # a release or fleet side is decided with these layers, as dry-run (--fleet) decides it
     add_format_flag(p)
     p.set_defaults(run=run)
 
@@ -243,6 +246,18 @@ _SAYS_VIEWS = {ExchangeKind.as_is: "as is: each layer's view means the same byte
                ExchangeKind.refused: "not at all"}
 
 
+def _rules_of(args: argparse.Namespace) -> Any:
+    """The rule stack a side is decided with: the shipped rules of its release, then each ``--rules`` layer
+    (``--no-shipped-rules``: those alone), as `dry-run --fleet --rules` decides a deployment."""
+    if not (getattr(args, "rules", None) or getattr(args, "no_shipped_rules", False)):
+        return _rules
+    if getattr(args, "_rules_for", None) is None:
+        from kvpolicy.engine.cli.fleet_report import rules_for
+
+        args._rules_for = rules_for(args, list(args.rules or []), "--rules")
+    return args._rules_for
+
+
 def run(args: argparse.Namespace) -> int:
     if args.table:
         if args.source is not None:
@@ -263,6 +278,10 @@ def run(args: argparse.Namespace) -> int:
                           f"both {said}: it would change nothing",
                           f"drop {given[0]} (--from/--to KEY=VALUE change a fleet side), or name a release as FROM "
                           "or TO")
+    if (args.rules or args.no_shipped_rules) and kinds == ["file", "file"]:
+        flag = "--rules" if args.rules else "--no-shipped-rules"
+        raise usage_error(flag, f"{flag} decides a release or fleet side, and FROM and TO are both files decided "
+                          "already: it would change nothing", f"drop {flag}, or name a release or FLEET.yaml#NAME")
     fleets: dict[str, Fleet] = {}
     src = _side(args.source, args, "FROM", args.from_keys, fleets)
     dst = _side(args.target, args, "TO", args.to_keys, fleets)
@@ -373,7 +392,7 @@ def _side(text: str, args: argparse.Namespace, where: str, keys: list[tuple[str,
                               f"drop {_SIDE_FLAG[where]}, or name a release or a FLEET.yaml#NAME as {where}")
         return Side(text, _fingerprint_in(Path(text), where))
     if kind == "fleet":
-        return _fleet_side(text, where, keys, fleets)
+        return _fleet_side(text, where, keys, fleets, _rules_of(args))
     from kvpolicy.policy.releases import resolve_profile
 
     try:
@@ -564,10 +583,11 @@ def _decided_result(profile: str, args: argparse.Namespace, where: str, keys: li
     data = _merge(data, list(keys), said, where)
     data["vllm_version"] = profile
     dep = _deployment(profile, data, said, where)
-    return decide_deployment(dep, Path("."), _rules, profile), said
+    return decide_deployment(dep, Path("."), _rules_of(args), profile), said
 
 
-def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict[str, Fleet]) -> Side:
+def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict[str, Fleet],
+                rules: Any = None) -> Side:
     """``FLEET.yaml#NAME``: the deployment as the fleet file declares it (``keys`` changed), decided as
     dry-run --fleet decides it; a fleet file with mistakes is its located errors."""
     from kvpolicy.engine.fleet import FleetError, decide_in_fleet, load_fleet
@@ -595,7 +615,7 @@ def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict
     if keys:
         declared = fleet.deployments[index][0].model_dump(mode="json", exclude_defaults=True)
         dep = _deployment(name, _merge(declared, list(keys), said, where), said, where)
-    result = decide_in_fleet(fleet, index, _rules, None, dep)
+    result = decide_in_fleet(fleet, index, rules or _rules, None, dep)
     fingerprint = _fingerprint_of(result, where, said, fleet.file)
     connector = result.decision.context.connector if result.decision is not None else None
     return Side(text + _changed(keys), fingerprint, connector.name if connector is not None else None)
