@@ -55,7 +55,7 @@ examples:
   kvpolicy compat vllm-0.34 vllm-0.34 --from block_size=16 --to block_size=32 --via MooncakeStoreConnector
   kvpolicy compat 0.34.0 0.34.0 --device cpu --block-size 32 --from cpu=x86 --to cpu=x86+avx512+amx
   kvpolicy compat --table --block-size 16 --kv-cache-dtype auto
-  kvpolicy compat fleet.yaml#llama-8b-nixl-pd fleet.yaml#llama-8b-nixl-pd-decode --rules rollout/  # your layers
+  kvpolicy compat vllm-0.28 vllm-0.34 --block-size 16 --rules my-rules/   # decided with your rule layers too
 """
 # what a side of a fleet file looks like: the file, `#`, a deployment's name
 FLEET_SEP = "#"
