@@ -49,6 +49,7 @@ __all__ = [
     "compare_transfer",
     "layer_view_digest",
     "layer_view_identity",
+    "reconciled_differences",
     "transfer_unit",
 ]
 
@@ -259,3 +260,18 @@ def compare_transfer(connector: str | None, writer: LayoutFingerprint, reader: L
     return "refused", diffs, ex.reason or "a block's cells differ"
 
 
+def reconciled_differences(connector: str | None, writer: LayoutFingerprint, reader: LayoutFingerprint,
+                           writer_name: str = "writer", reader_name: str = "reader"
+                           ) -> tuple[tuple[Difference, ...], str]:
+    """What differs between blocks ``writer`` writes and ``reader`` reads that ``connector`` reconciles itself
+    (`RECONCILED_BY`), and why it may: ``((), "")`` unless `compare_transfer` answers as is while the blocks'
+    bytes differ. An answer of "as is" must not read as "byte for byte" when the heads per rank differ."""
+    if not RECONCILED_BY.get(connector or "") or compare_transfer(connector, writer, reader)[0] != "as_is":
+        return (), ""
+    ex = compare_blocks(writer, reader)
+    if ex.kind is ExchangeKind.as_is:
+        return (), ""
+    diffs = list(ex.cell_differences) or [d for d in ex.differences if d.field not in _DERIVED] or list(ex.differences)
+    return _named(diffs, writer_name, reader_name), (
+        f"{connector} reconciles what differs itself (not byte for byte): vLLM's NIXL pairs instances of different "
+        "tensor-parallel sizes (KV heads per rank, its tp_ratio) and block sizes (its block_size_ratio)")

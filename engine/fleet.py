@@ -45,7 +45,7 @@ from pydantic import Field, ValidationError
 from kvpolicy.engine.agreement import Difference
 from kvpolicy.engine.connector_names import Refuse, check_connector_names, out_of_tree_names
 from kvpolicy.engine.decision import Decision
-from kvpolicy.engine.exchange import _DERIVED, compare_transfer, transfer_unit
+from kvpolicy.engine.exchange import _DERIVED, compare_transfer, reconciled_differences, transfer_unit
 from kvpolicy.engine.fingerprint import LayoutFingerprint
 from kvpolicy.engine.layout_engine import LayoutEngine
 from kvpolicy.engine.model_notes import model_config_notes
@@ -584,8 +584,9 @@ class ExchangeAnswer:
 
     def say(self) -> str:
         """One line: the answer, with every differing field and why."""
-        if self.answer == "as_is":
-            return "as is"
+        if self.answer == "as_is":  # with the differences the connector reconciles itself, when there are some
+            return "as is" + (f" ({self.reason}: {'; '.join(str(d) for d in self.differences)})"
+                              if self.differences else "")
         if self.answer == "unknown":
             return f"unknown: {self.reason}"
         fields = "; ".join(str(d) for d in self.differences)
@@ -630,5 +631,7 @@ def exchange_answers(fleet: Fleet, results: list[FleetResult]) -> list[ExchangeA
                                               reason="; ".join(w for w in (wwhy, rwhy) if w)))
                     continue
                 kind, diffs, why = compare_transfer(ex.connector, wfp, rfp, writer, reader)
+                if kind == "as_is":  # NIXL across TP sizes: as is, and what differs that it reconciles is said
+                    diffs, why = reconciled_differences(ex.connector, wfp, rfp, writer, reader)
                 out.append(ExchangeAnswer(ex, location, writer, reader, kind, diffs, why))
     return out

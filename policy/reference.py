@@ -126,13 +126,18 @@ enforced, so the finding can say exactly what enforcing it changes (Kyverno's
 `validationFailureAction: Audit`/`Enforce` works the same way, per policy). A `prefer` rule
 removes nothing, so `enforcement` on it is an error.
 
+`rollout/global.yaml`, a whole rule file (`docs/examples/rollout/global.yaml`):
+
 ```yaml
-# rollout/global.yaml
-- id: site-per-token-head-stays-nhd
-  description: our offload readers expect NHD pages for per-token-head caches
-  enforcement: audit
-  when: {field: kv.per_token_head, eq: true}
-  forbid: {head_order: HND}
+version: 1
+rules:
+  # Rolled out in audit mode first: dry-run, lint and the plugin's log say what it would change.
+  # Delete the `enforcement: audit` line to enforce it.
+  - id: site-per-token-head-stays-nhd
+    description: our offload readers expect NHD pages for per-token-head caches
+    enforcement: audit
+    when: {field: kv.per_token_head, eq: true}
+    forbid: {head_order: HND}
 ```
 
 ```
@@ -193,9 +198,12 @@ optionally, where (`when`, the rules' condition language: `connector.name`, `vll
 - A waiver changes the rule set's digest (a rule set without any keeps its own); `kvpolicy inspect`
   lists the waivers of the rules it shows, in force or expired.
 
+`waivers/global.yaml`, a whole rule file (`docs/examples/waivers/global.yaml`):
+
 ```yaml
-# waivers/global.yaml
+version: 1
 waivers:
+  # An exception to a shipped preference, for fp8 caches only: owned, argued, dated.
   - rule: offloading-requires-lbhnc
     owner: kv-team@example.com
     reason: our LMCache 0.3 readers expect NHD pages; INFRA-1234 moves them to HND

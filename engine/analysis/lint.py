@@ -447,6 +447,9 @@ def lint(
     for owner in sorted((o for refused, o in conflicts if not refused), key=at):
         inputs = conflicts[(False, owner)]
         where = "" if owner is None else f" where `{owner}` removes candidates (the shipped rules alone choose one)"
+        if owner is not None and ruleset.rule(owner).effect is Effect.prefer:  # a prefer removes nothing itself
+            where = (f" where `{owner}` (prefer) changes a connector member's best layout, so the members no longer "
+                     "agree (the shipped rules alone choose one)")
         findings.append(Finding("error", "conflict",
                                 f"no layout survives for {len(inputs)} input(s){where}; the rules removing "
                                 f"candidates there: {named(conflict_rules[(False, owner)])}",

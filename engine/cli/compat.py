@@ -31,6 +31,7 @@ from kvpolicy.engine.cli.common import (
     HelpFormatter,
     UsageError,
     add_format_flag,
+    add_rules_flag,
     int_at_least,
     print_json,
     usage_error,
@@ -54,6 +55,7 @@ examples:
   kvpolicy compat vllm-0.34 vllm-0.34 --from block_size=16 --to block_size=32 --via MooncakeStoreConnector
   kvpolicy compat 0.34.0 0.34.0 --device cpu --block-size 32 --from cpu=x86 --to cpu=x86+avx512+amx
   kvpolicy compat --table --block-size 16 --kv-cache-dtype auto
+  kvpolicy compat vllm-0.28 vllm-0.34 --block-size 16 --rules my-rules/   # decided with your rule layers too
 """
 # what a side of a fleet file looks like: the file, `#`, a deployment's name
 FLEET_SEP = "#"
@@ -110,6 +112,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
                                        "cpu=x86+avx512+amx, kv_cache_dtype=fp8, vllm_version=0.33.0 (a fleet side)")
     side.add_argument("--to", dest="to_keys", action="append", type=_key_value, metavar="KEY=VALUE",
                       default=[], help="set a case key of TO's deployment (repeatable), as --from")
+    add_rules_flag(p)  # a release or fleet side is decided with these layers, as dry-run (--fleet) decides it
     add_format_flag(p)
     p.set_defaults(run=run)
 
@@ -206,6 +209,7 @@ class Answer:
     unit: str  # block | layer_view
     differences: tuple[Any, ...]  # the fields that differ for this unit
     reason: str = ""
+    reconciled: bool = False  # as is only because the connector itself reconciles what differs (NIXL's TP ratio)
 
     @property
     def ok(self) -> bool:
@@ -221,7 +225,7 @@ class Answer:
 
 
 def _answer(src: LayoutFingerprint, dst: LayoutFingerprint, via: str | None) -> Answer:
-    from kvpolicy.engine.exchange import compare_transfer, transfer_unit
+    from kvpolicy.engine.exchange import compare_transfer, reconciled_differences, transfer_unit
 
     blocks = compare_blocks(src, dst)
     unit = transfer_unit(via) if via is not None else "block"
@@ -230,6 +234,9 @@ def _answer(src: LayoutFingerprint, dst: LayoutFingerprint, via: str | None) -> 
         return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
     if via is not None:  # the connector's own answer: as is, or not at all (what it reconciles may differ)
         kind, diffs, why = compare_transfer(via, src, dst, "source", "target")
+        mapped, mapped_why = reconciled_differences(via, src, dst, "source", "target")
+        if mapped:  # as is, though the bytes differ: the connector maps them itself
+            return Answer(ExchangeKind.as_is, blocks, via, unit, mapped, mapped_why, reconciled=True)
         return Answer(ExchangeKind(kind), blocks, via, unit, diffs, why)
     return Answer(blocks.kind, blocks, via, unit, blocks.cell_differences if blocks.kind is ExchangeKind.refused
                   else blocks.differences, blocks.reason)
@@ -237,6 +244,18 @@ def _answer(src: LayoutFingerprint, dst: LayoutFingerprint, via: str | None) -> 
 
 _SAYS_VIEWS = {ExchangeKind.as_is: "as is: each layer's view means the same bytes on both sides",
                ExchangeKind.refused: "not at all"}
+
+
+def _rules_of(args: argparse.Namespace) -> Any:
+    """The rule stack a side is decided with: the shipped rules of its release, then each ``--rules`` layer
+    (``--no-shipped-rules``: those alone), as `dry-run --fleet --rules` decides a deployment."""
+    if not (getattr(args, "rules", None) or getattr(args, "no_shipped_rules", False)):
+        return _rules
+    if getattr(args, "_rules_for", None) is None:
+        from kvpolicy.engine.cli.fleet_report import rules_for
+
+        args._rules_for = rules_for(args, list(args.rules or []), "--rules")
+    return args._rules_for
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,6 +278,10 @@ def run(args: argparse.Namespace) -> int:
                           f"both {said}: it would change nothing",
                           f"drop {given[0]} (--from/--to KEY=VALUE change a fleet side), or name a release as FROM "
                           "or TO")
+    if (args.rules or args.no_shipped_rules) and kinds == ["file", "file"]:
+        flag = "--rules" if args.rules else "--no-shipped-rules"
+        raise usage_error(flag, f"{flag} decides a release or fleet side, and FROM and TO are both files decided "
+                          "already: it would change nothing", f"drop {flag}, or name a release or FLEET.yaml#NAME")
     fleets: dict[str, Fleet] = {}
     src = _side(args.source, args, "FROM", args.from_keys, fleets)
     dst = _side(args.target, args, "TO", args.to_keys, fleets)
@@ -275,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"TO   {dst.line()}")
         print(f"compared: {answer.compared()}")
         says = _SAYS_VIEWS[answer.kind] if answer.unit == "layer_view" else _SAYS[answer.kind]
+        if answer.reconciled:
+            says = f"as is through {via}, which reconciles what differs itself (not byte for byte)"
         print(f"exchange: {says}")
         cost = report.get("cost")
         if cost:
@@ -298,6 +323,10 @@ def run(args: argparse.Namespace) -> int:
                     print(f"    {d}")
             else:
                 print(f"  {answer.reason}")
+        elif answer.reconciled:
+            print(f"  {answer.reason}; what differs:")
+            for d in answer.differences:
+                print(f"    {d}")
         elif answer.differences:
             print("  where the cells sit differs in:" if answer.kind is ExchangeKind.transcode
                   else "  the fingerprints differ where no byte of a block moves:")
@@ -363,7 +392,7 @@ def _side(text: str, args: argparse.Namespace, where: str, keys: list[tuple[str,
                               f"drop {_SIDE_FLAG[where]}, or name a release or a FLEET.yaml#NAME as {where}")
         return Side(text, _fingerprint_in(Path(text), where))
     if kind == "fleet":
-        return _fleet_side(text, where, keys, fleets)
+        return _fleet_side(text, where, keys, fleets, _rules_of(args))
     from kvpolicy.policy.releases import resolve_profile
 
     try:
@@ -554,10 +583,11 @@ def _decided_result(profile: str, args: argparse.Namespace, where: str, keys: li
     data = _merge(data, list(keys), said, where)
     data["vllm_version"] = profile
     dep = _deployment(profile, data, said, where)
-    return decide_deployment(dep, Path("."), _rules, profile), said
+    return decide_deployment(dep, Path("."), _rules_of(args), profile), said
 
 
-def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict[str, Fleet]) -> Side:
+def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict[str, Fleet],
+                rules: Any = None) -> Side:
     """``FLEET.yaml#NAME``: the deployment as the fleet file declares it (``keys`` changed), decided as
     dry-run --fleet decides it; a fleet file with mistakes is its located errors."""
     from kvpolicy.engine.fleet import FleetError, decide_in_fleet, load_fleet
@@ -585,7 +615,7 @@ def _fleet_side(text: str, where: str, keys: list[tuple[str, Any]], fleets: dict
     if keys:
         declared = fleet.deployments[index][0].model_dump(mode="json", exclude_defaults=True)
         dep = _deployment(name, _merge(declared, list(keys), said, where), said, where)
-    result = decide_in_fleet(fleet, index, _rules, None, dep)
+    result = decide_in_fleet(fleet, index, rules or _rules, None, dep)
     fingerprint = _fingerprint_of(result, where, said, fleet.file)
     connector = result.decision.context.connector if result.decision is not None else None
     return Side(text + _changed(keys), fingerprint, connector.name if connector is not None else None)
