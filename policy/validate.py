@@ -125,7 +125,10 @@ def located_validation_errors(
             shown = err.get("input")
             if kind not in ("condition", "value_error") and isinstance(shown, (str, int, float, bool)):
                 msg += f", got {_type_name(shown)} `{str(shown).lower() if isinstance(shown, bool) else shown}`"
-            diags.append(src.diag(path, code, msg, _operator_hint(msg, shown)))
+            hint = _operator_hint(msg, shown)
+            if kind.startswith(("date_", "datetime_")):  # a waiver's `expires`
+                hint = "write a day of the calendar as `YYYY-MM-DD`, e.g. `2027-02-28`"
+            diags.append(src.diag(path, code, msg, hint))
     return diags
 
 

@@ -113,3 +113,11 @@ def test_a_layer_shared_across_releases_waives_a_rule_only_where_it_ships(capsys
     (ops / "global.yaml").write_text(WAIVER.replace("offloading-requires-lbhnc", "offloading-requires-lbhcn"))
     code, _, err = cli(capsys, "validate", str(ops), "--vllm-version", "0.28.0", "--today", "2027-01-01")
     assert code == 1 and "error[unknown-waived-rule]: no rule `offloading-requires-lbhcn`" in err
+
+
+def test_a_day_not_on_the_calendar_is_located_with_how_to_write_it(capsys: pytest.CaptureFixture[str],
+                                                                  ops: Path) -> None:
+    (ops / "global.yaml").write_text(WAIVER.replace("2027-01-31", "2027-02-30"))
+    code, _, err = cli(capsys, "validate", str(ops), "--vllm-version", "0.34.0")
+    assert code == 1 and f"{ops}/global.yaml:6:14: error[invalid-value]: expected a valid date" in err
+    assert "help: write a day of the calendar as `YYYY-MM-DD`, e.g. `2027-02-28`" in err
