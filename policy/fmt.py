@@ -122,9 +122,11 @@ class _Source:
 
     def slice(self, node: Node) -> str:
         s, e = node.start_mark, node.end_mark
+        lines = [*self.lines, ""]  # an implicit null after the last line (`? x` at the end) starts past it
         if s.line == e.line:
-            return self.lines[s.line][s.column:e.column]
-        return "\n".join([self.lines[s.line][s.column:], *self.lines[s.line + 1:e.line], self.lines[e.line][:e.column]])
+            return lines[min(s.line, len(self.lines))][s.column:e.column]
+        last = lines[min(e.line, len(self.lines))]
+        return "\n".join([lines[s.line][s.column:], *lines[s.line + 1:e.line], last[:e.column]])
 
 
 def _key(node: MappingNode, i: int) -> str:

@@ -862,9 +862,11 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             if exc.errno in _DEVICE_FULL:  # the path was right; the disk is not the user's mistake
                 err: PolicyError = PolicyError("", [Diagnostic("--svg", 0, 0, "write-failed",
-                                                               f"cannot write `{args.svg}`: {exc.strerror}")])
+                                                               f"cannot write `{args.svg}`: {exc.strerror}",
+                                                               "free space on that disk, or pass a path on another")])
             else:
-                err = usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}")
+                err = usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}",
+                                  "pass a file path in a folder that exists and that you can write")
             report_error(err, args.format)  # with --format json, stdout still holds one error document
             return exit_code_for(err)
     if args.format == "json":

@@ -244,7 +244,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     try:
         results = decide_fleet(fleet, rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
     except RuleLoadError as exc:
-        report_error(exc, "json" if args.format == "json" else "text")
+        report_error(exc, args.format)  # in the format asked for: a CI report, never an empty one
         return EXIT_FAILED
     answers = exchange_answers(fleet, results)
     seconds = time.perf_counter() - start
@@ -269,13 +269,13 @@ def falls_back(fleet: Fleet) -> bool:
 
 def open_fleet(args: argparse.Namespace) -> Fleet | None:
     """``args.fleet`` loaded, and the default release's note said if a deployment falls back to it; None
-    when the file does not load (its located errors reported, in JSON with --format json)."""
+    when the file does not load (its located errors reported on stderr, and on stdout in the format asked for)."""
     from kvpolicy.engine.fleet import FleetError, load_fleet
 
     try:
         fleet = load_fleet(args.fleet)
     except FleetError as exc:
-        report_error(exc, "json" if args.format == "json" else "text")
+        report_error(exc, args.format)  # in the format asked for: a CI report, never an empty one
         return None
     say_fleet_default(args, falls_back(fleet))
     return fleet

@@ -75,7 +75,7 @@ def _files(paths: list[str]) -> list[str]:
             if not found:
                 raise usage_error(raw, "no rule files (`*.yaml`, `connectors/*.yaml`) here", "pass a rule directory")
             out += [str(f) for f in found]
-        elif p.is_file():
+        elif p.is_file() or p.exists():  # a FIFO or device: read_capped says what it is, never opening it
             out.append(raw)
         else:
             raise usage_error(raw, "no such file or directory", "pass rule files, rule directories, or -")

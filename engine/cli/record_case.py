@@ -214,5 +214,6 @@ def record_case(args: argparse.Namespace, resolved: Resolved, decision: Any, err
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, text)
     except OSError as exc:
-        raise usage_error("--record-test", f"cannot write `{path}`: {exc.strerror or exc}") from None
+        raise usage_error("--record-test", f"cannot write `{path}`: {exc.strerror or exc}",
+                          "the file is as it was; pass a path you can write (free space, fix permissions)") from None
     return f"recorded: case `{name}` in {path} (`{_check_command(args, path, data)}` checks it)"

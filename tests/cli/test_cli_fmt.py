@@ -169,3 +169,24 @@ def test_format_json_reports_each_file(capsys: pytest.CaptureFixture[str], tmp_p
     code, out, _ = cli(capsys, "fmt", "--format", "json", str(tmp_path / "a.yaml"))
     assert code == 0 and json.loads(out)["files"][0] == {"file": f"{tmp_path}/a.yaml", "ok": True, "changed": False,
                                                          "written": False, "diagnostics": [], "formatted": FORMATTED}
+
+
+def test_a_fifo_or_device_named_to_fmt_is_said_to_be_one_not_missing(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    """A FIFO named as a rule file exists: "no such file" would send the operator looking for a typo."""
+    import os
+
+    fifo = tmp_path / "rules.yaml"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/null"):
+        code, out, err = cli(capsys, "fmt", "--write", path)
+        assert code == 1 and out == "" and f"{path}: error[not-a-file]" in err and "no such file" not in err
+
+
+def test_a_dangling_link_in_a_rule_directory_is_an_error_with_a_help_line(capsys: pytest.CaptureFixture[str],
+                                                                          tmp_path: Path) -> None:
+    (tmp_path / "global.yaml").write_text(FORMATTED)
+    (tmp_path / "old.yaml").symlink_to(tmp_path / "moved-away.yaml")
+    code, _, err = cli(capsys, "fmt", "--check", str(tmp_path))
+    assert code == 1 and "old.yaml: error[unreadable]" in err
+    assert "  help: " in err.split("old.yaml: error[unreadable]", 1)[1]

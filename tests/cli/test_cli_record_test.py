@@ -139,3 +139,14 @@ def test_an_empty_path_to_write_is_a_usage_error(capsys: pytest.CaptureFixture[s
     # `--svg ""` (an unset shell variable) read as no flag: exit 0, nothing written, nothing said
     code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", flag, path)
     assert code == 2 and f"{flag}: error[usage]: the path is empty" in err
+
+
+@pytest.mark.parametrize("flag", ["--record-test", "--svg"])
+@pytest.mark.parametrize("path", ["spec.yaml/new.yaml", "/dev/full"])
+def test_a_file_that_cannot_be_written_is_an_error_with_a_help_line(capsys: pytest.CaptureFixture[str], here: Path,
+                                                                     flag: str, path: str) -> None:
+    """Every error says what to do: a folder that is a file, a full disk; the files there are as they were."""
+    code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", flag, path)
+    assert code in (1, 2) and f"{flag}: error[" in err, err
+    assert "\n  help: " in err.split(f"{flag}: error[", 1)[1], err
+    assert (here / "spec.yaml").read_text() == SPEC
