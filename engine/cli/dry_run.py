@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -411,6 +412,10 @@ def _layout(text: str) -> Layout:
 # --spec FILE
 
 
+_SPEC_HELP = ("a --spec file holds KVCacheSpec fields: integers num_layers, block_size, num_kv_heads, head_size; "
+              "optional kind, dtype, kv_cache_dtype, sliding_window, page_size_padded (docs/cli.md, --spec)")
+
+
 def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: ValidationError) -> list[Diagnostic]:
     from kvpolicy.engine.policy_tests import GroupInput
     from kvpolicy.policy.validate import located_validation_errors
@@ -418,7 +423,8 @@ def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: Valida
     def keys(path: tuple[Any, ...]) -> tuple[str, ...]:
         return tuple(GroupInput.model_fields if path and isinstance(path[-1], int) else KVCacheSpec.model_fields)
 
-    diags = located_validation_errors(src, base, data, exc, valid_keys=keys)
+    diags = [d if d.help else replace(d, help=_SPEC_HELP)
+             for d in located_validation_errors(src, base, data, exc, valid_keys=keys)]
     if isinstance(data, dict) and data.get("kind") == "mamba":
         from kvpolicy.engine.cli.spec_help import mamba_help
 
