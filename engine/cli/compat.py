@@ -239,7 +239,24 @@ _SAYS_VIEWS = {ExchangeKind.as_is: "as is: each layer's view means the same byte
                ExchangeKind.refused: "not at all"}
 
 
+_SAID: list[str] = []  # this run's stderr lines (notes, a model's warnings), for --format json too
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr, kept for the JSON report: what the text says, the JSON carries."""
+    print(line, file=sys.stderr)
+    _SAID.append(line)
+
+
+def _said() -> dict[str, list[str]]:
+    """What this run said on stderr, as dry-run's JSON has it: ``notes`` without their ``note: `` prefix,
+    every other line in ``warnings``."""
+    return {"notes": [x.removeprefix("note: ") for x in _SAID if x.startswith("note: ")],
+            "warnings": [x for x in _SAID if not x.startswith("note: ")]}
+
+
 def run(args: argparse.Namespace) -> int:
+    _SAID.clear()
     if args.table:
         if args.source is not None:
             raise usage_error("--table", "--table compares every release profile: give no FROM or TO")
@@ -264,12 +281,12 @@ def run(args: argparse.Namespace) -> int:
     dst = _side(args.target, args, "TO", args.to_keys, fleets)
     if args.via is None and src.connector is not None and src.connector == dst.connector:
         via = src.connector  # the connector both deployments declare moves their blocks: answer as it moves them
-        print(f"note: compared via {via}, the connector both deployments declare (pass --via to compare "
-              "through another)", file=sys.stderr)
+        _say(f"note: compared via {via}, the connector both deployments declare (pass --via to compare "
+             "through another)")
     answer = _answer(src.fingerprint, dst.fingerprint, via)
     report = _report(src, dst, answer)
     if args.format == "json":
-        print_json(report)
+        print_json({**report, **_said()})
     else:
         print(f"FROM {src.line()}")
         print(f"TO   {dst.line()}")
@@ -509,7 +526,7 @@ def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet
     """A decided side's fingerprint; a side that decides nothing is an error where it is written: the fleet
     file's line, else the flag or key that is wrong (a usage error), else the side."""
     for note in result.notes:
-        print(note, file=sys.stderr)
+        _say(note)
     if result.decision is None:
         exc = result.error
         assert exc is not None
@@ -527,9 +544,9 @@ def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet
         from kvpolicy.policy.cpu_kernel import CpuHost
 
         order = result.decision.fingerprint.kernel_order
-        print(f"note: {where} runs {ctx.backend.name}, whose kernel order (`{order}`) is decided for this "
-              f"machine's CPU (`{CpuHost.this_host().label}`): pass --cpu, or {_SIDE_FLAG[where]} cpu=LABEL, for "
-              "another host's", file=sys.stderr)
+        _say(f"note: {where} runs {ctx.backend.name}, whose kernel order (`{order}`) is decided for this "
+             f"machine's CPU (`{CpuHost.this_host().label}`): pass --cpu, or {_SIDE_FLAG[where]} cpu=LABEL, for "
+             "another host's")
     return result.decision.fingerprint
 
 
@@ -640,13 +657,13 @@ def _table(args: argparse.Namespace) -> int:
                                          f"deployment these flags describe ({name}: {why(name, first)})", d.help)
                               for d in first.diagnostics[:1]]) from None
     for name, exc in refused.items():  # the rest: said, so that a `-` row is not read as a rule's refusal
-        print(f"note: {name} refuses the deployment these flags describe: {why(name, exc)}", file=sys.stderr)
+        _say(f"note: {name} refuses the deployment these flags describe: {why(name, exc)}")
     rows = [[None if a is None or b is None else _answer(a.fingerprint, b.fingerprint, via).kind
              for b in sides] for a in sides]
     if args.format == "json":
         print_json({"profiles": names, "via": via, "unit": _answer_unit(via),
                     "deployments": [s.summary() if s else None for s in sides],
-                    "exchanges": [[k.value if k else None for k in row] for row in rows]})
+                    "exchanges": [[k.value if k else None for k in row] for row in rows], **_said()})
         return EXIT_OK
     short = [n.removeprefix("vllm-").removeprefix("issue-") for n in names]
     width = max(len(s) for s in short) + 1
