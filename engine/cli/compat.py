@@ -259,14 +259,17 @@ def run(args: argparse.Namespace) -> int:
     _SAID.clear()
     if args.table:
         if args.source is not None:
-            raise usage_error("--table", "--table compares every release profile: give no FROM or TO")
+            raise usage_error("--table", "--table compares every release profile: give no FROM or TO",
+                              "drop FROM and TO, or drop --table to compare two deployments")
         for flag, keys in (("--from", args.from_keys), ("--to", args.to_keys)):
             if keys:
                 raise usage_error(flag, f"{flag} changes one side, and --table has no sides",
                                   "give FROM and TO, or set the key for every release with its flag")
         return _table(args)
     if args.source is None or args.target is None:
-        raise usage_error("FROM", "give the two deployments to compare (FROM TO), or --table")
+        raise usage_error("FROM", "give the two deployments to compare (FROM TO), or --table",
+                          "e.g. `kvpolicy compat 0.28 0.34`, `kvpolicy compat fleet.yaml#prefill fleet.yaml#decode`, "
+                          "`kvpolicy compat --table`")
     via = _via(args.via)
     given = [flag for flag, dest, _ in _DEPLOYMENT_FLAGS if getattr(args, dest, None) is not None]
     kinds = [_kind_of(args.source), _kind_of(args.target)]
@@ -505,6 +508,10 @@ def _merge(data: dict[str, Any], keys: list[tuple[str, Any]], said: dict[str, st
     return out
 
 
+_KEY_HELP = ("give {key} a value a policy test case's `input` takes (docs/cli.md, The case format): "
+             "`--from block_size=32`, `--to cpu=x86+avx512`")
+
+
 def _deployment(name: str, data: dict[str, Any], said: dict[str, str], where: str) -> Any:
     """A `Deployment` of ``data``; a key it refuses is a usage error naming the flag that set it."""
     from pydantic import ValidationError
@@ -516,9 +523,11 @@ def _deployment(name: str, data: dict[str, Any], said: dict[str, str], where: st
     except ValidationError as exc:
         err = exc.errors()[0]
         key = str(err["loc"][0]) if err["loc"] else ""
-        message = err["msg"].removeprefix("Value error, ")
+        message = err["msg"].removeprefix("Value error, ").replace("Input should be", "expected")
+        message = message[:1].lower() + message[1:]
         raise usage_error(said.get(key, where), f"{where}: {message}" + (f" (`{key}`)" if key and
-                                                                           f"`{key}`" not in message else "")) from None
+                                                                           f"`{key}`" not in message else ""),
+                          _KEY_HELP.format(key=key or "the key")) from None
 
 
 def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet_file: str | None = None
@@ -538,7 +547,7 @@ def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet
         if key not in said and "model" in said and d is not None and _in_model(d.file, result.deployment.model):
             key = "model"  # the model's config cannot be read (missing, a directory without config.json, ...)
         raise usage_error(said.get(key, where), f"{who}: {d.message if d else exc.message}",
-                          d.help if d else None) from None
+                          d.help if d and d.help else _KEY_HELP.format(key=key or "the side's keys")) from None
     ctx = result.decision.context
     if ctx.backend.write_isa and result.deployment.cpu is None and where in _SIDE_FLAG:  # a side, not a row
         from kvpolicy.policy.cpu_kernel import CpuHost
