@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
         if not (args.check or args.diff or args.write):
             if as_json:
                 entry["formatted"] = formatted
-            else:
-                sys.stdout.write(formatted)
+            else:  # the file's text, exact (escaped on a terminal only): `fmt - < a.yaml > b.yaml` is a copy
+                getattr(sys.stdout, "write_exact", sys.stdout.write)(formatted)
             continue
         if formatted == text:
             continue

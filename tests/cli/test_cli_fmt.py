@@ -190,3 +190,19 @@ def test_a_dangling_link_in_a_rule_directory_is_an_error_with_a_help_line(capsys
     code, _, err = cli(capsys, "fmt", "--check", str(tmp_path))
     assert code == 1 and "old.yaml: error[unreadable]" in err
     assert "  help: " in err.split("old.yaml: error[unreadable]", 1)[1]
+
+
+def test_the_formatted_text_on_stdout_is_the_file_not_an_escaped_display_of_it(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvpolicy fmt a.yaml > b.yaml` and an editor's `fmt -` read the text back: a bidi mark YAML allows raw
+    (U+202E, U+200F, U+2066) written as `\\u202e` would be another description, the comment another comment."""
+    import yaml
+
+    text = ("version: 1\nrules:\n  - forbid:   {placement: cross_layer}\n    id: r\n"
+            "    description: a\u202eb\u200fc\u2066d  # note \u202e here\n")
+    (tmp_path / "g.yaml").write_text(text, encoding="utf-8")
+    code, out, _ = cli(capsys, "fmt", str(tmp_path / "g.yaml"))
+    assert code == 0 and yaml.safe_load(out) == yaml.safe_load(text) and "# note \u202e here" in out
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    code, out, _ = cli(capsys, "fmt", "-")
+    assert code == 0 and yaml.safe_load(out)["rules"][0]["description"] == "a\u202eb\u200fc\u2066d"
