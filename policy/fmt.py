@@ -122,10 +122,12 @@ class _Source:
 
     def slice(self, node: Node) -> str:
         s, e = node.start_mark, node.end_mark
-        lines = [*self.lines, ""]  # an implicit null after the last line (`? x` at the end) starts past it
+        lines = self.lines
+        if s.line >= len(lines):  # an implicit null after the last line (`? x` at the end) starts past it
+            return ""
         if s.line == e.line:
-            return lines[min(s.line, len(self.lines))][s.column:e.column]
-        last = lines[min(e.line, len(self.lines))]
+            return lines[s.line][s.column:e.column]
+        last = lines[e.line] if e.line < len(lines) else ""
         return "\n".join([lines[s.line][s.column:], *lines[s.line + 1:e.line], last[:e.column]])
 
 
