@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 from cli_capture import cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
 UNFORMATTED = """\
@@ -206,3 +208,59 @@ def test_the_formatted_text_on_stdout_is_the_file_not_an_escaped_display_of_it(
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
     code, out, _ = cli(capsys, "fmt", "-")
     assert code == 0 and yaml.safe_load(out)["rules"][0]["description"] == "a\u202eb\u200fc\u2066d"
+
+
+def _patched(a: list[str], diff: str) -> list[str]:
+    """``a`` with the unified ``diff`` applied (hunks in order, context checked)."""
+    import re
+
+    out: list[str] = []
+    at = 0
+    lines = diff.splitlines(keepends=True)[2:]
+    k = 0
+    while k < len(lines):
+        m = re.match(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@", lines[k])
+        assert m, lines[k]
+        start = int(m.group(1)) - (0 if m.group(2) == "0" else 1)
+        out += a[at:start]
+        at = start
+        k += 1
+        while k < len(lines) and not lines[k].startswith("@@"):
+            kind, line = lines[k][0], lines[k][1:]
+            if kind in " -":
+                assert a[at] == line
+                at += 1
+            if kind in " +":
+                out.append(line)
+            k += 1
+    return out + a[at:]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a\n", "b\n", "c\n", "- id: r\n", "\n"]), max_size=60),
+       st.lists(st.sampled_from(["a\n", "b\n", "c\n", "d\n", "- id: r\n", "\n"]), max_size=60))
+def test_the_anchored_diff_turns_the_old_text_into_the_new(a: list[str], b: list[str]) -> None:
+    from kvpolicy.engine.cli import formatting
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(formatting, "_ANCHORED_FROM", 0)  # anchored at every size
+        diff = formatting.unified_diff(a, b, "old", "new")
+    assert (diff == "") == (a == b)
+    assert _patched(a, diff) == b
+
+
+def test_check_of_a_large_rule_file_takes_seconds_not_minutes(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    """A rule file near the 1 MB limit: difflib's matcher, quadratic over its repeated lines, took half a
+    minute to print `--check`'s diff; anchored on its unique lines, well under a second."""
+    import time
+
+    rules = "".join(f"  # rule {i}\n  - forbid:   {{placement: cross_layer}}   # why {i}\n    id: r{i}\n"
+                    f"    when:\n      all:\n        - field: kv.num_layers\n          gt: {i}\n"
+                    f"        - {{field: connector.name, in: [a, b]}}\n    description: >-\n      text {i}\n"
+                    "      more\n\n" for i in range(3500))
+    (tmp_path / "global.yaml").write_text("version: 1\nrules:\n" + rules)
+    start = time.perf_counter()
+    code, out, _ = cli(capsys, "fmt", "--check", str(tmp_path / "global.yaml"))
+    assert code == 1 and out.startswith(f"--- {tmp_path}/global.yaml (as written)")
+    assert time.perf_counter() - start < 12
