@@ -384,8 +384,12 @@ def _with_comments(out: list[_Line], lines: list[str], comments: dict[int, tuple
         else:
             tail.append(line)
     # (text, the source line it comes from: where a problem with it is located)
-    result: list[tuple[str, int]] = [(text, ln) for ln, (text, alone) in sorted(comments.items())
-                                     if alone and ln < first_key]
+    result: list[tuple[str, int]] = []
+    for ln, (text, alone) in sorted(comments.items()):
+        if alone and ln < first_key:  # the header, with one blank line where it had some (formatting it again
+            if result and not lines[ln - 1].strip():  # must keep them: a comment moved up may bring one)
+                result.append(("", ln - 1))
+            result.append((text, ln))
     kept = False  # the line before is the end of a `|+` block scalar: a blank line here would join its value
     at = 0
     for x in out:
