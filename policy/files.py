@@ -84,7 +84,8 @@ def read_capped(real: Path, shown: str, max_bytes: int) -> tuple[str | None, lis
     try:
         st = real.stat()
     except (OSError, RuntimeError) as exc:
-        return fail("unreadable", f"cannot read the file: {getattr(exc, 'strerror', None) or exc}")
+        return fail("unreadable", f"cannot read the file: {getattr(exc, 'strerror', None) or exc}",
+                    "check the path (a link must point to a file that exists) and its permissions")
     except ValueError:  # a NUL byte, or a lone surrogate the file system cannot encode
         return fail("unreadable", "cannot read the file: the name is not a usable path",
                     "name the file with plain text")

@@ -122,9 +122,13 @@ class _Source:
 
     def slice(self, node: Node) -> str:
         s, e = node.start_mark, node.end_mark
+        lines = self.lines
+        if s.line >= len(lines):  # an implicit null after the last line (`? x` at the end) starts past it
+            return ""
         if s.line == e.line:
-            return self.lines[s.line][s.column:e.column]
-        return "\n".join([self.lines[s.line][s.column:], *self.lines[s.line + 1:e.line], self.lines[e.line][:e.column]])
+            return lines[s.line][s.column:e.column]
+        last = lines[e.line] if e.line < len(lines) else ""
+        return "\n".join([lines[s.line][s.column:], *lines[s.line + 1:e.line], last[:e.column]])
 
 
 def _key(node: MappingNode, i: int) -> str:
@@ -380,8 +384,12 @@ def _with_comments(out: list[_Line], lines: list[str], comments: dict[int, tuple
         else:
             tail.append(line)
     # (text, the source line it comes from: where a problem with it is located)
-    result: list[tuple[str, int]] = [(text, ln) for ln, (text, alone) in sorted(comments.items())
-                                     if alone and ln < first_key]
+    result: list[tuple[str, int]] = []
+    for ln, (text, alone) in sorted(comments.items()):
+        if alone and ln < first_key:  # the header, with one blank line where it had some (formatting it again
+            if result and not lines[ln - 1].strip():  # must keep them: a comment moved up may bring one)
+                result.append(("", ln - 1))
+            result.append((text, ln))
     kept = False  # the line before is the end of a `|+` block scalar: a blank line here would join its value
     at = 0
     for x in out:

@@ -45,6 +45,9 @@ _LEGACY_OCTAL = re.compile(r"^[-+]?0[0-7_]+$")
 _BOOL_WORDS = {"yes", "no", "on", "off", "y", "n"}
 
 
+_PLAIN_DATA = "these files hold plain strings, numbers, booleans, lists and mappings"  # the help of a tag refused
+
+
 class _Invalid:
     """The value of a node that could not be read: its problem is already reported, so later
     stages skip it (one problem, one message) instead of stopping at the first."""
@@ -148,8 +151,7 @@ class _Converter:
         if node.tag == _TIMESTAMP_TAG and path and path[-1] == "expires" and _PLAIN_DAY.match(node.value):
             return node.value  # a waiver's `expires: 2027-01-31`: the day as written, never a datetime
         if node.tag not in _SAFE_SCALAR_TAGS:
-            return self.invalid(path, node, "unsafe-tag", f"tag `{node.tag}` is not allowed",
-                                "these files hold plain strings, numbers, booleans, lists and mappings")
+            return self.invalid(path, node, "unsafe-tag", f"tag `{node.tag}` is not allowed", _PLAIN_DATA)
         hint = _number_hint(node)
         if hint is not None:
             return self.invalid(path, node, "ambiguous-number", *hint)
@@ -217,11 +219,11 @@ class _Converter:
             return self.scalar(node, path)
         if isinstance(node, yaml.SequenceNode):
             if node.tag != _SEQ_TAG:
-                return self.invalid(path, node, "unsafe-tag", f"tag `{node.tag}` is not allowed")
+                return self.invalid(path, node, "unsafe-tag", f"tag `{node.tag}` is not allowed", _PLAIN_DATA)
             return [self.convert(item, (*path, i), depth + 1) for i, item in enumerate(node.value)]
         if isinstance(node, yaml.MappingNode):
             if node.tag != _MAP_TAG:
-                return self.invalid(path, node, "unsafe-tag", f"tag `{node.tag}` is not allowed")
+                return self.invalid(path, node, "unsafe-tag", f"tag `{node.tag}` is not allowed", _PLAIN_DATA)
             out: dict[str, Any] = {}
             for key_node, value_node in node.value:
                 key = self.key(key_node, path)

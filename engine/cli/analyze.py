@@ -178,7 +178,8 @@ def run_lint(args: argparse.Namespace) -> int:
         return EXIT_FAILED if failed else EXIT_OK
     if args.format == "json":
         print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed,
-                    "shipped_findings_left_out": left_out})
+                    "shipped_findings_left_out": left_out,
+                    "rule_warnings": [d.to_dict() for d in ruleset.warnings]})  # what the text prints on stderr
         return EXIT_FAILED if failed else EXIT_OK
     print_findings_text(report, args)
     assert report.space is not None
@@ -211,8 +212,9 @@ def run_diff(args: argparse.Namespace) -> int:
     if report.space is not None and report.space.cut is not None:
         print(f"warning: the space was {report.space.cut.describe()}: changes among the left-out inputs are not "
               "listed; raise --max-space to explore more", file=sys.stderr)
-    if args.format == "json":
-        print_json(report.to_dict())
+    if args.format == "json":  # the rule sets' warnings, as the text prints them on stderr (each once)
+        said = {d.render(): d.to_dict() for d in (*old.warnings, *new.warnings)}
+        print_json({**report.to_dict(), "warnings": list(said.values())})
         return EXIT_FAILED if report.changes else EXIT_OK
     print(f"diff: {report.inputs_checked} inputs of {report.profile} checked, "
           f"{len(report.changes)} decision(s) change")

@@ -258,17 +258,37 @@ def _rules_of(args: argparse.Namespace) -> Any:
     return args._rules_for
 
 
+_SAID: list[str] = []  # this run's stderr lines (notes, a model's warnings), for --format json too
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr, kept for the JSON report: what the text says, the JSON carries."""
+    print(line, file=sys.stderr)
+    _SAID.append(line)
+
+
+def _said() -> dict[str, list[str]]:
+    """What this run said on stderr, as dry-run's JSON has it: ``notes`` without their ``note: `` prefix,
+    every other line in ``warnings``."""
+    return {"notes": [x.removeprefix("note: ") for x in _SAID if x.startswith("note: ")],
+            "warnings": [x for x in _SAID if not x.startswith("note: ")]}
+
+
 def run(args: argparse.Namespace) -> int:
+    _SAID.clear()
     if args.table:
         if args.source is not None:
-            raise usage_error("--table", "--table compares every release profile: give no FROM or TO")
+            raise usage_error("--table", "--table compares every release profile: give no FROM or TO",
+                              "drop FROM and TO, or drop --table to compare two deployments")
         for flag, keys in (("--from", args.from_keys), ("--to", args.to_keys)):
             if keys:
                 raise usage_error(flag, f"{flag} changes one side, and --table has no sides",
                                   "give FROM and TO, or set the key for every release with its flag")
         return _table(args)
     if args.source is None or args.target is None:
-        raise usage_error("FROM", "give the two deployments to compare (FROM TO), or --table")
+        raise usage_error("FROM", "give the two deployments to compare (FROM TO), or --table",
+                          "e.g. `kvpolicy compat 0.28 0.34`, `kvpolicy compat fleet.yaml#prefill fleet.yaml#decode`, "
+                          "`kvpolicy compat --table`")
     via = _via(args.via)
     given = [flag for flag, dest, _ in _DEPLOYMENT_FLAGS if getattr(args, dest, None) is not None]
     kinds = [_kind_of(args.source), _kind_of(args.target)]
@@ -287,12 +307,12 @@ def run(args: argparse.Namespace) -> int:
     dst = _side(args.target, args, "TO", args.to_keys, fleets)
     if args.via is None and src.connector is not None and src.connector == dst.connector:
         via = src.connector  # the connector both deployments declare moves their blocks: answer as it moves them
-        print(f"note: compared via {via}, the connector both deployments declare (pass --via to compare "
-              "through another)", file=sys.stderr)
+        _say(f"note: compared via {via}, the connector both deployments declare (pass --via to compare "
+             "through another)")
     answer = _answer(src.fingerprint, dst.fingerprint, via)
     report = _report(src, dst, answer)
     if args.format == "json":
-        print_json(report)
+        print_json({**report, **_said()})
     else:
         print(f"FROM {src.line()}")
         print(f"TO   {dst.line()}")
@@ -517,6 +537,10 @@ def _merge(data: dict[str, Any], keys: list[tuple[str, Any]], said: dict[str, st
     return out
 
 
+_KEY_HELP = ("give {key} a value a policy test case's `input` takes (docs/cli.md, The case format): "
+             "`--from block_size=32`, `--to cpu=x86+avx512`")
+
+
 def _deployment(name: str, data: dict[str, Any], said: dict[str, str], where: str) -> Any:
     """A `Deployment` of ``data``; a key it refuses is a usage error naming the flag that set it."""
     from pydantic import ValidationError
@@ -528,9 +552,11 @@ def _deployment(name: str, data: dict[str, Any], said: dict[str, str], where: st
     except ValidationError as exc:
         err = exc.errors()[0]
         key = str(err["loc"][0]) if err["loc"] else ""
-        message = err["msg"].removeprefix("Value error, ")
+        message = err["msg"].removeprefix("Value error, ").replace("Input should be", "expected")
+        message = message[:1].lower() + message[1:]
         raise usage_error(said.get(key, where), f"{where}: {message}" + (f" (`{key}`)" if key and
-                                                                           f"`{key}`" not in message else "")) from None
+                                                                           f"`{key}`" not in message else ""),
+                          _KEY_HELP.format(key=key or "the key")) from None
 
 
 def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet_file: str | None = None
@@ -538,7 +564,7 @@ def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet
     """A decided side's fingerprint; a side that decides nothing is an error where it is written: the fleet
     file's line, else the flag or key that is wrong (a usage error), else the side."""
     for note in result.notes:
-        print(note, file=sys.stderr)
+        _say(note)
     if result.decision is None:
         exc = result.error
         assert exc is not None
@@ -550,15 +576,15 @@ def _fingerprint_of(result: FleetResult, where: str, said: dict[str, str], fleet
         if key not in said and "model" in said and d is not None and _in_model(d.file, result.deployment.model):
             key = "model"  # the model's config cannot be read (missing, a directory without config.json, ...)
         raise usage_error(said.get(key, where), f"{who}: {d.message if d else exc.message}",
-                          d.help if d else None) from None
+                          d.help if d and d.help else _KEY_HELP.format(key=key or "the side's keys")) from None
     ctx = result.decision.context
     if ctx.backend.write_isa and result.deployment.cpu is None and where in _SIDE_FLAG:  # a side, not a row
         from kvpolicy.policy.cpu_kernel import CpuHost
 
         order = result.decision.fingerprint.kernel_order
-        print(f"note: {where} runs {ctx.backend.name}, whose kernel order (`{order}`) is decided for this "
-              f"machine's CPU (`{CpuHost.this_host().label}`): pass --cpu, or {_SIDE_FLAG[where]} cpu=LABEL, for "
-              "another host's", file=sys.stderr)
+        _say(f"note: {where} runs {ctx.backend.name}, whose kernel order (`{order}`) is decided for this "
+             f"machine's CPU (`{CpuHost.this_host().label}`): pass --cpu, or {_SIDE_FLAG[where]} cpu=LABEL, for "
+             "another host's")
     return result.decision.fingerprint
 
 
@@ -670,13 +696,13 @@ def _table(args: argparse.Namespace) -> int:
                                          f"deployment these flags describe ({name}: {why(name, first)})", d.help)
                               for d in first.diagnostics[:1]]) from None
     for name, exc in refused.items():  # the rest: said, so that a `-` row is not read as a rule's refusal
-        print(f"note: {name} refuses the deployment these flags describe: {why(name, exc)}", file=sys.stderr)
+        _say(f"note: {name} refuses the deployment these flags describe: {why(name, exc)}")
     rows = [[None if a is None or b is None else _answer(a.fingerprint, b.fingerprint, via).kind
              for b in sides] for a in sides]
     if args.format == "json":
         print_json({"profiles": names, "via": via, "unit": _answer_unit(via),
                     "deployments": [s.summary() if s else None for s in sides],
-                    "exchanges": [[k.value if k else None for k in row] for row in rows]})
+                    "exchanges": [[k.value if k else None for k in row] for row in rows], **_said()})
         return EXIT_OK
     short = [n.removeprefix("vllm-").removeprefix("issue-") for n in names]
     width = max(len(s) for s in short) + 1

@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -411,6 +412,10 @@ def _layout(text: str) -> Layout:
 # --spec FILE
 
 
+_SPEC_HELP = ("a --spec file holds KVCacheSpec fields: integers num_layers, block_size, num_kv_heads, head_size; "
+              "optional kind, dtype, kv_cache_dtype, sliding_window, page_size_padded (docs/cli.md, --spec)")
+
+
 def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: ValidationError) -> list[Diagnostic]:
     from kvpolicy.engine.policy_tests import GroupInput
     from kvpolicy.policy.validate import located_validation_errors
@@ -418,7 +423,8 @@ def _located_spec_errors(src: Any, base: tuple[Any, ...], data: Any, exc: Valida
     def keys(path: tuple[Any, ...]) -> tuple[str, ...]:
         return tuple(GroupInput.model_fields if path and isinstance(path[-1], int) else KVCacheSpec.model_fields)
 
-    diags = located_validation_errors(src, base, data, exc, valid_keys=keys)
+    diags = [d if d.help else replace(d, help=_SPEC_HELP)
+             for d in located_validation_errors(src, base, data, exc, valid_keys=keys)]
     if isinstance(data, dict) and data.get("kind") == "mamba":
         from kvpolicy.engine.cli.spec_help import mamba_help
 
@@ -862,9 +868,11 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             if exc.errno in _DEVICE_FULL:  # the path was right; the disk is not the user's mistake
                 err: PolicyError = PolicyError("", [Diagnostic("--svg", 0, 0, "write-failed",
-                                                               f"cannot write `{args.svg}`: {exc.strerror}")])
+                                                               f"cannot write `{args.svg}`: {exc.strerror}",
+                                                               "free space on that disk, or pass a path on another")])
             else:
-                err = usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}")
+                err = usage_error("--svg", f"cannot write `{args.svg}`: {exc.strerror or exc}",
+                                  "pass a file path in a folder that exists and that you can write")
             report_error(err, args.format)  # with --format json, stdout still holds one error document
             return exit_code_for(err)
     if args.format == "json":

@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # engine.fleet builds the case models (~30 ms): imported when
     from kvpolicy.engine.fleet import ExchangeAnswer, Fleet, FleetResult
     from kvpolicy.policy.ruleset import RuleSet
 
-__all__ = ["add_fleet_flag", "falls_back", "open_fleet", "result_dict", "rules_for", "run_fleet", "run_fleet_diff"]
+__all__ = ["add_fleet_flag", "falls_back", "open_fleet", "result_dict", "rule_warnings", "rules_for", "run_fleet",
+           "run_fleet_diff"]
 
 # dry-run flags that describe one deployment: the fleet file describes each instead
 _ONE_DEPLOYMENT = (
@@ -71,9 +72,16 @@ def rules_for(args: argparse.Namespace, layers: list[str], flag: str) -> Callabl
     def rules(profile: str) -> RuleSet:
         if profile not in cache:
             cache[profile] = load_ruleset(layers, flag, vllm_version=profile, shipped_rules=not args.no_shipped_rules)
+            said = args.__dict__.setdefault("rule_warnings", {})  # printed on stderr as loaded; JSON carries them
+            said.update({d.render(): d.to_dict() for d in cache[profile].warnings})
         return cache[profile]
 
     return rules
+
+
+def rule_warnings(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The warnings of every rule stack `rules_for` loaded (each once), as JSON: the text prints them on stderr."""
+    return list(getattr(args, "rule_warnings", {}).values())
 
 
 def _removed(result: FleetResult) -> dict[str, list[str]]:
@@ -244,7 +252,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     try:
         results = decide_fleet(fleet, rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
     except RuleLoadError as exc:
-        report_error(exc, "json" if args.format == "json" else "text")
+        report_error(exc, args.format)  # in the format asked for: a CI report, never an empty one
         return EXIT_FAILED
     answers = exchange_answers(fleet, results)
     seconds = time.perf_counter() - start
@@ -253,7 +261,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         print_json({"fleet": args.fleet, "summary": {"deployments": len(results), **counts,
                                                      "seconds": round(seconds, 3)},
                     "deployments": [result_dict(r) for r in results],
-                    "exchanges": [a.to_dict() for a in answers]})
+                    "exchanges": [a.to_dict() for a in answers], "warnings": rule_warnings(args)})
     elif args.format == "junit":
         print(junit_xml(args.fleet, results, seconds, answers))
     else:
@@ -269,13 +277,13 @@ def falls_back(fleet: Fleet) -> bool:
 
 def open_fleet(args: argparse.Namespace) -> Fleet | None:
     """``args.fleet`` loaded, and the default release's note said if a deployment falls back to it; None
-    when the file does not load (its located errors reported, in JSON with --format json)."""
+    when the file does not load (its located errors reported on stderr, and on stdout in the format asked for)."""
     from kvpolicy.engine.fleet import FleetError, load_fleet
 
     try:
         fleet = load_fleet(args.fleet)
     except FleetError as exc:
-        report_error(exc, "json" if args.format == "json" else "text")
+        report_error(exc, args.format)  # in the format asked for: a CI report, never an empty one
         return None
     say_fleet_default(args, falls_back(fleet))
     return fleet
@@ -338,7 +346,7 @@ def run_fleet_diff(args: argparse.Namespace) -> int:
     notes = {r.name: list(r.notes) for r in new if r.notes}  # a model config's notes: the same on both sides
     if args.format == "json":
         print_json({"fleet": args.fleet, "old": args.old, "new": args.new, "deployments": len(old),
-                    "changes": changes, "invalid": invalid, "notes": notes})
+                    "changes": changes, "invalid": invalid, "notes": notes, "warnings": rule_warnings(args)})
     else:
         print(f"diff over fleet {args.fleet}: {len(old)} deployments, {len(changes)} decision(s) change"
               + (f", {len(invalid)} invalid" if invalid else ""))

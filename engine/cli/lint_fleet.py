@@ -21,7 +21,7 @@ from kvpolicy.engine.cli.common import (
     report_error,
     usage_error,
 )
-from kvpolicy.engine.cli.fleet_report import open_fleet, rules_for
+from kvpolicy.engine.cli.fleet_report import open_fleet, rule_warnings, rules_for
 from kvpolicy.engine.cli.operator_view import finding_diagnostic, own_lint_report, print_findings_text
 from kvpolicy.policy.errors import RuleLoadError
 
@@ -57,7 +57,7 @@ def run_lint_fleet(args: argparse.Namespace) -> int:
                           some)
     elif args.format == "json":
         print_json({**report.to_dict(), "seconds": round(seconds, 3), "ok": not failed,
-                    "shipped_findings_left_out": left_out})
+                    "shipped_findings_left_out": left_out, "rule_warnings": rule_warnings(args)})
     else:
         print_findings_text(report, args)
         counts = {sev: sum(f.severity == sev for f in report.findings) for sev in ("error", "warning", "note")}

@@ -169,6 +169,15 @@ class _Shown:
         self._stream.write(terminal_text(text))  # type: ignore[attr-defined]
         return len(text)
 
+    def write_exact(self, text: str) -> int:
+        """File content a program reads back (``kvpolicy fmt FILE > out.yaml``, an editor's ``fmt -``): as it
+        is, since an escaped bidi mark or line separator (`\u202e`, legal in YAML) would change the value it
+        sits in; escaped only where a person reads it, on a terminal."""
+        if getattr(self._stream, "isatty", lambda: False)():
+            return self.write(text)
+        self._stream.write(text)  # type: ignore[attr-defined]
+        return len(text)
+
     def __getattr__(self, name: str) -> object:
         return getattr(self._stream, name)
 

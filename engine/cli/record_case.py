@@ -16,6 +16,7 @@ names the `kvpolicy test` command that checks it under the same rule layers and 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 import yaml
 
 from kvpolicy.engine.cli.common import usage_error
-from kvpolicy.policy.errors import PolicyError
+from kvpolicy.policy.errors import Diagnostic, PolicyError
 from kvpolicy.policy.files import read_capped, write_atomically
 from kvpolicy.policy.yaml_source import Limits
 
@@ -214,5 +215,10 @@ def record_case(args: argparse.Namespace, resolved: Resolved, decision: Any, err
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, text)
     except OSError as exc:
-        raise usage_error("--record-test", f"cannot write `{path}`: {exc.strerror or exc}") from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):  # the path was right: exit 1, as --svg
+            raise PolicyError("", [Diagnostic("--record-test", 0, 0, "write-failed",
+                                              f"cannot write `{path}`: {exc.strerror}",
+                                              "the file is as it was; free space on that disk, run again")]) from None
+        raise usage_error("--record-test", f"cannot write `{path}`: {exc.strerror or exc}",
+                          "the file is as it was; pass a path you can write (free space, fix permissions)") from None
     return f"recorded: case `{name}` in {path} (`{_check_command(args, path, data)}` checks it)"

@@ -141,12 +141,14 @@ def stamp_of(fp: LayoutFingerprint, vllm_version: str = "") -> Stamp:
 def unstamped_policy(env: Mapping[str, str] | None = None) -> str:
     """``KVPOLICY_UNSTAMPED_BLOCKS``: what a reader does with blocks no kvpolicy stamped (``miss``, the
     default: recompute; ``accept``: take them as its own); `InputError` naming the variable otherwise."""
-    value = (os.environ if env is None else env).get(ENV_UNSTAMPED, "").strip().lower()
+    written = (os.environ if env is None else env).get(ENV_UNSTAMPED, "").strip()
+    value = written.lower()
     if value in ("", "miss"):
         return "miss"
     if value == "accept":
         return value
-    raise input_error(ENV_UNSTAMPED, f"`{value[:40]}` is not a setting of {ENV_UNSTAMPED}",
+    shown = written if len(written) <= 40 else written[:37] + "..."  # as the operator wrote it, not lowercased
+    raise input_error(ENV_UNSTAMPED, f"`{shown}` is not a setting of {ENV_UNSTAMPED}",
                       "set it to `miss` (the default: blocks no kvpolicy stamped are recomputed) or `accept` "
                       "(they are taken as this engine's own)", code="invalid-setting")
 

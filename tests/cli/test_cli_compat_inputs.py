@@ -75,3 +75,19 @@ def test_a_side_whose_model_is_missing_is_located_at_model(capsys: pytest.Captur
 def test_a_table_of_a_real_model_still_decides(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "compat", "--table", "--model", TINY, "--format", "json")
     assert code == 0 and all(d is not None for d in json.loads(out)["deployments"][:-1])
+
+
+@pytest.mark.parametrize("argv", [
+    ["0.34", "0.28", "--from", "block_size=0"],
+    ["0.34", "0.28", "--to", "block_size=1e9"],
+    ["0.34", "0.28", "--from", "kv_transfer_config=3"],
+    ["0.34", "0.28", "--from", "spec={num_layers: 2}"],
+    ["0.34", "0.28", "--table"],
+    ["0.34"],
+])
+def test_every_compat_usage_error_says_what_to_write(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """A value a side's key refuses, a missing side, sides beside --table: located at the flag, with a help line,
+    in kvpolicy's words (never pydantic's `Input should be`)."""
+    code, _, err = cli(capsys, "compat", *argv)
+    assert code == 2 and "error[usage]" in err and "Input should be" not in err
+    assert "\n  help: " in err, err

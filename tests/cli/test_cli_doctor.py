@@ -205,3 +205,14 @@ def test_dry_run_says_it_does_not_read_kvpolicy_rules(tmp_path: Path, monkeypatc
     monkeypatch.setenv("KVPOLICY_RULES", "shipped")
     code, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34.0")
     assert code == 0 and "KVPOLICY_RULES" not in err
+
+
+@pytest.mark.parametrize("value", ["REFUSE", "Maybe"])
+def test_a_bad_unstamped_blocks_setting_is_quoted_as_written(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str], value: str) -> None:
+    """`REFUSE` quoted back as `refuse` reads as if `refuse` were the setting refused for another reason: the
+    message quotes the operator's own text (the check itself ignores case)."""
+    monkeypatch.setenv("KVPOLICY_RULES", "shipped")
+    monkeypatch.setenv("KVPOLICY_UNSTAMPED_BLOCKS", value)
+    code, out, err = cli(capsys, "doctor")
+    assert code == 1 and f"`{value}` is not a setting of KVPOLICY_UNSTAMPED_BLOCKS" in out + err

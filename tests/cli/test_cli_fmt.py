@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 from cli_capture import cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
 UNFORMATTED = """\
@@ -169,3 +171,96 @@ def test_format_json_reports_each_file(capsys: pytest.CaptureFixture[str], tmp_p
     code, out, _ = cli(capsys, "fmt", "--format", "json", str(tmp_path / "a.yaml"))
     assert code == 0 and json.loads(out)["files"][0] == {"file": f"{tmp_path}/a.yaml", "ok": True, "changed": False,
                                                          "written": False, "diagnostics": [], "formatted": FORMATTED}
+
+
+def test_a_fifo_or_device_named_to_fmt_is_said_to_be_one_not_missing(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    """A FIFO named as a rule file exists: "no such file" would send the operator looking for a typo."""
+    import os
+
+    fifo = tmp_path / "rules.yaml"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/null"):
+        code, out, err = cli(capsys, "fmt", "--write", path)
+        assert code == 1 and out == "" and f"{path}: error[not-a-file]" in err and "no such file" not in err
+
+
+def test_a_dangling_link_in_a_rule_directory_is_an_error_with_a_help_line(capsys: pytest.CaptureFixture[str],
+                                                                          tmp_path: Path) -> None:
+    (tmp_path / "global.yaml").write_text(FORMATTED)
+    (tmp_path / "old.yaml").symlink_to(tmp_path / "moved-away.yaml")
+    code, _, err = cli(capsys, "fmt", "--check", str(tmp_path))
+    assert code == 1 and "old.yaml: error[unreadable]" in err
+    assert "  help: " in err.split("old.yaml: error[unreadable]", 1)[1]
+
+
+def test_the_formatted_text_on_stdout_is_the_file_not_an_escaped_display_of_it(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvpolicy fmt a.yaml > b.yaml` and an editor's `fmt -` read the text back: a bidi mark YAML allows raw
+    (U+202E, U+200F, U+2066) written as `\\u202e` would be another description, the comment another comment."""
+    import yaml
+
+    text = ("version: 1\nrules:\n  - forbid:   {placement: cross_layer}\n    id: r\n"
+            "    description: a\u202eb\u200fc\u2066d  # note \u202e here\n")
+    (tmp_path / "g.yaml").write_text(text, encoding="utf-8")
+    code, out, _ = cli(capsys, "fmt", str(tmp_path / "g.yaml"))
+    assert code == 0 and yaml.safe_load(out) == yaml.safe_load(text) and "# note \u202e here" in out
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    code, out, _ = cli(capsys, "fmt", "-")
+    assert code == 0 and yaml.safe_load(out)["rules"][0]["description"] == "a\u202eb\u200fc\u2066d"
+
+
+def _patched(a: list[str], diff: str) -> list[str]:
+    """``a`` with the unified ``diff`` applied (hunks in order, context checked)."""
+    import re
+
+    out: list[str] = []
+    at = 0
+    lines = diff.splitlines(keepends=True)[2:]
+    k = 0
+    while k < len(lines):
+        m = re.match(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@", lines[k])
+        assert m, lines[k]
+        start = int(m.group(1)) - (0 if m.group(2) == "0" else 1)
+        out += a[at:start]
+        at = start
+        k += 1
+        while k < len(lines) and not lines[k].startswith("@@"):
+            kind, line = lines[k][0], lines[k][1:]
+            if kind in " -":
+                assert a[at] == line
+                at += 1
+            if kind in " +":
+                out.append(line)
+            k += 1
+    return out + a[at:]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a\n", "b\n", "c\n", "- id: r\n", "\n"]), max_size=60),
+       st.lists(st.sampled_from(["a\n", "b\n", "c\n", "d\n", "- id: r\n", "\n"]), max_size=60))
+def test_the_anchored_diff_turns_the_old_text_into_the_new(a: list[str], b: list[str]) -> None:
+    from kvpolicy.engine.cli import formatting
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(formatting, "_ANCHORED_FROM", 0)  # anchored at every size
+        diff = formatting.unified_diff(a, b, "old", "new")
+    assert (diff == "") == (a == b)
+    assert _patched(a, diff) == b
+
+
+def test_check_of_a_large_rule_file_takes_seconds_not_minutes(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    """A rule file near the 1 MB limit: difflib's matcher, quadratic over its repeated lines, took half a
+    minute to print `--check`'s diff; anchored on its unique lines, well under a second."""
+    import time
+
+    rules = "".join(f"  # rule {i}\n  - forbid:   {{placement: cross_layer}}   # why {i}\n    id: r{i}\n"
+                    f"    when:\n      all:\n        - field: kv.num_layers\n          gt: {i}\n"
+                    f"        - {{field: connector.name, in: [a, b]}}\n    description: >-\n      text {i}\n"
+                    "      more\n\n" for i in range(3500))
+    (tmp_path / "global.yaml").write_text("version: 1\nrules:\n" + rules)
+    start = time.perf_counter()
+    code, out, _ = cli(capsys, "fmt", "--check", str(tmp_path / "global.yaml"))
+    assert code == 1 and out.startswith(f"--- {tmp_path}/global.yaml (as written)")
+    assert time.perf_counter() - start < 12

@@ -76,3 +76,55 @@ def test_a_patch_release_is_written_as_asked(capsys: pytest.CaptureFixture[str])
         data = json.loads(out)
         reproduces = "0.25.0" if asked == "0.25.1" else "0.34.0"
         assert (data["vllm_version"], data["profile_vllm_version"]) == (version, reproduces)
+
+
+LAPSED = """\
+version: 1
+rules:
+  - id: site-no-cross
+    description: the site keeps each layer's pages together
+    forbid: {placement: cross_layer}
+waivers:
+  - rule: site-no-cross
+    owner: kv-team
+    reason: a lapsed exception
+    expires: 2020-01-31
+"""
+FLEET = str(ROOT / "docs" / "examples" / "fleet.yaml")
+
+
+@pytest.mark.parametrize(("argv", "key"), [
+    (["lint", "{w}", "--vllm-version", "0.34"], "rule_warnings"),
+    (["diff", "rules/vllm-0.34", "{w}", "--vllm-version", "0.34"], "warnings"),
+    (["dry-run", "--fleet", FLEET, "--rules", "{w}"], "warnings"),
+    (["lint", "--fleet", FLEET, "--rules", "{w}"], "rule_warnings"),
+    (["diff", "rules/vllm-0.34", "{w}", "--fleet", FLEET], "warnings"),
+])
+def test_the_rule_sets_warnings_the_text_prints_are_in_the_json(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                                                                key: str) -> None:
+    """An expired waiver is a `warning[expired-waiver]` line on stderr in every format: a program reading the
+    JSON must see it too (the rule it waived applies again)."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "global.yaml").write_text(LAPSED)
+    argv = [a.replace("{w}", str(tmp_path)) for a in argv]
+    _, _, err = cli(capsys, *argv)
+    assert "warning[expired-waiver]" in err
+    _, out, _ = cli(capsys, *argv, "--format", "json")
+    said = json.loads(out)[key]
+    assert any(d["code"] == "expired-waiver" and d["line"] == 7 for d in said), said
+
+
+@pytest.mark.parametrize("argv", [
+    ["0.34", "0.34", "--device", "cpu"],
+    [f"{FLEET}#llama-8b-nixl-pd", f"{FLEET}#llama-8b-nixl-pd-decode"],
+    ["--table", "--kv-cache-dtype", "int4_per_token_head"],
+])
+def test_compat_json_carries_every_note_the_text_says(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """The host CPU assumed for a CPU_ATTN side, the connector compared through, a release refusing a `--table`
+    row: said on stderr as `note:` lines, and in the JSON's `notes`."""
+    _, _, err = cli(capsys, "compat", *argv)
+    notes = [line.removeprefix("note: ") for line in err.splitlines() if line.startswith("note: ")]
+    assert notes
+    _, out, _ = cli(capsys, "compat", *argv, "--format", "json")
+    assert json.loads(out)["notes"] == notes

@@ -80,3 +80,30 @@ def test_fleet_and_case_names_reach_every_format_escaped(capsys: pytest.CaptureF
         assert code in (0, 1), (fmt, out, err)
         if fmt == "json":
             assert any(d["name"] == "bad\x1b[2Jname\x07" for d in json.loads(out)["deployments"])
+
+
+@pytest.mark.parametrize(("verb", "fmt"), [("dry-run", "junit"), ("lint", "sarif"), ("lint", "github"),
+                                           ("lint", "json"), ("dry-run", "json")])
+@pytest.mark.parametrize("problem", ["fleet", "rules"])
+def test_a_fleet_run_that_cannot_start_still_writes_its_report_in_the_format_asked(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, verb: str, fmt: str, problem: str) -> None:
+    """CI redirects `--format junit|sarif|github` into a report file: a fleet file with mistakes, or rules that
+    do not load, must be a report holding the located errors, not an empty file the CI reader rejects."""
+    import xml.etree.ElementTree as ET
+
+    fleet = tmp_path / "fleet.yaml"
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "global.yaml").write_text("version: 1\nrules: 3\n")
+    fleet.write_text("version: 1\ndeployments: 3\n" if problem == "fleet" else
+                     f'version: 1\ndeployments:\n  - name: a\n    vllm_version: "0.34.0"\n    model: {MODEL}\n')
+    code, out, err = cli(capsys, verb, "--fleet", str(fleet), "--rules", str(rules), "--format", fmt)
+    assert code in (1, 2) and "error[invalid-value]" in err
+    shown = "fleet.yaml" if problem == "fleet" else "global.yaml"
+    if fmt == "junit":
+        errors = ET.fromstring(out).findall(".//error")
+        assert errors and shown in errors[0].text
+    elif fmt == "github":
+        assert out.startswith("::error file=") and shown in out.splitlines()[0]
+    else:
+        assert shown in json.dumps(json.loads(out))

@@ -139,3 +139,37 @@ def test_an_empty_path_to_write_is_a_usage_error(capsys: pytest.CaptureFixture[s
     # `--svg ""` (an unset shell variable) read as no flag: exit 0, nothing written, nothing said
     code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", flag, path)
     assert code == 2 and f"{flag}: error[usage]: the path is empty" in err
+
+
+@pytest.mark.parametrize("flag", ["--record-test", "--svg"])
+@pytest.mark.parametrize("path", ["spec.yaml/new.yaml", "/dev/full"])
+def test_a_file_that_cannot_be_written_is_an_error_with_a_help_line(capsys: pytest.CaptureFixture[str], here: Path,
+                                                                     flag: str, path: str) -> None:
+    """Every error says what to do: a folder that is a file, a full disk; the files there are as they were."""
+    code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", flag, path)
+    assert code in (1, 2) and f"{flag}: error[" in err, err
+    assert "\n  help: " in err.split(f"{flag}: error[", 1)[1], err
+    assert (here / "spec.yaml").read_text() == SPEC
+
+
+def test_a_full_disk_is_write_failed_exit_1_and_the_case_file_is_whole(capsys: pytest.CaptureFixture[str],
+                                                                        here: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/cli.md, Exit codes: output that cannot be written (a full disk) is `error[write-failed]`, exit 1, as
+    `--svg` has it; the path was right, so it is no usage error. The case file is as it was."""
+    import errno
+
+    import kvpolicy.engine.cli.record_case as record_case
+
+    code, _, _ = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", "--record-test", "cases.yaml")
+    assert code == 0
+    before = (here / "cases.yaml").read_text()
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(record_case, "write_atomically", full)
+    code, _, err = cli(capsys, "dry-run", *V, "--spec", "spec.yaml", "--record-test", "cases.yaml",
+                       "--record-name", "another")
+    assert code == 1 and "--record-test: error[write-failed]: cannot write `cases.yaml`" in err
+    assert "\n  help: " in err and (here / "cases.yaml").read_text() == before

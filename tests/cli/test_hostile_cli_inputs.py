@@ -127,3 +127,21 @@ def test_counterfactual_search_is_bounded_for_a_huge_multiconnector(monkeypatch)
         spec={"num_layers": 2, "block_size": 16, "num_kv_heads": 1, "head_size": 64}, kv_transfer_config=ktc)
     assert decision.counterfactuals  # still searched
     assert sum(passes) <= 2 * counterfactual.MAX_EVALUATIONS * 8
+
+
+@pytest.mark.parametrize(("spec", "code"), [
+    ("num_layers: .inf\nblock_size: 16\nnum_kv_heads: 2\nhead_size: 64\n", "invalid-value"),
+    ("num_layers: 2\nblock_size: 16\nnum_kv_heads: 2\n", "missing-key"),
+    ('num_layers: !!python/object/apply:os.system ["true"]\nblock_size: 16\nnum_kv_heads: 2\nhead_size: 64\n',
+     "unsafe-tag"),
+    ("num_layers: !!set {a, b}\nblock_size: 16\nnum_kv_heads: 2\nhead_size: 64\n", "unsafe-tag"),
+])
+def test_every_spec_file_error_says_what_to_write(capsys, tmp_path, spec, code):
+    """A --spec file's value of the wrong type, a key it lacks, a tag: located, and a help line saying what to do."""
+    (tmp_path / "spec.yaml").write_text(spec)
+    rc, _, err = cli(capsys, "dry-run", "--vllm-version", "0.34", "--spec", str(tmp_path / "spec.yaml"))
+    assert rc == 2 and "spec.yaml:" in err
+    located = [line for line in err.splitlines() if f"error[{code}]" in line]
+    assert located, err
+    after = err.split(located[0] + "\n", 1)[1].splitlines()
+    assert after and after[0].startswith("  help: "), err

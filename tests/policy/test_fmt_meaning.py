@@ -140,6 +140,14 @@ CASES = {  # each defect the hostile pass reported, as a file
                          "    forbid: {placement: cross_layer}\n",
     "keep-block-scalar-last": "version: 1\nrules:\n  - id: r\n    forbid: {placement: cross_layer}\n"
                               "    description: |+\n      text\n\n\n",
+    # an explicit key with no value on the last line: its implicit null starts past the file's last line
+    "explicit-key-last": "version: 1\nrules: []\n? x-note\n",
+    "explicit-key-last-in-list-item": "version: 1\nrules:\n  - id: r\n    forbid: {placement: cross_layer}\n"
+                                      "    ? x-note  # c\n",
+    # a comment with a blank line before it, moved into the header by the key it leads (`version` to the top):
+    # the header kept no blank line, so formatting twice gave two texts (fmt-unstable)
+    "blank-line-into-the-header": "# own\nrules:\n  - id: r\n    forbid: {placement: cross_layer}\n\n"
+                                  "# own\nversion: 1\n",
 }
 
 
