@@ -103,7 +103,8 @@ def _connector(c: object) -> str:
 
 
 def _wrap(text: str, indent: str) -> list[str]:
-    return textwrap.wrap(" ".join(text.split()), width=88, initial_indent=indent, subsequent_indent=indent)
+    return textwrap.wrap(" ".join(text.split()), width=88, initial_indent=indent, subsequent_indent=indent,
+                         break_on_hyphens=False, break_long_words=False)
 
 
 # what each `member_preferences` mode does with the members' scores (docs/rule-language.md, Ranking)

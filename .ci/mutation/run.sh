@@ -8,7 +8,8 @@
 #   MUTATION_TESTS='tests/engine/test_verify.py ...'   run only these tests (default: the unit suite)
 #
 # VENV: a venv with torch, the test extras and mutmut, and kvpolicy NOT installed
-#   (python3 -m venv V && V/bin/pip install torch==2.13.0 pydantic PyYAML pytest hypothesis jsonschema mutmut).
+#   (python3 -m venv V && V/bin/pip install torch==2.13.0 pydantic PyYAML pytest pytest-xdist hypothesis jsonschema
+#   mutmut). mutmut runs the tests in its own process: -n0 (pyproject.toml asks for pytest-xdist workers).
 # The repo is copied to STAGE_DIR (default /tmp/kvpolicy-mutation); mutmut works there.
 # Two adaptations, both confined to VENV: an import map (kvpolicy_srcmap.py) so that
 # `kvpolicy.policy` is mutants/policy, and mutmut's trampoline told that a function of
@@ -49,7 +50,7 @@ also_copy = ["tests", "docs", "bench", "README.md", "pyproject.toml"]
 pytest_add_cli_args_test_selection = @TESTS@
 # not about behaviour under mutation: ruff over the instrumented tree, the console script, the wheel;
 # and a logging test that passes alone but not after mutmut's in-process harness has set up logging
-pytest_add_cli_args = ["--ignore=tests/conformance", "--ignore=tests/test_packaging.py", "-p", "no:cacheprovider",
+pytest_add_cli_args = ["-n0", "--ignore=tests/conformance", "--ignore=tests/test_packaging.py", "-p", "no:cacheprovider",
                        "--deselect=tests/test_docs_and_api.py::test_ruff_clean",
                        "--deselect=tests/cli/test_cli_main.py::test_console_script", "--ignore=tests/test_doc_examples.py",
                        "--deselect=tests/engine/integrations/test_vllm_plugin.py::test_the_decision_log_line_is_written_once"]

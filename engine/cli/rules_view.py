@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.brief:  # why the rule exists, under it (`opa inspect -a` shows annotations the same way)
             about = x["description"] + (f" (see {x['reference']})" if x["reference"] else "")
             print("\n".join(textwrap.wrap(" ".join(about.split()), width=100, initial_indent="    ",
-                                           subsequent_indent="    ")))
+                                           subsequent_indent="    ", break_on_hyphens=False,
+                                           break_long_words=False)))
     _print_waivers(waivers)
     return EXIT_OK
 
@@ -147,4 +148,4 @@ def _print_waivers(rows: list[dict[str, Any]]) -> None:
         where = "" if w["when"] is None else " where " + json.dumps(w["when"], separators=(", ", ": "))
         print(f"  {w['rule']} waived{where} until {w['expires']} ({state}), owner {w['owner']}, at {w['source']}")
         print("\n".join(textwrap.wrap(" ".join(w["reason"].split()), width=100, initial_indent="    ",
-                                       subsequent_indent="    ")))
+                                       subsequent_indent="    ", break_on_hyphens=False, break_long_words=False)))

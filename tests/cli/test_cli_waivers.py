@@ -121,3 +121,20 @@ def test_a_day_not_on_the_calendar_is_located_with_how_to_write_it(capsys: pytes
     code, _, err = cli(capsys, "validate", str(ops), "--vllm-version", "0.34.0")
     assert code == 1 and f"{ops}/global.yaml:6:14: error[invalid-value]: expected a valid date" in err
     assert "help: write a day of the calendar as `YYYY-MM-DD`, e.g. `2027-02-28`" in err
+
+
+@pytest.mark.parametrize("depth", range(0, 24, 3))  # the folder name's length moves the wrap
+def test_a_wrapped_explanation_never_splits_an_owner_path_or_id_at_a_hyphen(capsys: pytest.CaptureFixture[str],
+                                                                         tmp_path: Path, depth: int) -> None:
+    """The waived line wraps at 88 columns; where the wrap falls moves with the rule folder's path (a test
+    process's temporary folder, say), and a break inside `kv-team@example.com` or a rule id would print a
+    name that is not the owner's and that a search for it does not find."""
+    ops = tmp_path / ("d" * depth + "-rules")
+    ops.mkdir()
+    (ops / "global.yaml").write_text(WAIVER)
+    code, out, _ = cli(capsys, *DRY, "--rules", str(ops), "--today", "2027-01-01")
+    assert code == 0
+    words = out.split()
+    assert "kv-team@example.com," in words or "kv-team@example.com" in words
+    split = [w for w in words if len(w) > 1 and w.endswith("-") and w[-2].isalnum()]  # `<-` is an arrow
+    assert not split, split
