@@ -48,6 +48,20 @@ def workers() -> int:
     return value
 
 
+def share() -> tuple[int, int]:
+    """(this test process's index, how many there are): pytest-xdist's worker ``gwN`` of
+    ``PYTEST_XDIST_WORKER_COUNT``; (0, 1) without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(worker.removeprefix("gw") or 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+
+
+def rotated(items: list[T], process: int, processes: int) -> list[T]:
+    """``items`` begun at the ``process``-th of ``processes`` equal parts (and wrapped round): processes
+    working through the same list each start at their own part instead of waiting on each other in turn."""
+    first = len(items) * process // max(1, processes)
+    return items[first:] + items[:first]
+
+
 def params(items: list[Any], name: str) -> list[Any]:
     """The values of the parametrized fixture or argument ``name`` among ``items``, in test order."""
     seen: list[Any] = []
@@ -89,10 +103,9 @@ class Ahead:
             self._pending.clear()
             if self._stopped or not pending or jobs == 0:
                 return
-            first = len(pending) * process // max(1, processes)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="oracle-ahead")
-            for key, job in pending[first:] + pending[:first]:
+            for key, job in rotated(pending, process, processes):
                 self._queued[key] = self._pool.submit(job)
 
     def take(self, key: Hashable, job: Callable[[], T]) -> T:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,16 @@ from profiled_releases import RELEASES
 
 @pytest.fixture(scope="session")
 def vllm_sites() -> dict[str, Path]:
-    """Installed site of every release. An install failure errors the tests; never skips."""
+    """Installed site of every release. An install failure errors the tests; never skips. Each test process
+    begins at its own part of the list (`ahead.rotated`), so that on an empty cache the processes install
+    side by side instead of waiting on one another's install of the same release."""
     sites = {}
-    for version in RELEASES:
+    for version in ahead.rotated(list(RELEASES), *ahead.share()):
         try:
             sites[version] = install_vllm.ensure(version)
         except install_vllm.InstallError as exc:
             pytest.fail(f"installing vLLM {version} failed: {exc}", pytrace=False)
-    return sites
+    return {version: sites[version] for version in RELEASES}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -42,8 +43,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             selected.setdefault(module, []).append(item)
     for module, items in selected.items():
         module.start_ahead(items)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # pytest -n: this process's part of the queue
-    ahead.start(int(worker.removeprefix("gw") or 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+    ahead.start(*ahead.share())  # pytest -n: this process's part of the queue
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

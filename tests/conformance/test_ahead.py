@@ -55,6 +55,24 @@ def test_each_test_process_starts_at_its_own_part_of_the_queue(process: int, ord
         pool.take(key, lambda: pytest.fail("ran again by its taker"))
 
 
+@pytest.mark.parametrize(("worker", "count", "expected"), [(None, None, (0, 1)), ("gw0", "2", (0, 2)),
+                                                          ("gw1", "2", (1, 2)), ("gw3", "4", (3, 4))])
+def test_the_release_installs_begin_at_each_processs_own_part(worker: str | None, count: str | None,
+                                                              expected: tuple[int, int],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an empty cache each test process installs the releases (conftest.vllm_sites) from its own part of
+    the list: two processes install two releases at once instead of taking turns at the same one."""
+    for name, value in (("PYTEST_XDIST_WORKER", worker), ("PYTEST_XDIST_WORKER_COUNT", count)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert ahead.share() == expected
+    releases = [f"0.{n}.0" for n in range(24, 35)]
+    order = ahead.rotated(releases, *ahead.share())
+    assert sorted(order) == sorted(releases) and order[0] == releases[len(releases) * expected[0] // expected[1]]
+
+
 def test_a_job_never_queued_runs_when_taken_and_none_runs_with_zero_jobs() -> None:
     pool, calls = ahead.Ahead(jobs=0), []
     pool.ahead("k", lambda: calls.append("ahead"))
