@@ -11,6 +11,7 @@ old file or the new one, never a truncated rule file that would still load.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -38,6 +39,8 @@ def write_atomically(path: Path | str, data: str | bytes, *, encoding: str = "ut
         with open(path, "wb") as f:
             f.write(payload)
         return
+    if st is not None:
+        _check_replaceable(path, st)
     target = Path(os.path.realpath(path))
     mode = stat.S_IMODE(st.st_mode) if st is not None else None
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -56,6 +59,16 @@ def write_atomically(path: Path | str, data: str | bytes, *, encoding: str = "ut
         Path(tmp).unlink(missing_ok=True)
         raise
     _sync_directory(target.parent)
+
+
+def _check_replaceable(path: Path | str, st: os.stat_result) -> None:
+    """Refuse to replace a file whose replacement would not be the file the user meant to change."""
+    if not st.st_mode & 0o222 or not os.access(path, os.W_OK):
+        raise OSError(errno.EACCES, f"the file is read-only (mode {stat.S_IMODE(st.st_mode):04o}); make it "
+                      "writable (chmod u+w) if it is to change", str(path))
+    if st.st_nlink > 1:
+        raise OSError(errno.EMLINK, f"the file has {st.st_nlink} hard links, which a replacement would part "
+                      "from it (they would keep the old text); copy it to a file of its own first", str(path))
 
 
 def _sync_directory(folder: Path) -> None:

@@ -38,6 +38,28 @@ def test_permissions_and_links_are_kept(tmp_path: Path) -> None:
     assert stat.S_IMODE(target.stat().st_mode) == 0o640
 
 
+def test_a_read_only_file_is_refused_not_replaced(tmp_path: Path) -> None:
+    """A rename would replace a file nobody may write (root's `open` would too): refused, as editors do."""
+    target = tmp_path / "rules.yaml"
+    target.write_text("old\n")
+    target.chmod(0o444)
+    with pytest.raises(OSError) as exc:
+        write_atomically(target, "new\n")
+    assert exc.value.errno == errno.EACCES and "read-only (mode 0444)" in exc.value.strerror
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["rules.yaml"]
+
+
+def test_a_file_with_other_hard_links_is_refused_not_parted_from_them(tmp_path: Path) -> None:
+    target = tmp_path / "rules.yaml"
+    target.write_text("old\n")
+    os.link(target, tmp_path / "other.yaml")
+    with pytest.raises(OSError) as exc:
+        write_atomically(target, "new\n")
+    assert exc.value.errno == errno.EMLINK and "2 hard links" in exc.value.strerror
+    assert target.read_text() == (tmp_path / "other.yaml").read_text() == "old\n"
+    assert os.stat(target).st_ino == os.stat(tmp_path / "other.yaml").st_ino
+
+
 def test_a_new_file_gets_the_mode_open_would_give(tmp_path: Path) -> None:
     umask = os.umask(0o022)
     try:
