@@ -280,8 +280,19 @@ class _Formatter:
         elif isinstance(node, SequenceNode):
             item_role = {"rules": "rule", "conditions": "condition"}.get(role, "other")
             for item in node.value:
-                out += self._entry("-", indent, item_role, item, item.start_mark.line)
+                out += self._entry("-", indent, item_role, item, self._dash_line(node, item))
         return out
+
+    def _dash_line(self, seq: SequenceNode, item: Node) -> int:
+        """The line of ``item``'s ``-``: the item's first line, unless the dash stands alone on a line above
+        it (``-``, a blank line, then the value), where a blank line kept before the item would otherwise
+        land above the dash and move on each pass."""
+        col, lines = seq.start_mark.column, self.src.lines
+        line = min(item.start_mark.line, len(lines) - 1)
+        while line > seq.start_mark.line and not (
+                lines[line][col:col + 1] == "-" and lines[line][col + 1:col + 2] in ("", " ", "\t")):
+            line -= 1
+        return line
 
     def format(self, root: Node) -> list[_Line]:
         if not isinstance(root, MappingNode):

@@ -177,6 +177,21 @@ def test_a_comment_on_a_block_scalars_header_line_is_kept(header: str) -> None:
     assert _digest(once) == _digest(text)
 
 
+@pytest.mark.parametrize("dash", ["-", "- ", "-  # an item below", "  -"])
+@pytest.mark.parametrize("blanks", [1, 2])
+@pytest.mark.parametrize("value", ["  - id: x\n    description: d\n", "  id: x\n  forbid: {layout: LHBNC}\n"])
+def test_a_dash_alone_on_its_line_keeps_the_blank_line_after_it(dash: str, blanks: int, value: str) -> None:
+    # `-`, a blank line, then the item's value on the lines below: the blank line was put above the dash,
+    # which moved it again on the next pass, so fmt refused the file as fmt-unstable
+    pad = " " * (len(dash) - len(dash.lstrip()))
+    text = f"version: 1\nrules:\n{dash}\n" + "\n" * blanks + "".join(pad + ln + "\n" for ln in value.splitlines())
+    once = format_rule_file(text)
+    assert format_rule_file(once) == once
+    assert yaml.safe_load(once) == yaml.safe_load(text)
+    items = [ln for ln in once.splitlines()[2:] if ln.strip() and not ln.lstrip().startswith("#")]
+    assert once.startswith("version: 1\nrules:\n") and items[0].startswith("  -")
+
+
 def test_an_alias_bomb_is_refused_at_once() -> None:
     # the nesting check walked the node graph once per path to each node before anchors were refused:
     # nine aliases of nine aliases ... (a billion laughs) never finished
