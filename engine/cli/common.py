@@ -324,9 +324,9 @@ def print_diagnostics(findings: list[tuple[Any, Diagnostic]], fmt: str, ruleset:
                                   extras=[e for _, _, e in located])))
 
 
-def report_error(exc: PolicyError, fmt: str) -> None:
-    """A failed verb: in the machine format asked for on stdout (json: ``{"ok": false, "error": ...}``),
-    and always as located text on stderr."""
+def report_error(exc: PolicyError, fmt: str, suite: str = "kvpolicy test") -> None:
+    """A failed verb: in the machine format asked for on stdout (json: ``{"ok": false, "error": ...}``;
+    junit: a report named ``suite``, as the verb's own reports are), and always as located text on stderr."""
     from kvpolicy.policy.layers import render_warning
 
     warnings = list(getattr(exc, "warnings", ()))  # a rule set that does not load: warnings about what did
@@ -335,10 +335,10 @@ def report_error(exc: PolicyError, fmt: str) -> None:
                                                        if warnings else {})})
     elif fmt in ("github", "sarif"):
         print_diagnostics([*(("error", d) for d in exc.diagnostics), *(("warning", d) for d in warnings)], fmt)
-    elif fmt == "junit":  # `kvpolicy test`: a report with the errors in it, not an empty stdout
+    elif fmt == "junit":  # `kvpolicy test`, `dry-run --fleet`: a report with the errors in it, not an empty stdout
         from kvpolicy.engine.cli.test_reports import junit_error_xml
 
-        print(junit_error_xml(exc.diagnostics, exc.message))
+        print(junit_error_xml(exc.diagnostics, exc.message, suite))
     print_error(exc)
     for d in warnings:  # errors first: the exit code follows them
         print(render_warning(d), file=sys.stderr)

@@ -41,6 +41,8 @@ __all__ = ["add_fleet_flag", "falls_back", "open_fleet", "result_dict", "rule_wa
            "run_fleet_diff"]
 
 # dry-run flags that describe one deployment: the fleet file describes each instead
+FLEET_SUITE = "kvpolicy fleet"  # the JUnit report's name, its error document's too
+
 _ONE_DEPLOYMENT = (
     "model", "spec", "dtype", "serve_args", "kv_cache_dtype", "block_size", "tensor_parallel_size", "backend",
     "worker_attention_backends", "scale_views", "connector", "connector_config", "kv_transfer_config",
@@ -203,7 +205,7 @@ def junit_xml(file: str, results: list[FleetResult], seconds: float,
     bad = [r for r in results if r.status != "decided"]
     answers = answers or []
     refused = [a for a in answers if a.answer == "refused"]
-    root = ET.Element("testsuites", name="kvpolicy fleet", tests=str(len(results) + len(answers)),
+    root = ET.Element("testsuites", name=FLEET_SUITE, tests=str(len(results) + len(answers)),
                       failures=str(len(bad) + len(refused)), errors="0", time=f"{seconds:.3f}")
     suite = ET.SubElement(root, "testsuite", name=file, tests=str(len(results)), failures=str(len(bad)),
                           errors="0", skipped="0", time=f"{seconds:.3f}")
@@ -252,7 +254,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     try:
         results = decide_fleet(fleet, rules_for(args, list(args.rules or []), "--rules"), args.vllm_version)
     except RuleLoadError as exc:
-        report_error(exc, args.format)  # in the format asked for: a CI report, never an empty one
+        report_error(exc, args.format, FLEET_SUITE)  # in the format asked for: a CI report, never an empty one
         return EXIT_FAILED
     answers = exchange_answers(fleet, results)
     seconds = time.perf_counter() - start
@@ -283,7 +285,7 @@ def open_fleet(args: argparse.Namespace) -> Fleet | None:
     try:
         fleet = load_fleet(args.fleet)
     except FleetError as exc:
-        report_error(exc, args.format)  # in the format asked for: a CI report, never an empty one
+        report_error(exc, args.format, FLEET_SUITE)  # in the format asked for: a CI report, never an empty one
         return None
     say_fleet_default(args, falls_back(fleet))
     return fleet

@@ -153,7 +153,10 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         with today_is(day):
             return args.run(args)
     except PolicyError as exc:
-        report_error(exc, getattr(args, "format", "text"))
+        from kvpolicy.engine.cli.fleet_report import FLEET_SUITE
+
+        suite = FLEET_SUITE if getattr(args, "fleet", None) else f"kvpolicy {args.verb}"
+        report_error(exc, getattr(args, "format", "text"), suite)
         return exit_code_for(exc)
 
 

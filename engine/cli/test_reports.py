@@ -151,7 +151,7 @@ def junit_xml(run: TestRun, *, coverage_fails: bool, render: Callable[[CaseResul
     return xml_document(root)
 
 
-def junit_error_xml(diagnostics: Iterable[Diagnostic], message: str) -> str:
+def junit_error_xml(diagnostics: Iterable[Diagnostic], message: str, suite: str = "kvpolicy test") -> str:
     """Case files (or rules) that do not load, as JUnit XML: one ``<testsuite>`` per file, a ``<testcase>`` per
     problem holding an ``<error>`` (pytest and `conftest --output junit` report collection errors so), located
     at the file and line; a CI system shows the error instead of an empty report."""
@@ -160,7 +160,7 @@ def junit_error_xml(diagnostics: Iterable[Diagnostic], message: str) -> str:
         by_file.setdefault(d.file, []).append(d)
     if not by_file:
         by_file["kvpolicy"] = [Diagnostic("kvpolicy", 0, 0, "error", message)]
-    root = ET.Element("testsuites", name="kvpolicy test", tests="0", failures="0", errors="0")
+    root = ET.Element("testsuites", name=suite, tests="0", failures="0", errors="0")
     n = 0
     for file, diags in by_file.items():
         suite = ET.SubElement(root, "testsuite", name=shown(file), tests=str(len(diags)), failures="0",

@@ -47,6 +47,20 @@ def test_junit_has_a_testcase_per_deployment_and_a_failure_per_refusal(capsys: p
     assert failed[0].find("failure").get("type") == "refused" and failed[0].get("line") == "106"
 
 
+@pytest.mark.parametrize("broken", ["fleet", "rules"])
+def test_a_fleet_that_does_not_load_is_a_junit_report_of_the_fleet(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path, broken: str) -> None:
+    """The error document is named as the fleet's own report is (`kvpolicy fleet`), not `kvpolicy test`."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("deployments: [1]\n" if broken == "fleet" else FLEET.read_text())
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "global.yaml").write_text("version: 1\nrules: [{id: x}]\n" if broken == "rules" else "version: 1\n")
+    code, out, _ = cli(capsys, "dry-run", "--fleet", str(fleet), "--rules", str(rules), "--format", "junit")
+    root = ET.fromstring(out.split("\n", 1)[1])
+    assert code != 0 and root.get("name") == "kvpolicy fleet" and int(root.get("errors")) >= 1
+
+
 def test_audit_findings_show_per_deployment(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "dry-run", "--fleet", str(FLEET), "--rules", str(ROLLOUT), "--format", "json")
     deps = {d["name"]: d for d in json.loads(out)["deployments"]}
