@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -324,12 +324,15 @@ def print_diagnostics(findings: list[tuple[Any, Diagnostic]], fmt: str, ruleset:
                                   extras=[e for _, _, e in located])))
 
 
-def report_error(exc: PolicyError, fmt: str, suite: str = "kvpolicy test") -> None:
+def report_error(exc: PolicyError, fmt: str, suite: str = "kvpolicy test", printed: Sequence[Diagnostic] = ()) -> None:
     """A failed verb: in the machine format asked for on stdout (json: ``{"ok": false, "error": ...}``;
-    junit: a report named ``suite``, as the verb's own reports are), and always as located text on stderr."""
+    junit: a report named ``suite``, as the verb's own reports are), and always as located text on stderr.
+    ``printed``: warnings stderr already carries (a rule set loaded before the failure), kept in the
+    machine formats and not printed again."""
     from kvpolicy.policy.layers import render_warning
 
-    warnings = list(getattr(exc, "warnings", ()))  # a rule set that does not load: warnings about what did
+    fresh = list(getattr(exc, "warnings", ()))  # a rule set that does not load: warnings about what did
+    warnings = [*printed, *fresh]
     if fmt == "json":
         print_json({"ok": False, **error_dict(exc), **({"warnings": [d.to_dict() for d in warnings]}
                                                        if warnings else {})})
@@ -340,5 +343,5 @@ def report_error(exc: PolicyError, fmt: str, suite: str = "kvpolicy test") -> No
 
         print(junit_error_xml(exc.diagnostics, exc.message, suite))
     print_error(exc)
-    for d in warnings:  # errors first: the exit code follows them
+    for d in fresh:  # errors first: the exit code follows them
         print(render_warning(d), file=sys.stderr)

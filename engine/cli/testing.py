@@ -19,11 +19,13 @@ from kvpolicy.engine.cli.common import (
     HelpFormatter,
     add_rules_flag,
     add_vllm_version_flag,
+    exit_code_for,
     expand_rule_dirs,
     load_ruleset,
     operator_layer_roots,
     print_diagnostics,
     print_json,
+    report_error,
     shipped_roots,
     usage_error,
 )
@@ -32,6 +34,7 @@ from kvpolicy.policy.errors import Diagnostic, PolicyError, shown_file
 
 if TYPE_CHECKING:
     from kvpolicy.engine.policy_tests import CaseResult, TestRun
+    from kvpolicy.policy.ruleset import RuleSet
 
 __all__ = ["register", "render_run", "run"]
 
@@ -177,10 +180,18 @@ def render_run(run: TestRun, *, verbose: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
+    try:
+        return _run_with(args, ruleset)
+    except PolicyError as exc:  # the cases do not load: the error document keeps the rule set's warnings,
+        report_error(exc, args.format, printed=ruleset.warnings)  # which stderr already carries
+        return exit_code_for(exc)
+
+
+def _run_with(args: argparse.Namespace, ruleset: RuleSet) -> int:
     from kvpolicy.engine.policy_tests import run_policy_tests  # its pydantic models cost ~30 ms: only for this verb
     from kvpolicy.engine.policy_tests.runner import coverage_of
 
-    ruleset = load_ruleset(args.rules, vllm_version=args.vllm_version, shipped_rules=not args.no_shipped_rules)
     # default cases: the tests/ of each operator layer; with no --rules the shipped layers' own
     layers = [d / "tests" for d in expand_rule_dirs(list(args.rules or []), args.vllm_version)[0]]
     shipped = [t for t in (d / "tests" for d in shipped_roots(args.vllm_version)) if t.is_dir()]
