@@ -4,7 +4,6 @@ too long for Python to convert, or a size vLLM's config refuses, is refused wher
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -31,9 +30,7 @@ def _refused(capsys: pytest.CaptureFixture[str], *line: str) -> str:
 def test_an_alias_bomb_in_config_is_refused_at_once(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert len(BOMB) < 600
     (tmp_path / "cfg.yaml").write_text(BOMB)
-    start = time.monotonic()
-    err = _refused(capsys, "--config", str(tmp_path / "cfg.yaml"))
-    assert time.monotonic() - start < 10
+    err = _refused(capsys, "--config", str(tmp_path / "cfg.yaml"))  # by the node bound, before expanding it
     assert "cfg.yaml:" in err and "error[too-large]" in err and "nodes" in err
 
 
