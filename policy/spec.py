@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 
 from kvpolicy.policy.errors import Diagnostic, InputError
 from kvpolicy.policy.quant import KV_CACHE_DTYPES, CacheDtype, ModelDtype, QuantMode, parse_kv_cache_dtype
+from kvpolicy.policy.value_hints import plain_message, type_hint
 
 __all__ = ["AttentionKind", "Frozen", "KVCacheGroup", "KVCacheGroups", "KVCacheSpec", "make_model"]
 
@@ -302,8 +303,7 @@ def make_model(cls: type[Frozen], where: str, data: dict[str, Any]) -> Any:
                                         (f"did you mean `{close[0]}`? " if close else "")
                                         + "fields: " + ", ".join(cls.model_fields)))
                 continue
-            msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "expected")
-            msg = msg[:1].lower() + msg[1:]
+            msg = plain_message(err["msg"])
             shown = err.get("input")
             if err["type"] != "value_error" and isinstance(shown, (str, int, float, bool)):
                 # by isinstance, bool first: a subclass of int or float (an IntEnum, numpy-like wrappers) is
@@ -312,5 +312,6 @@ def make_model(cls: type[Frozen], where: str, data: dict[str, Any]) -> Any:
                                                       (str, "string")) if isinstance(shown, b))
                 value = base(shown)
                 msg += f", got {kind} `{str(value).lower() if base is bool else value}`"
-            diags.append(Diagnostic(field, 0, 0, "invalid-input", f"`{field}`: {msg}"))
+            hint = (f"give `{field}` a value" if err["type"] == "missing" else type_hint(err["type"], shown))
+            diags.append(Diagnostic(field, 0, 0, "invalid-input", f"`{field}`: {msg}", hint))
         raise InputError(f"invalid {cls.__name__}", diags) from None

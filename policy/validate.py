@@ -30,6 +30,7 @@ from kvpolicy.policy.rule_model import (
     RuleFile,
     Waiver,
 )
+from kvpolicy.policy.value_hints import plain_message, type_hint
 from kvpolicy.policy.yaml_source import Located, Path
 
 __all__ = ["located_validation_errors", "validate_file", "walk_loc"]
@@ -103,7 +104,10 @@ def located_validation_errors(
             diags.append(src.diag(path, "unknown-key", f"unknown key `{key}`",
                                   f"{hint}valid keys here: {', '.join(valid)}" if valid else None, key=True))
         elif kind == "missing":
-            diags.append(src.diag(path, "missing-key", f"missing required key `{err['loc'][-1]}`"))
+            key = str(err["loc"][-1])
+            diags.append(src.diag(path, "missing-key", f"missing required key `{key}`",
+                                  "start the file with `version: 1`" if key == "version" and len(err["loc"]) == 1
+                                  else f"add `{key}:` to this mapping, with its value"))
         elif kind in ("string_type", "literal_error", "int_type", "enum") and isinstance(err.get("input"), bool):
             shown = src.yaml11_bools.get(path, str(err["input"]).lower())
             expected = err["msg"].replace("Input should be", "expected").replace("a valid string", "a string")
@@ -115,9 +119,7 @@ def located_validation_errors(
             diags.append(src.diag(path, "invalid-id", f"`{err['input']}` is not a valid id",
                                   "use lowercase letters, digits, `.`, `_` and `-`, starting with a letter or digit"))
         else:
-            msg = err["msg"].removeprefix("Value error, ")
-            msg = msg.replace("Input should be", "expected")
-            msg = msg[:1].lower() + msg[1:]
+            msg = plain_message(err["msg"])
             code = ("invalid-condition" if kind == "condition" or msg.startswith("a leaf")
                     else "invalid-rule" if kind == "value_error" and len(path) == 2 and path[0] == "rules"
                     else "invalid-waiver" if kind == "value_error" and len(path) == 2 and path[0] == "waivers"
@@ -125,7 +127,7 @@ def located_validation_errors(
             shown = err.get("input")
             if kind not in ("condition", "value_error") and isinstance(shown, (str, int, float, bool)):
                 msg += f", got {_type_name(shown)} `{str(shown).lower() if isinstance(shown, bool) else shown}`"
-            hint = _operator_hint(msg, shown)
+            hint = _operator_hint(msg, shown) or type_hint(kind, shown)
             if kind.startswith(("date_", "datetime_")):  # a waiver's `expires`
                 hint = "write a day of the calendar as `YYYY-MM-DD`, e.g. `2027-02-28`"
             diags.append(src.diag(path, code, msg, hint))
