@@ -5,13 +5,13 @@ no usage error."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -102,19 +102,11 @@ def scratch(root: Path) -> Path:
     (root / "fleet.yaml").write_text(FLEET)
     (root / "rule.yaml").write_text(GLOBAL_RULE)
     (root / "my_connectors.py").write_text("class MyConnector:\n    pass\n")
-    bin_dir = root / ".bin"
-    bin_dir.mkdir()
-    jq = bin_dir / "jq"  # `jq .key`: the key's value, or exit 1 when the document has no such key
-    jq.write_text(f"#!{sys.executable}\nimport json, sys\nkey = sys.argv[1].lstrip('.')\n"
-                  "data = json.load(sys.stdin)\nsys.exit(print(json.dumps(data[key])) if key in data else 1)\n")
-    jq.chmod(0o755)
-    kvpolicy = bin_dir / "kvpolicy"
-    kvpolicy.write_text(f"#!/bin/sh\nexec {sys.executable} -m kvpolicy \"$@\"\n")
-    kvpolicy.chmod(0o755)
-    for name, args in (("prefill.json", ["--block-size", "16"]), ("decode.json", ["--block-size", "16"])):
-        done = subprocess.run([str(kvpolicy), "dry-run", "--vllm-version", "0.34.0", *args, "--format", "json"],
-                              cwd=root, capture_output=True, text=True, check=True)
-        (root / name).write_text(done.stdout)
+    for name in ("prefill.json", "decode.json"):  # two dry-run documents, made in-process as the examples run
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["dry-run", "--vllm-version", "0.34.0", "--block-size", "16", "--format", "json"]) == 0
+        (root / name).write_text(out.getvalue())
     return root
 
 
