@@ -432,7 +432,7 @@ def _load_file(path: Path) -> tuple[list[LoadedCase], list[Diagnostic], list[Rul
 def _model_hint(diag: Diagnostic, raw: Any) -> Diagnostic:
     """A case's ``model`` written as KV spec fields: say that ``model`` names a config.json and ``spec`` takes them."""
     model = raw.get("input", {}).get("model") if isinstance(raw, dict) and isinstance(raw.get("input"), dict) else None
-    if isinstance(model, dict) and diag.code == "invalid-value" and diag.help is None:
+    if isinstance(model, dict) and diag.code == "invalid-value" and diag.message.startswith("expected a valid string"):
         return replace(diag, message=f"{diag.message}: `model` names a Hugging Face config.json (or its directory)",
                        help="write KV cache spec fields under `spec:` instead (`spec: {num_layers: 32, ...}`), or "
                             "give `model` the path of a config.json, relative to the case file")
